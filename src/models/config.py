@@ -1,0 +1,141 @@
+"""``HybridConfig``: the architecture of a converted model, validated before anything is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from .feature_maps import ACTIVATIONS, PROJECTIONS
+from .mixers import MIXERS
+from .ops.backends import BACKENDS
+from .ops.hybrid import LA_SPANS, MODES
+
+__all__ = ["HybridConfig", "SSD_GRANULARITIES"]
+
+#: shapes of the Scheduled Sliding-window Dropout mask, drawn per layer: one draw per sample
+#: (default), per batch, or per sample and head
+SSD_GRANULARITIES = ("sample", "batch", "head")
+
+
+def _one_of(name: str, value, options) -> None:
+    if value not in options:
+        raise ValueError(f"HybridConfig.{name}={value!r} is not valid; choose one of: "
+                         f"{', '.join(map(str, options))}")
+
+
+@dataclass
+class HybridConfig:
+    """Every field defaults to the paper's setting, so ``HybridConfig(window=8)`` is complete.
+
+    Architecture (fixed at conversion):
+        window: SWA window ``w`` in tokens (paper: 64).
+        layer_windows: per-layer override ``{layer_index: window}`` (second seed: windows may
+            differ by layer); layers not listed use ``window``.
+        feature_activation: ``softmax | exp | relu | elu1p | none`` (paper: softmax).
+        feature_projection: ``square`` (F = 2D, HedgeHog) or ``rectangular`` (F = D, LoLCATs).
+        feature_init_std: std of the noise on the identity init (paper: 0.1).
+        overlap: LA over all causal keys instead of only keys outside the window (paper: False).
+        mixer: ``fixed | learned_head | shared_norm | gate_elementwise | gate_lowrank``.
+        g: SWA weight of the fixed mixer, and the initial weight of learned mixers and gates.
+        gate_rank: bottleneck rank of ``gate_lowrank``.
+        shared_norm_init: initial per-head factor of ``shared_norm`` (LoLCATs: 0.1).
+        layers: indices of the layers to convert (``None`` = all); the others stay softmax.
+        seed: feature maps (and gates) are initialised from this seed and the layer index only.
+    Runtime switches (also changed later with ``set_attention_mode``):
+        mode: ``hybrid | swa_only | la_only | sinks_only | none | softmax``.
+        rescale: the surviving branch of ``swa_only`` / ``la_only`` gets weight 1.
+        la_span: ``outside | all``: whether ``la_only`` LA sees every causal key.
+        n_sinks: keys kept by ``sinks_only`` (paper: 8).
+        backend: ``auto | reference | fla | flash_attn | flex``.
+        eps: guard on the LA denominator.
+        ssd_p: probability that a layer's SWA branch is dropped in training (SSD; 0 = off).
+        ssd_granularity: ``sample | batch | head``: what one SSD draw covers, per layer.
+    """
+
+    window: int = 64
+    layer_windows: dict[int, int] | None = None
+    feature_activation: str = "softmax"
+    feature_projection: str = "square"
+    feature_init_std: float = 0.1
+    overlap: bool = False
+    mixer: str = "fixed"
+    g: float = 0.5
+    gate_rank: int = 16
+    shared_norm_init: float = 0.1
+    layers: list[int] | None = None
+    seed: int = 0
+    mode: str = "hybrid"
+    rescale: bool = False
+    la_span: str = "outside"
+    n_sinks: int = 8
+    backend: str = "auto"
+    eps: float = 1e-6
+    ssd_p: float = 0.0
+    ssd_granularity: str = "sample"
+    # fields a runtime switch may change after conversion
+    RUNTIME: tuple[str, ...] = field(
+        default=("window", "mode", "rescale", "la_span", "n_sinks", "backend", "eps", "overlap",
+                 "ssd_p", "ssd_granularity"),
+        init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"HybridConfig.window={self.window!r} must be an integer >= 1")
+        if self.layer_windows is not None:
+            self.layer_windows = {int(k): int(v) for k, v in self.layer_windows.items()}
+            bad = {k: v for k, v in self.layer_windows.items() if v < 1 or k < 0}
+            if bad:
+                raise ValueError(f"HybridConfig.layer_windows has invalid entries {bad!r}: "
+                                 "layer indices >= 0 and windows >= 1")
+        _one_of("feature_activation", self.feature_activation, tuple(ACTIVATIONS))
+        _one_of("feature_projection", self.feature_projection, tuple(PROJECTIONS))
+        _one_of("mixer", self.mixer, MIXERS)
+        _one_of("mode", self.mode, MODES)
+        _one_of("la_span", self.la_span, LA_SPANS)
+        _one_of("backend", self.backend, BACKENDS)
+        _one_of("ssd_granularity", self.ssd_granularity, SSD_GRANULARITIES)
+        if not 0.0 <= self.g <= 1.0:
+            raise ValueError(f"HybridConfig.g={self.g!r} must lie in [0, 1]")
+        if self.mixer != "fixed" and not 0.0 < self.g < 1.0:
+            raise ValueError(f"mixer={self.mixer!r} starts at sigmoid(logit(g)): g={self.g!r} "
+                             "must lie strictly between 0 and 1")
+        if not 0.0 < self.shared_norm_init < 1.0:
+            raise ValueError(f"HybridConfig.shared_norm_init={self.shared_norm_init!r} must lie "
+                             "strictly between 0 and 1")
+        if self.mixer == "shared_norm" and self.overlap:
+            raise ValueError("mixer='shared_norm' normalises the window and the keys outside it "
+                             "together; with overlap=True the window keys would be counted twice. "
+                             "Use overlap=False, or another mixer")
+        if self.n_sinks < 0 or (self.mode == "sinks_only" and self.n_sinks < 1):
+            raise ValueError(f"HybridConfig.n_sinks={self.n_sinks!r} must be >= 1 for sinks_only "
+                             "(and never negative)")
+        if self.gate_rank < 1:
+            raise ValueError(f"HybridConfig.gate_rank={self.gate_rank!r} must be >= 1")
+        if self.feature_init_std < 0:
+            raise ValueError(f"HybridConfig.feature_init_std={self.feature_init_std!r} must be >= 0")
+        if not 0.0 <= self.ssd_p <= 1.0:
+            raise ValueError(f"HybridConfig.ssd_p={self.ssd_p!r} must lie in [0, 1]")
+        if self.eps <= 0:
+            raise ValueError(f"HybridConfig.eps={self.eps!r} must be > 0")
+        if self.layers is not None:
+            if len(set(self.layers)) != len(self.layers) or any(i < 0 for i in self.layers):
+                raise ValueError(f"HybridConfig.layers={self.layers!r} must be distinct indices >= 0")
+            if self.layer_windows:
+                extra = sorted(set(self.layer_windows) - set(self.layers))
+                if extra:
+                    raise ValueError(f"HybridConfig.layer_windows names layers {extra} that "
+                                     f"layers={self.layers!r} does not convert")
+
+    def window_for(self, layer_idx: int) -> int:
+        return (self.layer_windows or {}).get(layer_idx, self.window)
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> HybridConfig:
+        known = {f.name for f in fields(cls) if f.init}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown HybridConfig fields {unknown}; valid: {', '.join(sorted(known))}")
+        return cls(**d)
+

@@ -1,0 +1,270 @@
+"""Convert a transformers causal LM into a hybrid, and switch its attention mode.
+
+``convert_to_hybrid`` walks the decoder layers, adds ``phi_q``, ``phi_k`` and ``mixer`` as
+submodules of each converted ``self_attn`` (so state-dict keys are stable and peft's
+``q_proj``... targets still match), attaches a ``LayerRuntime`` with the switches, and routes
+attention through the ``"hedgecats"`` attention implementation registered with transformers.
+The original weights are not touched; layers that are not converted keep softmax attention.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from .config import SSD_GRANULARITIES, HybridConfig
+from .feature_maps import HedgehogFeatureMap, feature_dim
+from .mixers import build_mixer
+from .ops.backends import BACKENDS
+from .ops.hybrid import LA_SPANS, MODES, hybrid_attention
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "SUPPORTED_MODEL_TYPES",
+    "LayerRuntime",
+    "attention_mode",
+    "convert_to_hybrid",
+    "hybrid_layers",
+    "hybrid_parameter_names",
+    "set_attention_mode",
+]
+
+ATTN_IMPLEMENTATION = "hedgecats"
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+_GATED_MIXERS = ("gate_elementwise", "gate_lowrank")
+
+
+@dataclass
+class LayerRuntime:
+    """The switches of one converted layer (plain data, not parameters)."""
+
+    layer_idx: int
+    window: int
+    mode: str
+    overlap: bool
+    rescale: bool
+    la_span: str
+    n_sinks: int
+    backend: str
+    eps: float
+    ssd_p: float = 0.0
+    ssd_granularity: str = "sample"
+    #: optional ``fn(module, query, key, value, key_padding_mask)`` called before the layer's
+    #: attention (attention transfer, branch-usage probes); its return value is ignored
+    observer: object = None
+
+
+# ----------------------------------------------------------------------------- attention function
+def _key_padding_mask(attention_mask: torch.Tensor | None, kv_len: int) -> torch.Tensor | None:
+    """(B, Tk) bool from transformers' 4D mask: a key is real if some query may attend to it
+    (each real key is visible at least to itself). ``None`` when there is no mask."""
+    if attention_mask is None or attention_mask.dim() != 4:
+        return None
+    m = attention_mask[..., :kv_len]
+    if m.dtype != torch.bool:
+        m = m > torch.finfo(m.dtype).min / 2
+    kpm = m.any(dim=-2)[:, 0]  # (B, Tk)
+    return None if bool(kpm.all()) else kpm
+
+
+def _ssd_mask(rt: LayerRuntime, B: int, H: int, device) -> torch.Tensor | None:
+    if rt.ssd_p <= 0.0:
+        return None
+    shape = {"sample": (B, 1, 1, 1), "batch": (1, 1, 1, 1), "head": (B, H, 1, 1)}[rt.ssd_granularity]
+    return torch.rand(shape, device=device) < rt.ssd_p
+
+
+def hedgecats_attention_forward(module: nn.Module, query, key, value, attention_mask,
+                                dropout: float = 0.0, scaling: float | None = None, **kwargs):
+    """The ``"hedgecats"`` attention implementation: (B, H, T, D) in, (B, T, H, D) out."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    rt: LayerRuntime | None = getattr(module, "hedgecats", None)
+    hidden = module.__dict__.pop("_hedgecats_input", None)
+    if rt is None:  # a layer left unconverted
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      dropout=dropout, scaling=scaling, **kwargs)
+    kpm = _key_padding_mask(attention_mask, key.shape[2])
+    if rt.observer is not None:
+        rt.observer(module, query, key, value, kpm)
+    if rt.mode == "softmax":  # exactly the original model's attention
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      dropout=dropout, scaling=scaling, **kwargs)
+    needs_la = rt.mode in ("hybrid", "swa_only", "la_only")
+    fq = module.phi_q(query) if needs_la else None
+    fk = module.phi_k(key) if needs_la else None
+    swa_drop = _ssd_mask(rt, query.shape[0], query.shape[1], query.device) \
+        if module.training and rt.mode == "hybrid" else None
+    out = hybrid_attention(
+        query, key, value, fq, fk, window=rt.window, mode=rt.mode, g=module.mixer(hidden),
+        shared_norm=module.mixer.shared_norm, overlap=rt.overlap, rescale=rt.rescale,
+        la_span=rt.la_span, n_sinks=rt.n_sinks, swa_drop=swa_drop, key_padding_mask=kpm,
+        scale=scaling, eps=rt.eps, backend=rt.backend,
+    )  # (B, H, T, D)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _stash_input(module: nn.Module, args, kwargs) -> None:
+    """Forward pre-hook: keep the layer input for output-gate mixers."""
+    module.__dict__["_hedgecats_input"] = kwargs.get("hidden_states", args[0] if args else None)
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, hedgecats_attention_forward)
+    # without a mask entry the attention mask arrives as None even with padding
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+
+
+# ----------------------------------------------------------------------------- conversion
+def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"cannot convert a model of type {model_type!r}: supported are "
+                         f"{', '.join(SUPPORTED_MODEL_TYPES)} (transformers causal LMs)")
+    inner = getattr(model, "model", model)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no decoder layers at .model.layers")
+    return layers
+
+
+def _head_dims(cfg) -> tuple[int, int, int, int]:
+    H = cfg.num_attention_heads
+    Hkv = getattr(cfg, "num_key_value_heads", None) or H
+    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
+    return H, Hkv, D, cfg.hidden_size
+
+
+def convert_to_hybrid(model: nn.Module, config: HybridConfig) -> nn.Module:
+    """Turn ``model`` (Llama, Mistral or Qwen2 causal LM) into a hybrid in place; return it.
+
+    All checks run before anything is built: an unsupported family, a layer index out of range,
+    a head dimension the rectangular projection cannot halve raise ``ValueError``. Logs which
+    layers were converted and which were left as softmax.
+    """
+    if not isinstance(config, HybridConfig):
+        raise TypeError(f"config must be a HybridConfig, got {type(config).__name__}")
+    layers = _decoder_layers(model)
+    H, Hkv, D, hidden = _head_dims(model.config)
+    feature_dim(D, config.feature_projection)  # raises if D cannot be halved
+    n = len(layers)
+    todo = list(range(n)) if config.layers is None else sorted(config.layers)
+    bad = [i for i in todo + list((config.layer_windows or {})) if not 0 <= i < n]
+    if bad:
+        raise ValueError(f"layer indices {sorted(set(bad))} are out of range for a model of {n} layers")
+    already = [i for i in todo if hasattr(layers[i].self_attn, "hedgecats")]
+    if already:
+        raise ValueError(f"layers {already} are already converted; convert a fresh model")
+
+    _register()
+    for i in todo:
+        attn = layers[i].self_attn
+        ref = attn.q_proj.weight
+        seed = config.seed + 2 * i
+        attn.phi_q = HedgehogFeatureMap(H, D, config.feature_activation, config.feature_projection,
+                                        config.feature_init_std, seed=seed)
+        attn.phi_k = HedgehogFeatureMap(Hkv, D, config.feature_activation, config.feature_projection,
+                                        config.feature_init_std, seed=seed + 1)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            attn.mixer = build_mixer(config.mixer, hidden_size=hidden, num_heads=H, head_dim=D,
+                                     g=config.g, gate_rank=config.gate_rank,
+                                     shared_norm_init=config.shared_norm_init)
+        for name in ("phi_q", "phi_k", "mixer"):  # fp32 master weights on the layer's device
+            getattr(attn, name).to(device=ref.device, dtype=torch.float32)
+        attn.hedgecats = LayerRuntime(
+            layer_idx=i, window=config.window_for(i), mode=config.mode, overlap=config.overlap,
+            rescale=config.rescale, la_span=config.la_span, n_sinks=config.n_sinks,
+            backend=config.backend, eps=config.eps, ssd_p=config.ssd_p,
+            ssd_granularity=config.ssd_granularity)
+        if config.mixer in _GATED_MIXERS:
+            attn.register_forward_pre_hook(_stash_input, with_kwargs=True)
+    model.hedgecats_config = config
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    skipped = sorted(set(range(n)) - set(todo))
+    log.info("converted %d/%d layers to hybrid attention (window %d, %s mixer)%s", len(todo), n,
+             config.window, config.mixer, f"; left as softmax: {skipped}" if skipped else "")
+    return model
+
+
+def hybrid_layers(model: nn.Module) -> Iterator[tuple[int, nn.Module]]:
+    """``(layer_index, self_attn)`` for every converted layer."""
+    for i, layer in enumerate(_decoder_layers(model)):
+        if hasattr(layer.self_attn, "hedgecats"):
+            yield i, layer.self_attn
+
+
+def hybrid_parameter_names(model: nn.Module) -> list[str]:
+    """Names (as in ``model.named_parameters()``) of every feature-map and mixer parameter."""
+    return [n for n, _ in model.named_parameters()
+            if any(f".{part}." in n for part in ("phi_q", "phi_k", "mixer"))]
+
+
+# ----------------------------------------------------------------------------- switching
+_SWITCH_CHECKS = {
+    "window": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+    "rescale": lambda v: isinstance(v, bool),
+    "overlap": lambda v: isinstance(v, bool),
+    "la_span": lambda v: v in LA_SPANS,
+    "n_sinks": lambda v: isinstance(v, int) and v >= 1,
+    "backend": lambda v: v in BACKENDS,
+    "eps": lambda v: isinstance(v, float) and v > 0,
+    "ssd_p": lambda v: isinstance(v, (int, float)) and 0.0 <= v <= 1.0,
+    "ssd_granularity": lambda v: v in SSD_GRANULARITIES,
+    "observer": lambda v: v is None or callable(v),
+}
+
+
+def set_attention_mode(model: nn.Module, mode: str | None = None, **switches) -> None:
+    """Set the mode (one of ``MODES``) and any runtime switch on every converted layer.
+
+    Switches: ``window`` (overrides per-layer windows), ``rescale``, ``overlap``, ``la_span``,
+    ``n_sinks``, ``backend``, ``eps``, ``ssd_p``, ``ssd_granularity``, ``observer``.
+    """
+    layers = list(hybrid_layers(model))
+    if not layers:
+        raise ValueError("the model has no hybrid layers: convert it with convert_to_hybrid first "
+                         f"(mode {mode!r} needs them)")
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"unknown attention mode {mode!r}; valid: {', '.join(MODES)}")
+    for name, value in switches.items():
+        check = _SWITCH_CHECKS.get(name)
+        if check is None:
+            raise ValueError(f"unknown switch {name!r}; valid: {', '.join(_SWITCH_CHECKS)}")
+        if not check(value):
+            raise ValueError(f"invalid value {value!r} for switch {name!r}")
+    if switches.get("overlap") and any(a.mixer.shared_norm for _, a in layers):
+        raise ValueError("overlap=True contradicts the shared_norm mixer (window keys counted twice)")
+    for _, attn in layers:
+        rt = attn.hedgecats
+        if mode is not None:
+            rt.mode = mode
+        for name, value in switches.items():
+            setattr(rt, name, value)
+
+
+def _snapshot(model: nn.Module) -> dict[int, LayerRuntime]:
+    return {i: replace(a.hedgecats) for i, a in hybrid_layers(model)}
+
+
+@contextlib.contextmanager
+def attention_mode(model: nn.Module, mode: str | None = None, **switches):
+    """Context manager: ``set_attention_mode`` inside, every layer's previous runtime after."""
+    saved = _snapshot(model)
+    try:
+        set_attention_mode(model, mode, **switches)
+        yield model
+    finally:
+        for i, attn in hybrid_layers(model):
+            attn.hedgecats = saved[i]
+

@@ -1,0 +1,127 @@
+"""Hedgehog feature maps (PAPER.md section 2, Eq. 4).
+
+    phi(x) = [ act(x W + b)  ++  act(-x W - b) ]          (++ = concatenate on the feature axis)
+
+``W`` is one matrix per head, ``(D, D)`` ("square", feature dim ``F = 2D``, HedgeHog) or
+``(D, D/2)`` ("rectangular", ``F = D``, LoLCATs); ``b`` is one bias per output feature (LoLCATs
+uses a scalar per head, which a softmax ignores; we follow the formula). ``act`` acts over the
+feature axis of each half separately.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["ACTIVATIONS", "PROJECTIONS", "HedgehogFeatureMap", "feature_dim"]
+
+
+def _softmax(u: torch.Tensor) -> torch.Tensor:
+    # fp32 softmax whatever the input dtype: bf16 exponentials lose the small weights.
+    return torch.softmax(u, dim=-1, dtype=torch.float32).to(u.dtype)
+
+
+def _exp(u: torch.Tensor) -> torch.Tensor:
+    # Plain exp, no max-subtraction: subtracting a per-key max would rescale each key differently
+    # and change the normalised LA output. Overflows only for |xW + b| > 88 (fp32/bf16 range).
+    return torch.exp(u)
+
+
+def _elu1p(u: torch.Tensor) -> torch.Tensor:
+    return 1.0 + F.elu(u)
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "softmax": _softmax,
+    "exp": _exp,
+    "relu": F.relu,
+    "elu1p": _elu1p,
+    "none": lambda u: u,  # can be negative: the LA denominator is guarded (see ops.reference)
+}
+
+#: projection name -> output columns of W as a fraction of head_dim
+PROJECTIONS: dict[str, int] = {"square": 1, "rectangular": 2}
+
+
+def _choice(value: str, options: dict, what: str) -> str:
+    if value not in options:
+        raise ValueError(f"unknown {what} {value!r}; valid: {', '.join(sorted(options))}")
+    return value
+
+
+def feature_dim(head_dim: int, projection: str = "square") -> int:
+    """Feature dimension ``F`` of a map: ``2 * D`` for square, ``D`` for rectangular."""
+    _choice(projection, PROJECTIONS, "feature-map projection")
+    if head_dim % PROJECTIONS[projection]:
+        raise ValueError(
+            f"head_dim={head_dim} cannot be halved for the rectangular projection; "
+            "use projection='square' or a model with an even head dimension"
+        )
+    return 2 * (head_dim // PROJECTIONS[projection])
+
+
+class HedgehogFeatureMap(nn.Module):
+    """Learned feature map, untied per head.
+
+    Args:
+        num_heads: heads ``H`` (use the key/value head count for ``phi_k`` under GQA).
+        head_dim: ``D``.
+        activation: ``softmax | exp | relu | elu1p | none``.
+        projection: ``square`` (``W: (H, D, D)``, ``F = 2D``) or ``rectangular``
+            (``W: (H, D, D/2)``, ``F = D``).
+        init_std: std of the Gaussian noise added to the identity init.
+        seed: the init is drawn from ``torch.Generator().manual_seed(seed)`` only, so it is the
+            same on every rank and machine whatever the global RNG state.
+
+    Shapes: ``forward(x: (B, H, T, D)) -> (B, H, T, F)``.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        activation: str = "softmax",
+        projection: str = "square",
+        init_std: float = 0.1,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        _choice(activation, ACTIVATIONS, "feature-map activation")
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.activation, self.projection = activation, projection
+        self.init_std, self.seed = init_std, seed
+        self.feature_dim = feature_dim(head_dim, projection)
+        out = self.feature_dim // 2
+        self.weight = nn.Parameter(torch.empty(num_heads, head_dim, out))  # (H, D, F/2)
+        self.bias = nn.Parameter(torch.empty(num_heads, out))  # (H, F/2)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Identity (its first ``F/2`` columns) plus N(0, init_std) noise; bias 0."""
+        gen = torch.Generator().manual_seed(self.seed)
+        H, D, out = self.weight.shape
+        eye = torch.eye(D)[:, :out].expand(H, D, out)
+        noise = torch.randn(H, D, out, generator=gen) * self.init_std
+        self.weight.copy_(eye + noise)
+        self.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 4 or x.shape[1] != self.num_heads or x.shape[-1] != self.head_dim:
+            raise ValueError(
+                f"expected x of shape (B, {self.num_heads}, T, {self.head_dim}), got {tuple(x.shape)}"
+            )
+        w = self.weight.to(x.dtype)
+        u = torch.einsum("bhtd,hdf->bhtf", x, w) + self.bias.to(x.dtype)[None, :, None, :]
+        act = ACTIVATIONS[self.activation]
+        return torch.cat([act(u), act(-u)], dim=-1)  # (B, H, T, F)
+
+    def extra_repr(self) -> str:
+        return (
+            f"heads={self.num_heads}, head_dim={self.head_dim}, features={self.feature_dim}, "
+            f"activation={self.activation!r}, projection={self.projection!r}"
+        )
+

@@ -1,0 +1,119 @@
+"""How the SWA and LA branches are mixed (PAPER.md section 3).
+
+Every mixer is a module whose ``forward(hidden_states)`` returns the ``g`` argument of
+``ops.hybrid_attention``: a float or a tensor broadcastable to ``(B, H, T, D)``; ``shared_norm``
+mixers set ``shared_norm = True`` and return the per-head factor ``sigmoid(a_h)`` instead.
+
+    fixed             g (a constant, the paper's 0.5); no parameters
+    learned_head      g_h = sigmoid(a_h), a_h initialised to logit(g)
+    shared_norm       LoLCATs' shared denominator, factor sigmoid(a_h) initialised to 0.1
+    gate_elementwise  g = sigmoid(x W + c), per channel, from the layer input x (second seed)
+    gate_lowrank      g = sigmoid((x A) B + c), through a rank-r bottleneck
+
+Gates start at zero weights and bias logit(g), so a converted model starts at the paper's fixed
+mix and the gate learns to depart from it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+__all__ = ["MIXERS", "build_mixer", "logit"]
+
+
+def logit(p: float) -> float:
+    """Inverse sigmoid: the pre-activation that gives probability ``p``."""
+    return math.log(p / (1.0 - p))
+
+
+class FixedMixer(nn.Module):
+    shared_norm = False
+
+    def __init__(self, g: float = 0.5) -> None:
+        super().__init__()
+        self.g = g
+
+    def forward(self, hidden_states: torch.Tensor | None = None) -> float:
+        return self.g
+
+    def extra_repr(self) -> str:
+        return f"g={self.g}"
+
+
+class LearnedHeadMixer(nn.Module):
+    shared_norm = False
+
+    def __init__(self, num_heads: int, g: float = 0.5) -> None:
+        super().__init__()
+        self.logit_g = nn.Parameter(torch.full((num_heads,), logit(g)))
+
+    def forward(self, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.sigmoid(self.logit_g)[None, :, None, None]  # (1, H, 1, 1)
+
+
+class SharedNormMixer(nn.Module):
+    """LoLCATs' per-head factor on the window's softmax terms, ``sigmoid(a_h)``, init 0.1."""
+
+    shared_norm = True
+
+    def __init__(self, num_heads: int, init: float = 0.1) -> None:
+        super().__init__()
+        self.logit_factor = nn.Parameter(torch.full((num_heads,), logit(init)))
+
+    def forward(self, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.sigmoid(self.logit_factor)[None, :, None, None]  # (1, H, 1, 1)
+
+
+class OutputGateMixer(nn.Module):
+    """``g = sigmoid(gate(x))`` per token and channel, ``x`` the attention layer's input.
+
+    ``rank=None``: one ``Linear(hidden, H * D)`` (elementwise gate); ``rank=r``:
+    ``Linear(hidden, r, bias=False)`` then ``Linear(r, H * D)`` (low-rank gate).
+    """
+
+    shared_norm = False
+
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int, g: float = 0.5,
+                 rank: int | None = None) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, head_dim
+        out = num_heads * head_dim
+        if rank is None:
+            self.down = None
+            self.up = nn.Linear(hidden_size, out)
+        else:
+            self.down = nn.Linear(hidden_size, rank, bias=False)
+            nn.init.normal_(self.down.weight, std=hidden_size ** -0.5)
+            self.up = nn.Linear(rank, out)
+        nn.init.zeros_(self.up.weight)
+        nn.init.constant_(self.up.bias, logit(g))
+
+    def forward(self, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        if hidden_states is None:
+            raise RuntimeError("an output-gate mixer needs the layer input; convert_to_hybrid "
+                               "installs a hook that provides it")
+        x = hidden_states if self.down is None else self.down(hidden_states)
+        g = torch.sigmoid(self.up(x))  # (B, T, H * D)
+        B, T, _ = g.shape
+        return g.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+
+
+MIXERS = ("fixed", "learned_head", "shared_norm", "gate_elementwise", "gate_lowrank")
+
+
+def build_mixer(name: str, *, hidden_size: int, num_heads: int, head_dim: int, g: float,
+                gate_rank: int, shared_norm_init: float = 0.1) -> nn.Module:
+    """The mixer called ``name`` for one layer."""
+    builders = {
+        "fixed": lambda: FixedMixer(g),
+        "learned_head": lambda: LearnedHeadMixer(num_heads, g),
+        "shared_norm": lambda: SharedNormMixer(num_heads, shared_norm_init),
+        "gate_elementwise": lambda: OutputGateMixer(hidden_size, num_heads, head_dim, g),
+        "gate_lowrank": lambda: OutputGateMixer(hidden_size, num_heads, head_dim, g, gate_rank),
+    }
+    if name not in builders:
+        raise ValueError(f"unknown mixer {name!r}; valid: {', '.join(MIXERS)}")
+    return builders[name]()

@@ -1,0 +1,251 @@
+"""Backend registry: one readable reference, fast GPU kernels chosen per piece.
+
+Each backend provides some of four pieces; ``select`` returns an object whose pieces come from
+the requested backend, falling back piece by piece to the reference where that backend cannot
+do a call (a padding mask fla's SWA cannot take, a log-sum-exp flash-attn cannot differentiate).
+A fallback changes speed only, never the result, and is logged once per reason.
+
+    swa(q, k, v, scale, window, need_lse, key_padding_mask)  -> (out, lse | None)
+    linear(fq, fk, v, shift, eps, need_den, key_padding_mask) -> (out, den | None, has_keys)
+    sinks(q, k, v, scale, n_sinks, key_padding_mask)         -> (out, lse)
+    softmax(q, k, v, scale, key_padding_mask)                -> out
+
+Shapes as in ``ops.reference``; outputs may be fp32 (reference) or the input dtype (kernels).
+
+``auto`` on CUDA: SWA from flash-attn when installed (no lse, no padding), else flex_attention
+(padding and lse supported), else fla; LA from fla's ``chunk_linear_attn`` with the shift trick;
+full softmax from torch SDPA. On CPU everything is the reference (fla and flash-attn are
+GPU-only; see DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from . import reference as ref
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "reference", "fla", "flash_attn", "flex")
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(msg: str) -> None:
+    log.warning(msg)
+
+
+@functools.lru_cache(maxsize=None)
+def available(name: str) -> bool:
+    """Whether a GPU backend can run here (CUDA present and its package importable)."""
+    if name == "reference":
+        return True
+    if not torch.cuda.is_available():
+        return False
+    if name == "fla":
+        return importlib.util.find_spec("fla") is not None
+    if name == "flash_attn":
+        return importlib.util.find_spec("flash_attn") is not None
+    if name == "flex":
+        return importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
+    raise ValueError(f"unknown backend {name!r}; valid: {', '.join(BACKENDS)}")
+
+
+# ----------------------------------------------------------------------------- reference pieces
+def ref_swa(q, k, v, *, scale, window, need_lse, key_padding_mask):
+    return ref.softmax_attention_blocked(q, k, v, scale=scale, window=window,
+                                         key_padding_mask=key_padding_mask)
+
+
+def ref_linear(fq, fk, v, *, shift, eps, need_den, key_padding_mask):
+    return ref.linear_attention_chunked(fq, fk, v, shift=shift, eps=eps,
+                                        key_padding_mask=key_padding_mask)
+
+
+def ref_sinks(q, k, v, *, scale, n_sinks, key_padding_mask):
+    return ref.softmax_attention_blocked(q, k, v, scale=scale, n_sinks=n_sinks,
+                                         key_padding_mask=key_padding_mask)
+
+
+def ref_softmax(q, k, v, *, scale, key_padding_mask):
+    return ref.softmax_attention_blocked(q, k, v, scale=scale,
+                                         key_padding_mask=key_padding_mask)[0]
+
+
+# ----------------------------------------------------------------------------- GPU pieces
+def sdpa_softmax(q, k, v, *, scale, key_padding_mask):
+    """Full causal softmax through torch SDPA (flash / efficient kernels on GPU)."""
+    H, Tq, Tk = q.shape[1], q.shape[2], k.shape[2]
+    k, v = ref.repeat_kv(k, H), ref.repeat_kv(v, H)
+    if key_padding_mask is None and Tq == Tk:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    tpos = torch.arange(Tk - Tq, Tk, device=q.device)[:, None]
+    mask = torch.arange(Tk, device=q.device)[None, :] <= tpos  # (Tq, Tk)
+    mask = mask[None, None]
+    if key_padding_mask is not None:
+        mask = mask & key_padding_mask[:, None, None, :].bool()
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return torch.where(mask.any(-1, keepdim=True), out, torch.zeros_like(out))
+
+
+def fla_swa(q, k, v, *, scale, window, need_lse, key_padding_mask):
+    from fla.ops.attn.parallel import parallel_attn
+
+    o = parallel_attn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale,
+                      window_size=window)  # (B, T, H, D)
+    return o.transpose(1, 2), None
+
+
+def flash_swa(q, k, v, *, scale, window, need_lse, key_padding_mask):
+    from flash_attn import flash_attn_func
+
+    o = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                        softmax_scale=scale, causal=True, window_size=(window - 1, 0))
+    return o.transpose(1, 2), None
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _flex_call(q, k, v, *, scale, keep, need_lse):
+    """flex_attention with ``keep(b, h, t, i)`` as mask; q (B,H,T,D), GQA through enable_gqa."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    B, H, Tq, _ = q.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
+    block_mask = create_block_mask(keep, B, None, Tq, Tk, device=q.device)
+    fn = _compiled_flex()
+    res = fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=Hkv != H,
+             return_lse=need_lse)
+    out, lse = res if need_lse else (res, None)
+    return out, lse
+
+
+def flex_swa(q, k, v, *, scale, window, need_lse, key_padding_mask):
+    off = k.shape[2] - q.shape[2]
+    kpm = key_padding_mask.bool() if key_padding_mask is not None else None
+
+    def keep(b, h, t, i):
+        ok = (i <= t + off) & (i > t + off - window)
+        return ok & kpm[b, i] if kpm is not None else ok
+
+    out, lse = _flex_call(q, k, v, scale=scale, keep=keep, need_lse=need_lse or kpm is not None)
+    if kpm is not None:  # queries with no visible key: 0, as in the reference
+        out = torch.where(torch.isfinite(lse)[..., None], out, torch.zeros_like(out))
+    return out, (lse if need_lse else None)
+
+
+def fla_linear(fq, fk, v, *, shift, eps, need_den, key_padding_mask):
+    """Causal normalised LA from fla's chunk kernel; keys outside the window by shifting
+    ``phi(k)`` and ``v`` right by ``shift`` with zeros in front (then causal LA over the shifted
+    sequence sees exactly the keys ``i <= t - shift``)."""
+    from fla.ops.linear_attn import chunk_linear_attn
+
+    B, H, Tq, _ = fq.shape
+    Tk = fk.shape[2]
+    if Tq != Tk:
+        raise NotImplementedError("fla_linear needs Tq == Tk")
+    if key_padding_mask is not None:
+        fk = fk * key_padding_mask[:, None, :, None].to(fk.dtype)
+    fk, v = ref.repeat_kv(fk, H), ref.repeat_kv(v, H)
+    fk_s, v_s = _shift_right(fk, shift), _shift_right(v, shift)
+    o, _ = chunk_linear_attn(fq.transpose(1, 2), fk_s.transpose(1, 2), v_s.transpose(1, 2),
+                             scale=1.0, normalize=True)
+    o = o.transpose(1, 2)  # (B, H, T, D)
+    has = _has_keys(key_padding_mask, B, H, Tk, shift, fq.device)
+    den = None
+    if need_den:
+        den = torch.einsum("bhtf,bhtf->bht", fq.float(), fk_s.float().cumsum(dim=2))
+    o = torch.where(has[..., None], o, torch.zeros_like(o))
+    return o, den, has
+
+
+def _shift_right(x: torch.Tensor, shift: int) -> torch.Tensor:
+    """(B, H, T, X) -> same, x[t - shift] at t, zeros for t < shift."""
+    if shift == 0:
+        return x
+    T = x.shape[2]
+    pad = x.new_zeros(*x.shape[:2], min(shift, T), x.shape[-1])
+    return torch.cat([pad, x[:, :, : max(T - shift, 0)]], dim=2)
+
+
+def _has_keys(key_padding_mask, B, H, T, shift, device) -> torch.Tensor:
+    """(B, H, T) bool: whether query t sees at least one real key ``i <= t - shift``."""
+    if key_padding_mask is None:
+        has = torch.arange(T, device=device) >= shift
+        return has[None, None].expand(B, H, T)
+    seen = key_padding_mask.long().cumsum(-1)  # real keys in [0, t]
+    seen = torch.cat([seen.new_zeros(B, min(shift, T)), seen[:, : max(T - shift, 0)]], dim=1)
+    return (seen > 0)[:, None].expand(B, H, T)
+
+
+# ----------------------------------------------------------------------------- selection
+class Ops:
+    """The four pieces of one backend choice, with per-call fallback to the reference."""
+
+    def __init__(self, swa_impl, linear_impl, softmax_impl, name: str):
+        self._swa, self._linear, self._softmax, self.name = swa_impl, linear_impl, softmax_impl, name
+
+    def swa(self, q, k, v, *, scale, window, need_lse, key_padding_mask):
+        impl = self._swa
+        if impl in (fla_swa, flash_swa) and (need_lse or key_padding_mask is not None
+                                             or q.shape[2] != k.shape[2]):
+            _warn_once(f"{impl.__name__} takes no padding mask / log-sum-exp / cache: using "
+                       f"{'flex' if available('flex') else 'reference'} SWA for such calls")
+            impl = flex_swa if available("flex") else ref_swa
+        return impl(q, k, v, scale=scale, window=window, need_lse=need_lse,
+                    key_padding_mask=key_padding_mask)
+
+    def linear(self, fq, fk, v, *, shift, eps, need_den, key_padding_mask):
+        impl = self._linear
+        if impl is fla_linear and fq.shape[2] != fk.shape[2]:
+            _warn_once("fla LA needs equal query and key lengths (no cache): using the reference")
+            impl = ref_linear
+        return impl(fq, fk, v, shift=shift, eps=eps, need_den=need_den,
+                    key_padding_mask=key_padding_mask)
+
+    def sinks(self, q, k, v, *, scale, n_sinks, key_padding_mask):
+        return ref_sinks(q, k, v, scale=scale, n_sinks=n_sinks, key_padding_mask=key_padding_mask)
+
+    def softmax(self, q, k, v, *, scale, key_padding_mask):
+        return self._softmax(q, k, v, scale=scale, key_padding_mask=key_padding_mask)
+
+
+REFERENCE = Ops(ref_swa, ref_linear, ref_softmax, "reference")
+
+
+def select(backend: str, q: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> Ops:
+    """The pieces for ``backend`` on q's device (see the module docstring)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
+    if backend == "reference":
+        return REFERENCE
+    if not q.is_cuda:
+        if backend != "auto":
+            raise ValueError(f"backend {backend!r} needs a CUDA tensor; use 'reference' on CPU")
+        return REFERENCE
+    if backend != "auto" and not available(backend):
+        raise ValueError(f"backend {backend!r} is not available here (install the [gpu] extra)")
+    return _cuda_ops(backend)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_ops(backend: str) -> Ops:
+    linear = fla_linear if available("fla") else ref_linear
+    if linear is ref_linear:
+        _warn_once("fla is not installed: linear attention runs the PyTorch reference (slow); "
+                   "pip install 'hedgecats[gpu]'")
+    if backend == "auto":
+        swa = (flash_swa if available("flash_attn") else flex_swa if available("flex")
+               else fla_swa if available("fla") else ref_swa)
+    else:
+        swa = {"fla": fla_swa, "flash_attn": flash_swa, "flex": flex_swa}[backend]
+    return Ops(swa, linear, sdpa_softmax, backend)

@@ -1,0 +1,165 @@
+"""The functional hybrid layer (PAPER.md sections 3-4): SWA + LA, mixers and ablation modes.
+
+    hybrid      w_swa * SWA + w_la * LA          (w_swa, w_la) = (g, 1 - g), or the
+                                                shared-norm weights (alpha_t, 1 - alpha_t)
+    swa_only    w_swa * SWA                     (LA zero-ablated; rescale=True: SWA)
+    la_only     w_la  * LA                      (SWA zero-ablated; rescale=True: LA)
+    sinks_only  softmax over keys i < n_sinks, i <= t, weight 1
+    none        0
+    softmax     full causal softmax attention (the teacher)
+
+SWA_t is softmax over keys ``t - w < i <= t``. LA_t sees keys ``i <= t - w`` (non-overlapping,
+the default) or ``i <= t`` (``overlap=True``); in ``la_only`` mode ``la_span="all"`` widens LA to
+every causal key whatever ``overlap`` says (elsewhere ``la_span`` has no effect). LA is 0 for a
+query with no visible key.
+
+``shared_norm`` (LoLCATs) uses one denominator for both branches,
+
+    out_t = (s * sum_win exp(q.k_i/sqrt(D)) v_i + sum_far phi_q.phi_k v_i)
+            / (s * sum_win exp(q.k_i/sqrt(D)) + sum_far phi_q.phi_k),       s = sigmoid(a_h),
+
+which equals ``alpha_t SWA_t + (1 - alpha_t) LA_t`` with
+``alpha_t = sigmoid(log s + lse_t - log Z_far_t)`` (``lse_t`` the window's log-sum-exp, ``Z_far_t``
+the LA denominator; ``alpha_t = 1`` where LA sees no key). We compute it in that form: both
+branches are normalised separately and the weight is formed in log space, so it is exact for any
+logit size. LoLCATs' own code subtracts the window max from the softmax terms only and leaves the
+LA terms unscaled, so its ratio over/underflows once logits are large; ours does not, and agrees
+with it wherever theirs is finite.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import backends
+
+__all__ = ["MODES", "LA_SPANS", "hybrid_attention"]
+
+MODES = ("hybrid", "swa_only", "la_only", "sinks_only", "none", "softmax")
+LA_SPANS = ("outside", "all")
+
+
+def _check_choice(value: str, options: tuple[str, ...], what: str) -> None:
+    if value not in options:
+        raise ValueError(f"unknown {what} {value!r}; valid: {', '.join(options)}")
+
+
+def hybrid_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    fq: torch.Tensor | None,
+    fk: torch.Tensor | None,
+    *,
+    window: int,
+    mode: str = "hybrid",
+    g: float | torch.Tensor = 0.5,
+    shared_norm: bool = False,
+    overlap: bool = False,
+    rescale: bool = False,
+    la_span: str = "outside",
+    n_sinks: int = 8,
+    swa_drop: torch.Tensor | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    eps: float = 1e-6,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Hybrid attention of one layer.
+
+    Args:
+        q: (B, H, T, D), RoPE applied.     k, v: (B, Hkv, Tk, D) (GQA when Hkv < H).
+        fq: (B, H, T, F) = phi_q(q).       fk: (B, Hkv, Tk, F) = phi_k(k). Unused (may be None)
+            in modes that run no LA (``sinks_only``, ``none``, ``softmax``).
+        window: SWA window ``w`` (>= 1).
+        mode: one of ``MODES``.
+        g: SWA weight. A float, or a tensor broadcastable to (B, H, T, D) (learned per head,
+            or an output gate per channel). With ``shared_norm=True`` it is instead the per-head
+            factor ``sigmoid(a_h)``, broadcastable to (B, H, T, 1).
+        shared_norm: LoLCATs' shared denominator (see the module docstring).
+        overlap: LA over all causal keys instead of keys outside the window.
+        rescale: in ``swa_only`` / ``la_only`` the surviving branch gets weight 1.
+        la_span: ``outside`` or ``all``; ``all`` lets LA see every causal key in ``la_only``.
+        n_sinks: keys kept by ``sinks_only``.
+        swa_drop: optional bool tensor broadcastable to (B, H, 1, 1); where True the output is
+            that of ``la_only`` with the same switches (Scheduled Sliding-window Dropout).
+        key_padding_mask: (B, Tk) bool, True for real tokens.
+        scale: score scale, default ``1/sqrt(D)``.
+        eps: LA denominator guard.
+        backend: ``auto | reference | fla | flash_attn | flex`` (see ``ops.backends``).
+
+    Returns:
+        (B, H, T, D) in q's dtype.
+    """
+    _check_choice(mode, MODES, "attention mode")
+    _check_choice(la_span, LA_SPANS, "la_span")
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window!r}")
+    if k.shape[2] != v.shape[2] or k.shape[1] != v.shape[1]:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree in heads and length")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    ops = backends.select(backend, q, key_padding_mask)
+    dtype = q.dtype
+
+    if mode == "none":
+        return torch.zeros_like(q)
+    if mode == "softmax":
+        return ops.softmax(q, k, v, scale=scale, key_padding_mask=key_padding_mask).to(dtype)
+    if mode == "sinks_only":
+        if n_sinks < 1:
+            raise ValueError(f"sinks_only needs n_sinks >= 1, got {n_sinks!r}")
+        out, _ = ops.sinks(q, k, v, scale=scale, n_sinks=n_sinks, key_padding_mask=key_padding_mask)
+        return out.to(dtype)
+    if fq is None or fk is None:
+        raise ValueError(f"mode {mode!r} runs linear attention: fq and fk are required")
+
+    need_swa = mode in ("hybrid", "swa_only")
+    need_la = mode in ("hybrid", "la_only") or shared_norm or swa_drop is not None
+    need_lse = shared_norm
+
+    swa = lse = None
+    if need_swa or shared_norm:
+        swa, lse = ops.swa(q, k, v, scale=scale, window=window, need_lse=need_lse,
+                           key_padding_mask=key_padding_mask)
+    shift = 0 if overlap else window
+    la = la_den = la_has = None
+    if need_la:
+        la, la_den, la_has = ops.linear(fq, fk, v, shift=shift, eps=eps, need_den=shared_norm,
+                                        key_padding_mask=key_padding_mask)
+
+    w_swa, w_la = _branch_weights(g, shared_norm, lse, la_den, la_has, eps)
+
+    def la_only_output() -> torch.Tensor:
+        la_all = la
+        if la_span == "all" and shift != 0:
+            la_all, _, _ = ops.linear(fq, fk, v, shift=0, eps=eps, need_den=False,
+                                      key_padding_mask=key_padding_mask)
+        return la_all if rescale else w_la * la_all
+
+    if mode == "hybrid":
+        out = w_swa * swa + w_la * la
+    elif mode == "swa_only":
+        out = swa if rescale else w_swa * swa
+    else:  # la_only
+        out = la_only_output()
+    if swa_drop is not None and mode != "la_only":
+        out = torch.where(swa_drop.bool(), la_only_output(), out)
+    return out.to(dtype)
+
+
+def _branch_weights(g, shared_norm, lse, la_den, la_has, eps):
+    """(w_swa, w_la), each a float or a tensor broadcastable to (B, H, T, D)."""
+    if not shared_norm:
+        return g, 1 - g
+    s = g if torch.is_tensor(g) else torch.tensor(float(g), device=lse.device)
+    if torch.is_tensor(s) and s.dim() == 4:
+        s = s[..., 0]  # (B|1, H, T|1, 1) -> (B|1, H, T|1)
+    log_s = torch.log(s.float().clamp_min(1e-30))
+    log_far = torch.log(la_den.float().clamp_min(eps))
+    alpha = torch.sigmoid(log_s + lse.float() - log_far)
+    # no far key: all weight on the window; no window key either (padding): weight irrelevant
+    alpha = torch.where(la_has, alpha, torch.ones_like(alpha))
+    alpha = torch.where(torch.isfinite(lse), alpha, torch.zeros_like(alpha))
+    alpha = alpha[..., None]  # (B, H, T, 1)
+    return alpha, 1 - alpha
+
