@@ -1,0 +1,241 @@
+"""Conversion of transformers Llama / Mistral / Qwen2 models, mode switching, config checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from hedgecats.models import (
+    HybridConfig,
+    attention_mode,
+    convert_to_hybrid,
+    hybrid_layers,
+    hybrid_parameter_names,
+    set_attention_mode,
+)
+
+SMALL = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+FAMILIES = {
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(**SMALL)),
+    "mistral": lambda: MistralForCausalLM(MistralConfig(**SMALL, sliding_window=None)),
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**SMALL)),
+}
+
+
+def tiny(family="llama", seed=0):
+    torch.manual_seed(seed)
+    return FAMILIES[family]().eval()
+
+
+def ids(B=2, T=45, seed=1):
+    return torch.randint(0, SMALL["vocab_size"], (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_softmax_mode_reproduces_transformers_logits(family):
+    model = tiny(family)
+    x = ids()
+    with torch.no_grad():
+        expected = model(x).logits
+        convert_to_hybrid(model, HybridConfig(window=8))
+        with attention_mode(model, "softmax"):
+            got = model(x).logits
+    assert (got - expected).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_original_weights_untouched_and_new_submodules(family):
+    model = tiny(family)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    convert_to_hybrid(model, HybridConfig(window=8))
+    after = model.state_dict()
+    for k, v in before.items():
+        assert torch.equal(after[k], v), k
+    new = sorted(set(after) - set(before))
+    expected = sorted(f"model.layers.{i}.self_attn.{m}.{p}" for i in range(3)
+                      for m in ("phi_q", "phi_k") for p in ("weight", "bias"))
+    assert new == expected  # the fixed mixer has no parameters
+    assert model.config._attn_implementation == "hedgecats"
+
+
+def test_hybrid_differs_from_softmax_and_modes_differ():
+    model = convert_to_hybrid(tiny(), HybridConfig(window=4))
+    x = ids(T=40)
+    outs = {}
+    with torch.no_grad():
+        for mode in ("hybrid", "swa_only", "la_only", "sinks_only", "none", "softmax"):
+            with attention_mode(model, mode):
+                outs[mode] = model(x).logits
+    for a in outs:
+        for b in outs:
+            if a < b:
+                assert not torch.allclose(outs[a], outs[b]), (a, b)
+
+
+def test_only_feature_maps_and_mixer_get_gradients_when_base_frozen():
+    model = convert_to_hybrid(tiny(), HybridConfig(window=4, mixer="learned_head"))
+    names = set(hybrid_parameter_names(model))
+    for n, p in model.named_parameters():
+        p.requires_grad_(n in names)
+    model.train()
+    x = ids(T=30)
+    model(x, labels=x).loss.backward()
+    got = {n for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    assert got == names
+    assert len(names) == 3 * 5  # phi_q.{weight,bias}, phi_k.{weight,bias}, mixer.logit_g
+
+
+@pytest.mark.parametrize("mixer", ["fixed", "learned_head", "shared_norm", "gate_elementwise",
+                                   "gate_lowrank"])
+def test_every_mixer_runs_and_trains(mixer):
+    model = convert_to_hybrid(tiny(), HybridConfig(window=4, mixer=mixer, gate_rank=4))
+    x = ids(T=30)
+    model.train()
+    model(x, labels=x).loss.backward()
+    mixer_params = [(n, p) for n, p in model.named_parameters() if ".mixer." in n]
+    assert (len(mixer_params) == 0) == (mixer == "fixed")
+    for n, p in mixer_params:
+        assert p.grad is not None and torch.isfinite(p.grad).all(), n
+
+
+def test_gate_starts_at_fixed_g():
+    """Gates and learned mixers start at the paper's g: same logits as the fixed mixer."""
+    x = ids(T=30)
+    outs = []
+    for mixer in ("fixed", "learned_head", "gate_elementwise", "gate_lowrank"):
+        model = convert_to_hybrid(tiny(), HybridConfig(window=4, mixer=mixer))
+        with torch.no_grad():
+            outs.append(model(x).logits)
+    for o in outs[1:]:
+        torch.testing.assert_close(o, outs[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "swa_only", "la_only"])
+def test_left_padding_respected(mode):
+    """A left-padded sequence gives the same logits at its real tokens as the sequence alone,
+    given position ids that start at its first real token (phi of RoPE'd q, k is not a function
+    of relative position only, so LA needs the same absolute positions); pad keys are masked
+    in every branch."""
+    model = convert_to_hybrid(tiny(), HybridConfig(window=5, mode=mode))
+    x = ids(B=1, T=30)
+    pad = 7
+    padded = torch.cat([torch.zeros(1, pad, dtype=torch.long), x], 1)
+    mask = torch.cat([torch.zeros(1, pad, dtype=torch.long), torch.ones_like(x)], 1)
+    other = ids(B=1, T=30 + pad, seed=9)  # a second, unpadded row in the batch
+    batch = torch.cat([padded, other])
+    bmask = torch.cat([mask, torch.ones_like(other)])
+    with torch.no_grad():
+        alone = model(x).logits
+        pos = (bmask.cumsum(-1) - 1).clamp_min(0)
+        both = model(batch, attention_mask=bmask, position_ids=pos).logits
+        other_alone = model(other).logits
+    torch.testing.assert_close(both[0, pad:], alone[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(both[1], other_alone[0], rtol=1e-4, atol=1e-4)
+
+
+def test_attention_mode_restores_every_switch():
+    model = convert_to_hybrid(tiny(), HybridConfig(window=6, layer_windows={1: 3}))
+    before = [(i, a.hedgecats.mode, a.hedgecats.window, a.hedgecats.rescale)
+              for i, a in hybrid_layers(model)]
+    assert [b[2] for b in before] == [6, 3, 6]
+    with attention_mode(model, "la_only", rescale=True, window=16, la_span="all"):
+        assert all(a.hedgecats.mode == "la_only" and a.hedgecats.window == 16
+                   for _, a in hybrid_layers(model))
+    after = [(i, a.hedgecats.mode, a.hedgecats.window, a.hedgecats.rescale)
+             for i, a in hybrid_layers(model)]
+    assert after == before
+    set_attention_mode(model, "swa_only")
+    assert {a.hedgecats.mode for _, a in hybrid_layers(model)} == {"swa_only"}
+
+
+def test_partial_conversion_leaves_other_layers_softmax():
+    model = tiny()
+    x = ids()
+    with torch.no_grad():
+        expected = model.model.layers[0](model.model.embed_tokens(x),
+                                         position_embeddings=model.model.rotary_emb(
+                                             model.model.embed_tokens(x),
+                                             torch.arange(x.shape[1])[None]))
+    convert_to_hybrid(model, HybridConfig(window=4, layers=[1, 2]))
+    assert [i for i, _ in hybrid_layers(model)] == [1, 2]
+    assert not hasattr(model.model.layers[0].self_attn, "phi_q")
+    del expected
+
+
+def test_ssd_drop_applies_only_in_training():
+    model = convert_to_hybrid(tiny(), HybridConfig(window=4))
+    x = ids(T=30)
+    with torch.no_grad():
+        hybrid = model(x).logits
+        with attention_mode(model, "la_only"):
+            la_only = model(x).logits
+        set_attention_mode(model, ssd_p=1.0)
+        torch.testing.assert_close(model(x).logits, hybrid)  # eval: no dropout
+        model.train()
+        torch.testing.assert_close(model(x).logits, la_only)  # p = 1: every layer dropped
+        set_attention_mode(model, ssd_p=0.0)
+        torch.testing.assert_close(model(x).logits, hybrid)
+
+
+def test_observer_sees_qkv():
+    model = convert_to_hybrid(tiny(), HybridConfig(window=4))
+    seen = []
+    set_attention_mode(model, observer=lambda m, q, k, v, kpm: seen.append((m.hedgecats.layer_idx,
+                                                                               q.shape, k.shape)))
+    with torch.no_grad():
+        model(ids(T=11))
+    assert seen == [(i, (2, 4, 11, 16), (2, 2, 11, 16)) for i in range(3)]
+
+
+# ----------------------------------------------------------------------------- errors
+def test_other_family_raises_before_building():
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    with pytest.raises(ValueError, match="type 'gpt2'.*llama, mistral, qwen2"):
+        convert_to_hybrid(gpt2, HybridConfig(window=4))
+    assert not any("phi_q" in n for n, _ in gpt2.named_parameters())
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(window=0), "window=0 must be an integer >= 1"),
+    (dict(window=4, mode="hybird"), "mode='hybird'.*hybrid, swa_only"),
+    (dict(window=4, feature_activation="gelu"), "feature_activation='gelu'"),
+    (dict(window=4, mixer="shared_norm", overlap=True), "counted twice"),
+    (dict(window=4, mixer="learned_head", g=0.0), "strictly between 0 and 1"),
+    (dict(window=4, g=1.5), r"g=1.5 must lie in \[0, 1\]"),
+    (dict(window=4, layers=[0, 1], layer_windows={2: 8}), "names layers \\[2\\]"),
+    (dict(window=4, mode="sinks_only", n_sinks=0), "n_sinks=0"),
+])
+def test_config_contradictions_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        HybridConfig(**kwargs)
+
+
+def test_model_dependent_errors():
+    # (an odd head dim cannot be built with RoPE; the halving check is in test_hybrid_ops)
+    with pytest.raises(ValueError, match=r"layer indices \[5\] are out of range.*3 layers"):
+        convert_to_hybrid(tiny(), HybridConfig(window=4, layers=[0, 5]))
+    model = convert_to_hybrid(tiny(), HybridConfig(window=4))
+    with pytest.raises(ValueError, match="already converted"):
+        convert_to_hybrid(model, HybridConfig(window=4))
+    with pytest.raises(ValueError, match="unknown switch 'windw'"):
+        set_attention_mode(model, "hybrid", windw=3)
+    with pytest.raises(ValueError, match="no hybrid layers"):
+        set_attention_mode(tiny(), "la_only")
+
+
+def test_config_round_trip():
+    cfg = HybridConfig(window=8, layer_windows={0: 4}, mixer="gate_lowrank")
+    assert HybridConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match="unknown HybridConfig fields \\['windw'\\]"):
+        HybridConfig.from_dict({"windw": 3})

@@ -1,0 +1,297 @@
+"""The functional hybrid against an independent naive implementation (explicit T x T masks,
+float64), values and gradients, over a table of shapes and every mode and switch."""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from hedgecats.models import MODES, HedgehogFeatureMap, hybrid_attention
+
+
+# ----------------------------------------------------------------------------- naive oracle
+def naive(q, k, v, fq, fk, *, window, mode, g, shared_norm=False, overlap=False, rescale=False,
+          la_span="outside", n_sinks=8, swa_drop=None, kpm=None):
+    q_BHTD, k, v, fq, fk = (x.double() for x in (q, k, v, fq, fk))
+    B, H, T, D = q_BHTD.shape
+    rep = H // k.shape[1]
+    k_BHTD, v_BHTD = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    fk_BHTF = fk.repeat_interleave(rep, 1)
+    s_BHTT = q_BHTD @ k_BHTD.transpose(-1, -2) / D ** 0.5
+    t = torch.arange(T)[:, None]
+    i = torch.arange(T)[None, :]
+    valid = torch.ones(B, 1, 1, T, dtype=torch.bool) if kpm is None else kpm[:, None, None, :]
+    causal = (i <= t) & valid
+    win = causal & (i > t - window)
+    far_out = (i <= t - window) & valid
+    far = causal if overlap else far_out
+
+    def softmax_on(mask):
+        e = torch.exp(s_BHTT) * mask
+        z = e.sum(-1, keepdim=True)
+        return torch.where(z > 0, (e @ v_BHTD) / z.clamp_min(1e-300), 0.0), z
+
+    def la_on(mask):
+        a = (fq @ fk_BHTF.transpose(-1, -2)) * mask
+        z = a.sum(-1, keepdim=True)
+        has = mask.any(-1, keepdim=True)
+        return torch.where(has, (a @ v_BHTD) / z.clamp_min(1e-6), 0.0), z, has
+
+    if mode == "none":
+        return torch.zeros_like(q_BHTD)
+    if mode == "softmax":
+        return softmax_on(causal)[0]
+    if mode == "sinks_only":
+        return softmax_on(causal & (i < n_sinks))[0]
+    swa, z_near = softmax_on(win)
+    la, z_far, has = la_on(far)
+    if shared_norm:
+        sig = torch.as_tensor(g, dtype=torch.float64)
+        alpha = sig * z_near / (sig * z_near + z_far)
+        alpha = torch.where(has, alpha, 1.0)
+        alpha = torch.where(z_near > 0, alpha, 0.0)
+        w_swa, w_la = alpha, 1 - alpha
+    else:
+        w_swa = torch.as_tensor(g, dtype=torch.float64) if torch.is_tensor(g) else g
+        w_la = 1 - w_swa
+
+    la_all = la_on(causal)[0] if la_span == "all" else la
+    la_only = la_all if rescale else w_la * la_all
+    out = {"hybrid": w_swa * swa + w_la * la,
+           "swa_only": swa if rescale else w_swa * swa,
+           "la_only": la_only}[mode]
+    if swa_drop is not None:
+        out = torch.where(swa_drop, la_only, out)
+    return out
+
+
+# ----------------------------------------------------------------------------- inputs
+SHAPES = [  # B, H, Hkv, T, D, window
+    (1, 2, 2, 16, 8, 4),
+    (2, 4, 2, 37, 8, 8),      # GQA, T not a multiple of any block
+    (2, 4, 1, 5, 8, 8),       # T < window
+    (1, 2, 2, 150, 16, 64),   # more than one 128-query block, window 64
+    (3, 2, 2, 70, 4, 1),      # window 1 (only the diagonal)
+]
+
+
+def shape_id(s):
+    return "B{}-H{}-Hkv{}-T{}-D{}-w{}".format(*s)
+
+
+def make_inputs(B, H, Hkv, T, D, activation="softmax", projection="square", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, T, D, generator=gen)
+    k = torch.randn(B, Hkv, T, D, generator=gen)
+    v = torch.randn(B, Hkv, T, D, generator=gen)
+    phi_q = HedgehogFeatureMap(H, D, activation, projection, seed=seed + 1)
+    phi_k = HedgehogFeatureMap(Hkv, D, activation, projection, seed=seed + 2)
+    return q, k, v, phi_q, phi_k
+
+
+def run_both(shape, *, mode, g=0.5, activation="softmax", kpm=None, swa_drop=None, **sw):
+    """Reference and naive outputs plus gradients w.r.t. q, k, v and the feature maps."""
+    B, H, Hkv, T, D, window = shape
+    results = []
+    for impl in ("reference", "naive"):
+        q, k, v, phi_q, phi_k = make_inputs(B, H, Hkv, T, D, activation)
+        for x in (q, k, v):
+            x.requires_grad_(True)
+        fq, fk = phi_q(q), phi_k(k)
+        gg = g() if callable(g) else g
+        if impl == "reference":
+            out = hybrid_attention(q, k, v, fq, fk, window=window, mode=mode, g=gg,
+                                   key_padding_mask=kpm, swa_drop=swa_drop, backend="reference",
+                                   **sw)
+        else:
+            out = naive(q, k, v, fq, fk, window=window, mode=mode, g=gg, kpm=kpm,
+                        swa_drop=swa_drop, **sw)
+        weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out.dtype)
+        if out.requires_grad:  # mode "none" is a constant 0
+            (out * weights).sum().backward()
+        params = [q, k, v, phi_q.weight, phi_q.bias, phi_k.weight, phi_k.bias]
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params]
+        results.append((out.detach(), grads))
+    return results
+
+
+def assert_close(a, b, what, rtol=1e-4, atol=1e-5):
+    a, b = a.double(), b.double()
+    assert not torch.isnan(a).any(), f"{what}: NaN"
+    err = (a - b).abs().max().item()
+    scale = b.abs().max().item() + 1e-12
+    assert err <= atol + rtol * scale, f"{what}: max abs err {err:.3g} (scale {scale:.3g})"
+
+
+def check(shape, **kw):
+    (o_ref, g_ref), (o_nv, g_nv) = run_both(shape, **kw)
+    assert_close(o_ref, o_nv, "output")
+    for name, a, b in zip(("q", "k", "v", "Wq", "bq", "Wk", "bk"), g_ref, g_nv):
+        assert_close(a, b, f"grad {name}", rtol=1e-3, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- the tables
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+@pytest.mark.parametrize("mode", MODES)
+def test_modes_match_naive(shape, mode):
+    check(shape, mode=mode)
+
+
+SWITCHES = [
+    dict(overlap=True),
+    dict(rescale=True),
+    dict(la_span="all"),
+    dict(rescale=True, la_span="all"),
+    dict(overlap=True, rescale=True),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES[:3], ids=shape_id)
+@pytest.mark.parametrize("mode", ["hybrid", "swa_only", "la_only"])
+@pytest.mark.parametrize("sw", SWITCHES, ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()))
+def test_switches_match_naive(shape, mode, sw):
+    check(shape, mode=mode, **sw)
+
+
+@pytest.mark.parametrize("shape", SHAPES[:4], ids=shape_id)
+@pytest.mark.parametrize("mode", ["hybrid", "swa_only", "la_only"])
+def test_shared_norm_matches_direct_formula(shape, mode):
+    """The log-space alpha form equals LoLCATs' one-denominator formula, computed directly."""
+    H = shape[1]
+    factor = torch.sigmoid(torch.linspace(-2.0, 1.0, H))[None, :, None, None]
+    check(shape, mode=mode, g=factor, shared_norm=True)
+
+
+def test_shared_norm_large_logits_stay_finite():
+    """Logits of several hundred overflow exp() in LoLCATs' form; ours stays finite."""
+    q, k, v, phi_q, phi_k = make_inputs(1, 2, 2, 40, 8)
+    out = hybrid_attention(q * 30, k * 30, v, phi_q(q), phi_k(k), window=4, g=0.1,
+                           shared_norm=True, backend="reference")
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("shape", SHAPES[:3], ids=shape_id)
+@pytest.mark.parametrize("kind", ["per_head", "per_channel"])
+def test_tensor_g_matches_naive(shape, kind):
+    B, H, _, T, D, _ = shape
+    gen = torch.Generator().manual_seed(3)
+    g = (torch.rand(1, H, 1, 1, generator=gen) if kind == "per_head"
+         else torch.rand(B, H, T, D, generator=gen))
+    for mode in ("hybrid", "swa_only", "la_only"):
+        check(shape, mode=mode, g=g)
+
+
+@pytest.mark.parametrize("activation", ["softmax", "exp", "relu", "elu1p", "none"])
+def test_activations_match_naive(activation):
+    check((2, 4, 2, 37, 8, 8), mode="hybrid", activation=activation)
+
+
+@pytest.mark.parametrize("shape", SHAPES[1:3], ids=shape_id)
+@pytest.mark.parametrize("mode", ["hybrid", "swa_only", "la_only", "sinks_only", "softmax"])
+def test_padding_mask_matches_naive(shape, mode):
+    B, T = shape[0], shape[3]
+    kpm = torch.ones(B, T, dtype=torch.bool)
+    kpm[0, : T // 3] = False  # left padding in sample 0
+    kpm[-1, T - 2:] = False   # right padding in the last sample
+    check(shape, mode=mode, kpm=kpm)
+
+
+@pytest.mark.parametrize("sw", [{}, dict(rescale=True), dict(la_span="all")], ids=str)
+def test_swa_drop_matches_naive(sw):
+    shape = (3, 4, 2, 37, 8, 8)
+    drop = torch.tensor([True, False, True])[:, None, None, None]
+    check(shape, mode="hybrid", swa_drop=drop, **sw)
+
+
+def test_no_keys_gives_zero_not_nan():
+    """LA is 0 where it has no keys (t < w without overlap), SWA of a padded query is 0."""
+    q, k, v, phi_q, phi_k = make_inputs(1, 2, 2, 10, 8)
+    la = hybrid_attention(q, k, v, phi_q(q), phi_k(k), window=16, mode="la_only",
+                          backend="reference")
+    assert torch.equal(la, torch.zeros_like(la))
+    kpm = torch.zeros(1, 10, dtype=torch.bool)
+    out = hybrid_attention(q, k, v, phi_q(q), phi_k(k), window=4, key_padding_mask=kpm,
+                           backend="reference")
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_decoding_queries_are_the_last_positions():
+    """Tq < Tk (a KV cache): the reference equals the last rows of the full computation."""
+    q, k, v, phi_q, phi_k = make_inputs(2, 4, 2, 30, 8)
+    full = hybrid_attention(q, k, v, phi_q(q), phi_k(k), window=6, backend="reference")
+    last = hybrid_attention(q[:, :, -3:], k, v, phi_q(q[:, :, -3:]), phi_k(k), window=6,
+                            backend="reference")
+    torch.testing.assert_close(last, full[:, :, -3:], rtol=1e-5, atol=1e-6)
+
+
+def test_errors_name_the_value():
+    q, k, v, phi_q, phi_k = make_inputs(1, 2, 2, 8, 8)
+    with pytest.raises(ValueError, match="'hybird'.*valid: hybrid"):
+        hybrid_attention(q, k, v, phi_q(q), phi_k(k), window=4, mode="hybird")
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        hybrid_attention(q, k, v, phi_q(q), phi_k(k), window=0)
+    with pytest.raises(ValueError, match="la_span"):
+        hybrid_attention(q, k, v, phi_q(q), phi_k(k), window=4, la_span="near")
+    with pytest.raises(ValueError, match="backend 'fla' needs a CUDA tensor"):
+        hybrid_attention(q, k, v, phi_q(q), phi_k(k), window=4, backend="fla")
+
+
+def test_long_sequence_memory_is_linear():
+    """T = 32k on one head: a T x T fp32 tensor alone would be 4 GiB; the reference must stay
+    far below (run in a fresh process so its peak RSS is its own)."""
+    code = textwrap.dedent("""
+        import resource, torch
+        from hedgecats.models import hybrid_attention
+        T, D = 32768, 16
+        q, k, v = (torch.randn(1, 1, T, D) for _ in range(3))
+        fq, fk = torch.rand(1, 1, T, 2 * D), torch.rand(1, 1, T, 2 * D)
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        out = hybrid_attention(q, k, v, fq, fk, window=64, backend="reference")
+        assert torch.isfinite(out).all()
+        print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 2**20)
+    """)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    grown_gib = float(res.stdout.strip().splitlines()[-1])
+    assert grown_gib < 1.0, f"peak memory grew by {grown_gib:.2f} GiB"
+
+
+def test_feature_map_definition():
+    """phi(x) = [act(xW + b), act(-xW - b)] with identity + noise init from the seed."""
+    fm = HedgehogFeatureMap(3, 8, "relu", "rectangular", init_std=0.1, seed=5)
+    assert fm.weight.shape == (3, 8, 4) and fm.bias.shape == (3, 4) and fm.feature_dim == 8
+    again = HedgehogFeatureMap(3, 8, "relu", "rectangular", init_std=0.1, seed=5)
+    assert torch.equal(fm.weight, again.weight)
+    noise = fm.weight - torch.eye(8)[:, :4]
+    assert 0.05 < noise.std().item() < 0.2
+    x = torch.randn(2, 3, 5, 8)
+    with torch.no_grad():
+        fm.bias.normal_()
+    u = torch.einsum("bhtd,hdf->bhtf", x, fm.weight) + fm.bias[None, :, None]
+    torch.testing.assert_close(fm(x), torch.cat([u.relu(), (-u).relu()], -1))
+    sq = HedgehogFeatureMap(2, 6, "softmax", "square")
+    y = sq(torch.randn(1, 2, 4, 6))
+    assert y.shape == (1, 2, 4, 12)
+    torch.testing.assert_close(y[..., :6].sum(-1), torch.ones(1, 2, 4))
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(activation="gelu"), "activation 'gelu'.*elu1p, exp, none, relu, softmax"),
+    (dict(projection="wide"), "projection 'wide'.*rectangular, square"),
+    (dict(head_dim=7, projection="rectangular"), "head_dim=7 cannot be halved"),
+])
+def test_feature_map_errors(bad, match):
+    kw = dict(num_heads=2, head_dim=8) | bad
+    with pytest.raises(ValueError, match=match):
+        HedgehogFeatureMap(**kw)
+
+
+def test_all_cases_are_distinct_ids():
+    ids = [shape_id(s) for s in SHAPES]
+    assert len(ids) == len(set(ids))
+    assert len(list(itertools.product(SHAPES, MODES))) == len(SHAPES) * len(MODES)
