@@ -1,0 +1,208 @@
+"""The embedded default's data: a generated key-value recall corpus on a byte-level vocabulary.
+
+A private adapter of the training stages (the project's data package owns the general
+DataModules); it exists so that the tiny pipeline runs offline with nothing downloaded.
+
+Each document is ``seq_len`` bytes of lowercase filler words, with facts and recalls inserted:
+
+    fact    "#Kv"      K an uppercase key (unique in the document), v a random lowercase value
+    recall  "?Kv"      the same key and value, ``distance`` positions after the fact's key
+
+The value of a recall can only be predicted by finding the fact: ``distance < window`` makes it
+a *near* recall (the SWA branch can see it), ``distance >= far_min`` a *far* one (only full
+attention or the LA branch can). Token id = byte value; ``<pad>`` = 256, ``<eos>`` = 257.
+"""
+
+from __future__ import annotations
+
+import math
+import string
+from dataclasses import dataclass
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+__all__ = [
+    "EOS_ID",
+    "PAD_ID",
+    "VOCAB_SIZE",
+    "RecallCorpus",
+    "RecallDataModule",
+    "ResumableDistributedSampler",
+    "byte_tokenizer",
+    "make_recall_corpus",
+]
+
+PAD_ID, EOS_ID = 256, 257
+VOCAB_SIZE = 258
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map (what a ByteLevel tokenizer uses)."""
+    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+          + list(range(ord("®"), ord("ÿ") + 1)))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def byte_tokenizer():
+    """A ``PreTrainedTokenizerFast`` whose token id is the byte value (+ <pad>, <eos>)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
+    fast.add_special_tokens({"pad_token": "<pad>", "eos_token": "<eos>"})
+    assert fast.pad_token_id == PAD_ID and fast.eos_token_id == EOS_ID
+    return fast
+
+
+@dataclass
+class RecallCorpus:
+    """``input_ids`` (N, T) long; ``answers`` (M, 3) long rows ``(doc, position, distance)``:
+    the token at ``position`` is a recalled value whose fact's value sits ``distance`` earlier."""
+
+    input_ids: torch.Tensor
+    answers: torch.Tensor
+
+
+def make_recall_corpus(num_docs: int, seq_len: int, *, near_max: int, far_min: int,
+                       far_max: int, facts_per_doc: int = 6, seed: int = 0) -> RecallCorpus:
+    """Generate documents as described in the module docstring; half the recalls near
+    (distance in ``[3, near_max]``), half far (``[far_min, far_max]``)."""
+    if not 3 <= near_max < far_min <= far_max < seq_len - 3:
+        raise ValueError(f"need 3 <= near_max ({near_max}) < far_min ({far_min}) <= far_max "
+                         f"({far_max}) < seq_len - 3 ({seq_len - 3})")
+    rng = np.random.default_rng(seed)
+    lower = np.frombuffer(string.ascii_lowercase.encode(), dtype=np.uint8)
+    upper = np.frombuffer(string.ascii_uppercase.encode(), dtype=np.uint8)
+    docs = np.empty((num_docs, seq_len), dtype=np.int64)
+    answers = []
+    for d in range(num_docs):
+        # filler: words of 2-6 random letters separated by spaces
+        row = rng.choice(lower, size=seq_len).astype(np.int64)
+        pos = 0
+        while pos < seq_len:
+            pos += int(rng.integers(2, 7))
+            if pos < seq_len:
+                row[pos] = ord(" ")
+            pos += 1
+        used = np.zeros(seq_len, dtype=bool)
+        keys = rng.permutation(upper)[:facts_per_doc]
+        for j, key in enumerate(keys):
+            lo, hi = (3, near_max) if j % 2 == 0 else (far_min, far_max)
+            for _ in range(50):  # rejection sampling of a free slot pair
+                dist = int(rng.integers(lo, hi + 1))
+                f = int(rng.integers(0, seq_len - dist - 3))
+                r = f + dist
+                if not used[f:f + 3].any() and not used[r:r + 3].any() and r + 3 <= seq_len \
+                        and abs(r - f) >= 3:
+                    val = int(rng.choice(lower))
+                    row[f:f + 3] = [ord("#"), int(key), val]
+                    row[r:r + 3] = [ord("?"), int(key), val]
+                    used[f:f + 3] = used[r:r + 3] = True
+                    answers.append((d, r + 2, dist))
+                    break
+        docs[d] = row
+    return RecallCorpus(torch.from_numpy(docs), torch.tensor(answers, dtype=torch.long))
+
+
+class ResumableDistributedSampler(DistributedSampler):
+    """``DistributedSampler`` that can skip the samples of batches already trained.
+
+    Being a ``DistributedSampler``, Lightning leaves it in place under DDP; shards are padded to
+    equal length as usual (so uneven data never desynchronises ranks). ``skip`` applies to the
+    next iteration only.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.skip = 0
+
+    def __iter__(self):
+        indices = list(super().__iter__())
+        skip, self.skip = self.skip, 0
+        return iter(indices[skip:])
+
+    def __len__(self) -> int:
+        return self.num_samples - self.skip
+
+
+class RecallDataModule(pl.LightningDataModule):
+    """Train / validation / test splits of ``make_recall_corpus`` (different seeds).
+
+    Resumes exactly: ``train_dataloader`` reads how many batches of the current epoch the
+    restored loop already trained and skips them (a plain DataLoader would replay them).
+
+    Args:
+        seq_len: T. window: the hybrid's SWA window; recalls at distance ``< window`` are near.
+        far_min, far_max: distances of far recalls. num_train, num_val, num_test: documents.
+        batch_size: per process. seed: corpus seed (splits use seed, seed+1, seed+2).
+    """
+
+    def __init__(self, seq_len: int = 256, window: int = 32, far_min: int = 64, far_max: int = 200,
+                 facts_per_doc: int = 6, num_train: int = 4096, num_val: int = 128,
+                 num_test: int = 256, batch_size: int = 16, seed: int = 0,
+                 shuffle: bool = True) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.tokenizer = None
+        self._splits: dict[str, RecallCorpus] = {}
+
+    def _corpus(self, split: str) -> RecallCorpus:
+        if split not in self._splits:
+            h = self.hparams
+            n, off = {"train": (h.num_train, 0), "val": (h.num_val, 1), "test": (h.num_test, 2)}[split]
+            self._splits[split] = make_recall_corpus(
+                n, h.seq_len, near_max=h.window - 1, far_min=h.far_min, far_max=h.far_max,
+                facts_per_doc=h.facts_per_doc, seed=h.seed * 1000 + off)
+        return self._splits[split]
+
+    def setup(self, stage: str | None = None) -> None:
+        self.tokenizer = byte_tokenizer()
+
+    def _loader(self, split: str, shuffle: bool, skip_batches: int = 0) -> DataLoader:
+        ds = TensorDataset(self._corpus(split).input_ids)
+        trainer = self.trainer
+        rank, world = (trainer.global_rank, trainer.world_size) if trainer else (0, 1)
+        sampler = ResumableDistributedSampler(ds, num_replicas=world, rank=rank, shuffle=shuffle,
+                                              seed=self.hparams.seed, drop_last=False)
+        sampler.skip = skip_batches * self.hparams.batch_size
+        return DataLoader(ds, batch_size=self.hparams.batch_size, sampler=sampler,
+                          collate_fn=_collate)
+
+    def train_dataloader(self) -> DataLoader:
+        skip = 0
+        if self.trainer is not None:
+            # batches of the current epoch already trained (restored from a checkpoint)
+            skip = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        loader = self._loader("train", self.hparams.shuffle)
+        if skip >= math.ceil(loader.sampler.num_samples / self.hparams.batch_size):
+            skip = 0  # the epoch had finished: the next one starts from its beginning
+        loader.sampler.skip = skip * self.hparams.batch_size
+        return loader
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val", False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test", False)
+
+    def test_corpus(self) -> RecallCorpus:
+        return self._corpus("test")
+
+
+def _collate(rows) -> dict[str, torch.Tensor]:
+    ids = torch.stack([r[0] for r in rows])
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}

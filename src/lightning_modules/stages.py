@@ -1,0 +1,475 @@
+"""The training stages, one LightningModule each (PAPER.md section 5).
+
+    TeacherPretraining   a small softmax Llama trained from scratch (the embedded default's teacher)
+    AttentionTransfer    stage 1: base frozen, feature maps (and mixer) learn the layer's softmax
+    HybridFinetune       stage 2: peft LoRA on q,k,v,o, next-token loss, hybrid or la_only mode
+
+Every stage builds its model in ``configure_model`` from a model id/path (``from_pretrained``)
+plus a ``HybridConfig`` dict, then loads ``init_from`` (the previous stage's ``stage.pt``) with
+exact key checks. Lightning checkpoints (for ``ckpt_path`` resume) keep only the trainable
+tensors; the frozen base is reloaded from its id. At the end of ``fit`` the stage writes
+``<default_root_dir>/stage.pt`` (format in ``hedgecats.models.checkpoint``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
+from torch import nn
+
+from ..models import HybridConfig, hybrid_layers, hybrid_parameter_names, set_attention_mode
+from ..models.checkpoint import (
+    add_lora,
+    build_hybrid,
+    read_stage,
+    resolve_dtype,
+    save_stage,
+    stage_tensors,
+    unwrap,
+)
+from ..models.ops.transfer import OBJECTIVES, transfer_loss
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "DEFAULT_LORA",
+    "AttentionTransfer",
+    "HybridFinetune",
+    "HybridStage",
+    "NonFiniteLossError",
+    "TeacherPretraining",
+]
+
+#: PAPER.md section 5: rank 8, alpha 16 on q, k, v, o
+DEFAULT_LORA = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0,
+                "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+STAGE_FILE = "stage.pt"
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN or inf; raised before the optimiser step, so no bad state is saved."""
+
+
+def _check_finite(module: pl.LightningModule, loss: torch.Tensor, batch_idx: int) -> None:
+    finite = bool(torch.isfinite(loss.detach()).all())
+    if module._trainer is not None and module.trainer.world_size > 1:
+        finite = module.trainer.strategy.reduce_boolean_decision(finite, all=True)
+    if not finite:
+        raise NonFiniteLossError(
+            f"{type(module).__name__}: non-finite loss ({loss.detach().float().item()!r} on this "
+            f"rank) at global step {module.global_step}, batch {batch_idx}. Stopped before the "
+            "optimiser step; no checkpoint of this step was written. Lower the learning rate, "
+            "use bf16/fp32 instead of fp16, or check the data; resume from the last checkpoint.")
+
+
+class _Stage(pl.LightningModule):
+    """Checkpoint plumbing shared by the stages: only trainable tensors go into a .ckpt."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model: nn.Module | None = None
+        self.strict_loading = False  # frozen base weights are not in the checkpoint (checked below)
+
+    def _trainable_keys(self) -> set[str]:
+        return {f"model.{n}" for n, p in self.model.named_parameters() if p.requires_grad}
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        keep = self._trainable_keys()
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keep}
+        checkpoint["hedgecats_rng"] = {"torch": torch.get_rng_state()}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        got, want = set(checkpoint["state_dict"]), self._trainable_keys()
+        if got != want:
+            raise KeyError(f"{type(self).__name__}: checkpoint tensors differ from this stage's "
+                           f"trainable parameters: unexpected {sorted(got - want)[:8]}, missing "
+                           f"{sorted(want - got)[:8]}. ckpt_path resumes the same stage; start the "
+                           "next stage with init_from=<stage.pt>")
+        rng = checkpoint.get("hedgecats_rng")
+        if rng is not None:
+            torch.set_rng_state(rng["torch"])
+
+    def _stage_dir(self) -> Path:
+        return Path(self.trainer.default_root_dir)
+
+
+class HybridStage(_Stage):
+    """A stage on a converted pretrained model (shared by stages 1 and 2)."""
+
+    def __init__(self, model_name_or_path: str, hybrid: dict | None = None,
+                 revision: str | None = None, init_from: str | None = None,
+                 torch_dtype: str | None = None, lr: float = 1e-2, weight_decay: float = 0.0,
+                 activation_checkpointing: bool = False) -> None:
+        super().__init__()
+        self.hybrid_config = HybridConfig.from_dict(hybrid or {})  # validated before any build
+
+    # ------------------------------------------------------------------ model
+    def _build_base(self) -> nn.Module:
+        h = self.hparams
+        model = build_hybrid(h.model_name_or_path, revision=h.revision,
+                             hybrid_config=self.hybrid_config, dtype=h.torch_dtype)
+        if h.init_from:
+            payload = read_stage(h.init_from)
+            if payload["lora_config"] is not None:
+                raise ValueError(f"init_from={h.init_from!r} carries LoRA weights; a stage "
+                                 "starting from it would silently drop them")
+            from ..models.checkpoint import load_tensors
+
+            load_tensors(model, payload["tensors"], required=hybrid_parameter_names(model))
+            log.info("loaded %d tensors from %s", len(payload["tensors"]), h.init_from)
+        return model
+
+    def _prepare(self, model: nn.Module) -> nn.Module:
+        raise NotImplementedError
+
+    def configure_model(self) -> None:
+        if self.model is not None:  # idempotent (Lightning may call it more than once)
+            return
+        self.model = self._prepare(self._build_base())
+        self.model.train()  # from_pretrained returns eval mode; SSD and checkpointing need train
+        if self.device_mesh is not None:
+            self._shard()
+
+    def _fsdp_ignored(self) -> set[nn.Parameter]:
+        return set()
+
+    def _shard(self) -> None:
+        """FSDP2 (``ModelParallelStrategy``): ``fully_shard`` per decoder layer, then the root."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = self.device_mesh["data_parallel"] if "data_parallel" in \
+            (self.device_mesh.mesh_dim_names or ()) else self.device_mesh
+        mp = MixedPrecisionPolicy(param_dtype=resolve_dtype(self.hparams.torch_dtype))
+        ignored = self._fsdp_ignored()
+        inner = unwrap(self.model)
+        for layer in inner.model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=mp,
+                        ignored_params={p for p in layer.parameters() if p in ignored} or None)
+        fully_shard(self.model, mesh=mesh, mp_policy=mp,
+                    ignored_params={p for p in self.model.parameters() if p in ignored} or None)
+
+    def trainable_parameter_names(self) -> list[str]:
+        """Names in ``unwrap(model).named_parameters()`` of what this stage trains."""
+        return sorted(n for n, p in unwrap(self.model).named_parameters() if p.requires_grad)
+
+    # ------------------------------------------------------------------ export
+    def _export_hybrid_config(self) -> dict:
+        """The conversion config, with the window the layers run at now (SSD may change it)."""
+        cfg = self.hybrid_config.to_dict()
+        windows = {i: a.hedgecats.window for i, a in hybrid_layers(unwrap(self.model))}
+        if any(w != self.hybrid_config.window_for(i) for i, w in windows.items()):
+            if len(set(windows.values())) == 1:
+                cfg["window"], cfg["layer_windows"] = next(iter(windows.values())), None
+            else:
+                cfg["layer_windows"] = windows
+        cfg["ssd_p"] = 0.0
+        return cfg
+
+    def _lora_config(self) -> dict | None:
+        return None
+
+    def export(self, path: str | Path) -> Path | None:
+        """Write the stage checkpoint (rank 0 writes; every rank must call it under FSDP2)."""
+        tensors = stage_tensors(self.model)
+        if not self.trainer.is_global_zero:
+            return None
+        h = self.hparams
+        return save_stage(path, self.model, base_model=h.model_name_or_path, revision=h.revision,
+                          hybrid_config=self._export_hybrid_config(),
+                          lora_config=self._lora_config(), stage=type(self).__name__,
+                          tensors=tensors,
+                          meta={"global_step": self.global_step, "torch_dtype": h.torch_dtype,
+                                "init_from": h.init_from})
+
+    def on_fit_end(self) -> None:
+        self.export(self._stage_dir() / STAGE_FILE)
+
+    def _batch(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return batch["input_ids"], batch.get("attention_mask")
+
+
+class AttentionTransfer(HybridStage):
+    """Stage 1: the frozen model's own softmax attention teaches each layer's feature maps.
+
+    The model runs in ``softmax`` mode (so the residual stream is the teacher's) under
+    ``torch.no_grad``; an observer receives each converted layer's q, k, v, computes that layer's
+    loss with gradients on ``phi_q``, ``phi_k`` (and the mixer), and backpropagates it at once.
+    Peak memory therefore holds one layer's student graph, whatever the depth. The per-layer
+    losses are averaged; each is logged as ``transfer/layer_07/<objective>``.
+
+    Args:
+        objective: ``weights_xent | la_output_mse | hybrid_output_mse``.
+        train_mixer: train the mixer's parameters too (when it has any).
+        xent_block: query-block size of the weights cross-entropy.
+        accumulate_grad_batches: micro-batches per optimiser step (manual optimisation; the
+            Trainer's own option does not apply).
+        lr: AdamW learning rate (paper: 1e-2).
+    Other arguments: see ``HybridStage``.
+    """
+
+    def __init__(self, model_name_or_path: str, hybrid: dict | None = None,
+                 objective: str = "weights_xent", revision: str | None = None,
+                 init_from: str | None = None, torch_dtype: str | None = None, lr: float = 1e-2,
+                 weight_decay: float = 0.0, train_mixer: bool = True, xent_block: int = 64,
+                 accumulate_grad_batches: int = 1, activation_checkpointing: bool = False) -> None:
+        if objective not in OBJECTIVES:
+            raise ValueError(f"objective={objective!r} is not valid; choose one of "
+                             f"{', '.join(OBJECTIVES)}")
+        if accumulate_grad_batches < 1:
+            raise ValueError(f"accumulate_grad_batches={accumulate_grad_batches!r} must be >= 1")
+        super().__init__(model_name_or_path, hybrid, revision, init_from, torch_dtype, lr,
+                         weight_decay, activation_checkpointing)
+        self.save_hyperparameters()
+        self.automatic_optimization = False
+
+    def _prepare(self, model: nn.Module) -> nn.Module:
+        model.requires_grad_(False)
+        for name, p in model.named_parameters():
+            if ".phi_q." in name or ".phi_k." in name or (self.hparams.train_mixer and ".mixer." in name):
+                p.requires_grad_(True)
+        return model
+
+    def _fsdp_ignored(self) -> set[nn.Parameter]:
+        # kept replicated: their gradients come from per-layer backward calls outside FSDP's
+        # hooks (the forward runs without grad), and are averaged by hand
+        return {p for p in self.model.parameters() if p.requires_grad}
+
+    def _ddp_model(self):
+        strategy = self.trainer.strategy
+        return strategy.model if isinstance(strategy, DDPStrategy) else None
+
+    def on_train_batch_start(self, batch, batch_idx) -> None:
+        ddp = self._ddp_model()
+        if ddp is not None:  # gradients are averaged by hand in _sync_grads
+            ddp.require_backward_grad_sync = False
+
+    def _sync_grads(self) -> None:
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return
+        world = dist.get_world_size()
+        for p in self.model.parameters():
+            if p.requires_grad:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+                p.grad.div_(world)
+
+    def _layer_losses(self, batch: dict, backward_scale: float | None) -> dict[int, torch.Tensor]:
+        ids, mask = self._batch(batch)
+        n_layers = sum(1 for _ in hybrid_layers(unwrap(self.model)))
+        losses: dict[int, torch.Tensor] = {}
+        objective, block = self.hparams.objective, self.hparams.xent_block
+
+        def observer(module, query, key, value, key_padding_mask):
+            with torch.enable_grad():
+                loss = transfer_loss(objective, module, query, key, value, key_padding_mask,
+                                     xent_block=block)
+                if backward_scale is not None:
+                    if not torch.isfinite(loss.detach()):
+                        losses[module.hedgecats.layer_idx] = loss.detach()
+                        return  # reported by _check_finite before any optimiser step
+                    loss_scaled = loss * (backward_scale / n_layers)
+                    if self._ddp_model() is not None or self.device_mesh is not None:
+                        loss_scaled.backward()  # grads averaged by hand, not by DDP/FSDP hooks
+                    else:
+                        self.manual_backward(loss_scaled)
+            losses[module.hedgecats.layer_idx] = loss.detach()
+
+        inner = unwrap(self.model)
+        set_attention_mode(inner, "softmax", observer=observer)
+        try:
+            with torch.no_grad():
+                inner.model(input_ids=ids, attention_mask=mask)  # decoder only: no logits needed
+        finally:
+            set_attention_mode(inner, observer=None)
+        return losses
+
+    def _log_losses(self, prefix: str, losses: dict[int, torch.Tensor], on_step: bool) -> torch.Tensor:
+        loss = torch.stack([losses[i] for i in sorted(losses)]).mean()
+        obj = self.hparams.objective
+        for i, v in losses.items():
+            self.log(f"transfer/layer_{i:02d}/{obj}" if prefix == "train" else
+                     f"val/transfer/layer_{i:02d}/{obj}", v, on_step=on_step, on_epoch=not on_step,
+                     sync_dist=not on_step)
+        self.log(f"{prefix}/loss", loss, prog_bar=True, on_step=on_step, on_epoch=not on_step,
+                 sync_dist=not on_step)
+        return loss
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        opt = self.optimizers()
+        accum = self.hparams.accumulate_grad_batches
+        losses = self._layer_losses(batch, backward_scale=1.0 / accum)
+        loss = torch.stack([losses[i] for i in sorted(losses)]).mean()
+        _check_finite(self, loss, batch_idx)
+        if (batch_idx + 1) % accum == 0:
+            self._sync_grads()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        self._log_losses("train", losses, on_step=True)
+        return loss
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        self._log_losses("val", self._layer_losses(batch, backward_scale=None), on_step=False)
+
+    def configure_optimizers(self):
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        return torch.optim.AdamW(params, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+
+
+class HybridFinetune(HybridStage):
+    """Stage 2: LoRA fine-tuning of the converted model on next-token prediction.
+
+    Args:
+        lora: ``peft.LoraConfig`` keyword arguments (default ``DEFAULT_LORA``: r 8, alpha 16 on
+            q, k, v, o projections).
+        train_feature_maps: also train ``phi_q``, ``phi_k`` and mixer parameters (paper: frozen).
+        mode: ``hybrid`` or ``la_only`` (pure-LA fine-tuning; use with ``la_span="all"``).
+        la_span: ``outside | all`` for ``la_only``.
+        lr: AdamW learning rate (paper: 1e-4); ``ReduceLROnPlateau`` on ``val/loss`` with
+            ``plateau_factor`` and ``plateau_patience`` (epochs).
+    Other arguments: see ``HybridStage``.
+    """
+
+    MODES = ("hybrid", "la_only")
+
+    def __init__(self, model_name_or_path: str, hybrid: dict | None = None,
+                 revision: str | None = None, init_from: str | None = None,
+                 torch_dtype: str | None = None, lora: dict | None = None,
+                 train_feature_maps: bool = False, mode: str = "hybrid", la_span: str = "outside",
+                 lr: float = 1e-4, weight_decay: float = 0.0, plateau_factor: float = 0.1,
+                 plateau_patience: int = 0, activation_checkpointing: bool = False) -> None:
+        if mode not in self.MODES:
+            raise ValueError(f"mode={mode!r} is not valid for fine-tuning; choose one of "
+                             f"{', '.join(self.MODES)}")
+        super().__init__(model_name_or_path, hybrid, revision, init_from, torch_dtype, lr,
+                         weight_decay, activation_checkpointing)
+        self.save_hyperparameters()
+        self.lora = dict(DEFAULT_LORA if lora is None else lora)
+
+    def _lora_config(self) -> dict:
+        return self.lora
+
+    def _prepare(self, model: nn.Module) -> nn.Module:
+        h = self.hparams
+        set_attention_mode(model, h.mode, la_span=h.la_span)
+        if h.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model = add_lora(model, self.lora)  # freezes everything but LoRA
+        if h.train_feature_maps:
+            for name, p in unwrap(model).named_parameters():
+                if any(f".{part}." in name for part in ("phi_q", "phi_k", "mixer")):
+                    p.requires_grad_(True)
+        return model
+
+    def _lm_loss(self, batch: dict) -> torch.Tensor:
+        ids, mask = self._batch(batch)
+        labels = ids if mask is None else ids.masked_fill(mask == 0, -100)
+        return self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        loss = self._lm_loss(batch)
+        _check_finite(self, loss, batch_idx)
+        self.log("train/loss", loss, prog_bar=True, on_step=True)
+        return loss
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        self.log("val/loss", self._lm_loss(batch), prog_bar=True, sync_dist=True)
+
+    def test_step(self, batch: dict, batch_idx: int) -> None:
+        self.log("test/loss", self._lm_loss(batch), sync_dist=True)
+
+    def configure_optimizers(self):
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+        sched = torch.optim.lr_scheduler.ReduceLROnPlateau(
+            opt, mode="min", factor=self.hparams.plateau_factor,
+            patience=self.hparams.plateau_patience)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "monitor": "val/loss",
+                                                   "interval": "epoch", "strict": False}}
+
+
+class TeacherPretraining(_Stage):
+    """Pretrain a small softmax Llama from scratch: the embedded default's teacher.
+
+    At the end of ``fit`` the model (and the datamodule's ``tokenizer``, if any) is saved with
+    ``save_pretrained`` to ``<default_root_dir>/model``: a base model for ``from_pretrained``.
+    The learning rate warms up linearly for ``warmup_steps`` and decays by cosine to
+    ``min_lr_ratio * lr`` at ``trainer.max_steps`` (which must be set).
+    """
+
+    def __init__(self, vocab_size: int = 258, hidden_size: int = 128, num_layers: int = 4,
+                 num_heads: int = 4, num_kv_heads: int | None = None,
+                 intermediate_size: int | None = None, max_position_embeddings: int = 1024,
+                 rope_theta: float = 10000.0, pad_token_id: int | None = 256,
+                 eos_token_id: int | None = 257, lr: float = 3e-3, weight_decay: float = 0.1,
+                 warmup_steps: int = 50, min_lr_ratio: float = 0.1, seed: int = 0) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        h = self.hparams
+        cfg = LlamaConfig(
+            vocab_size=h.vocab_size, hidden_size=h.hidden_size, num_hidden_layers=h.num_layers,
+            num_attention_heads=h.num_heads, num_key_value_heads=h.num_kv_heads or h.num_heads,
+            intermediate_size=h.intermediate_size or 4 * h.hidden_size,
+            max_position_embeddings=h.max_position_embeddings, rope_theta=h.rope_theta,
+            pad_token_id=h.pad_token_id, eos_token_id=h.eos_token_id, bos_token_id=None,
+            tie_word_embeddings=False)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(h.seed)
+            self.model = LlamaForCausalLM(cfg)
+        self.model.config._attn_implementation = "sdpa"
+
+    def _lm_loss(self, batch: dict) -> torch.Tensor:
+        ids, mask = batch["input_ids"], batch.get("attention_mask")
+        labels = ids if mask is None else ids.masked_fill(mask == 0, -100)
+        return self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        loss = self._lm_loss(batch)
+        _check_finite(self, loss, batch_idx)
+        self.log("train/loss", loss, prog_bar=True, on_step=True)
+        return loss
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        self.log("val/loss", self._lm_loss(batch), prog_bar=True, sync_dist=True)
+
+    def configure_optimizers(self):
+        h = self.hparams
+        decay = [p for n, p in self.model.named_parameters() if p.dim() >= 2]
+        no_decay = [p for n, p in self.model.named_parameters() if p.dim() < 2]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": h.weight_decay},
+                                 {"params": no_decay, "weight_decay": 0.0}], lr=h.lr,
+                                betas=(0.9, 0.95))
+
+        def factor(step: int) -> float:
+            total = self.trainer.max_steps
+            if total is None or total < 1:
+                raise ValueError("TeacherPretraining needs trainer.max_steps for its schedule")
+            if step < h.warmup_steps:
+                return (step + 1) / h.warmup_steps
+            t = min(1.0, (step - h.warmup_steps) / max(1, total - h.warmup_steps))
+            return h.min_lr_ratio + (1 - h.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def on_fit_end(self) -> None:
+        if not self.trainer.is_global_zero:
+            return
+        out = self._stage_dir() / "model"
+        self.model.save_pretrained(out)
+        dm = self.trainer.datamodule
+        tok = getattr(dm, "tokenizer", None) if dm is not None else None
+        if tok is not None:
+            tok.save_pretrained(out)

@@ -1,0 +1,235 @@
+"""Stage checkpoints: the few trained tensors of a hybrid, and how to rebuild the model from them.
+
+A stage checkpoint (``stage.pt``, written with ``torch.save``) never holds the frozen base
+weights; it is a plain dict (no Lightning object inside, loadable with ``weights_only=True``):
+
+    format         "hedgecats-stage/1"
+    stage          name of the stage class that wrote it (e.g. "AttentionTransfer")
+    base_model     id or path given to ``AutoModelForCausalLM.from_pretrained``
+    revision       its revision (``None`` = default branch / a local directory)
+    hybrid_config  ``HybridConfig.to_dict()`` used at conversion (``None``: not converted)
+    lora_config    keyword arguments of ``peft.LoraConfig`` (``None``: no LoRA)
+    tensors        {name: tensor}: every trainable tensor and every feature-map, mixer and
+                   LoRA tensor (trained in an earlier stage or this one), named as in
+                   ``unwrap(model).named_parameters()`` -- the transformers model itself, with
+                   peft's LoRA layers injected in place when there is LoRA, e.g.
+                   ``model.layers.0.self_attn.phi_q.weight`` and
+                   ``model.layers.0.self_attn.q_proj.lora_A.default.weight``
+    meta           free-form dict (steps, metrics, torch_dtype)
+
+``load_hybrid(path)`` rebuilds base model + conversion + feature maps + LoRA (merged by default)
+from it. Loading is exact: a tensor the model does not have, or a hybrid / LoRA parameter the
+checkpoint does not have, raises ``KeyError``. This module never imports lightning.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .config import HybridConfig
+from .convert import convert_to_hybrid, hybrid_parameter_names
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "DTYPES",
+    "FORMAT",
+    "build_hybrid",
+    "load_hybrid",
+    "load_tensors",
+    "read_stage",
+    "save_stage",
+    "stage_tensors",
+    "trainable_tensors",
+    "unwrap",
+]
+
+FORMAT = "hedgecats-stage/1"
+#: names accepted wherever a dtype is configured in YAML
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_LORA_MARK = ".lora_"
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The transformers model inside a peft ``PeftModel`` (LoRA layers stay injected)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A plain CPU tensor, gathering a DTensor (FSDP2) first: a collective on every rank."""
+    if hasattr(t, "full_tensor"):
+        t = t.full_tensor()
+    return t.detach().to("cpu").clone()
+
+
+def trainable_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """{name: CPU copy} of every parameter with ``requires_grad``, names as in ``unwrap(model)``."""
+    return {n: _full(p) for n, p in unwrap(model).named_parameters() if p.requires_grad}
+
+
+def stage_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What a stage checkpoint holds: every trainable tensor, plus every hybrid (feature map,
+    mixer) and LoRA parameter even when frozen in this stage -- the model is not complete
+    without them. Never the base weights."""
+    inner = unwrap(model)
+    keep = set(hybrid_parameter_names(inner)) | set(lora_parameter_names(inner))
+    return {n: _full(p) for n, p in inner.named_parameters() if p.requires_grad or n in keep}
+
+
+def save_stage(path: str | os.PathLike, model: nn.Module, *, base_model: str,
+               revision: str | None = None, hybrid_config: HybridConfig | dict | None = None,
+               lora_config: dict | None = None, stage: str | None = None,
+               tensors: dict[str, torch.Tensor] | None = None, meta: dict | None = None) -> Path:
+    """Write a stage checkpoint (format in the module docstring); returns its path.
+
+    ``tensors`` defaults to ``stage_tensors(model)``. The file is written atomically (a
+    temporary name, then renamed), so a crash never leaves a half-written ``stage.pt``.
+    """
+    if isinstance(hybrid_config, HybridConfig):
+        hybrid_config = hybrid_config.to_dict()
+    tensors = stage_tensors(model) if tensors is None else tensors
+    if not tensors:
+        raise ValueError("the model has no trainable tensors: nothing to save in a stage checkpoint")
+    payload = {"format": FORMAT, "stage": stage, "base_model": str(base_model),
+               "revision": revision, "hybrid_config": hybrid_config,
+               "lora_config": lora_config, "tensors": tensors, "meta": dict(meta or {})}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(payload, tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def read_stage(path: str | os.PathLike) -> dict:
+    """Load and validate a stage checkpoint dict (tensors on CPU)."""
+    payload = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        got = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
+        raise ValueError(f"{str(path)!r} is not a hedgecats stage checkpoint (format {got!r}, "
+                         f"expected {FORMAT!r}); a Lightning .ckpt resumes a stage with ckpt_path, "
+                         "stage.pt starts the next one with init_from")
+    return payload
+
+
+def build_hybrid(base_model: str, *, revision: str | None = None,
+                 hybrid_config: HybridConfig | dict | None = None, lora_config: dict | None = None,
+                 dtype: str | torch.dtype | None = None, device: str | torch.device | None = None
+                 ) -> nn.Module:
+    """Base model from ``from_pretrained`` -> ``convert_to_hybrid`` -> peft LoRA (if any).
+
+    Every base parameter is frozen; the caller decides what trains. Returns the ``PeftModel``
+    when there is LoRA, else the transformers model.
+    """
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_model, revision=revision,
+                                                 dtype=resolve_dtype(dtype))
+    if device is not None:
+        model.to(device)
+    model.requires_grad_(False)
+    if hybrid_config is not None:
+        if isinstance(hybrid_config, dict):
+            hybrid_config = HybridConfig.from_dict(hybrid_config)
+        convert_to_hybrid(model, hybrid_config)
+        model.requires_grad_(False)
+    if lora_config is not None:
+        model = add_lora(model, lora_config)
+    return model
+
+
+def add_lora(model: nn.Module, lora_config: dict) -> nn.Module:
+    """Wrap with peft LoRA (``lora_config``: ``peft.LoraConfig`` keyword arguments)."""
+    from peft import LoraConfig, get_peft_model
+
+    cfg = dict(lora_config)
+    cfg.setdefault("task_type", "CAUSAL_LM")
+    return get_peft_model(model, LoraConfig(**cfg))
+
+
+def lora_parameter_names(model: nn.Module) -> list[str]:
+    return [n for n, _ in unwrap(model).named_parameters() if _LORA_MARK in n]
+
+
+def load_tensors(model: nn.Module, tensors: dict[str, torch.Tensor], *,
+                 required: Iterable[str] | None = None) -> list[str]:
+    """Copy ``tensors`` into ``unwrap(model)``'s parameters by name, exactly.
+
+    Raises ``KeyError`` for a name the model lacks (unexpected) and for a ``required`` name the
+    tensors lack (missing; default: every hybrid and LoRA parameter of the model). Shapes must
+    match. Returns the loaded names.
+    """
+    inner = unwrap(model)
+    params = dict(inner.named_parameters())
+    unexpected = sorted(set(tensors) - set(params))
+    if unexpected:
+        raise KeyError(f"checkpoint tensors not in the model: {unexpected[:8]}"
+                       f"{' ...' if len(unexpected) > 8 else ''} ({len(unexpected)} in all); "
+                       "was it written for another base model, conversion or LoRA config?")
+    if required is None:
+        required = set(hybrid_parameter_names(inner)) | set(lora_parameter_names(inner))
+    missing = sorted(set(required) - set(tensors))
+    if missing:
+        raise KeyError(f"model parameters absent from the checkpoint: {missing[:8]}"
+                       f"{' ...' if len(missing) > 8 else ''} ({len(missing)} in all)")
+    with torch.no_grad():
+        for name, t in tensors.items():
+            p = params[name]
+            if tuple(p.shape) != tuple(t.shape):
+                raise ValueError(f"shape mismatch for {name!r}: model {tuple(p.shape)}, "
+                                 f"checkpoint {tuple(t.shape)}")
+            p.copy_(t.to(device=p.device, dtype=p.dtype))
+    return sorted(tensors)
+
+
+def load_hybrid(path: str | os.PathLike, *, device: str | torch.device = "cpu",
+                dtype: str | torch.dtype | None = None, merge_lora: bool = True,
+                base_model: str | None = None):
+    """Rebuild a trained hybrid from a stage checkpoint, without Lightning.
+
+    Args:
+        path: a ``stage.pt`` (format in the module docstring).
+        device, dtype: where and in what dtype to build the base model (default: the dtype the
+            stage trained with, recorded in ``meta["torch_dtype"]``, else the checkpoint's own).
+        merge_lora: merge LoRA into the base weights and return the plain transformers model
+            (default); ``False`` returns the ``PeftModel``.
+        base_model: override the recorded base model id/path (e.g. the run directory moved).
+
+    Returns:
+        ``(model, tokenizer, info)``: the model in eval mode; the tokenizer from the base model's
+        id/path (``None`` if it has none); ``info`` = the checkpoint dict without ``tensors``.
+    """
+    payload = read_stage(path)
+    base = base_model or payload["base_model"]
+    dtype = dtype if dtype is not None else payload["meta"].get("torch_dtype")
+    model = build_hybrid(base, revision=payload["revision"], hybrid_config=payload["hybrid_config"],
+                         lora_config=payload["lora_config"], dtype=dtype, device=device)
+    load_tensors(model, payload["tensors"])
+    if payload["lora_config"] is not None and merge_lora:
+        model = model.merge_and_unload()
+    model.eval()
+    tokenizer = None
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(base, revision=payload["revision"])
+    except (OSError, ValueError) as err:  # a base model saved without a tokenizer
+        log.info("no tokenizer for %r (%s)", base, err)
+    info = {k: v for k, v in payload.items() if k != "tensors"}
+    info["tensor_names"] = sorted(payload["tensors"])
+    return model, tokenizer, info

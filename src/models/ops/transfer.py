@@ -1,0 +1,152 @@
+"""Attention-transfer objectives (PAPER.md section 5, stage 1), one layer at a time.
+
+The teacher is the layer's own causal softmax attention on the same (detached) q, k, v; the
+student is the layer's feature maps (and mixer). Three objectives, each a scalar averaged over
+real query positions and heads:
+
+    weights_xent       -sum_t sum_{i<=t} A_soft[t,i] log A_phi[t,i]   (HedgeHog; summed over keys,
+                       averaged over queries) with A_phi[t,i] = fq_t.fk_i / sum_{j<=t} fq_t.fk_j
+    la_output_mse      mean || O_soft - O_LA ||^2     (LA over all causal keys)
+    hybrid_output_mse  mean || O_soft - (g O_SWA + (1-g) O_LA) ||^2   (LoLCATs; the layer's mixer)
+
+Outputs are compared before ``o_proj``; the MSE is the mean over (B, H, T, D) of real queries.
+
+``weights_xent`` is quadratic in T. It runs over query blocks, and each block is recomputed in
+the backward pass (``torch.utils.checkpoint``), so at most one ``(B, H, block, T)`` score tile is
+alive at a time: peak memory is ``O(B H block T)``, independent of the number of layers when the
+caller backpropagates each layer's loss as soon as it has it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from . import backends
+from .hybrid import hybrid_attention
+from .reference import repeat_kv
+
+__all__ = ["OBJECTIVES", "hybrid_output_mse", "la_output_mse", "transfer_loss", "weights_xent"]
+
+OBJECTIVES = ("weights_xent", "la_output_mse", "hybrid_output_mse")
+
+
+def _xent_block(q_blk, k, fq_blk, fk, qpos, kpm, scale: float, eps: float):
+    """Summed cross-entropy of one query block. q_blk (B,H,b,D), k (B,H,Tk,D), fq_blk (B,H,b,F),
+    fk (B,H,Tk,F), qpos (b,) absolute positions, kpm (B,Tk) bool or None."""
+    Tk = k.shape[2]
+    allowed = torch.arange(Tk, device=q_blk.device)[None, :] <= qpos[:, None]  # (b, Tk)
+    allowed = allowed[None, None]  # (1, 1, b, Tk)
+    if kpm is not None:
+        allowed = allowed & kpm[:, None, None, :]
+    with torch.no_grad():  # the teacher: detached
+        s = torch.einsum("bhqd,bhkd->bhqk", q_blk.float(), k.float()) * scale
+        a_soft = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)
+        a_soft = torch.nan_to_num(a_soft, nan=0.0)  # a query with no visible key (padding)
+    a = torch.einsum("bhqf,bhkf->bhqk", fq_blk.float(), fk.float())
+    a = a.masked_fill(~allowed, 0.0)
+    log_den = torch.log(a.sum(dim=-1, keepdim=True).clamp_min(eps))
+    log_a = torch.log(a.clamp_min(eps)) - log_den
+    xent = -(a_soft * log_a).sum(dim=-1)  # (B, H, b)
+    if kpm is not None:  # padded queries do not count
+        xent = xent * kpm[:, None, qpos].to(xent.dtype)
+    return xent.sum()
+
+
+def weights_xent(q: torch.Tensor, k: torch.Tensor, fq: torch.Tensor, fk: torch.Tensor, *,
+                 scale: float | None = None, key_padding_mask: torch.Tensor | None = None,
+                 block: int = 64, eps: float = 1e-6) -> torch.Tensor:
+    """HedgeHog attention-weight cross-entropy, blocked over queries (see the module docstring).
+
+    Args: q (B, H, T, D), k (B, Hkv, T, D) with RoPE; fq (B, H, T, F), fk (B, Hkv, T, F);
+    key_padding_mask (B, T) bool, True = real. Only ``fq`` and ``fk`` receive gradients.
+    Features ``<= eps`` (e.g. activation ``none``) are clamped before the log.
+    """
+    B, H, T, D = q.shape
+    scale = D ** -0.5 if scale is None else scale
+    k, fk = repeat_kv(k.detach(), H), repeat_kv(fk, H)
+    q = q.detach()
+    kpm = None if key_padding_mask is None else key_padding_mask.bool()
+    total = fq.new_zeros((), dtype=torch.float32)
+    for qs in range(0, T, block):
+        qe = min(qs + block, T)
+        qpos = torch.arange(qs, qe, device=q.device)
+        args = (q[:, :, qs:qe], k[:, :, :qe], fq[:, :, qs:qe], fk[:, :, :qe], qpos,
+                None if kpm is None else kpm[:, :qe], scale, eps)
+        if torch.is_grad_enabled() and (fq.requires_grad or fk.requires_grad):
+            total = total + checkpoint(_xent_block, *args, use_reentrant=False)
+        else:
+            total = total + _xent_block(*args)
+    return total / _n_queries(kpm, B, T, device=q.device) / H
+
+
+def _n_queries(kpm, B: int, T: int, device) -> torch.Tensor:
+    if kpm is None:
+        return torch.tensor(float(B * T), device=device)
+    return kpm.sum().float().clamp_min(1.0)
+
+
+def _masked_mse(student: torch.Tensor, teacher: torch.Tensor, kpm) -> torch.Tensor:
+    err = (student.float() - teacher.float()).pow(2)  # (B, H, T, D)
+    if kpm is None:
+        return err.mean()
+    w = kpm[:, None, :, None].float()
+    return (err * w).sum() / (w.sum() * err.shape[1] * err.shape[3]).clamp_min(1.0)
+
+
+def _teacher_output(q, k, v, scale, kpm, backend):
+    with torch.no_grad():
+        ops = backends.select(backend, q, kpm)
+        return ops.softmax(q.detach(), k.detach(), v.detach(), scale=scale, key_padding_mask=kpm)
+
+
+def la_output_mse(q, k, v, fq, fk, *, scale: float | None = None,
+                  key_padding_mask: torch.Tensor | None = None, eps: float = 1e-6,
+                  backend: str = "auto") -> torch.Tensor:
+    """``mean ||O_soft - O_LA||^2`` with LA over all causal keys. Shapes as ``weights_xent``,
+    v (B, Hkv, T, D)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    o_soft = _teacher_output(q, k, v, scale, key_padding_mask, backend)
+    ops = backends.select(backend, q, key_padding_mask)
+    o_la, _, _ = ops.linear(fq, fk, v.detach(), shift=0, eps=eps, need_den=False,
+                            key_padding_mask=key_padding_mask)
+    return _masked_mse(o_la, o_soft, key_padding_mask)
+
+
+def hybrid_output_mse(q, k, v, fq, fk, *, window: int, g=0.5, shared_norm: bool = False,
+                      overlap: bool = False, scale: float | None = None,
+                      key_padding_mask: torch.Tensor | None = None, eps: float = 1e-6,
+                      backend: str = "auto") -> torch.Tensor:
+    """``mean ||O_soft - hybrid||^2``, the hybrid as ``ops.hybrid_attention(mode="hybrid")``."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    o_soft = _teacher_output(q, k, v, scale, key_padding_mask, backend)
+    o_hyb = hybrid_attention(q.detach(), k.detach(), v.detach(), fq, fk, window=window,
+                             mode="hybrid", g=g, shared_norm=shared_norm, overlap=overlap,
+                             key_padding_mask=key_padding_mask, scale=scale, eps=eps,
+                             backend=backend)
+    return _masked_mse(o_hyb, o_soft, key_padding_mask)
+
+
+def transfer_loss(objective: str, module, query, key, value, key_padding_mask=None, *,
+                  xent_block: int = 64) -> torch.Tensor:
+    """One converted layer's loss: ``module`` is its ``self_attn`` (``phi_q``, ``phi_k``,
+    ``mixer``, ``hedgecats`` runtime), q/k/v as the attention function receives them."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"unknown transfer objective {objective!r}; valid: {', '.join(OBJECTIVES)}")
+    rt = module.hedgecats
+    q, k, v = query.detach(), key.detach(), value.detach()
+    scale = getattr(module, "scaling", None)
+    fq, fk = module.phi_q(q), module.phi_k(k)
+    if objective == "weights_xent":
+        return weights_xent(q, k, fq, fk, scale=scale, key_padding_mask=key_padding_mask,
+                            block=xent_block, eps=rt.eps)
+    if objective == "la_output_mse":
+        return la_output_mse(q, k, v, fq, fk, scale=scale, key_padding_mask=key_padding_mask,
+                             eps=rt.eps, backend=rt.backend)
+    if type(module.mixer).__name__ == "OutputGateMixer":
+        raise ValueError("hybrid_output_mse with an output-gate mixer needs the layer input, which "
+                         "the attention observer does not receive; use mixer fixed, learned_head "
+                         "or shared_norm for this objective")
+    return hybrid_output_mse(q, k, v, fq, fk, window=rt.window, g=module.mixer(None),
+                             shared_norm=module.mixer.shared_norm, overlap=rt.overlap, scale=scale,
+                             key_padding_mask=key_padding_mask, eps=rt.eps, backend=rt.backend)

@@ -1,0 +1,174 @@
+"""Each stage a few steps on CPU with a tiny model: trainable sets, hand-off, checkpoints."""
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from hedgecats.lightning_modules import (
+    AttentionTransfer,
+    CheckpointOnInterrupt,
+    HybridFinetune,
+    NonFiniteLossError,
+    RecallDataModule,
+    TeacherPretraining,
+)
+from hedgecats.lightning_modules.tiny import save_tiny_llama
+from hedgecats.models import hybrid_layers
+from hedgecats.models.checkpoint import read_stage, unwrap
+from hedgecats.models.ops.transfer import transfer_loss
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+HYB = {"window": 8}
+LAYERS = (0, 1)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    return str(save_tiny_llama(tmp_path_factory.mktemp("base") / "tiny"))
+
+
+def _dm(**kw):
+    args = {"seq_len": 64, "window": 8, "far_min": 20, "far_max": 50, "num_train": 48, "num_val": 8,
+                "num_test": 8, "batch_size": 4}
+    args.update(kw)
+    return RecallDataModule(**args)
+
+
+def _trainer(root, steps=3, **kw):
+    args = {"max_steps": steps, "default_root_dir": str(root), "logger": False,
+                "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False,
+                "limit_val_batches": 1, "num_sanity_val_steps": 0}
+    args.update(kw)
+    return pl.Trainer(**args)
+
+
+def _phi_names(mixer=False):
+    parts = ["phi_k.bias", "phi_k.weight", "phi_q.bias", "phi_q.weight"]
+    if mixer:
+        parts.append("mixer.logit_g")
+    return sorted(f"model.layers.{i}.self_attn.{p}" for i in LAYERS for p in parts)
+
+
+def test_attention_transfer_trains_only_feature_maps(base, tmp_path):
+    m = AttentionTransfer(base, hybrid={**HYB, "mixer": "learned_head"})
+    m.configure_model()
+    assert m.trainable_parameter_names() == _phi_names(mixer=True)
+    frozen = {n: p.clone() for n, p in m.model.named_parameters() if not p.requires_grad}
+    before = {n: p.clone() for n, p in m.model.named_parameters() if p.requires_grad}
+    tr = _trainer(tmp_path, steps=3, val_check_interval=2)
+    tr.fit(m, datamodule=_dm())
+    assert all(torch.equal(p, frozen[n]) for n, p in m.model.named_parameters() if n in frozen)
+    assert all(not torch.equal(p, before[n]) for n, p in m.model.named_parameters()
+               if n in before and "logit_g" not in n)  # the mixer gets no xent gradient
+    logged = tr.callback_metrics
+    assert {"train/loss", "transfer/layer_00/weights_xent", "transfer/layer_01/weights_xent",
+            "val/loss"} <= set(logged)
+    payload = read_stage(tmp_path / "stage.pt")
+    assert sorted(payload["tensors"]) == _phi_names(mixer=True)
+    assert payload["stage"] == "AttentionTransfer" and payload["lora_config"] is None
+
+
+def test_per_layer_backward_equals_one_joint_backward(base):
+    """Backpropagating each layer's loss inside the observer gives the gradient of the mean."""
+    for objective in ("weights_xent", "la_output_mse", "hybrid_output_mse"):
+        m = AttentionTransfer(base, hybrid=HYB, objective=objective)
+        m.configure_model()
+        batch = next(iter(_dm(batch_size=2).val_dataloader()))
+        tr = _trainer("/tmp", steps=1)
+        tr.strategy.connect(m)  # manual_backward needs a trainer
+        m.trainer = tr
+        losses = m._layer_losses(batch, backward_scale=1.0)
+        per_layer = {n: p.grad.clone() for n, p in m.model.named_parameters() if p.requires_grad}
+        m.model.zero_grad()
+        joint = []
+        inner = unwrap(m.model)
+        for _, attn in hybrid_layers(inner):
+            attn.hedgecats.observer = lambda mod, q, k, v, kpm, joint=joint, obj=objective: \
+                joint.append(transfer_loss(obj, mod, q, k, v, kpm))
+            attn.hedgecats.mode = "softmax"
+        inner.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        torch.stack(joint).mean().backward()
+        torch.testing.assert_close(torch.stack([losses[i] for i in LAYERS]),
+                                   torch.stack(joint).detach())
+        for n, p in m.model.named_parameters():
+            if p.requires_grad:
+                torch.testing.assert_close(p.grad, per_layer[n], rtol=1e-4, atol=1e-7)
+
+
+def test_hand_off_and_finetune_trainable_set(base, tmp_path):
+    s1 = AttentionTransfer(base, hybrid=HYB)
+    _trainer(tmp_path / "s1", steps=2).fit(s1, datamodule=_dm())
+    phi = read_stage(tmp_path / "s1" / "stage.pt")["tensors"]
+
+    m = HybridFinetune(base, hybrid=HYB, init_from=str(tmp_path / "s1" / "stage.pt"))
+    m.configure_model()
+    lora = sorted(f"model.layers.{i}.self_attn.{p}_proj.lora_{ab}.default.weight"
+                  for i in LAYERS for p in "qkvo" for ab in "AB")
+    assert m.trainable_parameter_names() == lora
+    inner = dict(unwrap(m.model).named_parameters())
+    assert all(torch.equal(inner[n], t) for n, t in phi.items())  # stage 1's maps, loaded
+    tr = _trainer(tmp_path / "s2", steps=3, enable_checkpointing=True)
+    tr.fit(m, datamodule=_dm())
+    assert torch.isfinite(tr.callback_metrics["train/loss"])
+    payload = read_stage(tmp_path / "s2" / "stage.pt")
+    assert sorted(payload["tensors"]) == sorted(lora + _phi_names())
+    assert payload["lora_config"]["r"] == 8 and payload["lora_config"]["lora_alpha"] == 16
+    # the Lightning checkpoint holds trainable tensors only, never the frozen base
+    ckpt = torch.load(next((tmp_path / "s2").rglob("*.ckpt")), weights_only=False)
+    assert sorted(ckpt["state_dict"]) == sorted(f"model.base_model.model.{n}" for n in lora)
+
+    m2 = HybridFinetune(base, hybrid=HYB, init_from=str(tmp_path / "s1" / "stage.pt"),
+                        train_feature_maps=True, mode="la_only", la_span="all")
+    m2.configure_model()
+    assert m2.trainable_parameter_names() == sorted(lora + _phi_names())
+    _, attn = next(hybrid_layers(unwrap(m2.model)))
+    assert attn.hedgecats.mode == "la_only" and attn.hedgecats.la_span == "all"
+
+
+def test_init_from_checks_keys(base, tmp_path):
+    s1 = AttentionTransfer(base, hybrid=HYB)
+    _trainer(tmp_path, steps=1).fit(s1, datamodule=_dm())
+    # a converted model of another shape (only layer 0) does not accept layer 1's maps
+    m = HybridFinetune(base, hybrid={**HYB, "layers": [0]}, init_from=str(tmp_path / "stage.pt"))
+    with pytest.raises(KeyError, match="not in the model"):
+        m.configure_model()
+    # a learned mixer has parameters stage 1 (fixed mixer) did not train: missing
+    m = HybridFinetune(base, hybrid={**HYB, "mixer": "learned_head"},
+                       init_from=str(tmp_path / "stage.pt"))
+    with pytest.raises(KeyError, match="absent from the checkpoint"):
+        m.configure_model()
+
+
+def test_teacher_pretraining_saves_a_loadable_model(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    m = TeacherPretraining(hidden_size=32, num_layers=2, num_heads=2, warmup_steps=2)
+    dm = _dm()
+    tr = _trainer(tmp_path, steps=4)
+    tr.fit(m, datamodule=dm)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "model")
+    assert model.config.num_hidden_layers == 2 and tok.decode([72, 105]) == "Hi"
+    ids = torch.randint(0, 256, (1, 16))
+    torch.testing.assert_close(model(ids).logits, m.model.eval()(ids).logits)
+
+
+def test_non_finite_loss_stops_before_a_bad_checkpoint(base, tmp_path):
+    m = HybridFinetune(base, hybrid=HYB, lr=1e-3)
+
+    orig = m._lm_loss
+
+    def poisoned(batch):
+        loss = orig(batch)
+        return loss * float("nan") if m.global_step >= 2 else loss
+
+    m._lm_loss = poisoned
+    ck = tmp_path / "checkpoints"
+    tr = _trainer(tmp_path, steps=5, enable_checkpointing=True, callbacks=[
+        ModelCheckpoint(dirpath=ck, save_last=True, every_n_train_steps=1, save_top_k=0),
+        CheckpointOnInterrupt(str(ck))])
+    with pytest.raises(NonFiniteLossError, match="non-finite loss .* global step 2"):
+        tr.fit(m, datamodule=_dm())
+    state = torch.load(ck / "last.ckpt", weights_only=False)
+    assert state["global_step"] == 2
+    assert all(torch.isfinite(t).all() for t in state["state_dict"].values())
+    assert not (tmp_path / "stage.pt").exists()
