@@ -1,0 +1,245 @@
+"""``hedgecats evaluate``: lm-eval component ablations, retrieval beyond the window, branch usage.
+
+Run as ``hedgecats evaluate ...`` or ``python -m hedgecats.evaluation.cli ...``.
+Every input is checked before the model is loaded; results are written atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from .ablation import DEFAULT_MODES, ModeSpec, check_modes_supported, is_converted, parse_modes, run_modes
+from .lm_eval_bridge import PAPER_TASKS, parse_metric_overrides, resolve_tasks
+from .report import atomic_output_dir, build_results, check_output_dir, format_markdown, write_results
+
+log = logging.getLogger(__name__)
+
+__all__ = ["build_parser", "main"]
+
+_MODES_HELP = """\
+comma-separated ablation modes (default: %(default)s). A mode may carry switches joined by '+':
+  rescale[=true|false]   swa_only, la_only: surviving branch gets weight 1 instead of g / 1-g
+  la_span=outside|all    la_only: LA over keys outside the window (default) or every causal key
+  overlap[=true|false]   hybrid, la_only: LA also over the window's keys
+  window=N               hybrid, swa_only, la_only: override every layer's window
+  n_sinks=N              sinks_only: number of sink keys (default 8)
+e.g. 'hybrid,swa_only,la_only,la_only+la_span=all,la_only+rescale+la_span=all,swa_only+window=128'.
+The whole string is the row label. 'softmax' is the original attention (the only mode of a model
+that is not converted)."""
+
+_EPILOG = """\
+examples:
+  hedgecats evaluate --model runs/stage2/last --output results/stage2
+  hedgecats evaluate --model meta-llama/Meta-Llama-3-8B-Instruct --hybrid configs/hybrid.yaml \\
+      --tasks piqa,arc_easy --modes hybrid,swa_only,la_only+la_span=all --output results/init
+  hedgecats evaluate --model ckpt --tasks my_tasks/ --metric my_task=acc_norm --output out
+
+Baseline for Rec. Perf: --baseline MODEL if given; otherwise a converted model in mode 'softmax'
+(exactly the original model's attention, same weights); a plain model is its own baseline.
+Outputs in --output: results.json, results.md (rows = modes; columns = tasks + AVG + Rec. Perf),
+results.csv, and branch_usage.png when branch usage is measured."""
+
+
+def _csv(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _seeds(text: str) -> list[int]:
+    try:
+        seeds = [int(t) for t in _csv(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--seeds takes comma-separated integers, got {text!r}")
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"--seeds needs distinct integers, got {text!r}")
+    return seeds
+
+
+def _batch_size(text: str) -> int | str:
+    if text == "auto" or text.startswith("auto:"):
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"--batch-size takes an integer >= 1 or 'auto', got {text!r}")
+    return n
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="hedgecats evaluate", description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EPILOG)
+    g = p.add_argument_group("model")
+    g.add_argument("--model", required=True,
+                   help="a stage checkpoint, or a transformers model (local directory or hub id)")
+    g.add_argument("--hybrid", metavar="YAML",
+                   help="HybridConfig YAML: convert a plain transformers --model on the fly, with "
+                        "freshly initialised feature maps")
+    g.add_argument("--baseline", metavar="MODEL",
+                   help="reference model for Rec. Perf (transformers path or id). A stage "
+                        "checkpoint's base model must match it")
+    g.add_argument("--expect-base", metavar="MODEL",
+                   help="fail unless the stage checkpoint was trained from this base model")
+    g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    g.add_argument("--dtype", default="auto",
+                   help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16")
+    g = p.add_argument_group("lm-eval")
+    g.add_argument("--tasks", action="append", metavar="TASKS",
+                   help="comma-separated lm-eval task names, directories of task YAMLs, or task "
+                        f"YAML files; repeatable (default: {','.join(PAPER_TASKS)})")
+    g.add_argument("--modes", default=",".join(DEFAULT_MODES), help=_MODES_HELP)
+    g.add_argument("--metric", action="append", metavar="TASK=METRIC",
+                   help="score TASK by METRIC (default: acc_norm for arc_challenge and hellaswag, "
+                        "acc otherwise, acc_norm if a task has no acc); repeatable")
+    g.add_argument("--limit", type=float, default=None,
+                   help="lm-eval limit: documents per task (int) or fraction (<1); for quick checks")
+    g.add_argument("--batch-size", type=_batch_size, default=8, help="lm-eval batch size or 'auto'")
+    g.add_argument("--max-length", type=int, default=None, help="lm-eval max sequence length")
+    g.add_argument("--bootstrap-iters", type=int, default=100_000,
+                   help="lm-eval bootstrap iterations for stderrs of non-mean metrics (acc and "
+                        "acc_norm stderrs are analytic; 0 turns every stderr off)")
+    g.add_argument("--seeds", type=_seeds, default=None, metavar="S1,S2,...",
+                   help="with --hybrid: convert once per seed (feature-map initialisation) and "
+                        "report mean, sd and 95%% CI over seeds")
+    g = p.add_argument_group("output")
+    g.add_argument("--output", required=True, metavar="DIR", help="directory for the results")
+    g.add_argument("--overwrite", action="store_true", help="replace a non-empty --output")
+    g.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+    return p
+
+
+def _device(name: str | None) -> str:
+    import torch
+
+    if name is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def _free(*objs) -> None:
+    import torch
+
+    del objs
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> dict:
+    """Everything after parsing; raises ``ValueError`` on bad input before writing anything."""
+    import lm_eval
+
+    from .loading import check_base_model, load_for_eval, read_hybrid_config, resolve_dtype
+
+    say = (lambda *_: None) if args.quiet else (lambda msg: print(msg, flush=True))
+    started = time.time()
+    # ---- check every input before loading anything
+    specs: list[ModeSpec] = parse_modes(args.modes)
+    overrides = parse_metric_overrides(args.metric)
+    out_dir = check_output_dir(args.output, args.overwrite)
+    hybrid = read_hybrid_config(args.hybrid) if args.hybrid else None
+    if args.seeds and hybrid is None:
+        raise ValueError("--seeds re-initialises the feature maps and needs --hybrid; a stage "
+                         "checkpoint has trained ones (evaluate several checkpoints instead)")
+    device = _device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    task_specs = [t for item in (args.tasks or [",".join(PAPER_TASKS)]) for t in _csv(item)]
+    say(f"resolving tasks: {', '.join(task_specs)}")
+    selection = resolve_tasks(task_specs)
+    unused = sorted(set(overrides) - set(selection.names))
+    if unused:
+        raise ValueError(f"--metric names tasks that are not evaluated: {unused}")
+    limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
+    common = dict(metric_overrides=overrides, limit=limit, batch_size=args.batch_size,
+                  max_length=args.max_length, device=device, bootstrap_iters=args.bootstrap_iters,
+                  progress=say)
+
+    # ---- load; check modes and the base model
+    seeds = args.seeds or [hybrid.seed if hybrid else None]
+    runs, baseline, baseline_source = [], None, ""
+    loaded = None
+    for k, seed in enumerate(seeds):
+        cfg = hybrid
+        if hybrid is not None and args.seeds:
+            cfg = type(hybrid).from_dict({**hybrid.to_dict(), "seed": seed})
+        say(f"loading {args.model}" + (f" (feature-map seed {seed})" if args.seeds else ""))
+        loaded = load_for_eval(args.model, hybrid=cfg, device=device, dtype=dtype)
+        if k == 0:
+            source, base_model = loaded.source, loaded.base_model
+            check_modes_supported(loaded.model, specs)
+            if loaded.source == "stage_checkpoint":
+                check_base_model(loaded.base_model, args.expect_base, "--expect-base")
+                check_base_model(loaded.base_model, args.baseline, "--baseline")
+        runs.append(run_modes(loaded.model, loaded.tokenizer, specs, selection, seed=seed or 0, **common))
+        if k == 0 and args.baseline is None:
+            if is_converted(loaded.model):
+                baseline_source = "same model in mode 'softmax' (the original attention)"
+                say("baseline: " + baseline_source)
+                prior = next((lab for lab, s in zip([s.label for s in specs], specs)
+                              if s.mode == "softmax" and not s.switches), None)
+                baseline = runs[0][prior] if prior else run_modes(
+                    loaded.model, loaded.tokenizer, [ModeSpec.parse("softmax")], selection,
+                    **common)["softmax"]
+            else:
+                baseline_source = "the model itself (not converted)"
+                baseline = runs[0][specs[0].label]
+        if k < len(seeds) - 1:
+            _free(loaded)
+            loaded = None
+    if args.baseline is not None:
+        _free(loaded)
+        loaded = None
+        say(f"baseline: loading {args.baseline}")
+        base = load_for_eval(args.baseline, device=device, dtype=dtype)
+        spec = ModeSpec.parse("softmax")
+        baseline = run_modes(base.model, base.tokenizer, [spec], selection, **common)["softmax"]
+        baseline_source = args.baseline
+        _free(base)
+
+    meta = {
+        "model": args.model, "model_source": source, "base_model": base_model,
+        "baseline": baseline_source, "lm_eval_version": getattr(lm_eval, "__version__", "?"),
+        "command": "hedgecats evaluate " + shlex.join(argv), "device": device, "dtype": str(dtype),
+        "limit": limit, "num_fewshot": 0, "seconds": None,
+    }
+    if hybrid is not None:
+        meta["hybrid_config"] = hybrid.to_dict()
+    specs_map = {s.label: (s.mode, s.switches) for s in specs}
+    meta["seconds"] = round(time.time() - started, 1)
+    results = build_results(runs, selection.names, specs=specs_map, baseline=baseline,
+                            baseline_source=baseline_source, seeds=args.seeds, meta=meta)
+    with atomic_output_dir(out_dir, args.overwrite) as tmp:
+        write_results(results, tmp)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``hedgecats evaluate``; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)  # exits 2 with usage on syntax errors
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        results = run(args, argv)
+    except ValueError as e:
+        print(f"hedgecats evaluate: error: {e}", file=sys.stderr)
+        return 2
+    if not args.quiet:
+        print()
+        print(format_markdown(results))
+        out = Path(args.output).expanduser().resolve()
+        print(f"results written to {out}/ (results.json, results.md, results.csv"
+              + (", branch_usage.png" if results.get("branch_usage") else "") + ")")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

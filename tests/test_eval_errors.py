@@ -1,0 +1,133 @@
+"""Bad input to ``hedgecats evaluate``: a clear error (exit 2) and nothing written in ``--output``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fixtures.eval.support import save_tiny_model, write_tasks
+from hedgecats.evaluation import cli, loading, report
+from hedgecats.models import HybridConfig, convert_to_hybrid
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("eval_err")
+    save_tiny_model(d / "model")
+    write_tasks(d / "tasks", n_docs=4)
+    (d / "hybrid.yaml").write_text("window: 8\n")
+    (d / "ckpt").mkdir()  # a stage checkpoint directory (no config.json)
+    (d / "ckpt" / "state.pt").write_text("placeholder: read by the patched loader")
+    return d
+
+
+def _fails(argv: list[str], out: Path, capsys, *needles: str) -> str:
+    rc = cli.main(argv + ["--output", str(out), "-q"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert not out.exists(), "nothing may be written on error"
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")], "temp left"
+    for n in needles:
+        assert n in err, err
+    return err
+
+
+def test_unknown_task_name(ws, tmp_path, capsys):
+    # a local directory plus a misspelt built-in name: lm-eval's own index is consulted
+    _fails(["--model", str(ws / "model"), "--hybrid", str(ws / "hybrid.yaml"),
+            "--tasks", f"{ws / 'tasks'},hellaswg"], tmp_path / "o", capsys,
+           "unknown task(s) ['hellaswg']", "hellaswag")
+
+
+def test_missing_task_path_and_bad_modes(ws, tmp_path, capsys):
+    base = ["--model", str(ws / "model"), "--hybrid", str(ws / "hybrid.yaml")]
+    _fails(base + ["--tasks", str(ws / "nope.yaml")], tmp_path / "o", capsys, "does not exist")
+    _fails(base + ["--tasks", str(ws / "tasks"), "--modes", "hybrid,la_olny"], tmp_path / "o",
+           capsys, "unknown mode 'la_olny'", "la_only")
+    _fails(base + ["--tasks", str(ws / "tasks"), "--modes", "hybrid+rescale"], tmp_path / "o",
+           capsys, "switch 'rescale' has no effect in mode 'hybrid'")
+    _fails(base + ["--tasks", str(ws / "tasks"), "--modes", "swa_only+window=0"], tmp_path / "o",
+           capsys, "integer >= 1")
+    _fails(base + ["--tasks", str(ws / "tasks"), "--metric", "toy_acc=f1"], tmp_path / "o",
+           capsys, "reports no metric 'f1'")
+
+
+def test_mode_needs_converted_model(ws, tmp_path, capsys):
+    _fails(["--model", str(ws / "model"), "--tasks", str(ws / "tasks"), "--modes", "hybrid,la_only"],
+           tmp_path / "o", capsys, "need a converted (hybrid) model", "--hybrid")
+
+
+def test_bad_hybrid_yaml(ws, tmp_path, capsys):
+    (tmp_path / "bad.yaml").write_text("window: 8\nwindoww: 3\n")
+    _fails(["--model", str(ws / "model"), "--hybrid", str(tmp_path / "bad.yaml"),
+            "--tasks", str(ws / "tasks")], tmp_path / "o", capsys, "unknown HybridConfig fields ['windoww']")
+
+
+def _fake_checkpoint(base_model: str):
+    def load(path, device, dtype):
+        from fixtures.eval.support import byte_tokenizer, tiny_llama
+
+        tok = byte_tokenizer()
+        model = convert_to_hybrid(tiny_llama(len(tok)), HybridConfig(window=8))
+        return model, tok, {"base_model": base_model}
+    return load
+
+
+def test_checkpoint_from_another_base_model(ws, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(loading, "_load_hybrid", _fake_checkpoint("meta-llama/Meta-Llama-3-8B"))
+    argv = ["--model", str(ws / "ckpt"), "--tasks", str(ws / "tasks")]
+    _fails(argv + ["--baseline", "mistralai/Mistral-7B-v0.1"], tmp_path / "o", capsys,
+           "trained from base model 'meta-llama/Meta-Llama-3-8B', not 'mistralai/Mistral-7B-v0.1'")
+    _fails(argv + ["--expect-base", str(ws / "model")], tmp_path / "o", capsys, "--expect-base")
+    # and --hybrid cannot re-convert a checkpoint
+    _fails(argv + ["--hybrid", str(ws / "hybrid.yaml")], tmp_path / "o", capsys, "stage checkpoint")
+
+
+def test_stage_checkpoint_runs_with_matching_base(ws, tmp_path, monkeypatch):
+    monkeypatch.setattr(loading, "_load_hybrid", _fake_checkpoint(str(ws / "model")))
+    out = tmp_path / "ok"
+    rc = cli.main(["--model", str(ws / "ckpt"), "--tasks", str(ws / "tasks" / "toy_acc.yaml"),
+                   "--modes", "hybrid,swa_only", "--expect-base", str(ws / "model"),
+                   "--bootstrap-iters", "10", "-q", "--output", str(out)])
+    assert rc == 0
+    import json
+
+    res = json.loads((out / "results.json").read_text())
+    assert res["meta"]["model_source"] == "stage_checkpoint"
+    assert res["meta"]["base_model"] == str(ws / "model")
+    assert list(res["tasks"]) == ["toy_acc"]
+
+
+def test_non_empty_output_and_overwrite(ws, tmp_path, capsys):
+    out = tmp_path / "full"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    rc = cli.main(["--model", str(ws / "model"), "--tasks", str(ws / "tasks"), "--modes",
+                   "softmax", "--output", str(out), "-q"])
+    assert rc == 2 and "not empty" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+
+
+def test_failure_while_writing_leaves_nothing(ws, tmp_path, monkeypatch, capsys):
+    def broken(results, out_dir):
+        (Path(out_dir) / "results.json").write_text("{}")  # half-written ...
+        raise ValueError("disk full (simulated)")           # ... then a failure
+
+    monkeypatch.setattr(cli, "write_results", broken)
+    _fails(["--model", str(ws / "model"), "--tasks", str(ws / "tasks"), "--modes", "softmax",
+            "--limit", "2", "--bootstrap-iters", "10"], tmp_path / "o", capsys, "disk full")
+
+
+def test_atomic_dir_replaces_only_on_success(tmp_path):
+    out = tmp_path / "r"
+    with report.atomic_output_dir(out) as tmp:
+        (tmp / "a").write_text("1")
+        assert not out.exists()
+    assert (out / "a").read_text() == "1"
+    with pytest.raises(RuntimeError):
+        with report.atomic_output_dir(out, overwrite=True) as tmp:
+            (tmp / "a").write_text("2")
+            raise RuntimeError("boom")
+    assert (out / "a").read_text() == "1"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]
