@@ -16,7 +16,6 @@ pytestmark = pytest.mark.gpu
 
 GPU_BACKENDS = ["fla", "flash_attn", "flex", "auto"]
 SHAPES = [  # B, H, Hkv, T, D, window
-    (2, 4, 4, 256, 64, 64),
     (2, 8, 2, 300, 128, 64),   # GQA, T not a multiple of the kernels' blocks
     (1, 4, 4, 40, 64, 64),     # T < window
     (1, 4, 2, 1024, 128, 32),
@@ -31,14 +30,16 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def run(backend, shape, dtype, mode, **kw):
     B, H, Hkv, T, D, w = shape
     gen = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(B, H, T, D, device="cuda", generator=gen).to(dtype).requires_grad_()
-    k = torch.randn(B, Hkv, T, D, device="cuda", generator=gen).to(dtype).requires_grad_()
-    v = torch.randn(B, Hkv, T, D, device="cuda", generator=gen).to(dtype).requires_grad_()
+
+    def mk(*s):  # bf16-representable values, so every dtype sees the same numbers
+        return torch.randn(*s, device="cuda", generator=gen).bfloat16().to(dtype)
+
+    q, k, v = mk(B, H, T, D).requires_grad_(), mk(B, Hkv, T, D).requires_grad_(), \
+        mk(B, Hkv, T, D).requires_grad_()
     phi_q = HedgehogFeatureMap(H, D, seed=1).cuda()
     phi_k = HedgehogFeatureMap(Hkv, D, seed=2).cuda()
     out = hybrid_attention(q, k, v, phi_q(q), phi_k(k), window=w, mode=mode, backend=backend, **kw)
-    do = torch.randn(out.shape, device="cuda", generator=gen).to(dtype)
-    (out * do).sum().backward()
+    (out.float() * mk(*out.shape).float()).sum().backward()
     grads = [q.grad, k.grad, v.grad, phi_q.weight.grad, phi_k.weight.grad]
     return out.detach(), [g if g is not None else torch.zeros(1, device="cuda") for g in grads]
 

@@ -115,31 +115,43 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def _flex_call(q, k, v, *, scale, keep, need_lse):
-    """flex_attention with ``keep(b, h, t, i)`` as mask; q (B,H,T,D), GQA through enable_gqa."""
+def _flex_call(q, k, v, *, scale, block_mask, need_lse):
+    """flex_attention (compiled once) on q (B, H, T, D); GQA through enable_gqa."""
+    res = _compiled_flex()(q, k, v, block_mask=block_mask, scale=scale,
+                           enable_gqa=k.shape[1] != q.shape[1], return_lse=need_lse)
+    return res if need_lse else (res, None)
+
+
+@functools.lru_cache(maxsize=64)
+def _window_block_mask(Tq: int, Tk: int, window: int, device: str):
+    """Block mask of the sliding window, built once per shape: the same mask_mod object every
+    call, so the compiled flex kernel is not recompiled."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    B, H, Tq, _ = q.shape
-    Hkv, Tk = k.shape[1], k.shape[2]
-    block_mask = create_block_mask(keep, B, None, Tq, Tk, device=q.device)
-    fn = _compiled_flex()
-    res = fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=Hkv != H,
-             return_lse=need_lse)
-    out, lse = res if need_lse else (res, None)
-    return out, lse
+    off = Tk - Tq
+
+    def keep(b, h, t, i):
+        return (i <= t + off) & (i > t + off - window)
+
+    return create_block_mask(keep, None, None, Tq, Tk, device=device)
 
 
 def flex_swa(q, k, v, *, scale, window, need_lse, key_padding_mask):
-    off = k.shape[2] - q.shape[2]
-    kpm = key_padding_mask.bool() if key_padding_mask is not None else None
+    Tq, Tk = q.shape[2], k.shape[2]
+    if key_padding_mask is None:
+        block_mask = _window_block_mask(Tq, Tk, window, str(q.device))
+        return _flex_call(q, k, v, scale=scale, block_mask=block_mask, need_lse=need_lse)
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    off, kpm = Tk - Tq, key_padding_mask.bool()
 
     def keep(b, h, t, i):
-        ok = (i <= t + off) & (i > t + off - window)
-        return ok & kpm[b, i] if kpm is not None else ok
+        return (i <= t + off) & (i > t + off - window) & kpm[b, i]
 
-    out, lse = _flex_call(q, k, v, scale=scale, keep=keep, need_lse=need_lse or kpm is not None)
-    if kpm is not None:  # queries with no visible key: 0, as in the reference
-        out = torch.where(torch.isfinite(lse)[..., None], out, torch.zeros_like(out))
+    block_mask = create_block_mask(keep, q.shape[0], None, Tq, Tk, device=q.device)
+    out, lse = _flex_call(q, k, v, scale=scale, block_mask=block_mask, need_lse=True)
+    # queries with no visible key: 0, as in the reference
+    out = torch.where(torch.isfinite(lse)[..., None], out, torch.zeros_like(out))
     return out, (lse if need_lse else None)
 
 
@@ -157,15 +169,16 @@ def fla_linear(fq, fk, v, *, shift, eps, need_den, key_padding_mask):
         fk = fk * key_padding_mask[:, None, :, None].to(fk.dtype)
     fk, v = ref.repeat_kv(fk, H), ref.repeat_kv(v, H)
     fk_s, v_s = _shift_right(fk, shift), _shift_right(v, shift)
-    o, _ = chunk_linear_attn(fq.transpose(1, 2), fk_s.transpose(1, 2), v_s.transpose(1, 2),
-                             scale=1.0, normalize=True)
-    o = o.transpose(1, 2)  # (B, H, T, D)
+    # numerator from the chunk kernel (fp32 accumulation inside); the denominator in fp32 here:
+    # fla's own normalize=True takes the cumulative key sum in the input dtype, which in bf16
+    # loses ~1% over a few thousand positions
+    num, _ = chunk_linear_attn(fq.transpose(1, 2), fk_s.transpose(1, 2), v_s.transpose(1, 2),
+                               scale=1.0, normalize=False)
+    num = num.transpose(1, 2).float()  # (B, H, T, D)
+    den = torch.einsum("bhtf,bhtf->bht", fq.float(), fk_s.float().cumsum(dim=2))
     has = _has_keys(key_padding_mask, B, H, Tk, shift, fq.device)
-    den = None
-    if need_den:
-        den = torch.einsum("bhtf,bhtf->bht", fq.float(), fk_s.float().cumsum(dim=2))
-    o = torch.where(has[..., None], o, torch.zeros_like(o))
-    return o, den, has
+    out = torch.where(has[..., None], num / den.clamp_min(eps)[..., None], torch.zeros_like(num))
+    return out, (den if need_den else None), has
 
 
 def _shift_right(x: torch.Tensor, shift: int) -> torch.Tensor:
