@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from fixtures.eval.support import save_tiny_model, write_tasks
-from hedgecats.evaluation import cli, loading, report
+from hedgecats.evaluation import cli, report
 from hedgecats.models import HybridConfig, convert_to_hybrid
 
 
@@ -17,8 +17,6 @@ def ws(tmp_path_factory) -> Path:
     save_tiny_model(d / "model")
     write_tasks(d / "tasks", n_docs=4)
     (d / "hybrid.yaml").write_text("window: 8\n")
-    (d / "ckpt").mkdir()  # a stage checkpoint directory (no config.json)
-    (d / "ckpt" / "state.pt").write_text("placeholder: read by the patched loader")
     return d
 
 
@@ -64,38 +62,45 @@ def test_bad_hybrid_yaml(ws, tmp_path, capsys):
             "--tasks", str(ws / "tasks")], tmp_path / "o", capsys, "unknown HybridConfig fields ['windoww']")
 
 
-def _fake_checkpoint(base_model: str):
-    def load(path, device, dtype):
-        from fixtures.eval.support import byte_tokenizer, tiny_llama
+def _stage(ws: Path, name: str, base_model: str) -> Path:
+    """A real stage checkpoint (``save_stage``) of the tiny model, recording ``base_model``."""
+    from transformers import AutoModelForCausalLM
 
-        tok = byte_tokenizer()
-        model = convert_to_hybrid(tiny_llama(len(tok)), HybridConfig(window=8))
-        return model, tok, {"base_model": base_model}
-    return load
+    from hedgecats.models.checkpoint import save_stage
+
+    cfg = HybridConfig(window=8, seed=3)
+    model = convert_to_hybrid(AutoModelForCausalLM.from_pretrained(ws / "model"), cfg)
+    return save_stage(ws / name / "stage.pt", model, base_model=base_model, hybrid_config=cfg,
+                      stage="AttentionTransfer")
 
 
-def test_checkpoint_from_another_base_model(ws, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(loading, "_load_hybrid", _fake_checkpoint("meta-llama/Meta-Llama-3-8B"))
-    argv = ["--model", str(ws / "ckpt"), "--tasks", str(ws / "tasks")]
+def test_checkpoint_from_another_base_model(ws, tmp_path, capsys):
+    ckpt = _stage(ws, "ckpt_other", str(ws / "model"))
+    argv = ["--model", str(ckpt), "--tasks", str(ws / "tasks")]
     _fails(argv + ["--baseline", "mistralai/Mistral-7B-v0.1"], tmp_path / "o", capsys,
-           "trained from base model 'meta-llama/Meta-Llama-3-8B', not 'mistralai/Mistral-7B-v0.1'")
-    _fails(argv + ["--expect-base", str(ws / "model")], tmp_path / "o", capsys, "--expect-base")
-    # and --hybrid cannot re-convert a checkpoint
+           f"trained from base model {str(ws / 'model')!r}, not 'mistralai/Mistral-7B-v0.1'")
+    _fails(argv + ["--expect-base", "meta-llama/Meta-Llama-3-8B"], tmp_path / "o", capsys,
+           "--expect-base")
+    # --hybrid cannot re-convert a checkpoint; a directory without stage.pt is no checkpoint
     _fails(argv + ["--hybrid", str(ws / "hybrid.yaml")], tmp_path / "o", capsys, "stage checkpoint")
+    (tmp_path / "empty").mkdir()
+    _fails(["--model", str(tmp_path / "empty"), "--tasks", str(ws / "tasks")], tmp_path / "o",
+           capsys, "neither config.json")
 
 
-def test_stage_checkpoint_runs_with_matching_base(ws, tmp_path, monkeypatch):
-    monkeypatch.setattr(loading, "_load_hybrid", _fake_checkpoint(str(ws / "model")))
+def test_stage_checkpoint_runs_with_matching_base(ws, tmp_path):
+    import json
+
+    ckpt_dir = _stage(ws, "ckpt_ok", str(ws / "model")).parent
     out = tmp_path / "ok"
-    rc = cli.main(["--model", str(ws / "ckpt"), "--tasks", str(ws / "tasks" / "toy_acc.yaml"),
+    rc = cli.main(["--model", str(ckpt_dir), "--tasks", str(ws / "tasks" / "toy_acc.yaml"),
                    "--modes", "hybrid,swa_only", "--expect-base", str(ws / "model"),
                    "--bootstrap-iters", "10", "-q", "--output", str(out)])
     assert rc == 0
-    import json
-
     res = json.loads((out / "results.json").read_text())
     assert res["meta"]["model_source"] == "stage_checkpoint"
     assert res["meta"]["base_model"] == str(ws / "model")
+    assert "softmax" in res["baseline"]["source"]
     assert list(res["tasks"]) == ["toy_acc"]
 
 

@@ -136,7 +136,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     """Everything after parsing; raises ``ValueError`` on bad input before writing anything."""
     import lm_eval
 
-    from .loading import check_base_model, load_for_eval, read_hybrid_config, resolve_dtype
+    from .loading import (check_base_model, is_stage_checkpoint, load_for_eval, peek_base_model,
+                          read_hybrid_config, resolve_dtype)
 
     say = (lambda *_: None) if args.quiet else (lambda msg: print(msg, flush=True))
     started = time.time()
@@ -145,6 +146,16 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     overrides = parse_metric_overrides(args.metric)
     out_dir = check_output_dir(args.output, args.overwrite)
     hybrid = read_hybrid_config(args.hybrid) if args.hybrid else None
+    if is_stage_checkpoint(args.model):
+        if hybrid is not None:
+            raise ValueError(f"--hybrid converts a plain transformers model; {args.model!r} is a "
+                             "stage checkpoint, which carries its own HybridConfig")
+        recorded = peek_base_model(args.model)
+        check_base_model(recorded, args.expect_base, "--expect-base")
+        check_base_model(recorded, args.baseline, "--baseline")
+    elif args.expect_base:
+        raise ValueError("--expect-base checks a stage checkpoint's base model; --model "
+                         f"{args.model!r} is not a stage checkpoint")
     if args.seeds and hybrid is None:
         raise ValueError("--seeds re-initialises the feature maps and needs --hybrid; a stage "
                          "checkpoint has trained ones (evaluate several checkpoints instead)")
@@ -174,9 +185,6 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         if k == 0:
             source, base_model = loaded.source, loaded.base_model
             check_modes_supported(loaded.model, specs)
-            if loaded.source == "stage_checkpoint":
-                check_base_model(loaded.base_model, args.expect_base, "--expect-base")
-                check_base_model(loaded.base_model, args.baseline, "--baseline")
         runs.append(run_modes(loaded.model, loaded.tokenizer, specs, selection, seed=seed or 0, **common))
         if k == 0 and args.baseline is None:
             if is_converted(loaded.model):

@@ -14,8 +14,8 @@ from hedgecats.models import HybridConfig, convert_to_hybrid
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LoadedModel", "check_base_model", "load_for_eval", "read_hybrid_config",
-           "resolve_dtype"]
+__all__ = ["LoadedModel", "check_base_model", "is_stage_checkpoint", "load_for_eval",
+           "peek_base_model", "read_hybrid_config", "resolve_dtype", "stage_checkpoint_path"]
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -79,14 +79,42 @@ def check_base_model(base: str | None, expected: str | None, what: str = "--expe
                          f"({what}); evaluate it against its own base model")
 
 
-def _load_hybrid(path: str, device: str, dtype: torch.dtype):
+def _checkpoint_api():
     try:
-        from hedgecats.models.checkpoint import load_hybrid
-    except ImportError as e:
-        raise ValueError(f"{path!r} looks like a stage checkpoint (no config.json), but this "
-                         "installation has no hedgecats.models.checkpoint.load_hybrid to read "
-                         f"it ({e})") from e
-    return load_hybrid(path, device=device, dtype=dtype)
+        from hedgecats.models import checkpoint
+    except ImportError as e:  # pragma: no cover - the module ships with the package
+        raise ValueError(f"this installation cannot read stage checkpoints ({e})") from e
+    return checkpoint
+
+
+def _load_hybrid(path: str, device: str, dtype: torch.dtype):
+    return _checkpoint_api().load_hybrid(path, device=device, dtype=dtype)
+
+
+def is_stage_checkpoint(spec: str) -> bool:
+    """An existing path that is not a transformers model directory (``config.json``)."""
+    p = Path(spec).expanduser()
+    return p.exists() and not _is_transformers_dir(p)
+
+
+def stage_checkpoint_path(spec: str) -> Path:
+    """``stage.pt`` itself, or the ``stage.pt`` inside a run directory."""
+    p = Path(spec).expanduser()
+    if p.is_dir():
+        if not (p / "stage.pt").is_file():
+            raise ValueError(f"--model {spec!r} is a directory with neither config.json (a "
+                             "transformers model) nor stage.pt (a stage checkpoint)")
+        return p / "stage.pt"
+    return p
+
+
+def peek_base_model(spec: str) -> str | None:
+    """The base model recorded in a stage checkpoint, read without building the model."""
+    try:
+        info = _checkpoint_api().read_stage(stage_checkpoint_path(spec))
+    except (OSError, RuntimeError, EOFError) as e:
+        raise ValueError(f"cannot read stage checkpoint {spec!r}: {e}") from e
+    return next((str(info[k]) for k in _BASE_KEYS if info.get(k)), None)
 
 
 def _is_transformers_dir(p: Path) -> bool:
@@ -102,12 +130,13 @@ def load_for_eval(spec: str, *, hybrid: HybridConfig | None = None, device: str 
     - any other existing path: a stage checkpoint through ``load_hybrid`` (``hybrid`` must then
       be ``None``: the checkpoint carries its own config).
     """
-    p = Path(spec).expanduser()
-    if p.exists() and not _is_transformers_dir(p):
+    if is_stage_checkpoint(spec):
         if hybrid is not None:
             raise ValueError(f"--hybrid converts a plain transformers model; {spec!r} is a stage "
                              "checkpoint, which carries its own HybridConfig")
-        model, tok, info = _load_hybrid(str(p), device, dtype)
+        model, tok, info = _load_hybrid(str(stage_checkpoint_path(spec)), device, dtype)
+        if tok is None:
+            raise ValueError(f"stage checkpoint {spec!r}: its base model has no tokenizer")
         info = dict(info or {})
         base = next((str(info[k]) for k in _BASE_KEYS if info.get(k)), None)
         return LoadedModel(model.eval(), tok, "stage_checkpoint", base, info)
