@@ -38,7 +38,8 @@ def run_dir(workspace) -> Path:
     out = workspace / "out"
     rc = main(["--model", str(workspace / "model"), "--hybrid", str(workspace / "hybrid.yaml"),
                "--tasks", str(workspace / "tasks"), "--modes", MODES,
-               "--metric", "toy_norm=acc_norm", "--bootstrap-iters", "10", "--output", str(out)])
+               "--metric", "toy_norm=acc_norm", "--bootstrap-iters", "10",
+               "--retrieval", "--retrieval-docs", "2", "--output", str(out)])
     assert rc == 0
     return out
 
@@ -191,3 +192,14 @@ def test_seeds_report_spread(workspace, tmp_path):
     # the softmax baseline does not depend on the feature-map seed: evaluated once
     assert res["baseline"]["avg"] is not None
     assert "sd, 2 seeds" in (out / "results.md").read_text()
+
+
+def test_retrieval_in_report(run_dir):
+    res = json.loads((run_dir / "results.json").read_text())
+    r = res["retrieval"]
+    assert r["window"] == WINDOW
+    assert list(r["modes"]) == MODES.split(",") + ["softmax"]
+    for row in r["modes"].values():
+        assert sum(row[b]["n"] for b in ("inside", "1-4x", "4-16x", "beyond")) == 2 * 4
+    md = (run_dir / "results.md").read_text()
+    assert "## Retrieval beyond the window" in md and "| la_only+la_span=all |" in md

@@ -60,6 +60,16 @@ def _seeds(text: str) -> list[int]:
     return seeds
 
 
+def _ints(text: str) -> list[int]:
+    try:
+        vals = [int(t) for t in _csv(text)]
+    except ValueError:
+        vals = []
+    if not vals or min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
+    return vals
+
+
 def _batch_size(text: str) -> int | str:
     if text == "auto" or text.startswith("auto:"):
         return text
@@ -108,6 +118,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seeds", type=_seeds, default=None, metavar="S1,S2,...",
                    help="with --hybrid: convert once per seed (feature-map initialisation) and "
                         "report mean, sd and 95%% CI over seeds")
+    g = p.add_argument_group("retrieval beyond the window (key-value recall per distance bucket)")
+    g.add_argument("--retrieval", action="store_true",
+                   help="run the recall probe in every mode (and softmax); scoring: greedy exact "
+                        "match of the queried value")
+    g.add_argument("--retrieval-docs", type=int, default=16, metavar="N",
+                   help="probe documents per target distance (default %(default)s)")
+    g.add_argument("--retrieval-distances", type=_ints, default=None, metavar="D1,D2,...",
+                   help="target distances in tokens (default: w/2, 2w, 8w, 24w for the smallest "
+                        "converted window w)")
+    g.add_argument("--retrieval-window", type=int, default=None, metavar="W",
+                   help="bucket window for a model that is not converted")
+    g.add_argument("--retrieval-max-length", type=int, default=None, metavar="T",
+                   help="longest probe document in tokens (default: max_position_embeddings)")
     g = p.add_argument_group("output")
     g.add_argument("--output", required=True, metavar="DIR", help="directory for the results")
     g.add_argument("--overwrite", action="store_true", help="replace a non-empty --output")
@@ -130,6 +153,27 @@ def _free(*objs) -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def _probe_specs(model, specs: list[ModeSpec]) -> list[ModeSpec]:
+    """The modes plus 'softmax' (the original attention) as a reference row."""
+    if is_converted(model) and not any(s.label == "softmax" for s in specs):
+        return specs + [ModeSpec.parse("softmax")]
+    return specs
+
+
+def _probes(args, loaded, specs, device, say) -> dict:
+    """Retrieval probe and branch usage on the loaded model; ``{}`` when none is asked for."""
+    out = {}
+    if args.retrieval:
+        from .retrieval import retrieval_probe
+
+        out["retrieval"] = retrieval_probe(
+            loaded.model, loaded.tokenizer, _probe_specs(loaded.model, specs),
+            window=args.retrieval_window, distances=args.retrieval_distances,
+            n_per_distance=args.retrieval_docs, max_length=args.retrieval_max_length,
+            device=device, progress=say)
+    return out
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> dict:
@@ -156,6 +200,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     elif args.expect_base:
         raise ValueError("--expect-base checks a stage checkpoint's base model; --model "
                          f"{args.model!r} is not a stage checkpoint")
+    if args.retrieval and args.retrieval_window is None and hybrid is None \
+            and not is_stage_checkpoint(args.model):
+        raise ValueError("--retrieval on a model that is not converted needs --retrieval-window "
+                         "(the window that defines the distance buckets)")
+    if args.retrieval_docs < 1:
+        raise ValueError(f"--retrieval-docs={args.retrieval_docs!r} must be >= 1")
     if args.seeds and hybrid is None:
         raise ValueError("--seeds re-initialises the feature maps and needs --hybrid; a stage "
                          "checkpoint has trained ones (evaluate several checkpoints instead)")
@@ -174,7 +224,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
 
     # ---- load; check modes and the base model
     seeds = args.seeds or [hybrid.seed if hybrid else None]
-    runs, baseline, baseline_source = [], None, ""
+    runs, baseline, baseline_source, extra = [], None, "", {}
     loaded = None
     for k, seed in enumerate(seeds):
         cfg = hybrid
@@ -198,6 +248,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
             else:
                 baseline_source = "the model itself (not converted)"
                 baseline = runs[0][specs[0].label]
+        if k == 0:
+            extra = _probes(args, loaded, specs, device, say)
         if k < len(seeds) - 1:
             _free(loaded)
             loaded = None
@@ -221,8 +273,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         meta["hybrid_config"] = hybrid.to_dict()
     specs_map = {s.label: (s.mode, s.switches) for s in specs}
     meta["seconds"] = round(time.time() - started, 1)
+    if args.seeds and extra:
+        meta["probes_seed"] = seeds[0]
     results = build_results(runs, selection.names, specs=specs_map, baseline=baseline,
-                            baseline_source=baseline_source, seeds=args.seeds, meta=meta)
+                            baseline_source=baseline_source, seeds=args.seeds, meta=meta,
+                            retrieval=extra.get("retrieval"))
     with atomic_output_dir(out_dir, args.overwrite) as tmp:
         write_results(results, tmp)
     return results
