@@ -12,8 +12,8 @@ A fallback changes speed only, never the result, and is logged once per reason.
 
 Shapes as in ``ops.reference``; outputs may be fp32 (reference) or the input dtype (kernels).
 
-``auto`` on CUDA: SWA from flash-attn when installed (no lse, no padding), else flex_attention
-(padding and lse supported), else fla; LA from fla's ``chunk_linear_attn`` with the shift trick;
+``auto`` on CUDA: SWA from flash-attn when installed, else fla's windowed ``parallel_attn``
+(both without padding or lse: such calls go to flex_attention), else flex_attention; LA from fla's ``chunk_linear_attn`` with the shift trick;
 full softmax from torch SDPA. On CPU everything is the reference (fla and flash-attn are
 GPU-only; see DESIGN.md).
 """
@@ -257,8 +257,10 @@ def _cuda_ops(backend: str) -> Ops:
         _warn_once("fla is not installed: linear attention runs the PyTorch reference (slow); "
                    "pip install 'hedgecats[gpu]'")
     if backend == "auto":
-        swa = (flash_swa if available("flash_attn") else flex_swa if available("flex")
-               else fla_swa if available("fla") else ref_swa)
+        # fla's windowed kernel measured faster than flex_attention on an H200
+        # (benchmarks/results/attention_speed_h200.json); flex still serves padding and lse
+        swa = (flash_swa if available("flash_attn") else fla_swa if available("fla")
+               else flex_swa if available("flex") else ref_swa)
     else:
         swa = {"fla": fla_swa, "flash_attn": flash_swa, "flex": flex_swa}[backend]
     return Ops(swa, linear, sdpa_softmax, backend)
