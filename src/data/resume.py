@@ -31,6 +31,7 @@ a no-op, so Lightning's rank-0 copy can never overwrite the per-rank state.
 from __future__ import annotations
 
 import copy
+import warnings
 from collections import deque
 from typing import Any
 
@@ -92,7 +93,9 @@ class ResumableDataLoader(StatefulDataLoader):
                 "ResumableDataLoader needs snapshot_every_n_steps=1 (a state for every batch)"
             )
         kwargs["snapshot_every_n_steps"] = 1
-        super().__init__(dataset, *args, **kwargs)
+        with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, deprecated in torch
+            warnings.filterwarnings("ignore", message=".*set_vital.*deprecated")
+            super().__init__(dataset, *args, **kwargs)
         self.rank = rank
         self.world_size = world_size
         self.managed = managed
