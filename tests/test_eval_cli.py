@@ -39,7 +39,8 @@ def run_dir(workspace) -> Path:
     rc = main(["--model", str(workspace / "model"), "--hybrid", str(workspace / "hybrid.yaml"),
                "--tasks", str(workspace / "tasks"), "--modes", MODES,
                "--metric", "toy_norm=acc_norm", "--bootstrap-iters", "10",
-               "--retrieval", "--retrieval-docs", "2", "--output", str(out)])
+               "--retrieval", "--retrieval-docs", "2", "--branch-usage", "--branch-usage-tokens",
+               "200", "--output", str(out)])
     assert rc == 0
     return out
 
@@ -89,7 +90,8 @@ def _our_scores(model, task_dir: Path, mode: str, switches: dict) -> dict[str, d
 
 
 def test_outputs_and_table_arithmetic(run_dir, workspace, our_model):
-    assert sorted(p.name for p in run_dir.iterdir()) == ["results.csv", "results.json", "results.md"]
+    assert sorted(p.name for p in run_dir.iterdir()) == [
+        "branch_usage.png", "results.csv", "results.json", "results.md"]
     assert not [p for p in run_dir.parent.iterdir() if p.name.startswith(".out.")]  # no temp left
     res = json.loads((run_dir / "results.json").read_text())
     assert list(res["modes"]) == MODES.split(",")
@@ -131,7 +133,7 @@ def test_outputs_and_table_arithmetic(run_dir, workspace, our_model):
 def test_markdown_and_csv_layout(run_dir):
     res = json.loads((run_dir / "results.json").read_text())
     md = (run_dir / "results.md").read_text()
-    lines = [x for x in md.splitlines() if x.startswith("|")]
+    lines = [x for x in md.split("\n## ")[0].splitlines() if x.startswith("|")]  # the main table
     assert lines[0] == "| mode | toy_acc (acc) | toy_norm (acc_norm) | AVG | Rec. Perf |"
     assert lines[2].startswith("| baseline: ")
     labels = [x.split("|")[1].strip() for x in lines[3:]]
@@ -203,3 +205,14 @@ def test_retrieval_in_report(run_dir):
         assert sum(row[b]["n"] for b in ("inside", "1-4x", "4-16x", "beyond")) == 2 * 4
     md = (run_dir / "results.md").read_text()
     assert "## Retrieval beyond the window" in md and "| la_only+la_span=all |" in md
+
+
+def test_branch_usage_in_report(run_dir):
+    res = json.loads((run_dir / "results.json").read_text())
+    bu = res["branch_usage"]
+    assert bu["mode"] == "hybrid" and bu["n_tokens"] == 200
+    assert [layer["layer"] for layer in bu["layers"]] == [0, 1]
+    for layer in bu["layers"]:
+        assert len(layer["la_share"]) == 4 and all(0.0 <= x <= 1.0 for x in layer["la_share"])
+    assert (run_dir / "branch_usage.png").read_bytes()[:4] == b"\x89PNG"
+    assert "## Branch usage" in (run_dir / "results.md").read_text()

@@ -56,6 +56,12 @@ def test_mode_needs_converted_model(ws, tmp_path, capsys):
            tmp_path / "o", capsys, "need a converted (hybrid) model", "--hybrid")
 
 
+def test_probes_need_what_they_measure(ws, tmp_path, capsys):
+    base = ["--model", str(ws / "model"), "--tasks", str(ws / "tasks"), "--modes", "softmax"]
+    _fails(base + ["--branch-usage"], tmp_path / "o", capsys, "--branch-usage needs a converted")
+    _fails(base + ["--retrieval"], tmp_path / "o", capsys, "--retrieval-window")
+
+
 def test_bad_hybrid_yaml(ws, tmp_path, capsys):
     (tmp_path / "bad.yaml").write_text("window: 8\nwindoww: 3\n")
     _fails(["--model", str(ws / "model"), "--hybrid", str(tmp_path / "bad.yaml"),

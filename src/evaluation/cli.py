@@ -131,6 +131,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bucket window for a model that is not converted")
     g.add_argument("--retrieval-max-length", type=int, default=None, metavar="T",
                    help="longest probe document in tokens (default: max_position_embeddings)")
+    g = p.add_argument_group("branch usage (share of the output norm from SWA and LA, per layer "
+                             "and head)")
+    g.add_argument("--branch-usage", action="store_true",
+                   help="measure branch usage in hybrid mode; numbers in results.json, heatmap in "
+                        "branch_usage.png")
+    g.add_argument("--branch-usage-text", metavar="FILE",
+                   help="text sample (default: a synthetic recall-corpus document)")
+    g.add_argument("--branch-usage-tokens", type=int, default=1024, metavar="N",
+                   help="tokens of the sample to use (default %(default)s)")
     g = p.add_argument_group("output")
     g.add_argument("--output", required=True, metavar="DIR", help="directory for the results")
     g.add_argument("--overwrite", action="store_true", help="replace a non-empty --output")
@@ -173,6 +182,14 @@ def _probes(args, loaded, specs, device, say) -> dict:
             window=args.retrieval_window, distances=args.retrieval_distances,
             n_per_distance=args.retrieval_docs, max_length=args.retrieval_max_length,
             device=device, progress=say)
+    if args.branch_usage:
+        from .branch_usage import branch_usage
+
+        say("branch usage (mode hybrid)")
+        text = Path(args.branch_usage_text).read_text() if args.branch_usage_text else None
+        out["branch_usage"] = branch_usage(
+            loaded.model, loaded.tokenizer, text=text, max_tokens=args.branch_usage_tokens,
+            text_source=args.branch_usage_text, device=device)
     return out
 
 
@@ -204,6 +221,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
             and not is_stage_checkpoint(args.model):
         raise ValueError("--retrieval on a model that is not converted needs --retrieval-window "
                          "(the window that defines the distance buckets)")
+    if args.branch_usage and hybrid is None and not is_stage_checkpoint(args.model):
+        raise ValueError("--branch-usage needs a converted model: a stage checkpoint, or --hybrid")
+    if args.branch_usage_text and not Path(args.branch_usage_text).is_file():
+        raise ValueError(f"--branch-usage-text {args.branch_usage_text!r} is not a file")
+    if args.branch_usage_tokens < 2:
+        raise ValueError(f"--branch-usage-tokens={args.branch_usage_tokens!r} must be >= 2")
     if args.retrieval_docs < 1:
         raise ValueError(f"--retrieval-docs={args.retrieval_docs!r} must be >= 1")
     if args.seeds and hybrid is None:
@@ -277,9 +300,14 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         meta["probes_seed"] = seeds[0]
     results = build_results(runs, selection.names, specs=specs_map, baseline=baseline,
                             baseline_source=baseline_source, seeds=args.seeds, meta=meta,
-                            retrieval=extra.get("retrieval"))
+                            retrieval=extra.get("retrieval"), branch_usage=extra.get("branch_usage"))
     with atomic_output_dir(out_dir, args.overwrite) as tmp:
         write_results(results, tmp)
+        if results["branch_usage"]:
+            from .branch_usage import plot_branch_usage
+
+            plot_branch_usage(results["branch_usage"], tmp / "branch_usage.png",
+                              title=f"LA share: {args.model}")
     return results
 
 
