@@ -15,27 +15,31 @@ import time
 from pathlib import Path
 
 from .ablation import DEFAULT_MODES, ModeSpec, check_modes_supported, is_converted, parse_modes, run_modes
-from .lm_eval_bridge import PAPER_TASKS, parse_metric_overrides, resolve_tasks
+from .lm_eval_bridge import PAPER_TASKS, check_metric_overrides, parse_metric_overrides, resolve_tasks
 from .report import atomic_output_dir, build_results, check_output_dir, format_markdown, write_results
 
 log = logging.getLogger(__name__)
 
 __all__ = ["build_parser", "main"]
 
-_MODES_HELP = """\
-comma-separated ablation modes (default: %(default)s). A mode may carry switches joined by '+':
-  rescale[=true|false]   swa_only, la_only: surviving branch gets weight 1 instead of g / 1-g
+_MODES_HELP = ("comma-separated ablation modes, each with optional '+switch' parts (syntax "
+               "below); default: %(default)s")
+
+_MODE_SYNTAX = """\
+mode syntax: MODE[+SWITCH[=VALUE]]...   MODE: hybrid swa_only la_only sinks_only none softmax
+  rescale[=true|false]   swa_only, la_only: the surviving branch gets weight 1 instead of g / 1-g
   la_span=outside|all    la_only: LA over keys outside the window (default) or every causal key
   overlap[=true|false]   hybrid, la_only: LA also over the window's keys
   window=N               hybrid, swa_only, la_only: override every layer's window
   n_sinks=N              sinks_only: number of sink keys (default 8)
-e.g. 'hybrid,swa_only,la_only,la_only+la_span=all,la_only+rescale+la_span=all,swa_only+window=128'.
-The whole string is the row label. 'softmax' is the original attention (the only mode of a model
-that is not converted)."""
+  A switch where it has no effect is an error. The whole string is the row label, e.g.
+  --modes hybrid,swa_only,la_only,la_only+la_span=all,la_only+rescale+la_span=all,swa_only+window=128
+  'softmax' is the original attention (the only mode of a model that is not converted).
+"""
 
-_EPILOG = """\
+_EPILOG = _MODE_SYNTAX + """
 examples:
-  hedgecats evaluate --model runs/stage2/last --output results/stage2
+  hedgecats evaluate --model runs/stage2/stage.pt --output results/stage2
   hedgecats evaluate --model meta-llama/Meta-Llama-3-8B-Instruct --hybrid configs/hybrid.yaml \\
       --tasks piqa,arc_easy --modes hybrid,swa_only,la_only+la_span=all --output results/init
   hedgecats evaluate --model ckpt --tasks my_tasks/ --metric my_task=acc_norm --output out
@@ -84,7 +88,9 @@ def _batch_size(text: str) -> int | str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="hedgecats evaluate", description=__doc__.splitlines()[0],
+        prog="hedgecats evaluate",
+        description="lm-eval component ablations (zero-shot, every mode on one loaded model), "
+                    "retrieval beyond the window, branch usage; results.json/md/csv.",
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EPILOG)
     g = p.add_argument_group("model")
     g.add_argument("--model", required=True,
@@ -237,9 +243,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     task_specs = [t for item in (args.tasks or [",".join(PAPER_TASKS)]) for t in _csv(item)]
     say(f"resolving tasks: {', '.join(task_specs)}")
     selection = resolve_tasks(task_specs)
-    unused = sorted(set(overrides) - set(selection.names))
-    if unused:
-        raise ValueError(f"--metric names tasks that are not evaluated: {unused}")
+    check_metric_overrides(selection, overrides)
     limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
     common = dict(metric_overrides=overrides, limit=limit, batch_size=args.batch_size,
                   max_length=args.max_length, device=device, bootstrap_iters=args.bootstrap_iters,

@@ -27,6 +27,7 @@ __all__ = [
     "PAPER_TASKS",
     "TaskScore",
     "TaskSelection",
+    "check_metric_overrides",
     "evaluate_tasks",
     "make_lm",
     "metric_for",
@@ -164,6 +165,22 @@ def parse_metric_overrides(items: list[str] | None) -> dict[str, str]:
             raise ValueError(f"--metric {item!r} must look like TASK=METRIC, e.g. hellaswag=acc_norm")
         out[task.strip()] = metric.strip()
     return out
+
+
+def check_metric_overrides(selection: TaskSelection, overrides: dict[str, str]) -> None:
+    """Fail before any model runs when an override names a task that is not evaluated, or a
+    metric that the task's YAML ``metric_list`` does not declare (when it declares one)."""
+    unused = sorted(set(overrides) - set(selection.names))
+    if unused:
+        raise ValueError(f"--metric names tasks that are not evaluated: {unused}")
+    index = selection.task_manager.task_index
+    for task, metric in overrides.items():
+        entry = index.get(task)
+        cfg = getattr(entry, "cfg", None) or {}
+        declared = [m.get("metric") for m in cfg.get("metric_list") or [] if isinstance(m, dict)]
+        if declared and metric not in declared:
+            raise ValueError(f"task {task!r} reports no metric {metric!r}; its metric_list has "
+                             f"{declared}")
 
 
 def metric_for(task: str, entry: dict, overrides: dict[str, str] | None = None) -> str:
