@@ -285,7 +285,9 @@ class AttentionTransfer(HybridStage):
         set_attention_mode(inner, "softmax", observer=observer)
         try:
             with torch.no_grad():
-                inner.model(input_ids=ids, attention_mask=mask)  # decoder only: no logits needed
+                # through the root module (FSDP2's root hooks unshard the embeddings), with the
+                # LM head on one position only: the logits are not needed
+                self.model(input_ids=ids, attention_mask=mask, logits_to_keep=1)
         finally:
             set_attention_mode(inner, observer=None)
         return losses
