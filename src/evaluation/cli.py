@@ -161,10 +161,10 @@ def _device(name: str | None) -> str:
     return name
 
 
-def _free(*objs) -> None:
+def _free() -> None:
+    """Collect what the caller just dropped (call after clearing its last reference)."""
     import torch
 
-    del objs
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -267,8 +267,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
             if is_converted(loaded.model):
                 baseline_source = "same model in mode 'softmax' (the original attention)"
                 say("baseline: " + baseline_source)
-                prior = next((lab for lab, s in zip([s.label for s in specs], specs)
-                              if s.mode == "softmax" and not s.switches), None)
+                prior = next((s.label for s in specs if s.mode == "softmax" and not s.switches),
+                             None)
                 baseline = runs[0][prior] if prior else run_modes(
                     loaded.model, loaded.tokenizer, [ModeSpec.parse("softmax")], selection,
                     **common)["softmax"]
@@ -278,17 +278,18 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         if k == 0:
             extra = _probes(args, loaded, specs, device, say)
         if k < len(seeds) - 1:
-            _free(loaded)
             loaded = None
+            _free()
     if args.baseline is not None:
-        _free(loaded)
         loaded = None
+        _free()
         say(f"baseline: loading {args.baseline}")
         base = load_for_eval(args.baseline, device=device, dtype=dtype)
         spec = ModeSpec.parse("softmax")
         baseline = run_modes(base.model, base.tokenizer, [spec], selection, **common)["softmax"]
         baseline_source = args.baseline
-        _free(base)
+        base = None
+        _free()
 
     meta = {
         "model": args.model, "model_source": source, "base_model": base_model,

@@ -17,7 +17,8 @@ value token, ``(p - 1) - f`` (``recall_answers``' convention): it is inside a ca
 ``w`` keys exactly when ``distance < w``. Buckets, relative to ``w``:
 ``inside`` (< w), ``1-4x`` (w to 4w), ``4-16x`` (4w to 16w), ``beyond`` (>= 16w). ``w`` is the
 smallest window over the converted layers (per-layer windows may differ; the report says which
-was used); target distances default to ``w/2, 2w, 8w, 24w``. The filler is cut at sentence
+was used; a mode's ``window=N`` switch changes the model's window but not the buckets, which
+stay relative to the converted window); target distances default to ``w/2, 2w, 8w, 24w``. The filler is cut at sentence
 boundaries and the query's own lead counts towards the distance, so the actual distances differ
 from the targets; every fact is bucketed by its actual distance. Documents longer than
 ``max_length`` are not generated (their distances are listed as skipped).
