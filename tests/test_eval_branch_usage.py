@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from fixtures.eval.support import byte_tokenizer, tiny_llama
-from hedgecats.evaluation.branch_usage import (branch_usage, format_branch_usage_markdown,
-                                               plot_branch_usage)
+from hedgecats.evaluation.branch_usage import (
+    branch_usage,
+    format_branch_usage_markdown,
+    plot_branch_usage,
+)
 from hedgecats.models import HybridConfig, convert_to_hybrid
 
 W = 16

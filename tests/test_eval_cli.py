@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from fixtures.eval.support import byte_tokenizer, save_tiny_model, write_tasks
 from hedgecats.evaluation.cli import main
 from hedgecats.models import HybridConfig, attention_mode, convert_to_hybrid

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from fixtures.eval.support import save_tiny_model, write_tasks
 from hedgecats.evaluation import cli, report
 from hedgecats.models import HybridConfig, convert_to_hybrid
@@ -70,9 +69,8 @@ def test_bad_hybrid_yaml(ws, tmp_path, capsys):
 
 def _stage(ws: Path, name: str, base_model: str) -> Path:
     """A real stage checkpoint (``save_stage``) of the tiny model, recording ``base_model``."""
-    from transformers import AutoModelForCausalLM
-
     from hedgecats.models.checkpoint import save_stage
+    from transformers import AutoModelForCausalLM
 
     cfg = HybridConfig(window=8, seed=3)
     model = convert_to_hybrid(AutoModelForCausalLM.from_pretrained(ws / "model"), cfg)
@@ -136,9 +134,8 @@ def test_atomic_dir_replaces_only_on_success(tmp_path):
         (tmp / "a").write_text("1")
         assert not out.exists()
     assert (out / "a").read_text() == "1"
-    with pytest.raises(RuntimeError):
-        with report.atomic_output_dir(out, overwrite=True) as tmp:
-            (tmp / "a").write_text("2")
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError), report.atomic_output_dir(out, overwrite=True) as tmp:
+        (tmp / "a").write_text("2")
+        raise RuntimeError("boom")
     assert (out / "a").read_text() == "1"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
-
 from fixtures.eval.support import byte_tokenizer, tiny_llama
 from hedgecats.evaluation.ablation import parse_modes
-from hedgecats.evaluation.retrieval import (BUCKETS, default_distances, format_retrieval_markdown,
-                                            make_probe_documents, retrieval_probe)
+from hedgecats.evaluation.retrieval import (
+    BUCKETS,
+    default_distances,
+    format_retrieval_markdown,
+    make_probe_documents,
+    retrieval_probe,
+)
 from hedgecats.models import HybridConfig, convert_to_hybrid
+from torch import nn
 
 W = 64
 

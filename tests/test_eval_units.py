@@ -5,12 +5,15 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from fixtures.eval.support import write_tasks
 from hedgecats.evaluation import metrics
 from hedgecats.evaluation.ablation import ModeSpec, parse_modes
-from hedgecats.evaluation.lm_eval_bridge import (TaskScore, metric_for, parse_metric_overrides,
-                                                 resolve_tasks)
+from hedgecats.evaluation.lm_eval_bridge import (
+    TaskScore,
+    metric_for,
+    parse_metric_overrides,
+    resolve_tasks,
+)
 from hedgecats.evaluation.report import build_results, format_markdown
 
 

@@ -4,7 +4,14 @@ Entry point: ``hedgecats evaluate`` (``hedgecats.evaluation.cli.main``).
 """
 
 from .ablation import DEFAULT_MODES, ModeSpec, check_modes_supported, parse_modes, run_modes
-from .lm_eval_bridge import PAPER_METRICS, PAPER_TASKS, TaskScore, evaluate_tasks, make_lm, resolve_tasks
+from .lm_eval_bridge import (
+    PAPER_METRICS,
+    PAPER_TASKS,
+    TaskScore,
+    evaluate_tasks,
+    make_lm,
+    resolve_tasks,
+)
 from .report import build_results, format_markdown, write_results
 
 __all__ = [

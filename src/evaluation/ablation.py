@@ -30,8 +30,14 @@ from .lm_eval_bridge import TaskScore, TaskSelection, evaluate_tasks, make_lm
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_MODES", "ModeSpec", "is_converted", "parse_modes", "run_modes",
-           "check_modes_supported"]
+__all__ = [
+    "DEFAULT_MODES",
+    "ModeSpec",
+    "check_modes_supported",
+    "is_converted",
+    "parse_modes",
+    "run_modes",
+]
 
 DEFAULT_MODES = ("hybrid", "swa_only", "la_only", "sinks_only", "none")
 
@@ -145,7 +151,7 @@ def check_modes_supported(model, specs: list[ModeSpec]) -> None:
 
 
 def run_modes(model, tokenizer, specs: list[ModeSpec], selection: TaskSelection, *,
-              metric_overrides: dict[str, str] | None = None, limit: int | float | None = None,
+              metric_overrides: dict[str, str] | None = None, limit: float | None = None,
               batch_size: int | str = 8, max_length: int | None = None,
               device: str | None = None, bootstrap_iters: int = 100_000, seed: int = 0,
               progress: Callable[[str], None] = print) -> dict[str, dict[str, TaskScore]]:

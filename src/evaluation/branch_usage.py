@@ -24,7 +24,6 @@ import logging
 from pathlib import Path
 
 import torch
-
 from hedgecats.models import attention_mode, hybrid_attention, hybrid_layers
 
 log = logging.getLogger(__name__)
@@ -74,10 +73,10 @@ def branch_usage(model, tokenizer, *, text: str | None = None, max_tokens: int =
         rt = module.hedgecats
         hidden = stash.pop(rt.layer_idx, None)
         fq, fk = module.phi_q(query), module.phi_k(key)
-        common = dict(window=rt.window, g=module.mixer(hidden), shared_norm=module.mixer.shared_norm,
-                      overlap=rt.overlap, la_span="outside", n_sinks=rt.n_sinks,
-                      key_padding_mask=key_padding_mask, scale=getattr(module, "scaling", None),
-                      eps=rt.eps, backend=rt.backend)
+        common = {"window": rt.window, "g": module.mixer(hidden),
+                  "shared_norm": module.mixer.shared_norm, "overlap": rt.overlap,
+                  "la_span": "outside", "n_sinks": rt.n_sinks, "key_padding_mask": key_padding_mask,
+                  "scale": getattr(module, "scaling", None), "eps": rt.eps, "backend": rt.backend}
         c_swa = hybrid_attention(query, key, value, fq, fk, mode="swa_only", rescale=False, **common)
         c_la = hybrid_attention(query, key, value, fq, fk, mode="la_only", rescale=False, **common)
         n_swa_BHT = c_swa.float().norm(dim=-1)
@@ -154,8 +153,8 @@ def plot_branch_usage(bu: dict, path: str | Path, title: str = "") -> Path:
 def format_branch_usage_markdown(bu: dict) -> list[str]:
     """Per layer: mean, min and max LA share over heads (every head is in results.json)."""
     lines = ["## Branch usage", "",
-             f"LA share of the branch output norms, mode {bu['mode']}, {bu['n_tokens']} tokens of "
-             f"{bu['text_source']}; {bu['definition']}. Heatmap: branch_usage.png.", "",
+             (f"LA share of the branch output norms, mode {bu['mode']}, {bu['n_tokens']} tokens of "
+              f"{bu['text_source']}; {bu['definition']}. Heatmap: branch_usage.png."), "",
              "| layer | window | LA share mean | min | max |", "| ---: | ---: | ---: | ---: | ---: |"]
     for layer in bu["layers"]:
         v = [x for x in layer["la_share"] if x is not None]

@@ -14,9 +14,27 @@ import sys
 import time
 from pathlib import Path
 
-from .ablation import DEFAULT_MODES, ModeSpec, check_modes_supported, is_converted, parse_modes, run_modes
-from .lm_eval_bridge import PAPER_TASKS, check_metric_overrides, parse_metric_overrides, resolve_tasks
-from .report import atomic_output_dir, build_results, check_output_dir, format_markdown, write_results
+from .ablation import (
+    DEFAULT_MODES,
+    ModeSpec,
+    check_modes_supported,
+    is_converted,
+    parse_modes,
+    run_modes,
+)
+from .lm_eval_bridge import (
+    PAPER_TASKS,
+    check_metric_overrides,
+    parse_metric_overrides,
+    resolve_tasks,
+)
+from .report import (
+    atomic_output_dir,
+    build_results,
+    check_output_dir,
+    format_markdown,
+    write_results,
+)
 
 log = logging.getLogger(__name__)
 
@@ -203,8 +221,14 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     """Everything after parsing; raises ``ValueError`` on bad input before writing anything."""
     import lm_eval
 
-    from .loading import (check_base_model, is_stage_checkpoint, load_for_eval, peek_base_model,
-                          read_hybrid_config, resolve_dtype)
+    from .loading import (
+        check_base_model,
+        is_stage_checkpoint,
+        load_for_eval,
+        peek_base_model,
+        read_hybrid_config,
+        resolve_dtype,
+    )
 
     say = (lambda *_: None) if args.quiet else (lambda msg: print(msg, flush=True))
     started = time.time()
@@ -245,9 +269,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     selection = resolve_tasks(task_specs)
     check_metric_overrides(selection, overrides)
     limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
-    common = dict(metric_overrides=overrides, limit=limit, batch_size=args.batch_size,
-                  max_length=args.max_length, device=device, bootstrap_iters=args.bootstrap_iters,
-                  progress=say)
+    common = {"metric_overrides": overrides, "limit": limit, "batch_size": args.batch_size,
+              "max_length": args.max_length, "device": device,
+              "bootstrap_iters": args.bootstrap_iters, "progress": say}
 
     # ---- load; check modes and the base model
     seeds = args.seeds or [hybrid.seed if hybrid else None]

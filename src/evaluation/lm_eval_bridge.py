@@ -84,7 +84,8 @@ def _yaml_task_name(path: Path) -> str:
         cfg = yaml.load(path.read_text(), Loader=_LenientLoader) or {}
     name = cfg.get("task") or cfg.get("group")
     if not isinstance(name, str):
-        raise ValueError(f"task file {str(path)!r} defines no 'task:' (or 'group:') name")
+        # ValueError, not TypeError: bad user input, reported by the CLI
+        raise ValueError(f"task file {str(path)!r} defines no 'task:' (or 'group:') name")  # noqa: TRY004
     return name
 
 
@@ -222,7 +223,7 @@ def make_lm(model, tokenizer, *, batch_size: int | str = 8, max_length: int | No
 
 
 def evaluate_tasks(lm, selection: TaskSelection, *, metric_overrides: dict[str, str] | None = None,
-                   limit: int | float | None = None, bootstrap_iters: int = 100_000,
+                   limit: float | None = None, bootstrap_iters: int = 100_000,
                    log_samples: bool = False, seed: int = 0) -> tuple[dict[str, TaskScore], dict]:
     """Zero-shot ``simple_evaluate`` of every selected task on ``lm`` as the model stands now.
 

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import torch
 import yaml
-
 from hedgecats.models import HybridConfig, convert_to_hybrid
 
 log = logging.getLogger(__name__)
@@ -48,7 +47,8 @@ def read_hybrid_config(path: str | Path) -> HybridConfig:
         raise ValueError(f"--hybrid {str(path)!r} is not a file")
     d = yaml.safe_load(p.read_text()) or {}
     if not isinstance(d, dict):
-        raise ValueError(f"--hybrid {str(path)!r} must hold a mapping of HybridConfig fields")
+        # ValueError, not TypeError: bad user input, reported by the CLI
+        raise ValueError(f"--hybrid {str(path)!r} must hold a mapping of HybridConfig fields")  # noqa: TRY004
     for key in ("hybrid", "hybrid_config"):
         if isinstance(d.get(key), dict):
             d = d[key]

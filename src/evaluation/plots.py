@@ -96,7 +96,7 @@ def retrieval_curves(runs: Sequence[tuple[str, dict]], axes=None):
     if not with_probe:
         raise ValueError("no run has a retrieval section (run hedgecats evaluate --retrieval)")
     if axes is None:
-        fig, axes = plt.subplots(1, len(with_probe), figsize=(4.5 * len(with_probe), 3.5),
+        _, axes = plt.subplots(1, len(with_probe), figsize=(4.5 * len(with_probe), 3.5),
                                  squeeze=False, sharey=True)
         axes = axes[0]
     for ax, (label, res) in zip(axes, with_probe):

@@ -31,7 +31,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-
 from hedgecats.models import attention_mode, hybrid_layers
 
 from .ablation import ModeSpec, is_converted
@@ -216,8 +215,8 @@ def format_retrieval_markdown(r: dict) -> list[str]:
     head = [f"{b} (d {'<' if b == 'inside' else '>='} "
             f"{dict(zip(BUCKETS, ('w', 'w', '4w', '16w')))[b]})" for b in BUCKETS]
     lines = ["## Retrieval beyond the window", "",
-             f"Key-value recall, {r['window_note']}; distance in {r['distance_unit']}. "
-             f"Scoring: {r['scoring']}. Cells: exact-match % (token accuracy %, n facts).", "",
+             (f"Key-value recall, {r['window_note']}; distance in {r['distance_unit']}. "
+              f"Scoring: {r['scoring']}. Cells: exact-match % (token accuracy %, n facts)."), "",
              "| mode | " + " | ".join(head) + " |", "| --- |" + " ---: |" * len(BUCKETS)]
     for label, row in r["modes"].items():
         cells = []
@@ -227,6 +226,6 @@ def format_retrieval_markdown(r: dict) -> list[str]:
                          f"{c['accuracy']:.1f} ({c['token_accuracy']:.1f}, n={c['n']})")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     if r.get("skipped_distances"):
-        lines += ["", f"Skipped target distances (documents longer than max_length "
-                      f"{r['max_length']}): {r['skipped_distances']}."]
+        lines += ["", (f"Skipped target distances (documents longer than max_length "
+                       f"{r['max_length']}): {r['skipped_distances']}.")]
     return lines
