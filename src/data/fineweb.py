@@ -331,6 +331,7 @@ class FineWebEduDataModule(pl.LightningDataModule):
             rank=self.rank,
             world_size=self.world_size,
             managed=True,
+            epoch=self.trainer.current_epoch if self.trainer is not None else 0,
         )
         if self._resume_state is not None:
             loader.resume_from(self._resume_state)

@@ -134,40 +134,72 @@ class Truncator:
 class ShuffleBuffer:
     """A seeded shuffle buffer over sequences, with its state (contents and RNG) exportable.
 
-    With `size` 0 it passes sequences through. Otherwise it holds up to `size` sequences and
-    hands out a uniformly chosen one for each one put in once full, as `datasets` and tf.data do.
+    With `size` 0 it passes sequences through. Otherwise it holds up to `size` sequences of at
+    most `width` tokens and, once full, hands out a uniformly chosen one for each one put in, as
+    `datasets` and tf.data do. The contents live in one preallocated (size, width) array, so its
+    state is one copy, not a list of arrays (it is taken after every batch).
     """
 
-    def __init__(self, size: int, seed: Sequence[int] | int) -> None:
+    def __init__(self, size: int, width: int, seed: Sequence[int] | int) -> None:
         if size < 0:
             raise ValueError(f"shuffle_buffer={size!r} must be >= 0")
         self.size = size
         self.rng = np.random.default_rng(seed)
-        self.items: list[np.ndarray] = []
+        self._items = np.zeros((size, width), dtype=np.int32)  # (S, T)
+        self._lengths = np.zeros(size, dtype=np.int64)
+        self.count = 0
+
+    def _take(self, i: int) -> np.ndarray:
+        return self._items[i, : self._lengths[i]].copy()
+
+    def _put(self, i: int, item: np.ndarray) -> None:
+        self._items[i, : len(item)] = item
+        self._lengths[i] = len(item)
 
     def push(self, item: np.ndarray) -> np.ndarray | None:
+        """Put `item` in; return the sequence to hand out now (None while filling)."""
         if self.size == 0:
             return item
-        if len(self.items) < self.size:
-            self.items.append(item)
+        if self.count < self.size:
+            self._put(self.count, item)
+            self.count += 1
             return None
         i = int(self.rng.integers(self.size))
-        out, self.items[i] = self.items[i], item
+        out = self._take(i)
+        self._put(i, item)
+        return out
+
+    def pop_random(self) -> np.ndarray | None:
+        """Take out one held sequence at random (at the end of the data); None when empty."""
+        if self.count == 0:
+            return None
+        i = int(self.rng.integers(self.count))
+        out = self._take(i)
+        last = self.count - 1
+        self._items[i], self._lengths[i] = self._items[last], self._lengths[last]
+        self.count = last
         return out
 
     def drain(self) -> Iterator[np.ndarray]:
-        """Empty the buffer in random order (at the end of the data)."""
-        while self.items:
-            i = int(self.rng.integers(len(self.items)))
-            self.items[i], self.items[-1] = self.items[-1], self.items[i]
-            yield self.items.pop()
+        """Empty the buffer in random order."""
+        while (item := self.pop_random()) is not None:
+            yield item
 
     def state_dict(self) -> dict:
-        flat, lengths = _flat(self.items)
-        return {"items": flat, "lengths": lengths, "rng": self.rng.bit_generator.state}
+        n = self.count
+        return {
+            "items": torch.from_numpy(self._items[:n].copy()),
+            "lengths": torch.from_numpy(self._lengths[:n].copy()),
+            "rng": self.rng.bit_generator.state,
+        }
 
     def load_state_dict(self, state: dict) -> None:
-        self.items = _unflat(state["items"], state["lengths"])
+        n = len(state["lengths"])
+        if n > self.size:
+            raise ValueError(f"a shuffle state of {n} items does not fit a buffer of {self.size}")
+        self._items[:n] = state["items"].numpy()
+        self._lengths[:n] = state["lengths"].numpy()
+        self.count = n
         self.rng.bit_generator.state = state["rng"]
 
 
@@ -239,7 +271,7 @@ def packed_sequences(
     source = DocumentSource.create(data_files, text_column=text_column)
     examples = iter(source.open(rank, world_size))
     packer = Packer(seq_len)
-    shuffler = ShuffleBuffer(shuffle_buffer, seed=[seed, rank])
+    shuffler = ShuffleBuffer(shuffle_buffer, seq_len, seed=[seed, rank])
     n_docs = n_chunks = 0
     for doc in iter_token_documents(source, examples, tok, eos):
         n_docs += 1

@@ -30,7 +30,6 @@ a no-op, so Lightning's rank-0 copy can never overwrite the per-rank state.
 
 from __future__ import annotations
 
-import copy
 import warnings
 from collections import deque
 from typing import Any
@@ -76,6 +75,8 @@ class ResumableDataLoader(StatefulDataLoader):
         history: how many per-batch states to keep (the training loop's look-ahead + 1 is enough).
         managed: the state is saved and loaded by an owner through `state_at` / `resume_from`
             (see the module docstring); `state_dict` / `load_state_dict` then carry a marker only.
+        epoch: the epoch of the first fresh iteration (a loader rebuilt mid-training, e.g. with
+            `reload_dataloaders_every_n_epochs`, continues the count).
     """
 
     def __init__(
@@ -86,6 +87,7 @@ class ResumableDataLoader(StatefulDataLoader):
         world_size: int = 1,
         history: int = 4,
         managed: bool = False,
+        epoch: int = 0,
         **kwargs,
     ) -> None:
         if kwargs.get("snapshot_every_n_steps", 1) != 1:
@@ -101,8 +103,8 @@ class ResumableDataLoader(StatefulDataLoader):
         self.managed = managed
         self._history: deque[tuple[int, Any]] = deque(maxlen=max(2, history))
         self._pending: dict | None = None  # a state to start the next iteration from
-        self._next_epoch = 0  # epoch of the next fresh iteration
-        self._epoch = 0  # epoch of the current iteration
+        self._next_epoch = epoch  # epoch of the next fresh iteration
+        self._epoch = epoch  # epoch of the current iteration
         self._yielded = 0  # batches of the current epoch handed out (after any resumed ones)
         self._active = False  # an iteration has begun (fetched or is about to fetch)
         self._finished = False  # the current iteration raised StopIteration
@@ -146,7 +148,7 @@ class ResumableDataLoader(StatefulDataLoader):
 
     def _after_batch(self) -> None:
         self._yielded += 1
-        self._history.append((self._yielded, copy.deepcopy(super().state_dict())))
+        self._history.append((self._yielded, _copy_structure(super().state_dict())))
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -221,6 +223,20 @@ class ResumableDataLoader(StatefulDataLoader):
             return
         if state_dict:
             self.resume_from(state_dict)
+
+
+def _copy_structure(state: Any) -> Any:
+    """Copy dicts and lists, share everything else.
+
+    torchdata updates its snapshot dicts in place, so a kept state needs its own dicts; the
+    leaves (tensors from the dataset's `state_dict`, numbers, strings) are never mutated
+    afterwards, so sharing them is safe and saves copying megabytes after every batch.
+    """
+    if isinstance(state, dict):
+        return {k: _copy_structure(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_copy_structure(v) for v in state]
+    return state
 
 
 class _LazyIterator:

@@ -204,9 +204,12 @@ class _EpochRun:
         self.hf.load_state_dict(start["hf"] if start is not None else None)
         self.texts = stream.source.texts(iter(self.hf))
         self.pending: deque[np.ndarray] = deque()
+        self._pending_state: tuple | None = None  # cached: taken after every batch, changes rarely
         self.seqs = Packer(stream.seq_len) if stream.mode == "pack" else Truncator(stream.seq_len)
         self.shuffle = ShuffleBuffer(
-            stream.shuffle_buffer, seed=[stream.seed, self.epoch, stream.rank, worker]
+            stream.shuffle_buffer,
+            stream.seq_len,
+            seed=[stream.seed, self.epoch, stream.rank, worker],
         )
         self.head_done = stream.split == "val"  # the val split *is* the head
         self.data_ended = False
@@ -228,7 +231,9 @@ class _EpochRun:
                 "epoch": self.epoch,
                 "started": False,
             }
-        pending, lengths = _flat(list(self.pending))
+        if self._pending_state is None:
+            self._pending_state = _flat(list(self.pending))
+        pending, lengths = self._pending_state
         return {
             **self.s._identity(self.worker, self.num_workers),
             "epoch": self.epoch,
@@ -246,6 +251,7 @@ class _EpochRun:
     # -- documents and sequences --------------------------------------------------------------
 
     def _next_doc(self) -> np.ndarray | None:
+        self._pending_state = None
         if not self.pending:
             if self.data_ended:
                 return None
@@ -269,12 +275,7 @@ class _EpochRun:
         while True:
             seq = self._next_unshuffled()
             if seq is None:  # data ended: hand out what the shuffle buffer still holds
-                items = self.shuffle.items
-                if not items:
-                    return None
-                i = int(self.shuffle.rng.integers(len(items)))
-                items[i], items[-1] = items[-1], items[i]
-                return items.pop()
+                return self.shuffle.pop_random()
             out = self.shuffle.push(seq)
             if out is not None:
                 return out
