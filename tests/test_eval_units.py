@@ -115,6 +115,12 @@ def test_resolve_local_tasks(tmp_path):
     assert sel.names == ["toy_norm"]
     with pytest.raises(ValueError, match="more than once"):
         resolve_tasks([str(tmp_path / "t"), str(tmp_path / "t" / "toy_acc.yaml")])
+    # a group and its members in one directory: the group runs, its members not twice
+    (tmp_path / "t" / "toy_group.yaml").write_text(
+        "group: toy_group\ntask:\n  - toy_acc\n  - toy_norm\naggregate_metric_list:\n"
+        "  - metric: acc\n    weight_by_size: true\nmetadata:\n  version: 1.0\n")
+    assert resolve_tasks([str(tmp_path / "t")]).names == ["toy_group"]
+    assert resolve_tasks([str(tmp_path / "t" / "toy_group.yaml")]).names == ["toy_group"]
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="defines no lm-eval task"):
         resolve_tasks([str(tmp_path / "empty")])

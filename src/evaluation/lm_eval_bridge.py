@@ -82,7 +82,8 @@ def _yaml_task_name(path: Path) -> str:
         cfg = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError:  # lm-eval YAMLs may use !function tags
         cfg = yaml.load(path.read_text(), Loader=_LenientLoader) or {}
-    name = cfg.get("task") or cfg.get("group")
+    # a task file has ``task: <name>``; a group file has ``group: <name>`` and ``task: [...]``
+    name = cfg.get("task") if isinstance(cfg.get("task"), str) else cfg.get("group")
     if not isinstance(name, str):
         # ValueError, not TypeError: bad user input, reported by the CLI
         raise ValueError(f"task file {str(path)!r} defines no 'task:' (or 'group:') name")  # noqa: TRY004
@@ -136,7 +137,10 @@ def resolve_tasks(specs: list[str] | tuple[str, ...]) -> TaskSelection:
             if not found:
                 raise ValueError(f"task directory {value!r} defines no lm-eval task (no YAML "
                                  "with a 'task:' key)")
-            names.extend(sorted(found))
+            # a group's member tasks run as part of the group, not again on their own
+            members = {t for n in found if local_index[n].kind.name == "GROUP"
+                       for t in (local_index[n].cfg or {}).get("task") or [] if isinstance(t, str)}
+            names.extend(sorted(n for n in found if n not in members))
         else:
             names.append(value)
     dup = sorted({n for n in names if names.count(n) > 1})
@@ -249,6 +253,6 @@ def evaluate_tasks(lm, selection: TaskSelection, *, metric_overrides: dict[str, 
         value = entry[f"{metric},{filt}"]
         se = entry.get(f"{metric}_stderr,{filt}")
         se = float(se) if isinstance(se, (int, float)) else math.nan
-        n = raw.get("n-samples", {}).get(task, {}).get("effective")
+        n = raw.get("n-samples", {}).get(task, {}).get("effective") or entry.get("sample_len")
         scores[task] = TaskScore(metric=metric, score=100.0 * float(value), stderr=100.0 * se, n=n)
     return scores, raw
