@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fixtures.eval.support import byte_tokenizer, save_tiny_model, write_tasks
+from fixtures.eval.support import byte_tokenizer, save_tiny_model, write_hellaswag_copy, write_tasks
 from hedgecats.evaluation.cli import main
 from hedgecats.models import HybridConfig, attention_mode, convert_to_hybrid
 
@@ -215,3 +215,18 @@ def test_branch_usage_in_report(run_dir):
         assert len(layer["la_share"]) == 4 and all(0.0 <= x <= 1.0 for x in layer["la_share"])
     assert (run_dir / "branch_usage.png").read_bytes()[:4] == b"\x89PNG"
     assert "## Branch usage" in (run_dir / "results.md").read_text()
+
+
+def test_paper_metric_on_a_copy_of_lm_evals_hellaswag(workspace, tmp_path):
+    """lm-eval's own hellaswag task code on local data: scored by acc_norm without --metric."""
+    hs = write_hellaswag_copy(tmp_path / "hellaswag")
+    out = tmp_path / "hs"
+    rc = main(["--model", str(workspace / "model"), "--hybrid", str(workspace / "hybrid.yaml"),
+               "--tasks", f"{hs},{workspace / 'tasks' / 'toy_acc.yaml'}", "--modes", "hybrid",
+               "--bootstrap-iters", "10", "-q", "--output", str(out)])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["tasks"] == ["hellaswag", "toy_acc"]
+    assert res["modes"]["hybrid"]["tasks"]["hellaswag"]["metric"] == "acc_norm"
+    assert res["modes"]["hybrid"]["tasks"]["hellaswag"]["n"] == 8
+    assert res["modes"]["hybrid"]["tasks"]["toy_acc"]["metric"] == "acc"
