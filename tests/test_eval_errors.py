@@ -87,6 +87,9 @@ def test_checkpoint_from_another_base_model(ws, tmp_path, capsys):
            "--expect-base")
     # --hybrid cannot re-convert a checkpoint; a directory without stage.pt is no checkpoint
     _fails(argv + ["--hybrid", str(ws / "hybrid.yaml")], tmp_path / "o", capsys, "stage checkpoint")
+    (tmp_path / "junk.pt").write_text("not a checkpoint")
+    _fails(["--model", str(tmp_path / "junk.pt"), "--tasks", str(ws / "tasks")], tmp_path / "o",
+           capsys, "cannot read stage checkpoint")
     (tmp_path / "empty").mkdir()
     _fails(["--model", str(tmp_path / "empty"), "--tasks", str(ws / "tasks")], tmp_path / "o",
            capsys, "neither config.json")

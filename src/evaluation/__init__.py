@@ -12,7 +12,9 @@ from .lm_eval_bridge import (
     make_lm,
     resolve_tasks,
 )
+from .branch_usage import branch_usage, plot_branch_usage
 from .report import build_results, format_markdown, write_results
+from .retrieval import retrieval_probe
 
 __all__ = [
     "DEFAULT_MODES",
@@ -20,13 +22,16 @@ __all__ = [
     "PAPER_TASKS",
     "ModeSpec",
     "TaskScore",
+    "branch_usage",
     "build_results",
     "check_modes_supported",
     "evaluate_tasks",
     "format_markdown",
     "make_lm",
     "parse_modes",
+    "plot_branch_usage",
     "resolve_tasks",
+    "retrieval_probe",
     "run_modes",
     "write_results",
 ]

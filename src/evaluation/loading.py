@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -112,7 +113,7 @@ def peek_base_model(spec: str) -> str | None:
     """The base model recorded in a stage checkpoint, read without building the model."""
     try:
         info = _checkpoint_api().read_stage(stage_checkpoint_path(spec))
-    except (OSError, RuntimeError, EOFError) as e:
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
         raise ValueError(f"cannot read stage checkpoint {spec!r}: {e}") from e
     return next((str(info[k]) for k in _BASE_KEYS if info.get(k)), None)
 
