@@ -4,6 +4,7 @@ Entry point: ``hedgecats evaluate`` (``hedgecats.evaluation.cli.main``).
 """
 
 from .ablation import DEFAULT_MODES, ModeSpec, check_modes_supported, parse_modes, run_modes
+from .branch_usage import branch_usage, plot_branch_usage
 from .lm_eval_bridge import (
     PAPER_METRICS,
     PAPER_TASKS,
@@ -12,7 +13,6 @@ from .lm_eval_bridge import (
     make_lm,
     resolve_tasks,
 )
-from .branch_usage import branch_usage, plot_branch_usage
 from .report import build_results, format_markdown, write_results
 from .retrieval import retrieval_probe
 
