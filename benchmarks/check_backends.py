@@ -47,7 +47,7 @@ def run(backend, shape, dtype, mode, kw, data):
         kpm = torch.ones(B, T, dtype=torch.bool, device="cuda")
         kpm[0, : T // 4] = False
         kw["key_padding_mask"] = kpm
-    q, k, v, do = (x.to(dtype).requires_grad_(i < 3) for i, x in enumerate(data))
+    q, k, v, do = (x.to(dtype, copy=True).requires_grad_(i < 3) for i, x in enumerate(data))
     phi_q, phi_k = HedgehogFeatureMap(H, D, seed=1).cuda(), HedgehogFeatureMap(Hkv, D, seed=2).cuda()
     out = hybrid_attention(q, k, v, phi_q(q), phi_k(k), window=w, mode=mode, backend=backend, **kw)
     (out.float() * do.float()).sum().backward()
