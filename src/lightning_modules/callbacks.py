@@ -93,7 +93,7 @@ class ScheduledSlidingWindowDropout(pl.Callback):
             raise ValueError(f"{type(pl_module).__name__} has no .model to apply SSD to")
         return unwrap(model)
 
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _apply(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[float, int]:
         model = self._model(pl_module)
         if self._saved is None:
             _, attn = next(iter(hybrid_layers(model)))
@@ -101,6 +101,14 @@ class ScheduledSlidingWindowDropout(pl.Callback):
         p, w = ssd_schedule(trainer.current_epoch, self.p, self.window)
         set_attention_mode(model, window=w, ssd_p=p, ssd_granularity=self.granularity,
                            rescale=self.rescale, la_span=self.la_span)
+        return p, w
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # a run resumed mid-epoch does not call on_train_epoch_start for that epoch
+        self._apply(trainer, pl_module)
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        p, w = self._apply(trainer, pl_module)
         pl_module.log("ssd/p", p, on_step=False, on_epoch=True)
         pl_module.log("ssd/window", float(w), on_step=False, on_epoch=True)
 
@@ -123,3 +131,7 @@ class CheckpointOnInterrupt(OnExceptionCheckpoint):
                 not isinstance(exception, (SIGTERMException, KeyboardInterrupt)):
             return
         super().on_exception(trainer, pl_module, exception)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Keep the file: Lightning's version deletes it at teardown, but it is shared with
+        ``ModelCheckpoint(save_last=True)`` and is what the next run resumes from."""

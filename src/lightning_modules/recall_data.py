@@ -15,7 +15,6 @@ attention or the LA branch can). Token id = byte value; ``<pad>`` = 256, ``<eos>
 
 from __future__ import annotations
 
-import math
 import string
 from dataclasses import dataclass
 
@@ -31,6 +30,7 @@ __all__ = [
     "RecallCorpus",
     "RecallDataModule",
     "ResumableDistributedSampler",
+    "ResumableLoader",
     "byte_tokenizer",
     "make_recall_corpus",
 ]
@@ -133,17 +133,38 @@ class ResumableDistributedSampler(DistributedSampler):
     def __iter__(self):
         indices = list(super().__iter__())
         skip, self.skip = self.skip, 0
-        return iter(indices[skip:])
+        return iter(indices[skip:])  # __len__ stays the full shard: Lightning's epoch length
 
-    def __len__(self) -> int:
-        return self.num_samples - self.skip
+
+class ResumableLoader(DataLoader):
+    """A DataLoader that Lightning treats as stateful: its state is the number of batches of the
+    current epoch the *trainer* has trained (``batch_progress.current.processed``), not the
+    number fetched -- Lightning fetches one batch ahead, and counting fetches would skip one
+    batch on resume. Every rank has the same count (the sampler pads shards to equal length),
+    so rank 0's state, the one Lightning saves, is right for all."""
+
+    def __init__(self, *args, trainer=None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._trainer_ref = trainer
+
+    def state_dict(self) -> dict:
+        tr = self._trainer_ref
+        done = tr.fit_loop.epoch_loop.batch_progress.current.processed if tr is not None else 0
+        return {"epoch": tr.current_epoch if tr is not None else 0, "batches": int(done)}
+
+    def load_state_dict(self, state: dict) -> None:
+        batches = state["batches"]
+        if batches * self.batch_size >= self.sampler.num_samples:
+            batches = 0  # saved at the end of an epoch: the next one starts from its beginning
+        self.sampler.skip = batches * self.batch_size
 
 
 class RecallDataModule(pl.LightningDataModule):
     """Train / validation / test splits of ``make_recall_corpus`` (different seeds).
 
-    Resumes exactly: ``train_dataloader`` reads how many batches of the current epoch the
-    restored loop already trained and skips them (a plain DataLoader would replay them).
+    Resumes exactly: the train loader is stateful (``ResumableLoader``) and skips the batches of
+    the current epoch that the restored run already trained (a plain DataLoader would replay
+    them).
 
     Args:
         seq_len: T. window: the hybrid's SWA window; recalls at distance ``< window`` are near.
@@ -172,26 +193,20 @@ class RecallDataModule(pl.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         self.tokenizer = byte_tokenizer()
 
-    def _loader(self, split: str, shuffle: bool, skip_batches: int = 0) -> DataLoader:
+    def _loader(self, split: str, shuffle: bool) -> DataLoader:
         ds = TensorDataset(self._corpus(split).input_ids)
         trainer = self.trainer
         rank, world = (trainer.global_rank, trainer.world_size) if trainer else (0, 1)
         sampler = ResumableDistributedSampler(ds, num_replicas=world, rank=rank, shuffle=shuffle,
                                               seed=self.hparams.seed, drop_last=False)
-        sampler.skip = skip_batches * self.hparams.batch_size
-        return DataLoader(ds, batch_size=self.hparams.batch_size, sampler=sampler,
-                          collate_fn=_collate)
+        # a generator of its own: creating an iterator must not draw from the global RNG, whose
+        # state a resumed run restores (SSD draws from it)
+        return ResumableLoader(ds, batch_size=self.hparams.batch_size, sampler=sampler,
+                               collate_fn=_collate, trainer=trainer,
+                               generator=torch.Generator().manual_seed(self.hparams.seed))
 
     def train_dataloader(self) -> DataLoader:
-        skip = 0
-        if self.trainer is not None:
-            # batches of the current epoch already trained (restored from a checkpoint)
-            skip = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
-        loader = self._loader("train", self.hparams.shuffle)
-        if skip >= math.ceil(loader.sampler.num_samples / self.hparams.batch_size):
-            skip = 0  # the epoch had finished: the next one starts from its beginning
-        loader.sampler.skip = skip * self.hparams.batch_size
-        return loader
+        return self._loader("train", self.hparams.shuffle)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader("val", False)

@@ -1,0 +1,301 @@
+"""The ``hedgecats`` command.
+
+    hedgecats fit|validate|test --config stage.yaml [...]   one stage through LightningCLI
+    hedgecats pipeline configs/pipelines/tiny.yaml [--output DIR] [--dry-run]
+    hedgecats evaluate ...                                   hedgecats.evaluation.cli
+
+A pipeline YAML names its stages in order; each has a LightningCLI ``fit`` config
+(``model`` / ``data`` / ``trainer`` with ``class_path`` / ``init_args``). Strings may use
+``${output}`` (the run directory) and ``${stages.NAME}`` (``<output>/NAME``), which is how a stage
+points at the previous one's ``stage.pt`` (``init_from``) or saved model. The run directory:
+
+    <output>/<stage>/config.yaml          the resolved LightningCLI config (the run record)
+    <output>/<stage>/checkpoints/last.ckpt   resumes an interrupted stage (ckpt_path)
+    <output>/<stage>/stage.pt             the stage checkpoint handed to the next stage
+    <output>/<stage>/done                 written when the stage finished: it is skipped next time
+    <output>/<stage>/logs/metrics.csv     the logged metrics
+    <output>/results.json                 the evaluation (``evaluate`` section)
+
+Re-running the same command skips finished stages and resumes an interrupted one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+__all__ = ["load_pipeline", "main", "run_pipeline"]
+
+USAGE = __doc__.split("\n\n")[1]
+_REF = re.compile(r"\$\{(output|stages\.([A-Za-z0-9_\-]+))\}")
+
+
+# ----------------------------------------------------------------------------- pipeline spec
+def _substitute(obj, output: Path, names: set[str]):
+    if isinstance(obj, dict):
+        return {k: _substitute(v, output, names) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_substitute(v, output, names) for v in obj]
+    if isinstance(obj, str):
+        def repl(m: re.Match) -> str:
+            if m.group(1) == "output":
+                return str(output)
+            name = m.group(2)
+            if name not in names:
+                raise ValueError(f"${{stages.{name}}} names no stage; stages: {sorted(names)}")
+            return str(output / name)
+
+        return _REF.sub(repl, obj)
+    return obj
+
+
+def load_pipeline(path: str | Path, output: str | Path | None = None) -> dict:
+    """Read a pipeline YAML, check its shape, and resolve ``${output}`` / ``${stages.NAME}``."""
+    path = Path(path)
+    spec = yaml.safe_load(path.read_text())
+    if not isinstance(spec, dict) or not isinstance(spec.get("stages"), list) or not spec["stages"]:
+        raise ValueError(f"{str(path)!r}: a pipeline is a mapping with a non-empty 'stages' list")
+    unknown = sorted(set(spec) - {"name", "description", "output", "checkpoint_every_n_steps",
+                                  "stages", "evaluate"})
+    if unknown:
+        raise ValueError(f"{str(path)!r}: unknown top-level keys {unknown}")
+    names = []
+    for i, st in enumerate(spec["stages"]):
+        if not isinstance(st, dict) or "name" not in st or "fit" not in st:
+            raise ValueError(f"{str(path)!r}: stage {i} needs 'name' and 'fit' (a LightningCLI "
+                             f"config), got {st!r:.200}")
+        extra = sorted(set(st) - {"name", "fit", "description"})
+        if extra:
+            raise ValueError(f"{str(path)!r}: stage {st['name']!r} has unknown keys {extra}")
+        if "model" not in st["fit"]:
+            raise ValueError(f"{str(path)!r}: stage {st['name']!r} has no fit.model")
+        names.append(st["name"])
+    if len(set(names)) != len(names):
+        raise ValueError(f"{str(path)!r}: stage names must be unique, got {names}")
+    out = Path(output or spec.get("output") or Path("runs") / spec.get("name", path.stem))
+    spec = _substitute(spec, out.resolve(), set(names))
+    spec["output"] = str(out.resolve())
+    spec.setdefault("name", path.stem)
+    spec.setdefault("checkpoint_every_n_steps", 50)
+    return spec
+
+
+# ----------------------------------------------------------------------------- running a stage
+def _stage_config(stage: dict, stage_dir: Path, every_n: int) -> dict:
+    cfg = copy.deepcopy(stage["fit"])
+    cfg.setdefault("seed_everything", 0)
+    trainer = cfg.setdefault("trainer", {})
+    trainer["default_root_dir"] = str(stage_dir)
+    trainer.setdefault("logger", {"class_path": "lightning.pytorch.loggers.CSVLogger",
+                                  "init_args": {"save_dir": str(stage_dir), "name": "logs",
+                                                "version": ""}})
+    ckdir = str(stage_dir / "checkpoints")
+    callbacks = list(trainer.get("callbacks") or [])
+    callbacks += [
+        {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+         "init_args": {"dirpath": ckdir, "save_last": True, "save_top_k": 0,
+                       "every_n_train_steps": every_n}},
+        {"class_path": "hedgecats.lightning_modules.CheckpointOnInterrupt",
+         "init_args": {"dirpath": ckdir}},
+    ]
+    trainer["callbacks"] = callbacks
+    return cfg
+
+
+def _cli(args, run: bool = True):
+    import lightning.pytorch as pl
+    from lightning.pytorch.cli import LightningCLI
+
+    return LightningCLI(pl.LightningModule, pl.LightningDataModule, subclass_mode_model=True,
+                        subclass_mode_data=True, args=args, run=run,
+                        save_config_kwargs={"overwrite": True},
+                        **({} if run else {"save_config_callback": None}))
+
+
+def _run_stage(stage: dict, stage_dir: Path, every_n: int) -> None:
+    from lightning.pytorch.trainer.states import TrainerStatus
+
+    cfg = _stage_config(stage, stage_dir, every_n)
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    (stage_dir / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    last = stage_dir / "checkpoints" / "last.ckpt"
+    ckpt = str(last) if last.exists() else None
+    cli = _cli(cfg, run=False)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt)
+    if cli.trainer.state.status != TrainerStatus.FINISHED or cli.trainer.interrupted:
+        raise RuntimeError(f"stage {stage['name']!r} did not finish "
+                           f"(status {cli.trainer.state.status}); run again to resume it")
+    if cli.trainer.is_global_zero:
+        (stage_dir / "done").write_text(time.strftime("%Y-%m-%dT%H:%M:%S\n"))
+
+
+def _describe(stage: dict) -> str:
+    fit = stage["fit"]
+    model = fit["model"]
+    cls = model.get("class_path", "?").rsplit(".", 1)[-1] if isinstance(model, dict) else model
+    init = model.get("init_args", {}) if isinstance(model, dict) else {}
+    tr = fit.get("trainer", {})
+    budget = ", ".join(f"{k}={tr[k]}" for k in ("max_steps", "max_epochs", "max_time")
+                       if tr.get(k) not in (None, -1))
+    keys = ("model_name_or_path", "init_from", "objective", "hybrid", "mode", "lr")
+    args = "; ".join(f"{k}={init[k]}" for k in keys if k in init)
+    data = fit.get("data", {})
+    dcls = data.get("class_path", "-").rsplit(".", 1)[-1] if isinstance(data, dict) else data
+    return f"{cls} [{budget}] data={dcls} {args}"
+
+
+def _status(stage_dir: Path) -> str:
+    if (stage_dir / "done").exists():
+        return "done (skipped)"
+    if (stage_dir / "checkpoints" / "last.ckpt").exists():
+        return "resume from checkpoints/last.ckpt"
+    return "new"
+
+
+# ----------------------------------------------------------------------------- evaluation
+def _instantiate(spec: dict):
+    import importlib
+
+    mod, _, cls = spec["class_path"].rpartition(".")
+    return getattr(importlib.import_module(mod), cls)(**spec.get("init_args", {}))
+
+
+def _evaluate_recall(spec: dict, ev: dict, console) -> dict:
+    from .lightning_modules.recall_eval import EVAL_MODES, evaluate_recall, format_table
+    from .models import HybridConfig, convert_to_hybrid
+    from .models.checkpoint import load_hybrid
+
+    output = Path(spec["output"])
+    stage_pt = output / ev["stage"] / "stage.pt"
+    model, _, info = load_hybrid(stage_pt)
+    window = info["hybrid_config"]["window"]
+    dm = _instantiate(ev["data"])
+    dm.setup("test")
+    corpus = dm.test_corpus()
+    modes = tuple(ev.get("modes", EVAL_MODES))
+    bs = int(ev.get("batch_size", 16))
+    console.print(f"evaluating {len(modes)} modes on {len(corpus.input_ids)} held-out documents "
+                  f"({len(corpus.answers)} recalls, window {window})")
+    results = evaluate_recall(model, corpus, window=window, modes=modes, batch_size=bs)
+    for name, switches in (ev.get("variants") or {}).items():
+        for mode, r in evaluate_recall(model, corpus, window=window, modes=tuple(
+                switches.pop("modes", ("swa_only", "la_only"))), batch_size=bs, **switches).items():
+            results[f"{mode} ({name})"] = r
+    rows = {}
+    if ev.get("teacher"):  # the unconverted base model, for reference
+        from transformers import AutoModelForCausalLM
+
+        teacher = AutoModelForCausalLM.from_pretrained(info["base_model"])
+        convert_to_hybrid(teacher, HybridConfig(window=window, mode="softmax"))
+        rows["teacher"] = evaluate_recall(teacher, corpus, window=window, modes=("softmax",),
+                                          batch_size=bs)["softmax"]
+    rows.update(results)
+    console.print(format_table(rows, title=f"{spec['name']}: {ev['stage']} on held-out recall "
+                               f"documents (near: fact < {window} tokens back; far: >= {window})"))
+    return {"stage": ev["stage"], "checkpoint": str(stage_pt), "window": window,
+            "n_docs": len(corpus.input_ids), "results": rows}
+
+
+def _evaluate_command(spec: dict, ev: dict, console) -> dict:
+    try:
+        from .evaluation.cli import main as evaluate_main
+    except ImportError as err:
+        raise RuntimeError("the pipeline's evaluate step needs hedgecats.evaluation.cli "
+                           f"(not available here: {err})") from err
+    argv = [str(a) for a in ev.get("argv", [])]
+    console.print(f"hedgecats evaluate {' '.join(argv)}")
+    rc = evaluate_main(argv)
+    if rc:
+        raise RuntimeError(f"hedgecats evaluate exited with {rc}")
+    return {"stage": ev.get("stage"), "command": ["hedgecats", "evaluate", *argv]}
+
+
+# ----------------------------------------------------------------------------- pipeline
+def run_pipeline(path: str | Path, output: str | Path | None = None, dry_run: bool = False,
+                 console=None) -> dict | None:
+    """Run (or, with ``dry_run``, describe) a pipeline; returns what went to results.json."""
+    from rich.console import Console
+
+    console = console or Console()
+    spec = load_pipeline(path, output)
+    out = Path(spec["output"])
+    n = len(spec["stages"])
+    console.print(f"[bold]pipeline {spec['name']}[/bold] -> {out}")
+    for i, st in enumerate(spec["stages"], 1):
+        console.print(f"  {i}/{n} {st['name']}: {_describe(st)}  [{_status(out / st['name'])}]")
+    ev = spec.get("evaluate")
+    if ev:
+        console.print(f"  evaluate: {ev.get('kind', 'recall')} on stage {ev.get('stage')!r}")
+    if dry_run:
+        return None
+    t0 = time.time()
+    for i, st in enumerate(spec["stages"], 1):
+        stage_dir = out / st["name"]
+        if (stage_dir / "done").exists():
+            console.print(f"[dim]stage {i}/{n} {st['name']}: done, skipped[/dim]")
+            continue
+        console.rule(f"stage {i}/{n}: {st['name']} ({_status(stage_dir)})")
+        t = time.time()
+        _run_stage(st, stage_dir, int(spec["checkpoint_every_n_steps"]))
+        console.print(f"stage {st['name']} finished in {time.time() - t:.0f} s")
+    summary = {"pipeline": spec["name"], "output": str(out)}
+    if ev:
+        console.rule("evaluation")
+        kind = ev.get("kind", "recall")
+        if kind == "recall":
+            summary.update(_evaluate_recall(spec, ev, console))
+        elif kind == "command":
+            summary.update(_evaluate_command(spec, ev, console))
+        else:
+            raise ValueError(f"unknown evaluate kind {kind!r}; valid: recall, command")
+    summary["wall_s"] = round(time.time() - t0, 1)
+    (out / "results.json").write_text(json.dumps(summary, indent=2))
+    console.print(f"run directory: {out}  (results.json, <stage>/config.yaml, "
+                  "<stage>/stage.pt, <stage>/logs/metrics.csv)")
+    return summary
+
+
+# ----------------------------------------------------------------------------- entry point
+def _pipeline_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="hedgecats pipeline",
+                                description="Run a recipe's stages in order (see configs/pipelines).")
+    p.add_argument("config", help="pipeline YAML, e.g. configs/pipelines/tiny.yaml")
+    p.add_argument("--output", help="run directory (default: the YAML's output, else runs/<name>)")
+    p.add_argument("--dry-run", action="store_true", help="print the resolved stages and exit")
+    a = p.parse_args(argv)
+    run_pipeline(a.config, a.output, a.dry_run)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "pipeline":
+        return _pipeline_main(rest)
+    if cmd == "evaluate":
+        try:
+            from .evaluation.cli import main as evaluate_main
+        except ImportError as err:
+            print(f"hedgecats evaluate is not available: hedgecats.evaluation.cli cannot be "
+                  f"imported ({err})", file=sys.stderr)
+            return 2
+        return int(evaluate_main(rest) or 0)
+    if cmd in ("fit", "validate", "test"):
+        _cli([cmd, *rest])
+        return 0
+    print(f"unknown command {cmd!r}\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
