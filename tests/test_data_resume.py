@@ -188,6 +188,30 @@ def test_late_state_applies_before_first_batch(data_dir):
         fresh.resume_from(state)
 
 
+@pytest.mark.parametrize("mode", ["pack", "truncate"])
+def test_state_behind_the_last_fetched_batch_and_at_an_epoch_start(data_dir, mode):
+    """A loop that fetched ahead asks for the state after fewer batches than were fetched; a
+    state taken after iter() of the next epoch, before its first batch, starts that epoch."""
+    dm = make_datamodule(data_dir, 0)
+    dm.mode = mode
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    it = iter(loader)
+    seen = [batch_hash(next(it)["input_ids"]) for _ in range(5)]
+    behind = loader.state_at(4)  # the batch at index 4 was fetched but not trained on
+    seen += [batch_hash(b["input_ids"]) for b in it]
+    resumed = dm.train_dataloader()
+    resumed.resume_from(behind)
+    assert [batch_hash(b["input_ids"]) for b in resumed] == seen[4:]
+    next_epoch = iter(loader)
+    start = loader.state_at(0)
+    assert (start["epoch"], start["consumed"], start["loader"]) == (1, 0, None)
+    epoch1 = [batch_hash(b["input_ids"]) for b in next_epoch]
+    fresh = dm.train_dataloader()
+    fresh.resume_from(start)
+    assert [batch_hash(b["input_ids"]) for b in fresh] == epoch1 != seen
+
+
 # --- 2-process DDP ------------------------------------------------------------------------------
 
 

@@ -112,6 +112,7 @@ class ResumableDataLoader(StatefulDataLoader):
     # -- iteration -----------------------------------------------------------------------------
 
     def __iter__(self):
+        self._active = False  # a new iteration: until its first batch, its state is its start
         return _LazyIterator(self)
 
     @property
