@@ -225,6 +225,16 @@ def format_retrieval_markdown(r: dict) -> list[str]:
             cells.append("n/a (n=0)" if not c["n"] else
                          f"{c['accuracy']:.1f} ({c['token_accuracy']:.1f}, n={c['n']})")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    first = next(iter(r["modes"].values()), {})
+    empty = [b for b in BUCKETS if first and not first[b]["n"]]
+    if empty:
+        reached = [first[b]["distance_min"] for b in BUCKETS if first[b]["n"]]
+        lines += ["", (f"No fact fell in {', '.join(empty)}. Distances reached: "
+                       f"{min(reached) if reached else 'n/a'} to "
+                       f"{max((first[b]['distance_max'] for b in BUCKETS if first[b]['n']), default='n/a')}"
+                       " tokens; the query's own words count towards the distance, so a window "
+                       "shorter than them leaves the near buckets empty, and the far buckets need "
+                       "larger --retrieval-distances (within --retrieval-max-length).")]
     if r.get("skipped_distances"):
         lines += ["", (f"Skipped target distances (documents longer than max_length "
                        f"{r['max_length']}): {r['skipped_distances']}.")]
