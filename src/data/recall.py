@@ -204,9 +204,8 @@ def generate_recall_documents(
     characters (= byte-tokenizer tokens for this ASCII text) or tokens of `tokenizer`; the filler
     is cut at sentence boundaries, so actual distances are near the targets, and
     `recall_answers` gives the exact ones. The query's own words ("Recall that the code for
-    KEY is ") set a floor: targets below about 45 characters (about 12 BPE tokens) come out at
-    that floor. `prefix_units` of filler open the document and
-    `gap_units` follow each query.
+    KEY is ") set a floor: targets below about 40-55 characters (15-20 BPE tokens) come out
+    at that floor. `prefix_units` of filler open the document and `gap_units` follow each query.
     """
     return [
         generate_recall_document(
