@@ -209,6 +209,11 @@ class Ops:
 
     def swa(self, q, k, v, *, scale, window, need_lse, key_padding_mask):
         impl = self._swa
+        if impl is fla_swa and q.dtype == torch.float32:
+            # fla 0.6.0 on an H200: fp32 with D=128 needs 256 KiB of shared memory (> 227 KiB)
+            _warn_once("fla kernels run out of shared memory in fp32 at these sizes: fp32 SWA "
+                       "goes to flex_attention / the reference (bf16 keeps fla)")
+            impl = flex_swa if available("flex") else ref_swa
         if impl in (fla_swa, flash_swa) and (need_lse or key_padding_mask is not None
                                              or q.shape[2] != k.shape[2]):
             _warn_once(f"{impl.__name__} takes no padding mask / log-sum-exp / cache: using "
@@ -219,6 +224,10 @@ class Ops:
 
     def linear(self, fq, fk, v, *, shift, eps, need_den, key_padding_mask):
         impl = self._linear
+        if impl is fla_linear and fq.dtype == torch.float32:
+            _warn_once("fla kernels run out of shared memory in fp32 at these sizes: fp32 LA "
+                       "runs the reference (bf16 keeps fla)")
+            impl = ref_linear
         if impl is fla_linear and fq.shape[2] != fk.shape[2]:
             _warn_once("fla LA needs equal query and key lengths (no cache): using the reference")
             impl = ref_linear
