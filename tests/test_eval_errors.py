@@ -50,6 +50,14 @@ def test_missing_task_path_and_bad_modes(ws, tmp_path, capsys):
            capsys, "reports no metric 'f1'")
 
 
+def test_task_data_that_cannot_be_loaded(ws, tmp_path, capsys):
+    bad = tmp_path / "bad_tasks"
+    write_tasks(bad, n_docs=2)
+    (bad / "toy_acc.jsonl").unlink()  # the YAML now points at a missing file
+    _fails(["--model", str(ws / "model"), "--tasks", str(bad / "toy_acc.yaml"), "--modes", "softmax"],
+           tmp_path / "o", capsys, "could not load the data of ['toy_acc']", "dataset_path: json")
+
+
 def test_mode_needs_converted_model(ws, tmp_path, capsys):
     _fails(["--model", str(ws / "model"), "--tasks", str(ws / "tasks"), "--modes", "hybrid,la_only"],
            tmp_path / "o", capsys, "need a converted (hybrid) model", "--hybrid")

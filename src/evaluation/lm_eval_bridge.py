@@ -236,10 +236,17 @@ def evaluate_tasks(lm, selection: TaskSelection, *, metric_overrides: dict[str, 
     """
     import lm_eval
 
-    raw = lm_eval.simple_evaluate(
-        model=lm, tasks=list(selection.names), task_manager=selection.task_manager,
-        num_fewshot=0, limit=limit, bootstrap_iters=bootstrap_iters, log_samples=log_samples,
-        random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
+    try:
+        raw = lm_eval.simple_evaluate(
+            model=lm, tasks=list(selection.names), task_manager=selection.task_manager,
+            num_fewshot=0, limit=limit, bootstrap_iters=bootstrap_iters, log_samples=log_samples,
+            random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+            fewshot_random_seed=seed)
+    except (ConnectionError, OSError) as e:  # datasets: hub unreachable, missing data files
+        raise ValueError(
+            f"lm-eval could not load the data of {selection.names}: {e}. Built-in tasks download "
+            "their datasets from the hub: run where it is reachable (or cached), or give local "
+            "copies as task YAMLs with dataset_path: json") from e
     if raw is None:
         raise RuntimeError("lm_eval.simple_evaluate returned nothing (not rank 0?)")
     scores: dict[str, TaskScore] = {}
