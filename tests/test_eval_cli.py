@@ -84,7 +84,8 @@ def _our_scores(model, task_dir: Path, mode: str, switches: dict) -> dict[str, d
         n = len(arr)
         mean = sum(arr) / n
         sd = math.sqrt(sum((x - mean) ** 2 for x in arr) / (n - 1))
-        out[task] = {"metric": metric, "score": 100 * mean, "stderr": 100 * sd / math.sqrt(n)}
+        out[task] = {"metric": metric, "score": 100 * mean, "stderr": 100 * sd / math.sqrt(n),
+                     "per_doc": arr}
     return out
 
 
@@ -127,6 +128,14 @@ def test_outputs_and_table_arithmetic(run_dir, workspace, our_model):
         assert row["rec_perf"] == pytest.approx(avg(label) / avg("baseline") * 100)
     assert res["delta_la"] == pytest.approx(avg("hybrid") - avg("swa_only"))
     assert res["delta_la_stderr"] == pytest.approx(math.hypot(avg_se("hybrid"), avg_se("swa_only")))
+    # paired over documents: stderr of the per-document differences, combined over tasks
+    ses = []
+    for t in ("toy_acc", "toy_norm"):
+        d = [100 * (a - b) for a, b in zip(ours["hybrid"][t]["per_doc"], ours["swa_only"][t]["per_doc"])]
+        m = sum(d) / len(d)
+        ses.append(math.sqrt(sum((x - m) ** 2 for x in d) / (len(d) - 1)) / math.sqrt(len(d)))
+    assert res["delta_la_stderr_paired"] == pytest.approx(math.hypot(*ses) / 2)
+    assert res["delta_la_stderr_paired"] > 0
 
 
 def test_markdown_and_csv_layout(run_dir):
@@ -141,7 +150,8 @@ def test_markdown_and_csv_layout(run_dir):
     row = res["modes"]["la_only+la_span=all"]
     assert la[4].strip() == f"{row['avg']:.2f} ± {row['avg_stderr']:.2f}"
     assert la[5].strip().startswith(f"{row['rec_perf']:.2f}")
-    assert f"Delta_LA = AVG(hybrid) - AVG(swa_only) = {res['delta_la']:+.2f}" in md
+    assert (f"Delta_LA = AVG(hybrid) - AVG(swa_only) = {res['delta_la']:+.2f} ± "
+            f"{res['delta_la_stderr_paired']:.2f} points (paired over the same documents)") in md
 
     with open(run_dir / "results.csv") as f:
         table = list(csv.DictReader(f))

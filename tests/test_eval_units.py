@@ -66,6 +66,13 @@ def test_metric_arithmetic_by_hand():
     assert se == pytest.approx(125.0 * math.sqrt((1 / 50) ** 2 + (2 / 40) ** 2))
     d, se = metrics.delta(65.48, 65.56, 0.3, 0.4)
     assert d == pytest.approx(-0.08) and se == pytest.approx(0.5)
+    # paired: differences 100*(1-0), 0, 0, 100*(0-1) -> sd = sqrt(2/3)*100, se = sd / 2
+    a, b = {1: 1.0, 2: 1.0, 3: 0.0, 4: 0.0}, {1: 0.0, 2: 1.0, 3: 0.0, 4: 1.0}
+    assert metrics.paired_delta_stderr([a], [b]) == pytest.approx(100 * math.sqrt(2 / 3) / 2)
+    assert metrics.paired_delta_stderr([a, a], [b, b]) == pytest.approx(
+        math.sqrt(2) * 100 * math.sqrt(2 / 3) / 2 / 2)
+    assert metrics.paired_delta_stderr([a], [{1: 0.0}]) is None  # not the same documents
+    assert metrics.paired_delta_stderr([None], [b]) is None
     s = metrics.seed_summary([1.0, 2.0, 3.0])
     assert s["mean"] == 2.0 and s["std"] == pytest.approx(1.0)
     assert s["ci95"] == pytest.approx([2.0 - 4.303 / math.sqrt(3), 2.0 + 4.303 / math.sqrt(3)])

@@ -62,12 +62,18 @@ class TaskSelection:
 
 @dataclass
 class TaskScore:
-    """One task's score in percent, with lm-eval's standard error in points (NaN if absent)."""
+    """One task's score in percent, with lm-eval's standard error in points (NaN if absent).
+
+    ``samples`` (not written to results.json): the metric per document, keyed by
+    ``(task, doc_id)`` (a group's subtasks are listed by their own names), for paired comparisons
+    of two modes on the same documents; ``None`` when lm-eval did not log them.
+    """
 
     metric: str
     score: float
     stderr: float
     n: int | None = None
+    samples: dict[tuple[str, int], float] | None = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict:
         d = {"metric": self.metric, "score": self.score,
@@ -226,13 +232,33 @@ def make_lm(model, tokenizer, *, batch_size: int | str = 8, max_length: int | No
     return HFLM(**kwargs)
 
 
+def _per_doc(raw: dict, task: str, metric: str, filt: str) -> dict[tuple[str, int], float] | None:
+    """``{(task, doc_id): value}`` from lm-eval's logged samples; a group's from its subtasks."""
+    samples = raw.get("samples") or {}
+    if task in samples:
+        out = {(task, s["doc_id"]): float(s[metric]) for s in samples[task]
+               if s.get("filter", "none") == filt and isinstance(s.get(metric), (int, float))}
+        return out or None
+    subtasks = (raw.get("group_subtasks") or {}).get(task)
+    if not subtasks:
+        return None
+    out: dict[tuple[str, int], float] = {}
+    for sub in subtasks:
+        part = _per_doc(raw, sub, metric, filt)
+        if part is None:
+            return None
+        out.update(part)
+    return out
+
+
 def evaluate_tasks(lm, selection: TaskSelection, *, metric_overrides: dict[str, str] | None = None,
                    limit: float | None = None, bootstrap_iters: int = 100_000,
-                   log_samples: bool = False, seed: int = 0) -> tuple[dict[str, TaskScore], dict]:
+                   log_samples: bool = True, seed: int = 0) -> tuple[dict[str, TaskScore], dict]:
     """Zero-shot ``simple_evaluate`` of every selected task on ``lm`` as the model stands now.
 
     Returns:
-        ``({task: TaskScore}, raw)``: scores in percent, and lm-eval's own results dict.
+        ``({task: TaskScore}, raw)``: scores in percent (with per-document values when
+        ``log_samples``), and lm-eval's own results dict.
     """
     import lm_eval
 
@@ -261,5 +287,9 @@ def evaluate_tasks(lm, selection: TaskSelection, *, metric_overrides: dict[str, 
         se = entry.get(f"{metric}_stderr,{filt}")
         se = float(se) if isinstance(se, (int, float)) else math.nan
         n = raw.get("n-samples", {}).get(task, {}).get("effective") or entry.get("sample_len")
-        scores[task] = TaskScore(metric=metric, score=100.0 * float(value), stderr=100.0 * se, n=n)
+        per_doc = _per_doc(raw, task, metric, filt) if log_samples else None
+        if per_doc and abs(sum(per_doc.values()) / len(per_doc) - float(value)) > 1e-9:
+            per_doc = None  # a group not aggregated as a plain mean over documents: no pairing
+        scores[task] = TaskScore(metric=metric, score=100.0 * float(value), stderr=100.0 * se, n=n,
+                                 samples=per_doc)
     return scores, raw

@@ -8,8 +8,13 @@
     se(Delta) = sqrt(se_AVG(hybrid)^2 + se_AVG(swa_only)^2)
 
 The two modes of Delta_LA are scored on the same documents, so their errors are positively
-correlated and this standard error is conservative (too wide, never too narrow). A missing
-per-task stderr (``None``/NaN) makes the derived stderr ``None``.
+correlated and this standard error is conservative (too wide). When lm-eval's per-document
+scores are at hand, the paired standard error is reported too and used for the verdict:
+
+    se_paired(Delta) = sqrt(sum_task se(mean_i (x_hybrid,i - x_swa_only,i))^2) / n_tasks
+
+with ``se(mean d) = sd(d, ddof=1) / sqrt(n)``, the same estimator lm-eval uses for accuracy.
+A missing per-task stderr (``None``/NaN) makes the derived stderr ``None``.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ __all__ = [
     "avg",
     "avg_stderr",
     "delta",
+    "paired_delta_stderr",
     "rec_perf",
     "seed_summary",
 ]
@@ -62,6 +68,25 @@ def delta(a: float, b: float, se_a: float | None = None,
     if _finite(se_a) and _finite(se_b):
         return a - b, math.sqrt(se_a ** 2 + se_b ** 2)
     return a - b, None
+
+
+def paired_delta_stderr(a: Sequence[dict | None], b: Sequence[dict | None]) -> float | None:
+    """Paired stderr (points) of AVG(a) - AVG(b) from per-document values in [0, 1].
+
+    ``a`` and ``b`` hold one ``{doc_key: value}`` per task, in the same task order; ``None`` if a
+    task lacks them or the two modes were not scored on the same documents.
+    """
+    if not a or len(a) != len(b):
+        return None
+    ses = []
+    for da, db in zip(a, b):
+        if not da or not db or set(da) != set(db) or len(da) < 2:
+            return None
+        d = [100.0 * (da[k] - db[k]) for k in da]
+        mean = sum(d) / len(d)
+        sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1))
+        ses.append(sd / math.sqrt(len(d)))
+    return math.sqrt(sum(s * s for s in ses)) / len(ses)
 
 
 # two-sided 95% Student-t quantiles by degrees of freedom (1..30); normal beyond

@@ -8,7 +8,8 @@
                            "avg": 40.3, "avg_stderr": 0.5, "rec_perf": 95.2,
                            "rec_perf_stderr": 1.3}},
      "baseline": {"source": "...", "tasks": {...}, "avg": 42.3, "avg_stderr": 0.5},
-     "delta_la": 0.8, "delta_la_stderr": 0.7,
+     "delta_la": 0.8, "delta_la_stderr": 0.7,   # unpaired: conservative
+     "delta_la_stderr_paired": 0.3,               # paired over documents (null if unknown)
      "seeds": [...]            # only with several seeds: per-seed tables and summaries
      "retrieval": {...}, "branch_usage": {...},
      "meta": {"model": ..., "lm_eval_version": ..., "command": ..., ...}}
@@ -111,12 +112,18 @@ def build_results(mode_runs: list[dict[str, dict[str, TaskScore]]], tasks: list[
         d, se = metrics.delta(out["modes"][h]["avg"], out["modes"][s]["avg"],
                               out["modes"][h]["avg_stderr"], out["modes"][s]["avg_stderr"])
         out["delta_la"], out["delta_la_stderr"] = d, se
+        if len(mode_runs) == 1:
+            run = mode_runs[0]
+            out["delta_la_stderr_paired"] = metrics.paired_delta_stderr(
+                [getattr(run[h][t], "samples", None) for t in tasks],
+                [getattr(run[s][t], "samples", None) for t in tasks])
         if len(mode_runs) > 1:
             per = [metrics.avg([r[h][t].score for t in tasks]) - metrics.avg([r[s][t].score for t in tasks])
                    for r in mode_runs]
             out["delta_la_seeds"] = metrics.seed_summary(per)
     else:
         out["delta_la"] = out["delta_la_stderr"] = None
+    out.setdefault("delta_la_stderr_paired", None)
     if seeds is not None:
         out["seeds"] = list(seeds)
         out["per_seed"] = [{label: _table_row(run[label], tasks) for label in labels}
@@ -166,19 +173,26 @@ def format_markdown(results: dict) -> str:
               "sqrt(sum se^2)/n). Rec. Perf = AVG / baseline AVG * 100."
               + ("" if base else " No baseline: Rec. Perf not computed."), ""]
     d, se = results.get("delta_la"), results.get("delta_la_stderr")
+    se_p = results.get("delta_la_stderr_paired")
     if d is None:
         lines.append("Delta_LA = AVG(hybrid) - AVG(swa_only): not computed (needs both modes).")
     else:
         verdict = ""
-        if se:
-            z = abs(d) / se
+        se_v = se_p if se_p is not None else se
+        if se_v:
+            z = abs(d) / se_v
             verdict = (f"; |Delta|/se = {z:.1f}: "
                        + ("within 2 standard errors of 0, not a finding" if z < 2
                           else "more than 2 standard errors from 0"))
-        lines.append(f"Delta_LA = AVG(hybrid) - AVG(swa_only) = {d:+.2f}"
-                     + (f" ± {se:.2f}" if se is not None else "") + f" points{verdict}. "
-                     "(The stderr treats the two modes as independent; they share documents, "
-                     "so it is conservative.)")
+        if se_p is not None:
+            lines.append(f"Delta_LA = AVG(hybrid) - AVG(swa_only) = {d:+.2f} ± {se_p:.2f} points "
+                         f"(paired over the same documents){verdict}. Unpaired (conservative): "
+                         + (f"± {se:.2f}." if se is not None else "n/a."))
+        else:
+            lines.append(f"Delta_LA = AVG(hybrid) - AVG(swa_only) = {d:+.2f}"
+                         + (f" ± {se:.2f}" if se is not None else "") + f" points{verdict}. "
+                         "(The stderr treats the two modes as independent; they share documents, "
+                         "so it is conservative.)")
         ds = results.get("delta_la_seeds")
         if ds and ds.get("std") is not None:
             lo, hi = ds["ci95"]
