@@ -66,7 +66,8 @@ def avg_by_run(runs: Sequence[tuple[str, dict]], ax=None):
 
 
 def delta_la_bars(runs: Sequence[tuple[str, dict]], ax=None):
-    """Delta_LA = AVG(hybrid) - AVG(swa_only) per run, with ± 2 stderr bars (None: skipped)."""
+    """Delta_LA = AVG(hybrid) - AVG(swa_only) per run, with ± 2 stderr bars (paired stderr when
+    the run has it, else the conservative unpaired one); runs without Delta_LA are skipped."""
     import matplotlib.pyplot as plt
 
     ax = ax or plt.subplots(figsize=(6, 3.5))[1]
@@ -76,7 +77,8 @@ def delta_la_bars(runs: Sequence[tuple[str, dict]], ax=None):
             continue
         labels.append(label)
         vals.append(res["delta_la"])
-        errs.append(2 * (res.get("delta_la_stderr") or 0.0))
+        se = res.get("delta_la_stderr_paired")  # paired over documents when known
+        errs.append(2 * ((se if se is not None else res.get("delta_la_stderr")) or 0.0))
     if not labels:
         raise ValueError("no run has Delta_LA (it needs the hybrid and swa_only modes)")
     colors = ["tab:green" if abs(v) > e > 0 else "tab:gray" for v, e in zip(vals, errs)]
