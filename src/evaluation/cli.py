@@ -226,6 +226,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         is_stage_checkpoint,
         load_for_eval,
         peek_base_model,
+        peek_stage,
         read_hybrid_config,
         resolve_dtype,
     )
@@ -247,6 +248,13 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     elif args.expect_base:
         raise ValueError("--expect-base checks a stage checkpoint's base model; --model "
                          f"{args.model!r} is not a stage checkpoint")
+    converted = hybrid is not None or (is_stage_checkpoint(args.model)
+                                       and peek_stage(args.model).get("hybrid_config") is not None)
+    needs = [s.label for s in specs if s.mode != "softmax"]
+    if needs and not converted:
+        raise ValueError(f"modes {needs} need a converted (hybrid) model, but {args.model!r} is "
+                         "not one; pass a stage checkpoint of a hybrid, or --hybrid <HybridConfig "
+                         "YAML> to convert it, or evaluate it with --modes softmax")
     if args.retrieval and args.retrieval_window is None and hybrid is None \
             and not is_stage_checkpoint(args.model):
         raise ValueError("--retrieval on a model that is not converted needs --retrieval-window "

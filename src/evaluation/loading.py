@@ -15,7 +15,7 @@ from hedgecats.models import HybridConfig, convert_to_hybrid
 log = logging.getLogger(__name__)
 
 __all__ = ["LoadedModel", "check_base_model", "is_stage_checkpoint", "load_for_eval",
-           "peek_base_model", "read_hybrid_config", "resolve_dtype", "stage_checkpoint_path"]
+           "peek_base_model", "peek_stage", "read_hybrid_config", "resolve_dtype", "stage_checkpoint_path"]
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -109,12 +109,18 @@ def stage_checkpoint_path(spec: str) -> Path:
     return p
 
 
-def peek_base_model(spec: str) -> str | None:
-    """The base model recorded in a stage checkpoint, read without building the model."""
+def peek_stage(spec: str) -> dict:
+    """A stage checkpoint's dict (tensors included, on CPU: they are small), without building
+    the model; raises ``ValueError`` if it cannot be read."""
     try:
-        info = _checkpoint_api().read_stage(stage_checkpoint_path(spec))
+        return _checkpoint_api().read_stage(stage_checkpoint_path(spec))
     except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
         raise ValueError(f"cannot read stage checkpoint {spec!r}: {e}") from e
+
+
+def peek_base_model(spec: str) -> str | None:
+    """The base model recorded in a stage checkpoint, read without building the model."""
+    info = peek_stage(spec)
     return next((str(info[k]) for k in _BASE_KEYS if info.get(k)), None)
 
 
