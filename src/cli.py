@@ -113,10 +113,14 @@ def _cli(args, run: bool = True):
     import lightning.pytorch as pl
     from lightning.pytorch.cli import LightningCLI
 
-    return LightningCLI(pl.LightningModule, pl.LightningDataModule, subclass_mode_model=True,
-                        subclass_mode_data=True, args=args, run=run,
-                        save_config_kwargs={"overwrite": True},
-                        **({} if run else {"save_config_callback": None}))
+    argv, sys.argv = sys.argv, sys.argv[:1]  # the config comes from args, not the command line
+    try:
+        return LightningCLI(pl.LightningModule, pl.LightningDataModule, subclass_mode_model=True,
+                            subclass_mode_data=True, args=args, run=run,
+                            save_config_kwargs={"overwrite": True},
+                            **({} if run else {"save_config_callback": None}))
+    finally:
+        sys.argv = argv
 
 
 def _run_stage(stage: dict, stage_dir: Path, every_n: int) -> None:

@@ -1,0 +1,76 @@
+"""Every pipeline YAML in configs/ parses, resolves, and instantiates through LightningCLI."""
+
+import copy
+from pathlib import Path
+
+import pytest
+from hedgecats.cli import _cli, _stage_config, load_pipeline
+
+ROOT = Path(__file__).resolve().parents[1] / "configs"
+PIPELINES = sorted(ROOT.rglob("*.yaml"))
+MODELS = ("mistral-7b", "llama3-8b", "llama3.1-8b")
+RECIPES = ("lolcats", "inference_hybrid", "hedgecats", "ssd_dropout", "ssd_window", "ssd_fixed")
+
+
+def test_every_model_and_recipe_has_a_pipeline():
+    names = {p.relative_to(ROOT / "pipelines").as_posix() for p in PIPELINES}
+    assert {f"{m}/{r}.yaml" for m in MODELS for r in RECIPES} | {"tiny.yaml"} <= names
+
+
+def _id(p):
+    return p.relative_to(ROOT).as_posix()
+
+
+@pytest.mark.parametrize("path", PIPELINES, ids=_id)
+def test_pipeline_parses_and_resolves(path, tmp_path):
+    spec = load_pipeline(path, output=tmp_path)
+    assert "${" not in str(spec)
+    for stage in spec["stages"]:
+        model = stage["fit"]["model"]
+        assert model["class_path"].startswith("hedgecats.lightning_modules.")
+
+
+# LightningCLI builds a parser per instance (about a second each on 2 cores): the default run
+# instantiates the tiny pipeline and one model's recipes; the slow run all of them.
+FAST = [p for p in PIPELINES if p.name == "tiny.yaml" or p.parent.name == "llama3-8b"]
+
+
+@pytest.mark.parametrize("path", [p if p in FAST else pytest.param(p, marks=pytest.mark.slow)
+                                  for p in PIPELINES], ids=_id)
+def test_pipeline_instantiates(path, tmp_path):
+    spec = load_pipeline(path, output=tmp_path)
+    for stage in spec["stages"]:
+        cfg = _stage_config(stage, tmp_path / stage["name"], 10)
+        cfg = copy.deepcopy(cfg)
+        cfg["trainer"]["accelerator"] = "cpu"  # the GPU configs are checked on CPU
+        cfg["trainer"].pop("devices", None)
+        cli = _cli(cfg, run=False)
+        assert type(cli.model).__name__ == stage["fit"]["model"]["class_path"].rsplit(".", 1)[-1]
+        assert "${" not in str(cfg)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_paper_hyperparameters(model):
+    for recipe in RECIPES:
+        spec = load_pipeline(ROOT / "pipelines" / model / f"{recipe}.yaml", output="/tmp/x")
+        s1, s2 = (st["fit"] for st in spec["stages"])
+        a1, a2 = s1["model"]["init_args"], s2["model"]["init_args"]
+        assert a1["lr"] == 1e-2 and a2["lr"] == 1e-4
+        assert a1["hybrid"]["window"] == 64 and a1["hybrid"]["g"] == 0.5
+        assert a2["lora"]["r"] == 8 and a2["lora"]["lora_alpha"] == 16
+        assert sorted(a2["lora"]["target_modules"]) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+        assert a2["init_from"].endswith("/transfer/stage.pt")
+        want = ("hybrid_output_mse", "rectangular") if recipe == "lolcats" else \
+            ("weights_xent", "square")
+        assert (a1["objective"], a1["hybrid"]["feature_projection"]) == want
+        d = s1["data"]["init_args"]
+        assert (d["seq_len"], d["global_batch_size"], d["tokens_per_epoch"]) == (1024, 64, 25_000_000)
+        assert s2["trainer"]["max_epochs"] == (1 if recipe in ("hedgecats", "inference_hybrid") else 5)
+        callbacks = [c["class_path"].rsplit(".", 1)[-1] for c in s2["trainer"].get("callbacks", [])]
+        if recipe.startswith("ssd_"):
+            ssd = s2["trainer"]["callbacks"][0]["init_args"]
+            assert callbacks == ["ScheduledSlidingWindowDropout"]
+            assert ssd["schedule"] == recipe[4:]
+        if recipe == "inference_hybrid":
+            assert (a2["mode"], a2["la_span"]) == ("la_only", "all")
+            assert "hybrid+overlap" in " ".join(spec["evaluate"]["argv"])
