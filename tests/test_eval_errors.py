@@ -30,11 +30,32 @@ def _fails(argv: list[str], out: Path, capsys, *needles: str) -> str:
     return err
 
 
+@pytest.mark.slow
 def test_unknown_task_name(ws, tmp_path, capsys):
-    # a local directory plus a misspelt built-in name: lm-eval's own index is consulted
+    # a local directory plus a misspelt built-in name: lm-eval's own index (~15k tasks, about
+    # 15 s on 2 cores) is consulted
     _fails(["--model", str(ws / "model"), "--hybrid", str(ws / "hybrid.yaml"),
             "--tasks", f"{ws / 'tasks'},hellaswg"], tmp_path / "o", capsys,
            "unknown task(s) ['hellaswg']", "hellaswag")
+
+
+def test_unknown_task_name_small_index(ws, tmp_path, capsys, monkeypatch):
+    """The same path with lm-eval's built-in index replaced by a small directory (fast)."""
+    import lm_eval.tasks
+
+    builtin = tmp_path / "builtin"
+    write_tasks(builtin, n_docs=2)
+    real = lm_eval.tasks.TaskManager
+
+    def small(*args, include_path=None, include_defaults=True, **kwargs):
+        if include_defaults:  # stands in for lm-eval's own task directory
+            include_path = [*(include_path or []), str(builtin)]
+        return real(*args, include_path=include_path, include_defaults=False, **kwargs)
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", small)
+    _fails(["--model", str(ws / "model"), "--hybrid", str(ws / "hybrid.yaml"),
+            "--tasks", f"{ws / 'tasks' / 'toy_acc.yaml'},toy_nrom"], tmp_path / "o", capsys,
+           "unknown task(s) ['toy_nrom']", "did you mean toy_norm")
 
 
 def test_missing_task_path_and_bad_modes(ws, tmp_path, capsys):
