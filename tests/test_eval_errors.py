@@ -148,6 +148,21 @@ def test_non_empty_output_and_overwrite(ws, tmp_path, capsys):
                    "softmax", "--output", str(out), "-q"])
     assert rc == 2 and "not empty" in capsys.readouterr().err
     assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+    rc = cli.main(["--model", str(ws / "model"), "--tasks", str(ws / "tasks"), "--modes",
+                   "softmax", "--limit", "2", "--output", str(out), "--overwrite", "-q"])
+    assert rc == 0
+    assert sorted(p.name for p in out.iterdir()) == ["results.csv", "results.json", "results.md"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["full"]  # no temp or old copy left
+
+
+def test_help_documents_the_mode_syntax(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    for needle in ("mode syntax: MODE[+SWITCH[=VALUE]]", "la_span=outside|all", "window=N",
+                   "--retrieval", "--branch-usage", "--seeds", "results.json"):
+        assert needle in text
 
 
 def test_failure_while_writing_leaves_nothing(ws, tmp_path, monkeypatch, capsys):
