@@ -13,7 +13,7 @@ points at the previous one's ``stage.pt`` (``init_from``) or saved model. The ru
     <output>/<stage>/checkpoints/last.ckpt   resumes an interrupted stage (ckpt_path)
     <output>/<stage>/stage.pt             the stage checkpoint handed to the next stage
     <output>/<stage>/done                 written when the stage finished: it is skipped next time
-    <output>/<stage>/logs/metrics.csv     the logged metrics
+    <output>/<stage>/logs/attempt_N/metrics.csv   the logged metrics (N: 0, then one per resume)
     <output>/results.json                 the evaluation (``evaluate`` section)
 
 Re-running the same command skips finished stages and resumes an interrupted one.
@@ -93,9 +93,11 @@ def _stage_config(stage: dict, stage_dir: Path, every_n: int) -> dict:
     cfg.setdefault("seed_everything", 0)
     trainer = cfg.setdefault("trainer", {})
     trainer["default_root_dir"] = str(stage_dir)
+    # one log directory per attempt: CSVLogger empties its directory when a run starts again
+    attempt = len(list((stage_dir / "logs").glob("attempt_*")))
     trainer.setdefault("logger", {"class_path": "lightning.pytorch.loggers.CSVLogger",
                                   "init_args": {"save_dir": str(stage_dir), "name": "logs",
-                                                "version": ""}})
+                                                "version": f"attempt_{attempt}"}})
     ckdir = str(stage_dir / "checkpoints")
     callbacks = list(trainer.get("callbacks") or [])
     callbacks += [
@@ -231,9 +233,10 @@ def run_pipeline(path: str | Path, output: str | Path | None = None, dry_run: bo
     spec = load_pipeline(path, output)
     out = Path(spec["output"])
     n = len(spec["stages"])
-    console.print(f"[bold]pipeline {spec['name']}[/bold] -> {out}")
+    console.print(f"[bold]pipeline {spec['name']}[/bold] -> {out}", soft_wrap=True)
     for i, st in enumerate(spec["stages"], 1):
-        console.print(f"  {i}/{n} {st['name']}: {_describe(st)}  [{_status(out / st['name'])}]")
+        console.print(f"  {i}/{n} {st['name']} [{_status(out / st['name'])}]: {_describe(st)}",
+                      soft_wrap=True, markup=False)
     ev = spec.get("evaluate")
     if ev:
         console.print(f"  evaluate: {ev.get('kind', 'recall')} on stage {ev.get('stage')!r}")
@@ -261,8 +264,9 @@ def run_pipeline(path: str | Path, output: str | Path | None = None, dry_run: bo
             raise ValueError(f"unknown evaluate kind {kind!r}; valid: recall, command")
     summary["wall_s"] = round(time.time() - t0, 1)
     (out / "results.json").write_text(json.dumps(summary, indent=2))
-    console.print(f"run directory: {out}  (results.json, <stage>/config.yaml, "
-                  "<stage>/stage.pt, <stage>/logs/metrics.csv)")
+    console.print(f"run directory: {out}\n  results.json, <stage>/config.yaml, <stage>/stage.pt, "
+                  "<stage>/checkpoints/last.ckpt, <stage>/logs/attempt_*/metrics.csv", soft_wrap=True,
+                  markup=False)
     return summary
 
 
