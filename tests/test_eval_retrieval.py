@@ -100,3 +100,23 @@ def test_converted_model_all_modes(tok):
             assert 0.0 <= row[b]["accuracy"] <= row[b]["token_accuracy"] <= 100.0
     md = "\n".join(format_retrieval_markdown(r))
     assert "| la_only+la_span=all |" in md and "n/a (n=0)" in md
+
+
+def test_any_tokenizer_bpe():
+    """A BPE tokenizer (multi-character tokens): distances are counted in its tokens, and the
+    windowed oracle still recalls exactly the facts inside its reach."""
+    from hedgecats.data import filler_documents, train_bpe_tokenizer
+    from hedgecats.data.recall import generate_recall_documents
+
+    texts = filler_documents(200, seed=1) + [d.text for d in generate_recall_documents(100, seed=7)]
+    bpe = train_bpe_tokenizer(texts, vocab_size=600)
+    w = 32
+    docs, _ = make_probe_documents(bpe, default_distances(w), 2, seed=1)
+    assert any(len(bpe.decode([i])) > 1 for d in docs for i in d.input_ids)  # really multi-char
+    oracle = WindowedCopyOracle(len(bpe), reach=w, k=4)
+    r = retrieval_probe(oracle, bpe, parse_modes("softmax"), window=w, n_per_distance=2,
+                        batch_size=8, progress=lambda _: None)
+    got = r["modes"]["softmax"]
+    assert {b: got[b]["n"] for b in BUCKETS} == {b: 2 for b in BUCKETS}
+    assert {b: got[b]["accuracy"] for b in BUCKETS} == {
+        "inside": 100.0, "1-4x": 0.0, "4-16x": 0.0, "beyond": 0.0}
