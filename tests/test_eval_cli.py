@@ -202,7 +202,7 @@ def test_seeds_report_spread(workspace, tmp_path):
     assert res["delta_la"] == pytest.approx(sum(deltas) / 2)
     # the softmax baseline does not depend on the feature-map seed: evaluated once
     assert res["baseline"]["avg"] is not None
-    assert "sd, 2 seeds" in (out / "results.md").read_text()
+    assert "sd over 2 runs" in (out / "results.md").read_text()
 
 
 def test_retrieval_in_report(run_dir):

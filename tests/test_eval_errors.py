@@ -96,12 +96,12 @@ def test_bad_hybrid_yaml(ws, tmp_path, capsys):
             "--tasks", str(ws / "tasks")], tmp_path / "o", capsys, "unknown HybridConfig fields ['windoww']")
 
 
-def _stage(ws: Path, name: str, base_model: str) -> Path:
+def _stage(ws: Path, name: str, base_model: str, seed: int = 3) -> Path:
     """A real stage checkpoint (``save_stage``) of the tiny model, recording ``base_model``."""
     from hedgecats.models.checkpoint import save_stage
     from transformers import AutoModelForCausalLM
 
-    cfg = HybridConfig(window=8, seed=3)
+    cfg = HybridConfig(window=8, seed=seed)
     model = convert_to_hybrid(AutoModelForCausalLM.from_pretrained(ws / "model"), cfg)
     return save_stage(ws / name / "stage.pt", model, base_model=base_model, hybrid_config=cfg,
                       stage="AttentionTransfer")
@@ -138,6 +138,30 @@ def test_stage_checkpoint_runs_with_matching_base(ws, tmp_path):
     assert res["meta"]["base_model"] == str(ws / "model")
     assert "softmax" in res["baseline"]["source"]
     assert list(res["tasks"]) == ["toy_acc"]
+
+
+def test_several_checkpoints_as_seeds(ws, tmp_path, capsys):
+    import json
+
+    a = _stage(ws, "seed_a", str(ws / "model"), seed=10)
+    b = _stage(ws, "seed_b", str(ws / "model"), seed=11)
+    out = tmp_path / "runs"
+    rc = cli.main(["--model", str(a), "--model", str(b), "--tasks", str(ws / "tasks" / "toy_acc.yaml"),
+                   "--modes", "hybrid,swa_only", "--bootstrap-iters", "10", "-q",
+                   "--output", str(out)])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["seeds"] == [str(a), str(b)] and "stage checkpoint" in res["meta"]["seed_kind"]
+    per = [r["hybrid"]["avg"] - r["swa_only"]["avg"] for r in res["per_seed"]]
+    assert res["delta_la_seeds"]["values"] == pytest.approx(per)
+    assert res["modes"]["hybrid"]["avg"] == pytest.approx(
+        sum(r["hybrid"]["avg"] for r in res["per_seed"]) / 2)
+    # a checkpoint of another base model among them is refused before anything runs
+    c = _stage(ws, "seed_c", "someone/other-base", seed=12)
+    _fails(["--model", str(a), "--model", str(c), "--tasks", str(ws / "tasks")], tmp_path / "o",
+           capsys, "trained from base model 'someone/other-base'")
+    _fails(["--model", str(a), "--model", str(ws / "model"), "--tasks", str(ws / "tasks")],
+           tmp_path / "o", capsys, "must all be stage checkpoints")
 
 
 def test_non_empty_output_and_overwrite(ws, tmp_path, capsys):

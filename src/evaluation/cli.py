@@ -111,8 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "retrieval beyond the window, branch usage; results.json/md/csv.",
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EPILOG)
     g = p.add_argument_group("model")
-    g.add_argument("--model", required=True,
-                   help="a stage checkpoint, or a transformers model (local directory or hub id)")
+    g.add_argument("--model", required=True, action="append", dest="models", metavar="MODEL",
+                   help="a stage checkpoint, or a transformers model (local directory or hub id). "
+                        "Repeat it with stage checkpoints of the same base model trained with "
+                        "different seeds to report mean, sd and 95%% CI over them")
     g.add_argument("--hybrid", metavar="YAML",
                    help="HybridConfig YAML: convert a plain transformers --model on the fly, with "
                         "freshly initialised feature maps")
@@ -238,6 +240,19 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     overrides = parse_metric_overrides(args.metric)
     out_dir = check_output_dir(args.output, args.overwrite)
     hybrid = read_hybrid_config(args.hybrid) if args.hybrid else None
+    args.model = args.models[0]
+    if len(args.models) > 1:
+        if len(set(args.models)) != len(args.models):
+            raise ValueError(f"--model given twice with the same value: {args.models}")
+        if args.seeds:
+            raise ValueError("give either several --model checkpoints or --seeds, not both")
+        plain = [m for m in args.models if not is_stage_checkpoint(m)]
+        if plain:
+            raise ValueError(f"several --model values must all be stage checkpoints (runs with "
+                             f"different seeds); not checkpoints: {plain}")
+        first = peek_base_model(args.models[0])
+        for m in args.models[1:]:
+            check_base_model(peek_base_model(m), first, f"the base model of {args.models[0]!r}")
     if is_stage_checkpoint(args.model):
         if hybrid is not None:
             raise ValueError(f"--hybrid converts a plain transformers model; {args.model!r} is a "
@@ -269,7 +284,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         raise ValueError(f"--retrieval-docs={args.retrieval_docs!r} must be >= 1")
     if args.seeds and hybrid is None:
         raise ValueError("--seeds re-initialises the feature maps and needs --hybrid; a stage "
-                         "checkpoint has trained ones (evaluate several checkpoints instead)")
+                         "checkpoint has trained ones (give one --model per training seed "
+                         "instead)")
     device = _device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     task_specs = [t for item in (args.tasks or [",".join(PAPER_TASKS)]) for t in _csv(item)]
@@ -282,19 +298,24 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
               "bootstrap_iters": args.bootstrap_iters, "progress": say}
 
     # ---- load; check modes and the base model
-    seeds = args.seeds or [hybrid.seed if hybrid else None]
+    # one item per run: (model, HybridConfig or None, lm-eval seed); several runs = seeds
+    if args.seeds:
+        items = [(args.model, type(hybrid).from_dict({**hybrid.to_dict(), "seed": s}), s)
+                 for s in args.seeds]
+        seed_labels, seed_kind = list(args.seeds), "feature-map initialisation seed (--hybrid)"
+    else:
+        items = [(m, hybrid, 0) for m in args.models]
+        seed_labels = list(args.models) if len(args.models) > 1 else None
+        seed_kind = "stage checkpoint (one per training seed)" if seed_labels else None
     runs, baseline, baseline_source, extra = [], None, "", {}
     loaded = None
-    for k, seed in enumerate(seeds):
-        cfg = hybrid
-        if hybrid is not None and args.seeds:
-            cfg = type(hybrid).from_dict({**hybrid.to_dict(), "seed": seed})
-        say(f"loading {args.model}" + (f" (feature-map seed {seed})" if args.seeds else ""))
-        loaded = load_for_eval(args.model, hybrid=cfg, device=device, dtype=dtype)
+    for k, (model_spec, cfg, seed) in enumerate(items):
+        say(f"loading {model_spec}" + (f" (feature-map seed {seed})" if args.seeds else ""))
+        loaded = load_for_eval(model_spec, hybrid=cfg, device=device, dtype=dtype)
         if k == 0:
             source, base_model = loaded.source, loaded.base_model
             check_modes_supported(loaded.model, specs)
-        runs.append(run_modes(loaded.model, loaded.tokenizer, specs, selection, seed=seed or 0, **common))
+        runs.append(run_modes(loaded.model, loaded.tokenizer, specs, selection, seed=seed, **common))
         if k == 0 and args.baseline is None:
             if is_converted(loaded.model):
                 baseline_source = "same model in mode 'softmax' (the original attention)"
@@ -309,7 +330,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
                 baseline = runs[0][specs[0].label]
         if k == 0:
             extra = _probes(args, loaded, specs, device, say)
-        if k < len(seeds) - 1:
+        if k < len(items) - 1:
             loaded = None
             _free()
     if args.baseline is not None:
@@ -324,7 +345,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         _free()
 
     meta = {
-        "model": args.model, "model_source": source, "base_model": base_model,
+        "model": args.model if len(args.models) == 1 else ", ".join(args.models),
+        "model_source": source, "base_model": base_model,
         "baseline": baseline_source, "lm_eval_version": getattr(lm_eval, "__version__", "?"),
         "command": "hedgecats evaluate " + shlex.join(argv), "device": device, "dtype": str(dtype),
         "limit": limit, "num_fewshot": 0, "seconds": None,
@@ -333,10 +355,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         meta["hybrid_config"] = hybrid.to_dict()
     specs_map = {s.label: (s.mode, s.switches) for s in specs}
     meta["seconds"] = round(time.time() - started, 1)
-    if args.seeds and extra:
-        meta["probes_seed"] = seeds[0]
+    if seed_labels:
+        meta["seed_kind"] = seed_kind
+        if extra:
+            meta["probes_run"] = str(seed_labels[0])  # retrieval / branch usage: first run only
     results = build_results(runs, selection.names, specs=specs_map, baseline=baseline,
-                            baseline_source=baseline_source, seeds=args.seeds, meta=meta,
+                            baseline_source=baseline_source, seeds=seed_labels, meta=meta,
                             retrieval=extra.get("retrieval"), branch_usage=extra.get("branch_usage"))
     with atomic_output_dir(out_dir, args.overwrite) as tmp:
         write_results(results, tmp)

@@ -87,7 +87,8 @@ def build_results(mode_runs: list[dict[str, dict[str, TaskScore]]], tasks: list[
         tasks: task order of the columns.
         specs: ``{label: (mode, switches)}`` recorded beside each row.
         baseline: the reference model's scores (Rec. Perf = AVG / baseline AVG * 100).
-        seeds: the seeds of ``mode_runs`` (``None`` for one run).
+        seeds: labels of the runs in ``mode_runs`` (feature-map seeds, or checkpoint paths);
+            ``None`` for one run.
     """
     if not mode_runs:
         raise ValueError("no results to report")
@@ -145,7 +146,7 @@ def _row_cells(row: dict, tasks: list[str], base: bool) -> list[str]:
     cells = [_pm(row["tasks"][t]["score"], row["tasks"][t].get("stderr")) for t in tasks]
     seeds = row.get("avg_seeds")
     if seeds and seeds.get("std") is not None:
-        cells.append(f"{seeds['mean']:.2f} ± {seeds['std']:.2f} (sd, {seeds['n']} seeds)")
+        cells.append(f"{seeds['mean']:.2f} ± {seeds['std']:.2f} (sd over {seeds['n']} runs)")
     else:
         cells.append(_pm(row["avg"], row.get("avg_stderr")))
     cells.append("100.00" if base else _pm(row.get("rec_perf"), row.get("rec_perf_stderr")))
@@ -196,7 +197,7 @@ def format_markdown(results: dict) -> str:
         ds = results.get("delta_la_seeds")
         if ds and ds.get("std") is not None:
             lo, hi = ds["ci95"]
-            lines.append(f"Over {ds['n']} seeds: Delta_LA mean {ds['mean']:+.2f}, sd {ds['std']:.2f},"
+            lines.append(f"Over {ds['n']} runs (seeds): Delta_LA mean {ds['mean']:+.2f}, sd {ds['std']:.2f},"
                          f" 95% CI [{lo:+.2f}, {hi:+.2f}].")
     lines.append("")
     if results.get("retrieval"):
