@@ -61,6 +61,8 @@ examples:
   hedgecats evaluate --model meta-llama/Meta-Llama-3-8B-Instruct --hybrid configs/hybrid.yaml \\
       --tasks piqa,arc_easy --modes hybrid,swa_only,la_only+la_span=all --output results/init
   hedgecats evaluate --model ckpt --tasks my_tasks/ --metric my_task=acc_norm --output out
+  hedgecats evaluate --model runs/seed0/stage.pt --model runs/seed1/stage.pt --retrieval \
+      --branch-usage --output results/two-seeds
 
 Baseline for Rec. Perf: --baseline MODEL if given; otherwise a converted model in mode 'softmax'
 (exactly the original model's attention, same weights); a plain model is its own baseline.
