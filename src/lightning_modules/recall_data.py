@@ -78,20 +78,25 @@ class RecallCorpus:
 
 
 def make_recall_corpus(num_docs: int, seq_len: int, *, near_max: int, far_min: int,
-                       far_max: int, facts_per_doc: int = 6, seed: int = 0) -> RecallCorpus:
+                       far_max: int, facts_per_doc: int = 6, filler: str = string.ascii_lowercase,
+                       seed: int = 0) -> RecallCorpus:
     """Generate documents as described in the module docstring; half the recalls near
-    (distance in ``[3, near_max]``), half far (``[far_min, far_max]``)."""
+    (distance in ``[3, near_max]``), half far (``[far_min, far_max]``). ``filler``: the letters
+    filler words are drawn from (fewer letters: less noise around the recalls, faster to learn)."""
     if not 3 <= near_max < far_min <= far_max < seq_len - 3:
         raise ValueError(f"need 3 <= near_max ({near_max}) < far_min ({far_min}) <= far_max "
                          f"({far_max}) < seq_len - 3 ({seq_len - 3})")
     rng = np.random.default_rng(seed)
     lower = np.frombuffer(string.ascii_lowercase.encode(), dtype=np.uint8)
     upper = np.frombuffer(string.ascii_uppercase.encode(), dtype=np.uint8)
+    fill = np.frombuffer(filler.encode(), dtype=np.uint8)
+    if not len(fill) or any(chr(c) in string.ascii_uppercase + "#?" for c in fill):
+        raise ValueError(f"filler={filler!r} must be non-empty and use no uppercase, '#' or '?'")
     docs = np.empty((num_docs, seq_len), dtype=np.int64)
     answers = []
     for d in range(num_docs):
         # filler: words of 2-6 random letters separated by spaces
-        row = rng.choice(lower, size=seq_len).astype(np.int64)
+        row = rng.choice(fill, size=seq_len).astype(np.int64)
         pos = 0
         while pos < seq_len:
             pos += int(rng.integers(2, 7))
@@ -168,12 +173,14 @@ class RecallDataModule(pl.LightningDataModule):
 
     Args:
         seq_len: T. window: the hybrid's SWA window; recalls at distance ``< window`` are near.
-        far_min, far_max: distances of far recalls. num_train, num_val, num_test: documents.
+        far_min, far_max: distances of far recalls. facts_per_doc: facts (and recalls) per
+            document. filler: letters of the filler words. num_train, num_val, num_test: documents.
         batch_size: per process. seed: corpus seed (splits use seed, seed+1, seed+2).
     """
 
     def __init__(self, seq_len: int = 256, window: int = 32, far_min: int = 64, far_max: int = 200,
-                 facts_per_doc: int = 6, num_train: int = 4096, num_val: int = 128,
+                 facts_per_doc: int = 6, filler: str = string.ascii_lowercase,
+                 num_train: int = 4096, num_val: int = 128,
                  num_test: int = 256, batch_size: int = 16, seed: int = 0,
                  shuffle: bool = True) -> None:
         super().__init__()
@@ -187,7 +194,7 @@ class RecallDataModule(pl.LightningDataModule):
             n, off = {"train": (h.num_train, 0), "val": (h.num_val, 1), "test": (h.num_test, 2)}[split]
             self._splits[split] = make_recall_corpus(
                 n, h.seq_len, near_max=h.window - 1, far_min=h.far_min, far_max=h.far_max,
-                facts_per_doc=h.facts_per_doc, seed=h.seed * 1000 + off)
+                facts_per_doc=h.facts_per_doc, filler=h.filler, seed=h.seed * 1000 + off)
         return self._splits[split]
 
     def setup(self, stage: str | None = None) -> None:
