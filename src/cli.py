@@ -190,9 +190,11 @@ def _evaluate_recall(spec: dict, ev: dict, console) -> dict:
     console.print(f"evaluating {len(modes)} modes on {len(corpus.input_ids)} held-out documents "
                   f"({len(corpus.answers)} recalls, window {window})")
     results = evaluate_recall(model, corpus, window=window, modes=modes, batch_size=bs)
-    for name, switches in (ev.get("variants") or {}).items():
-        for mode, r in evaluate_recall(model, corpus, window=window, modes=tuple(
-                switches.pop("modes", ("swa_only", "la_only"))), batch_size=bs, **switches).items():
+    for name, variant in (ev.get("variants") or {}).items():
+        switches = dict(variant)
+        variant_modes = tuple(switches.pop("modes", ("swa_only", "la_only")))
+        for mode, r in evaluate_recall(model, corpus, window=window, modes=variant_modes,
+                                       batch_size=bs, **switches).items():
             results[f"{mode} ({name})"] = r
     rows = {}
     if ev.get("teacher"):  # the unconverted base model, for reference

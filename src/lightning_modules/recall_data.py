@@ -77,12 +77,23 @@ class RecallCorpus:
     answers: torch.Tensor
 
 
+TASKS = ("kv", "marker")
+
+
 def make_recall_corpus(num_docs: int, seq_len: int, *, near_max: int, far_min: int,
                        far_max: int, facts_per_doc: int = 6, filler: str = string.ascii_lowercase,
-                       seed: int = 0) -> RecallCorpus:
+                       task: str = "kv", seed: int = 0) -> RecallCorpus:
     """Generate documents as described in the module docstring; half the recalls near
     (distance in ``[3, near_max]``), half far (``[far_min, far_max]``). ``filler``: the letters
-    filler words are drawn from (fewer letters: less noise around the recalls, faster to learn)."""
+    filler words are drawn from (fewer letters: less noise around the recalls, faster to learn).
+
+    ``task="marker"`` is the easier variant: one secret uppercase letter ``S`` per document,
+    stated once as ``#S`` and recalled as ``?S`` again and again, each recall ``distance`` after
+    the previous occurrence of ``S``; finding it takes one content-based attention lookup (no
+    induction circuit), so a small model learns it in a few hundred steps, while an SWA branch
+    still cannot see a far one. ``facts_per_doc`` is unused there."""
+    if task not in TASKS:
+        raise ValueError(f"task={task!r} is not valid; choose one of {', '.join(TASKS)}")
     if not 3 <= near_max < far_min <= far_max < seq_len - 3:
         raise ValueError(f"need 3 <= near_max ({near_max}) < far_min ({far_min}) <= far_max "
                          f"({far_max}) < seq_len - 3 ({seq_len - 3})")
@@ -103,6 +114,10 @@ def make_recall_corpus(num_docs: int, seq_len: int, *, near_max: int, far_min: i
             if pos < seq_len:
                 row[pos] = ord(" ")
             pos += 1
+        if task == "marker":
+            docs[d] = row
+            _marker_doc(docs[d], d, rng, upper, near_max, far_min, far_max, answers)
+            continue
         used = np.zeros(seq_len, dtype=bool)
         keys = rng.permutation(upper)[:facts_per_doc]
         for j, key in enumerate(keys):
@@ -121,6 +136,24 @@ def make_recall_corpus(num_docs: int, seq_len: int, *, near_max: int, far_min: i
                     break
         docs[d] = row
     return RecallCorpus(torch.from_numpy(docs), torch.tensor(answers, dtype=torch.long))
+
+
+def _marker_doc(row, d, rng, upper, near_max, far_min, far_max, answers) -> None:
+    """Write "#S" then "?S" recalls into ``row`` in place (see ``make_recall_corpus``)."""
+    T = len(row)
+    secret = int(rng.choice(upper))
+    start = int(rng.integers(0, 8))
+    row[start:start + 2] = [ord("#"), secret]
+    last = start + 1  # position of the latest occurrence of the secret
+    while True:
+        lo, hi = (3, near_max) if rng.random() < 0.5 else (far_min, far_max)
+        dist = int(rng.integers(lo, hi + 1))
+        pos = last + dist  # where the recalled secret goes; "?" just before it
+        if pos >= T:
+            break
+        row[pos - 1:pos + 1] = [ord("?"), secret]
+        answers.append((d, pos, dist))
+        last = pos
 
 
 class ResumableDistributedSampler(DistributedSampler):
@@ -174,13 +207,14 @@ class RecallDataModule(pl.LightningDataModule):
     Args:
         seq_len: T. window: the hybrid's SWA window; recalls at distance ``< window`` are near.
         far_min, far_max: distances of far recalls. facts_per_doc: facts (and recalls) per
-            document. filler: letters of the filler words. num_train, num_val, num_test: documents.
+            document. filler: letters of the filler words. task: ``kv`` or ``marker``
+            (see ``make_recall_corpus``). num_train, num_val, num_test: documents.
         batch_size: per process. seed: corpus seed (splits use seed, seed+1, seed+2).
     """
 
     def __init__(self, seq_len: int = 256, window: int = 32, far_min: int = 64, far_max: int = 200,
                  facts_per_doc: int = 6, filler: str = string.ascii_lowercase,
-                 num_train: int = 4096, num_val: int = 128,
+                 task: str = "kv", num_train: int = 4096, num_val: int = 128,
                  num_test: int = 256, batch_size: int = 16, seed: int = 0,
                  shuffle: bool = True) -> None:
         super().__init__()
@@ -194,7 +228,8 @@ class RecallDataModule(pl.LightningDataModule):
             n, off = {"train": (h.num_train, 0), "val": (h.num_val, 1), "test": (h.num_test, 2)}[split]
             self._splits[split] = make_recall_corpus(
                 n, h.seq_len, near_max=h.window - 1, far_min=h.far_min, far_max=h.far_max,
-                facts_per_doc=h.facts_per_doc, filler=h.filler, seed=h.seed * 1000 + off)
+                facts_per_doc=h.facts_per_doc, filler=h.filler, task=h.task,
+                seed=h.seed * 1000 + off)
         return self._splits[split]
 
     def setup(self, stage: str | None = None) -> None:
