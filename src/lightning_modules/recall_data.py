@@ -142,7 +142,8 @@ def _marker_doc(row, d, rng, upper, near_max, far_min, far_max, answers) -> None
     """Write "#S" then "?S" recalls into ``row`` in place (see ``make_recall_corpus``)."""
     T = len(row)
     secret = int(rng.choice(upper))
-    start = int(rng.integers(0, 8))
+    # after the first 8 tokens, so that attention sinks (sinks_only keeps keys < 8) cannot see it
+    start = int(rng.integers(8, 16))
     row[start:start + 2] = [ord("#"), secret]
     last = start + 1  # position of the latest occurrence of the secret
     while True:

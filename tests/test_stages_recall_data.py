@@ -1,0 +1,52 @@
+"""The embedded default's generated recall corpus: answers point where they say they do."""
+
+import pytest
+import torch
+from hedgecats.lightning_modules.recall_data import (
+    EOS_ID,
+    PAD_ID,
+    byte_tokenizer,
+    make_recall_corpus,
+)
+
+
+@pytest.mark.parametrize("task", ["kv", "marker"])
+def test_answers_are_recalls_at_the_stated_distance(task):
+    c = make_recall_corpus(40, 128, near_max=15, far_min=40, far_max=110, facts_per_doc=6,
+                           filler="ab", task=task, seed=3)
+    assert c.input_ids.shape == (40, 128)
+    doc, pos, dist = c.answers.T
+    ids = c.input_ids
+    assert torch.equal(ids[doc, pos], ids[doc, pos - dist])  # the value seen `dist` earlier
+    near, far = dist < 16, dist >= 40
+    assert (near | far).all() and near.any() and far.any()
+    if task == "marker":  # "?S": the nearest earlier occurrence of S is `dist` back
+        assert (ids[doc, pos - 1] == ord("?")).all()
+        for d, p, k in c.answers.tolist():
+            assert ids[d, p] not in ids[d, p - k + 1:p].tolist()
+            assert ids[d, p] not in ids[d, :8].tolist()  # invisible to 8 attention sinks
+    else:  # fact "#Kv" ... recall "?Kv": same key K before the same value v
+        assert (ids[doc, pos - 2] == ord("?")).all() and (ids[doc, pos - dist - 2] == ord("#")).all()
+        assert torch.equal(ids[doc, pos - 1], ids[doc, pos - dist - 1])
+        assert ((ids[doc, pos - 1] >= ord("A")) & (ids[doc, pos - 1] <= ord("Z"))).all()
+    again = make_recall_corpus(40, 128, near_max=15, far_min=40, far_max=110, facts_per_doc=6,
+                               filler="ab", task=task, seed=3)
+    assert torch.equal(again.input_ids, c.input_ids)  # seeded
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="near_max"):
+        make_recall_corpus(1, 64, near_max=20, far_min=10, far_max=30)
+    with pytest.raises(ValueError, match="task="):
+        make_recall_corpus(1, 64, near_max=5, far_min=10, far_max=30, task="nope")
+    with pytest.raises(ValueError, match="filler"):
+        make_recall_corpus(1, 64, near_max=5, far_min=10, far_max=30, filler="aB")
+
+
+def test_byte_tokenizer_ids_are_bytes():
+    tok = byte_tokenizer()
+    text = "#Kv ?Kv naïve"
+    ids = tok(text)["input_ids"]
+    assert ids == list(text.encode())
+    assert tok.decode(ids) == text
+    assert (tok.pad_token_id, tok.eos_token_id) == (PAD_ID, EOS_ID)
