@@ -1,7 +1,8 @@
 """Two CPU processes (gloo): DDP resume is bit-exact per rank on uneven shards, stage 1 averages
 its per-layer gradients across ranks, and both stages run under FSDP2 (ModelParallelStrategy).
 
-Each case runs this file as a script in a subprocess: Lightning's launcher starts the second
+About 20 s per case on 2 idle cores (the resume case, three runs, is marked slow). Each case
+runs this file as a script in a subprocess: Lightning's launcher starts the second
 rank by running the same command again.
 """
 
@@ -14,8 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-# several minutes on 2 busy cores (each case starts 2 processes per run): slow
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = pytest.mark.distributed
 HERE = Path(__file__).resolve()
 
 
@@ -84,6 +84,7 @@ def base(tmp_path_factory):
     return str(save_tiny_llama(tmp_path_factory.mktemp("base") / "tiny"))
 
 
+@pytest.mark.slow  # three 2-process runs: about a minute on 2 idle cores
 def test_ddp_resume_is_bit_exact_per_rank(base, tmp_path):
     full = _run(tmp_path, "finetune", "ddp", base, tmp_path / "full", 6, "none")
     assert full[0]["losses"] != full[1]["losses"]  # the ranks see different data
