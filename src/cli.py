@@ -142,6 +142,22 @@ def _run_stage(stage: dict, stage_dir: Path, every_n: int) -> None:
         (stage_dir / "done").write_text(time.strftime("%Y-%m-%dT%H:%M:%S\n"))
 
 
+def _warn_if_changed(stage: dict, stage_dir: Path, every_n: int, console) -> None:
+    """A stage that is skipped or resumed keeps what it was run with: say so when the YAML
+    changed since (the saved config.yaml is the record)."""
+    saved = stage_dir / "config.yaml"
+    if not saved.exists():
+        return
+    old = yaml.safe_load(saved.read_text())
+    new = _stage_config(stage, stage_dir, every_n)
+    for cfg in (old, new):  # the logger version differs per attempt by design
+        cfg.get("trainer", {}).pop("logger", None)
+    if old != new:
+        console.print(f"[yellow]warning: stage {stage['name']!r} was run with a different "
+                      f"config ({saved}); it is skipped or resumed as it was -- delete "
+                      f"{stage_dir} to run it again with the new one[/yellow]", soft_wrap=True)
+
+
 def _describe(stage: dict) -> str:
     fit = stage["fit"]
     model = fit["model"]
@@ -239,6 +255,7 @@ def run_pipeline(path: str | Path, output: str | Path | None = None, dry_run: bo
     for i, st in enumerate(spec["stages"], 1):
         console.print(f"  {i}/{n} {st['name']} [{_status(out / st['name'])}]: {_describe(st)}",
                       soft_wrap=True, markup=False)
+        _warn_if_changed(st, out / st["name"], int(spec["checkpoint_every_n_steps"]), console)
     ev = spec.get("evaluate")
     if ev:
         console.print(f"  evaluate: {ev.get('kind', 'recall')} on stage {ev.get('stage')!r}")
@@ -280,6 +297,13 @@ def _pipeline_main(argv: list[str]) -> int:
     p.add_argument("--output", help="run directory (default: the YAML's output, else runs/<name>)")
     p.add_argument("--dry-run", action="store_true", help="print the resolved stages and exit")
     a = p.parse_args(argv)
+    import warnings
+
+    # noise that says nothing about this run: stage 1 optimises by hand on purpose, and the
+    # stages pass their ckpt_path explicitly
+    for msg in ("Using ModelCheckpoint with manual optimization", r".*\.fit\(ckpt_path=",
+                "isinstance.treespec, LeafSpec"):
+        warnings.filterwarnings("ignore", message=msg)
     run_pipeline(a.config, a.output, a.dry_run)
     return 0
 

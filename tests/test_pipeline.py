@@ -68,6 +68,8 @@ def test_tiny_pipeline_end_to_end(tmp_path, capsys):
     assert main(["pipeline", str(cfg), "--output", str(out), "--dry-run"]) == 0
     text = capsys.readouterr().out
     assert "done (skipped)" in text and "resume from checkpoints/last.ckpt" in text
+    assert "'finetune' was run with a different config" in text  # the SIGTERM callback is gone
+    assert "'teacher' was run with a different" not in text
     assert not (out / "results.json").exists()
 
     assert main(["pipeline", str(cfg), "--output", str(out)]) == 0
