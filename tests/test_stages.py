@@ -172,3 +172,20 @@ def test_non_finite_loss_stops_before_a_bad_checkpoint(base, tmp_path):
     assert state["global_step"] == 2
     assert all(torch.isfinite(t).all() for t in state["state_dict"].values())
     assert not (tmp_path / "stage.pt").exists()
+
+
+def test_transfer_accumulation_follows_the_datamodule():
+    """Stage 1 optimises by hand: with accumulate_grad_batches=None it takes the DataModule's
+    derived value (global batch / (micro batch x world size)); an explicit value wins."""
+    from types import SimpleNamespace
+
+    from hedgecats.lightning_modules import AttentionTransfer
+
+    stage = AttentionTransfer("unused-path", hybrid={"window": 4})
+    stage._trainer = SimpleNamespace(datamodule=SimpleNamespace(accumulate_grad_batches=4))
+    assert stage._accumulation() == 4
+    stage._trainer = SimpleNamespace(datamodule=None)
+    assert stage._accumulation() == 1
+    fixed = AttentionTransfer("unused-path", hybrid={"window": 4}, accumulate_grad_batches=3)
+    fixed._trainer = SimpleNamespace(datamodule=SimpleNamespace(accumulate_grad_batches=4))
+    assert fixed._accumulation() == 3

@@ -213,7 +213,9 @@ class AttentionTransfer(HybridStage):
         train_mixer: train the mixer's parameters too (when it has any).
         xent_block: query-block size of the weights cross-entropy.
         accumulate_grad_batches: micro-batches per optimiser step (manual optimisation; the
-            Trainer's own option does not apply).
+            Trainer's own option does not apply). ``None``: the datamodule's
+            ``accumulate_grad_batches`` (``FineWebEduDataModule`` derives it from the global
+            batch and the world size), or 1 when the datamodule has none.
         lr: AdamW learning rate (paper: 1e-2).
     Other arguments: see ``HybridStage``.
     """
@@ -222,11 +224,12 @@ class AttentionTransfer(HybridStage):
                  objective: str = "weights_xent", revision: str | None = None,
                  init_from: str | None = None, torch_dtype: str | None = None, lr: float = 1e-2,
                  weight_decay: float = 0.0, train_mixer: bool = True, xent_block: int = 64,
-                 accumulate_grad_batches: int = 1, activation_checkpointing: bool = False) -> None:
+                 accumulate_grad_batches: int | None = None,
+                 activation_checkpointing: bool = False) -> None:
         if objective not in OBJECTIVES:
             raise ValueError(f"objective={objective!r} is not valid; choose one of "
                              f"{', '.join(OBJECTIVES)}")
-        if accumulate_grad_batches < 1:
+        if accumulate_grad_batches is not None and accumulate_grad_batches < 1:
             raise ValueError(f"accumulate_grad_batches={accumulate_grad_batches!r} must be >= 1")
         super().__init__(model_name_or_path, hybrid, revision, init_from, torch_dtype, lr,
                          weight_decay, activation_checkpointing)
@@ -308,9 +311,15 @@ class AttentionTransfer(HybridStage):
                  sync_dist=not on_step)
         return loss
 
+    def _accumulation(self) -> int:
+        if self.hparams.accumulate_grad_batches is not None:
+            return self.hparams.accumulate_grad_batches
+        dm = self.trainer.datamodule if self._trainer is not None else None
+        return int(getattr(dm, "accumulate_grad_batches", 1) or 1)
+
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         opt = self.optimizers()
-        accum = self.hparams.accumulate_grad_batches
+        accum = self._accumulation()
         losses = self._layer_losses(batch, backward_scale=1.0 / accum)
         loss = torch.stack([losses[i] for i in sorted(losses)]).mean()
         _check_finite(self, loss, batch_idx)
