@@ -104,6 +104,25 @@ class _Stage(pl.LightningModule):
         return Path(self.trainer.default_root_dir)
 
 
+class _NextTokenLoss:
+    """Next-token cross-entropy on ``input_ids`` (padding masked out of attention and loss);
+    shared by the stages that train on language modelling."""
+
+    def _lm_loss(self, batch: dict) -> torch.Tensor:
+        ids, mask = batch["input_ids"], batch.get("attention_mask")
+        labels = ids if mask is None else ids.masked_fill(mask == 0, -100)
+        return self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        loss = self._lm_loss(batch)
+        _check_finite(self, loss, batch_idx)
+        self.log("train/loss", loss, prog_bar=True, on_step=True)
+        return loss
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        self.log("val/loss", self._lm_loss(batch), prog_bar=True, sync_dist=True)
+
+
 class HybridStage(_Stage):
     """A stage on a converted pretrained model (shared by stages 1 and 2)."""
 
@@ -338,7 +357,7 @@ class AttentionTransfer(HybridStage):
         return torch.optim.AdamW(params, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
 
 
-class HybridFinetune(HybridStage):
+class HybridFinetune(_NextTokenLoss, HybridStage):
     """Stage 2: LoRA fine-tuning of the converted model on next-token prediction.
 
     Args:
@@ -383,20 +402,6 @@ class HybridFinetune(HybridStage):
                     p.requires_grad_(True)
         return model
 
-    def _lm_loss(self, batch: dict) -> torch.Tensor:
-        ids, mask = self._batch(batch)
-        labels = ids if mask is None else ids.masked_fill(mask == 0, -100)
-        return self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
-
-    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        loss = self._lm_loss(batch)
-        _check_finite(self, loss, batch_idx)
-        self.log("train/loss", loss, prog_bar=True, on_step=True)
-        return loss
-
-    def validation_step(self, batch: dict, batch_idx: int) -> None:
-        self.log("val/loss", self._lm_loss(batch), prog_bar=True, sync_dist=True)
-
     def test_step(self, batch: dict, batch_idx: int) -> None:
         self.log("test/loss", self._lm_loss(batch), sync_dist=True)
 
@@ -410,7 +415,7 @@ class HybridFinetune(HybridStage):
                                                    "interval": "epoch", "strict": False}}
 
 
-class TeacherPretraining(_Stage):
+class TeacherPretraining(_NextTokenLoss, _Stage):
     """Pretrain a small softmax Llama from scratch: the embedded default's teacher.
 
     At the end of ``fit`` the model (and the datamodule's ``tokenizer``, if any) is saved with
@@ -445,20 +450,6 @@ class TeacherPretraining(_Stage):
             torch.manual_seed(h.seed)
             self.model = LlamaForCausalLM(cfg)
         self.model.config._attn_implementation = "sdpa"
-
-    def _lm_loss(self, batch: dict) -> torch.Tensor:
-        ids, mask = batch["input_ids"], batch.get("attention_mask")
-        labels = ids if mask is None else ids.masked_fill(mask == 0, -100)
-        return self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
-
-    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        loss = self._lm_loss(batch)
-        _check_finite(self, loss, batch_idx)
-        self.log("train/loss", loss, prog_bar=True, on_step=True)
-        return loss
-
-    def validation_step(self, batch: dict, batch_idx: int) -> None:
-        self.log("val/loss", self._lm_loss(batch), prog_bar=True, sync_dist=True)
 
     def configure_optimizers(self):
         h = self.hparams
