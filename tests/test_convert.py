@@ -160,17 +160,21 @@ def test_attention_mode_restores_every_switch():
 
 
 def test_partial_conversion_leaves_other_layers_softmax():
+    """Only the listed layers convert; layer 0 keeps the original attention, so its output is
+    the original model's even when the converted layers run with no attention at all."""
     model = tiny()
     x = ids()
     with torch.no_grad():
-        expected = model.model.layers[0](model.model.embed_tokens(x),
-                                         position_embeddings=model.model.rotary_emb(
-                                             model.model.embed_tokens(x),
-                                             torch.arange(x.shape[1])[None]))
+        expected = model(x, output_hidden_states=True).hidden_states[1]
     convert_to_hybrid(model, HybridConfig(window=4, layers=[1, 2]))
     assert [i for i, _ in hybrid_layers(model)] == [1, 2]
     assert not hasattr(model.model.layers[0].self_attn, "phi_q")
-    del expected
+    with torch.no_grad(), attention_mode(model, "none"):
+        out = model(x, output_hidden_states=True)
+    torch.testing.assert_close(out.hidden_states[1], expected)
+    with torch.no_grad():
+        assert not torch.allclose(out.hidden_states[2], model(x, output_hidden_states=True)
+                                  .hidden_states[2])
 
 
 def test_ssd_drop_applies_only_in_training():
