@@ -4,7 +4,9 @@
 
 Compares full causal softmax (torch SDPA, the teacher) with the hybrid (phi in PyTorch + SWA +
 normalised LA) through each available backend. Timings are medians over ``--iters`` runs after
-``--warmup``, with CUDA events; every backend is first checked against the reference.
+``--warmup``, with CUDA events. Where the reference fits (B * T <= 8192), each hybrid backend's
+output is also compared with it (relative L2, column ``rel_err_vs_reference``): a fast wrong
+kernel is not a result.
 """
 
 from __future__ import annotations
@@ -78,17 +80,30 @@ def main(argv=None):
                 cases.append((f"hybrid [{be}]", "hybrid", be))
         if B * T <= 8192:
             cases.append(("hybrid [reference]", "hybrid", "reference"))
+        ref_out = None
+        if B * T <= 8192:
+            with torch.no_grad():
+                ref_out = hybrid_attention(q, k, v, phi_q(q), phi_k(k), window=w, mode="hybrid",
+                                           backend="reference").float()
         for name, mode, be in cases:
             torch.cuda.empty_cache()
+            err = None
             try:
+                if ref_out is not None and mode == "hybrid" and be != "reference":
+                    with torch.no_grad():
+                        out = hybrid_attention(q, k, v, phi_q(q), phi_k(k), window=w, mode=mode,
+                                               backend=be).float()
+                    err = ((out - ref_out).norm() / ref_out.norm()).item()
                 ms, mem = bench(run(mode, be), a.warmup, a.iters)
             except Exception as e:  # report, do not hide: a backend that fails is a finding
                 rows.append(dict(B=B, T=T, case=name, error=f"{type(e).__name__}: {e}"[:300]))
                 print(f"B={B} T={T} {name:24s} FAILED {e}", file=sys.stderr)
                 continue
             rows.append(dict(B=B, T=T, case=name, ms=round(ms, 3), peak_gib=round(mem, 2),
-                             tokens_per_s=round(B * T / ms * 1e3)))
-            print(f"B={B:2d} T={T:6d} {name:24s} {ms:9.2f} ms  {mem:6.2f} GiB", flush=True)
+                             tokens_per_s=round(B * T / ms * 1e3),
+                             rel_err_vs_reference=None if err is None else float(f"{err:.2e}")))
+            print(f"B={B:2d} T={T:6d} {name:24s} {ms:9.2f} ms  {mem:6.2f} GiB"
+                  + ("" if err is None else f"  err {err:.1e}"), flush=True)
     res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, heads=H,
                kv_heads=Hkv, head_dim=D, window=w, dtype="bf16", measure="fwd+bwd one layer",
                rows=rows, command=" ".join(["python", "benchmarks/attention_speed.py"] + (argv or sys.argv[1:])))

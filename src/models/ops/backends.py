@@ -108,11 +108,16 @@ def flash_swa(q, k, v, *, scale, window, need_lse, key_padding_mask):
     return o.transpose(1, 2), None
 
 
-@functools.lru_cache(maxsize=32)
+@functools.lru_cache(maxsize=None)
 def _compiled_flex():
+    """flex_attention compiled once, with dynamo's automatic dynamic shapes: the first length
+    gets a static kernel, a second one a kernel with dynamic lengths. With ``dynamic=False``
+    every new length recompiled, and after dynamo's recompile limit (8) flex_attention fell
+    back to its eager T x T implementation (seen on the GPU test matrix; lm-eval sends every
+    request length)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention, dynamic=None)
 
 
 def _flex_call(q, k, v, *, scale, block_mask, need_lse):
