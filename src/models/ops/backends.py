@@ -112,18 +112,28 @@ def flash_swa(q, k, v, *, scale, window, need_lse, key_padding_mask):
 def _compiled_flex():
     """flex_attention compiled once, with dynamo's automatic dynamic shapes: the first length
     gets a static kernel, a second one a kernel with dynamic lengths. With ``dynamic=False``
-    every new length recompiled, and after dynamo's recompile limit (8) flex_attention fell
-    back to its eager T x T implementation (seen on the GPU test matrix; lm-eval sends every
-    request length)."""
+    every new length recompiled, and after dynamo's recompile limit flex_attention fell back to
+    its eager T x T implementation (seen on the GPU test matrix; lm-eval sends every request
+    length). See also FLEX_RECOMPILE_LIMIT."""
     from torch.nn.attention.flex_attention import flex_attention
 
     return torch.compile(flex_attention, dynamic=None)
 
 
+# Each (dtype, GQA, lse, head dim) combination is its own dynamo graph, static then dynamic in
+# the length: with dynamo's default limit of 8 graphs per function, a process that trains in
+# one dtype and evaluates with padding in another ran out, and flex_attention silently became
+# its eager T x T version (seen in the GPU tests). The limit is raised for these calls only.
+FLEX_RECOMPILE_LIMIT = 64
+
+
 def _flex_call(q, k, v, *, scale, block_mask, need_lse):
     """flex_attention (compiled once) on q (B, H, T, D); GQA through enable_gqa."""
-    res = _compiled_flex()(q, k, v, block_mask=block_mask, scale=scale,
-                           enable_gqa=k.shape[1] != q.shape[1], return_lse=need_lse)
+    import torch._dynamo
+
+    with torch._dynamo.config.patch(recompile_limit=FLEX_RECOMPILE_LIMIT):
+        res = _compiled_flex()(q, k, v, block_mask=block_mask, scale=scale,
+                               enable_gqa=k.shape[1] != q.shape[1], return_lse=need_lse)
     return res if need_lse else (res, None)
 
 
@@ -172,18 +182,38 @@ def fla_linear(fq, fk, v, *, shift, eps, need_den, key_padding_mask):
         raise NotImplementedError("fla_linear needs Tq == Tk")
     if key_padding_mask is not None:
         fk = fk * key_padding_mask[:, None, :, None].to(fk.dtype)
-    fk, v = ref.repeat_kv(fk, H), ref.repeat_kv(v, H)
-    fk_s, v_s = _shift_right(fk, shift), _shift_right(v, shift)
-    # numerator from the chunk kernel (fp32 accumulation inside); the denominator in fp32 here:
-    # fla's own normalize=True takes the cumulative key sum in the input dtype, which in bf16
-    # loses ~1% over a few thousand positions
-    num, _ = chunk_linear_attn(fq.transpose(1, 2), fk_s.transpose(1, 2), v_s.transpose(1, 2),
-                               scale=1.0, normalize=False)
+    fk_s, v_s = _shift_right(fk, shift), _shift_right(v, shift)  # on the KV heads, before repeat
+    # numerator from the chunk kernel (fp32 accumulation inside); the denominator in fp32 by us:
+    # fla's own normalize=True sums the keys in the input dtype, which in bf16 was off by 16%
+    # (T=1024) and 74% (T=32768) relative L2 on an H200 (benchmarks/profile_hybrid.py)
+    num, _ = chunk_linear_attn(fq.transpose(1, 2), ref.repeat_kv(fk_s, H).transpose(1, 2),
+                               ref.repeat_kv(v_s, H).transpose(1, 2), scale=1.0, normalize=False)
     num = num.transpose(1, 2).float()  # (B, H, T, D)
-    den = torch.einsum("bhtf,bhtf->bht", fq.float(), fk_s.float().cumsum(dim=2))
+    den = la_denominator(fq, fk_s)
     has = _has_keys(key_padding_mask, B, H, Tk, shift, fq.device)
     out = torch.where(has[..., None], num / den.clamp_min(eps)[..., None], torch.zeros_like(num))
     return out, (den if need_den else None), has
+
+
+def la_denominator(fq: torch.Tensor, fk: torch.Tensor, chunk: int = 64) -> torch.Tensor:
+    """``den[b, h, t] = fq[b, h, t] . sum_{i <= t} fk[b, h_kv, i]`` in fp32 (or wider), for fq (B, H, T, F)
+    and fk (B, Hkv, T, F) with H a multiple of Hkv (GQA: the key sums are taken once per KV head).
+
+    The running key sum is two short scans (within chunks of ``chunk`` positions, then over the
+    chunk totals): torch's cumsum along T of a (B, H, T, F) tensor runs T sequential steps, which
+    took 12.6 ms per call at T=32768 on an H200; the dot with fq is a broadcast multiply-sum (an
+    einsum became thousands of 1 x F x 1 matrix products, 6.4 ms at B=8, T=1024)."""
+    B, H, T, Fd = fq.shape
+    Hkv = fk.shape[1]
+    n = -(-T // chunk)
+    acc = torch.promote_types(fk.dtype, torch.float32)  # fp32 at least (bf16 sums drift)
+    x = F.pad(fk.to(acc), (0, 0, 0, n * chunk - T)).view(B, Hkv, n, chunk, Fd)
+    within = x.cumsum(dim=3)
+    totals = within[:, :, :, -1]  # (B, Hkv, n, F)
+    before = totals.cumsum(dim=2) - totals  # sum of all earlier chunks
+    cum = (within + before[:, :, :, None]).view(B, Hkv, n * chunk, Fd)[:, :, :T]
+    prod = fq.view(B, Hkv, H // Hkv, T, Fd) * cum[:, :, None]  # fp32 by type promotion
+    return prod.sum(-1).view(B, H, T)
 
 
 def _shift_right(x: torch.Tensor, shift: int) -> torch.Tensor:

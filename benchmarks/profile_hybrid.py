@@ -1,0 +1,126 @@
+"""Where one hybrid layer's time goes (fwd + bwd, bf16, CUDA): a kernel table from
+torch.profiler, and the LA denominator's variants timed and checked in isolation.
+
+    python benchmarks/profile_hybrid.py --out profile.json
+
+The denominator ``den_t = phi(q_t) . sum_{i <= t - shift} phi(k_i)`` is taken in fp32 by us
+(fla's ``normalize=True`` sums keys in the input dtype). Variants: ``einsum_after_repeat``
+(repeat the KV heads, cumsum, einsum), ``grouped`` (cumsum over the KV heads, then a broadcast
+multiply-sum per query group), ``chunked_scans_grouped`` (ours since: the running sum as two
+short scans, see ``backends.la_denominator``), ``fla_normalize`` (fla's own, bf16 sums) - each against an fp64
+oracle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+
+from hedgecats.models import HedgehogFeatureMap, hybrid_attention
+from hedgecats.models.ops import backends
+from hedgecats.models.ops import reference as ref
+
+
+def timed(fn, warmup=3, iters=10):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def den_einsum_after_repeat(fq, fk):
+    fk = ref.repeat_kv(fk, fq.shape[1])
+    return torch.einsum("bhtf,bhtf->bht", fq.float(), fk.float().cumsum(dim=2))
+
+
+def den_grouped(fq, fk):
+    B, H, T, F = fq.shape
+    Hkv = fk.shape[1]
+    cum = fk.float().cumsum(dim=2)[:, :, None]  # (B, Hkv, 1, T, F)
+    return (fq.float().view(B, Hkv, H // Hkv, T, F) * cum).sum(-1).view(B, H, T)
+
+
+def den_fla_normalize(fq, fk):
+    fk = ref.repeat_kv(fk, fq.shape[1])
+    cum = fk.cumsum(dim=2)  # input dtype, as fla's normalize=True
+    return (fq * cum).sum(-1).float()
+
+
+VARIANTS = {"einsum_after_repeat": den_einsum_after_repeat, "grouped": den_grouped,
+            "chunked_scans_grouped (ours)": backends.la_denominator,
+            "fla_normalize_bf16": den_fla_normalize}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default="8x1024,1x32768")
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--window", type=int, default=64)
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    H, Hkv, D, w, dt = a.heads, a.kv_heads, a.head_dim, a.window, torch.bfloat16
+    phi_q, phi_k = HedgehogFeatureMap(H, D).cuda(), HedgehogFeatureMap(Hkv, D).cuda()
+    res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, shapes=[],
+               command=" ".join(["python", "benchmarks/profile_hybrid.py"] + (argv or sys.argv[1:])))
+    for shape in a.shapes.split(","):
+        B, T = map(int, shape.split("x"))
+        q = torch.randn(B, H, T, D, device="cuda", dtype=dt, requires_grad=True)
+        k = torch.randn(B, Hkv, T, D, device="cuda", dtype=dt, requires_grad=True)
+        v = torch.randn(B, Hkv, T, D, device="cuda", dtype=dt, requires_grad=True)
+        do = torch.randn(B, H, T, D, device="cuda", dtype=dt)
+
+        def layer():
+            out = hybrid_attention(q, k, v, phi_q(q), phi_k(k), window=w, backend="auto")
+            out.backward(do)
+
+        row = dict(B=B, T=T, layer_ms=round(timed(layer), 3))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            layer()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+        print(f"== B={B} T={T}: layer fwd+bwd {row['layer_ms']} ms\n{table}", flush=True)
+        row["kernels"] = [dict(name=e.key[:120], cuda_ms=round(e.device_time_total / 1e3, 3),
+                               calls=e.count)
+                          for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:25]]
+        with torch.no_grad():
+            fq, fk = phi_q(q), phi_k(k)
+        fq64, fk64 = fq.double(), fk.double()
+        oracle = torch.einsum("bhtf,bhtf->bht", fq64,
+                              ref.repeat_kv(fk64, H).cumsum(dim=2))
+        row["denominator"] = {}
+        for name, fn in VARIANTS.items():
+            fqg, fkg = fq.detach().requires_grad_(), fk.detach().requires_grad_()
+            g = torch.randn(B, H, T, device="cuda")
+
+            def step():
+                fn(fqg, fkg).backward(g)
+            ms = timed(step)
+            with torch.no_grad():
+                d = fn(fq, fk).double()
+            err = ((d - oracle).norm() / oracle.norm()).item()
+            row["denominator"][name] = dict(ms=round(ms, 3), rel_err=float(f"{err:.2e}"))
+            print(f"   den {name:22s} {ms:8.3f} ms  rel err {err:.1e}", flush=True)
+        res["shapes"].append(row)
+        del q, k, v, do, fq, fk, fq64, fk64, oracle
+        torch.cuda.empty_cache()
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""The GPU backends' own PyTorch around the kernels, tested on CPU.
+
+fla's kernels need CUDA, but what we wrap around them (the shift trick, GQA, padding, our fp32
+denominator) is plain PyTorch: here fla's ``chunk_linear_attn`` is replaced by a direct causal
+sum, and ``fla_linear`` must then equal the reference exactly (values and gradients).
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+from hedgecats.models.ops import backends
+from hedgecats.models.ops import reference as ref
+
+
+def causal_linear_attn(q, k, v, scale=1.0, normalize=False):
+    """fla's layout (B, T, H, X); unnormalised causal sum_i<=t (q_t . k_i) v_i."""
+    assert not normalize
+    s = torch.einsum("bthf,bihf->bhti", q, k) * scale
+    s = s * torch.ones(s.shape[-2:], dtype=torch.bool).tril()
+    return torch.einsum("bhti,bihd->bthd", s, v), None
+
+
+@pytest.fixture
+def fake_fla(monkeypatch):
+    mod = types.ModuleType("fla.ops.linear_attn")
+    mod.chunk_linear_attn = causal_linear_attn
+    for name in ("fla", "fla.ops"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "fla.ops.linear_attn", mod)
+
+
+def inputs(B, H, Hkv, T, Fd, D, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    fq = torch.rand(B, H, T, Fd, generator=g, dtype=torch.float64).requires_grad_()
+    fk = torch.rand(B, Hkv, T, Fd, generator=g, dtype=torch.float64).requires_grad_()
+    v = torch.randn(B, Hkv, T, D, generator=g, dtype=torch.float64).requires_grad_()
+    return fq, fk, v
+
+
+SHAPES = [(2, 4, 2, 37, 6, 5), (1, 2, 2, 130, 4, 3), (1, 6, 3, 5, 4, 2)]  # B, H, Hkv, T, F, D
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("chunk", [4, 64])
+def test_la_denominator_matches_cumsum(shape, chunk):
+    B, H, Hkv, T, Fd, D = shape
+    fq, fk, _ = inputs(*shape)
+    want = (fq * ref.repeat_kv(fk, H).cumsum(dim=2)).sum(-1)
+    got = backends.la_denominator(fq, fk, chunk=chunk)
+    assert got.dtype == torch.float64 and got.shape == (B, H, T)
+    assert backends.la_denominator(fq.bfloat16(), fk.bfloat16()).dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    g = torch.randn(B, H, T, dtype=torch.float64)
+    gq, gk = torch.autograd.grad((want * g).sum(), (fq, fk))
+    hq, hk = torch.autograd.grad((got.double() * g).sum(), (fq, fk))
+    torch.testing.assert_close(hq, gq, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hk, gk, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("shift", [0, 1, 7, 200])
+@pytest.mark.parametrize("padded", [False, True], ids=["nopad", "pad"])
+def test_fla_linear_wrapper_matches_reference(fake_fla, shape, shift, padded):
+    B, H, Hkv, T, Fd, D = shape
+    kpm = None
+    if padded:
+        kpm = torch.ones(B, T, dtype=torch.bool)
+        kpm[0, : T // 3] = False  # left padding in the first sequence
+    fq, fk, v = inputs(*shape)
+    want = ref.linear_attention_chunked(fq, fk, v, shift=shift, eps=1e-6, key_padding_mask=kpm)
+    got = backends.fla_linear(fq, fk, v, shift=shift, eps=1e-6, need_den=True,
+                              key_padding_mask=kpm)
+    torch.testing.assert_close(got[2], want[2])  # which queries see keys
+    torch.testing.assert_close(got[0].double(), want[0].double(), rtol=1e-5, atol=1e-6)
+    has = want[2][..., None]
+    do = torch.randn_like(want[0].double())
+    gw = torch.autograd.grad((want[0].double() * do).sum(), (fq, fk, v), allow_unused=True)
+    gg = torch.autograd.grad((got[0].double() * do * has).sum(), (fq, fk, v), allow_unused=True)
+    for a, b, x, name in zip(gg, gw, (fq, fk, v), ("dfq", "dfk", "dv")):
+        a, b = (torch.zeros_like(x) if t is None else t for t in (a, b))  # shift >= T: no keys
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
