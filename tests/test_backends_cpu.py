@@ -84,3 +84,56 @@ def test_fla_linear_wrapper_matches_reference(fake_fla, shape, shift, padded):
     for a, b, x, name in zip(gg, gw, (fq, fk, v), ("dfq", "dfk", "dv")):
         a, b = (torch.zeros_like(x) if t is None else t for t in (a, b))  # shift >= T: no keys
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("T", [1, 100, 128, 129, 1100])
+def test_flex_length_buckets(T):
+    L = backends.flex_length(T)
+    assert L >= T and L % 128 == 0
+    assert L - T < max(128, T / 8 + 1)  # at most 12.5% padding past the first 1024
+    assert backends.flex_length(L) == L  # a bucket is its own bucket
+
+
+def test_flex_lengths_per_octave_are_few():
+    assert len({backends.flex_length(T) for T in range(1, 1025)}) == 8
+    assert len({backends.flex_length(T) for T in range(4097, 8193)}) == 8
+
+
+@pytest.fixture
+def eager_flex(monkeypatch):
+    """flex_attention uncompiled (CPU has no Triton): the padding and slicing around it are
+    ours and are what is tested; the compiled kernel is tested on the GPU."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    monkeypatch.setattr(backends, "_compiled_flex", lambda: flex.flex_attention)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("T", [5, 130, 300])
+@pytest.mark.parametrize("padded", [False, True], ids=["nopad", "pad"])
+def test_flex_swa_padding_to_buckets_matches_reference(eager_flex, T, padded):
+    g = torch.Generator().manual_seed(T)
+    q = torch.randn(2, 4, T, 16, generator=g)
+    k, v = torch.randn(2, 2, T, 16, generator=g), torch.randn(2, 2, T, 16, generator=g)
+    kpm = None
+    if padded:
+        kpm = torch.ones(2, T, dtype=torch.bool)
+        kpm[1, : T // 2 + 1] = False
+    got, got_lse = backends.flex_swa(q, k, v, scale=0.25, window=7, need_lse=True,
+                                     key_padding_mask=kpm)
+    want, want_lse = backends.ref_swa(q, k, v, scale=0.25, window=7, need_lse=True,
+                                      key_padding_mask=kpm)
+    assert got.shape == want.shape and got_lse.shape == want_lse.shape
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-4, atol=1e-5)
+    seen = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(got_lse), seen)
+    torch.testing.assert_close(got_lse[seen], want_lse[seen], rtol=1e-4, atol=1e-5)
+
+
+def test_cache_calls_never_reach_flex():
+    """Fewer queries than keys (KV-cache decoding) go to the blocked path, whatever the
+    backend: no compilation per cache length (flex_swa itself refuses such a call)."""
+    ops = backends.Ops(backends.flex_swa, backends.ref_linear, backends.ref_softmax, "flex")
+    q, k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 40, 8), torch.randn(1, 2, 40, 8)
+    got, _ = ops.swa(q, k, v, scale=0.3, window=5, need_lse=False, key_padding_mask=None)
+    want, _ = backends.ref_swa(q, k, v, scale=0.3, window=5, need_lse=False, key_padding_mask=None)
+    torch.testing.assert_close(got, want)

@@ -126,26 +126,28 @@ def test_backend_padding_matches_reference(backend):
 def test_flex_stays_compiled_across_many_lengths():
     """lm-eval sends every request length, and one process may train and evaluate in several
     dtypes, with and without padding (lse): flex_attention must never fall back to its eager,
-    T x T implementation (dynamo's default limit is 8 graphs per function; this loop needs 16)."""
+    T x T implementation. Lengths are bucketed (backends.flex_length); this loop needs 22
+    graphs, beyond dynamo's default limit of 8 per function."""
     if not backends.available("flex"):
         pytest.skip("flex_attention not available")
+    calls = [(T, torch.bfloat16, 2, False) for T in range(100, 1100, 100)]  # 8 buckets
+    calls += [(T, dtype, hkv, lse) for T in (300, 1000) for dtype in (torch.bfloat16, torch.float32)
+              for hkv in (4, 2) for lse in (False, True)]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for T in range(100, 1100, 100):
-            for dtype in (torch.bfloat16, torch.float32):
-                for hkv in (4, 2):
-                    for need_lse in (False, True):
-                        gen = torch.Generator(device="cuda").manual_seed(T)
-                        q = torch.randn(1, 4, T, 64, device="cuda", generator=gen).to(dtype)
-                        k, v = (torch.randn(1, hkv, T, 64, device="cuda", generator=gen).to(dtype)
-                                for _ in range(2))
-                        out, lse = backends.flex_swa(q, k, v, scale=0.125, window=32,
-                                                     need_lse=need_lse, key_padding_mask=None)
-                        want, want_lse = backends.ref_swa(q, k, v, scale=0.125, window=32,
-                                                          need_lse=True, key_padding_mask=None)
-                        where = f"T={T} {dtype} Hkv={hkv} lse={need_lse}"
-                        assert rel_err(out, want) < TOL[dtype], where
-                        if need_lse:
-                            assert rel_err(lse, want_lse) < 1e-3, where
+        for T, dtype, hkv, need_lse in calls:
+            gen = torch.Generator(device="cuda").manual_seed(T)
+            q = torch.randn(1, 4, T, 64, device="cuda", generator=gen).to(dtype)
+            k, v = (torch.randn(1, hkv, T, 64, device="cuda", generator=gen).to(dtype)
+                    for _ in range(2))
+            out, lse = backends.flex_swa(q, k, v, scale=0.125, window=32, need_lse=need_lse,
+                                         key_padding_mask=None)
+            want, want_lse = backends.ref_swa(q, k, v, scale=0.125, window=32, need_lse=True,
+                                              key_padding_mask=None)
+            where = f"T={T} {dtype} Hkv={hkv} lse={need_lse}"
+            assert out.shape == q.shape, where
+            assert rel_err(out, want) < TOL[dtype], where
+            if need_lse:
+                assert rel_err(lse, want_lse) < 1e-3, where
     eager = [w for w in caught if "without torch.compile" in str(w.message)]
     assert not eager, f"flex_attention fell back to eager: {eager[0].message}"

@@ -110,20 +110,29 @@ def flash_swa(q, k, v, *, scale, window, need_lse, key_padding_mask):
 
 @functools.lru_cache(maxsize=None)
 def _compiled_flex():
-    """flex_attention compiled once, with dynamo's automatic dynamic shapes: the first length
-    gets a static kernel, a second one a kernel with dynamic lengths. With ``dynamic=False``
-    every new length recompiled, and after dynamo's recompile limit flex_attention fell back to
-    its eager T x T implementation (seen on the GPU test matrix; lm-eval sends every request
-    length). See also FLEX_RECOMPILE_LIMIT."""
+    """flex_attention compiled once, static shapes: lengths come bucketed (``flex_length``), so
+    the number of graphs stays small. (Dynamo's automatic dynamic lengths were tried: with GQA
+    the dynamic-length kernel failed to lower on the H200, "NoValidChoicesError".)"""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=None)
+    return torch.compile(flex_attention, dynamic=False)
 
 
-# Each (dtype, GQA, lse, head dim) combination is its own dynamo graph, static then dynamic in
-# the length: with dynamo's default limit of 8 graphs per function, a process that trains in
-# one dtype and evaluates with padding in another ran out, and flex_attention silently became
-# its eager T x T version (seen in the GPU tests). The limit is raised for these calls only.
+def flex_length(T: int) -> int:
+    """The length a flex_attention call is padded to: a multiple of 128 up to 1024, then of an
+    eighth of T's power of two (at most 12.5% padding; 8 lengths per octave). Without buckets
+    every new length was a new compilation, and after dynamo's recompile limit flex_attention
+    fell back to its eager T x T implementation (seen in the GPU tests; lm-eval sends every
+    request length)."""
+    p = 1 << (max(T, 1).bit_length() - 1)
+    step = max(128, p // 8)
+    return -(-T // step) * step
+
+
+# Each (dtype, GQA, lse, head dim, length bucket) combination is its own dynamo graph: with
+# dynamo's default limit of 8 graphs per function, a process that trains in one dtype and
+# evaluates with padding in another ran out, and flex_attention silently became its eager
+# T x T version (seen in the GPU tests). The limit is raised for these calls only.
 FLEX_RECOMPILE_LIMIT = 64
 
 
@@ -152,22 +161,34 @@ def _window_block_mask(Tq: int, Tk: int, window: int, device: str):
 
 
 def flex_swa(q, k, v, *, scale, window, need_lse, key_padding_mask):
-    Tq, Tk = q.shape[2], k.shape[2]
+    """Sliding-window softmax through compiled flex_attention, q and k of equal length (cache
+    calls go elsewhere, see ``Ops.swa``), padded at the end to ``flex_length``: padded keys
+    come after every real query, so causality hides them; padded queries are cut off."""
+    T = q.shape[2]
+    if k.shape[2] != T:
+        raise NotImplementedError("flex_swa needs equal query and key lengths")
+    L = flex_length(T)
+    if L != T:
+        q, k, v = (F.pad(x, (0, 0, 0, L - T)) for x in (q, k, v))
+        if key_padding_mask is not None:
+            key_padding_mask = F.pad(key_padding_mask, (0, L - T), value=False)
     if key_padding_mask is None:
-        block_mask = _window_block_mask(Tq, Tk, window, str(q.device))
-        return _flex_call(q, k, v, scale=scale, block_mask=block_mask, need_lse=need_lse)
-    from torch.nn.attention.flex_attention import create_block_mask
+        block_mask = _window_block_mask(L, L, window, str(q.device))
+        out, lse = _flex_call(q, k, v, scale=scale, block_mask=block_mask, need_lse=need_lse)
+    else:
+        from torch.nn.attention.flex_attention import create_block_mask
 
-    off, kpm = Tk - Tq, key_padding_mask.bool()
+        kpm = key_padding_mask.bool()
 
-    def keep(b, h, t, i):
-        return (i <= t + off) & (i > t + off - window) & kpm[b, i]
+        def keep(b, h, t, i):
+            return (i <= t) & (i > t - window) & kpm[b, i]
 
-    block_mask = create_block_mask(keep, q.shape[0], None, Tq, Tk, device=q.device)
-    out, lse = _flex_call(q, k, v, scale=scale, block_mask=block_mask, need_lse=True)
-    # queries with no visible key: 0, as in the reference
-    out = torch.where(torch.isfinite(lse)[..., None], out, torch.zeros_like(out))
-    return out, (lse if need_lse else None)
+        block_mask = create_block_mask(keep, q.shape[0], None, L, L, device=q.device)
+        out, lse = _flex_call(q, k, v, scale=scale, block_mask=block_mask, need_lse=True)
+        # queries with no visible key: 0, as in the reference
+        out = torch.where(torch.isfinite(lse)[..., None], out, torch.zeros_like(out))
+    out = out[:, :, :T]
+    return out, (lse[:, :, :T] if need_lse else None)
 
 
 def fla_linear(fq, fk, v, *, shift, eps, need_den, key_padding_mask):
@@ -249,9 +270,14 @@ class Ops:
             _warn_once("fla kernels run out of shared memory in fp32 at these sizes: fp32 SWA "
                        "goes to flex_attention / the reference (bf16 keeps fla)")
             impl = flex_swa if available("flex") else ref_swa
-        if impl in (fla_swa, flash_swa) and (need_lse or key_padding_mask is not None
-                                             or q.shape[2] != k.shape[2]):
-            _warn_once(f"{impl.__name__} takes no padding mask / log-sum-exp / cache: using "
+        if impl is not ref_swa and q.shape[2] != k.shape[2]:
+            # KV-cache decoding: a few queries against the cache; the blocked PyTorch path
+            # reads only the window's keys and compiles nothing per cache length
+            _warn_once("SWA with a KV cache (fewer queries than keys) runs the blocked PyTorch "
+                       "path")
+            impl = ref_swa
+        if impl in (fla_swa, flash_swa) and (need_lse or key_padding_mask is not None):
+            _warn_once(f"{impl.__name__} takes no padding mask / log-sum-exp: using "
                        f"{'flex' if available('flex') else 'reference'} SWA for such calls")
             impl = flex_swa if available("flex") else ref_swa
         return impl(q, k, v, scale=scale, window=window, need_lse=need_lse,
