@@ -243,3 +243,68 @@ def test_config_round_trip():
     assert HybridConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="unknown HybridConfig fields \\['windw'\\]"):
         HybridConfig.from_dict({"windw": 3})
+
+
+# ----------------------------------------------------------------------------- base sliding window
+def windowed_mistral(window=16, seed=0):
+    torch.manual_seed(seed)
+    return MistralForCausalLM(MistralConfig(**SMALL, sliding_window=window)).eval()
+
+
+@pytest.mark.parametrize("layers", [None, [1]], ids=["all", "partial"])
+@pytest.mark.parametrize("padded", [False, True], ids=["nopad", "leftpad"])
+def test_mistral_own_window_kept_beyond_it(layers, padded):
+    """Mistral-7B-v0.1 has a 4096 sliding window: after conversion (which lifts it from the
+    config) the softmax mode, and unconverted layers, must still apply it."""
+    x = ids(B=2, T=40)
+    mask = torch.ones_like(x)
+    if padded:
+        mask[1, :7] = 0
+    with torch.no_grad():
+        want = windowed_mistral()(x, attention_mask=mask).logits
+        model = convert_to_hybrid(windowed_mistral(), HybridConfig(window=4, mode="softmax",
+                                                                   layers=layers))
+        got = model(x, attention_mask=mask).logits
+        full = MistralForCausalLM(MistralConfig(**SMALL, sliding_window=None)).eval()
+        full.load_state_dict(windowed_mistral().state_dict())
+        unwindowed = full(x, attention_mask=mask).logits
+    assert model.config.sliding_window is None
+    real = mask.bool()
+    assert (got - want)[real].abs().max() < 1e-5
+    assert (unwindowed - want)[real].abs().max() > 1e-3  # the window does matter at T=40
+
+
+def test_cached_decoding_equals_full_forward_beyond_base_window():
+    """Greedy decoding with a KV cache past Mistral's own window: every key stays in the cache
+    (linear attention reads them all), so the cached logits equal a full forward's."""
+    model = convert_to_hybrid(windowed_mistral(), HybridConfig(window=4))
+    x = ids(B=1, T=20)
+    with torch.no_grad():
+        out = model.generate(x, max_new_tokens=6, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+        seq = out.sequences
+        full = model(seq[:, :-1]).logits[:, x.shape[1] - 1:]
+    cached = torch.stack(out.logits, dim=1)
+    assert (cached - full).abs().max() < 1e-4
+
+
+def test_evicted_cache_raises():
+    from transformers import DynamicCache
+
+    model = convert_to_hybrid(windowed_mistral(window=8), HybridConfig(window=4))
+    model.config.sliding_window = 8  # a sliding-window cache, as transformers would make it
+    cache = DynamicCache(config=model.config)
+    x = ids(B=1, T=12)
+    with torch.no_grad():
+        model(x, past_key_values=cache, use_cache=True)
+        with pytest.raises(RuntimeError, match="older keys were dropped"):
+            model(x[:, -1:], past_key_values=cache, use_cache=True,
+                  position_ids=torch.tensor([[12]]))
+
+
+def test_qwen2_sliding_layers_refused():
+    model = Qwen2ForCausalLM(Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=8,
+                                         max_window_layers=1)).eval()
+    with pytest.raises(ValueError, match="sliding-window layers"):
+        convert_to_hybrid(model, HybridConfig(window=4))
+    assert not any(hasattr(l.self_attn, "phi_q") for l in model.model.layers)

@@ -5,6 +5,12 @@ submodules of each converted ``self_attn`` (so state-dict keys are stable and pe
 ``q_proj``... targets still match), attaches a ``LayerRuntime`` with the switches, and routes
 attention through the ``"hedgecats"`` attention implementation registered with transformers.
 The original weights are not touched; layers that are not converted keep softmax attention.
+
+A base model with its own sliding window (Mistral-7B-v0.1: 4096) keeps it for its softmax
+attention, but the window is applied by our attention function rather than by transformers'
+mask and cache: the model's ``config.sliding_window`` is set to ``None`` at conversion, because
+transformers' sliding-window cache drops keys older than the window and its mask hides them,
+and linear attention needs every key (see ``convert_to_hybrid``).
 """
 
 from __future__ import annotations
@@ -74,6 +80,39 @@ def _key_padding_mask(attention_mask: torch.Tensor | None, kv_len: int) -> torch
     return None if bool(kpm.all()) else kpm
 
 
+def _with_window(attention_mask, query, key, window: int | None):
+    """The base model's own sliding window (``window`` keys, the query's included) added to
+    transformers' causal / padding mask, as its sliding-window mask would have it. Unchanged
+    where the window cannot matter (no key is older than it)."""
+    Tq, Tk = query.shape[2], key.shape[2]
+    if window is None or Tk <= window:
+        return attention_mask
+    t = torch.arange(Tk - Tq, Tk, device=query.device)[:, None]
+    i = torch.arange(Tk, device=query.device)[None, :]
+    band = (i <= t) & (i > t - window)  # (Tq, Tk)
+    if attention_mask is None:
+        return band[None, None]
+    m = attention_mask[..., :Tk]
+    if m.dtype == torch.bool:
+        return m & band
+    return m.masked_fill(~band, torch.finfo(m.dtype).min)
+
+
+def _check_no_evicted_keys(key, position_ids, rt: LayerRuntime) -> None:
+    """Linear attention needs every earlier key: a cache that dropped some (a sliding-window
+    cache) would silently shrink it to the cached ones. Position ids count real tokens only,
+    so fewer keys than the largest position + 1 means keys were dropped."""
+    if position_ids is None or rt.mode not in ("hybrid", "la_only", "swa_only"):
+        return
+    seen = int(position_ids.max()) + 1
+    if key.shape[2] < seen:
+        raise RuntimeError(
+            f"layer {rt.layer_idx}: the KV cache holds {key.shape[2]} keys but the sequence is at "
+            f"position {seen - 1}: older keys were dropped (a sliding-window cache?), and linear "
+            f"attention needs them all. Use a full cache: model.config.sliding_window must stay "
+            f"None after convert_to_hybrid (it sets it so), and caches must be created after it.")
+
+
 def _ssd_mask(rt: LayerRuntime, B: int, H: int, device) -> torch.Tensor | None:
     if rt.ssd_p <= 0.0:
         return None
@@ -88,14 +127,18 @@ def hedgecats_attention_forward(module: nn.Module, query, key, value, attention_
 
     rt: LayerRuntime | None = getattr(module, "hedgecats", None)
     hidden = module.__dict__.pop("_hedgecats_input", None)
+    base_window = module.__dict__.get("hedgecats_base_window")
     if rt is None:  # a layer left unconverted
-        return sdpa_attention_forward(module, query, key, value, attention_mask,
+        return sdpa_attention_forward(module, query, key, value,
+                                      _with_window(attention_mask, query, key, base_window),
                                       dropout=dropout, scaling=scaling, **kwargs)
+    _check_no_evicted_keys(key, kwargs.get("position_ids"), rt)
     kpm = _key_padding_mask(attention_mask, key.shape[2])
     if rt.observer is not None:
         rt.observer(module, query, key, value, kpm)
     if rt.mode == "softmax":  # exactly the original model's attention
-        return sdpa_attention_forward(module, query, key, value, attention_mask,
+        return sdpa_attention_forward(module, query, key, value,
+                                      _with_window(attention_mask, query, key, base_window),
                                       dropout=dropout, scaling=scaling, **kwargs)
     needs_la = rt.mode in ("hybrid", "swa_only", "la_only")
     fq = module.phi_q(query) if needs_la else None
@@ -145,6 +188,18 @@ def _head_dims(cfg) -> tuple[int, int, int, int]:
     return H, Hkv, D, cfg.hidden_size
 
 
+def _base_sliding_window(cfg) -> int | None:
+    """The window of the base model's own softmax attention, if it has one (Mistral-7B-v0.1:
+    4096; later Mistrals and Llama: None). Models with per-layer window types (Qwen2 with
+    ``use_sliding_window``) are refused: their masks are built per layer type at init."""
+    layer_types = getattr(cfg, "layer_types", None) or []
+    if "sliding_attention" in layer_types:
+        raise ValueError(
+            f"{cfg.model_type} with sliding-window layers (use_sliding_window=True) is not "
+            f"supported: convert a model whose layers use full attention")
+    return getattr(cfg, "sliding_window", None) if cfg.model_type == "mistral" else None
+
+
 def convert_to_hybrid(model: nn.Module, config: HybridConfig) -> nn.Module:
     """Turn ``model`` (Llama, Mistral or Qwen2 causal LM) into a hybrid in place; return it.
 
@@ -165,6 +220,7 @@ def convert_to_hybrid(model: nn.Module, config: HybridConfig) -> nn.Module:
     already = [i for i in todo if hasattr(layers[i].self_attn, "hedgecats")]
     if already:
         raise ValueError(f"layers {already} are already converted; convert a fresh model")
+    base_window = _base_sliding_window(model.config)
 
     _register()
     for i in todo:
@@ -189,6 +245,15 @@ def convert_to_hybrid(model: nn.Module, config: HybridConfig) -> nn.Module:
             ssd_granularity=config.ssd_granularity)
         if config.mixer in _GATED_MIXERS:
             attn.register_forward_pre_hook(_stash_input, with_kwargs=True)
+    if base_window is not None:
+        # our attention function applies the base model's window to its softmax attention;
+        # transformers must neither mask nor evict the older keys linear attention reads
+        for layer in layers:
+            layer.self_attn.__dict__["hedgecats_base_window"] = base_window
+        model.config.sliding_window = None
+        log.info("the base model's sliding window (%d) is applied by the hedgecats attention "
+                 "function; config.sliding_window set to None so that caches keep every key",
+                 base_window)
     model.hedgecats_config = config
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     skipped = sorted(set(range(n)) - set(todo))
