@@ -121,12 +121,12 @@ def test_gate_starts_at_fixed_g():
         torch.testing.assert_close(o, outs[0], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("mode", ["hybrid", "swa_only", "la_only"])
+@pytest.mark.parametrize("mode", ["hybrid", "swa_only", "la_only", "sinks_only", "softmax"])
 def test_left_padding_respected(mode):
     """A left-padded sequence gives the same logits at its real tokens as the sequence alone,
     given position ids that start at its first real token (phi of RoPE'd q, k is not a function
     of relative position only, so LA needs the same absolute positions); pad keys are masked
-    in every branch."""
+    in every branch, and the sinks are the first real keys, not the pads."""
     model = convert_to_hybrid(tiny(), HybridConfig(window=5, mode=mode))
     x = ids(B=1, T=30)
     pad = 7

@@ -46,7 +46,8 @@ def naive(q, k, v, fq, fk, *, window, mode, g, shared_norm=False, overlap=False,
     if mode == "softmax":
         return softmax_on(causal)[0]
     if mode == "sinks_only":
-        return softmax_on(causal & (i < n_sinks))[0]
+        sink_keys = valid & (valid.cumsum(-1) <= n_sinks)  # the first n_sinks real keys
+        return softmax_on(causal & sink_keys)[0]
     swa, z_near = softmax_on(win)
     la, z_far, has = la_on(far)
     if shared_norm:

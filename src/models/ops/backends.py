@@ -67,8 +67,16 @@ def ref_linear(fq, fk, v, *, shift, eps, need_den, key_padding_mask):
 
 
 def ref_sinks(q, k, v, *, scale, n_sinks, key_padding_mask):
-    return ref.softmax_attention_blocked(q, k, v, scale=scale, n_sinks=n_sinks,
-                                         key_padding_mask=key_padding_mask)
+    """The sinks are the first ``n_sinks`` real keys of each sequence: behind left padding
+    they start later (the pad keys are not sinks)."""
+    if key_padding_mask is None:
+        return ref.softmax_attention_blocked(q, k, v, scale=scale, n_sinks=n_sinks)
+    real = key_padding_mask.bool()
+    sinks = real & (real.long().cumsum(-1) <= n_sinks)  # (B, Tk)
+    cols = sinks.any(0).nonzero()
+    bound = int(cols.max()) + 1 if len(cols) else 0  # keys past every row's last sink
+    return ref.softmax_attention_blocked(q, k, v, scale=scale, n_sinks=bound,
+                                         key_padding_mask=sinks)
 
 
 def ref_softmax(q, k, v, *, scale, key_padding_mask):

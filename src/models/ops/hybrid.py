@@ -4,7 +4,8 @@
                                                 shared-norm weights (alpha_t, 1 - alpha_t)
     swa_only    w_swa * SWA                     (LA zero-ablated; rescale=True: SWA)
     la_only     w_la  * LA                      (SWA zero-ablated; rescale=True: LA)
-    sinks_only  softmax over keys i < n_sinks, i <= t, weight 1
+    sinks_only  softmax over the first n_sinks real keys (after any left padding), i <= t,
+                weight 1
     none        0
     softmax     full causal softmax attention (the teacher)
 
