@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from hedgecats.data.tokenization import BYTE_PAD_ID
 from hedgecats.lightning_modules.tiny import save_tiny_llama
 from hedgecats.models import hybrid_parameter_names
 from hedgecats.models.checkpoint import (
@@ -50,7 +51,7 @@ def test_round_trip_rebuilds_the_same_logits(base, tmp_path):
         rebuilt, tok, info = load_hybrid(path, merge_lora=merge)
         got = rebuilt(input_ids=ids).logits
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-        assert tok is not None and tok.pad_token_id == 256
+        assert tok is not None and tok.pad_token_id == BYTE_PAD_ID  # the saved tokenizer
         assert info["stage"] == "HybridFinetune" and "tensors" not in info
     assert type(rebuilt).__name__ == "LlamaForCausalLM"  # merged: plain transformers model
 

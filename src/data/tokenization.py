@@ -23,6 +23,9 @@ EOS_TOKEN = "<eos>"
 PAD_TOKEN = "<pad>"
 BOS_TOKEN = "<bos>"
 NUM_BYTES = 256
+#: ids of `byte_level_tokenizer`: bytes 0-255, then the specials in this order
+BYTE_EOS_ID, BYTE_PAD_ID, BYTE_BOS_ID = 256, 257, 258
+BYTE_VOCAB_SIZE = 259
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -66,6 +69,8 @@ def byte_level_tokenizer(save_dir: str | os.PathLike | None = None) -> PreTraine
     hf_tok = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, bos_token=BOS_TOKEN
     )
+    assert (hf_tok.eos_token_id, hf_tok.pad_token_id, hf_tok.bos_token_id) == (
+        BYTE_EOS_ID, BYTE_PAD_ID, BYTE_BOS_ID) and len(hf_tok) == BYTE_VOCAB_SIZE
     if save_dir is not None:
         hf_tok.save_pretrained(str(save_dir))
     return hf_tok

@@ -10,7 +10,8 @@ Each document is ``seq_len`` bytes of lowercase filler words, with facts and rec
 
 The value of a recall can only be predicted by finding the fact: ``distance < window`` makes it
 a *near* recall (the SWA branch can see it), ``distance >= far_min`` a *far* one (only full
-attention or the LA branch can). Token id = byte value; ``<pad>`` = 256, ``<eos>`` = 257.
+attention or the LA branch can). Token id = byte value: the tokenizer is the data package's
+``byte_level_tokenizer`` (``<eos>`` = 256, ``<pad>`` = 257, ``<bos>`` = 258).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from ..data.tokenization import BYTE_EOS_ID, BYTE_PAD_ID, BYTE_VOCAB_SIZE, byte_level_tokenizer
 
 __all__ = [
     "EOS_ID",
@@ -35,37 +38,12 @@ __all__ = [
     "make_recall_corpus",
 ]
 
-PAD_ID, EOS_ID = 256, 257
-VOCAB_SIZE = 258
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map (what a ByteLevel tokenizer uses)."""
-    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-          + list(range(ord("®"), ord("ÿ") + 1)))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
+PAD_ID, EOS_ID, VOCAB_SIZE = BYTE_PAD_ID, BYTE_EOS_ID, BYTE_VOCAB_SIZE
 
 
 def byte_tokenizer():
-    """A ``PreTrainedTokenizerFast`` whose token id is the byte value (+ <pad>, <eos>)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
-    fast.add_special_tokens({"pad_token": "<pad>", "eos_token": "<eos>"})
-    assert fast.pad_token_id == PAD_ID and fast.eos_token_id == EOS_ID
-    return fast
+    """The byte-level tokenizer of the corpus (``hedgecats.data.byte_level_tokenizer``)."""
+    return byte_level_tokenizer()
 
 
 @dataclass

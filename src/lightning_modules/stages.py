@@ -23,6 +23,7 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 
+from ..data.tokenization import BYTE_EOS_ID, BYTE_PAD_ID, BYTE_VOCAB_SIZE
 from ..models import HybridConfig, hybrid_layers, hybrid_parameter_names, set_attention_mode
 from ..models.checkpoint import (
     add_lora,
@@ -421,14 +422,15 @@ class TeacherPretraining(_NextTokenLoss, _Stage):
     At the end of ``fit`` the model (and the datamodule's ``tokenizer``, if any) is saved with
     ``save_pretrained`` to ``<default_root_dir>/model``: a base model for ``from_pretrained``.
     The learning rate warms up linearly for ``warmup_steps`` and decays by cosine to
-    ``min_lr_ratio * lr`` at ``trainer.max_steps`` (which must be set).
+    ``min_lr_ratio * lr`` at ``trainer.max_steps`` (which must be set). The vocabulary defaults
+    to ``hedgecats.data.byte_level_tokenizer``'s.
     """
 
-    def __init__(self, vocab_size: int = 258, hidden_size: int = 128, num_layers: int = 4,
-                 num_heads: int = 4, num_kv_heads: int | None = None,
+    def __init__(self, vocab_size: int = BYTE_VOCAB_SIZE, hidden_size: int = 128,
+                 num_layers: int = 4, num_heads: int = 4, num_kv_heads: int | None = None,
                  intermediate_size: int | None = None, max_position_embeddings: int = 1024,
-                 rope_theta: float = 10000.0, pad_token_id: int | None = 256,
-                 eos_token_id: int | None = 257, lr: float = 3e-3, weight_decay: float = 0.1,
+                 rope_theta: float = 10000.0, pad_token_id: int | None = BYTE_PAD_ID,
+                 eos_token_id: int | None = BYTE_EOS_ID, lr: float = 3e-3, weight_decay: float = 0.1,
                  warmup_steps: int = 50, min_lr_ratio: float = 0.1, seed: int = 0) -> None:
         super().__init__()
         self.save_hyperparameters()

@@ -6,10 +6,12 @@ from pathlib import Path
 
 import torch
 
+from ..data.tokenization import BYTE_VOCAB_SIZE
+
 __all__ = ["save_tiny_llama"]
 
 
-def save_tiny_llama(path: str | Path, *, vocab_size: int = 258, hidden_size: int = 64,
+def save_tiny_llama(path: str | Path, *, vocab_size: int = BYTE_VOCAB_SIZE, hidden_size: int = 64,
                     num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
                     intermediate_size: int = 128, seed: int = 0, tokenizer: bool = True) -> Path:
     """A random Llama (GQA by default) in ``path``, with the byte tokenizer when asked."""
