@@ -141,8 +141,10 @@ def test_init_from_checks_keys(base, tmp_path):
 def test_teacher_pretraining_saves_a_loadable_model(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    m = TeacherPretraining(hidden_size=32, num_layers=2, num_heads=2, warmup_steps=2)
+    # an init seed other than the data's: both are logged as hyperparameters
+    m = TeacherPretraining(hidden_size=32, num_layers=2, num_heads=2, warmup_steps=2, init_seed=3)
     dm = _dm()
+    assert dm.hparams.seed != 3
     tr = _trainer(tmp_path, steps=4)
     tr.fit(m, datamodule=dm)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "model")

@@ -423,7 +423,8 @@ class TeacherPretraining(_NextTokenLoss, _Stage):
     ``save_pretrained`` to ``<default_root_dir>/model``: a base model for ``from_pretrained``.
     The learning rate warms up linearly for ``warmup_steps`` and decays by cosine to
     ``min_lr_ratio * lr`` at ``trainer.max_steps`` (which must be set). The vocabulary defaults
-    to ``hedgecats.data.byte_level_tokenizer``'s.
+    to ``hedgecats.data.byte_level_tokenizer``'s. ``init_seed`` seeds the weights (named apart
+    from the DataModule's ``seed``: Lightning refuses hyperparameters of one name and two values).
     """
 
     def __init__(self, vocab_size: int = BYTE_VOCAB_SIZE, hidden_size: int = 128,
@@ -431,7 +432,7 @@ class TeacherPretraining(_NextTokenLoss, _Stage):
                  intermediate_size: int | None = None, max_position_embeddings: int = 1024,
                  rope_theta: float = 10000.0, pad_token_id: int | None = BYTE_PAD_ID,
                  eos_token_id: int | None = BYTE_EOS_ID, lr: float = 3e-3, weight_decay: float = 0.1,
-                 warmup_steps: int = 50, min_lr_ratio: float = 0.1, seed: int = 0) -> None:
+                 warmup_steps: int = 50, min_lr_ratio: float = 0.1, init_seed: int = 0) -> None:
         super().__init__()
         self.save_hyperparameters()
 
@@ -449,7 +450,7 @@ class TeacherPretraining(_NextTokenLoss, _Stage):
             pad_token_id=h.pad_token_id, eos_token_id=h.eos_token_id, bos_token_id=None,
             tie_word_embeddings=False)
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(h.seed)
+            torch.manual_seed(h.init_seed)
             self.model = LlamaForCausalLM(cfg)
         self.model.config._attn_implementation = "sdpa"
 
