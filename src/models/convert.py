@@ -110,7 +110,9 @@ def _check_no_evicted_keys(key, position_ids, rt: LayerRuntime) -> None:
             f"layer {rt.layer_idx}: the KV cache holds {key.shape[2]} keys but the sequence is at "
             f"position {seen - 1}: older keys were dropped (a sliding-window cache?), and linear "
             f"attention needs them all. Use a full cache: model.config.sliding_window must stay "
-            f"None after convert_to_hybrid (it sets it so), and caches must be created after it.")
+            f"None after convert_to_hybrid (it sets it so), and caches must be created after it. "
+            f"(Position ids that do not start at 0 without a cache also end here: LA reads "
+            f"absolute positions through RoPE, so pass positions counted from the first token.)")
 
 
 def _ssd_mask(rt: LayerRuntime, B: int, H: int, device) -> torch.Tensor | None:
