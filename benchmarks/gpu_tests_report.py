@@ -33,12 +33,10 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         oracle = r.get("vs_fp32_oracle")
         floor = r.get("reference_same_dtype_vs_oracle")
+        tail = (f"{max(oracle.values()):.1e} | {max(floor.values()):.1e}" if oracle else "- | -")
         lines.append(
             f"| {r['case']} | {r['dtype'].replace('torch.', '')} | {','.join(map(str, r['shape']))} "
-            f"| {r['backend']} | {fmt(r['vs_reference_same_dtype'])} "
-            f"| {max(oracle.values()):.1e} | {max(floor.values()):.1e} |" if oracle else
-            f"| {r['case']} | {r['dtype'].replace('torch.', '')} | {','.join(map(str, r['shape']))} "
-            f"| {r['backend']} | {fmt(r['vs_reference_same_dtype'])} | - | - |")
+            f"| {r['backend']} | {fmt(r['vs_reference_same_dtype'])} | {tail} |")
     return "\n".join(lines)
 
 

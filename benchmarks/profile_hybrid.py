@@ -15,29 +15,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 import torch
+from attention_speed import bench  # benchmarks/ is on sys.path when run as a script
 
 from hedgecats.models import HedgehogFeatureMap, hybrid_attention
 from hedgecats.models.ops import backends
 from hedgecats.models.ops import reference as ref
 
 
-def timed(fn, warmup=3, iters=10):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+def timed(fn) -> float:
+    """Median milliseconds of ``fn`` (``attention_speed.bench``: 3 warm-up runs, median of 10)."""
+    return bench(fn, warmup=3, iters=10)[0]
 
 
 def den_einsum_after_repeat(fq, fk):

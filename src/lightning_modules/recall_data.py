@@ -41,9 +41,8 @@ __all__ = [
 PAD_ID, EOS_ID, VOCAB_SIZE = BYTE_PAD_ID, BYTE_EOS_ID, BYTE_VOCAB_SIZE
 
 
-def byte_tokenizer():
-    """The byte-level tokenizer of the corpus (``hedgecats.data.byte_level_tokenizer``)."""
-    return byte_level_tokenizer()
+#: the corpus's tokenizer: the data package's byte-level one
+byte_tokenizer = byte_level_tokenizer
 
 
 @dataclass

@@ -116,7 +116,7 @@ def flash_swa(q, k, v, *, scale, window, need_lse, key_padding_mask):
     return o.transpose(1, 2), None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled_flex():
     """flex_attention compiled once, static shapes: lengths come bucketed (``flex_length``), so
     the number of graphs stays small. (Dynamo's automatic dynamic lengths were tried: with GQA
@@ -137,10 +137,11 @@ def flex_length(T: int) -> int:
     return -(-T // step) * step
 
 
-# Each (dtype, GQA, lse, head dim, length bucket) combination is its own dynamo graph: with
-# dynamo's default limit of 8 graphs per function, a process that trains in one dtype and
-# evaluates with padding in another ran out, and flex_attention silently became its eager
-# T x T version (seen in the GPU tests). The limit is raised for these calls only.
+# Each (dtype, GQA, lse, head dim, length bucket) combination is its own dynamo graph. With
+# dynamo's default limit of 8 graphs per function, a GPU test worker that had compiled 8
+# combinations got flex_attention's eager T x T version for the 9th, silently; a process that
+# trains and evaluates in several such combinations could too. The limit is raised for these
+# calls only.
 FLEX_RECOMPILE_LIMIT = 64
 
 
@@ -155,17 +156,15 @@ def _flex_call(q, k, v, *, scale, block_mask, need_lse):
 
 
 @functools.lru_cache(maxsize=64)
-def _window_block_mask(Tq: int, Tk: int, window: int, device: str):
-    """Block mask of the sliding window, built once per shape: the same mask_mod object every
-    call, so the compiled flex kernel is not recompiled."""
+def _window_block_mask(T: int, window: int, device: str):
+    """Block mask of the causal sliding window over T queries and keys, built once per length:
+    the same mask_mod object every call, so the compiled flex kernel is not recompiled."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    off = Tk - Tq
-
     def keep(b, h, t, i):
-        return (i <= t + off) & (i > t + off - window)
+        return (i <= t) & (i > t - window)
 
-    return create_block_mask(keep, None, None, Tq, Tk, device=device)
+    return create_block_mask(keep, None, None, T, T, device=device)
 
 
 def flex_swa(q, k, v, *, scale, window, need_lse, key_padding_mask):
@@ -181,7 +180,7 @@ def flex_swa(q, k, v, *, scale, window, need_lse, key_padding_mask):
         if key_padding_mask is not None:
             key_padding_mask = F.pad(key_padding_mask, (0, L - T), value=False)
     if key_padding_mask is None:
-        block_mask = _window_block_mask(L, L, window, str(q.device))
+        block_mask = _window_block_mask(L, window, str(q.device))
         out, lse = _flex_call(q, k, v, scale=scale, block_mask=block_mask, need_lse=need_lse)
     else:
         from torch.nn.attention.flex_attention import create_block_mask
