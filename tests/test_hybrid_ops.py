@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from hedgecats.models import MODES, HedgehogFeatureMap, hybrid_attention
+from hedgecats.models.ops.reference import default_eps
 
 
 # ----------------------------------------------------------------------------- naive oracle
 def naive(q, k, v, fq, fk, *, window, mode, g, shared_norm=False, overlap=False, rescale=False,
-          la_span="outside", n_sinks=8, swa_drop=None, kpm=None):
+          la_span="outside", n_sinks=8, swa_drop=None, kpm=None, eps=1e-300):
     q_BHTD, k, v, fq, fk = (x.double() for x in (q, k, v, fq, fk))
     B, H, T, D = q_BHTD.shape
     rep = H // k.shape[1]
@@ -39,7 +40,7 @@ def naive(q, k, v, fq, fk, *, window, mode, g, shared_norm=False, overlap=False,
         a = (fq @ fk_BHTF.transpose(-1, -2)) * mask
         z = a.sum(-1, keepdim=True)
         has = mask.any(-1, keepdim=True)
-        return torch.where(has, (a @ v_BHTD) / z.clamp_min(1e-6), 0.0), z, has
+        return torch.where(has, (a @ v_BHTD) / z.clamp_min(eps), 0.0), z, has
 
     if mode == "none":
         return torch.zeros_like(q_BHTD)
@@ -106,10 +107,12 @@ def run_both(shape, *, mode, g=0.5, activation="softmax", kpm=None, swa_drop=Non
         gg = g() if callable(g) else g
         if impl == "reference":
             out = hybrid_attention(q, k, v, fq, fk, window=window, mode=mode, g=gg,
+                                   eps=default_eps(activation),
                                    key_padding_mask=kpm, swa_drop=swa_drop, backend="reference",
                                    **sw)
         else:
             out = naive(q, k, v, fq, fk, window=window, mode=mode, g=gg, kpm=kpm,
+                        eps=default_eps(activation),
                         swa_drop=swa_drop, **sw)
         weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out.dtype)
         if out.requires_grad:  # mode "none" is a constant 0

@@ -8,6 +8,7 @@ from .feature_maps import ACTIVATIONS, PROJECTIONS
 from .mixers import MIXERS
 from .ops.backends import BACKENDS
 from .ops.hybrid import LA_SPANS, MODES
+from .ops.reference import default_eps
 
 __all__ = ["HybridConfig", "SSD_GRANULARITIES"]
 
@@ -46,7 +47,10 @@ class HybridConfig:
         la_span: ``outside | all``: whether ``la_only`` LA sees every causal key.
         n_sinks: keys kept by ``sinks_only`` (paper: 8).
         backend: ``auto | reference | fla | flash_attn | flex``.
-        eps: guard on the LA denominator.
+        eps: guard on the LA denominator; ``None`` (default) picks ``ops.reference.default_eps``
+            for the activation: fp32's smallest normal number for the non-negative maps (it
+            only catches an underflow, so inference uses the normalised weights the
+            ``weights_xent`` objective trains), 1e-6 for ``none``.
         ssd_p: probability that a layer's SWA branch is dropped in training (SSD; 0 = off).
         ssd_granularity: ``sample | batch | head``: what one SSD draw covers, per layer.
     """
@@ -68,7 +72,7 @@ class HybridConfig:
     la_span: str = "outside"
     n_sinks: int = 8
     backend: str = "auto"
-    eps: float = 1e-6
+    eps: float | None = None
     ssd_p: float = 0.0
     ssd_granularity: str = "sample"
     # fields a runtime switch may change after conversion
@@ -114,6 +118,8 @@ class HybridConfig:
             raise ValueError(f"HybridConfig.feature_init_std={self.feature_init_std!r} must be >= 0")
         if not 0.0 <= self.ssd_p <= 1.0:
             raise ValueError(f"HybridConfig.ssd_p={self.ssd_p!r} must lie in [0, 1]")
+        if self.eps is None:
+            self.eps = default_eps(self.feature_activation)
         if self.eps <= 0:
             raise ValueError(f"HybridConfig.eps={self.eps!r} must be > 0")
         if self.layers is not None:

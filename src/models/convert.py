@@ -233,11 +233,9 @@ def convert_to_hybrid(model: nn.Module, config: HybridConfig) -> nn.Module:
                                         config.feature_init_std, seed=seed)
         attn.phi_k = HedgehogFeatureMap(Hkv, D, config.feature_activation, config.feature_projection,
                                         config.feature_init_std, seed=seed + 1)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            attn.mixer = build_mixer(config.mixer, hidden_size=hidden, num_heads=H, head_dim=D,
-                                     g=config.g, gate_rank=config.gate_rank,
-                                     shared_norm_init=config.shared_norm_init)
+        attn.mixer = build_mixer(config.mixer, hidden_size=hidden, num_heads=H, head_dim=D,
+                                 g=config.g, gate_rank=config.gate_rank,
+                                 shared_norm_init=config.shared_norm_init, seed=seed)
         for name in ("phi_q", "phi_k", "mixer"):  # fp32 master weights on the layer's device
             getattr(attn, name).to(device=ref.device, dtype=torch.float32)
         attn.hedgecats = LayerRuntime(

@@ -73,8 +73,11 @@ class HedgehogFeatureMap(nn.Module):
         projection: ``square`` (``W: (H, D, D)``, ``F = 2D``) or ``rectangular``
             (``W: (H, D, D/2)``, ``F = D``).
         init_std: std of the Gaussian noise added to the identity init.
-        seed: the init is drawn from ``torch.Generator().manual_seed(seed)`` only, so it is the
-            same on every rank and machine whatever the global RNG state.
+        seed: the init is drawn on the CPU from ``torch.Generator().manual_seed(seed)`` only,
+            then copied to the parameters' device: the same numbers on every rank and machine,
+            whatever the global RNG state and whatever default device the module is built
+            under (Lightning builds models under ``torch.device("cuda")``, FSDP under ``meta``
+            and materialises them later through ``reset_parameters``).
 
     Shapes: ``forward(x: (B, H, T, D)) -> (B, H, T, F)``.
     """
@@ -102,11 +105,11 @@ class HedgehogFeatureMap(nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Identity (its first ``F/2`` columns) plus N(0, init_std) noise; bias 0."""
-        gen = torch.Generator().manual_seed(self.seed)
+        gen = torch.Generator(device="cpu").manual_seed(self.seed)
         H, D, out = self.weight.shape
-        eye = torch.eye(D)[:, :out].expand(H, D, out)
-        noise = torch.randn(H, D, out, generator=gen) * self.init_std
-        self.weight.copy_(eye + noise)
+        eye = torch.eye(D, device="cpu")[:, :out].expand(H, D, out)
+        noise = torch.randn(H, D, out, generator=gen, device="cpu") * self.init_std
+        self.weight.copy_(eye + noise)  # copy_ moves it to the parameter's device and dtype
         self.bias.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,9 @@ mixers set ``shared_norm = True`` and return the per-head factor ``sigmoid(a_h)`
     gate_lowrank      g = sigmoid((x A) B + c), through a rank-r bottleneck
 
 Gates start at zero weights and bias logit(g), so a converted model starts at the paper's fixed
-mix and the gate learns to depart from it.
+mix and the gate learns to depart from it. Every random draw comes from a CPU generator seeded
+by the mixer's ``seed`` (``reset_parameters``), so the numbers do not depend on the device the
+module is built on or on the global RNG.
 """
 
 from __future__ import annotations
@@ -48,7 +50,12 @@ class LearnedHeadMixer(nn.Module):
 
     def __init__(self, num_heads: int, g: float = 0.5) -> None:
         super().__init__()
+        self.g = g
         self.logit_g = nn.Parameter(torch.full((num_heads,), logit(g)))
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        self.logit_g.fill_(logit(self.g))
 
     def forward(self, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
         return torch.sigmoid(self.logit_g)[None, :, None, None]  # (1, H, 1, 1)
@@ -61,7 +68,12 @@ class SharedNormMixer(nn.Module):
 
     def __init__(self, num_heads: int, init: float = 0.1) -> None:
         super().__init__()
+        self.init = init
         self.logit_factor = nn.Parameter(torch.full((num_heads,), logit(init)))
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        self.logit_factor.fill_(logit(self.init))
 
     def forward(self, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
         return torch.sigmoid(self.logit_factor)[None, :, None, None]  # (1, H, 1, 1)
@@ -71,25 +83,33 @@ class OutputGateMixer(nn.Module):
     """``g = sigmoid(gate(x))`` per token and channel, ``x`` the attention layer's input.
 
     ``rank=None``: one ``Linear(hidden, H * D)`` (elementwise gate); ``rank=r``:
-    ``Linear(hidden, r, bias=False)`` then ``Linear(r, H * D)`` (low-rank gate).
+    ``Linear(hidden, r, bias=False)`` then ``Linear(r, H * D)`` (low-rank gate). ``up`` starts
+    at zero weights and bias ``logit(g)``; ``down`` at N(0, 1/hidden) drawn from ``seed``.
     """
 
     shared_norm = False
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, g: float = 0.5,
-                 rank: int | None = None) -> None:
+                 rank: int | None = None, seed: int = 0) -> None:
         super().__init__()
-        self.num_heads, self.head_dim = num_heads, head_dim
+        self.num_heads, self.head_dim, self.g, self.seed = num_heads, head_dim, g, seed
         out = num_heads * head_dim
         if rank is None:
             self.down = None
             self.up = nn.Linear(hidden_size, out)
         else:
             self.down = nn.Linear(hidden_size, rank, bias=False)
-            nn.init.normal_(self.down.weight, std=hidden_size ** -0.5)
             self.up = nn.Linear(rank, out)
-        nn.init.zeros_(self.up.weight)
-        nn.init.constant_(self.up.bias, logit(g))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        if self.down is not None:
+            w = self.down.weight
+            gen = torch.Generator(device="cpu").manual_seed(self.seed)
+            w.copy_(torch.randn(w.shape, generator=gen, device="cpu") * w.shape[1] ** -0.5)
+        self.up.weight.zero_()
+        self.up.bias.fill_(logit(self.g))
 
     def forward(self, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
         if hidden_states is None:
@@ -105,14 +125,15 @@ MIXERS = ("fixed", "learned_head", "shared_norm", "gate_elementwise", "gate_lowr
 
 
 def build_mixer(name: str, *, hidden_size: int, num_heads: int, head_dim: int, g: float,
-                gate_rank: int, shared_norm_init: float = 0.1) -> nn.Module:
-    """The mixer called ``name`` for one layer."""
+                gate_rank: int, shared_norm_init: float = 0.1, seed: int = 0) -> nn.Module:
+    """The mixer called ``name`` for one layer (``seed``: its random init, gates only)."""
     builders = {
         "fixed": lambda: FixedMixer(g),
         "learned_head": lambda: LearnedHeadMixer(num_heads, g),
         "shared_norm": lambda: SharedNormMixer(num_heads, shared_norm_init),
-        "gate_elementwise": lambda: OutputGateMixer(hidden_size, num_heads, head_dim, g),
-        "gate_lowrank": lambda: OutputGateMixer(hidden_size, num_heads, head_dim, g, gate_rank),
+        "gate_elementwise": lambda: OutputGateMixer(hidden_size, num_heads, head_dim, g, seed=seed),
+        "gate_lowrank": lambda: OutputGateMixer(hidden_size, num_heads, head_dim, g, gate_rank,
+                                                 seed=seed),
     }
     if name not in builders:
         raise ValueError(f"unknown mixer {name!r}; valid: {', '.join(MIXERS)}")

@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from . import backends
+from .reference import DEN_TINY
 
 __all__ = ["MODES", "LA_SPANS", "hybrid_attention"]
 
@@ -63,7 +64,7 @@ def hybrid_attention(
     swa_drop: torch.Tensor | None = None,
     key_padding_mask: torch.Tensor | None = None,
     scale: float | None = None,
-    eps: float = 1e-6,
+    eps: float = DEN_TINY,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Hybrid attention of one layer.
@@ -86,7 +87,8 @@ def hybrid_attention(
             that of ``la_only`` with the same switches (Scheduled Sliding-window Dropout).
         key_padding_mask: (B, Tk) bool, True for real tokens.
         scale: score scale, default ``1/sqrt(D)``.
-        eps: LA denominator guard.
+        eps: LA denominator guard (``ops.reference.default_eps``: fp32's smallest normal number
+            for the non-negative feature maps, 1e-6 for activation ``none``).
         backend: ``auto | reference | fla | flash_attn | flex`` (see ``ops.backends``).
 
     Returns:

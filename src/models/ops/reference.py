@@ -17,12 +17,29 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "DEN_TINY",
+    "default_eps",
     "repeat_kv",
     "softmax_attention_blocked",
     "linear_attention_chunked",
 ]
 
 NEG_INF = float("-inf")
+
+#: the LA denominator guard of the non-negative feature maps: fp32's smallest normal number.
+#: Their denominator is a sum of products >= 0, positive whenever a key is visible, so a floor
+#: this small only catches an underflow and never changes a normalised weight: inference then
+#: uses exactly the normalised weights that the ``weights_xent`` objective trains
+#: (``ops.transfer``). A floor such as 1e-6 would rescale every row whose products are small,
+#: and such rows are legitimate: the normalised weights do not depend on the products' scale.
+DEN_TINY = torch.finfo(torch.float32).tiny
+
+
+def default_eps(activation: str) -> float:
+    """The LA denominator guard for a feature-map activation: ``DEN_TINY`` for the non-negative
+    maps, 1e-6 for ``none``, whose features (and so denominators) can be negative or zero: its
+    normalised weights are not a distribution, and the guard only keeps the division finite."""
+    return 1e-6 if activation == "none" else DEN_TINY
 
 
 def repeat_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -99,7 +116,7 @@ def linear_attention_chunked(
     *,
     shift: int = 0,
     key_padding_mask: torch.Tensor | None = None,
-    eps: float = 1e-6,
+    eps: float = DEN_TINY,
     chunk: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Normalised causal linear attention over keys ``i <= t - shift``.
@@ -110,9 +127,10 @@ def linear_attention_chunked(
     keys outside a window of ``w`` ("non-overlapping", PAPER.md Eq. 3).
 
     Returns ``(out (B, H, Tq, D), den (B, H, Tq), has_keys (B, H, Tq) bool)``, fp32. ``out`` is 0
-    where no key is visible. The denominator is clamped to ``eps`` before dividing: harmless for
-    the positive feature maps, and a guard for ``activation="none"`` whose features can be
-    negative (the output is then not a convex combination of values).
+    where no key is visible. The denominator is clamped to ``eps`` before dividing (see
+    ``DEN_TINY`` and ``default_eps``: an underflow guard for the non-negative maps, a finite
+    guard for ``activation="none"`` whose features can be negative, when the output is not a
+    convex combination of values).
 
     Memory: one ``(F, D)`` state per chunk and head, plus ``chunk x chunk`` intra-chunk scores.
     """

@@ -5,11 +5,29 @@ student is the layer's feature maps (and mixer). Three objectives, each a scalar
 real query positions and heads:
 
     weights_xent       -sum_t sum_{i<=t} A_soft[t,i] log A_phi[t,i]   (HedgeHog; summed over keys,
-                       averaged over queries) with A_phi[t,i] = fq_t.fk_i / sum_{j<=t} fq_t.fk_j
+                       averaged over queries) with A_phi[t,i] = k_ti / sum_{j<=t} k_tj and the
+                       kernel k_ti = max(fq_t.fk_i, TINY) (see below)
     la_output_mse      mean || O_soft - O_LA ||^2     (LA over all causal keys)
     hybrid_output_mse  mean || O_soft - (g O_SWA + (1-g) O_LA) ||^2   (LoLCATs; the layer's mixer)
 
 Outputs are compared before ``o_proj``; the MSE is the mean over (B, H, T, D) of real queries.
+
+**The cross-entropy is exact and bounded below by the teacher's entropy.** ``A_phi`` is always a
+distribution over the visible keys: numerator and normaliser are formed from the *same* kernel
+values, each floored at ``TINY`` (fp32's smallest normal number, 1.2e-38), which only matters
+where a product underflows (the feature maps' products are >= 0 for every activation but
+``none``). The first version floored the numerator elementwise at ``eps`` = 1e-6 but the
+normaliser only as a sum; once every product of a row fell below ``eps`` both logs were
+``log(eps)``, the loss read exactly 0 with no gradient, and training found that region by pushing
+query and key features onto disjoint coordinates (every recipe with this objective collapsed its
+LA branch on the GPU testbed: docs/testbed.md). Now ``xent >= H(A_soft)`` row by row (Gibbs), and
+a row whose every product underflows scores the cross-entropy against the *uniform* weights: a
+high loss, never a minimum. ``weights_xent(..., return_entropy=True)`` also returns the teacher's
+entropy, so that ``KL = xent - entropy >= 0`` (0 = match) can be logged.
+The inference LA (``ops.reference.linear_attention_chunked`` and the GPU backends) divides the
+same kernel sums, floored at ``TINY`` for the non-negative maps, so it uses the same normalised
+weights (tested: ``tests/test_transfer.py``); only ``activation="none"``, whose products can be
+negative, keeps a larger guard there and is not a distribution.
 
 ``weights_xent`` is quadratic in T. It runs over query blocks, and each block is recomputed in
 the backward pass (``torch.utils.checkpoint``), so at most one ``(B, H, block, T)`` score tile is
@@ -24,16 +42,36 @@ from torch.utils.checkpoint import checkpoint
 
 from . import backends
 from .hybrid import hybrid_attention
-from .reference import repeat_kv
+from .reference import DEN_TINY, repeat_kv
 
-__all__ = ["OBJECTIVES", "hybrid_output_mse", "la_output_mse", "transfer_loss", "weights_xent"]
+__all__ = ["OBJECTIVES", "TINY", "hybrid_output_mse", "la_log_weights", "la_output_mse",
+           "transfer_loss", "weights_xent"]
 
 OBJECTIVES = ("weights_xent", "la_output_mse", "hybrid_output_mse")
 
 
-def _xent_block(q_blk, k, fq_blk, fk, qpos, kpm, scale: float, eps: float):
-    """Summed cross-entropy of one query block. q_blk (B,H,b,D), k (B,H,Tk,D), fq_blk (B,H,b,F),
-    fk (B,H,Tk,F), qpos (b,) absolute positions, kpm (B,Tk) bool or None."""
+#: the kernel floor: fp32's smallest normal number (see the module docstring)
+TINY = DEN_TINY
+
+
+def la_log_weights(fq: torch.Tensor, fk: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """``log A_phi`` over keys: ``log k_ti - log sum_{j allowed} k_tj``, ``k = max(fq.fk, TINY)``.
+
+    fq (B, H, q, F), fk (B, H, k, F) (heads already repeated), allowed (B|1, 1|H, q, k) bool.
+    Returns (B, H, q, k) fp32, 0 where not allowed (so ``0 * log`` terms vanish; a row with no
+    allowed key is all 0). The floor is applied to each kernel value before both the numerator
+    and the sum, so ``exp`` of a row is a distribution whatever the magnitudes.
+    """
+    a = torch.einsum("bhqf,bhkf->bhqk", fq.float(), fk.float()).clamp_min(TINY)
+    a = a.masked_fill(~allowed, 0.0)
+    log_den = torch.log(a.sum(dim=-1, keepdim=True).clamp_min(TINY))  # TINY: rows with no key
+    return torch.where(allowed, torch.log(a.clamp_min(TINY)) - log_den, torch.zeros_like(a))
+
+
+def _xent_block(q_blk, k, fq_blk, fk, qpos, kpm, scale: float):
+    """Summed cross-entropy and teacher entropy of one query block. q_blk (B,H,b,D),
+    k (B,H,Tk,D), fq_blk (B,H,b,F), fk (B,H,Tk,F), qpos (b,) absolute positions, kpm (B,Tk)
+    bool or None. Returns ``(xent_sum, entropy_sum)``, the entropy without gradient."""
     Tk = k.shape[2]
     allowed = torch.arange(Tk, device=q_blk.device)[None, :] <= qpos[:, None]  # (b, Tk)
     allowed = allowed[None, None]  # (1, 1, b, Tk)
@@ -41,26 +79,27 @@ def _xent_block(q_blk, k, fq_blk, fk, qpos, kpm, scale: float, eps: float):
         allowed = allowed & kpm[:, None, None, :]
     with torch.no_grad():  # the teacher: detached
         s = torch.einsum("bhqd,bhkd->bhqk", q_blk.float(), k.float()) * scale
-        a_soft = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)
-        a_soft = torch.nan_to_num(a_soft, nan=0.0)  # a query with no visible key (padding)
-    a = torch.einsum("bhqf,bhkf->bhqk", fq_blk.float(), fk.float())
-    a = a.masked_fill(~allowed, 0.0)
-    log_den = torch.log(a.sum(dim=-1, keepdim=True).clamp_min(eps))
-    log_a = torch.log(a.clamp_min(eps)) - log_den
-    xent = -(a_soft * log_a).sum(dim=-1)  # (B, H, b)
+        log_soft = torch.log_softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)
+        a_soft = torch.exp(log_soft).nan_to_num(0.0)  # a query with no visible key (padding)
+        ent = -(a_soft * torch.where(allowed, log_soft, torch.zeros_like(log_soft))).sum(-1)
+    xent = -(a_soft * la_log_weights(fq_blk, fk, allowed)).sum(dim=-1)  # (B, H, b)
     if kpm is not None:  # padded queries do not count
-        xent = xent * kpm[:, None, qpos].to(xent.dtype)
-    return xent.sum()
+        real = kpm[:, None, qpos].to(xent.dtype)
+        xent, ent = xent * real, ent * real
+    return xent.sum(), ent.sum()
 
 
 def weights_xent(q: torch.Tensor, k: torch.Tensor, fq: torch.Tensor, fk: torch.Tensor, *,
                  scale: float | None = None, key_padding_mask: torch.Tensor | None = None,
-                 block: int = 64, eps: float = 1e-6) -> torch.Tensor:
+                 block: int = 64, return_entropy: bool = False
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """HedgeHog attention-weight cross-entropy, blocked over queries (see the module docstring).
 
     Args: q (B, H, T, D), k (B, Hkv, T, D) with RoPE; fq (B, H, T, F), fk (B, Hkv, T, F);
     key_padding_mask (B, T) bool, True = real. Only ``fq`` and ``fk`` receive gradients.
-    Features ``<= eps`` (e.g. activation ``none``) are clamped before the log.
+    Returns the mean over real queries and heads of ``-sum_i A_soft log A_phi``; with
+    ``return_entropy`` also the same mean of the teacher's entropy ``-sum_i A_soft log A_soft``
+    (a detached lower bound of the first: their difference is the KL divergence).
     """
     B, H, T, D = q.shape
     scale = D ** -0.5 if scale is None else scale
@@ -68,16 +107,21 @@ def weights_xent(q: torch.Tensor, k: torch.Tensor, fq: torch.Tensor, fk: torch.T
     q = q.detach()
     kpm = None if key_padding_mask is None else key_padding_mask.bool()
     total = fq.new_zeros((), dtype=torch.float32)
+    entropy = fq.new_zeros((), dtype=torch.float32)
     for qs in range(0, T, block):
         qe = min(qs + block, T)
         qpos = torch.arange(qs, qe, device=q.device)
         args = (q[:, :, qs:qe], k[:, :, :qe], fq[:, :, qs:qe], fk[:, :, :qe], qpos,
-                None if kpm is None else kpm[:, :qe], scale, eps)
+                None if kpm is None else kpm[:, :qe], scale)
         if torch.is_grad_enabled() and (fq.requires_grad or fk.requires_grad):
-            total = total + checkpoint(_xent_block, *args, use_reentrant=False)
+            x, e = checkpoint(_xent_block, *args, use_reentrant=False)
         else:
-            total = total + _xent_block(*args)
-    return total / _n_queries(kpm, B, T, device=q.device) / H
+            x, e = _xent_block(*args)
+        total, entropy = total + x, entropy + e
+    norm = _n_queries(kpm, B, T, device=q.device) * H
+    if return_entropy:
+        return total / norm, entropy.detach() / norm
+    return total / norm
 
 
 def _n_queries(kpm, B: int, T: int, device) -> torch.Tensor:
@@ -101,7 +145,7 @@ def _teacher_output(q, k, v, scale, kpm, backend):
 
 
 def la_output_mse(q, k, v, fq, fk, *, scale: float | None = None,
-                  key_padding_mask: torch.Tensor | None = None, eps: float = 1e-6,
+                  key_padding_mask: torch.Tensor | None = None, eps: float = DEN_TINY,
                   backend: str = "auto") -> torch.Tensor:
     """``mean ||O_soft - O_LA||^2`` with LA over all causal keys. Shapes as ``weights_xent``,
     v (B, Hkv, T, D)."""
@@ -115,7 +159,7 @@ def la_output_mse(q, k, v, fq, fk, *, scale: float | None = None,
 
 def hybrid_output_mse(q, k, v, fq, fk, *, window: int, g=0.5, shared_norm: bool = False,
                       overlap: bool = False, scale: float | None = None,
-                      key_padding_mask: torch.Tensor | None = None, eps: float = 1e-6,
+                      key_padding_mask: torch.Tensor | None = None, eps: float = DEN_TINY,
                       backend: str = "auto") -> torch.Tensor:
     """``mean ||O_soft - hybrid||^2``, the hybrid as ``ops.hybrid_attention(mode="hybrid")``."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -139,7 +183,7 @@ def transfer_loss(objective: str, module, query, key, value, key_padding_mask=No
     fq, fk = module.phi_q(q), module.phi_k(k)
     if objective == "weights_xent":
         return weights_xent(q, k, fq, fk, scale=scale, key_padding_mask=key_padding_mask,
-                            block=xent_block, eps=rt.eps)
+                            block=xent_block)
     if objective == "la_output_mse":
         return la_output_mse(q, k, v, fq, fk, scale=scale, key_padding_mask=key_padding_mask,
                              eps=rt.eps, backend=rt.backend)
