@@ -308,3 +308,24 @@ def test_qwen2_sliding_layers_refused():
     with pytest.raises(ValueError, match="sliding-window layers"):
         convert_to_hybrid(model, HybridConfig(window=4))
     assert not any(hasattr(l.self_attn, "phi_q") for l in model.model.layers)
+
+
+def test_mixed_dtypes_reach_the_kernels_as_one_dtype(monkeypatch):
+    """Under bf16 autocast with an fp32 base, RoPE gives fp32 q, k and the projection a bf16 v;
+    the backends take one dtype (mixed calls went to the slow paths on the GPU)."""
+    from hedgecats.models import convert as conv
+
+    seen = []
+    real = conv.hybrid_attention
+
+    def spy(q, k, v, fq, fk, **kw):
+        seen.append((q.dtype, k.dtype, v.dtype, fq.dtype, fk.dtype))
+        return real(q, k, v, fq, fk, **kw)
+
+    monkeypatch.setattr(conv, "hybrid_attention", spy)
+    model = convert_to_hybrid(tiny(), HybridConfig(window=4))
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        model(ids(T=12))
+    assert seen and all(set(d) == {torch.bfloat16} for d in seen), seen
+    q32, v16 = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4, dtype=torch.bfloat16)
+    assert {t.dtype for t in conv._common_dtype(q32, q32, v16)} == {torch.float32}  # no autocast

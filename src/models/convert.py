@@ -16,6 +16,7 @@ and linear attention needs every key (see ``convert_to_hybrid``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -115,6 +116,22 @@ def _check_no_evicted_keys(key, position_ids, rt: LayerRuntime) -> None:
             f"absolute positions through RoPE, so pass positions counted from the first token.)")
 
 
+def _common_dtype(query, key, value):
+    """q, k, v in one dtype. Under ``bf16-mixed`` with an fp32 base, RoPE hands attention fp32 q
+    and k but a bf16 v (seen on an H200): the fast kernels take one dtype, and mixed calls went
+    to the slow paths. Under autocast the autocast dtype is what the layer computes in anyway;
+    without it, the wider dtype (nothing is rounded)."""
+    dtypes = {query.dtype, key.dtype, value.dtype}
+    if len(dtypes) == 1:
+        return query, key, value
+    dev = query.device.type
+    if torch.is_autocast_enabled(dev):
+        dtype = torch.get_autocast_dtype(dev)
+    else:
+        dtype = functools.reduce(torch.promote_types, dtypes)
+    return query.to(dtype), key.to(dtype), value.to(dtype)
+
+
 def _ssd_mask(rt: LayerRuntime, B: int, H: int, device) -> torch.Tensor | None:
     if rt.ssd_p <= 0.0:
         return None
@@ -142,6 +159,7 @@ def hedgecats_attention_forward(module: nn.Module, query, key, value, attention_
         return sdpa_attention_forward(module, query, key, value,
                                       _with_window(attention_mask, query, key, base_window),
                                       dropout=dropout, scaling=scaling, **kwargs)
+    query, key, value = _common_dtype(query, key, value)
     needs_la = rt.mode in ("hybrid", "swa_only", "la_only")
     fq = module.phi_q(query) if needs_la else None
     fk = module.phi_k(key) if needs_la else None
