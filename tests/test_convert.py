@@ -195,7 +195,7 @@ def test_ssd_drop_applies_only_in_training():
 def test_observer_sees_qkv():
     model = convert_to_hybrid(tiny(), HybridConfig(window=4))
     seen = []
-    set_attention_mode(model, observer=lambda m, q, k, v, kpm: seen.append((m.hedgecats.layer_idx,
+    set_attention_mode(model, observer=lambda m, q, k, v, kpm, x: seen.append((m.hedgecats.layer_idx,
                                                                                q.shape, k.shape)))
     with torch.no_grad():
         model(ids(T=11))

@@ -76,14 +76,14 @@ def test_per_layer_backward_equals_one_joint_backward(base):
         tr = _trainer("/tmp", steps=1)
         tr.strategy.connect(m)  # manual_backward needs a trainer
         m.trainer = tr
-        losses = m._layer_losses(batch, backward_scale=1.0)
+        losses, _ = m._layer_losses(batch, backward_scale=1.0)
         per_layer = {n: p.grad.clone() for n, p in m.model.named_parameters() if p.requires_grad}
         m.model.zero_grad()
         joint = []
         inner = unwrap(m.model)
         for _, attn in hybrid_layers(inner):
-            attn.hedgecats.observer = lambda mod, q, k, v, kpm, joint=joint, obj=objective: \
-                joint.append(transfer_loss(obj, mod, q, k, v, kpm))
+            attn.hedgecats.observer = lambda mod, q, k, v, kpm, x, joint=joint, obj=objective: \
+                joint.append(transfer_loss(obj, mod, q, k, v, kpm, x)[0])
             attn.hedgecats.mode = "softmax"
         inner.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
         torch.stack(joint).mean().backward()
@@ -191,3 +191,56 @@ def test_transfer_accumulation_follows_the_datamodule():
     fixed = AttentionTransfer("unused-path", hybrid={"window": 4}, accumulate_grad_batches=3)
     fixed._trainer = SimpleNamespace(datamodule=SimpleNamespace(accumulate_grad_batches=4))
     assert fixed._accumulation() == 3
+
+
+def test_transfer_logs_kl_and_health_and_records_it(base, tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    m = AttentionTransfer(base, hybrid=HYB, objective="weights_xent")
+    tr = _trainer(tmp_path, steps=3, val_check_interval=3,
+                  logger=CSVLogger(str(tmp_path), name="logs", version="v"))
+    tr.fit(m, datamodule=_dm())
+    logged = set(tr.callback_metrics)
+    assert {"transfer/layer_00/kl", "val/transfer/layer_01/kl", "val/la_rel_err",
+            "val/hybrid_rel_err", "val/den_collapsed",
+            "val/transfer/layer_00/la_rel_err"} <= logged
+    assert all(tr.callback_metrics[f"val/transfer/layer_{i:02d}/kl"] >= 0 for i in LAYERS)
+    health = read_stage(tmp_path / "stage.pt")["meta"]["health"]
+    assert set(health) == {"la_rel_err", "hybrid_rel_err", "den_collapsed"}
+    assert set(health["la_rel_err"]) == set(LAYERS)
+    csv = (tmp_path / "logs" / "v" / "metrics.csv").read_text()
+    assert "final/la_rel_err" in csv and "final/transfer/layer_01/den_collapsed" in csv
+
+
+@pytest.mark.parametrize("objective", ["weights_xent", "hybrid_output_mse"])
+def test_collapsed_transfer_stops_with_a_clear_error_and_no_stage_file(base, tmp_path, objective):
+    """Feature maps pushed onto disjoint coordinates (the collapse the first weights_xent found)
+    and lr 0 so training cannot repair them: the end-of-stage check must refuse the result."""
+    from hedgecats.lightning_modules.stages import TransferCollapseError
+
+    m = AttentionTransfer(base, hybrid={**HYB, "feature_activation": "relu"}, objective=objective,
+                          lr=0.0)
+    m.configure_model()
+    with torch.no_grad():  # relu features: queries on coordinate 0, keys on 1: every product 0
+        for _, attn in hybrid_layers(unwrap(m.model)):
+            for fm, coord in ((attn.phi_q, 0), (attn.phi_k, 1)):
+                fm.weight.zero_()
+                fm.bias.zero_()
+                fm.bias[:, coord] = 1.0
+    tr = _trainer(tmp_path, steps=2, val_check_interval=2)
+    with pytest.raises(TransferCollapseError, match="den_collapsed|rel_err"):
+        tr.fit(m, datamodule=_dm())
+    assert not (tmp_path / "stage.pt").exists()
+
+
+@pytest.mark.parametrize("mixer", ["gate_elementwise", "gate_lowrank"])
+def test_output_mse_transfer_trains_output_gates(base, tmp_path, mixer):
+    """The observer hands the layer input to the objective, so output-gate mixers work with
+    hybrid_output_mse (the first version refused them) and their parameters learn."""
+    m = AttentionTransfer(base, hybrid={**HYB, "mixer": mixer}, objective="hybrid_output_mse")
+    m.configure_model()
+    before = {n: p.clone() for n, p in m.model.named_parameters() if ".mixer." in n}
+    assert before
+    _trainer(tmp_path, steps=2).fit(m, datamodule=_dm())
+    after = dict(m.model.named_parameters())
+    assert any(not torch.equal(after[n], p) for n, p in before.items() if ".up." in n)

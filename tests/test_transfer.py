@@ -249,3 +249,31 @@ def test_only_feature_maps_get_gradients():
     weights_xent(q, k, phi_q(q.detach()), phi_k(k.detach()), block=4).backward()
     assert q.grad is None and k.grad is None
     assert phi_q.weight.grad is not None and phi_k.weight.grad is not None
+
+
+def test_transfer_health_matches_naive():
+    from types import SimpleNamespace
+
+    from hedgecats.models.mixers import FixedMixer
+    from hedgecats.models.ops.transfer import transfer_health
+
+    q, k, v, kpm, phi_q, phi_k = _inputs(2, 30, 4, 2, 8, True, seed=5)
+    module = SimpleNamespace(phi_q=phi_q, phi_k=phi_k, mixer=FixedMixer(0.3),
+                             hedgecats=SimpleNamespace(window=6, overlap=False, eps=1e-30,
+                                                       backend="reference", layer_idx=0))
+    got = transfer_health(module, q, k, v, kpm)
+    B, H, T, _ = q.shape
+    fq, fk = phi_q(q).double(), repeat_kv(phi_k(k), H).double()
+    allowed = _allowed(T, kpm, B)
+    a = (fq @ fk.transpose(-1, -2)) * allowed
+    o_la = (a @ repeat_kv(v, H).double()) / a.sum(-1, keepdim=True)
+    o_soft = _teacher(q, k, kpm) @ repeat_kv(v, H).double()
+    o_hyb = hybrid_attention(q, k, v, phi_q(q), phi_k(k), window=6, g=0.3, key_padding_mask=kpm,
+                             backend="reference").double()
+    w = kpm[:, None, :, None].double()
+    for name, o in (("la_rel_err", o_la), ("hybrid_rel_err", o_hyb)):
+        want = (((o - o_soft) ** 2) * w).sum() / ((o_soft ** 2) * w).sum()
+        torch.testing.assert_close(got[name].double(), want, rtol=1e-4, atol=1e-6)
+    den = a.sum(-1)  # (B, H, T)
+    rows = kpm[:, None, :].expand_as(den)
+    torch.testing.assert_close(got["den_collapsed"].double(), (den < 1e-6)[rows].double().mean())

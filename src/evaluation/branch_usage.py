@@ -61,19 +61,12 @@ def branch_usage(model, tokenizer, *, text: str | None = None, max_tokens: int =
     device = device or next(model.parameters()).device
     ids = ids.to(device)
 
-    stash: dict[int, torch.Tensor] = {}
     sums: dict[int, dict[str, torch.Tensor]] = {}
 
-    def keep_input(i):
-        def hook(module, args, kwargs):
-            stash[i] = kwargs.get("hidden_states", args[0] if args else None)
-        return hook
-
-    def observer(module, query, key, value, key_padding_mask):
+    def observer(module, query, key, value, key_padding_mask, hidden_states):
         rt = module.hedgecats
-        hidden = stash.pop(rt.layer_idx, None)
         fq, fk = module.phi_q(query), module.phi_k(key)
-        common = {"window": rt.window, "g": module.mixer(hidden),
+        common = {"window": rt.window, "g": module.mixer(hidden_states),
                   "shared_norm": module.mixer.shared_norm, "overlap": rt.overlap,
                   "la_span": "outside", "n_sinks": rt.n_sinks, "key_padding_mask": key_padding_mask,
                   "scale": getattr(module, "scaling", None), "eps": rt.eps, "backend": rt.backend}
@@ -90,13 +83,8 @@ def branch_usage(model, tokenizer, *, text: str | None = None, max_tokens: int =
         s["n_far"] = s.get("n_far", 0) + int(far_T.sum()) * n_swa_BHT.shape[0]
         s["n_all"] = s.get("n_all", 0) + T * n_swa_BHT.shape[0]
 
-    hooks = [a.register_forward_pre_hook(keep_input(i), with_kwargs=True) for i, a in layers]
-    try:
-        with attention_mode(model, mode, observer=observer), torch.no_grad():
-            model(input_ids=ids)
-    finally:
-        for h in hooks:
-            h.remove()
+    with attention_mode(model, mode, observer=observer), torch.no_grad():
+        model(input_ids=ids)
 
     def share(a, b):
         tot = a + b

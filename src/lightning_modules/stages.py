@@ -34,7 +34,7 @@ from ..models.checkpoint import (
     stage_tensors,
     unwrap,
 )
-from ..models.ops.transfer import OBJECTIVES, transfer_loss
+from ..models.ops.transfer import OBJECTIVES, transfer_health, transfer_loss
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,7 @@ __all__ = [
     "HybridStage",
     "NonFiniteLossError",
     "TeacherPretraining",
+    "TransferCollapseError",
 ]
 
 #: PAPER.md section 5: rank 8, alpha 16 on q, k, v, o
@@ -55,6 +56,11 @@ STAGE_FILE = "stage.pt"
 
 class NonFiniteLossError(RuntimeError):
     """The loss became NaN or inf; raised before the optimiser step, so no bad state is saved."""
+
+
+class TransferCollapseError(RuntimeError):
+    """Attention transfer ended with a student worse than no attention (see
+    ``AttentionTransfer``'s health check); no ``stage.pt`` was written."""
 
 
 def _check_finite(module: pl.LightningModule, loss: torch.Tensor, batch_idx: int) -> None:
@@ -199,6 +205,9 @@ class HybridStage(_Stage):
     def _lora_config(self) -> dict | None:
         return None
 
+    def _export_meta(self) -> dict:
+        return {}
+
     def export(self, path: str | Path) -> Path | None:
         """Write the stage checkpoint (rank 0 writes; every rank must call it under FSDP2)."""
         tensors = stage_tensors(self.model)
@@ -210,7 +219,7 @@ class HybridStage(_Stage):
                           lora_config=self._lora_config(), stage=type(self).__name__,
                           tensors=tensors,
                           meta={"global_step": self.global_step, "torch_dtype": h.torch_dtype,
-                                "init_from": h.init_from})
+                                "init_from": h.init_from, **self._export_meta()})
 
     def on_fit_end(self) -> None:
         self.export(self._stage_dir() / STAGE_FILE)
@@ -226,7 +235,21 @@ class AttentionTransfer(HybridStage):
     ``torch.no_grad``; an observer receives each converted layer's q, k, v, computes that layer's
     loss with gradients on ``phi_q``, ``phi_k`` (and the mixer), and backpropagates it at once.
     Peak memory therefore holds one layer's student graph, whatever the depth. The per-layer
-    losses are averaged; each is logged as ``transfer/layer_07/<objective>``.
+    losses are averaged; each is logged as ``transfer/layer_07/<objective>`` (and, for
+    ``weights_xent``, ``transfer/layer_07/kl``: the cross-entropy minus the teacher's entropy,
+    >= 0, 0 = the LA weights match the teacher's).
+
+    **Health.** Every validation logs, per layer and averaged, what the student's output is
+    worth whatever the objective (``ops.transfer.transfer_health``): ``val/la_rel_err`` (LA over
+    every key against the teacher's output; 1 = no better than an output of 0),
+    ``val/hybrid_rel_err`` and ``val/den_collapsed`` (fraction of rows whose LA normaliser is
+    below 1e-6). At the end of the stage the same is measured on up to ``health_batches``
+    validation batches and checked: if any layer's trained output (LA for ``weights_xent`` /
+    ``la_output_mse``, the hybrid for ``hybrid_output_mse``) has a relative error above
+    ``max_rel_err`` (default 1.0: worse than no attention), or more than ``max_den_collapsed``
+    of its rows collapsed (default 0.5), the stage stops with ``TransferCollapseError`` and
+    writes no ``stage.pt``. ``None`` switches a check off. The final values go into
+    ``stage.pt``'s ``meta["health"]`` and the logger (``final/...``).
 
     Args:
         objective: ``weights_xent | la_output_mse | hybrid_output_mse``.
@@ -237,6 +260,7 @@ class AttentionTransfer(HybridStage):
             ``accumulate_grad_batches`` (``FineWebEduDataModule`` derives it from the global
             batch and the world size), or 1 when the datamodule has none.
         lr: AdamW learning rate (paper: 1e-2).
+        health_batches, max_rel_err, max_den_collapsed: the end-of-stage check (above).
     Other arguments: see ``HybridStage``.
     """
 
@@ -245,12 +269,15 @@ class AttentionTransfer(HybridStage):
                  init_from: str | None = None, torch_dtype: str | None = None, lr: float = 1e-2,
                  weight_decay: float = 0.0, train_mixer: bool = True, xent_block: int = 64,
                  accumulate_grad_batches: int | None = None,
-                 activation_checkpointing: bool = False) -> None:
+                 activation_checkpointing: bool = False, health_batches: int = 2,
+                 max_rel_err: float | None = 1.0, max_den_collapsed: float | None = 0.5) -> None:
         if objective not in OBJECTIVES:
             raise ValueError(f"objective={objective!r} is not valid; choose one of "
                              f"{', '.join(OBJECTIVES)}")
         if accumulate_grad_batches is not None and accumulate_grad_batches < 1:
             raise ValueError(f"accumulate_grad_batches={accumulate_grad_batches!r} must be >= 1")
+        if health_batches < 0:
+            raise ValueError(f"health_batches={health_batches!r} must be >= 0 (0: no final check)")
         super().__init__(model_name_or_path, hybrid, revision, init_from, torch_dtype, lr,
                          weight_decay, activation_checkpointing)
         self.save_hyperparameters()
@@ -288,27 +315,9 @@ class AttentionTransfer(HybridStage):
                 dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
                 p.grad.div_(world)
 
-    def _layer_losses(self, batch: dict, backward_scale: float | None) -> dict[int, torch.Tensor]:
+    def _observe(self, batch: dict, observer) -> None:
+        """One teacher forward with ``observer`` on every converted layer."""
         ids, mask = self._batch(batch)
-        n_layers = sum(1 for _ in hybrid_layers(unwrap(self.model)))
-        losses: dict[int, torch.Tensor] = {}
-        objective, block = self.hparams.objective, self.hparams.xent_block
-
-        def observer(module, query, key, value, key_padding_mask):
-            with torch.enable_grad():
-                loss = transfer_loss(objective, module, query, key, value, key_padding_mask,
-                                     xent_block=block)
-                if backward_scale is not None:
-                    if not torch.isfinite(loss.detach()):
-                        losses[module.hedgecats.layer_idx] = loss.detach()
-                        return  # reported by _check_finite before any optimiser step
-                    loss_scaled = loss * (backward_scale / n_layers)
-                    if self._ddp_model() is not None or self.device_mesh is not None:
-                        loss_scaled.backward()  # grads averaged by hand, not by DDP/FSDP hooks
-                    else:
-                        self.manual_backward(loss_scaled)
-            losses[module.hedgecats.layer_idx] = loss.detach()
-
         inner = unwrap(self.model)
         set_attention_mode(inner, "softmax", observer=observer)
         try:
@@ -318,15 +327,56 @@ class AttentionTransfer(HybridStage):
                 self.model(input_ids=ids, attention_mask=mask, logits_to_keep=1)
         finally:
             set_attention_mode(inner, observer=None)
-        return losses
 
-    def _log_losses(self, prefix: str, losses: dict[int, torch.Tensor], on_step: bool) -> torch.Tensor:
+    def _layer_losses(self, batch: dict, backward_scale: float | None
+                      ) -> tuple[dict[int, torch.Tensor], dict[int, dict[str, torch.Tensor]]]:
+        """Per-layer losses (and extras such as the KL), backpropagating each at once unless
+        ``backward_scale`` is None."""
+        n_layers = sum(1 for _ in hybrid_layers(unwrap(self.model)))
+        losses: dict[int, torch.Tensor] = {}
+        extras: dict[int, dict[str, torch.Tensor]] = {}
+        objective, block = self.hparams.objective, self.hparams.xent_block
+
+        def observer(module, query, key, value, key_padding_mask, hidden_states):
+            i = module.hedgecats.layer_idx
+            with torch.enable_grad():
+                loss, extras[i] = transfer_loss(objective, module, query, key, value,
+                                                key_padding_mask, hidden_states, xent_block=block)
+                if backward_scale is not None:
+                    if not torch.isfinite(loss.detach()):
+                        losses[i] = loss.detach()
+                        return  # reported by _check_finite before any optimiser step
+                    loss_scaled = loss * (backward_scale / n_layers)
+                    if self._ddp_model() is not None or self.device_mesh is not None:
+                        loss_scaled.backward()  # grads averaged by hand, not by DDP/FSDP hooks
+                    else:
+                        self.manual_backward(loss_scaled)
+            losses[i] = loss.detach()
+
+        self._observe(batch, observer)
+        return losses, extras
+
+    def _layer_health(self, batch: dict) -> dict[int, dict[str, torch.Tensor]]:
+        health: dict[int, dict[str, torch.Tensor]] = {}
+
+        def observer(module, query, key, value, key_padding_mask, hidden_states):
+            health[module.hedgecats.layer_idx] = transfer_health(
+                module, query, key, value, key_padding_mask, hidden_states)
+
+        self._observe(batch, observer)
+        return health
+
+    def _log_losses(self, prefix: str, losses: dict[int, torch.Tensor],
+                    extras: dict[int, dict[str, torch.Tensor]], on_step: bool) -> torch.Tensor:
         loss = torch.stack([losses[i] for i in sorted(losses)]).mean()
         obj = self.hparams.objective
+        prefix_layer = "transfer" if prefix == "train" else "val/transfer"
         for i, v in losses.items():
-            self.log(f"transfer/layer_{i:02d}/{obj}" if prefix == "train" else
-                     f"val/transfer/layer_{i:02d}/{obj}", v, on_step=on_step, on_epoch=not on_step,
-                     sync_dist=not on_step)
+            self.log(f"{prefix_layer}/layer_{i:02d}/{obj}", v, on_step=on_step,
+                     on_epoch=not on_step, sync_dist=not on_step)
+            for name, x in extras.get(i, {}).items():
+                self.log(f"{prefix_layer}/layer_{i:02d}/{name}", x, on_step=on_step,
+                         on_epoch=not on_step, sync_dist=not on_step)
         self.log(f"{prefix}/loss", loss, prog_bar=True, on_step=on_step, on_epoch=not on_step,
                  sync_dist=not on_step)
         return loss
@@ -340,22 +390,106 @@ class AttentionTransfer(HybridStage):
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         opt = self.optimizers()
         accum = self._accumulation()
-        losses = self._layer_losses(batch, backward_scale=1.0 / accum)
+        losses, extras = self._layer_losses(batch, backward_scale=1.0 / accum)
         loss = torch.stack([losses[i] for i in sorted(losses)]).mean()
         _check_finite(self, loss, batch_idx)
         if (batch_idx + 1) % accum == 0:
             self._sync_grads()
             opt.step()
             opt.zero_grad(set_to_none=True)
-        self._log_losses("train", losses, on_step=True)
+        self._log_losses("train", losses, extras, on_step=True)
         return loss
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        self._log_losses("val", self._layer_losses(batch, backward_scale=None), on_step=False)
+        losses, extras = self._layer_losses(batch, backward_scale=None)
+        self._log_losses("val", losses, extras, on_step=False)
+        for name, per_layer in _by_metric(self._layer_health(batch)).items():
+            for i, x in per_layer.items():
+                self.log(f"val/transfer/layer_{i:02d}/{name}", x, sync_dist=True)
+            self.log(f"val/{name}", torch.stack(list(per_layer.values())).mean(), sync_dist=True)
+
+    # ------------------------------------------------------------------ end-of-stage health
+    def _checked_metric(self) -> str:
+        return "hybrid_rel_err" if self.hparams.objective == "hybrid_output_mse" else "la_rel_err"
+
+    @torch.no_grad()
+    def final_health(self) -> dict[str, dict[int, float]]:
+        """``{metric: {layer: value}}`` averaged over up to ``health_batches`` validation
+        batches (and over ranks); empty when there is no validation data."""
+        dm = self.trainer.datamodule if self._trainer is not None else None
+        if self.hparams.health_batches == 0 or dm is None or not hasattr(dm, "val_dataloader"):
+            return {}
+        sums: dict[str, dict[int, torch.Tensor]] = {}
+        n = 0
+        for batch in dm.val_dataloader():
+            if n == self.hparams.health_batches:
+                break
+            batch = self.transfer_batch_to_device(batch, self.device, 0)
+            for name, per_layer in _by_metric(self._layer_health(batch)).items():
+                for i, x in per_layer.items():
+                    acc = sums.setdefault(name, {})
+                    acc[i] = acc.get(i, 0) + x.float()
+            n += 1
+        if not n:
+            return {}
+        out = {}
+        for name, per_layer in sums.items():
+            vals = torch.stack([per_layer[i] for i in sorted(per_layer)]) / n
+            if dist.is_available() and dist.is_initialized():
+                dist.all_reduce(vals, op=dist.ReduceOp.SUM)
+                vals /= dist.get_world_size()
+            out[name] = {i: float(v) for i, v in zip(sorted(per_layer), vals.tolist())}
+        return out
+
+    def _check_health(self, health: dict[str, dict[int, float]]) -> None:
+        h, metric = self.hparams, self._checked_metric()
+        problems = []
+        if h.max_rel_err is not None:
+            bad = {i: round(v, 3) for i, v in health.get(metric, {}).items() if v > h.max_rel_err}
+            if bad:
+                problems.append(f"{metric} above {h.max_rel_err} (worse than an output of 0 at "
+                                f"1.0) in layers {bad}")
+        if h.max_den_collapsed is not None:
+            bad = {i: round(v, 3) for i, v in health.get("den_collapsed", {}).items()
+                   if v > h.max_den_collapsed}
+            if bad:
+                problems.append(f"more than {h.max_den_collapsed:.0%} of rows with an LA "
+                                f"normaliser below 1e-6 (den_collapsed) in layers {bad}")
+        if problems:
+            raise TransferCollapseError(
+                f"attention transfer ({h.objective}) ended with a student that does not "
+                f"reproduce its teacher: {'; '.join(problems)}. No stage.pt was written. Look at "
+                f"val/la_rel_err, val/den_collapsed and the per-layer loss curves in metrics.csv; "
+                f"try a lower lr, another feature_activation or objective. To keep the result "
+                f"anyway, set model.init_args.max_rel_err / max_den_collapsed to null.")
+
+    def on_fit_end(self) -> None:
+        health = self.final_health()
+        if health and self.logger is not None and self.trainer.is_global_zero:
+            flat = {f"final/{name}": sum(v.values()) / len(v) for name, v in health.items()}
+            flat.update({f"final/transfer/layer_{i:02d}/{name}": x
+                         for name, v in health.items() for i, x in v.items()})
+            self.logger.log_metrics(flat, step=self.global_step)
+            self.logger.save()
+        self._check_health(health)
+        self._health = health
+        super().on_fit_end()
+
+    def _export_meta(self) -> dict:
+        return {"health": getattr(self, "_health", None)}
 
     def configure_optimizers(self):
         params = [p for p in self.model.parameters() if p.requires_grad]
         return torch.optim.AdamW(params, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+
+
+def _by_metric(health: dict[int, dict[str, torch.Tensor]]) -> dict[str, dict[int, torch.Tensor]]:
+    """``{layer: {metric: x}}`` -> ``{metric: {layer: x}}``."""
+    out: dict[str, dict[int, torch.Tensor]] = {}
+    for i, metrics in health.items():
+        for name, x in metrics.items():
+            out.setdefault(name, {})[i] = x
+    return out
 
 
 class HybridFinetune(_NextTokenLoss, HybridStage):

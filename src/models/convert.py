@@ -63,8 +63,9 @@ class LayerRuntime:
     eps: float
     ssd_p: float = 0.0
     ssd_granularity: str = "sample"
-    #: optional ``fn(module, query, key, value, key_padding_mask)`` called before the layer's
-    #: attention (attention transfer, branch-usage probes); its return value is ignored
+    #: optional ``fn(module, query, key, value, key_padding_mask, hidden_states)`` called
+    #: before the layer's attention (attention transfer, branch-usage probes);
+    #: ``hidden_states`` is the layer input for gated mixers, else None; the return is ignored
     observer: object = None
 
 
@@ -154,7 +155,7 @@ def hedgecats_attention_forward(module: nn.Module, query, key, value, attention_
     _check_no_evicted_keys(key, kwargs.get("position_ids"), rt)
     kpm = _key_padding_mask(attention_mask, key.shape[2])
     if rt.observer is not None:
-        rt.observer(module, query, key, value, kpm)
+        rt.observer(module, query, key, value, kpm, hidden)
     if rt.mode == "softmax":  # exactly the original model's attention
         return sdpa_attention_forward(module, query, key, value,
                                       _with_window(attention_mask, query, key, base_window),

@@ -88,6 +88,7 @@ class OutputGateMixer(nn.Module):
     """
 
     shared_norm = False
+    needs_input = True  # forward needs the layer input
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, g: float = 0.5,
                  rank: int | None = None, seed: int = 0) -> None:

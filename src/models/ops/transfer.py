@@ -44,8 +44,8 @@ from . import backends
 from .hybrid import hybrid_attention
 from .reference import DEN_TINY, repeat_kv
 
-__all__ = ["OBJECTIVES", "TINY", "hybrid_output_mse", "la_log_weights", "la_output_mse",
-           "transfer_loss", "weights_xent"]
+__all__ = ["COLLAPSED_DEN", "OBJECTIVES", "TINY", "hybrid_output_mse", "la_log_weights",
+           "la_output_mse", "transfer_health", "transfer_loss", "weights_xent"]
 
 OBJECTIVES = ("weights_xent", "la_output_mse", "hybrid_output_mse")
 
@@ -171,10 +171,24 @@ def hybrid_output_mse(q, k, v, fq, fk, *, window: int, g=0.5, shared_norm: bool 
     return _masked_mse(o_hyb, o_soft, key_padding_mask)
 
 
-def transfer_loss(objective: str, module, query, key, value, key_padding_mask=None, *,
-                  xent_block: int = 64) -> torch.Tensor:
+def _gate(module, hidden_states):
+    """The mixer's ``g`` for this layer (output gates read the layer input)."""
+    if getattr(module.mixer, "needs_input", False) and hidden_states is None:
+        raise ValueError(f"layer {module.hedgecats.layer_idx}: the {type(module.mixer).__name__} "
+                         "mixer needs the layer input, and the observer received none (the "
+                         "input hook that convert_to_hybrid installs for gated mixers is missing)")
+    return module.mixer(None if hidden_states is None else hidden_states.detach())
+
+
+def transfer_loss(objective: str, module, query, key, value, key_padding_mask=None,
+                  hidden_states=None, *, xent_block: int = 64
+                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One converted layer's loss: ``module`` is its ``self_attn`` (``phi_q``, ``phi_k``,
-    ``mixer``, ``hedgecats`` runtime), q/k/v as the attention function receives them."""
+    ``mixer``, ``hedgecats`` runtime), q/k/v as the attention function receives them,
+    ``hidden_states`` the layer input (needed by output-gate mixers).
+
+    Returns ``(loss, extras)``: ``extras`` holds detached values worth logging; for
+    ``weights_xent`` ``{"kl": loss - teacher entropy}`` (>= 0, 0 = the LA weights match)."""
     if objective not in OBJECTIVES:
         raise ValueError(f"unknown transfer objective {objective!r}; valid: {', '.join(OBJECTIVES)}")
     rt = module.hedgecats
@@ -182,15 +196,58 @@ def transfer_loss(objective: str, module, query, key, value, key_padding_mask=No
     scale = getattr(module, "scaling", None)
     fq, fk = module.phi_q(q), module.phi_k(k)
     if objective == "weights_xent":
-        return weights_xent(q, k, fq, fk, scale=scale, key_padding_mask=key_padding_mask,
-                            block=xent_block)
+        loss, entropy = weights_xent(q, k, fq, fk, scale=scale, key_padding_mask=key_padding_mask,
+                                     block=xent_block, return_entropy=True)
+        return loss, {"kl": loss.detach() - entropy}
     if objective == "la_output_mse":
         return la_output_mse(q, k, v, fq, fk, scale=scale, key_padding_mask=key_padding_mask,
-                             eps=rt.eps, backend=rt.backend)
-    if type(module.mixer).__name__ == "OutputGateMixer":
-        raise ValueError("hybrid_output_mse with an output-gate mixer needs the layer input, which "
-                         "the attention observer does not receive; use mixer fixed, learned_head "
-                         "or shared_norm for this objective")
-    return hybrid_output_mse(q, k, v, fq, fk, window=rt.window, g=module.mixer(None),
+                             eps=rt.eps, backend=rt.backend), {}
+    return hybrid_output_mse(q, k, v, fq, fk, window=rt.window, g=_gate(module, hidden_states),
                              shared_norm=module.mixer.shared_norm, overlap=rt.overlap, scale=scale,
-                             key_padding_mask=key_padding_mask, eps=rt.eps, backend=rt.backend)
+                             key_padding_mask=key_padding_mask, eps=rt.eps,
+                             backend=rt.backend), {}
+
+
+#: a row's LA normaliser below this is "collapsed" in the health metric: the old objective's
+#: clamp (and the inference guard of the first version) acted below it
+COLLAPSED_DEN = 1e-6
+
+
+@torch.no_grad()
+def transfer_health(module, query, key, value, key_padding_mask=None,
+                    hidden_states=None) -> dict[str, torch.Tensor]:
+    """How well one layer's student reproduces its teacher, whatever the objective trained.
+
+    ``la_rel_err``      sum ||O_LA - O_soft||^2 / sum ||O_soft||^2, LA over every causal key
+                        (what ``weights_xent`` and ``la_output_mse`` train); 1 = no better than
+                        an output of 0
+    ``hybrid_rel_err``  the same for the layer's hybrid output (``hybrid_output_mse`` trains it)
+    ``den_collapsed``   fraction of real query rows whose LA normaliser over every causal key
+                        is below ``COLLAPSED_DEN``: query and key features on disjoint
+                        coordinates, the signature of the collapse the first ``weights_xent``
+                        found
+    Sums run over real (unpadded) queries only; values are fp32 scalars.
+    """
+    rt = module.hedgecats
+    q, k, v = query.detach(), key.detach(), value.detach()
+    scale = getattr(module, "scaling", None)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    kpm = key_padding_mask
+    fq, fk = module.phi_q(q), module.phi_k(k)
+    o_soft = _teacher_output(q, k, v, scale, kpm, rt.backend).float()
+    ops = backends.select(rt.backend, q, kpm)
+    o_la, den, _ = ops.linear(fq, fk, v, shift=0, eps=rt.eps, need_den=True, key_padding_mask=kpm)
+    o_hyb = hybrid_attention(q, k, v, fq, fk, window=rt.window, mode="hybrid",
+                             g=_gate(module, hidden_states), shared_norm=module.mixer.shared_norm,
+                             overlap=rt.overlap, key_padding_mask=kpm, scale=scale, eps=rt.eps,
+                             backend=rt.backend)
+    real = (torch.ones(q.shape[0], q.shape[2], dtype=torch.bool, device=q.device) if kpm is None
+            else kpm.bool())  # (B, T)
+    w = real[:, None, :, None].float()
+
+    def rel_err(o):
+        return ((o.float() - o_soft).pow(2) * w).sum() / (o_soft.pow(2) * w).sum().clamp_min(TINY)
+
+    rows = real[:, None, :].expand_as(den)
+    return {"la_rel_err": rel_err(o_la), "hybrid_rel_err": rel_err(o_hyb),
+            "den_collapsed": (den.float() < COLLAPSED_DEN)[rows].float().mean()}
