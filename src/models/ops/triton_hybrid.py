@@ -1,0 +1,986 @@
+"""Fused Triton kernels for the hybrid layer: windowed softmax + linear attention + mixer.
+
+One forward and one backward per call, recomputing instead of storing (issue 11). What the
+kernels compute, per batch row ``b`` and query head ``h`` (``c_A, c_B, shift`` per ``(b, h)``):
+
+    SWA_t = softmax over the window keys  t - w < i <= t           (lse_t kept, fp32)
+    LA_t  = sum_{i <= t - shift} (fq_t.fk_i) v_i / max(den_t, eps)  den_t = sum (fq_t.fk_i), fp32
+            (0 where no real key i <= t - shift)
+    out_t = c_A SWA_t + c_B LA_t                                    (fixed / per-head / SSD)
+    out_t = alpha_t SWA_t + (1 - alpha_t) LA_t,
+            alpha_t = sigmoid(log s_h + lse_t - log max(den_t, eps))   (``shared_norm``)
+
+``shift`` is ``w`` (non-overlapping), 0 (``overlap``, or ``la_only`` with ``la_span="all"``).
+``ops.hybrid.hybrid_attention``'s modes map onto it (``fused_hybrid``): ``hybrid``, ``swa_only``
+(no LA pass), ``la_only`` (no SWA pass), SSD (``swa_drop``: a dropped ``(b, h)`` gets
+``c_A = 0`` and the ``la_only`` weight and span) and ``shared_norm`` in ``hybrid`` mode. What it
+does not cover returns ``None`` with the reason logged once, and the caller runs the
+piece-by-piece path: sinks / softmax / none, output-gate mixers (a ``g`` per channel),
+``shared_norm`` outside ``hybrid`` mode or with SSD, KV-cache calls (fewer queries than keys),
+dtypes other than bf16 / fp32, mixed dtypes, head or feature dims that are not powers of two in
+[16, 128] / [16, 256], CPU tensors.
+
+How (all kernels take strided (B, H, T, X) tensors, no copies of q, k, v):
+
+    _state_fwd    per (b, kv head, F-block, D-block), walking T: the LA state
+                  S_j = sum_{i < j C} fk_i v_i^T and z_j = sum_{i < j C} fk_i at every C-th
+                  position (C = ``state_chunk``), masked keys left out. (B, Hkv, T/C, F, D).
+    _fwd          per (b, h, block of BM queries): the window keys (online softmax, exp2), then
+                  LA from the nearest state at or before t0 - shift + 1 plus the keys between it
+                  and the block (masked), the mixer, the output; keeps lse_t and den_t (fp32).
+    backward      _state_fwd again; _bwd_dq per query block recomputes SWA_t . dO_t and
+                  LA_t . dO_t (first pass), forms the per-query factors of the mixer, then dq and
+                  dfq (second pass); _state_rev walks T backwards summing fq_t dnum_t^T over the
+                  query heads of each kv head (GQA) into reverse states; _bwd_dkv per key block
+                  and kv head gets dk, dv, dfk from its window queries, the queries between it and
+                  the next reverse state, and that state. Mixer gradients (c_A, c_B or log s_h)
+                  come back as per-block partial sums, reduced in torch (deterministic).
+
+Numerics: matrix products in the input dtype with fp32 accumulation (``ieee`` fp32 for fp32
+inputs); the stored LA states are in the input dtype (they are a matrix operand anyway), the key
+sums z, the denominators, lse and every normaliser in fp32.
+
+Checked against ``kernel_reference`` (pure PyTorch, the same function built from
+``ops.reference``) under ``TRITON_INTERPRET=1`` on CPU (tests/test_triton_interpreter.py) and
+against ``hybrid_attention(backend="reference")`` on the GPU (tests/test_triton_kernels.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from . import reference as ref
+
+log = logging.getLogger(__name__)
+
+__all__ = ["KernelConfig", "available", "fused_hybrid", "hybrid_kernel", "kernel_reference",
+           "unsupported_reason"]
+
+#: errors from Triton (compilation, resources) that sent a call to the fallback; the GPU tests
+#: assert it stays empty
+FALLBACK_ERRORS: list[str] = []
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(msg: str) -> None:
+    log.warning(msg)
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def available() -> bool:
+    """Triton importable, and CUDA present (or the interpreter switched on, for CPU tests)."""
+    try:
+        import triton  # noqa: F401
+    except Exception:  # ImportError, or a broken install
+        return False
+    return torch.cuda.is_available() or _interpret()
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile sizes of the kernels. ``block_m`` queries and ``block_n`` keys per tile;
+    ``state_chunk`` positions between stored LA states; ``state_f`` x ``state_d`` the state
+    tile of one program of the state kernels."""
+
+    block_m: int = 64
+    block_n: int = 64
+    state_chunk: int = 64
+    warps: int = 4
+    stages: int = 2
+    bwd_block_m: int = 64
+    bwd_block_n: int = 64
+    bwd_warps: int = 8
+    state_f: int = 64
+    state_d: int = 64
+    state_warps: int = 4
+
+
+def default_config(D: int, F: int, dtype: torch.dtype) -> KernelConfig:
+    """Tiles that fit an H100/H200's shared memory and registers: fp32 operands take twice the
+    space of bf16 ones, so fp32 runs on 32-wide tiles."""
+    if dtype == torch.float32:
+        return KernelConfig(block_m=32, block_n=32, state_chunk=64, warps=4, stages=1,
+                            bwd_block_m=32, bwd_block_n=32, bwd_warps=4, state_f=32, state_d=32)
+    big = D * F >= 128 * 256
+    return KernelConfig(warps=8 if big else 4, bwd_warps=8,
+                        bwd_block_m=32 if big else 64, bwd_block_n=64)
+
+
+# ============================================================================= the kernels
+try:  # the kernels are defined only where triton imports (never on CPU CI)
+    import triton
+    import triton.language as tl
+
+    _HAVE_TRITON = True
+except Exception:  # pragma: no cover - CPU CI has no triton
+    _HAVE_TRITON = False
+
+if _HAVE_TRITON:
+
+    @triton.jit
+    def _state_fwd(FK, V, KPM, SST, ZST,
+                   sfk_b, sfk_h, sfk_t, sv_b, sv_h, sv_t,
+                   T, Hkv, NC,
+                   F: tl.constexpr, D: tl.constexpr, CS: tl.constexpr, BF: tl.constexpr,
+                   BD: tl.constexpr, HAS_KPM: tl.constexpr, PREC: tl.constexpr):
+        """S_j = sum_{i < j CS, real} fk_i v_i^T (F x D), z_j = sum fk_i, for j < NC."""
+        pid_bh = tl.program_id(0)
+        pid_f = tl.program_id(1)
+        pid_d = tl.program_id(2)
+        b = pid_bh // Hkv
+        hk = pid_bh % Hkv
+        offs_f = pid_f * BF + tl.arange(0, BF)
+        offs_d = pid_d * BD + tl.arange(0, BD)
+        offs_c = tl.arange(0, CS)
+        fk_base = FK + b.to(tl.int64) * sfk_b + hk.to(tl.int64) * sfk_h
+        v_base = V + b.to(tl.int64) * sv_b + hk.to(tl.int64) * sv_h
+        st_base = SST + pid_bh.to(tl.int64) * NC * F * D
+        z_base = ZST + pid_bh.to(tl.int64) * NC * F
+        S = tl.zeros([BF, BD], dtype=tl.float32)
+        z = tl.zeros([BF], dtype=tl.float32)
+        for j in range(0, NC):
+            tl.store(st_base + j * F * D + offs_f[:, None] * D + offs_d[None, :],
+                     S.to(SST.dtype.element_ty))
+            if pid_d == 0:
+                tl.store(z_base + j * F + offs_f, z)
+            offs_n = j * CS + offs_c
+            keep = offs_n < T
+            if HAS_KPM:
+                keep = keep & (tl.load(KPM + b * T + offs_n, mask=offs_n < T, other=0) != 0)
+            fk = tl.load(fk_base + offs_n[:, None] * sfk_t + offs_f[None, :], mask=keep[:, None],
+                         other=0.0)
+            v = tl.load(v_base + offs_n[:, None] * sv_t + offs_d[None, :], mask=keep[:, None],
+                        other=0.0)
+            S += tl.dot(tl.trans(fk), v, input_precision=PREC)
+            z += tl.sum(fk.to(tl.float32), axis=0)
+
+    @triton.jit
+    def _fwd(Q, K, V, FQ, FK, SST, ZST, O, LSE, DEN, CA, CB, LOGS, SHIFT, FIRST, KPM,
+             sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
+             sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, so_b, so_h, so_t,
+             T, H, G, NC, window, scale_log2, eps,
+             D: tl.constexpr, F: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+             CS: tl.constexpr, HAS_SWA: tl.constexpr, HAS_LA: tl.constexpr,
+             SHARED: tl.constexpr, HAS_KPM: tl.constexpr, PREC: tl.constexpr):
+        LN2: tl.constexpr = 0.6931471805599453
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        b = pid_bh // H
+        h = pid_bh % H
+        hk = h // G
+        Hkv = H // G
+        t0 = pid_m * BM
+        offs_m = t0 + tl.arange(0, BM)
+        offs_d = tl.arange(0, D)
+        offs_f = tl.arange(0, F)
+        rows = offs_m < T
+        k_base = K + b.to(tl.int64) * sk_b + hk.to(tl.int64) * sk_h
+        v_base = V + b.to(tl.int64) * sv_b + hk.to(tl.int64) * sv_h
+        first = tl.load(FIRST + b)
+
+        # ---- windowed softmax
+        m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BM], dtype=tl.float32)
+        acc = tl.zeros([BM, D], dtype=tl.float32)
+        if HAS_SWA:
+            q = tl.load(Q + b.to(tl.int64) * sq_b + h.to(tl.int64) * sq_h
+                        + offs_m[:, None] * sq_t + offs_d[None, :], mask=rows[:, None], other=0.0)
+            lo = tl.maximum(t0 - window + 1, 0)
+            lo = (lo // BN) * BN
+            hi = tl.minimum(t0 + BM, T)
+            for start in range(lo, hi, BN):
+                offs_n = start + tl.arange(0, BN)
+                kin = offs_n < T
+                kb = tl.load(k_base + offs_n[:, None] * sk_t + offs_d[None, :], mask=kin[:, None],
+                             other=0.0)
+                s = tl.dot(q, tl.trans(kb), input_precision=PREC) * scale_log2
+                ok = (offs_n[None, :] <= offs_m[:, None]) & \
+                     (offs_n[None, :] > offs_m[:, None] - window) & kin[None, :]
+                if HAS_KPM:
+                    real = tl.load(KPM + b * T + offs_n, mask=kin, other=0) != 0
+                    ok = ok & real[None, :]
+                s = tl.where(ok, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m_i - m_safe)
+                p = tl.exp2(s - m_safe[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                vb = tl.load(v_base + offs_n[:, None] * sv_t + offs_d[None, :], mask=kin[:, None],
+                             other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision=PREC)
+                m_i = m_new
+        has_win = l_i > 0
+        swa = acc / tl.where(has_win, l_i, 1.0)[:, None]
+        lse2 = tl.where(has_win, m_i + tl.log2(tl.where(has_win, l_i, 1.0)), float("-inf"))
+
+        # ---- linear attention over keys i <= t - shift
+        shift = tl.load(SHIFT + pid_bh)
+        num = tl.zeros([BM, D], dtype=tl.float32)
+        den = tl.zeros([BM], dtype=tl.float32)
+        if HAS_LA:
+            fq = tl.load(FQ + b.to(tl.int64) * sfq_b + h.to(tl.int64) * sfq_h
+                         + offs_m[:, None] * sfq_t + offs_f[None, :], mask=rows[:, None], other=0.0)
+            fk_base = FK + b.to(tl.int64) * sfk_b + hk.to(tl.int64) * sfk_h
+            jst = tl.minimum(tl.maximum(t0 - shift + 1, 0) // CS, NC - 1)
+            st = SST + (b * Hkv + hk).to(tl.int64) * NC * F * D + jst.to(tl.int64) * F * D
+            S = tl.load(st + offs_f[:, None] * D + offs_d[None, :])
+            z = tl.load(ZST + (b * Hkv + hk).to(tl.int64) * NC * F + jst * F + offs_f)
+            num = tl.dot(fq, S, input_precision=PREC)
+            den = tl.sum(fq.to(tl.float32) * z[None, :], axis=1)
+            hi = tl.minimum(t0 + BM - shift, T)
+            for start in range(jst * CS, hi, BN):
+                offs_n = start + tl.arange(0, BN)
+                kin = offs_n < T
+                fkb = tl.load(fk_base + offs_n[:, None] * sfk_t + offs_f[None, :],
+                              mask=kin[:, None], other=0.0)
+                a = tl.dot(fq, tl.trans(fkb), input_precision=PREC)
+                ok = (offs_n[None, :] <= offs_m[:, None] - shift) & kin[None, :]
+                if HAS_KPM:
+                    real = tl.load(KPM + b * T + offs_n, mask=kin, other=0) != 0
+                    ok = ok & real[None, :]
+                a = tl.where(ok, a, 0.0)
+                den += tl.sum(a, axis=1)
+                vb = tl.load(v_base + offs_n[:, None] * sv_t + offs_d[None, :], mask=kin[:, None],
+                             other=0.0)
+                num += tl.dot(a.to(vb.dtype), vb, input_precision=PREC)
+        has_far = (offs_m - shift) >= first
+        r = tl.where(has_far, 1.0 / tl.maximum(den, eps), 0.0)
+        la = num * r[:, None]
+
+        # ---- mixer
+        if SHARED:
+            logs = tl.load(LOGS + pid_bh)
+            x = logs + lse2 * LN2 - tl.log(tl.maximum(den, eps))
+            alpha_t = 1.0 / (1.0 + tl.exp(-x))
+            alpha_t = tl.where(has_far, alpha_t, 1.0)
+            alpha_t = tl.where(has_win, alpha_t, 0.0)
+            out = alpha_t[:, None] * swa + (1.0 - alpha_t)[:, None] * la
+        else:
+            ca = tl.load(CA + pid_bh)
+            cb = tl.load(CB + pid_bh)
+            out = ca * swa + cb * la
+        tl.store(O + b.to(tl.int64) * so_b + h.to(tl.int64) * so_h + offs_m[:, None] * so_t
+                 + offs_d[None, :], out.to(O.dtype.element_ty), mask=rows[:, None])
+        tl.store(LSE + pid_bh.to(tl.int64) * T + offs_m, lse2, mask=rows)
+        tl.store(DEN + pid_bh.to(tl.int64) * T + offs_m, den, mask=rows)
+
+    @triton.jit
+    def _bwd_dq(Q, K, V, FQ, FK, DO, SST, ZST, LSE, DEN, CA, CB, LOGS, SHIFT, FIRST, KPM,
+                DQ, DFQ, DELTA, WS, GF, DDEN, PA, PB,
+                sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
+                sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sdo_b, sdo_h, sdo_t,
+                T, H, G, NC, NMB, window, scale, scale_log2, eps,
+                D: tl.constexpr, F: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                CS: tl.constexpr, HAS_SWA: tl.constexpr, HAS_LA: tl.constexpr,
+                SHARED: tl.constexpr, HAS_KPM: tl.constexpr, PREC: tl.constexpr):
+        """dq, dfq of one query block, and the per-query factors the key-side kernels need:
+        DELTA (the softmax row term, incl. the shared-norm lse gradient), WS (SWA weight),
+        GF (dnum = GF dO), DDEN (gradient of the LA denominator); PA, PB: this block's partial
+        mixer gradients (d c_A, d c_B; or d log s and 0 with SHARED)."""
+        LN2: tl.constexpr = 0.6931471805599453
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        b = pid_bh // H
+        h = pid_bh % H
+        hk = h // G
+        Hkv = H // G
+        t0 = pid_m * BM
+        offs_m = t0 + tl.arange(0, BM)
+        offs_d = tl.arange(0, D)
+        offs_f = tl.arange(0, F)
+        rows = offs_m < T
+        k_base = K + b.to(tl.int64) * sk_b + hk.to(tl.int64) * sk_h
+        v_base = V + b.to(tl.int64) * sv_b + hk.to(tl.int64) * sv_h
+        fk_base = FK + b.to(tl.int64) * sfk_b + hk.to(tl.int64) * sfk_h
+        row_base = pid_bh.to(tl.int64) * T
+        first = tl.load(FIRST + b)
+        shift = tl.load(SHIFT + pid_bh)
+        do = tl.load(DO + b.to(tl.int64) * sdo_b + h.to(tl.int64) * sdo_h + offs_m[:, None] * sdo_t
+                     + offs_d[None, :], mask=rows[:, None], other=0.0)
+        lse2 = tl.load(LSE + row_base + offs_m, mask=rows, other=float("-inf"))
+        has_win = lse2 > float("-inf")
+        lse_safe = tl.where(has_win, lse2, 0.0)
+        den = tl.load(DEN + row_base + offs_m, mask=rows, other=0.0)
+        has_far = ((offs_m - shift) >= first) & rows
+        r = tl.where(has_far, 1.0 / tl.maximum(den, eps), 0.0)
+        lo = tl.maximum(t0 - window + 1, 0)
+        lo = (lo // BN) * BN
+        hi = tl.minimum(t0 + BM, T)
+
+        # ---- first pass: SWA_t . dO_t and LA_t . dO_t
+        dot_swa = tl.zeros([BM], dtype=tl.float32)
+        dot_la = tl.zeros([BM], dtype=tl.float32)
+        if HAS_SWA:
+            q = tl.load(Q + b.to(tl.int64) * sq_b + h.to(tl.int64) * sq_h
+                        + offs_m[:, None] * sq_t + offs_d[None, :], mask=rows[:, None], other=0.0)
+            for start in range(lo, hi, BN):
+                offs_n = start + tl.arange(0, BN)
+                kin = offs_n < T
+                kb = tl.load(k_base + offs_n[:, None] * sk_t + offs_d[None, :], mask=kin[:, None],
+                             other=0.0)
+                vb = tl.load(v_base + offs_n[:, None] * sv_t + offs_d[None, :], mask=kin[:, None],
+                             other=0.0)
+                s = tl.dot(q, tl.trans(kb), input_precision=PREC) * scale_log2
+                ok = (offs_n[None, :] <= offs_m[:, None]) & \
+                     (offs_n[None, :] > offs_m[:, None] - window) & kin[None, :]
+                if HAS_KPM:
+                    real = tl.load(KPM + b * T + offs_n, mask=kin, other=0) != 0
+                    ok = ok & real[None, :]
+                p = tl.where(ok, tl.exp2(s - lse_safe[:, None]), 0.0)
+                dpv = tl.dot(do, tl.trans(vb), input_precision=PREC)
+                dot_swa += tl.sum(p * dpv, axis=1)
+        if HAS_LA:
+            fq = tl.load(FQ + b.to(tl.int64) * sfq_b + h.to(tl.int64) * sfq_h
+                         + offs_m[:, None] * sfq_t + offs_f[None, :], mask=rows[:, None], other=0.0)
+            jst = tl.minimum(tl.maximum(t0 - shift + 1, 0) // CS, NC - 1)
+            st = SST + (b * Hkv + hk).to(tl.int64) * NC * F * D + jst.to(tl.int64) * F * D
+            S = tl.load(st + offs_f[:, None] * D + offs_d[None, :])
+            num = tl.dot(fq, S, input_precision=PREC)
+            la_hi = tl.minimum(t0 + BM - shift, T)
+            for start in range(jst * CS, la_hi, BN):
+                offs_n = start + tl.arange(0, BN)
+                kin = offs_n < T
+                fkb = tl.load(fk_base + offs_n[:, None] * sfk_t + offs_f[None, :],
+                              mask=kin[:, None], other=0.0)
+                a = tl.dot(fq, tl.trans(fkb), input_precision=PREC)
+                ok = (offs_n[None, :] <= offs_m[:, None] - shift) & kin[None, :]
+                if HAS_KPM:
+                    real = tl.load(KPM + b * T + offs_n, mask=kin, other=0) != 0
+                    ok = ok & real[None, :]
+                a = tl.where(ok, a, 0.0)
+                vb = tl.load(v_base + offs_n[:, None] * sv_t + offs_d[None, :], mask=kin[:, None],
+                             other=0.0)
+                num += tl.dot(a.to(vb.dtype), vb, input_precision=PREC)
+            dot_la = tl.sum(num * do.to(tl.float32), axis=1) * r
+
+        # ---- the mixer's per-query factors
+        if SHARED:
+            logs = tl.load(LOGS + pid_bh)
+            x = logs + lse2 * LN2 - tl.log(tl.maximum(den, eps))
+            alpha_t = 1.0 / (1.0 + tl.exp(-x))
+            alpha_t = tl.where(has_far, alpha_t, 1.0)
+            alpha_t = tl.where(has_win, alpha_t, 0.0)
+            live = has_far & has_win
+            dx = tl.where(live, (dot_swa - dot_la) * alpha_t * (1.0 - alpha_t), 0.0)
+            ws = alpha_t
+            delta = alpha_t * dot_swa - dx
+            gf = (1.0 - alpha_t) * r
+            dden = tl.where(den >= eps, -gf * dot_la - dx * r, 0.0)
+            tl.store(PA + pid_bh.to(tl.int64) * NMB + pid_m, tl.sum(tl.where(rows, dx, 0.0), axis=0))
+            tl.store(PB + pid_bh.to(tl.int64) * NMB + pid_m, 0.0)
+        else:
+            ca = tl.load(CA + pid_bh)
+            cb = tl.load(CB + pid_bh)
+            ws = tl.zeros([BM], dtype=tl.float32) + ca
+            delta = ca * dot_swa
+            gf = cb * r
+            dden = tl.where(den >= eps, -gf * dot_la, 0.0)
+            tl.store(PA + pid_bh.to(tl.int64) * NMB + pid_m,
+                     tl.sum(tl.where(rows, dot_swa, 0.0), axis=0))
+            tl.store(PB + pid_bh.to(tl.int64) * NMB + pid_m,
+                     tl.sum(tl.where(rows, dot_la, 0.0), axis=0))
+        tl.store(DELTA + row_base + offs_m, delta, mask=rows)
+        tl.store(WS + row_base + offs_m, ws, mask=rows)
+        tl.store(GF + row_base + offs_m, gf, mask=rows)
+        tl.store(DDEN + row_base + offs_m, dden, mask=rows)
+
+        # ---- second pass: dq, dfq
+        if HAS_SWA:
+            dq = tl.zeros([BM, D], dtype=tl.float32)
+            for start in range(lo, hi, BN):
+                offs_n = start + tl.arange(0, BN)
+                kin = offs_n < T
+                kb = tl.load(k_base + offs_n[:, None] * sk_t + offs_d[None, :], mask=kin[:, None],
+                             other=0.0)
+                vb = tl.load(v_base + offs_n[:, None] * sv_t + offs_d[None, :], mask=kin[:, None],
+                             other=0.0)
+                s = tl.dot(q, tl.trans(kb), input_precision=PREC) * scale_log2
+                ok = (offs_n[None, :] <= offs_m[:, None]) & \
+                     (offs_n[None, :] > offs_m[:, None] - window) & kin[None, :]
+                if HAS_KPM:
+                    real = tl.load(KPM + b * T + offs_n, mask=kin, other=0) != 0
+                    ok = ok & real[None, :]
+                p = tl.where(ok, tl.exp2(s - lse_safe[:, None]), 0.0)
+                dpv = tl.dot(do, tl.trans(vb), input_precision=PREC)
+                ds = p * (ws[:, None] * dpv - delta[:, None])
+                dq += tl.dot(ds.to(kb.dtype), kb, input_precision=PREC)
+            tl.store(DQ + pid_bh.to(tl.int64) * T * D + offs_m[:, None] * D + offs_d[None, :],
+                     (dq * scale).to(DQ.dtype.element_ty), mask=rows[:, None])
+        if HAS_LA:
+            zt = tl.load(ZST + (b * Hkv + hk).to(tl.int64) * NC * F + jst * F + offs_f)
+            St = tl.load(st + offs_f[None, :] * D + offs_d[:, None])  # (D, F)
+            # dnum_t = gf_t dO_t: gf applied in fp32 to the products' rows
+            dfq = tl.dot(do, St, input_precision=PREC) * gf[:, None] + dden[:, None] * zt[None, :]
+            for start in range(jst * CS, la_hi, BN):
+                offs_n = start + tl.arange(0, BN)
+                kin = offs_n < T
+                fkb = tl.load(fk_base + offs_n[:, None] * sfk_t + offs_f[None, :],
+                              mask=kin[:, None], other=0.0)
+                vb = tl.load(v_base + offs_n[:, None] * sv_t + offs_d[None, :], mask=kin[:, None],
+                             other=0.0)
+                ok = (offs_n[None, :] <= offs_m[:, None] - shift) & kin[None, :]
+                if HAS_KPM:
+                    real = tl.load(KPM + b * T + offs_n, mask=kin, other=0) != 0
+                    ok = ok & real[None, :]
+                da = tl.dot(do, tl.trans(vb), input_precision=PREC) * gf[:, None] + dden[:, None]
+                da = tl.where(ok, da, 0.0)
+                dfq += tl.dot(da.to(fkb.dtype), fkb, input_precision=PREC)
+            tl.store(DFQ + pid_bh.to(tl.int64) * T * F + offs_m[:, None] * F + offs_f[None, :],
+                     dfq.to(DFQ.dtype.element_ty), mask=rows[:, None])
+
+    @triton.jit
+    def _state_rev(FQ, DO, GF, DDEN, SHIFT, RST, UST,
+                   sfq_b, sfq_h, sfq_t, sdo_b, sdo_h, sdo_t,
+                   T, H, G, NC,
+                   F: tl.constexpr, D: tl.constexpr, CS: tl.constexpr, BF: tl.constexpr,
+                   BD: tl.constexpr, PREC: tl.constexpr):
+        """Reverse states, summed over the G query heads of a kv head: entry j holds
+        R = sum_{t - shift_h >= (j+1) CS} fq_t (GF_t dO_t)^T (F x D) and u = sum DDEN_t fq_t."""
+        pid_bh = tl.program_id(0)  # b * Hkv + hk
+        pid_f = tl.program_id(1)
+        pid_d = tl.program_id(2)
+        Hkv = H // G
+        b = pid_bh // Hkv
+        hk = pid_bh % Hkv
+        offs_f = pid_f * BF + tl.arange(0, BF)
+        offs_d = pid_d * BD + tl.arange(0, BD)
+        offs_c = tl.arange(0, CS)
+        st_base = RST + pid_bh.to(tl.int64) * NC * F * D
+        u_base = UST + pid_bh.to(tl.int64) * NC * F
+        R = tl.zeros([BF, BD], dtype=tl.float32)
+        u = tl.zeros([BF], dtype=tl.float32)
+        for jj in range(0, NC):
+            j = NC - 1 - jj
+            tl.store(st_base + j * F * D + offs_f[:, None] * D + offs_d[None, :],
+                     R.to(RST.dtype.element_ty))
+            if pid_d == 0:
+                tl.store(u_base + j * F + offs_f, u)
+            for g in range(0, G):
+                h = hk * G + g
+                bh = b * H + h
+                shift = tl.load(SHIFT + bh)
+                offs_t = j * CS + shift + offs_c
+                tin = offs_t < T
+                fq = tl.load(FQ + b.to(tl.int64) * sfq_b + h.to(tl.int64) * sfq_h
+                             + offs_t[:, None] * sfq_t + offs_f[None, :], mask=tin[:, None],
+                             other=0.0)
+                gf = tl.load(GF + bh.to(tl.int64) * T + offs_t, mask=tin, other=0.0)
+                do = tl.load(DO + b.to(tl.int64) * sdo_b + h.to(tl.int64) * sdo_h
+                             + offs_t[:, None] * sdo_t + offs_d[None, :], mask=tin[:, None],
+                             other=0.0)
+                dnum = (do.to(tl.float32) * gf[:, None]).to(fq.dtype)
+                R += tl.dot(tl.trans(fq), dnum, input_precision=PREC)
+                if pid_d == 0:
+                    dd = tl.load(DDEN + bh.to(tl.int64) * T + offs_t, mask=tin, other=0.0)
+                    u += tl.sum(fq.to(tl.float32) * dd[:, None], axis=0)
+
+    @triton.jit
+    def _bwd_dkv(Q, K, V, FQ, FK, DO, LSE, DELTA, WS, GF, DDEN, RST, UST, SHIFT, KPM,
+                 DK, DV, DFK,
+                 sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
+                 sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sdo_b, sdo_h, sdo_t,
+                 T, H, G, NC, window, scale, scale_log2,
+                 D: tl.constexpr, F: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 CS: tl.constexpr, HAS_SWA: tl.constexpr, HAS_LA: tl.constexpr,
+                 HAS_KPM: tl.constexpr, PREC: tl.constexpr):
+        """dk, dv, dfk of one key block of one kv head, summed over its G query heads."""
+        pid_n = tl.program_id(0)
+        pid_bh = tl.program_id(1)  # b * Hkv + hk
+        Hkv = H // G
+        b = pid_bh // Hkv
+        hk = pid_bh % Hkv
+        i0 = pid_n * BN
+        offs_n = i0 + tl.arange(0, BN)
+        offs_d = tl.arange(0, D)
+        offs_f = tl.arange(0, F)
+        kin = offs_n < T
+        kreal = kin
+        if HAS_KPM:
+            kreal = kreal & (tl.load(KPM + b * T + offs_n, mask=kin, other=0) != 0)
+        kb = tl.load(K + b.to(tl.int64) * sk_b + hk.to(tl.int64) * sk_h + offs_n[:, None] * sk_t
+                     + offs_d[None, :], mask=kin[:, None], other=0.0)
+        vb = tl.load(V + b.to(tl.int64) * sv_b + hk.to(tl.int64) * sv_h + offs_n[:, None] * sv_t
+                     + offs_d[None, :], mask=kin[:, None], other=0.0)
+        dk = tl.zeros([BN, D], dtype=tl.float32)
+        dv = tl.zeros([BN, D], dtype=tl.float32)
+        dfk = tl.zeros([BN, F], dtype=tl.float32)
+        jb = tl.minimum(tl.cdiv(i0 + BN - 1, CS), NC)  # first reverse state past the block
+        if HAS_LA:
+            fkb = tl.load(FK + b.to(tl.int64) * sfk_b + hk.to(tl.int64) * sfk_h
+                          + offs_n[:, None] * sfk_t + offs_f[None, :], mask=kin[:, None], other=0.0)
+        for g in range(0, G):
+            h = hk * G + g
+            bh = b * H + h
+            row_base = bh.to(tl.int64) * T
+            q_base = Q + b.to(tl.int64) * sq_b + h.to(tl.int64) * sq_h
+            do_base = DO + b.to(tl.int64) * sdo_b + h.to(tl.int64) * sdo_h
+            if HAS_SWA:
+                q_hi = tl.minimum(i0 + BN - 1 + window, T)
+                for start in range(i0, q_hi, BM):
+                    offs_m = start + tl.arange(0, BM)
+                    qin = offs_m < T
+                    qb = tl.load(q_base + offs_m[:, None] * sq_t + offs_d[None, :],
+                                 mask=qin[:, None], other=0.0)
+                    dob = tl.load(do_base + offs_m[:, None] * sdo_t + offs_d[None, :],
+                                  mask=qin[:, None], other=0.0)
+                    lse2 = tl.load(LSE + row_base + offs_m, mask=qin, other=float("-inf"))
+                    lse_safe = tl.where(lse2 > float("-inf"), lse2, 0.0)
+                    delta = tl.load(DELTA + row_base + offs_m, mask=qin, other=0.0)
+                    ws = tl.load(WS + row_base + offs_m, mask=qin, other=0.0)
+                    sT = tl.dot(kb, tl.trans(qb), input_precision=PREC) * scale_log2  # (BN, BM)
+                    ok = (offs_m[None, :] >= offs_n[:, None]) & \
+                         (offs_m[None, :] - window < offs_n[:, None]) & qin[None, :] & kreal[:, None]
+                    pT = tl.where(ok, tl.exp2(sT - lse_safe[None, :]), 0.0)
+                    # dSWA_t = ws_t dO_t: the weight is applied in fp32 around the products
+                    # (rounding ws * dO to bf16 first cost ~1e-2 in dk)
+                    dv += tl.dot((pT * ws[None, :]).to(qb.dtype), dob, input_precision=PREC)
+                    dpT = tl.dot(vb, tl.trans(dob), input_precision=PREC) * ws[None, :]
+                    dsT = pT * (dpT - delta[None, :])
+                    dk += tl.dot(dsT.to(qb.dtype), qb, input_precision=PREC)
+            if HAS_LA:
+                shift = tl.load(SHIFT + bh)
+                fq_base = FQ + b.to(tl.int64) * sfq_b + h.to(tl.int64) * sfq_h
+                q_hi = tl.minimum(jb * CS + shift, T)
+                for start in range(i0 + shift, q_hi, BM):
+                    offs_m = start + tl.arange(0, BM)
+                    qin = offs_m < T
+                    fqb = tl.load(fq_base + offs_m[:, None] * sfq_t + offs_f[None, :],
+                                  mask=qin[:, None], other=0.0)
+                    dob = tl.load(do_base + offs_m[:, None] * sdo_t + offs_d[None, :],
+                                  mask=qin[:, None], other=0.0)
+                    gf = tl.load(GF + row_base + offs_m, mask=qin, other=0.0)
+                    dd = tl.load(DDEN + row_base + offs_m, mask=qin, other=0.0)
+                    ok = (offs_m[None, :] - shift >= offs_n[:, None]) & qin[None, :] & \
+                         kreal[:, None]
+                    aT = tl.dot(fkb, tl.trans(fqb), input_precision=PREC)  # (BN, BM)
+                    aT = tl.where(ok, aT, 0.0)
+                    # dnum_t = gf_t dO_t, the factor applied in fp32 (as for SWA above)
+                    dv += tl.dot((aT * gf[None, :]).to(dob.dtype), dob, input_precision=PREC)
+                    daT = tl.dot(vb, tl.trans(dob), input_precision=PREC) * gf[None, :] + dd[None, :]
+                    daT = tl.where(ok, daT, 0.0)
+                    dfk += tl.dot(daT.to(fqb.dtype), fqb, input_precision=PREC)
+        if HAS_LA:
+            st = RST + pid_bh.to(tl.int64) * NC * F * D + (jb - 1).to(tl.int64) * F * D
+            R = tl.load(st + offs_f[:, None] * D + offs_d[None, :])  # (F, D)
+            u = tl.load(UST + pid_bh.to(tl.int64) * NC * F + (jb - 1) * F + offs_f)
+            dfk += tl.dot(vb, tl.trans(R), input_precision=PREC) + u[None, :]
+            dv += tl.dot(fkb, R, input_precision=PREC)
+        dk = tl.where(kreal[:, None], dk * scale, 0.0)
+        dv = tl.where(kreal[:, None], dv, 0.0)
+        base = pid_bh.to(tl.int64) * T
+        tl.store(DK + (base + offs_n[:, None]) * D + offs_d[None, :], dk.to(DK.dtype.element_ty),
+                 mask=kin[:, None])
+        tl.store(DV + (base + offs_n[:, None]) * D + offs_d[None, :], dv.to(DV.dtype.element_ty),
+                 mask=kin[:, None])
+        if HAS_LA:
+            dfk = tl.where(kreal[:, None], dfk, 0.0)
+            tl.store(DFK + (base + offs_n[:, None]) * F + offs_f[None, :],
+                     dfk.to(DFK.dtype.element_ty), mask=kin[:, None])
+
+
+# ============================================================================= launchers
+LOG2E = 1.4426950408889634
+
+
+def _strides(x: torch.Tensor) -> tuple[int, int, int]:
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+def _prec(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _la_states(fk, v, kpm_i8, cfg: KernelConfig):
+    """Forward LA states (S, z) at every ``state_chunk`` positions."""
+    B, Hkv, T, F = fk.shape
+    D = v.shape[-1]
+    CS = cfg.state_chunk
+    NC = triton.cdiv(T, CS)
+    S = torch.empty(B, Hkv, NC, F, D, device=fk.device, dtype=fk.dtype)
+    z = torch.empty(B, Hkv, NC, F, device=fk.device, dtype=torch.float32)
+    BF, BD = min(cfg.state_f, F), min(cfg.state_d, D)
+    grid = (B * Hkv, F // BF, D // BD)
+    _state_fwd[grid](fk, v, kpm_i8, S, z, *_strides(fk), *_strides(v), T, Hkv, NC,
+                     F=F, D=D, CS=CS, BF=BF, BD=BD, HAS_KPM=kpm_i8 is not None,
+                     PREC=_prec(fk.dtype), num_warps=cfg.state_warps)
+    return S, z, NC
+
+
+def _forward(q, k, v, fq, fk, ca, cb, logs, shift, first, kpm_i8, *, window, scale, eps,
+             has_swa, has_la, shared, cfg: KernelConfig):
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    F = fq.shape[-1]
+    dummy = torch.empty(1, device=q.device, dtype=q.dtype)
+    if has_la:
+        S, z, NC = _la_states(fk, v, kpm_i8, cfg)
+    else:
+        S, z, NC = dummy, torch.empty(1, device=q.device), 1
+    o = torch.empty(B, H, T, D, device=q.device, dtype=q.dtype)
+    lse = torch.empty(B * H, T, device=q.device, dtype=torch.float32)
+    den = torch.empty(B * H, T, device=q.device, dtype=torch.float32)
+    grid = (triton.cdiv(T, cfg.block_m), B * H)
+    _fwd[grid](q, k, v, fq, fk, S, z, o, lse, den, ca, cb, logs, shift, first, kpm_i8,
+               *_strides(q), *_strides(k), *_strides(v), *_strides(fq), *_strides(fk),
+               *_strides(o), T, H, H // Hkv, NC, window, scale * LOG2E, eps,
+               D=D, F=F, BM=cfg.block_m, BN=cfg.block_n, CS=cfg.state_chunk, HAS_SWA=has_swa,
+               HAS_LA=has_la, SHARED=shared, HAS_KPM=kpm_i8 is not None, PREC=_prec(q.dtype),
+               num_warps=cfg.warps, num_stages=cfg.stages)
+    return o, lse, den
+
+
+def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, kpm_i8, lse, den, *, window,
+              scale, eps, has_swa, has_la, shared, cfg: KernelConfig):
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    G = H // Hkv
+    F = fq.shape[-1]
+    dev = q.device
+    f32 = dict(device=dev, dtype=torch.float32)
+    dummy = torch.empty(1, device=dev, dtype=q.dtype)
+    if has_la:
+        S, z, NC = _la_states(fk, v, kpm_i8, cfg)
+    else:
+        S, z, NC = dummy, torch.empty(1, **f32), 1
+    BM, BN = cfg.bwd_block_m, cfg.bwd_block_n
+    NMB = triton.cdiv(T, BM)
+    dq = torch.empty(B, H, T, D, device=dev, dtype=q.dtype) if has_swa else None
+    dfq = torch.empty(B, H, T, F, device=dev, dtype=fq.dtype) if has_la else None
+    delta, ws, gf, dden = (torch.empty(B * H, T, **f32) for _ in range(4))
+    pa, pb = torch.empty(B * H, NMB, **f32), torch.empty(B * H, NMB, **f32)
+    prec = _prec(q.dtype)
+    common = dict(D=D, F=F, CS=cfg.state_chunk, PREC=prec)
+    _bwd_dq[(NMB, B * H)](
+        q, k, v, fq, fk, do, S, z, lse, den, ca, cb, logs, shift, first, kpm_i8,
+        dq if dq is not None else dummy, dfq if dfq is not None else dummy,
+        delta, ws, gf, dden, pa, pb,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(fq), *_strides(fk), *_strides(do),
+        T, H, G, NC, NMB, window, scale, scale * LOG2E, eps,
+        BM=BM, BN=BN, HAS_SWA=has_swa, HAS_LA=has_la, SHARED=shared,
+        HAS_KPM=kpm_i8 is not None, num_warps=cfg.bwd_warps, num_stages=cfg.stages, **common)
+    del S, z
+    if has_la:
+        R = torch.empty(B, Hkv, NC, F, D, device=dev, dtype=fq.dtype)
+        U = torch.empty(B, Hkv, NC, F, **f32)
+        BF, BD = min(cfg.state_f, F), min(cfg.state_d, D)
+        _state_rev[(B * Hkv, F // BF, D // BD)](
+            fq, do, gf, dden, shift, R, U, *_strides(fq), *_strides(do), T, H, G, NC,
+            BF=BF, BD=BD, num_warps=cfg.state_warps, **common)
+    else:
+        R, U = dummy, torch.empty(1, **f32)
+    dk = torch.empty(B, Hkv, T, D, device=dev, dtype=k.dtype)
+    dv = torch.empty(B, Hkv, T, D, device=dev, dtype=v.dtype)
+    dfk = torch.empty(B, Hkv, T, F, device=dev, dtype=fk.dtype) if has_la else None
+    _bwd_dkv[(triton.cdiv(T, BN), B * Hkv)](
+        q, k, v, fq, fk, do, lse, delta, ws, gf, dden, R, U, shift, kpm_i8,
+        dk, dv, dfk if dfk is not None else dummy,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(fq), *_strides(fk), *_strides(do),
+        T, H, G, NC, window, scale, scale * LOG2E,
+        BM=BM, BN=BN, HAS_SWA=has_swa, HAS_LA=has_la, HAS_KPM=kpm_i8 is not None,
+        num_warps=cfg.bwd_warps, num_stages=cfg.stages, **common)
+    dpa, dpb = pa.sum(-1), pb.sum(-1)  # (B * H,)
+    return dq, dk, dv, dfq, dfk, dpa, dpb
+
+
+def _triton_errors() -> tuple[type[BaseException], ...]:
+    errs: list[type[BaseException]] = []
+    try:
+        from triton.runtime.errors import OutOfResources
+        errs.append(OutOfResources)
+    except Exception:  # pragma: no cover
+        pass
+    try:
+        from triton.compiler.errors import CompilationError
+        errs.append(CompilationError)
+    except Exception:  # pragma: no cover
+        pass
+    return tuple(errs)
+
+
+class _HybridFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, fq, fk, ca, cb, logs, shift, first, kpm_i8, window, scale, eps,
+                has_swa, has_la, shared, cfg):
+        o, lse, den = _forward(q, k, v, fq, fk, ca, cb, logs, shift, first, kpm_i8,
+                               window=window, scale=scale, eps=eps, has_swa=has_swa,
+                               has_la=has_la, shared=shared, cfg=cfg)
+        ctx.save_for_backward(q, k, v, fq, fk, ca, cb, logs, shift, first, lse, den,
+                              *(() if kpm_i8 is None else (kpm_i8,)))
+        ctx.args = dict(window=window, scale=scale, eps=eps, has_swa=has_swa, has_la=has_la,
+                        shared=shared, cfg=cfg)
+        ctx.has_kpm = kpm_i8 is not None
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, fq, fk, ca, cb, logs, shift, first, lse, den, *rest = ctx.saved_tensors
+        kpm_i8 = rest[0] if ctx.has_kpm else None
+        a = ctx.args
+        do = do if do.stride(-1) == 1 else do.contiguous()
+        if do.dtype != q.dtype:
+            do = do.to(q.dtype)
+        try:
+            dq, dk, dv, dfq, dfk, dpa, dpb = _backward(
+                do, q, k, v, fq, fk, ca, cb, logs, shift, first, kpm_i8, lse, den, **a)
+        except _triton_errors() as e:  # a Triton resource / compile failure: say so, stay right
+            FALLBACK_ERRORS.append(f"backward: {type(e).__name__}: {e}"[:500])
+            _warn_once(f"fused hybrid backward failed in Triton ({type(e).__name__}); this call's "
+                       "gradients come from the PyTorch reference")
+            return _reference_backward(ctx, do, q, k, v, fq, fk, ca, cb, logs, shift, first,
+                                       kpm_i8, a)
+        if dq is None:
+            dq = torch.zeros_like(q)
+        if dfq is None:
+            dfq, dfk = torch.zeros_like(fq), torch.zeros_like(fk)
+        if a["shared"]:
+            dca, dcb, dlogs = None, None, dpa
+        else:
+            dca, dcb, dlogs = dpa, dpb, None
+        return (dq, dk, dv, dfq, dfk, dca, dcb, dlogs) + (None,) * 10
+
+
+def _reference_backward(ctx, do, q, k, v, fq, fk, ca, cb, logs, shift, first, kpm_i8, a):
+    kpm = None if kpm_i8 is None else kpm_i8.bool()
+    with torch.enable_grad():
+        ins = [t.detach().requires_grad_() for t in (q, k, v, fq, fk, ca, cb, logs)]
+        out = kernel_reference(*ins, shift.view(q.shape[0], q.shape[1]), window=a["window"],
+                               scale=a["scale"], eps=a["eps"], key_padding_mask=kpm,
+                               has_swa=a["has_swa"], has_la=a["has_la"], shared=a["shared"])
+        grads = torch.autograd.grad(out, ins, do.float(), allow_unused=True)
+    grads = [torch.zeros_like(t) if g is None else g.to(t.dtype) for g, t in zip(grads, ins)]
+    dq, dk, dv, dfq, dfk, dca, dcb, dlogs = grads
+    if a["shared"]:
+        dca = dcb = None
+    else:
+        dlogs = None
+    return (dq, dk, dv, dfq, dfk, dca, dcb, dlogs) + (None,) * 10
+
+
+# ============================================================================= entry points
+def hybrid_kernel(q, k, v, fq, fk, ca, cb, logs, shift, *, window: int, scale: float, eps: float,
+                  key_padding_mask: torch.Tensor | None = None, has_swa: bool = True,
+                  has_la: bool = True, shared: bool = False,
+                  config: KernelConfig | None = None) -> torch.Tensor:
+    """The kernels' own function (see the module docstring), differentiable in q, k, v, fq,
+    fk, ca, cb (not ``shared``) and logs (``shared``).
+
+    q (B, H, T, D), k, v (B, Hkv, T, D), fq (B, H, T, F), fk (B, Hkv, T, F), one dtype;
+    ca, cb, logs (B, H) fp32; shift (B, H) int; key_padding_mask (B, T) bool or None.
+    No checks beyond shapes: ``fused_hybrid`` decides what may come here.
+    """
+    B, H, T, D = q.shape
+    cfg = config or default_config(D, fq.shape[-1], q.dtype)
+    if cfg.state_chunk % cfg.block_n or cfg.state_chunk % cfg.bwd_block_n:
+        raise ValueError(f"state_chunk {cfg.state_chunk} must be a multiple of the key blocks "
+                         f"({cfg.block_n}, {cfg.bwd_block_n})")
+    q, k, v, fq, fk = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, fq, fk))
+    dev = q.device
+    if key_padding_mask is None:
+        kpm_i8 = None
+        first = torch.zeros(B, device=dev, dtype=torch.int32)
+    else:
+        kpm = key_padding_mask.bool()
+        kpm_i8 = kpm.to(torch.int8).contiguous()
+        # index of the first real key of each row (T where there is none)
+        idx = torch.where(kpm, torch.arange(T, device=dev)[None, :], T)
+        first = idx.min(dim=1).values.to(torch.int32)
+    ca = ca.float().reshape(B * H).contiguous()
+    cb = cb.float().reshape(B * H).contiguous()
+    logs = logs.float().reshape(B * H).contiguous()
+    shift = shift.to(device=dev, dtype=torch.int32).reshape(B * H).contiguous()
+    return _HybridFn.apply(q, k, v, fq, fk, ca, cb, logs, shift, first, kpm_i8, int(window),
+                           float(scale), float(eps), bool(has_swa), bool(has_la), bool(shared),
+                           cfg)
+
+
+def kernel_reference(q, k, v, fq, fk, ca, cb, logs, shift, *, window: int, scale: float,
+                     eps: float, key_padding_mask=None, has_swa: bool = True, has_la: bool = True,
+                     shared: bool = False) -> torch.Tensor:
+    """``hybrid_kernel``'s function in plain PyTorch (fp32), built from ``ops.reference``:
+    the interpreter tests' oracle and the backward's fallback. Returns (B, H, T, D) fp32."""
+    B, H, T, D = q.shape
+    swa, lse = ref.softmax_attention_blocked(q, k, v, scale=scale, window=window,
+                                             key_padding_mask=key_padding_mask)
+    shift = shift.reshape(B, H).to(q.device)
+    la = torch.zeros(B, H, T, D, device=q.device)
+    den = torch.zeros(B, H, T, device=q.device)
+    has = torch.zeros(B, H, T, dtype=torch.bool, device=q.device)
+    if has_la:
+        for s in sorted({int(x) for x in shift.flatten().tolist()}):
+            o_s, d_s, h_s = ref.linear_attention_chunked(fq, fk, v, shift=s, eps=eps,
+                                                         key_padding_mask=key_padding_mask)
+            sel = (shift == s)[..., None]  # (B, H, 1)
+            la = torch.where(sel[..., None], o_s, la)
+            den = torch.where(sel, d_s, den)
+            has = torch.where(sel, h_s, has)
+    if shared:
+        alpha = torch.sigmoid(logs.reshape(B, H, 1).float() + lse - torch.log(den.clamp_min(eps)))
+        alpha = torch.where(has, alpha, torch.ones_like(alpha))
+        alpha = torch.where(torch.isfinite(lse), alpha, torch.zeros_like(alpha))[..., None]
+        return alpha * swa + (1 - alpha) * la
+    ca, cb = ca.reshape(B, H, 1, 1).float(), cb.reshape(B, H, 1, 1).float()
+    out = torch.zeros_like(swa)
+    if has_swa:
+        out = out + ca * swa
+    if has_la:
+        out = out + cb * la
+    return out
+
+
+def unsupported_reason(q, k, v, fq, fk, key_padding_mask=None) -> str | None:
+    """Why the fused kernels cannot take these tensors (``None``: they can)."""
+    if not available():
+        return "triton is not installed or there is no CUDA device"
+    if not (q.is_cuda or _interpret()):
+        return "the fused kernels run on CUDA tensors"
+    if fq is None or fk is None:
+        return "no feature maps"
+    dtypes = {x.dtype for x in (q, k, v, fq, fk)}
+    if len(dtypes) != 1:
+        return f"mixed dtypes {sorted(str(d) for d in dtypes)}"
+    dtype = q.dtype
+    if dtype not in (torch.bfloat16, torch.float32):
+        return f"dtype {dtype} (the fused kernels take bf16 and fp32)"
+    B, H, Tq, D = q.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
+    F = fq.shape[-1]
+    if Tq != Tk:
+        return "fewer queries than keys (KV-cache decoding)"
+    if fk.shape[1] != Hkv or fk.shape[2] != Tk or v.shape[-1] != D or fk.shape[-1] != F:
+        return "shapes of fq/fk/v do not match q/k"
+    if H % Hkv:
+        return f"{H} query heads are not a multiple of {Hkv} kv heads"
+
+    def pow2(n):
+        return n & (n - 1) == 0
+
+    if not (pow2(D) and 16 <= D <= 128):
+        return f"head dim {D} (the fused kernels take powers of two in [16, 128])"
+    if not (pow2(F) and 16 <= F <= 256):
+        return f"feature dim {F} (the fused kernels take powers of two in [16, 256])"
+    if Tq == 0:
+        return "empty sequence"
+    return None
+
+
+def _per_head(x, B: int, H: int, what: str):
+    """A float, or a tensor broadcastable to (B, H, T, D) that is constant over T and D, as a
+    (B, H) fp32 tensor (differentiable); ``None`` when it varies over T or D."""
+    if not torch.is_tensor(x):
+        return None, float(x)
+    t = x
+    while t.dim() < 4:
+        t = t[None]
+    if t.dim() != 4 or t.shape[2] != 1 or t.shape[3] != 1:
+        return None, None
+    return t.float().expand(B, H, 1, 1).reshape(B, H), None
+
+
+def fused_hybrid(q, k, v, fq, fk, *, window: int, mode: str, g, shared_norm: bool, overlap: bool,
+                 rescale: bool, la_span: str, swa_drop, key_padding_mask, scale: float,
+                 eps: float, config: KernelConfig | None = None) -> torch.Tensor | None:
+    """``ops.hybrid.hybrid_attention`` for the modes the kernels cover (same arguments, checked
+    by the caller), or ``None`` (reason logged once) for the caller's piece-by-piece path."""
+
+    def no(reason: str):
+        _warn_once(f"fused Triton hybrid not used: {reason}; running the piece-by-piece path")
+        return None
+
+    if mode not in ("hybrid", "swa_only", "la_only"):
+        return None  # sinks / softmax / none need no LA: the pieces are the right tool
+    reason = unsupported_reason(q, k, v, fq, fk, key_padding_mask)
+    if reason is not None:
+        return no(reason)
+    B, H, T, D = q.shape
+    dev = q.device
+    shift0 = 0 if overlap else window
+    shift_la_only = 0 if la_span == "all" else shift0
+    drop = None
+    if swa_drop is not None:
+        sd = swa_drop
+        while sd.dim() < 4:
+            sd = sd[None]
+        if sd.shape[2] != 1 or sd.shape[3] != 1:
+            return no(f"swa_drop of shape {tuple(swa_drop.shape)} (needs one value per (b, h))")
+        drop = sd.bool().expand(B, H, 1, 1).reshape(B, H)
+        if mode == "la_only":
+            drop = None  # la_only ignores it (as the reference does)
+    zeros = torch.zeros(B, H, device=dev)
+    if shared_norm:
+        if mode != "hybrid" or drop is not None:
+            return no(f"shared_norm in mode {mode!r}" + (" with swa_drop" if drop is not None
+                                                           else ""))
+        s_t, s_f = _per_head(g, B, H, "shared-norm factor")
+        if s_t is None and s_f is None:
+            return no("a shared-norm factor that varies over positions or channels")
+        s = s_t if s_t is not None else torch.full((B, H), s_f, device=dev)
+        logs = torch.log(s.clamp_min(1e-30))
+        shift = torch.full((B, H), shift0, device=dev, dtype=torch.int32)
+        out = _launch(q, k, v, fq, fk, zeros, zeros, logs, shift, window, scale, eps,
+                      key_padding_mask, True, True, True, config)
+        return out
+    g_t, g_f = _per_head(g, B, H, "g")
+    if g_t is None and g_f is None:
+        return no("a mixer g that varies over positions or channels (output gates)")
+    gg = g_t if g_t is not None else torch.full((B, H), g_f, device=dev)
+    one = torch.ones(B, H, device=dev)
+    if mode == "hybrid":
+        ca, cb, shift = gg, 1 - gg, torch.full((B, H), shift0, device=dev, dtype=torch.int32)
+        has_swa = has_la = True
+    elif mode == "swa_only":
+        ca, cb = (one if rescale else gg), zeros
+        shift = torch.full((B, H), shift0, device=dev, dtype=torch.int32)
+        has_swa, has_la = True, False
+    else:  # la_only
+        ca, cb = zeros, (one if rescale else 1 - gg)
+        shift = torch.full((B, H), shift_la_only, device=dev, dtype=torch.int32)
+        has_swa, has_la = False, True
+    if drop is not None:  # SSD: a dropped (b, h) is la_only with the same switches
+        w_la_only = one if rescale else 1 - gg
+        ca = torch.where(drop, zeros, ca)
+        cb = torch.where(drop, w_la_only, cb)
+        shift = torch.where(drop, torch.full_like(shift, shift_la_only), shift)
+        has_swa = has_la = True
+    return _launch(q, k, v, fq, fk, ca, cb, zeros, shift, window, scale, eps, key_padding_mask,
+                   has_swa, has_la, False, config)
+
+
+def _launch(q, k, v, fq, fk, ca, cb, logs, shift, window, scale, eps, kpm, has_swa, has_la,
+            shared, config):
+    try:
+        return hybrid_kernel(q, k, v, fq, fk, ca, cb, logs, shift, window=window, scale=scale,
+                             eps=eps, key_padding_mask=kpm, has_swa=has_swa, has_la=has_la,
+                             shared=shared, config=config)
+    except _triton_errors() as e:  # never a crash inside Triton: the caller's path instead
+        FALLBACK_ERRORS.append(f"forward: {type(e).__name__}: {e}"[:500])
+        _warn_once(f"fused hybrid forward failed in Triton ({type(e).__name__}: "
+                   f"{str(e)[:200]}); running the piece-by-piece path")
+        return None
+
+
+def floor_model(B: int, H: int, Hkv: int, T: int, D: int, F: int, window: int,
+                bytes_per: int = 2) -> dict:
+    """FLOPs and bytes of one fused call (forward; forward + backward), the least that any
+    implementation of this function must do: every input read once, every output written once,
+    the window's two products per (query, key) pair, the LA state products once per key and
+    per query. Used by benchmarks/README.md's floor table."""
+    pairs = B * H * T * window  # (query, key) pairs in the window (upper bound near t < w)
+    f_swa = 4 * pairs * D  # q.k and p.v
+    f_la = B * H * T * 2 * F * D * 2 + B * Hkv * T * 2 * F * D  # fq.S, dnum-free num; states
+    fwd_flops = f_swa + f_la
+    bwd_flops = 2.5 * f_swa + 2 * f_la  # flash-style backward ~2.5x the window products
+    io_fwd = bytes_per * (B * H * T * (D + F) + B * Hkv * T * (2 * D + F) + B * H * T * D)
+    io_bwd = bytes_per * (2 * B * H * T * (D + F) + 2 * B * Hkv * T * (2 * D + F)
+                          + 2 * B * H * T * D)
+    return {"fwd_flops": fwd_flops, "fwd_bwd_flops": fwd_flops + bwd_flops,
+            "fwd_bytes": io_fwd, "fwd_bwd_bytes": io_fwd + io_bwd}
+
