@@ -1,13 +1,22 @@
 """The ``hedgecats`` command.
 
     hedgecats fit|validate|test --config stage.yaml [...]   one stage through LightningCLI
-    hedgecats pipeline configs/pipelines/tiny.yaml [--output DIR] [--dry-run]
+    hedgecats pipeline configs/pipelines/tiny.yaml [--output DIR] [--seed N] [--var K=V] [--dry-run]
     hedgecats evaluate ...                                   hedgecats.evaluation.cli
 
 A pipeline YAML names its stages in order; each has a LightningCLI ``fit`` config
 (``model`` / ``data`` / ``trainer`` with ``class_path`` / ``init_args``). Strings may use
-``${output}`` (the run directory) and ``${stages.NAME}`` (``<output>/NAME``), which is how a stage
-points at the previous one's ``stage.pt`` (``init_from``) or saved model. The run directory:
+``${output}`` (the run directory), ``${stages.NAME}`` (``<output>/NAME``), which is how a stage
+points at the previous one's ``stage.pt`` (``init_from``) or saved model, ``${seed}`` and
+``${vars.NAME}`` (the top-level ``vars:`` mapping, overridden by ``--var NAME=VALUE``); a value
+that is exactly one ``${...}`` keeps the type of what it stands for.
+
+Seeds: the top-level ``seed`` (default 0; ``--seed N`` overrides it) is every stage's
+``seed_everything`` unless the stage sets its own, and ``--seed`` overrides those too, so one
+flag makes a seed sweep. ``seed_everything`` reaches the feature maps' initialisation (a
+``hybrid`` without its own ``seed`` takes the run's), LoRA's initialisation and the SSD draws;
+data order and data content stay with each DataModule's own ``seed`` (link it to ``${seed}`` to
+vary them too). The run directory:
 
     <output>/<stage>/config.yaml          the resolved LightningCLI config (the run record)
     <output>/<stage>/checkpoints/last.ckpt   resumes an interrupted stage (ckpt_path)
@@ -34,36 +43,55 @@ import yaml
 __all__ = ["load_pipeline", "main", "run_pipeline"]
 
 USAGE = __doc__.split("\n\n")[1]
-_REF = re.compile(r"\$\{(output|stages\.([A-Za-z0-9_\-]+))\}")
+_REF = re.compile(r"\$\{(output|seed|stages\.([A-Za-z0-9_\-]+)|vars\.([A-Za-z0-9_\-]+))\}")
 
 
 # ----------------------------------------------------------------------------- pipeline spec
-def _substitute(obj, output: Path, names: set[str]):
+def _substitute(obj, values: dict):
+    """Replace ``${...}`` references (see the module docstring); ``values`` maps each reference
+    name (``output``, ``seed``, ``stages.X``, ``vars.X``) to its value."""
     if isinstance(obj, dict):
-        return {k: _substitute(v, output, names) for k, v in obj.items()}
+        return {k: _substitute(v, values) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_substitute(v, output, names) for v in obj]
+        return [_substitute(v, values) for v in obj]
     if isinstance(obj, str):
-        def repl(m: re.Match) -> str:
-            if m.group(1) == "output":
-                return str(output)
-            name = m.group(2)
-            if name not in names:
-                raise ValueError(f"${{stages.{name}}} names no stage; stages: {sorted(names)}")
-            return str(output / name)
+        def lookup(m: re.Match):
+            name = m.group(1)
+            if name not in values:
+                kind = name.split(".")[0]
+                known = sorted(k.split(".", 1)[1] for k in values if k.startswith(kind + "."))
+                raise ValueError(f"${{{name}}} names no {kind[:-1] if kind.endswith('s') else kind}"
+                                 f"; defined: {known}")
+            return values[name]
 
-        return _REF.sub(repl, obj)
+        whole = _REF.fullmatch(obj)
+        if whole:  # a value that is one reference keeps its type (seed: an int)
+            return lookup(whole)
+        return _REF.sub(lambda m: str(lookup(m)), obj)
     return obj
 
 
-def load_pipeline(path: str | Path, output: str | Path | None = None) -> dict:
-    """Read a pipeline YAML, check its shape, and resolve ``${output}`` / ``${stages.NAME}``."""
+def _parse_vars(pairs: list[str] | None) -> dict[str, object]:
+    """``["NAME=VALUE", ...]`` from the command line; VALUE is read as YAML (``3`` an int)."""
+    out = {}
+    for pair in pairs or []:
+        name, sep, value = pair.partition("=")
+        if not sep or not re.fullmatch(r"[A-Za-z0-9_\-]+", name):
+            raise ValueError(f"--var takes NAME=VALUE, got {pair!r}")
+        out[name] = yaml.safe_load(value)
+    return out
+
+
+def load_pipeline(path: str | Path, output: str | Path | None = None, seed: int | None = None,
+                  variables: dict | None = None) -> dict:
+    """Read a pipeline YAML, check its shape, and resolve its ``${...}`` references; ``seed``
+    (``--seed``) and ``variables`` (``--var``) override the YAML's ``seed`` and ``vars``."""
     path = Path(path)
     spec = yaml.safe_load(path.read_text())
     if not isinstance(spec, dict) or not isinstance(spec.get("stages"), list) or not spec["stages"]:
         raise ValueError(f"{str(path)!r}: a pipeline is a mapping with a non-empty 'stages' list")
     unknown = sorted(set(spec) - {"name", "description", "output", "checkpoint_every_n_steps",
-                                  "stages", "evaluate"})
+                                  "stages", "evaluate", "seed", "vars"})
     if unknown:
         raise ValueError(f"{str(path)!r}: unknown top-level keys {unknown}")
     names = []
@@ -79,9 +107,26 @@ def load_pipeline(path: str | Path, output: str | Path | None = None) -> dict:
         names.append(st["name"])
     if len(set(names)) != len(names):
         raise ValueError(f"{str(path)!r}: stage names must be unique, got {names}")
+    yaml_vars = spec.get("vars") or {}
+    if not isinstance(yaml_vars, dict):
+        raise ValueError(f"{str(path)!r}: 'vars' must be a mapping of names to values")
+    undeclared = sorted(set(variables or {}) - set(yaml_vars))
+    if undeclared:
+        raise ValueError(f"--var {undeclared} not declared in {str(path)!r}'s vars: "
+                         f"{sorted(yaml_vars)} (declare each with its default)")
+    run_seed = spec.get("seed", 0) if seed is None else seed
+    if isinstance(run_seed, bool) or not isinstance(run_seed, int):
+        raise ValueError(f"{str(path)!r}: seed must be an integer, got {run_seed!r}")
+    for st in spec["stages"]:
+        if seed is not None or "seed_everything" not in st["fit"]:
+            st["fit"]["seed_everything"] = run_seed
     out = Path(output or spec.get("output") or Path("runs") / spec.get("name", path.stem))
-    spec = _substitute(spec, out.resolve(), set(names))
+    values = {"output": str(out.resolve()), "seed": run_seed,
+              **{f"stages.{n}": str(out.resolve() / n) for n in names},
+              **{f"vars.{k}": v for k, v in {**yaml_vars, **(variables or {})}.items()}}
+    spec = _substitute(spec, values)
     spec["output"] = str(out.resolve())
+    spec["seed"] = run_seed
     spec.setdefault("name", path.stem)
     spec.setdefault("checkpoint_every_n_steps", 50)
     return spec
@@ -90,7 +135,6 @@ def load_pipeline(path: str | Path, output: str | Path | None = None) -> dict:
 # ----------------------------------------------------------------------------- running a stage
 def _stage_config(stage: dict, stage_dir: Path, every_n: int) -> dict:
     cfg = copy.deepcopy(stage["fit"])
-    cfg.setdefault("seed_everything", 0)
     trainer = cfg.setdefault("trainer", {})
     trainer["default_root_dir"] = str(stage_dir)
     # one log directory per attempt: CSVLogger empties its directory when a run starts again
@@ -189,14 +233,38 @@ def _instantiate(spec: dict):
     return getattr(importlib.import_module(mod), cls)(**spec.get("init_args", {}))
 
 
+def _eval_device(ev: dict) -> tuple[str, str]:
+    """(device, precision) of a recall evaluation: ``device: auto`` (default) is the GPU when
+    there is one, like the trainer's; ``precision`` defaults to ``bf16-mixed`` there (what the
+    stages train in) and ``32`` on the CPU."""
+    import torch
+
+    device = ev.get("device", "auto")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"evaluate.device={device!r} but no CUDA device is available; use "
+                         "'auto' or 'cpu'")
+    precision = str(ev.get("precision", "bf16-mixed" if device.startswith("cuda") else "32"))
+    if precision not in ("32", "bf16-mixed"):
+        raise ValueError(f"evaluate.precision={precision!r} is not valid; choose '32' or "
+                         "'bf16-mixed'")
+    return device, precision
+
+
 def _evaluate_recall(spec: dict, ev: dict, console) -> dict:
+    import torch
+
     from .lightning_modules.recall_eval import EVAL_MODES, evaluate_recall, format_table
     from .models import HybridConfig, convert_to_hybrid
     from .models.checkpoint import load_hybrid
 
     output = Path(spec["output"])
     stage_pt = output / ev["stage"] / "stage.pt"
+    device, precision = _eval_device(ev)
+    amp = torch.bfloat16 if precision == "bf16-mixed" else None
     model, _, info = load_hybrid(stage_pt)
+    model.to(device)
     window = info["hybrid_config"]["window"]
     dm = _instantiate(ev["data"])
     dm.setup("test")
@@ -204,27 +272,33 @@ def _evaluate_recall(spec: dict, ev: dict, console) -> dict:
     modes = tuple(ev.get("modes", EVAL_MODES))
     bs = int(ev.get("batch_size", 16))
     console.print(f"evaluating {len(modes)} modes on {len(corpus.input_ids)} held-out documents "
-                  f"({len(corpus.answers)} recalls, window {window})")
-    results = evaluate_recall(model, corpus, window=window, modes=modes, batch_size=bs)
+                  f"({len(corpus.answers)} recalls; model window {window}; near: distance <= "
+                  f"{corpus.near_max}, far: >= {corpus.far_min}) on {device}, precision "
+                  f"{precision}")
+    results = evaluate_recall(model, corpus, modes=modes, batch_size=bs, autocast_dtype=amp)
     for name, variant in (ev.get("variants") or {}).items():
         switches = dict(variant)
         variant_modes = tuple(switches.pop("modes", ("swa_only", "la_only")))
-        for mode, r in evaluate_recall(model, corpus, window=window, modes=variant_modes,
-                                       batch_size=bs, **switches).items():
+        for mode, r in evaluate_recall(model, corpus, modes=variant_modes, batch_size=bs,
+                                       autocast_dtype=amp, **switches).items():
             results[f"{mode} ({name})"] = r
     rows = {}
     if ev.get("teacher"):  # the unconverted base model, for reference
         from transformers import AutoModelForCausalLM
 
-        teacher = AutoModelForCausalLM.from_pretrained(info["base_model"])
+        teacher = AutoModelForCausalLM.from_pretrained(info["base_model"]).to(device)
         convert_to_hybrid(teacher, HybridConfig(window=window, mode="softmax"))
-        rows["teacher"] = evaluate_recall(teacher, corpus, window=window, modes=("softmax",),
-                                          batch_size=bs)["softmax"]
+        rows["teacher"] = evaluate_recall(teacher, corpus, modes=("softmax",), batch_size=bs,
+                                          autocast_dtype=amp)["softmax"]
+        del teacher
     rows.update(results)
     console.print(format_table(rows, title=f"{spec['name']}: {ev['stage']} on held-out recall "
-                               f"documents (near: fact < {window} tokens back; far: >= {window})"))
+                               f"documents (near: fact <= {corpus.near_max} tokens back; far: >= "
+                               f"{corpus.far_min}; model window {window})"))
     return {"stage": ev["stage"], "checkpoint": str(stage_pt), "window": window,
-            "n_docs": len(corpus.input_ids), "results": rows}
+            "near_max": corpus.near_max, "far_min": corpus.far_min, "far_max": corpus.far_max,
+            "buckets": [list(b) for b in corpus.buckets()], "device": device,
+            "precision": precision, "n_docs": len(corpus.input_ids), "results": rows}
 
 
 def _evaluate_command(spec: dict, ev: dict, console) -> dict:
@@ -243,15 +317,17 @@ def _evaluate_command(spec: dict, ev: dict, console) -> dict:
 
 # ----------------------------------------------------------------------------- pipeline
 def run_pipeline(path: str | Path, output: str | Path | None = None, dry_run: bool = False,
-                 console=None) -> dict | None:
+                 console=None, seed: int | None = None, variables: dict | None = None
+                 ) -> dict | None:
     """Run (or, with ``dry_run``, describe) a pipeline; returns what went to results.json."""
     from rich.console import Console
 
     console = console or Console()
-    spec = load_pipeline(path, output)
+    spec = load_pipeline(path, output, seed=seed, variables=variables)
     out = Path(spec["output"])
     n = len(spec["stages"])
-    console.print(f"[bold]pipeline {spec['name']}[/bold] -> {out}", soft_wrap=True)
+    console.print(f"[bold]pipeline {spec['name']}[/bold] -> {out} (seed {spec['seed']})",
+                  soft_wrap=True)
     for i, st in enumerate(spec["stages"], 1):
         console.print(f"  {i}/{n} {st['name']} [{_status(out / st['name'])}]: {_describe(st)}",
                       soft_wrap=True, markup=False)
@@ -271,7 +347,7 @@ def run_pipeline(path: str | Path, output: str | Path | None = None, dry_run: bo
         t = time.time()
         _run_stage(st, stage_dir, int(spec["checkpoint_every_n_steps"]))
         console.print(f"stage {st['name']} finished in {time.time() - t:.0f} s")
-    summary = {"pipeline": spec["name"], "output": str(out)}
+    summary = {"pipeline": spec["name"], "output": str(out), "seed": spec["seed"]}
     if ev:
         console.rule("evaluation")
         kind = ev.get("kind", "recall")
@@ -295,6 +371,10 @@ def _pipeline_main(argv: list[str]) -> int:
                                 description="Run a recipe's stages in order (see configs/pipelines).")
     p.add_argument("config", help="pipeline YAML, e.g. configs/pipelines/tiny.yaml")
     p.add_argument("--output", help="run directory (default: the YAML's output, else runs/<name>)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="every stage's seed_everything and ${seed} (default: the YAML's seed, 0)")
+    p.add_argument("--var", action="append", metavar="NAME=VALUE",
+                   help="override one of the YAML's vars (repeatable)")
     p.add_argument("--dry-run", action="store_true", help="print the resolved stages and exit")
     a = p.parse_args(argv)
     import warnings
@@ -304,7 +384,7 @@ def _pipeline_main(argv: list[str]) -> int:
     for msg in ("Using ModelCheckpoint with manual optimization", r".*\.fit\(ckpt_path=",
                 "isinstance.treespec, LeafSpec"):
         warnings.filterwarnings("ignore", message=msg)
-    run_pipeline(a.config, a.output, a.dry_run)
+    run_pipeline(a.config, a.output, a.dry_run, seed=a.seed, variables=_parse_vars(a.var))
     return 0
 
 

@@ -34,7 +34,8 @@ def _worker(stage: str, strategy: str, base: str, root: str, steps: int, ckpt: s
     callbacks = []
     if stage == "finetune":
         m = HybridFinetune(base, hybrid={"window": 8}, lr=1e-3)
-        callbacks.append(ScheduledSlidingWindowDropout("dropout", window=[4, 8]))
+        callbacks.append(ScheduledSlidingWindowDropout("dropout", window=[4, 8], interval="step",
+                                                       interval_steps=1))
     else:
         m = AttentionTransfer(base, hybrid={"window": 8}, lr=1e-2)
     losses = []

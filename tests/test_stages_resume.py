@@ -47,7 +47,8 @@ def _run(stage, base, root, steps, ckpt_path=None, extra=()):
     pl.seed_everything(0)  # SSD draws from the global RNG (a resumed run restores its state)
     if stage == "finetune":  # SSD drops use the RNG: resume must restore it too
         m = HybridFinetune(base, hybrid=HYB, lr=1e-3)
-        callbacks = [ScheduledSlidingWindowDropout("dropout", window=[4, 8])]
+        callbacks = [ScheduledSlidingWindowDropout("dropout", window=[4, 8], interval="step",
+                                                   interval_steps=3)]
     else:
         m = AttentionTransfer(base, hybrid=HYB, lr=1e-2)
         callbacks = []

@@ -4,10 +4,13 @@ Imports lightning; ``hedgecats.models`` never does (DESIGN.md, layering).
 """
 
 from .callbacks import (
+    SSD_INTERVALS,
     SSD_SCHEDULES,
     CheckpointOnInterrupt,
     ScheduledSlidingWindowDropout,
+    SSDScheduleError,
     resolve_ssd_schedule,
+    ssd_phase,
     ssd_schedule,
 )
 from .recall_data import RecallDataModule
@@ -18,11 +21,14 @@ from .stages import (
     HybridStage,
     NonFiniteLossError,
     TeacherPretraining,
+    TransferCollapseError,
 )
 
 __all__ = [
     "DEFAULT_LORA",
+    "SSD_INTERVALS",
     "SSD_SCHEDULES",
+    "SSDScheduleError",
     "AttentionTransfer",
     "CheckpointOnInterrupt",
     "HybridFinetune",
@@ -31,6 +37,8 @@ __all__ = [
     "RecallDataModule",
     "ScheduledSlidingWindowDropout",
     "TeacherPretraining",
+    "TransferCollapseError",
     "resolve_ssd_schedule",
+    "ssd_phase",
     "ssd_schedule",
 ]

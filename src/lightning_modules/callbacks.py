@@ -1,16 +1,20 @@
 """Callbacks: Scheduled Sliding-window Dropout, and a checkpoint on interruption.
 
 SSD (PAPER.md section 5): during stage 2, each layer's SWA branch is dropped with probability
-``p_k`` and the window is ``w_k`` in epoch ``k``; both follow per-epoch schedules that hold their
-last value. ``ssd_schedule`` is the pure function; ``ScheduledSlidingWindowDropout`` applies it.
+``p_k`` and the window is ``w_k`` in phase ``k``; both lists hold their last value. The paper's
+phases are epochs of 25M tokens; a phase may instead be a number of optimiser steps or an equal
+fraction of the stage, so that short runs (the testbed, smoke tests) advance the schedule too.
+``ssd_schedule`` is the pure function; ``ScheduledSlidingWindowDropout`` applies it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from ..models import hybrid_layers, set_attention_mode
@@ -18,8 +22,13 @@ from ..models.checkpoint import unwrap
 from ..models.config import SSD_GRANULARITIES
 from .stages import NonFiniteLossError
 
-__all__ = ["SSD_SCHEDULES", "CheckpointOnInterrupt", "ScheduledSlidingWindowDropout",
-           "resolve_ssd_schedule", "ssd_schedule"]
+__all__ = ["SSD_INTERVALS", "SSD_SCHEDULES", "CheckpointOnInterrupt",
+           "ScheduledSlidingWindowDropout", "SSDScheduleError", "resolve_ssd_schedule",
+           "ssd_phase", "ssd_schedule"]
+
+#: what one entry of an SSD schedule lasts: an epoch (the paper), ``interval_steps`` optimiser
+#: steps, or an equal fraction of the stage's optimiser steps (as many fractions as entries)
+SSD_INTERVALS = ("epoch", "step", "fraction")
 
 #: name -> (p per epoch, window per epoch), PAPER.md section 5; the last value is held
 SSD_SCHEDULES: dict[str, tuple[tuple[float, ...], tuple[int, ...]]] = {
@@ -52,39 +61,80 @@ def resolve_ssd_schedule(schedule: str | None = None, p: Sequence[float] | None 
     return p, window
 
 
-def ssd_schedule(epoch: int, p: Sequence[float], window: Sequence[int]) -> tuple[float, int]:
-    """``(p_k, w_k)`` for 0-based ``epoch``; each list holds its last value past its end."""
-    if epoch < 0:
-        raise ValueError(f"epoch must be >= 0, got {epoch!r}")
-    return p[min(epoch, len(p) - 1)], window[min(epoch, len(window) - 1)]
+def ssd_schedule(phase: int, p: Sequence[float], window: Sequence[int]) -> tuple[float, int]:
+    """``(p_k, w_k)`` for 0-based ``phase``; each list holds its last value past its end."""
+    if phase < 0:
+        raise ValueError(f"epoch must be >= 0, got {phase!r}")
+    return p[min(phase, len(p) - 1)], window[min(phase, len(window) - 1)]
+
+
+def ssd_phase(interval: str, *, epoch: int, step: int, interval_steps: int | None = None,
+              total_steps: int | None = None, n_phases: int = 1) -> int:
+    """The 0-based schedule phase at ``epoch`` / optimiser ``step`` (pure).
+
+    ``epoch``: the epoch. ``step``: ``step // interval_steps``. ``fraction``: phase ``k`` covers
+    steps ``[k T / n, (k+1) T / n)`` of ``T = total_steps`` for ``n = n_phases``."""
+    if interval == "epoch":
+        return epoch
+    if interval == "step":
+        return step // interval_steps
+    if interval == "fraction":
+        return min(n_phases - 1, step * n_phases // max(1, total_steps))
+    raise ValueError(f"unknown SSD interval {interval!r}; valid: {', '.join(SSD_INTERVALS)}")
+
+
+class SSDScheduleError(ValueError):
+    """An SSD schedule that the configured run cannot advance."""
 
 
 class ScheduledSlidingWindowDropout(pl.Callback):
-    """Set the SWA drop probability and the window of every hybrid layer at each epoch start.
+    """Set the SWA drop probability and the window of every hybrid layer, phase by phase.
 
     Args:
         schedule: ``dropout | window | fixed`` (PAPER.md), or ``None`` with both lists given.
-        p, window: per-epoch lists overriding the schedule's columns.
+        p, window: per-phase lists overriding the schedule's columns.
+        interval: what a phase lasts: ``epoch`` (the paper), ``step`` (``interval_steps``
+            optimiser steps) or ``fraction`` (the stage's optimiser steps cut into as many equal
+            parts as the longer list has entries; needs ``trainer.max_steps`` or ``max_epochs``).
+        interval_steps: phase length for ``interval="step"``.
         granularity: what one drop covers, per layer: ``sample`` (default), ``batch``, ``head``.
         rescale: a dropped layer's LA gets weight 1 instead of ``1 - g`` (default off).
         la_span: ``all`` lets a dropped layer's LA see every causal key (default ``outside``).
 
-    The values are logged as ``ssd/p`` and ``ssd/window`` each epoch. After training the drop is
-    switched off and ``rescale`` / ``la_span`` restored; the window stays at the last epoch's
-    value (evaluate with it; the stage checkpoint records it).
+    At the start of training the callback works out how many phases the run will reach (from
+    ``max_steps`` / ``max_epochs`` and the epoch length) and raises ``SSDScheduleError`` when a
+    schedule that changes would never leave its first phase (e.g. a per-epoch schedule in a
+    stage shorter than one epoch: the first version silently held ``p`` at 0.9 there); it warns
+    when later phases are out of reach. The values are logged as ``ssd/p`` and ``ssd/window``
+    when they change. After training the drop is switched off and ``rescale`` / ``la_span``
+    restored; the window stays at the last phase's value (evaluate with it; the stage checkpoint
+    records it).
     """
 
     def __init__(self, schedule: str | None = "dropout", p: list[float] | None = None,
-                 window: list[int] | None = None, granularity: str = "sample",
+                 window: list[int] | None = None, interval: str = "epoch",
+                 interval_steps: int | None = None, granularity: str = "sample",
                  rescale: bool = False, la_span: str = "outside") -> None:
         if granularity not in SSD_GRANULARITIES:
             raise ValueError(f"granularity={granularity!r} is not valid; choose one of "
                              f"{', '.join(SSD_GRANULARITIES)}")
         if la_span not in ("outside", "all"):
             raise ValueError(f"la_span={la_span!r} is not valid; choose outside or all")
+        if interval not in SSD_INTERVALS:
+            raise ValueError(f"interval={interval!r} is not valid; choose one of "
+                             f"{', '.join(SSD_INTERVALS)}")
+        if (interval == "step") != (interval_steps is not None):
+            raise ValueError("interval_steps (>= 1) goes with interval='step' and only with it; "
+                             f"got interval={interval!r}, interval_steps={interval_steps!r}")
+        if interval_steps is not None and interval_steps < 1:
+            raise ValueError(f"interval_steps={interval_steps!r} must be >= 1")
         self.p, self.window = resolve_ssd_schedule(schedule, p, window)
+        self.interval, self.interval_steps = interval, interval_steps
         self.granularity, self.rescale, self.la_span = granularity, rescale, la_span
+        self.n_phases = max(len(self.p), len(self.window))
         self._saved: dict | None = None
+        self._total_steps: int | None = None
+        self._current: tuple[float, int] | None = None
 
     @staticmethod
     def _model(pl_module: pl.LightningModule):
@@ -93,24 +143,85 @@ class ScheduledSlidingWindowDropout(pl.Callback):
             raise ValueError(f"{type(pl_module).__name__} has no .model to apply SSD to")
         return unwrap(model)
 
-    def _apply(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[float, int]:
+    # ------------------------------------------------------------------ reach of the run
+    def _run_length(self, trainer: pl.Trainer) -> tuple[int | None, int | None]:
+        """(optimiser steps per epoch, total optimiser steps of the stage); None if unbounded."""
+        batches = trainer.num_training_batches
+        per_epoch = None
+        if isinstance(batches, int) or (isinstance(batches, float) and math.isfinite(batches)):
+            per_epoch = max(1, int(batches) // max(1, trainer.accumulate_grad_batches))
+        totals = []
+        if trainer.max_steps is not None and trainer.max_steps > 0:
+            totals.append(trainer.max_steps)
+        if trainer.max_epochs is not None and trainer.max_epochs > 0 and per_epoch is not None:
+            totals.append(trainer.max_epochs * per_epoch)
+        return per_epoch, (min(totals) if totals else None)
+
+    def _reached_phases(self, per_epoch: int | None, total: int | None) -> int | None:
+        if total is None:
+            return None
+        if self.interval == "epoch":
+            return None if per_epoch is None else -(-total // per_epoch)
+        if self.interval == "step":
+            return -(-total // self.interval_steps)
+        return self.n_phases
+
+    def _check_reach(self, trainer: pl.Trainer) -> None:
+        per_epoch, total = self._run_length(trainer)
+        if self.interval == "fraction":
+            if total is None:
+                raise SSDScheduleError("SSD interval='fraction' needs a bounded stage: set "
+                                       "trainer.max_steps or max_epochs")
+            self._total_steps = total
+        reached = self._reached_phases(per_epoch, total)
+        changes = len({ssd_schedule(k, self.p, self.window) for k in range(self.n_phases)}) > 1
+        if reached is None or not changes or reached >= self.n_phases:
+            return
+        unit = {"epoch": f"epochs of {per_epoch} steps", "step": f"phases of "
+                f"{self.interval_steps} steps", "fraction": "fractions"}[self.interval]
+        msg = (f"the SSD schedule p={list(self.p)}, window={list(self.window)} has "
+               f"{self.n_phases} phases ({self.interval}), but this run of {total} optimiser "
+               f"steps reaches only {reached} ({unit})")
+        if reached <= 1:
+            raise SSDScheduleError(
+                msg + ": the schedule would never leave its first phase. Use interval: fraction "
+                "(the phases cut the stage into equal parts) or interval: step with "
+                "interval_steps, or train longer")
+        rank_zero_warn(msg + f"; it ends at p={ssd_schedule(reached - 1, self.p, self.window)[0]}"
+                       f", window={ssd_schedule(reached - 1, self.p, self.window)[1]}")
+
+    # ------------------------------------------------------------------ applying it
+    def _phase(self, trainer: pl.Trainer) -> int:
+        return ssd_phase(self.interval, epoch=trainer.current_epoch, step=trainer.global_step,
+                         interval_steps=self.interval_steps, total_steps=self._total_steps,
+                         n_phases=self.n_phases)
+
+    def _apply(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
+        """Set the current phase's values on every layer; True if they changed."""
         model = self._model(pl_module)
         if self._saved is None:
             _, attn = next(iter(hybrid_layers(model)))
             self._saved = {"rescale": attn.hedgecats.rescale, "la_span": attn.hedgecats.la_span}
-        p, w = ssd_schedule(trainer.current_epoch, self.p, self.window)
+        p, w = ssd_schedule(self._phase(trainer), self.p, self.window)
+        if self._current == (p, w):
+            return False
         set_attention_mode(model, window=w, ssd_p=p, ssd_granularity=self.granularity,
                            rescale=self.rescale, la_span=self.la_span)
-        return p, w
+        self._current = (p, w)
+        return True
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # a run resumed mid-epoch does not call on_train_epoch_start for that epoch
+        self._check_reach(trainer)
+        self._current = None
+        # a run resumed mid-phase applies that phase here
         self._apply(trainer, pl_module)
 
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        p, w = self._apply(trainer, pl_module)
-        pl_module.log("ssd/p", p, on_step=False, on_epoch=True)
-        pl_module.log("ssd/window", float(w), on_step=False, on_epoch=True)
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch,
+                             batch_idx: int) -> None:
+        self._apply(trainer, pl_module)
+        p, w = self._current
+        pl_module.log("ssd/p", p, on_step=True, on_epoch=False)
+        pl_module.log("ssd/window", float(w), on_step=True, on_epoch=False)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         set_attention_mode(self._model(pl_module), ssd_p=0.0, **(self._saved or {}))

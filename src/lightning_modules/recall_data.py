@@ -48,10 +48,24 @@ byte_tokenizer = byte_level_tokenizer
 @dataclass
 class RecallCorpus:
     """``input_ids`` (N, T) long; ``answers`` (M, 3) long rows ``(doc, position, distance)``:
-    the token at ``position`` is a recalled value whose fact's value sits ``distance`` earlier."""
+    the token at ``position`` is a recalled value whose fact's value sits ``distance`` earlier.
+    Near recalls have distances in ``[3, near_max]``, far ones in ``[far_min, far_max]``: the
+    split is fixed by the data, whatever window a model is later evaluated with."""
 
     input_ids: torch.Tensor
     answers: torch.Tensor
+    near_max: int
+    far_min: int
+    far_max: int
+
+    def buckets(self, n_far: int = 3) -> list[tuple[str, int, int]]:
+        """``(name, lo, hi)`` distance buckets, bounds inclusive: ``near`` and ``n_far`` equal
+        slices of the far range (``d150-233`` ...)."""
+        out = [("near", 3, self.near_max)]
+        edges = [self.far_min + round(k * (self.far_max + 1 - self.far_min) / n_far)
+                 for k in range(n_far + 1)]
+        out += [(f"d{lo}-{hi - 1}", lo, hi - 1) for lo, hi in zip(edges, edges[1:]) if hi > lo]
+        return out
 
 
 TASKS = ("kv", "marker")
@@ -112,7 +126,8 @@ def make_recall_corpus(num_docs: int, seq_len: int, *, near_max: int, far_min: i
                     answers.append((d, r + 2, dist))
                     break
         docs[d] = row
-    return RecallCorpus(torch.from_numpy(docs), torch.tensor(answers, dtype=torch.long))
+    return RecallCorpus(torch.from_numpy(docs), torch.tensor(answers, dtype=torch.long),
+                        near_max=near_max, far_min=far_min, far_max=far_max)
 
 
 def _marker_doc(row, d, rng, upper, near_max, far_min, far_max, answers) -> None:

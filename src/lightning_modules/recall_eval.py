@@ -1,12 +1,17 @@
 """Ablation-mode evaluation on held-out recall documents (the embedded default's last step).
 
 For every attention mode: the mean next-token loss over all tokens, and the loss and accuracy on
-the recalled values whose fact lies inside the window (near) or outside it (far). A model whose
-LA branch carries information from beyond the window keeps its far accuracy in ``hybrid`` and
-``la_only``; ``swa_only`` cannot, by construction.
+the recalled values whose fact lies near (distance ``<= corpus.near_max``) or far (``>=
+corpus.far_min``), plus the accuracy per distance bucket (``corpus.buckets()``). The split is
+fixed by the data, not by the model's window: recipes that end at different windows (SSD) are
+scored on the same recalls. A model whose LA branch carries information from beyond its window
+keeps its far accuracy in ``hybrid`` and ``la_only``; ``swa_only`` cannot, when the window is
+shorter than ``far_min``.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -22,16 +27,19 @@ COLUMNS = ("lm_loss", "near_loss", "near_acc", "far_loss", "far_acc")
 
 
 @torch.no_grad()
-def _score(model: nn.Module, corpus: RecallCorpus, window: int, batch_size: int,
-           device) -> dict[str, float]:
+def _score(model: nn.Module, corpus: RecallCorpus, batch_size: int, device,
+           autocast_dtype: torch.dtype | None) -> dict[str, float]:
     ids_all = corpus.input_ids
     N, T = ids_all.shape
     ans = corpus.answers  # (M, 3): doc, position, distance
     tok_loss = torch.empty(N, T - 1)
     correct = torch.empty(N, T - 1, dtype=torch.bool)
+    amp = (torch.autocast(torch.device(device).type, dtype=autocast_dtype)
+           if autocast_dtype is not None else contextlib.nullcontext())
     for s in range(0, N, batch_size):
         ids = ids_all[s:s + batch_size].to(device)
-        logits = model(input_ids=ids).logits[:, :-1].float()  # (b, T-1, V): predicts ids[:, 1:]
+        with amp:
+            logits = model(input_ids=ids).logits[:, :-1].float()  # (b, T-1, V): predicts ids[:, 1:]
         tgt = ids[:, 1:]
         tok_loss[s:s + len(ids)] = F.cross_entropy(logits.transpose(1, 2), tgt,
                                                    reduction="none").cpu()
@@ -39,21 +47,26 @@ def _score(model: nn.Module, corpus: RecallCorpus, window: int, batch_size: int,
     # the value at position p is predicted from position p - 1
     doc, pred_pos, dist = ans[:, 0], ans[:, 1] - 1, ans[:, 2]
     out = {"lm_loss": tok_loss.mean().item()}
-    for name, sel in (("near", dist < window), ("far", dist >= window)):
+    for name, sel in (("near", dist <= corpus.near_max), ("far", dist >= corpus.far_min)):
         d, p = doc[sel], pred_pos[sel]
         out[f"{name}_loss"] = tok_loss[d, p].mean().item() if len(d) else float("nan")
         out[f"{name}_acc"] = correct[d, p].float().mean().item() if len(d) else float("nan")
         out[f"n_{name}"] = len(d)
+    for name, lo, hi in corpus.buckets():
+        sel = (dist >= lo) & (dist <= hi)
+        out[f"acc_{name}"] = correct[doc[sel], pred_pos[sel]].float().mean().item() \
+            if sel.any() else float("nan")
     return out
 
 
-def evaluate_recall(model: nn.Module, corpus: RecallCorpus, *, window: int,
+def evaluate_recall(model: nn.Module, corpus: RecallCorpus, *,
                     modes: tuple[str, ...] = EVAL_MODES, batch_size: int = 16,
+                    autocast_dtype: torch.dtype | None = None,
                     **switches) -> dict[str, dict[str, float]]:
-    """``{mode: {lm_loss, near_loss, near_acc, far_loss, far_acc, n_near, n_far}}``.
+    """``{mode: {lm_loss, near_loss, near_acc, far_loss, far_acc, n_near, n_far, acc_<bucket>}}``.
 
-    ``window`` separates near from far recalls (use the hybrid's window); ``switches`` go to
-    ``attention_mode`` (e.g. ``rescale=True``, ``la_span="all"``). The model is restored to
+    Runs on the model's device (under autocast to ``autocast_dtype`` when given); ``switches``
+    go to ``attention_mode`` (e.g. ``rescale=True``, ``la_span="all"``). The model is restored to
     its previous modes afterwards.
     """
     device = next(model.parameters()).device
@@ -63,7 +76,7 @@ def evaluate_recall(model: nn.Module, corpus: RecallCorpus, *, window: int,
     try:
         for mode in modes:
             with attention_mode(model, mode, **switches):
-                results[mode] = _score(model, corpus, window, batch_size, device)
+                results[mode] = _score(model, corpus, batch_size, device, autocast_dtype)
     finally:
         model.train(was_training)
     return results

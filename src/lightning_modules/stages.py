@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -75,6 +76,12 @@ def _check_finite(module: pl.LightningModule, loss: torch.Tensor, batch_idx: int
             "use bf16/fp32 instead of fp16, or check the data; resume from the last checkpoint.")
 
 
+def run_seed() -> int:
+    """The seed of this run: ``seed_everything``'s (Lightning exports it as ``PL_GLOBAL_SEED``),
+    or 0 when none was set."""
+    return int(os.environ.get("PL_GLOBAL_SEED", 0))
+
+
 class _Stage(pl.LightningModule):
     """Checkpoint plumbing shared by the stages: only trainable tensors go into a .ckpt."""
 
@@ -131,14 +138,22 @@ class _NextTokenLoss:
 
 
 class HybridStage(_Stage):
-    """A stage on a converted pretrained model (shared by stages 1 and 2)."""
+    """A stage on a converted pretrained model (shared by stages 1 and 2).
+
+    ``hybrid`` is a ``HybridConfig`` dict; without a ``seed`` of its own it takes the run's
+    (``seed_everything``), so each training seed initialises its own feature maps."""
 
     def __init__(self, model_name_or_path: str, hybrid: dict | None = None,
                  revision: str | None = None, init_from: str | None = None,
                  torch_dtype: str | None = None, lr: float = 1e-2, weight_decay: float = 0.0,
                  activation_checkpointing: bool = False) -> None:
         super().__init__()
-        self.hybrid_config = HybridConfig.from_dict(hybrid or {})  # validated before any build
+        hybrid = dict(hybrid or {})
+        # the run's seed (seed_everything, set before LightningCLI builds the model) initialises
+        # the feature maps unless the config names its own: seeds of a recipe then differ in
+        # stage 1 too (the first version always used HybridConfig's default, 0)
+        hybrid.setdefault("seed", run_seed())
+        self.hybrid_config = HybridConfig.from_dict(hybrid)  # validated before any build
 
     # ------------------------------------------------------------------ model
     def _build_base(self) -> nn.Module:
@@ -551,42 +566,81 @@ class HybridFinetune(_NextTokenLoss, HybridStage):
 
 
 class TeacherPretraining(_NextTokenLoss, _Stage):
-    """Pretrain a small softmax Llama from scratch: the embedded default's teacher.
+    """Pretrain a small Llama-like model from scratch: the embedded default's teacher, and the
+    second seed's pretraining study (PAPER.md section 8).
 
-    At the end of ``fit`` the model (and the datamodule's ``tokenizer``, if any) is saved with
-    ``save_pretrained`` to ``<default_root_dir>/model``: a base model for ``from_pretrained``.
+    The architecture is a ``hedgecats.models.pretrain.PretrainConfig``, checked when this module
+    is built (before any Trainer starts). Beyond the Llama shape:
+
+    - ``attention_pattern``: per-layer attention, a string of ``F`` (full) and ``S`` (sliding
+      window of ``sliding_window`` keys) tiled over the layers (e.g. ``"SSSF"``), or a list with one
+      window (int) or ``"full"`` per layer; ``None``: every layer full.
+    - ``output_gate``: ``none | elementwise | lowrank``, ``o_proj(sigmoid(gate(x)) * Attn)``
+      from the layer input; ``gate_rank`` (lowrank), ``gate_init`` (every gate's value at
+      initialisation: the gate starts constant and learns to depend on the input).
+    - ``rope_fraction``: share of each head's dims that RoPE rotates (0: NoPE).
+
+    The defaults (every layer full, no gate, full RoPE) build exactly the ``LlamaForCausalLM``
+    this stage always built, from the same random draws; other settings build a
+    ``HedgecatsLlamaForCausalLM`` (``model_type: hedgecats_llama``) whose shared weights are
+    those of the plain model for the same ``init_seed``.
+
+    At the start of ``fit`` the parameter counts by part are logged (and sent to the loggers as
+    hyperparameters ``params/<part>``) and written with the config to
+    ``<default_root_dir>/architecture.json``. At the end the model (and the datamodule's
+    ``tokenizer``, if any) is saved with ``save_pretrained`` to ``<default_root_dir>/model``,
+    ``architecture.json`` beside it; reload it with ``hedgecats.models.pretrain.load_pretrained``
+    (or ``AutoModelForCausalLM.from_pretrained`` once ``hedgecats.models`` is imported).
     The learning rate warms up linearly for ``warmup_steps`` and decays by cosine to
     ``min_lr_ratio * lr`` at ``trainer.max_steps`` (which must be set). The vocabulary defaults
     to ``hedgecats.data.byte_level_tokenizer``'s. ``init_seed`` seeds the weights (named apart
     from the DataModule's ``seed``: Lightning refuses hyperparameters of one name and two values).
     """
 
+    ARCHITECTURE_FILE = "architecture.json"
+
     def __init__(self, vocab_size: int = BYTE_VOCAB_SIZE, hidden_size: int = 128,
                  num_layers: int = 4, num_heads: int = 4, num_kv_heads: int | None = None,
                  intermediate_size: int | None = None, max_position_embeddings: int = 1024,
                  rope_theta: float = 10000.0, pad_token_id: int | None = BYTE_PAD_ID,
                  eos_token_id: int | None = BYTE_EOS_ID, lr: float = 3e-3, weight_decay: float = 0.1,
-                 warmup_steps: int = 50, min_lr_ratio: float = 0.1, init_seed: int = 0) -> None:
+                 warmup_steps: int = 50, min_lr_ratio: float = 0.1, init_seed: int = 0,
+                 attention_pattern: str | list[int | str | None] | None = None,
+                 sliding_window: int | None = None, output_gate: str = "none",
+                 gate_rank: int = 16,
+                 gate_init: float = 0.5, rope_fraction: float = 1.0) -> None:
+        from ..models.pretrain import PretrainConfig
+
         super().__init__()
         self.save_hyperparameters()
+        self.arch = PretrainConfig(
+            vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
+            num_heads=num_heads, num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
+            max_position_embeddings=max_position_embeddings, rope_theta=rope_theta,
+            pad_token_id=pad_token_id, eos_token_id=eos_token_id,
+            attention_pattern=attention_pattern, sliding_window=sliding_window,
+            output_gate=output_gate,
+            gate_rank=gate_rank, gate_init=gate_init, rope_fraction=rope_fraction)
 
     def configure_model(self) -> None:
         if self.model is not None:
             return
-        from transformers import LlamaConfig, LlamaForCausalLM
+        from ..models.pretrain import build_pretrain_model
 
-        h = self.hparams
-        cfg = LlamaConfig(
-            vocab_size=h.vocab_size, hidden_size=h.hidden_size, num_hidden_layers=h.num_layers,
-            num_attention_heads=h.num_heads, num_key_value_heads=h.num_kv_heads or h.num_heads,
-            intermediate_size=h.intermediate_size or 4 * h.hidden_size,
-            max_position_embeddings=h.max_position_embeddings, rope_theta=h.rope_theta,
-            pad_token_id=h.pad_token_id, eos_token_id=h.eos_token_id, bos_token_id=None,
-            tie_word_embeddings=False)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(h.init_seed)
-            self.model = LlamaForCausalLM(cfg)
-        self.model.config._attn_implementation = "sdpa"
+        self.model = build_pretrain_model(self.arch, seed=self.hparams.init_seed)
+
+    def on_fit_start(self) -> None:
+        if not self.trainer.is_global_zero:
+            return
+        from ..models.pretrain import parameter_counts, write_architecture
+
+        write_architecture(self._stage_dir() / self.ARCHITECTURE_FILE, self.arch, self.model)
+        counts = parameter_counts(self.model)
+        log.info("%s (pattern %s, gate %s, rotary dims %d of %d): %s", type(self.model).__name__,
+                 self.arch.pattern_string(), self.arch.output_gate, self.arch.rotary_dim,
+                 self.arch.head_dim, ", ".join(f"{k} {v:,}" for k, v in counts.items()))
+        for logger in self.trainer.loggers:
+            logger.log_hyperparams({f"params/{k}": v for k, v in counts.items()})
 
     def configure_optimizers(self):
         h = self.hparams
@@ -617,3 +671,6 @@ class TeacherPretraining(_NextTokenLoss, _Stage):
         tok = getattr(dm, "tokenizer", None) if dm is not None else None
         if tok is not None:
             tok.save_pretrained(out)
+        from ..models.pretrain import write_architecture
+
+        write_architecture(out / self.ARCHITECTURE_FILE, self.arch, self.model)
