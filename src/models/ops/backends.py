@@ -16,6 +16,12 @@ Shapes as in ``ops.reference``; outputs may be fp32 (reference) or the input dty
 (both without padding or lse: such calls go to flex_attention), else flex_attention; LA from fla's ``chunk_linear_attn`` with the shift trick;
 full softmax from torch SDPA. On CPU everything is the reference (fla and flash-attn are
 GPU-only; see DESIGN.md).
+
+One more, whole-layer piece: ``Ops.fused`` runs SWA, LA and the mixer of ``hybrid``,
+``swa_only`` and ``la_only`` calls in one Triton kernel per direction (``ops.triton_hybrid``),
+and returns ``None`` for the calls it does not cover (reason logged once), which then take the
+pieces above. ``auto`` uses it wherever Triton and CUDA are present (``HEDGECATS_TRITON=0``
+turns it off); ``triton`` is ``auto`` with it required.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +38,7 @@ from . import reference as ref
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "reference", "fla", "flash_attn", "flex")
+BACKENDS = ("auto", "reference", "fla", "flash_attn", "flex", "triton")
 
 
 @functools.lru_cache(maxsize=None)
@@ -52,6 +59,10 @@ def available(name: str) -> bool:
         return importlib.util.find_spec("flash_attn") is not None
     if name == "flex":
         return importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
+    if name == "triton":
+        from . import triton_hybrid
+
+        return triton_hybrid.available()
     raise ValueError(f"unknown backend {name!r}; valid: {', '.join(BACKENDS)}")
 
 
@@ -265,10 +276,24 @@ def _has_keys(key_padding_mask, B, H, T, shift, device) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- selection
 class Ops:
-    """The four pieces of one backend choice, with per-call fallback to the reference."""
+    """The four pieces of one backend choice, with per-call fallback to the reference, and
+    optionally the fused whole-layer kernel (``fused``)."""
 
-    def __init__(self, swa_impl, linear_impl, softmax_impl, name: str):
+    def __init__(self, swa_impl, linear_impl, softmax_impl, name: str, fused_impl=None):
         self._swa, self._linear, self._softmax, self.name = swa_impl, linear_impl, softmax_impl, name
+        self._fused = fused_impl
+
+    def fused(self, q, k, v, fq, fk, *, window, mode, g, shared_norm, overlap, rescale, la_span,
+              swa_drop, key_padding_mask, scale, eps):
+        """The whole layer's output (``ops.hybrid.hybrid_attention``'s arguments, checked there)
+        from one fused kernel, or ``None`` where this backend has none or it does not cover the
+        call: the caller then composes the pieces."""
+        if self._fused is None:
+            return None
+        return self._fused(q, k, v, fq, fk, window=window, mode=mode, g=g,
+                           shared_norm=shared_norm, overlap=overlap, rescale=rescale,
+                           la_span=la_span, swa_drop=swa_drop, key_padding_mask=key_padding_mask,
+                           scale=scale, eps=eps)
 
     def swa(self, q, k, v, *, scale, window, need_lse, key_padding_mask):
         impl = self._swa
@@ -327,17 +352,32 @@ def select(backend: str, q: torch.Tensor, key_padding_mask: torch.Tensor | None 
     return _cuda_ops(backend)
 
 
+def triton_enabled() -> bool:
+    """Whether ``auto`` uses the fused Triton kernel: Triton present and ``HEDGECATS_TRITON``
+    not set to 0."""
+    return os.environ.get("HEDGECATS_TRITON", "1") != "0" and available("triton")
+
+
+def _fused_triton(q, k, v, fq, fk, **kw):
+    from . import triton_hybrid
+
+    return triton_hybrid.fused_hybrid(q, k, v, fq, fk, **kw)
+
+
 @functools.lru_cache(maxsize=None)
 def _cuda_ops(backend: str) -> Ops:
     linear = fla_linear if available("fla") else ref_linear
     if linear is ref_linear:
         _warn_once("fla is not installed: linear attention runs the PyTorch reference (slow); "
                    "pip install 'hedgecats[gpu]'")
-    if backend == "auto":
+    if backend in ("auto", "triton"):
         # fla's windowed kernel measured faster than flex_attention on an H200
         # (benchmarks/results/attention_speed_h200.json); flex still serves padding and lse
         swa = (flash_swa if available("flash_attn") else fla_swa if available("fla")
                else flex_swa if available("flex") else ref_swa)
     else:
         swa = {"fla": fla_swa, "flash_attn": flash_swa, "flex": flex_swa}[backend]
-    return Ops(swa, linear, sdpa_softmax, backend)
+    fused = None
+    if backend == "triton" or (backend == "auto" and triton_enabled()):
+        fused = _fused_triton
+    return Ops(swa, linear, sdpa_softmax, backend, fused)
