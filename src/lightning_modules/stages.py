@@ -573,8 +573,10 @@ class TeacherPretraining(_NextTokenLoss, _Stage):
     is built (before any Trainer starts). Beyond the Llama shape:
 
     - ``attention_pattern``: per-layer attention, a string of ``F`` (full) and ``S`` (sliding
-      window of ``sliding_window`` keys) tiled over the layers (e.g. ``"SSSF"``), or a list with one
-      window (int) or ``"full"`` per layer; ``None``: every layer full.
+      window of ``sliding_window`` keys) tiled over the layers (e.g. ``"SSSF"``), or a list with
+      one window (int) or ``"full"`` per layer; ``None``: every layer full. (``sliding_window``,
+      not ``window``: Lightning refuses a hyperparameter that the DataModule has with another
+      value, and ``RecallDataModule`` has a ``window``.)
     - ``output_gate``: ``none | elementwise | lowrank``, ``o_proj(sigmoid(gate(x)) * Attn)``
       from the layer input; ``gate_rank`` (lowrank), ``gate_init`` (every gate's value at
       initialisation: the gate starts constant and learns to depend on the input).

@@ -15,16 +15,23 @@ from .feature_maps import HedgehogFeatureMap
 from .mixers import build_mixer
 from .ops.hybrid import LA_SPANS, MODES, hybrid_attention
 
+# importing pretrain registers HedgecatsLlamaForCausalLM ("hedgecats_llama") with the Auto
+# classes, so from_pretrained reloads gated / sliding-window teachers wherever models is imported
+from .pretrain import PretrainConfig, build_pretrain_model, load_pretrained
+
 __all__ = [
-    "HedgehogFeatureMap",
-    "HybridConfig",
     "LA_SPANS",
     "MODES",
+    "HedgehogFeatureMap",
+    "HybridConfig",
+    "PretrainConfig",
     "attention_mode",
     "build_mixer",
+    "build_pretrain_model",
     "convert_to_hybrid",
     "hybrid_attention",
     "hybrid_layers",
     "hybrid_parameter_names",
+    "load_pretrained",
     "set_attention_mode",
 ]

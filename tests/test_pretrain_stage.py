@@ -1,0 +1,84 @@
+"""TeacherPretraining with the second seed's options: plain stays today's Llama, variants train,
+report their parameter counts, save and reload with identical logits; bad configs fail at once."""
+
+import json
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from hedgecats.lightning_modules import RecallDataModule, TeacherPretraining
+from hedgecats.models import HybridConfig, attention_mode, convert_to_hybrid, load_pretrained
+from hedgecats.models.pretrain import HedgecatsLlamaForCausalLM, parameter_counts
+from lightning.pytorch.loggers import CSVLogger
+from transformers import LlamaConfig, LlamaForCausalLM
+
+TINY = {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "warmup_steps": 2,
+        "max_position_embeddings": 64}
+
+
+def _fit(module, root, steps=3):
+    dm = RecallDataModule(seq_len=48, window=8, far_min=16, far_max=40, num_train=24, num_val=4,
+                          num_test=4, batch_size=4)
+    tr = pl.Trainer(max_steps=steps, default_root_dir=str(root), enable_checkpointing=False,
+                    enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                    logger=CSVLogger(str(root), name="logs", version="v"))
+    tr.fit(module, datamodule=dm)
+    return tr
+
+
+def test_default_teacher_is_the_llama_it_always_was():
+    m = TeacherPretraining(**TINY, init_seed=4)
+    m.configure_model()
+    assert type(m.model) is LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=259, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=2, intermediate_size=128, max_position_embeddings=64,
+                      rope_theta=10000.0, pad_token_id=257, eos_token_id=256, bos_token_id=None,
+                      tie_word_embeddings=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(4)
+        old = LlamaForCausalLM(cfg)
+    sd = m.model.state_dict()
+    assert all(torch.equal(sd[k], v) for k, v in old.state_dict().items())
+
+
+def test_gated_swa_teacher_trains_reports_and_reloads(tmp_path):
+    m = TeacherPretraining(**TINY, attention_pattern="SF", sliding_window=8, output_gate="lowrank",
+                           gate_rank=4, rope_fraction=0.5)
+    _fit(m, tmp_path)
+    assert type(m.model) is HedgecatsLlamaForCausalLM
+    # parameter counts: logged as hyperparameters, and written with the config at the start
+    arch = json.loads((tmp_path / "architecture.json").read_text())
+    counts = parameter_counts(m.model)
+    assert arch["parameters"] == counts and counts["gates"] == 2 * (32 * 4 + 4 * 32 + 32)
+    assert arch["pattern"] == "SF" and arch["config"]["layer_windows"] == [8, None]
+    assert arch["rotary_dim"] == 8 and arch["model_class"] == "HedgecatsLlamaForCausalLM"
+    hparams = (tmp_path / "logs" / "v" / "hparams.yaml").read_text()
+    assert f"params/total: {counts['total']}" in hparams
+    # the saved model reloads with identical logits, its architecture record beside it
+    assert json.loads((tmp_path / "model" / "architecture.json").read_text()) == arch
+    loaded = load_pretrained(tmp_path / "model").eval()
+    ids = torch.randint(0, 256, (2, 40))
+    assert torch.equal(loaded(ids).logits, m.model.eval()(ids).logits)
+
+
+def test_bad_architecture_fails_when_the_module_is_built():
+    with pytest.raises(ValueError, match=r"output_gate='gated' is not valid; choose one of none, "
+                                         r"elementwise, lowrank"):
+        TeacherPretraining(**TINY, output_gate="gated")
+    with pytest.raises(ValueError, match=r"attention_pattern='SL'.*bad characters: \['L'\]"):
+        TeacherPretraining(**TINY, attention_pattern="SL", sliding_window=8)
+
+
+def test_plain_teacher_still_converts_to_a_hybrid(tmp_path):
+    """The saved default teacher is a plain Llama: convert_to_hybrid works on it and its
+    softmax mode reproduces the teacher's logits."""
+    m = TeacherPretraining(**TINY)
+    _fit(m, tmp_path, steps=2)
+    teacher = load_pretrained(tmp_path / "model").eval()
+    assert type(teacher) is LlamaForCausalLM
+    ids = torch.randint(0, 256, (2, 40))
+    want = teacher(ids).logits
+    convert_to_hybrid(teacher, HybridConfig(window=8))
+    with attention_mode(teacher, "softmax"):
+        torch.testing.assert_close(teacher(ids).logits, want)
+    teacher(ids)  # the hybrid runs
