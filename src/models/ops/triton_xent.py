@@ -1,0 +1,392 @@
+"""``weights_xent`` as a fused, flash-style Triton kernel (issue 12, item 3).
+
+Same function and signature as ``ops.transfer.weights_xent`` (read its docstring for the
+semantics): per real query ``t`` and head,
+
+    xent_t = -sum_{i <= t, real} A_soft[t, i] log A_phi[t, i]
+           = log Z_t - sum_i A_soft[t, i] log k_ti,     k_ti = max(fq_t.fk_i, TINY),
+                                                        Z_t  = sum_i k_ti
+    ent_t  = -sum_i A_soft[t, i] log A_soft[t, i] = lse_t - sum_i A_soft[t, i] s_ti
+
+averaged over real queries and heads. The teacher's weights ``A_soft = softmax(s)``,
+``s = scale q.k``, are formed online (running max, exp2) in the same pass over the keys as the
+student's kernel values; nothing of size T x T is ever stored. Per row the forward keeps
+``lse_t`` and ``Z_t`` (fp32); the backward recomputes both products per tile:
+
+    d xent_t / d a_ti = 1 / Z_t - A_soft[t, i] / k_ti      where a_ti >= TINY (else 0: the floor)
+
+and accumulates ``dfq`` per query block (``_bwd_dq``) and ``dfk`` per key block of each kv head,
+summed over its query heads (``_bwd_dk``: GQA without atomics). Only ``fq`` and ``fk`` get
+gradients; ``q`` and ``k`` are the (detached) teacher's.
+
+Unsupported calls (CPU without the interpreter, no Triton, dtypes other than bf16 / fp32, head or
+feature dims not powers of two in [16, 128] / [16, 256]) run ``ops.transfer.weights_xent``, the
+blocked PyTorch version, which stays the CPU path and the tests' oracle; the reason is logged once.
+
+Wiring (``ops.transfer.transfer_loss``): call this module's ``weights_xent`` instead of the
+blocked one (same arguments; ``block`` is accepted and ignored).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+from . import transfer
+from .reference import DEN_TINY
+
+log = logging.getLogger(__name__)
+
+__all__ = ["available", "unsupported_reason", "weights_xent", "xent_rows"]
+
+TINY = DEN_TINY
+FALLBACK_ERRORS: list[str] = []
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(msg: str) -> None:
+    log.warning(msg)
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return torch.cuda.is_available() or _interpret()
+
+
+try:
+    import triton
+    import triton.language as tl
+
+    _HAVE_TRITON = True
+except Exception:  # pragma: no cover - CPU CI has no triton
+    _HAVE_TRITON = False
+
+if _HAVE_TRITON:
+
+    @triton.jit
+    def _xent_fwd(Q, K, FQ, FK, KPM, XE, ENT, LSE, LZ,
+                  sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t,
+                  T, H, G, scale_log2, tiny,
+                  D: tl.constexpr, F: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                  HAS_KPM: tl.constexpr, PREC_S: tl.constexpr, PREC_A: tl.constexpr):
+        LN2: tl.constexpr = 0.6931471805599453
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        b = pid_bh // H
+        h = pid_bh % H
+        hk = h // G
+        t0 = pid_m * BM
+        offs_m = t0 + tl.arange(0, BM)
+        offs_d = tl.arange(0, D)
+        offs_f = tl.arange(0, F)
+        rows = offs_m < T
+        q = tl.load(Q + b.to(tl.int64) * sq_b + h.to(tl.int64) * sq_h + offs_m[:, None] * sq_t
+                    + offs_d[None, :], mask=rows[:, None], other=0.0)
+        fq = tl.load(FQ + b.to(tl.int64) * sfq_b + h.to(tl.int64) * sfq_h
+                     + offs_m[:, None] * sfq_t + offs_f[None, :], mask=rows[:, None], other=0.0)
+        k_base = K + b.to(tl.int64) * sk_b + hk.to(tl.int64) * sk_h
+        fk_base = FK + b.to(tl.int64) * sfk_b + hk.to(tl.int64) * sfk_h
+        m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BM], dtype=tl.float32)
+        c_i = tl.zeros([BM], dtype=tl.float32)  # sum_i p_ti log k_ti      (p unnormalised)
+        e_i = tl.zeros([BM], dtype=tl.float32)  # sum_i p_ti s_ti (log2 units)
+        z_i = tl.zeros([BM], dtype=tl.float32)  # sum_i k_ti
+        hi = tl.minimum(t0 + BM, T)
+        for start in range(0, hi, BN):
+            offs_n = start + tl.arange(0, BN)
+            kin = offs_n < T
+            kb = tl.load(k_base + offs_n[:, None] * sk_t + offs_d[None, :], mask=kin[:, None],
+                         other=0.0)
+            fkb = tl.load(fk_base + offs_n[:, None] * sfk_t + offs_f[None, :], mask=kin[:, None],
+                          other=0.0)
+            ok = (offs_n[None, :] <= offs_m[:, None]) & kin[None, :]
+            if HAS_KPM:
+                real = tl.load(KPM + b * T + offs_n, mask=kin, other=0) != 0
+                ok = ok & real[None, :]
+            s = tl.dot(q, tl.trans(kb), input_precision=PREC_S) * scale_log2
+            a = tl.dot(fq, tl.trans(fkb), input_precision=PREC_A)
+            kk = tl.where(ok, tl.maximum(a, tiny), 0.0)
+            z_i += tl.sum(kk, axis=1)
+            logk = tl.log(tl.where(ok, kk, 1.0))
+            s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            c_i = c_i * alpha + tl.sum(p * logk, axis=1)
+            e_i = e_i * alpha + tl.sum(p * tl.where(ok, s, 0.0), axis=1)
+            m_i = m_new
+        live = l_i > 0
+        l_safe = tl.where(live, l_i, 1.0)
+        lse2 = tl.where(live, m_i + tl.log2(l_safe), float("-inf"))
+        lz = tl.log(tl.where(live, z_i, 1.0))
+        xent = tl.where(live, lz - c_i / l_safe, 0.0)
+        ent = tl.where(live, (lse2 - e_i / l_safe) * LN2, 0.0)
+        base = pid_bh.to(tl.int64) * T
+        tl.store(XE + base + offs_m, xent, mask=rows)
+        tl.store(ENT + base + offs_m, ent, mask=rows)
+        tl.store(LSE + base + offs_m, lse2, mask=rows)
+        tl.store(LZ + base + offs_m, lz, mask=rows)
+
+    @triton.jit
+    def _xent_bwd_dq(Q, K, FQ, FK, KPM, LSE, LZ, W, DFQ,
+                     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t,
+                     T, H, G, scale_log2, tiny,
+                     D: tl.constexpr, F: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     HAS_KPM: tl.constexpr, PREC_S: tl.constexpr, PREC_A: tl.constexpr):
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        b = pid_bh // H
+        h = pid_bh % H
+        hk = h // G
+        t0 = pid_m * BM
+        offs_m = t0 + tl.arange(0, BM)
+        offs_d = tl.arange(0, D)
+        offs_f = tl.arange(0, F)
+        rows = offs_m < T
+        q = tl.load(Q + b.to(tl.int64) * sq_b + h.to(tl.int64) * sq_h + offs_m[:, None] * sq_t
+                    + offs_d[None, :], mask=rows[:, None], other=0.0)
+        fq = tl.load(FQ + b.to(tl.int64) * sfq_b + h.to(tl.int64) * sfq_h
+                     + offs_m[:, None] * sfq_t + offs_f[None, :], mask=rows[:, None], other=0.0)
+        base = pid_bh.to(tl.int64) * T
+        lse2 = tl.load(LSE + base + offs_m, mask=rows, other=float("-inf"))
+        live = lse2 > float("-inf")
+        lse_safe = tl.where(live, lse2, 0.0)
+        rz = tl.where(live, tl.exp(-tl.load(LZ + base + offs_m, mask=rows, other=0.0)), 0.0)
+        w = tl.where(live, tl.load(W + base + offs_m, mask=rows, other=0.0), 0.0)
+        k_base = K + b.to(tl.int64) * sk_b + hk.to(tl.int64) * sk_h
+        fk_base = FK + b.to(tl.int64) * sfk_b + hk.to(tl.int64) * sfk_h
+        dfq = tl.zeros([BM, F], dtype=tl.float32)
+        hi = tl.minimum(t0 + BM, T)
+        for start in range(0, hi, BN):
+            offs_n = start + tl.arange(0, BN)
+            kin = offs_n < T
+            kb = tl.load(k_base + offs_n[:, None] * sk_t + offs_d[None, :], mask=kin[:, None],
+                         other=0.0)
+            fkb = tl.load(fk_base + offs_n[:, None] * sfk_t + offs_f[None, :], mask=kin[:, None],
+                          other=0.0)
+            ok = (offs_n[None, :] <= offs_m[:, None]) & kin[None, :]
+            if HAS_KPM:
+                real = tl.load(KPM + b * T + offs_n, mask=kin, other=0) != 0
+                ok = ok & real[None, :]
+            s = tl.dot(q, tl.trans(kb), input_precision=PREC_S) * scale_log2
+            a = tl.dot(fq, tl.trans(fkb), input_precision=PREC_A)
+            p = tl.exp2(s - lse_safe[:, None])
+            pass_ = ok & (a >= tiny)
+            da = tl.where(pass_, w[:, None] * (rz[:, None] - p / tl.where(pass_, a, 1.0)), 0.0)
+            dfq += tl.dot(da.to(fkb.dtype), fkb, input_precision=PREC_A)
+        tl.store(DFQ + base * F + offs_m[:, None] * F + offs_f[None, :],
+                 dfq.to(DFQ.dtype.element_ty), mask=rows[:, None])
+
+    @triton.jit
+    def _xent_bwd_dk(Q, K, FQ, FK, KPM, LSE, LZ, W, DFK,
+                     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t,
+                     T, H, G, scale_log2, tiny,
+                     D: tl.constexpr, F: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     HAS_KPM: tl.constexpr, PREC_S: tl.constexpr, PREC_A: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pid_bh = tl.program_id(1)  # b * Hkv + hk
+        Hkv = H // G
+        b = pid_bh // Hkv
+        hk = pid_bh % Hkv
+        i0 = pid_n * BN
+        offs_n = i0 + tl.arange(0, BN)
+        offs_d = tl.arange(0, D)
+        offs_f = tl.arange(0, F)
+        kin = offs_n < T
+        kreal = kin
+        if HAS_KPM:
+            kreal = kreal & (tl.load(KPM + b * T + offs_n, mask=kin, other=0) != 0)
+        kb = tl.load(K + b.to(tl.int64) * sk_b + hk.to(tl.int64) * sk_h + offs_n[:, None] * sk_t
+                     + offs_d[None, :], mask=kin[:, None], other=0.0)
+        fkb = tl.load(FK + b.to(tl.int64) * sfk_b + hk.to(tl.int64) * sfk_h
+                      + offs_n[:, None] * sfk_t + offs_f[None, :], mask=kin[:, None], other=0.0)
+        dfk = tl.zeros([BN, F], dtype=tl.float32)
+        for g in range(0, G):
+            h = hk * G + g
+            bh = b * H + h
+            base = bh.to(tl.int64) * T
+            q_base = Q + b.to(tl.int64) * sq_b + h.to(tl.int64) * sq_h
+            fq_base = FQ + b.to(tl.int64) * sfq_b + h.to(tl.int64) * sfq_h
+            for start in range(i0, T, BM):
+                offs_m = start + tl.arange(0, BM)
+                qin = offs_m < T
+                qb = tl.load(q_base + offs_m[:, None] * sq_t + offs_d[None, :], mask=qin[:, None],
+                             other=0.0)
+                fqb = tl.load(fq_base + offs_m[:, None] * sfq_t + offs_f[None, :],
+                              mask=qin[:, None], other=0.0)
+                lse2 = tl.load(LSE + base + offs_m, mask=qin, other=float("-inf"))
+                live = lse2 > float("-inf")
+                lse_safe = tl.where(live, lse2, 0.0)
+                rz = tl.where(live, tl.exp(-tl.load(LZ + base + offs_m, mask=qin, other=0.0)), 0.0)
+                w = tl.where(live, tl.load(W + base + offs_m, mask=qin, other=0.0), 0.0)
+                sT = tl.dot(kb, tl.trans(qb), input_precision=PREC_S) * scale_log2  # (BN, BM)
+                aT = tl.dot(fkb, tl.trans(fqb), input_precision=PREC_A)
+                ok = (offs_m[None, :] >= offs_n[:, None]) & qin[None, :] & kreal[:, None]
+                pT = tl.exp2(sT - lse_safe[None, :])
+                pass_ = ok & (aT >= tiny)
+                daT = tl.where(pass_, w[None, :] * (rz[None, :] - pT / tl.where(pass_, aT, 1.0)),
+                               0.0)
+                dfk += tl.dot(daT.to(fqb.dtype), fqb, input_precision=PREC_A)
+        tl.store(DFK + (pid_bh.to(tl.int64) * T + offs_n[:, None]) * F + offs_f[None, :],
+                 dfk.to(DFK.dtype.element_ty), mask=kin[:, None])
+
+
+LOG2E = 1.4426950408889634
+
+
+def _strides(x):
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+def _prec(dtype):
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _blocks(q, fq, block_m, block_n):
+    if block_m is not None:
+        return block_m, block_n or block_m, 4
+    if torch.float32 in (q.dtype, fq.dtype):
+        return 32, 32, 4
+    big = q.shape[-1] * fq.shape[-1] >= 128 * 256
+    return 64, 64, 8 if big else 4
+
+
+class _XentFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, fq, fk, kpm_i8, scale, block_m, block_n):
+        B, H, T, D = q.shape
+        Hkv = k.shape[1]
+        F = fq.shape[-1]
+        BM, BN, warps = _blocks(q, fq, block_m, block_n)
+        f32 = dict(device=q.device, dtype=torch.float32)
+        xe, ent, lse, lz = (torch.empty(B * H, T, **f32) for _ in range(4))
+        kw = dict(D=D, F=F, BM=BM, BN=BN, HAS_KPM=kpm_i8 is not None, PREC_S=_prec(q.dtype),
+                  PREC_A=_prec(fq.dtype), num_warps=warps)
+        kpm_arg = kpm_i8 if kpm_i8 is not None else lse
+        _xent_fwd[(triton.cdiv(T, BM), B * H)](
+            q, k, fq, fk, kpm_arg, xe, ent, lse, lz, *_strides(q), *_strides(k), *_strides(fq),
+            *_strides(fk), T, H, H // Hkv, scale * LOG2E, TINY, **kw)
+        ctx.save_for_backward(q, k, fq, fk, lse, lz, *(() if kpm_i8 is None else (kpm_i8,)))
+        ctx.meta = (scale, BM, BN, warps, kpm_i8 is not None)
+        ctx.mark_non_differentiable(ent)
+        return xe.view(B, H, T), ent.view(B, H, T)
+
+    @staticmethod
+    def backward(ctx, dxe, _dent):
+        q, k, fq, fk, lse, lz, *rest = ctx.saved_tensors
+        scale, BM, BN, warps, has_kpm = ctx.meta
+        kpm_i8 = rest[0] if has_kpm else None
+        B, H, T, D = q.shape
+        Hkv = k.shape[1]
+        F = fq.shape[-1]
+        w = dxe.float().reshape(B * H, T).contiguous()
+        dfq = torch.empty_like(fq, memory_format=torch.contiguous_format)
+        dfk = torch.empty(B, Hkv, T, F, device=fk.device, dtype=fk.dtype)
+        kw = dict(D=D, F=F, BM=BM, BN=BN, HAS_KPM=has_kpm, PREC_S=_prec(q.dtype),
+                  PREC_A=_prec(fq.dtype), num_warps=warps)
+        kpm_arg = kpm_i8 if kpm_i8 is not None else lse
+        args = (*_strides(q), *_strides(k), *_strides(fq), *_strides(fk), T, H, H // Hkv,
+                scale * LOG2E, TINY)
+        _xent_bwd_dq[(triton.cdiv(T, BM), B * H)](q, k, fq, fk, kpm_arg, lse, lz, w, dfq,
+                                                   *args, **kw)
+        _xent_bwd_dk[(triton.cdiv(T, BN), B * Hkv)](q, k, fq, fk, kpm_arg, lse, lz, w, dfk,
+                                                     *args, **kw)
+        return None, None, dfq, dfk, None, None, None, None
+
+
+def xent_rows(q, k, fq, fk, *, scale: float, key_padding_mask=None, block_m: int | None = None,
+              block_n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row cross-entropy (differentiable in fq, fk) and teacher entropy, both (B, H, T)
+    fp32, 0 for rows with no visible key; padded query rows are *not* zeroed here."""
+    q, k, fq, fk = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, fq, fk))
+    kpm_i8 = None if key_padding_mask is None else key_padding_mask.bool().to(torch.int8).contiguous()
+    return _XentFn.apply(q.detach(), k.detach(), fq, fk, kpm_i8, float(scale), block_m, block_n)
+
+
+def unsupported_reason(q, k, fq, fk) -> str | None:
+    if not available():
+        return "triton is not installed or there is no CUDA device"
+    if not (q.is_cuda or _interpret()):
+        return "the fused kernel runs on CUDA tensors"
+    if q.dtype != k.dtype or fq.dtype != fk.dtype:
+        return f"q/k dtypes {q.dtype}/{k.dtype} or fq/fk dtypes {fq.dtype}/{fk.dtype} differ"
+    for x in (q, fq):
+        if x.dtype not in (torch.bfloat16, torch.float32):
+            return f"dtype {x.dtype} (the kernel takes bf16 and fp32)"
+    B, H, T, D = q.shape
+    F = fq.shape[-1]
+    if k.shape[2] != T or fk.shape[2] != T or fk.shape[1] != k.shape[1] or H % k.shape[1]:
+        return "q, k, fq, fk shapes do not match"
+
+    def pow2(n):
+        return n & (n - 1) == 0
+
+    if not (pow2(D) and 16 <= D <= 128):
+        return f"head dim {D} (powers of two in [16, 128])"
+    if not (pow2(F) and 16 <= F <= 256):
+        return f"feature dim {F} (powers of two in [16, 256])"
+    if T == 0:
+        return "empty sequence"
+    return None
+
+
+def weights_xent(q: torch.Tensor, k: torch.Tensor, fq: torch.Tensor, fk: torch.Tensor, *,
+                 scale: float | None = None, key_padding_mask: torch.Tensor | None = None,
+                 block: int = 64, return_entropy: bool = False
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``ops.transfer.weights_xent`` through the fused kernel (same arguments and result;
+    ``block`` is the blocked version's and is ignored here). Falls back to the blocked version
+    where the kernel does not apply (reason logged once)."""
+    reason = unsupported_reason(q, k, fq, fk)
+    if reason is not None:
+        _warn_once(f"fused weights_xent not used: {reason}; running the blocked PyTorch version")
+        return transfer.weights_xent(q, k, fq, fk, scale=scale, key_padding_mask=key_padding_mask,
+                                     block=block, return_entropy=return_entropy)
+    B, H, T, D = q.shape
+    scale = D ** -0.5 if scale is None else scale
+    try:
+        xe, ent = xent_rows(q, k, fq, fk, scale=scale, key_padding_mask=key_padding_mask)
+    except _triton_errors() as e:
+        FALLBACK_ERRORS.append(f"{type(e).__name__}: {e}"[:500])
+        _warn_once(f"fused weights_xent failed in Triton ({type(e).__name__}); running the "
+                   "blocked PyTorch version")
+        return transfer.weights_xent(q, k, fq, fk, scale=scale, key_padding_mask=key_padding_mask,
+                                     block=block, return_entropy=return_entropy)
+    if key_padding_mask is None:
+        norm = float(B * T * H)
+        total, total_ent = xe.sum(), ent.sum()
+    else:
+        real = key_padding_mask.bool()[:, None, :].float()  # padded queries do not count
+        norm = real.sum().clamp_min(1.0) * H
+        total, total_ent = (xe * real).sum(), (ent * real).sum()
+    if return_entropy:
+        return total / norm, (total_ent / norm).detach()
+    return total / norm
+
+
+def _triton_errors():
+    errs = []
+    try:
+        from triton.runtime.errors import OutOfResources
+        errs.append(OutOfResources)
+    except Exception:  # pragma: no cover
+        pass
+    try:
+        from triton.compiler.errors import CompilationError
+        errs.append(CompilationError)
+    except Exception:  # pragma: no cover
+        pass
+    return tuple(errs)
