@@ -53,7 +53,8 @@ def test_round_trip_rebuilds_the_same_logits(base, tmp_path):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
         assert tok is not None and tok.pad_token_id == BYTE_PAD_ID  # the saved tokenizer
         assert info["stage"] == "HybridFinetune" and "tensors" not in info
-    assert type(rebuilt).__name__ == "LlamaForCausalLM"  # merged: plain transformers model
+    # merged: a transformers model (the hybrid subclass of LlamaForCausalLM), not a PeftModel
+    assert type(rebuilt).__name__ == "HedgecatsLlamaForCausalLM"
 
 
 def test_load_is_exact(base, tmp_path):

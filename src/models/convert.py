@@ -152,8 +152,21 @@ def hedgecats_attention_forward(module: nn.Module, query, key, value, attention_
         return sdpa_attention_forward(module, query, key, value,
                                       _with_window(attention_mask, query, key, base_window),
                                       dropout=dropout, scaling=scaling, **kwargs)
+    cache_slot = module.__dict__.pop("_hedgecats_cache", None)  # bound by _bind_cache
+    if cache_slot is not None:  # constant-memory cache: only the new tokens' keys came in
+        from .cache import cached_attention
+
+        query, key, value = _common_dtype(query, key, value)
+        out = cached_attention(cache_slot, module, query, key, value, attention_mask,
+                               g=module.mixer(hidden), scale=scaling,
+                               swa_drop=_ssd_mask(rt, query.shape[0], query.shape[1], query.device)
+                               if module.training and rt.mode == "hybrid" else None)
+        return out.transpose(1, 2).contiguous(), None
     _check_no_evicted_keys(key, kwargs.get("position_ids"), rt)
-    kpm = _key_padding_mask(attention_mask, key.shape[2])
+    # the padding mask costs a host synchronisation, which softmax mode does not need (it
+    # would break the capture of a decode step in a CUDA graph)
+    kpm = (_key_padding_mask(attention_mask, key.shape[2])
+           if rt.mode != "softmax" or rt.observer is not None else None)
     if rt.observer is not None:
         rt.observer(module, query, key, value, kpm, hidden)
     if rt.mode == "softmax":  # exactly the original model's attention
@@ -180,6 +193,52 @@ def _stash_input(module: nn.Module, args, kwargs) -> None:
     module.__dict__["_hedgecats_input"] = kwargs.get("hidden_states", args[0] if args else None)
 
 
+def _call_cache(kwargs: dict):
+    """The cache a decoder call carries (``cache`` since transformers 5.24, before that
+    ``past_key_values``)."""
+    cache = kwargs.get("cache")
+    return kwargs.get("past_key_values") if cache is None else cache
+
+
+def _bind_cache(module: nn.Module, args, kwargs) -> None:
+    """Forward pre-hook of a converted ``self_attn``: with a ``HybridCache`` in the call, check
+    and bind the layer's slot (``models.cache``); the attention function then uses it."""
+    from .cache import HybridCache
+
+    cache = _call_cache(kwargs)
+    if isinstance(cache, HybridCache):
+        module.__dict__["_hedgecats_cache"] = cache.bind(module.hedgecats.layer_idx, module)
+    else:
+        module.__dict__.pop("_hedgecats_cache", None)
+
+
+def _check_positions(model: nn.Module, args, kwargs) -> None:
+    """Forward pre-hook of a converted model: a position past the base model's
+    ``max_position_embeddings`` is an error (RoPE, and the feature maps trained on its output,
+    never saw it). Skipped while a CUDA graph is captured or torch.compile traces (reading
+    position ids back is a host synchronisation)."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is None or torch.compiler.is_compiling() or (
+            torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        return
+    pos = kwargs.get("position_ids")
+    if pos is not None:
+        last = int(pos.max()) if pos.numel() else -1
+    else:
+        x = kwargs.get("input_ids", args[0] if args else None)
+        x = kwargs.get("inputs_embeds") if x is None else x
+        if x is None:
+            return
+        cache = _call_cache(kwargs)
+        past = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0
+        last = past + x.shape[1] - 1
+    if last >= limit:
+        raise ValueError(
+            f"position {last} is past the base model's max_position_embeddings={limit}: the "
+            f"context (prompt + generated tokens) is longer than the positions the model was "
+            f"trained on; shorten the prompt or max_new_tokens")
+
+
 def _register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -190,8 +249,14 @@ def _register() -> None:
 
 
 # ----------------------------------------------------------------------------- conversion
+def _family(cfg) -> str | None:
+    """The base model type: ``model_type``, or for a saved hybrid's config (``models.hf``) the
+    family it was converted from."""
+    return getattr(type(cfg), "hedgecats_family", None) or getattr(cfg, "model_type", None)
+
+
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    model_type = _family(getattr(model, "config", None))
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"cannot convert a model of type {model_type!r}: supported are "
                          f"{', '.join(SUPPORTED_MODEL_TYPES)} (transformers causal LMs)")
@@ -218,6 +283,9 @@ def _base_sliding_window(cfg) -> int | None:
         raise ValueError(
             f"{cfg.model_type} with sliding-window layers (use_sliding_window=True) is not "
             f"supported: convert a model whose layers use full attention")
+    section = getattr(cfg, "hybrid", None)
+    if isinstance(section, dict):  # a saved hybrid: the window was lifted at conversion
+        return section.get("base_sliding_window")
     return getattr(cfg, "sliding_window", None) if cfg.model_type == "mistral" else None
 
 
@@ -264,6 +332,7 @@ def convert_to_hybrid(model: nn.Module, config: HybridConfig) -> nn.Module:
             ssd_granularity=config.ssd_granularity)
         if config.mixer in _GATED_MIXERS:
             attn.register_forward_pre_hook(_stash_input, with_kwargs=True)
+        attn.register_forward_pre_hook(_bind_cache, with_kwargs=True)
     if base_window is not None:
         # our attention function applies the base model's window to its softmax attention;
         # transformers must neither mask nor evict the older keys linear attention reads
@@ -275,6 +344,10 @@ def convert_to_hybrid(model: nn.Module, config: HybridConfig) -> nn.Module:
                  base_window)
     model.hedgecats_config = config
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    model.register_forward_pre_hook(_check_positions, with_kwargs=True)
+    from .hf import adopt
+
+    adopt(model)  # its hybrid class: save_pretrained and generate know it is a hybrid
     skipped = sorted(set(range(n)) - set(todo))
     log.info("converted %d/%d layers to hybrid attention (window %d, %s mixer)%s", len(todo), n,
              config.window, config.mixer, f"; left as softmax: {skipped}" if skipped else "")

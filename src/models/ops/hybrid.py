@@ -66,6 +66,7 @@ def hybrid_attention(
     scale: float | None = None,
     eps: float = DEN_TINY,
     backend: str = "auto",
+    ops: backends.Ops | None = None,
 ) -> torch.Tensor:
     """Hybrid attention of one layer.
 
@@ -90,6 +91,10 @@ def hybrid_attention(
         eps: LA denominator guard (``ops.reference.default_eps``: fp32's smallest normal number
             for the non-negative feature maps, 1e-6 for activation ``none``).
         backend: ``auto | reference | fla | flash_attn | flex`` (see ``ops.backends``).
+        ops: the pieces to compute with, an object like ``backends.Ops``; default
+            ``backends.select(backend, q, key_padding_mask)``. A KV cache passes its own, whose
+            pieces add what it keeps of earlier keys (``models.cache``); the mixing and the
+            modes stay the ones above.
 
     Returns:
         (B, H, T, D) in q's dtype.
@@ -101,7 +106,7 @@ def hybrid_attention(
     if k.shape[2] != v.shape[2] or k.shape[1] != v.shape[1]:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree in heads and length")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    ops = backends.select(backend, q, key_padding_mask)
+    ops = backends.select(backend, q, key_padding_mask) if ops is None else ops
     dtype = q.dtype
 
     if mode == "none":

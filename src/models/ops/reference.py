@@ -118,6 +118,7 @@ def linear_attention_chunked(
     key_padding_mask: torch.Tensor | None = None,
     eps: float = DEN_TINY,
     chunk: int = 64,
+    state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Normalised causal linear attention over keys ``i <= t - shift``.
 
@@ -131,6 +132,12 @@ def linear_attention_chunked(
     ``DEN_TINY`` and ``default_eps``: an underflow guard for the non-negative maps, a finite
     guard for ``activation="none"`` whose features can be negative, when the output is not a
     convex combination of values).
+
+    ``state``: keys that came before ``fk`` (a KV cache's linear-attention state,
+    ``models.cache``), visible to every query: ``(S (B, Hkv, F, D), z (B, Hkv, F), count (B,))``
+    with ``S = sum_i fk_i v_i^T``, ``z = sum_i fk_i`` over those keys and ``count`` the number of
+    real ones among them. They enter numerator, denominator and ``has_keys`` exactly as keys of
+    ``fk`` would. ``None``: no earlier key.
 
     Memory: one ``(F, D)`` state per chunk and head, plus ``chunk x chunk`` intra-chunk scores.
     """
@@ -146,9 +153,14 @@ def linear_attention_chunked(
     else:
         valid = None
     F_, D = fk.shape[-1], v.shape[-1]
-    state = fq.new_zeros(B, H, F_, D)
-    zsum = fq.new_zeros(B, H, F_)
-    count = torch.zeros(B, 1, dtype=torch.long, device=fq.device)  # visible real keys so far
+    if state is None:
+        state = fq.new_zeros(B, H, F_, D)
+        zsum = fq.new_zeros(B, H, F_)
+        count = torch.zeros(B, 1, dtype=torch.long, device=fq.device)  # visible real keys so far
+    else:  # per KV head -> per query head, as fk and v above
+        S0, z0, c0 = state
+        state, zsum = repeat_kv(S0.float(), H), repeat_kv(z0.float(), H)
+        count = c0.reshape(B, 1).long()
     done = 0  # keys [0, done) are in the state
     outs, dens, hits = [], [], []
     for qs in range(0, Tq, chunk):
