@@ -13,6 +13,14 @@ from .callbacks import (
     ssd_phase,
     ssd_schedule,
 )
+from .downstream_eval import (
+    ChoiceProbe,
+    DownstreamEval,
+    Probe,
+    RecallChoiceProbe,
+    RecallProbe,
+    evaluation_steps,
+)
 from .recall_data import RecallDataModule
 from .stages import (
     DEFAULT_LORA,
@@ -28,16 +36,22 @@ __all__ = [
     "DEFAULT_LORA",
     "SSD_INTERVALS",
     "SSD_SCHEDULES",
-    "SSDScheduleError",
     "AttentionTransfer",
     "CheckpointOnInterrupt",
+    "ChoiceProbe",
+    "DownstreamEval",
     "HybridFinetune",
     "HybridStage",
     "NonFiniteLossError",
+    "Probe",
+    "RecallChoiceProbe",
     "RecallDataModule",
+    "RecallProbe",
+    "SSDScheduleError",
     "ScheduledSlidingWindowDropout",
     "TeacherPretraining",
     "TransferCollapseError",
+    "evaluation_steps",
     "resolve_ssd_schedule",
     "ssd_phase",
     "ssd_schedule",
