@@ -1,0 +1,322 @@
+"""The Triton kernels on CPU through Triton's interpreter, against the PyTorch references.
+
+    TRITON_INTERPRET=1 python tests/triton_interpreter_check.py [--quick] > results.jsonl
+
+Run by tests/test_triton_interpreter.py in a subprocess (the interpreter must be switched on
+before the kernels are defined, and must not be on in a process that runs them on a GPU).
+Prints one JSON line per case: its id, dtype, the relative L2 error of every output and
+gradient against the reference (fp32, on the same inputs) and the tolerance.
+
+Three shims make Triton 3.6's interpreter usable here, each for a bug of the interpreter, not
+of the kernels: it multiplies bf16 dot operands as raw uint16 bits, it rounds fp32 -> bf16 casts
+by truncation (the GPU rounds to nearest even), and it calls ``int()`` on 1-element arrays,
+which NumPy 2 refuses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+
+def _install_shims() -> None:
+    import triton.language as tl
+    import triton.runtime.interpreter as ti
+
+    dot = ti.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        def f32(x):
+            if x.dtype.scalar == tl.bfloat16:
+                return ti.TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32),
+                                       tl.float32)
+            return x
+        return dot(self, f32(a), f32(b), d, input_precision, max_num_imprecise_acc)
+
+    cast = ti.InterpreterBuilder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = src.data.astype(np.float32).view(np.uint32).astype(np.uint64)
+            r = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+            return ti.TensorHandle(r, tl.bfloat16)
+        return cast(self, src, dst_type)
+
+    patch = ti._patch_lang_tensor
+
+    def patch_lang_tensor(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    ti.InterpreterBuilder.create_dot = create_dot
+    ti.InterpreterBuilder.cast_impl = cast_impl
+    ti._patch_lang_tensor = patch_lang_tensor
+
+
+def rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+def errors(got: dict, want: dict) -> dict:
+    out = {}
+    for name, w in want.items():
+        g = got.get(name)
+        if w is None or not bool(w.abs().max() > 0):
+            out[name] = 0.0 if g is None or not bool(g.abs().max() > 0) else float("inf")
+        elif g is None:
+            out[name] = float("inf")
+        else:
+            out[name] = rel(g, w) if torch.isfinite(g).all() else float("nan")
+    return out
+
+
+TOL = {"float32": 1e-5, "bfloat16": 1.5e-2}
+SMALL = dict(block_m=16, block_n=16, state_chunk=16, bwd_block_m=16, bwd_block_n=16,
+             state_f=16, state_d=16)
+MIXED = dict(block_m=32, block_n=16, state_chunk=32, bwd_block_m=16, bwd_block_n=32,
+             state_f=16, state_d=16)
+
+
+def _inputs(B, H, Hkv, T, D, dtype, seed, features):
+    from hedgecats.models import HedgehogFeatureMap
+
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, T, D, generator=g).to(dtype)
+    k = torch.randn(B, Hkv, T, D, generator=g).to(dtype)
+    v = torch.randn(B, Hkv, T, D, generator=g).to(dtype)
+    if features == "rand":
+        F = 2 * D
+        fq = torch.rand(B, H, T, F, generator=g).to(dtype)
+        fk = torch.rand(B, Hkv, T, F, generator=g).to(dtype)
+    else:
+        with torch.no_grad():
+            fq = HedgehogFeatureMap(H, D, features, seed=1)(q.float()).to(dtype)
+            fk = HedgehogFeatureMap(Hkv, D, features, seed=2)(k.float()).to(dtype)
+    do = torch.randn(B, H, T, D, generator=g).to(dtype).float()  # representable in dtype
+    return q, k, v, fq, fk, do, g
+
+
+def _kpm(B, T):
+    kpm = torch.ones(B, T, dtype=torch.bool)
+    kpm[0, :7] = False  # left padding
+    kpm[-1, T - 5:] = False  # right padding
+    kpm[-1, 20:23] = False  # a hole
+    return kpm
+
+
+def kernel_case(cid, *, B=2, H=4, Hkv=2, T=50, D=16, window=8, shift=None, shared=False,
+                has_swa=True, has_la=True, pad=False, dtype=torch.float32, cfg=SMALL,
+                per_bh_shift=False, features="rand", seed=0):
+    """hybrid_kernel vs kernel_reference: outputs and gradients of all 8 inputs."""
+    from hedgecats.models.ops import triton_hybrid as th
+
+    q, k, v, fq, fk, do, g = _inputs(B, H, Hkv, T, D, dtype, seed, features)
+    ca, cb, logs = torch.rand(B, H, generator=g), torch.rand(B, H, generator=g), \
+        torch.randn(B, H, generator=g)
+    sh = torch.full((B, H), window if shift is None else shift, dtype=torch.int32)
+    if per_bh_shift:
+        sh[0, 1] = 0
+        sh[-1, 0] = 0
+    kpm = _kpm(B, T) if pad else None
+    kw = dict(window=window, scale=D ** -0.5, eps=th.ref.DEN_TINY, key_padding_mask=kpm,
+              has_swa=has_swa, has_la=has_la, shared=shared)
+    names = ["out", "dq", "dk", "dv", "dfq", "dfk", "dca", "dcb", "dlogs"]
+    ins = [t.clone().requires_grad_() for t in (q, k, v, fq, fk, ca, cb, logs)]
+    out = th.hybrid_kernel(*ins, sh, config=th.KernelConfig(**cfg), **kw)
+    out.float().backward(do)
+    got = dict(zip(names, [out.detach()] + [x.grad for x in ins]))
+    ins2 = [t.detach().float().clone().requires_grad_() for t in (q, k, v, fq, fk, ca, cb, logs)]
+    ref = th.kernel_reference(*ins2, sh, **kw)
+    ref.backward(do)
+    want = dict(zip(names, [ref.detach()] + [x.grad for x in ins2]))
+    return errors(got, want)
+
+
+def layer_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=45, D=16, window=8, dtype=torch.float32,
+               pad=False, g_kind="float", ssd=None, **switches):
+    """fused_hybrid (the kernel behind hybrid_attention's modes) vs
+    hybrid_attention(backend="reference"), gradients of q, k, v, fq, fk and a tensor g."""
+    from hedgecats.models.ops import triton_hybrid as th
+    from hedgecats.models.ops.hybrid import hybrid_attention
+
+    q, k, v, fq, fk, do, gen = _inputs(B, H, Hkv, T, D, dtype, 3, "softmax")
+    kpm = _kpm(B, T) if pad else None
+    if g_kind == "float":
+        g0 = 0.1 if switches.get("shared_norm") else 0.3
+    else:
+        g0 = torch.rand(1, H, 1, 1, generator=gen) * 0.8 + 0.1
+    swa_drop = None
+    if ssd == "sample":
+        swa_drop = torch.tensor([True, False]).view(B, 1, 1, 1)
+    elif ssd == "head":
+        swa_drop = torch.rand(B, H, 1, 1, generator=gen) < 0.5
+    args = dict(window=window, mode=mode, shared_norm=False, overlap=False, rescale=False,
+                la_span="outside", swa_drop=swa_drop, key_padding_mask=kpm, scale=D ** -0.5,
+                eps=th.ref.DEN_TINY)
+    args.update(switches)
+
+    def run(fn, cast):
+        ins = [t.detach().to(cast).clone().requires_grad_() for t in (q, k, v, fq, fk)]
+        gt = g0.clone().requires_grad_() if torch.is_tensor(g0) else g0
+        out = fn(*ins, gt)
+        out.float().backward(do)
+        res = {"out": out.detach(), **{n: x.grad for n, x in zip(["dq", "dk", "dv", "dfq", "dfk"],
+                                                                  ins)}}
+        if torch.is_tensor(gt):
+            res["dg"] = gt.grad
+        return res
+
+    def fused(q, k, v, fq, fk, g):
+        out = th.fused_hybrid(q, k, v, fq, fk, g=g, config=th.KernelConfig(**SMALL), **args)
+        if out is None:
+            raise RuntimeError("fused_hybrid declined a case it should take")
+        return out
+
+    def reference(q, k, v, fq, fk, g):
+        a = {k_: v_ for k_, v_ in args.items() if k_ != "eps"}
+        return hybrid_attention(q, k, v, fq, fk, g=g, backend="reference", eps=args["eps"], **a)
+
+    return errors(run(fused, dtype), run(reference, torch.float32))
+
+
+def xent_case(cid, *, B=2, H=4, Hkv=2, T=50, D=16, pad=False, dtype=torch.float32, bm=16, bn=16,
+              features="softmax", projection="square", seed=0, underflow=False):
+    """triton_xent vs transfer.weights_xent (blocked): value, entropy, dfq, dfk."""
+    from hedgecats.models import HedgehogFeatureMap
+    from hedgecats.models.ops import transfer
+    from hedgecats.models.ops import triton_xent as tx
+
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, T, D, generator=g).to(dtype)
+    k = torch.randn(B, Hkv, T, D, generator=g).to(dtype)
+    with torch.no_grad():
+        fq0 = HedgehogFeatureMap(H, D, features, projection, seed=1)(q.float())
+        fk0 = HedgehogFeatureMap(Hkv, D, features, projection, seed=2)(k.float())
+    if underflow:  # disjoint supports: every product of the first query heads is 0 (< TINY)
+        half = fq0.shape[-1] // 2
+        fq0[:, :2, :, half:] = 0
+        fk0[:, :1, :, :half] = 0
+    fq0, fk0 = fq0.to(dtype), fk0.to(dtype)
+    kpm = _kpm(B, T) if pad else None
+
+    def run(fn, cast):
+        fq, fk = fq0.to(cast).clone().requires_grad_(), fk0.to(cast).clone().requires_grad_()
+        x, e = fn(q.to(cast), k.to(cast), fq, fk)
+        x.backward()
+        return {"xent": x.detach().reshape(1), "entropy": e.reshape(1), "dfq": fq.grad,
+                "dfk": fk.grad}
+
+    def fused(q, k, fq, fk):
+        xe, ent = tx.xent_rows(q, k, fq, fk, scale=D ** -0.5, key_padding_mask=kpm, block_m=bm,
+                               block_n=bn)
+        r = torch.ones(B, 1, T) if kpm is None else kpm[:, None].float()
+        n = r.sum() * H
+        return (xe * r).sum() / n, (ent * r).sum() / n
+
+    def blocked(q, k, fq, fk):
+        return transfer.weights_xent(q, k, fq, fk, key_padding_mask=kpm, return_entropy=True)
+
+    return errors(run(fused, dtype), run(blocked, torch.float32))
+
+
+def xent_entry_case(cid):
+    """The public weights_xent (kernel under the interpreter) equals the blocked version."""
+    from hedgecats.models.ops import transfer
+    from hedgecats.models.ops import triton_xent as tx
+
+    g = torch.Generator().manual_seed(5)
+    q, k = torch.randn(2, 4, 33, 16, generator=g), torch.randn(2, 2, 33, 16, generator=g)
+    fq, fk = torch.rand(2, 4, 33, 32, generator=g), torch.rand(2, 2, 33, 32, generator=g)
+    kpm = _kpm(2, 33)
+    got = tx.weights_xent(q, k, fq, fk, key_padding_mask=kpm, return_entropy=True)
+    want = transfer.weights_xent(q, k, fq, fk, key_padding_mask=kpm, return_entropy=True)
+    return {"xent": rel(got[0].reshape(1), want[0].reshape(1)),
+            "entropy": rel(got[1].reshape(1), want[1].reshape(1))}
+
+
+def cases(quick: bool = False):
+    f32, bf16 = torch.float32, torch.bfloat16
+    k = kernel_case
+    out = [
+        ("kernel-hybrid", k, {}),
+        ("kernel-shared", k, dict(shared=True)),
+        ("kernel-overlap", k, dict(shift=0)),
+        ("kernel-swa-only", k, dict(has_la=False)),
+        ("kernel-la-only", k, dict(has_swa=False)),
+        ("kernel-pad", k, dict(pad=True)),
+        ("kernel-pad-shared", k, dict(pad=True, shared=True)),
+        ("kernel-per-bh-shift", k, dict(per_bh_shift=True)),
+        ("kernel-T-lt-window", k, dict(T=5, window=8)),
+        ("kernel-Hkv1-T37-w20", k, dict(T=37, window=20, Hkv=1)),
+        ("kernel-MHA-D32-F32", k, dict(T=37, window=3, H=2, Hkv=2, D=32)),
+        ("kernel-mixed-blocks", k, dict(T=70, window=10, cfg=MIXED)),
+        ("kernel-mixed-blocks-pad-shared", k, dict(T=70, window=10, pad=True, shared=True,
+                                                   cfg=MIXED)),
+        ("kernel-mixed-blocks-w40-shifts", k, dict(T=70, window=40, per_bh_shift=True, pad=True,
+                                                   cfg=MIXED)),
+        ("kernel-bf16", k, dict(dtype=bf16)),
+        ("kernel-bf16-shared-pad", k, dict(dtype=bf16, shared=True, pad=True)),
+        ("kernel-bf16-hedgehog-D32", k, dict(dtype=bf16, D=32, T=70, window=10,
+                                             features="softmax", cfg=MIXED)),
+        ("layer-hybrid", layer_case, {}),
+        ("layer-hybrid-g-per-head", layer_case, dict(g_kind="head")),
+        ("layer-hybrid-overlap", layer_case, dict(overlap=True)),
+        ("layer-shared-norm", layer_case, dict(shared_norm=True)),
+        ("layer-shared-norm-head-pad", layer_case, dict(shared_norm=True, g_kind="head", pad=True)),
+        ("layer-swa-only", layer_case, dict(mode="swa_only")),
+        ("layer-swa-only-rescale", layer_case, dict(mode="swa_only", rescale=True)),
+        ("layer-la-only", layer_case, dict(mode="la_only")),
+        ("layer-la-only-all-rescale", layer_case, dict(mode="la_only", la_span="all",
+                                                       rescale=True)),
+        ("layer-ssd-sample", layer_case, dict(ssd="sample", g_kind="head")),
+        ("layer-ssd-head-all", layer_case, dict(ssd="head", la_span="all", pad=True)),
+        ("layer-bf16-pad", layer_case, dict(dtype=bf16, pad=True, g_kind="head")),
+        ("xent", xent_case, {}),
+        ("xent-pad", xent_case, dict(pad=True)),
+        ("xent-blocks-16x32-T37", xent_case, dict(T=37, bn=32)),
+        ("xent-blocks-32x16-Hkv1-pad", xent_case, dict(T=70, bm=32, Hkv=1, pad=True)),
+        ("xent-T5", xent_case, dict(T=5)),
+        ("xent-exp", xent_case, dict(features="exp")),
+        ("xent-relu-pad", xent_case, dict(features="relu", pad=True)),
+        ("xent-rectangular-D32", xent_case, dict(D=32, projection="rectangular", T=40)),
+        ("xent-underflow", xent_case, dict(underflow=True, features="relu")),
+        ("xent-bf16", xent_case, dict(dtype=bf16, T=64, D=32)),
+        ("xent-entry", xent_entry_case, None),
+    ]
+    if quick:
+        keep = {"kernel-hybrid", "kernel-pad-shared", "layer-ssd-head-all", "xent-pad",
+                "xent-entry"}
+        out = [c for c in out if c[0] in keep]
+    return [(cid, fn, kw, "bfloat16" if kw and kw.get("dtype") == bf16 else "float32")
+            for cid, fn, kw in out]
+
+
+def main() -> int:
+    _install_shims()
+    torch.set_num_threads(2)
+    quick = "--quick" in sys.argv
+    only = [a for a in sys.argv[1:] if not a.startswith("--")]
+    for cid, fn, kw, dtype in cases(quick):
+        if only and cid not in only:
+            continue
+        t0 = time.time()
+        try:
+            errs = fn(cid) if kw is None else fn(cid, **kw)
+            row = {"id": cid, "dtype": dtype, "errors": errs, "tol": TOL[dtype]}
+        except Exception as e:  # one failing case must not hide the others
+            row = {"id": cid, "dtype": dtype, "error": f"{type(e).__name__}: {e}"[:1000]}
+        row["seconds"] = round(time.time() - t0, 1)
+        print(json.dumps(row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
