@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hedgecats.models.pretrain import (
-    HedgecatsLlamaConfig,
-    HedgecatsLlamaForCausalLM,
     OutputGate,
     PartialRotaryEmbedding,
     PretrainConfig,
+    PretrainLlamaConfig,
+    PretrainLlamaForCausalLM,
     apply_partial_rotary,
     build_pretrain_model,
     load_pretrained,
@@ -107,13 +107,13 @@ def test_plain_config_builds_todays_llama_exactly():
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 def test_gate_none_full_attention_is_llama_exactly(impl):
     """Our attention module with no window, no gate and full RoPE computes Llama's logits
-    bit for bit (forced through HedgecatsLlamaForCausalLM, which build_pretrain_model would not
+    bit for bit (forced through PretrainLlamaForCausalLM, which build_pretrain_model would not
     choose for such a config)."""
     cfg = _cfg()
-    hf = HedgecatsLlamaConfig(**cfg.llama_config().to_dict(),
+    hf = PretrainLlamaConfig(**cfg.llama_config().to_dict(),
                               hedgecats_pretrain=cfg.options())
     torch.manual_seed(0)
-    ours = HedgecatsLlamaForCausalLM(hf).eval()
+    ours = PretrainLlamaForCausalLM(hf).eval()
     torch.manual_seed(0)
     llama = LlamaForCausalLM(cfg.llama_config()).eval()
     for m in (ours, llama):
@@ -332,9 +332,9 @@ def test_saved_model_reloads_with_identical_logits(tmp_path):
     ids = _ids()
     for loaded in (load_pretrained(tmp_path / "gated"),
                    AutoModelForCausalLM.from_pretrained(tmp_path / "gated"),
-                   HedgecatsLlamaForCausalLM.from_pretrained(tmp_path / "gated")):
-        assert type(loaded) is HedgecatsLlamaForCausalLM
-        assert loaded.config.model_type == "hedgecats_llama"
+                   PretrainLlamaForCausalLM.from_pretrained(tmp_path / "gated")):
+        assert type(loaded) is PretrainLlamaForCausalLM
+        assert loaded.config.model_type == "hedgecats_pretrain"
         assert PretrainConfig.from_llama_config(loaded.config).to_dict() == \
             PretrainConfig.from_llama_config(model.config).to_dict()
         assert torch.equal(loaded.eval()(ids).logits, model(ids).logits)

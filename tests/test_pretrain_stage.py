@@ -8,7 +8,7 @@ import pytest
 import torch
 from hedgecats.lightning_modules import RecallDataModule, TeacherPretraining
 from hedgecats.models import HybridConfig, attention_mode, convert_to_hybrid, load_pretrained
-from hedgecats.models.pretrain import HedgecatsLlamaForCausalLM, parameter_counts
+from hedgecats.models.pretrain import PretrainLlamaForCausalLM, parameter_counts
 from lightning.pytorch.loggers import CSVLogger
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -45,13 +45,13 @@ def test_gated_swa_teacher_trains_reports_and_reloads(tmp_path):
     m = TeacherPretraining(**TINY, attention_pattern="SF", sliding_window=8, output_gate="lowrank",
                            gate_rank=4, rope_fraction=0.5)
     _fit(m, tmp_path)
-    assert type(m.model) is HedgecatsLlamaForCausalLM
+    assert type(m.model) is PretrainLlamaForCausalLM
     # parameter counts: logged as hyperparameters, and written with the config at the start
     arch = json.loads((tmp_path / "architecture.json").read_text())
     counts = parameter_counts(m.model)
     assert arch["parameters"] == counts and counts["gates"] == 2 * (32 * 4 + 4 * 32 + 32)
     assert arch["pattern"] == "SF" and arch["config"]["layer_windows"] == [8, None]
-    assert arch["rotary_dim"] == 8 and arch["model_class"] == "HedgecatsLlamaForCausalLM"
+    assert arch["rotary_dim"] == 8 and arch["model_class"] == "PretrainLlamaForCausalLM"
     hparams = (tmp_path / "logs" / "v" / "hparams.yaml").read_text()
     assert f"params/total: {counts['total']}" in hparams
     # the saved model reloads with identical logits, its architecture record beside it

@@ -584,7 +584,7 @@ class TeacherPretraining(_NextTokenLoss, _Stage):
 
     The defaults (every layer full, no gate, full RoPE) build exactly the ``LlamaForCausalLM``
     this stage always built, from the same random draws; other settings build a
-    ``HedgecatsLlamaForCausalLM`` (``model_type: hedgecats_llama``) whose shared weights are
+    ``PretrainLlamaForCausalLM`` (``model_type: hedgecats_pretrain``) whose shared weights are
     those of the plain model for the same ``init_seed``.
 
     At the start of ``fit`` the parameter counts by part are logged (and sent to the loggers as

@@ -15,7 +15,7 @@ from .feature_maps import HedgehogFeatureMap
 from .mixers import build_mixer
 from .ops.hybrid import LA_SPANS, MODES, hybrid_attention
 
-# importing pretrain registers HedgecatsLlamaForCausalLM ("hedgecats_llama") with the Auto
+# importing pretrain registers PretrainLlamaForCausalLM ("hedgecats_pretrain") with the Auto
 # classes, so from_pretrained reloads gated / sliding-window teachers wherever models is imported
 from .pretrain import PretrainConfig, build_pretrain_model, load_pretrained
 

@@ -3,8 +3,8 @@
     PretrainConfig                the architecture: one validated dataclass
     build_pretrain_model(cfg)     today's ``LlamaForCausalLM`` when the config is plain (every
                                   layer full attention, no gate, full RoPE), else a
-                                  ``HedgecatsLlamaForCausalLM``
-    HedgecatsLlamaForCausalLM     ``LlamaForCausalLM`` whose ``self_attn`` are ``PretrainAttention``
+                                  ``PretrainLlamaForCausalLM``
+    PretrainLlamaForCausalLM     ``LlamaForCausalLM`` whose ``self_attn`` are ``PretrainAttention``
     PretrainAttention             Llama's q, k, v, o; partial RoPE; causal or sliding-window
                                   softmax; an optional output gate before ``o_proj``
     OutputGate                    ``sigmoid(up(x))`` or ``sigmoid(up(down(x)))`` per channel
@@ -41,12 +41,13 @@ carry no position. ``rope_fraction = 0`` is NoPE.
 
 **Exactness.** A plain config builds ``LlamaForCausalLM`` from the same ``LlamaConfig`` as before
 (same random draws for a seed), so saved teachers load as ``model_type: llama`` everywhere. The
-other configs build ``HedgecatsLlamaForCausalLM``: it constructs the Llama first (same draws,
+other configs build ``PretrainLlamaForCausalLM``: it constructs the Llama first (same draws,
 so its shared weights equal the plain model's for the seed), then swaps each ``self_attn``
-keeping q, k, v, o. It saves with ``model_type: hedgecats_llama``; importing ``hedgecats.models``
-registers it with ``AutoConfig`` / ``AutoModelForCausalLM``, so ``from_pretrained`` reloads it with
-identical logits. SWA layers keep every key in a KV cache (the cache is not trimmed to the
-window), so cached decoding equals a full forward.
+keeping q, k, v, o. It saves with ``model_type: hedgecats_pretrain`` (not ``hedgecats_llama``:
+that is a converted hybrid, ``models.hf``); importing ``hedgecats.models`` registers it with
+``AutoConfig`` / ``AutoModelForCausalLM``, so ``from_pretrained`` reloads it with identical
+logits. SWA layers keep every key in a KV cache (the cache is not trimmed to the window), so
+cached decoding equals a full forward.
 
 Plain PyTorch + transformers; never imports lightning (DESIGN.md, layering).
 """
@@ -77,12 +78,12 @@ from transformers.models.llama.modeling_llama import (
 __all__ = [
     "GATES",
     "MODEL_TYPE",
-    "HedgecatsLlamaConfig",
-    "HedgecatsLlamaForCausalLM",
     "OutputGate",
     "PartialRotaryEmbedding",
     "PretrainAttention",
     "PretrainConfig",
+    "PretrainLlamaConfig",
+    "PretrainLlamaForCausalLM",
     "apply_partial_rotary",
     "build_pretrain_model",
     "load_pretrained",
@@ -94,7 +95,7 @@ __all__ = [
 GATES = ("none", "elementwise", "lowrank")
 PATTERN_CHARS = {"F": "full causal attention",
                  "S": "sliding window of `sliding_window` keys"}
-MODEL_TYPE = "hedgecats_llama"
+MODEL_TYPE = "hedgecats_pretrain"
 #: the attention implementations whose masks SWA layers can restrict to their window
 SWA_IMPLEMENTATIONS = ("sdpa", "eager")
 #: the config attribute holding this module's options in a saved ``config.json``
@@ -238,7 +239,7 @@ class PretrainConfig:
 
     def llama_config(self) -> LlamaConfig:
         """The ``LlamaConfig`` of a plain model (the same arguments ``TeacherPretraining`` always
-        passed), or the ``HedgecatsLlamaConfig`` carrying this config's options."""
+        passed), or the ``PretrainLlamaConfig`` carrying this config's options."""
         kw = {"vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
               "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
               "num_key_value_heads": self.num_kv_heads or self.num_heads,
@@ -249,7 +250,7 @@ class PretrainConfig:
               "tie_word_embeddings": False}
         if self.is_plain:
             return LlamaConfig(**kw)
-        return HedgecatsLlamaConfig(**kw, **{CONFIG_KEY: self.options()})
+        return PretrainLlamaConfig(**kw, **{CONFIG_KEY: self.options()})
 
     def options(self) -> dict:
         """What a saved ``config.json`` records beyond Llama's fields (the resolved pattern)."""
@@ -448,13 +449,13 @@ class PretrainAttention(nn.Module):
 
 
 # ----------------------------------------------------------------------------- the model
-class HedgecatsLlamaConfig(LlamaConfig):
+class PretrainLlamaConfig(LlamaConfig):
     """``LlamaConfig`` plus ``hedgecats_pretrain`` (``PretrainConfig.options()``)."""
 
     model_type = MODEL_TYPE
 
 
-class HedgecatsLlamaForCausalLM(LlamaForCausalLM):
+class PretrainLlamaForCausalLM(LlamaForCausalLM):
     """``LlamaForCausalLM`` with ``PretrainAttention`` layers (module docstring).
 
     The Llama is built first, so the shared weights (embeddings, q, k, v, o, MLP, norms, head)
@@ -462,13 +463,13 @@ class HedgecatsLlamaForCausalLM(LlamaForCausalLM):
     created and initialised afterwards.
     """
 
-    config_class = HedgecatsLlamaConfig
+    config_class = PretrainLlamaConfig
     # transformers decides whether ``set_attn_implementation`` may switch a model by reading its
     # module's source for an attention-interface call; ours dispatches through the registry
     # (``PretrainAttention.forward``), so it may (convert_to_hybrid and the eager tests rely on it)
     _can_set_attn_implementation_cached_value = True
 
-    def __init__(self, config: HedgecatsLlamaConfig) -> None:
+    def __init__(self, config: PretrainLlamaConfig) -> None:
         super().__init__(config)
         arch = PretrainConfig.from_llama_config(config)
         channels = config.num_attention_heads * arch.head_dim
@@ -492,13 +493,13 @@ class HedgecatsLlamaForCausalLM(LlamaForCausalLM):
             super()._init_weights(module)
 
 
-_can_record = getattr(HedgecatsLlamaForCausalLM, "_can_record_outputs", None)
+_can_record = getattr(PretrainLlamaForCausalLM, "_can_record_outputs", None)
 if isinstance(_can_record, dict):  # output_attentions / hidden states hooks find our layers
-    HedgecatsLlamaForCausalLM._can_record_outputs = {
+    PretrainLlamaForCausalLM._can_record_outputs = {
         **_can_record, "hidden_states": LlamaDecoderLayer, "attentions": PretrainAttention}
 
-AutoConfig.register(MODEL_TYPE, HedgecatsLlamaConfig, exist_ok=True)
-AutoModelForCausalLM.register(HedgecatsLlamaConfig, HedgecatsLlamaForCausalLM, exist_ok=True)
+AutoConfig.register(MODEL_TYPE, PretrainLlamaConfig, exist_ok=True)
+AutoModelForCausalLM.register(PretrainLlamaConfig, PretrainLlamaForCausalLM, exist_ok=True)
 
 
 def build_pretrain_model(config: PretrainConfig, *, seed: int = 0) -> PreTrainedModel:
@@ -506,10 +507,10 @@ def build_pretrain_model(config: PretrainConfig, *, seed: int = 0) -> PreTrained
     the global RNG restored afterwards), attention through SDPA.
 
     Plain configs give ``LlamaForCausalLM`` (exactly what ``TeacherPretraining`` always built);
-    the others ``HedgecatsLlamaForCausalLM``.
+    the others ``PretrainLlamaForCausalLM``.
     """
     cfg = config.llama_config()
-    cls = LlamaForCausalLM if config.is_plain else HedgecatsLlamaForCausalLM
+    cls = LlamaForCausalLM if config.is_plain else PretrainLlamaForCausalLM
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = cls(cfg)
@@ -518,7 +519,7 @@ def build_pretrain_model(config: PretrainConfig, *, seed: int = 0) -> PreTrained
 
 
 def load_pretrained(path: str | Path, **kwargs) -> PreTrainedModel:
-    """``AutoModelForCausalLM.from_pretrained(path)`` with ``HedgecatsLlamaForCausalLM`` registered
+    """``AutoModelForCausalLM.from_pretrained(path)`` with ``PretrainLlamaForCausalLM`` registered
     (importing this module registers it): plain teachers load as ``LlamaForCausalLM``."""
     return AutoModelForCausalLM.from_pretrained(path, **kwargs)
 
