@@ -90,7 +90,7 @@ def hybrid_attention(
         scale: score scale, default ``1/sqrt(D)``.
         eps: LA denominator guard (``ops.reference.default_eps``: fp32's smallest normal number
             for the non-negative feature maps, 1e-6 for activation ``none``).
-        backend: ``auto | reference | fla | flash_attn | flex`` (see ``ops.backends``).
+        backend: ``auto | reference | fla | flash_attn | flex | triton`` (see ``ops.backends``).
         ops: the pieces to compute with, an object like ``backends.Ops``; default
             ``backends.select(backend, q, key_padding_mask)``. A KV cache passes its own, whose
             pieces add what it keeps of earlier keys (``models.cache``); the mixing and the
@@ -120,6 +120,16 @@ def hybrid_attention(
         return out.to(dtype)
     if fq is None or fk is None:
         raise ValueError(f"mode {mode!r} runs linear attention: fq and fk are required")
+
+    # the whole layer in one fused kernel, where the backend has one that covers this call
+    # (``backends.Ops.fused``; ``None``: compose the pieces below)
+    fused = getattr(ops, "fused", None)
+    out = None if fused is None else fused(
+        q, k, v, fq, fk, window=window, mode=mode, g=g, shared_norm=shared_norm, overlap=overlap,
+        rescale=rescale, la_span=la_span, swa_drop=swa_drop, key_padding_mask=key_padding_mask,
+        scale=scale, eps=eps)
+    if out is not None:
+        return out.to(dtype)
 
     need_swa = mode in ("hybrid", "swa_only")
     need_la = mode in ("hybrid", "la_only") or shared_norm or swa_drop is not None
