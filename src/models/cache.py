@@ -65,8 +65,8 @@ def layer_state_bytes(batch: int, kv_heads: int, head_dim: int, feature_dim: int
     el = torch.empty((), dtype=dtype).element_size()
     kv = 2 * window * head_dim * el + 2 * (n_sinks + 1) * head_dim * el  # ring + sinks (+1 spare)
     state = (feature_dim * head_dim + feature_dim) * 4  # S and z in fp32
-    flags = window + (n_sinks + 1) + 2 * 8  # real flags; counters
-    return batch * (kv_heads * (kv + state) + flags)
+    flags = window + (n_sinks + 1) + 2 * 8  # real flags; two counters per sequence
+    return batch * (kv_heads * (kv + state) + flags) + 8  # + the position counter
 
 
 class HybridLayerCache(CacheLayerMixin):
