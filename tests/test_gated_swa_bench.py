@@ -1,0 +1,72 @@
+"""benchmarks/gated_swa.py on CPU (--tiny): every variant in-process, then the GPU's way (each
+run a subprocess, the package imported through a symlink to src/ as on the device machine), and
+the merge of two reports into one over seeds."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gated_swa.py"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("gated_swa", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_every_variant_trains_and_is_reported(tmp_path):
+    bench = _bench()
+    assert bench.main(["--tiny", "--out", str(tmp_path / "a"), "--work", str(tmp_path / "w")]) == 0
+    res = json.loads((tmp_path / "a" / "gated_swa.json").read_text())
+    runs = {r["variant"]: r for r in res["runs"]}
+    assert list(runs) == list(bench.VARIANTS) and not any("error" in r for r in res["runs"])
+    arch = {k: r["architecture"] for k, r in runs.items()}
+    assert arch["full"]["model_class"] == "LlamaForCausalLM"
+    assert arch["swa_small"]["config"]["layer_windows"] == [8, None]
+    assert arch["swa_large_gate"]["config"]["layer_windows"] == [60, None]
+    assert arch["swa_small_gate"]["parameters"]["gates"] > 0
+    assert arch["swa_small"]["parameters"]["gates"] == 0
+    assert arch["swa_large_lowrank"]["parameters"]["gates"] < \
+        arch["swa_large_gate"]["parameters"]["gates"]
+    assert arch["swa_large_prope_lowrank"]["rotary_dim"] == 8 == arch["full"]["head_dim"] // 2
+    for r in runs.values():
+        assert r["steps"] == 6 and not r["stopped_early"] and r["reload_max_abs_diff"] == 0.0
+        assert [h["step"] for h in r["history"]] == list(range(1, 7))  # every 10% of 6 steps
+        assert {"downstream/recall/d60-80/acc", "downstream/mc_near/acc",
+                "downstream/mc_far/acc"} <= set(r["final"])
+        assert len(r["doc_loss"]) == 4
+    md = (tmp_path / "a" / "gated_swa.md").read_text()
+    assert md.count("\n| swa_") == 6 and "| smaller window (no gate): swa_small - swa_large |" in md
+    assert len(res["summary"]["deltas"]) == 7
+
+
+def test_runs_as_processes_and_reports_merge(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "hedgecats").symlink_to(ROOT / "src")
+    env = {**os.environ, "PYTHONPATH": str(pkg), "OUT": str(tmp_path / "b"),
+           "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--tiny", "--parallel", "2", "--seeds", "1",
+         "--variants", "full,swa_large_prope_lowrank", "--work", str(tmp_path / "w")],
+        env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    res = json.loads((tmp_path / "b" / "gated_swa.json").read_text())
+    assert [(r["variant"], r["seed"]) for r in res["runs"]] == \
+        [("full", 1), ("swa_large_prope_lowrank", 1)]
+    assert "==== full seed 1" in (tmp_path / "b" / "gated_swa.log").read_text()
+    # a second report of the same settings (another seed), merged into one with mean +- std
+    bench = _bench()
+    bench.main(["--tiny", "--variants", "full", "--out", str(tmp_path / "c"),
+                "--work", str(tmp_path / "w")])
+    bench.main(["--merge", str(tmp_path / "b" / "gated_swa.json"),
+                str(tmp_path / "c" / "gated_swa.json"), "--out", str(tmp_path / "m")])
+    merged = json.loads((tmp_path / "m" / "gated_swa.json").read_text())
+    assert merged["summary"]["rows"]["full"]["seeds"] == [0, 1]
+    assert " ± " in (tmp_path / "m" / "gated_swa.md").read_text().split("| full |")[1].split("\n")[0]
