@@ -168,6 +168,9 @@ class HybridCausalLM:
         parameter of the hybrid its config describes and the other way round; the LoRA adapter
         named by the section is loaded through transformers' peft integration."""
         want_info = kwargs.pop("output_loading_info", False)
+        # mismatched shapes are reported back (not raised by transformers) so that the error
+        # below names the hybrid section; they are never accepted
+        kwargs["ignore_mismatched_sizes"] = True
         model, info = super().from_pretrained(pretrained_model_name_or_path, *args,
                                               output_loading_info=True, **kwargs)
         bad = {k: sorted(info.get(k) or []) for k in ("missing_keys", "unexpected_keys",
@@ -182,13 +185,8 @@ class HybridCausalLM:
                 f"come from different models or conversions")
         adapter = model.config.hybrid.get("adapter")
         if adapter:
-            path = Path(str(pretrained_model_name_or_path))
-            if path.is_dir():
-                model.load_adapter(str(path / adapter))
-            else:  # a hub id
-                model.load_adapter(str(pretrained_model_name_or_path),
-                                   adapter_kwargs={"subfolder": adapter,
-                                                   "revision": kwargs.get("revision")})
+            _load_adapter(model, str(pretrained_model_name_or_path), adapter,
+                          revision=kwargs.get("revision"))
         model.eval()
         return (model, info) if want_info else model
 
@@ -216,6 +214,22 @@ class HybridCausalLM:
                                f"full DynamicCache (memory grows with the context)")
                 else:
                     model_kwargs[key] = HybridCache(self)
+
+
+def _load_adapter(model: nn.Module, where: str, subfolder: str, revision: str | None) -> None:
+    """Inject the peft LoRA adapter saved in ``where/subfolder`` into ``model`` in place, with
+    peft's own loader (``PeftModel.from_pretrained``; transformers' integration needs a newer
+    peft than some installations have). The ``PeftModel`` is kept on the model, so that
+    ``save_hybrid(model, dir, lora=...)`` writes the adapter in peft's format again."""
+    from peft import PeftModel
+
+    path = Path(where) / subfolder
+    if path.is_dir():
+        peft_model = PeftModel.from_pretrained(model, str(path), is_trainable=False)
+    else:  # a hub id
+        peft_model = PeftModel.from_pretrained(model, where, subfolder=subfolder,
+                                               revision=revision, is_trainable=False)
+    model.__dict__["_hedgecats_peft"] = peft_model  # not a submodule: no second state-dict path
 
 
 def _needs_full_cache(model: nn.Module) -> bool:
@@ -378,11 +392,11 @@ def save_hybrid(model: nn.Module, save_directory: str | os.PathLike, *, lora: st
     inner.save_pretrained(save_directory, state_dict=state,
                           hybrid_adapter=ADAPTER_DIR if lora == "adapter" else None, **kwargs)
     if lora == "adapter":
-        target = save_directory / ADAPTER_DIR
-        if model is not inner:  # a PeftModel: peft's own adapter format
-            model.save_pretrained(target)
-        else:  # adapters injected by transformers' peft integration: its own saving
-            super(HybridCausalLM, inner).save_pretrained(target)
+        peft_model = model if model is not inner else inner.__dict__.get("_hedgecats_peft")
+        if peft_model is None:
+            raise ValueError("the model has LoRA layers but no peft model to save them with "
+                             "(LoRA injected some other way): save with lora='merge'")
+        peft_model.save_pretrained(save_directory / ADAPTER_DIR)  # peft's own adapter format
     return save_directory
 
 
@@ -435,6 +449,8 @@ def load_pretrained_hybrid(path: str, **kwargs) -> nn.Module:
     directory that is not one (a hub id is checked by the loaded config instead)."""
     if Path(path).is_dir():
         read_hybrid_config(path)
+    elif path.startswith(("/", "./", "../", "~")) or path.count("/") > 1:
+        raise FileNotFoundError(f"{path!r}: no such directory (and not a hub id 'org/name')")
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     if not isinstance(model, HybridCausalLM):
         raise ValueError(f"{path!r} loaded as {type(model).__name__}, not a hedgecats hybrid")
