@@ -84,7 +84,8 @@ def test_recall_probe_against_an_oracle():
     ans = probe.corpus.answers
     far = (ans[:, 2] >= 60).nonzero().flatten().tolist()
     out = probe.evaluate(Oracle(probe.corpus, far), torch.device("cpu"))
-    right, wrong = -math.log(math.exp(5) / (math.exp(5) + V - 1)), -math.log(1 / (math.exp(5) + V - 1))
+    z = math.exp(5) + V - 1  # the oracle's softmax normaliser
+    right, wrong = -math.log(math.exp(5) / z), -math.log(1 / z)
     n_tok = probe.corpus.input_ids.numel() - len(probe.corpus.input_ids)
     assert out["d3-15/acc"] == 1.0 and out["d40-59/acc"] == 1.0 and out["d60-80/acc"] == 0.0
     assert out["d3-15/loss"] == pytest.approx(right) and out["d60-80/loss"] == pytest.approx(wrong)

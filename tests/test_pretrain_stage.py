@@ -82,3 +82,31 @@ def test_plain_teacher_still_converts_to_a_hybrid(tmp_path):
     with attention_mode(teacher, "softmax"):
         torch.testing.assert_close(teacher(ids).logits, want)
     teacher(ids)  # the hybrid runs
+
+
+def test_gated_swa_pipeline_config_builds_each_kind_of_variant(tmp_path):
+    """configs/gated-swa/teacher.yaml through LightningCLI: a pattern string, a list, and the
+    plain teacher (vars set to null) all parse, with the downstream callback and its probes."""
+    import copy
+    from pathlib import Path
+
+    from hedgecats.cli import _cli, _stage_config, load_pipeline
+    from hedgecats.lightning_modules import DownstreamEval
+
+    path = Path(__file__).resolve().parents[1] / "configs" / "gated-swa" / "teacher.yaml"
+    cases = [({}, (256, 256, 256, None), "elementwise", 64),
+             ({"pattern": [64, "full", 256, "full"], "window": None, "gate": "lowrank",
+               "rope_fraction": 0.5}, (64, None, 256, None), "lowrank", 32)]
+    for variables, windows, gate, rotary in cases:
+        spec = load_pipeline(path, output=tmp_path, variables=variables)
+        cfg = copy.deepcopy(_stage_config(spec["stages"][0], tmp_path / "teacher", 10))
+        cfg["trainer"]["accelerator"] = "cpu"
+        cli = _cli(cfg, run=False)
+        arch = cli.model.arch
+        assert (arch.layer_windows, arch.output_gate, arch.rotary_dim) == (windows, gate, rotary)
+        (cb,) = [c for c in cli.trainer.callbacks if isinstance(c, DownstreamEval)]
+        assert [p.name for p in cb.probes] == ["recall", "mc_near", "mc_far"]
+    plain = load_pipeline(path, output=tmp_path,
+                          variables={"pattern": None, "window": None, "gate": "none"})
+    args = plain["stages"][0]["fit"]["model"]["init_args"]
+    assert TeacherPretraining(**args).arch.is_plain

@@ -232,7 +232,7 @@ def score_choices(model: nn.Module, items: Sequence[ChoiceItem], *, batch_size: 
                 last = len(item.context) - 1
                 scores[i] = [logp_BTV[b, last, c[0]].item() for c in item.choices]
             else:
-                start = len(item.context)  # the choice's tokens at start.., predicted from start-1..
+                start = len(item.context)  # the choice's tokens: start.., predicted from start-1..
                 tgt = torch.tensor(x[start:])
                 scores[i][j] = logp_BTV[b, start - 1:len(x) - 1].gather(
                     -1, tgt[:, None]).sum().item()
@@ -395,6 +395,10 @@ class DownstreamEval(pl.Callback):
         self.history: list[dict] = []
         self.last_step = -1
         self._steps: tuple[int, ...] = ()
+
+    @property
+    def state_key(self) -> str:  # two instances (other prefixes) keep their own checkpoint state
+        return self._generate_state_key(prefix=self.prefix)
 
     # ------------------------------------------------------------------ hooks
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

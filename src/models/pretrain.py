@@ -12,12 +12,12 @@
     load_pretrained(path)         the documented loader (``from_pretrained`` of either class)
 
 **Attention pattern.** A string of ``F`` (full causal attention) and ``S`` (sliding window of
-``sliding_window`` keys), one character per layer, repeated when it is shorter than the model and divides
-its depth (``"SSSF"`` on 8 layers is ``SSSFSSSF``, as nanochat tiles its window pattern); or a
-list with one entry per layer: a window (int >= 1) or ``"full"`` / ``None``. Window convention,
-the same as the hybrid's SWA (``ops.reference``): the query at position ``t`` sees the keys
-``t - window < i <= t`` (``window`` keys, itself included). Positions are indices in the
-sequence (with a KV cache: in the cache), as in Mistral.
+``sliding_window`` keys), one character per layer, repeated when it is shorter than the model
+and divides its depth (``"SSSF"`` on 8 layers is ``SSSFSSSF``, as nanochat tiles its window
+pattern); or a list with one entry per layer: a window (int >= 1) or ``"full"`` / ``None``.
+Window convention, the same as the hybrid's SWA (``ops.reference``): the query at position
+``t`` sees the keys ``t - window < i <= t`` (``window`` keys, itself included). Positions are
+indices in the sequence (with a KV cache: in the cache), as in Mistral.
 
 **Output gate** (second seed; "gated attention"): ``o_proj(sigmoid(gate(x)) * Attn(Q, K, V))``,
 ``x`` the attention layer's input (after ``input_layernorm``), one gate value per query channel
