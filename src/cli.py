@@ -260,12 +260,24 @@ def _evaluate_recall(spec: dict, ev: dict, console) -> dict:
     from .models.checkpoint import load_hybrid
 
     output = Path(spec["output"])
-    stage_pt = output / ev["stage"] / "stage.pt"
     device, precision = _eval_device(ev)
     amp = torch.bfloat16 if precision == "bf16-mixed" else None
-    model, _, info = load_hybrid(stage_pt)
+    if ("stage" in ev) == ("model" in ev):
+        raise ValueError("a recall evaluation names either a 'stage' of this pipeline (its "
+                         "stage.pt) or a transformers 'model' (with a 'hybrid' config to convert "
+                         f"it with), not {'both' if 'stage' in ev else 'neither'}")
+    if "stage" in ev:
+        source = stage_pt = output / ev["stage"] / "stage.pt"
+        model, _, info = load_hybrid(stage_pt)
+        base_model, window = info["base_model"], info["hybrid_config"]["window"]
+    else:  # a plain model, converted with fresh feature maps (softmax / SWA modes make sense)
+        from transformers import AutoModelForCausalLM
+
+        source = base_model = ev["model"]
+        hybrid = HybridConfig.from_dict(ev.get("hybrid") or {})
+        model = convert_to_hybrid(AutoModelForCausalLM.from_pretrained(base_model), hybrid)
+        window = hybrid.window
     model.to(device)
-    window = info["hybrid_config"]["window"]
     dm = _instantiate(ev["data"])
     dm.setup("test")
     corpus = dm.test_corpus()
@@ -286,16 +298,17 @@ def _evaluate_recall(spec: dict, ev: dict, console) -> dict:
     if ev.get("teacher"):  # the unconverted base model, for reference
         from transformers import AutoModelForCausalLM
 
-        teacher = AutoModelForCausalLM.from_pretrained(info["base_model"]).to(device)
+        teacher = AutoModelForCausalLM.from_pretrained(base_model).to(device)
         convert_to_hybrid(teacher, HybridConfig(window=window, mode="softmax"))
         rows["teacher"] = evaluate_recall(teacher, corpus, modes=("softmax",), batch_size=bs,
                                           autocast_dtype=amp)["softmax"]
         del teacher
     rows.update(results)
-    console.print(format_table(rows, title=f"{spec['name']}: {ev['stage']} on held-out recall "
+    console.print(format_table(rows, title=f"{spec['name']}: {ev.get('stage', source)} on "
+                               "held-out recall "
                                f"documents (near: fact <= {corpus.near_max} tokens back; far: >= "
                                f"{corpus.far_min}; model window {window})"))
-    return {"stage": ev["stage"], "checkpoint": str(stage_pt), "window": window,
+    return {"stage": ev.get("stage"), "checkpoint": str(source), "window": window,
             "near_max": corpus.near_max, "far_min": corpus.far_min, "far_max": corpus.far_max,
             "buckets": [list(b) for b in corpus.buckets()], "device": device,
             "precision": precision, "n_docs": len(corpus.input_ids), "results": rows}
@@ -315,6 +328,21 @@ def _evaluate_command(spec: dict, ev: dict, console) -> dict:
     return {"stage": ev.get("stage"), "command": ["hedgecats", "evaluate", *argv]}
 
 
+EVALUATORS = {"recall": _evaluate_recall, "command": _evaluate_command}
+
+
+def _evaluations(spec: dict) -> list[dict]:
+    """The ``evaluate:`` section as a list: one mapping (results.json keeps its keys at the top
+    level) or a list of them (results.json lists them under ``evaluations``, in order)."""
+    ev = spec.get("evaluate")
+    if not ev:
+        return []
+    evals = [ev] if isinstance(ev, dict) else ev
+    if not isinstance(evals, list) or not all(isinstance(e, dict) for e in evals):
+        raise ValueError("'evaluate' must be a mapping (one evaluation) or a list of mappings")
+    return evals
+
+
 # ----------------------------------------------------------------------------- pipeline
 def run_pipeline(path: str | Path, output: str | Path | None = None, dry_run: bool = False,
                  console=None, seed: int | None = None, variables: dict | None = None
@@ -332,8 +360,8 @@ def run_pipeline(path: str | Path, output: str | Path | None = None, dry_run: bo
         console.print(f"  {i}/{n} {st['name']} [{_status(out / st['name'])}]: {_describe(st)}",
                       soft_wrap=True, markup=False)
         _warn_if_changed(st, out / st["name"], int(spec["checkpoint_every_n_steps"]), console)
-    ev = spec.get("evaluate")
-    if ev:
+    evals = _evaluations(spec)
+    for ev in evals:
         console.print(f"  evaluate: {ev.get('kind', 'recall')} on stage {ev.get('stage')!r}")
     if dry_run:
         return None
@@ -348,15 +376,17 @@ def run_pipeline(path: str | Path, output: str | Path | None = None, dry_run: bo
         _run_stage(st, stage_dir, int(spec["checkpoint_every_n_steps"]))
         console.print(f"stage {st['name']} finished in {time.time() - t:.0f} s")
     summary = {"pipeline": spec["name"], "output": str(out), "seed": spec["seed"]}
-    if ev:
-        console.rule("evaluation")
+    done = []
+    for ev in evals:
+        console.rule(f"evaluation: {ev.get('kind', 'recall')}")
         kind = ev.get("kind", "recall")
-        if kind == "recall":
-            summary.update(_evaluate_recall(spec, ev, console))
-        elif kind == "command":
-            summary.update(_evaluate_command(spec, ev, console))
-        else:
-            raise ValueError(f"unknown evaluate kind {kind!r}; valid: recall, command")
+        if kind not in EVALUATORS:
+            raise ValueError(f"unknown evaluate kind {kind!r}; valid: {', '.join(EVALUATORS)}")
+        done.append({"kind": kind, **EVALUATORS[kind](spec, ev, console)})
+    if isinstance(spec.get("evaluate"), dict):
+        summary.update({k: v for k, v in done[0].items() if k != "kind"})
+    elif done:
+        summary["evaluations"] = done
     summary["wall_s"] = round(time.time() - t0, 1)
     (out / "results.json").write_text(json.dumps(summary, indent=2))
     console.print(f"run directory: {out}\n  results.json, <stage>/config.yaml, <stage>/stage.pt, "

@@ -34,8 +34,10 @@ __all__ = [
     "RecallDataModule",
     "ResumableDistributedSampler",
     "ResumableLoader",
+    "MC_TASKS",
     "byte_tokenizer",
     "make_recall_corpus",
+    "write_recall_mc_tasks",
 ]
 
 PAD_ID, EOS_ID, VOCAB_SIZE = BYTE_PAD_ID, BYTE_EOS_ID, BYTE_VOCAB_SIZE
@@ -97,14 +99,7 @@ def make_recall_corpus(num_docs: int, seq_len: int, *, near_max: int, far_min: i
     docs = np.empty((num_docs, seq_len), dtype=np.int64)
     answers = []
     for d in range(num_docs):
-        # filler: words of 2-6 random letters separated by spaces
-        row = rng.choice(fill, size=seq_len).astype(np.int64)
-        pos = 0
-        while pos < seq_len:
-            pos += int(rng.integers(2, 7))
-            if pos < seq_len:
-                row[pos] = ord(" ")
-            pos += 1
+        row = _filler(rng, fill, seq_len)
         if task == "marker":
             docs[d] = row
             _marker_doc(docs[d], d, rng, upper, near_max, far_min, far_max, answers)
@@ -128,6 +123,96 @@ def make_recall_corpus(num_docs: int, seq_len: int, *, near_max: int, far_min: i
         docs[d] = row
     return RecallCorpus(torch.from_numpy(docs), torch.tensor(answers, dtype=torch.long),
                         near_max=near_max, far_min=far_min, far_max=far_max)
+
+
+def _filler(rng, fill: np.ndarray, length: int) -> np.ndarray:
+    """Filler: words of 2-6 letters drawn from ``fill``, separated by spaces; (length,) int64."""
+    row = rng.choice(fill, size=length).astype(np.int64)
+    pos = 0
+    while pos < length:
+        pos += int(rng.integers(2, 7))
+        if pos < length:
+            row[pos] = ord(" ")
+        pos += 1
+    return row
+
+
+#: the multiple-choice tasks of ``write_recall_mc_tasks``:
+#: name -> (context length range, facts in the context, distance range of the asked fact)
+#: where a distance is counted from the fact's value to the asked value, as in the corpus
+MC_TASKS: dict[str, tuple[tuple[int, int], int, str]] = {
+    "recall_mc_short_1": ((24, 56), 1, "near"),  # the whole question fits a 64-token window
+    "recall_mc_short_3": ((32, 60), 3, "near"),
+    "recall_mc_far": ((None, None), 3, "far"),   # the asked fact beyond the window
+}
+
+
+def write_recall_mc_tasks(root, *, n_docs: int = 256, near_max: int = 63, far_min: int = 150,
+                          far_max: int = 400, filler: str = string.ascii_lowercase,
+                          seed: int = 0) -> list[str]:
+    """Multiple-choice recall tasks in lm-eval's format (a YAML and a JSONL per task) under
+    ``root``, built from the corpus's own documents, for ``hedgecats evaluate --tasks root``.
+
+    Each document is filler with ``#Kv`` facts (distinct keys) ending in ``?K`` for one of them;
+    the four choices are its value and three other lowercase letters (``acc``: the value gets
+    the highest log-likelihood). ``recall_mc_short_*`` contexts are at most 60 tokens, so a
+    64-token window sees the whole question (the paper's regime, where most PIQA / ARC prompts
+    fit the window); ``recall_mc_far`` asks a fact ``far_min..far_max`` tokens back. Returns the
+    task names. Deterministic in ``seed``.
+    """
+    import json
+    from pathlib import Path
+
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    fill = np.frombuffer(filler.encode(), dtype=np.uint8)
+    lower = string.ascii_lowercase
+    for name, ((lo, hi), n_facts, regime) in MC_TASKS.items():
+        rows = []
+        for i in range(n_docs):
+            keys = rng.permutation(list(string.ascii_uppercase))[:n_facts]
+            vals = [lower[int(rng.integers(26))] for _ in keys]
+            if regime == "near":
+                length = int(rng.integers(lo, hi + 1))
+                dist = int(rng.integers(3, min(near_max, length - 3) + 1))
+            else:
+                dist = int(rng.integers(far_min, far_max + 1))
+                length = dist + int(rng.integers(8, 64))
+            row = _filler(rng, fill, length)
+            # the asked fact (key 0): its value sits `dist` before the asked value at `length`
+            v_pos = length - dist
+            row[v_pos - 2:v_pos + 1] = [ord("#"), ord(keys[0]), ord(vals[0])]
+            taken = set(range(v_pos - 2, v_pos + 1)) | {length - 2, length - 1}
+            for key, val in zip(keys[1:], vals[1:]):  # the others anywhere else before the query
+                for _ in range(100):
+                    f = int(rng.integers(0, length - 5))
+                    if not taken & set(range(f, f + 3)):
+                        row[f:f + 3] = [ord("#"), ord(key), ord(val)]
+                        taken |= set(range(f, f + 3))
+                        break
+            row[length - 2:length] = [ord("?"), ord(keys[0])]
+            others = [c for c in lower if c != vals[0]]
+            choices = [vals[0], *(others[j] for j in rng.choice(25, size=3, replace=False))]
+            order = rng.permutation(4)
+            rows.append({"id": i, "context": bytes(row.tolist()).decode("ascii"),
+                         "choices": [choices[j] for j in order],
+                         "label": int(np.where(order == 0)[0][0]), "distance": dist})
+        data = root / f"{name}.jsonl"
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (root / f"{name}.yaml").write_text(
+            f"task: {name}\n"
+            "dataset_path: json\n"
+            f"dataset_kwargs:\n  data_files:\n    test: {data.resolve()}\n"
+            "test_split: test\n"
+            "output_type: multiple_choice\n"
+            "doc_to_text: \"{{context}}\"\n"
+            "doc_to_choice: \"{{choices}}\"\n"
+            "doc_to_target: label\n"
+            "target_delimiter: \"\"\n"  # the value follows '?K' directly, as in training
+            "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
+            "metadata:\n  version: 1.0\n")
+    return list(MC_TASKS)
 
 
 def _marker_doc(row, d, rng, upper, near_max, far_min, far_max, answers) -> None:

@@ -24,6 +24,8 @@ __all__ = ["EVAL_MODES", "evaluate_recall", "format_table"]
 
 EVAL_MODES = ("softmax", "hybrid", "swa_only", "la_only", "sinks_only", "none")
 COLUMNS = ("lm_loss", "near_loss", "near_acc", "far_loss", "far_acc")
+#: the printed table's columns (results.json keeps every value)
+TABLE_COLUMNS = ("lm_loss", "near_acc", "far_acc")
 
 
 @torch.no_grad()
@@ -83,13 +85,16 @@ def evaluate_recall(model: nn.Module, corpus: RecallCorpus, *,
 
 
 def format_table(results: dict[str, dict[str, float]], title: str = ""):
-    """A ``rich`` table: rows are modes, columns the metrics."""
+    """A ``rich`` table: rows are modes; columns the LM loss, near and far accuracy, and the
+    accuracy per far-distance bucket (``d150-233`` ...)."""
     from rich.table import Table
 
     table = Table(title=title or None)
     table.add_column("mode")
-    for c in COLUMNS:
-        table.add_column(c, justify="right")
+    buckets = [k for k in next(iter(results.values()), {}) if k.startswith("acc_d")]
+    cols = (*TABLE_COLUMNS, *buckets)
+    for c in cols:
+        table.add_column(c.removeprefix("acc_"), justify="right")
     for mode, r in results.items():
-        table.add_row(mode, *(f"{r[c]:.3f}" for c in COLUMNS))
+        table.add_row(mode, *(f"{r.get(c, float('nan')):.3f}" for c in cols))
     return table

@@ -1,0 +1,359 @@
+"""The GPU testbed (docs/testbed.md): teacher, every recipe x seeds, and the report.
+
+    python benchmarks/testbed.py run --root runs/testbed --seeds 0,1,2 --jobs 7
+    python benchmarks/testbed.py run --root runs/testbed --legacy-objective \\
+        --recipes hedgecats,ssd_dropout,ssd_window,ssd_fixed        # the "before" of issue 20
+    python benchmarks/testbed.py report --root runs/testbed --out docs/testbed
+
+``run`` writes the multiple-choice tasks (``<root>/mc_tasks``), trains the teacher through
+``hedgecats pipeline configs/testbed/teacher.yaml`` unless ``--teacher`` names one, then runs
+``hedgecats pipeline configs/testbed/<recipe>.yaml --seed S`` for every recipe and seed, ``--jobs``
+of them at once (small models leave one GPU mostly idle: concurrent pipelines share it), each
+into ``<root>/<recipe>-s<S>`` (``<root>/legacy/...`` with ``--legacy-objective``, which runs
+``benchmarks/testbed_legacy.py``), logs in ``<root>/logs``. Finished pipelines are skipped by the
+pipeline itself on a re-run. ``report`` reads every run's ``results.json`` (and ``mc/results.json``)
+and writes ``testbed.json``, ``testbed.md`` and two plots (far recall per mode per recipe;
+Delta_LA per recipe), every number a mean +- std over the seeds found, with the seed count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+CONFIGS = REPO / "configs" / "testbed"
+RECIPES = ("lolcats", "lolcats_shared_norm", "inference_hybrid", "hedgecats", "ssd_dropout",
+           "ssd_window", "ssd_fixed")
+#: recall-evaluation rows shown in the tables, in order (label in results.json -> column)
+RECALL_ROWS = {"teacher": "teacher", "softmax": "softmax", "hybrid": "hybrid",
+               "hybrid (overlap)": "hybrid+overlap", "swa_only": "swa_only",
+               "la_only": "la_only", "la_only (la_span_all)": "la_only+all",
+               "sinks_only": "sinks_only", "none": "none"}
+SHORT_TASKS = ("recall_mc_short_1", "recall_mc_short_3")
+FAR_TASK = "recall_mc_far"
+MC_MODES = {"hybrid": "hybrid", "swa_only": "swa_only", "la_only": "la_only",
+            "la_only+la_span=all": "la_only+all", "none": "none"}
+
+
+# ----------------------------------------------------------------------------- run
+def _pipeline_cmd(config: Path, output: Path, seed: int | None, variables: dict,
+                  legacy: bool) -> list[str]:
+    entry = [sys.executable, str(HERE / "testbed_legacy.py")] if legacy else \
+        [sys.executable, "-m", "hedgecats.cli"]
+    cmd = [*entry, "pipeline", str(config), "--output", str(output)]
+    if seed is not None:
+        cmd += ["--seed", str(seed)]
+    for k, v in variables.items():
+        cmd += ["--var", f"{k}={v}"]
+    return cmd
+
+
+def _run_jobs(jobs: list[tuple[str, list[str]]], n_parallel: int, logs: Path) -> dict:
+    """Run ``(name, command)`` jobs, ``n_parallel`` at once; ``{name: {rc, wall_s}}``."""
+    logs.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    pending, running, done = list(jobs), {}, {}
+    t0 = time.time()
+    while pending or running:
+        while pending and len(running) < n_parallel:
+            name, cmd = pending.pop(0)
+            log = open(logs / f"{name}.log", "w")
+            running[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                              cwd=REPO), time.time(), log)
+            print(f"[{time.time() - t0:6.0f}s] start {name}", flush=True)
+        for name, (proc, start, log) in list(running.items()):
+            if proc.poll() is None:
+                continue
+            log.close()
+            done[name] = {"rc": proc.returncode, "wall_s": round(time.time() - start, 1)}
+            del running[name]
+            print(f"[{time.time() - t0:6.0f}s] {'ok ' if proc.returncode == 0 else 'FAILED'} "
+                  f"{name} ({done[name]['wall_s']} s)" +
+                  ("" if proc.returncode == 0 else f" -> {logs / (name + '.log')}"), flush=True)
+        time.sleep(1)
+    return done
+
+
+def cmd_run(a: argparse.Namespace) -> int:
+    from hedgecats.lightning_modules.recall_data import write_recall_mc_tasks
+
+    root = Path(a.root).resolve()
+    tasks = root / "mc_tasks"
+    if not (tasks / f"{FAR_TASK}.yaml").exists():
+        write_recall_mc_tasks(tasks, n_docs=a.mc_docs, seed=1234)
+    teacher = Path(a.teacher).resolve() if a.teacher else root / "teacher" / "teacher" / "model"
+    report = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "jobs": {}}
+    if not a.teacher:
+        cmd = _pipeline_cmd(CONFIGS / "teacher.yaml", root / "teacher", None,
+                            {"steps": a.teacher_steps}, legacy=False)
+        report["jobs"].update(_run_jobs([("teacher", cmd)], 1, root / "logs"))
+        if report["jobs"]["teacher"]["rc"]:
+            print(f"the teacher failed: {root / 'logs' / 'teacher.log'}", file=sys.stderr)
+            return 1
+    recipes = RECIPES if a.recipes == "all" else tuple(a.recipes.split(","))
+    unknown = sorted(set(recipes) - set(RECIPES))
+    if unknown:
+        raise SystemExit(f"unknown recipes {unknown}; valid: {', '.join(RECIPES)}")
+    base = root / "legacy" if a.legacy_objective else root
+    variables = {"teacher": teacher, "tasks": tasks, "transfer_steps": a.transfer_steps,
+                 "finetune_steps": a.finetune_steps}
+    jobs = [(f"{'legacy-' if a.legacy_objective else ''}{r}-s{s}",
+             _pipeline_cmd(CONFIGS / f"{r}.yaml", base / f"{r}-s{s}", s, variables,
+                           a.legacy_objective))
+            for s in a.seeds for r in recipes]
+    report["jobs"].update(_run_jobs(jobs, a.jobs, root / "logs"))
+    report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    (root / f"jobs{'-legacy' if a.legacy_objective else ''}.json").write_text(
+        json.dumps(report, indent=2))
+    failed = [n for n, r in report["jobs"].items() if r["rc"]]
+    print(f"{len(report['jobs']) - len(failed)} ok, {len(failed)} failed {failed}")
+    return 1 if failed else 0
+
+
+# ----------------------------------------------------------------------------- report
+def _stats(values: list[float]) -> dict:
+    vals = [v for v in values if v is not None and v == v]
+    if not vals:
+        return {"mean": None, "std": None, "n": 0, "values": []}
+    return {"mean": statistics.fmean(vals), "std": statistics.stdev(vals) if len(vals) > 1 else 0.0,
+            "n": len(vals), "values": vals}
+
+
+def _fmt(s: dict, scale: float = 1.0, digits: int = 2) -> str:
+    if not s or s["mean"] is None:
+        return "-"
+    return f"{s['mean'] * scale:.{digits}f} ± {s['std'] * scale:.{digits}f}"
+
+
+def _read_run(run: Path) -> dict:
+    """One run's numbers: recall per mode after stage 2 and after stage 1, MC accuracy per
+    mode and task, stage-1 health."""
+    res = json.loads((run / "results.json").read_text())
+    evals = res.get("evaluations") or [res]
+    out = {"final": {}, "transfer": {}, "mc": {}, "health": None}
+    for ev in evals:
+        if ev.get("kind", "recall") == "recall" and "results" in ev:
+            out["final" if ev.get("stage") == "finetune" else "transfer"] = ev["results"]
+    mc = run / "mc" / "results.json"
+    if mc.exists():
+        modes = json.loads(mc.read_text())["modes"]
+        out["mc"] = {label: {t: row["tasks"][t]["score"] for t in row["tasks"]}
+                     for label, row in modes.items()}
+        base = json.loads(mc.read_text()).get("baseline") or {}
+        if base.get("tasks"):
+            out["mc"]["softmax"] = {t: v["score"] for t, v in base["tasks"].items()}
+    stage = run / "transfer" / "stage.pt"
+    if stage.exists():
+        import torch
+
+        out["health"] = torch.load(stage, weights_only=True)["meta"].get("health")
+    return out
+
+
+def collect(root: Path) -> dict[str, dict[int, dict]]:
+    """``{recipe: {seed: run numbers}}`` for every finished run under ``root``."""
+    runs: dict[str, dict[int, dict]] = {}
+    for d in sorted(root.glob("*-s[0-9]*")):
+        m = re.fullmatch(r"(.+)-s(\d+)", d.name)
+        if m and (d / "results.json").exists():
+            runs.setdefault(m.group(1), {})[int(m.group(2))] = _read_run(d)
+    return runs
+
+
+def aggregate(runs: dict[str, dict[int, dict]]) -> dict:
+    agg = {}
+    for recipe, by_seed in runs.items():
+        seeds = sorted(by_seed)
+        r = {"seeds": seeds, "far_acc": {}, "near_acc": {}, "lm_loss": {}, "mc_short": {},
+             "mc_far": {}, "transfer_far_acc": {}, "transfer_lm_loss": {}, "health": {}}
+        for label in RECALL_ROWS:
+            rows = [by_seed[s]["final"].get(label) for s in seeds]
+            if any(rows):
+                for key, name in (("far_acc", "far_acc"), ("near_acc", "near_acc"),
+                                  ("lm_loss", "lm_loss")):
+                    r[key][RECALL_ROWS[label]] = _stats([x[name] for x in rows if x])
+            rows = [by_seed[s]["transfer"].get(label) for s in seeds]
+            if any(rows):
+                r["transfer_far_acc"][RECALL_ROWS[label]] = _stats([x["far_acc"] for x in rows if x])
+                r["transfer_lm_loss"][RECALL_ROWS[label]] = _stats([x["lm_loss"] for x in rows if x])
+        for label, col in {**MC_MODES, "softmax": "softmax"}.items():
+            per = [by_seed[s]["mc"].get(label) for s in seeds]
+            if any(per):
+                r["mc_short"][col] = _stats([statistics.fmean(p[t] for t in SHORT_TASKS)
+                                             for p in per if p])
+                r["mc_far"][col] = _stats([p[FAR_TASK] for p in per if p])
+
+        def delta(table, a="hybrid", b="swa_only"):
+            vals = []
+            for s in seeds:
+                x, y = table(s, a), table(s, b)
+                if x is not None and y is not None:
+                    vals.append(x - y)
+            return _stats(vals)
+
+        def mc(kind):
+            return lambda s, m: (None if not by_seed[s]["mc"].get(m) else
+                                 statistics.fmean(by_seed[s]["mc"][m][t] for t in SHORT_TASKS)
+                                 if kind == "short" else by_seed[s]["mc"][m][FAR_TASK])
+
+        r["delta_la_mc_short"] = delta(mc("short"))
+        r["delta_la_mc_far"] = delta(mc("far"))
+        r["delta_la_far_recall"] = delta(
+            lambda s, m: (by_seed[s]["final"].get(m) or {}).get("far_acc"))
+        for metric in ("la_rel_err", "den_collapsed"):
+            vals = [statistics.fmean(by_seed[s]["health"][metric].values())
+                    for s in seeds if by_seed[s]["health"]]
+            r["health"][metric] = _stats(vals)
+        agg[recipe] = r
+    return agg
+
+
+def _table(agg: dict, key: str, cols: list[str], scale: float, digits: int) -> str:
+    present = [c for c in cols if any(c in r[key] for r in agg.values())]
+    lines = ["| recipe (seeds) | " + " | ".join(present) + " |",
+             "|---|" + "---|" * len(present)]
+    for recipe, r in agg.items():
+        lines.append(f"| {recipe} ({len(r['seeds'])}) | " +
+                     " | ".join(_fmt(r[key].get(c), scale, digits) for c in present) + " |")
+    return "\n".join(lines)
+
+
+def render(agg: dict) -> str:
+    cols = list(RECALL_ROWS.values())
+    mc_cols = ["softmax", *MC_MODES.values()]
+    parts = [
+        "### Far recall after stage 2 (accuracy, distance 150-400, window 64)",
+        _table(agg, "far_acc", cols, 1.0, 3),
+        "### Near recall after stage 2 (accuracy, distance 3-63)",
+        _table(agg, "near_acc", cols, 1.0, 3),
+        "### LM loss after stage 2 (nats per byte, held-out documents)",
+        _table(agg, "lm_loss", cols, 1.0, 3),
+        "### Short multiple-choice tasks (lm-eval acc, %, mean of recall_mc_short_1 and _3: the "
+        "whole question inside the window)",
+        _table(agg, "mc_short", mc_cols, 1.0, 1),
+        "### Far multiple-choice task (lm-eval acc, %, recall_mc_far)",
+        _table(agg, "mc_far", mc_cols, 1.0, 1),
+        "### Delta_LA = hybrid - swa_only",
+        "\n".join(["| recipe (seeds) | short MC (points) | far MC (points) | far recall "
+                   "(accuracy) |", "|---|---|---|---|",
+                   *(f"| {k} ({len(r['seeds'])}) | {_fmt(r['delta_la_mc_short'], 1, 1)} | "
+                     f"{_fmt(r['delta_la_mc_far'], 1, 1)} | "
+                     f"{_fmt(r['delta_la_far_recall'], 1, 3)} |" for k, r in agg.items())]),
+        "### Right after stage 1 (no LoRA yet): far recall accuracy",
+        _table(agg, "transfer_far_acc", cols, 1.0, 3),
+        "### Stage-1 health at its end (mean over layers)",
+        "\n".join(["| recipe (seeds) | LA output rel. error | rows with LA normaliser < 1e-6 |",
+                   "|---|---|---|",
+                   *(f"| {k} ({len(r['seeds'])}) | {_fmt(r['health'].get('la_rel_err'), 1, 3)} "
+                     f"| {_fmt(r['health'].get('den_collapsed'), 1, 3)} |"
+                     for k, r in agg.items())]),
+    ]
+    return "\n\n".join(parts) + "\n"
+
+
+def plot(agg: dict, out: Path, runs: dict) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recipes = list(agg)
+    modes = [m for m in ("softmax", "hybrid", "swa_only", "la_only", "la_only+all", "none")
+             if any(m in agg[r]["far_acc"] for r in recipes)]
+    fig, ax = plt.subplots(figsize=(max(8, 1.4 * len(recipes)), 4.2))
+    width = 0.8 / max(1, len(modes))
+    for j, m in enumerate(modes):
+        xs = [i + (j - (len(modes) - 1) / 2) * width for i in range(len(recipes))]
+        st = [agg[r]["far_acc"].get(m) or {"mean": float("nan"), "std": 0, "values": []}
+              for r in recipes]
+        ax.bar(xs, [s["mean"] for s in st], width, yerr=[s["std"] for s in st], capsize=2,
+               label=m)
+        for x, s in zip(xs, st):
+            ax.scatter([x] * len(s["values"]), s["values"], s=6, color="k", zorder=3)
+    n = sorted({len(agg[r]["seeds"]) for r in recipes})
+    ax.set_xticks(range(len(recipes)), recipes, rotation=20, ha="right")
+    ax.set_ylabel("far recall accuracy")
+    ax.set_title(f"Far recall (150-400 tokens back, window 64) per mode\nmean ± std over "
+                 f"{'/'.join(map(str, n))} seeds; dots: seeds", fontsize=10)
+    ax.set_ylim(0, 1.05)
+    ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    p1 = out / "far_recall.png"
+    fig.savefig(p1, dpi=120)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(recipes)), 3.8))
+    for ax, key, title, unit in ((axes[0], "delta_la_mc_short", "short MC tasks (window sees "
+                                  "everything)", "points"),
+                                 (axes[1], "delta_la_far_recall", "far recall (beyond the window)",
+                                  "accuracy")):
+        st = [agg[r][key] for r in recipes]
+        ax.bar(range(len(recipes)), [s["mean"] if s["mean"] is not None else float("nan")
+                                     for s in st], yerr=[s["std"] or 0 for s in st], capsize=3)
+        for i, s in enumerate(st):
+            ax.scatter([i] * len(s["values"]), s["values"], s=8, color="k", zorder=3)
+        ax.axhline(0, color="grey", lw=0.8)
+        ax.set_xticks(range(len(recipes)), recipes, rotation=20, ha="right")
+        ax.set_title(f"Delta_LA = hybrid - swa_only: {title}", fontsize=9)
+        ax.set_ylabel(unit)
+    fig.tight_layout()
+    p2 = out / "delta_la.png"
+    fig.savefig(p2, dpi=120)
+    plt.close(fig)
+    return [p1, p2]
+
+
+def cmd_report(a: argparse.Namespace) -> int:
+    root, out = Path(a.root), Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = collect(root)
+    if not runs:
+        raise SystemExit(f"no finished runs (<recipe>-s<seed>/results.json) under {root}")
+    order = [r for r in RECIPES if r in runs] + sorted(set(runs) - set(RECIPES))
+    agg = aggregate({r: runs[r] for r in order})
+    (out / "testbed.json").write_text(json.dumps({"aggregate": agg, "runs": runs}, indent=1,
+                                                 default=str))
+    (out / "testbed.md").write_text(render(agg))
+    paths = plot(agg, out, runs) if not a.no_plots else []
+    print(render(agg))
+    print("wrote", out / "testbed.json", out / "testbed.md", *paths)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="teacher + recipes x seeds through hedgecats pipeline")
+    r.add_argument("--root", default="runs/testbed")
+    r.add_argument("--teacher", help="an existing teacher model directory (skips training one)")
+    r.add_argument("--teacher-steps", type=int, default=6000)
+    r.add_argument("--recipes", default="all", help=f"comma-separated, of {', '.join(RECIPES)}")
+    r.add_argument("--seeds", type=lambda t: [int(x) for x in t.split(",")], default=[0, 1, 2])
+    r.add_argument("--jobs", type=int, default=7, help="pipelines at once")
+    r.add_argument("--transfer-steps", type=int, default=300)
+    r.add_argument("--finetune-steps", type=int, default=400)
+    r.add_argument("--mc-docs", type=int, default=128, help="documents per multiple-choice task")
+    r.add_argument("--legacy-objective", action="store_true",
+                   help="the first weights_xent (benchmarks/testbed_legacy.py), into <root>/legacy")
+    r.set_defaults(fn=cmd_run)
+    q = sub.add_parser("report", help="tables and plots from finished runs")
+    q.add_argument("--root", default="runs/testbed")
+    q.add_argument("--out", default="runs/testbed/report")
+    q.add_argument("--no-plots", action="store_true")
+    q.set_defaults(fn=cmd_report)
+    a = p.parse_args(argv)
+    return a.fn(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

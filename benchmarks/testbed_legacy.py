@@ -1,0 +1,60 @@
+"""``hedgecats`` with the first version's weights cross-entropy, for before / after comparisons.
+
+    python benchmarks/testbed_legacy.py pipeline configs/testbed/hedgecats.yaml --output ...
+
+The first ``weights_xent`` floored each kernel value at ``eps`` = 1e-6 in the numerator but the
+normaliser only as a sum, and inference floored the LA denominator at 1e-6: once every product
+of a row fell below 1e-6 the loss read 0 with no gradient (docs/testbed.md, issue 20). This
+wrapper restores exactly those two formulas and switches the end-of-stage health check (which
+the first version did not have) off, so that the collapse can be measured; everything else is
+today's code. It is a measurement tool, never a recipe.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+LEGACY_EPS = 1e-6
+
+
+def _legacy_xent_block(q_blk, k, fq_blk, fk, qpos, kpm, scale: float):
+    """The first version's block (its formula verbatim), plus the teacher entropy that today's
+    interface returns."""
+    Tk = k.shape[2]
+    allowed = torch.arange(Tk, device=q_blk.device)[None, :] <= qpos[:, None]
+    allowed = allowed[None, None]
+    if kpm is not None:
+        allowed = allowed & kpm[:, None, None, :]
+    with torch.no_grad():
+        s = torch.einsum("bhqd,bhkd->bhqk", q_blk.float(), k.float()) * scale
+        log_soft = torch.log_softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)
+        a_soft = torch.exp(log_soft).nan_to_num(0.0)
+        ent = -(a_soft * torch.where(allowed, log_soft, torch.zeros_like(log_soft))).sum(-1)
+    a = torch.einsum("bhqf,bhkf->bhqk", fq_blk.float(), fk.float())
+    a = a.masked_fill(~allowed, 0.0)
+    log_den = torch.log(a.sum(dim=-1, keepdim=True).clamp_min(LEGACY_EPS))
+    log_a = torch.log(a.clamp_min(LEGACY_EPS)) - log_den
+    xent = -(a_soft * log_a).sum(dim=-1)
+    if kpm is not None:
+        real = kpm[:, None, qpos].to(xent.dtype)
+        xent, ent = xent * real, ent * real
+    return xent.sum(), ent.sum()
+
+
+def install() -> None:
+    from hedgecats.lightning_modules import stages
+    from hedgecats.models import config
+    from hedgecats.models.ops import transfer
+
+    transfer._xent_block = _legacy_xent_block
+    config.default_eps = lambda activation: LEGACY_EPS  # the first version's inference guard
+    stages.AttentionTransfer._check_health = lambda self, health: None  # measured, not enforced
+
+
+if __name__ == "__main__":
+    install()
+    from hedgecats.cli import main
+
+    sys.exit(main(sys.argv[1:]))
