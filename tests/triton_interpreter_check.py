@@ -243,7 +243,7 @@ def xent_entry_case(cid):
 
 
 def cases(quick: bool = False):
-    f32, bf16 = torch.float32, torch.bfloat16
+    bf16 = torch.bfloat16
     k = kernel_case
     out = [
         ("kernel-hybrid", k, {}),

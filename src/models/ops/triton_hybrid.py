@@ -64,6 +64,8 @@ __all__ = ["KernelConfig", "available", "fused_hybrid", "hybrid_kernel", "kernel
 #: errors from Triton (compilation, resources) that sent a call to the fallback; the GPU tests
 #: assert it stays empty
 FALLBACK_ERRORS: list[str] = []
+#: calls that ran the fused kernels (tests check that a path was taken, not only its result)
+CALLS = {"forward": 0}
 
 
 @functools.lru_cache(maxsize=None)
@@ -164,7 +166,7 @@ if _HAVE_TRITON:
             z += tl.sum(fk.to(tl.float32), axis=0)
 
     @triton.jit
-    def _fwd(Q, K, V, FQ, FK, SST, ZST, O, LSE, DEN, CA, CB, LOGS, SHIFT, FIRST, KPM,
+    def _fwd(Q, K, V, FQ, FK, SST, ZST, OUT, LSE, DEN, CA, CB, LOGS, SHIFT, FIRST, KPM,
              sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
              sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, so_b, so_h, so_t,
              T, H, G, NC, window, scale_log2, eps,
@@ -268,8 +270,8 @@ if _HAVE_TRITON:
             ca = tl.load(CA + pid_bh)
             cb = tl.load(CB + pid_bh)
             out = ca * swa + cb * la
-        tl.store(O + b.to(tl.int64) * so_b + h.to(tl.int64) * so_h + offs_m[:, None] * so_t
-                 + offs_d[None, :], out.to(O.dtype.element_ty), mask=rows[:, None])
+        tl.store(OUT + b.to(tl.int64) * so_b + h.to(tl.int64) * so_h + offs_m[:, None] * so_t
+                 + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=rows[:, None])
         tl.store(LSE + pid_bh.to(tl.int64) * T + offs_m, lse2, mask=rows)
         tl.store(DEN + pid_bh.to(tl.int64) * T + offs_m, den, mask=rows)
 
@@ -375,7 +377,8 @@ if _HAVE_TRITON:
             delta = alpha_t * dot_swa - dx
             gf = (1.0 - alpha_t) * r
             dden = tl.where(den >= eps, -gf * dot_la - dx * r, 0.0)
-            tl.store(PA + pid_bh.to(tl.int64) * NMB + pid_m, tl.sum(tl.where(rows, dx, 0.0), axis=0))
+            tl.store(PA + pid_bh.to(tl.int64) * NMB + pid_m,
+                     tl.sum(tl.where(rows, dx, 0.0), axis=0))
             tl.store(PB + pid_bh.to(tl.int64) * NMB + pid_m, 0.0)
         else:
             ca = tl.load(CA + pid_bh)
@@ -538,7 +541,8 @@ if _HAVE_TRITON:
                     ws = tl.load(WS + row_base + offs_m, mask=qin, other=0.0)
                     sT = tl.dot(kb, tl.trans(qb), input_precision=PREC) * scale_log2  # (BN, BM)
                     ok = (offs_m[None, :] >= offs_n[:, None]) & \
-                         (offs_m[None, :] - window < offs_n[:, None]) & qin[None, :] & kreal[:, None]
+                         (offs_m[None, :] - window < offs_n[:, None]) & qin[None, :] & \
+                         kreal[:, None]
                     pT = tl.where(ok, tl.exp2(sT - lse_safe[None, :]), 0.0)
                     # dSWA_t = ws_t dO_t: the weight is applied in fp32 around the products
                     # (rounding ws * dO to bf16 first cost ~1e-2 in dk)
@@ -565,7 +569,8 @@ if _HAVE_TRITON:
                     aT = tl.where(ok, aT, 0.0)
                     # dnum_t = gf_t dO_t, the factor applied in fp32 (as for SWA above)
                     dv += tl.dot((aT * gf[None, :]).to(dob.dtype), dob, input_precision=PREC)
-                    daT = tl.dot(vb, tl.trans(dob), input_precision=PREC) * gf[None, :] + dd[None, :]
+                    daT = tl.dot(vb, tl.trans(dob), input_precision=PREC) * gf[None, :] + \
+                        dd[None, :]
                     daT = tl.where(ok, daT, 0.0)
                     dfk += tl.dot(daT.to(fqb.dtype), fqb, input_precision=PREC)
         if HAS_LA:
@@ -957,9 +962,11 @@ def fused_hybrid(q, k, v, fq, fk, *, window: int, mode: str, g, shared_norm: boo
 def _launch(q, k, v, fq, fk, ca, cb, logs, shift, window, scale, eps, kpm, has_swa, has_la,
             shared, config):
     try:
-        return hybrid_kernel(q, k, v, fq, fk, ca, cb, logs, shift, window=window, scale=scale,
-                             eps=eps, key_padding_mask=kpm, has_swa=has_swa, has_la=has_la,
-                             shared=shared, config=config)
+        out = hybrid_kernel(q, k, v, fq, fk, ca, cb, logs, shift, window=window, scale=scale,
+                            eps=eps, key_padding_mask=kpm, has_swa=has_swa, has_la=has_la,
+                            shared=shared, config=config)
+        CALLS["forward"] += 1
+        return out
     except _triton_errors() as e:  # never a crash inside Triton: the caller's path instead
         FALLBACK_ERRORS.append(f"forward: {type(e).__name__}: {e}"[:500])
         _warn_once(f"fused hybrid forward failed in Triton ({type(e).__name__}: "

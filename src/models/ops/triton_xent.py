@@ -44,6 +44,7 @@ __all__ = ["available", "unsupported_reason", "weights_xent", "xent_rows"]
 
 TINY = DEN_TINY
 FALLBACK_ERRORS: list[str] = []
+CALLS = {"forward": 0}  # calls that ran the kernel (tests check the path taken)
 
 
 @functools.lru_cache(maxsize=None)
@@ -312,7 +313,8 @@ def xent_rows(q, k, fq, fk, *, scale: float, key_padding_mask=None, block_m: int
     """Per-row cross-entropy (differentiable in fq, fk) and teacher entropy, both (B, H, T)
     fp32, 0 for rows with no visible key; padded query rows are *not* zeroed here."""
     q, k, fq, fk = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, fq, fk))
-    kpm_i8 = None if key_padding_mask is None else key_padding_mask.bool().to(torch.int8).contiguous()
+    kpm_i8 = None if key_padding_mask is None else \
+        key_padding_mask.bool().to(torch.int8).contiguous()
     return _XentFn.apply(q.detach(), k.detach(), fq, fk, kpm_i8, float(scale), block_m, block_n)
 
 
@@ -359,6 +361,7 @@ def weights_xent(q: torch.Tensor, k: torch.Tensor, fq: torch.Tensor, fk: torch.T
     scale = D ** -0.5 if scale is None else scale
     try:
         xe, ent = xent_rows(q, k, fq, fk, scale=scale, key_padding_mask=key_padding_mask)
+        CALLS["forward"] += 1
     except _triton_errors() as e:
         FALLBACK_ERRORS.append(f"{type(e).__name__}: {e}"[:500])
         _warn_once(f"fused weights_xent failed in Triton ({type(e).__name__}); running the "

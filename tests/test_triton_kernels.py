@@ -1,0 +1,339 @@
+"""The fused Triton kernels on the GPU against the references: values and gradients.
+
+Marked ``gpu``: skipped without CUDA. On the GPU machine: ``bash benchmarks/kernels_gpu.sh``
+(or ``python -m pytest -m gpu tests/test_triton_kernels.py``).
+
+``hybrid_attention(backend="triton")`` (the kernel behind ``auto``) against
+``hybrid_attention(backend="reference")``: the output and the gradients of q, k, v and of both
+feature maps' weights (``dWq``, ``dWk``; ``dg`` for a learned mixer), compared as in
+tests/test_backends_gpu.py: against the reference run in the same dtype (relative L2 < 1e-2 in
+bf16, < 2e-3 in fp32), and in bf16 also against the fp32 oracle (< 2.5e-2). Every case checks
+that the fused kernel actually ran (``triton_hybrid.CALLS``) and that no Triton error was caught
+on the way (``FALLBACK_ERRORS``); the routing cases check the opposite: calls the kernel does
+not cover reach the piece-by-piece path and still give the reference's result.
+
+``weights_xent`` of ``ops.triton_xent`` against the blocked ``ops.transfer.weights_xent``:
+value, teacher entropy, gradients of fq and fk.
+
+Each case prints one line with its errors, and with ``HEDGECATS_GPU_REPORT=DIR`` writes it to
+``DIR/<worker>.jsonl`` (benchmarks/gpu_tests_report.py makes the table). ``HEDGECATS_TEST_DEVICE``
+(default cuda) lets the test logic itself be dry-run on CPU under the interpreter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+from hedgecats.models import HedgehogFeatureMap, hybrid_attention
+from hedgecats.models.ops import backends, transfer
+
+pytestmark = pytest.mark.gpu
+DEVICE = os.environ.get("HEDGECATS_TEST_DEVICE", "cuda")
+
+TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 2e-3}
+BF16_VS_ORACLE = 2.5e-2
+GRADS = ("dq", "dk", "dv", "dWq", "dWk")
+
+# B, H, Hkv, T, D, window, projection (square: F = 2D; rectangular: F = D)
+SHAPES = {
+    "B2-H8-Hkv2-T300-D128-w64-F256": (2, 8, 2, 300, 128, 64, "square"),  # GQA, T % 64 != 0
+    "B1-H4-Hkv4-T40-D64-w64-F128": (1, 4, 4, 40, 64, 64, "square"),  # T < window, MHA
+    "B1-H4-Hkv2-T1024-D128-w32-F128": (1, 4, 2, 1024, 128, 32, "rectangular"),  # F = D
+    "B2-H4-Hkv1-T200-D64-w16-F64": (2, 4, 1, 200, 64, 16, "rectangular"),  # F = D, 4 q per kv
+}
+CASES = {  # id -> (mode, switches); "g": "head" = a learned per-head mixer (tensor g)
+    "hybrid": ("hybrid", {}),
+    "hybrid-overlap": ("hybrid", {"overlap": True}),
+    "hybrid-g-per-head": ("hybrid", {"g": "head"}),
+    "shared_norm": ("hybrid", {"shared_norm": True, "g": 0.1}),
+    "shared_norm-per-head": ("hybrid", {"shared_norm": True, "g": "head"}),
+    "swa_only": ("swa_only", {}),
+    "swa_only-rescale": ("swa_only", {"rescale": True}),
+    "la_only": ("la_only", {}),
+    "la_only-all": ("la_only", {"la_span": "all"}),
+    "la_only-all-rescale": ("la_only", {"la_span": "all", "rescale": True}),
+    "ssd-sample": ("hybrid", {"swa_drop": "sample", "g": "head"}),
+    "ssd-head-all": ("hybrid", {"swa_drop": "head", "la_span": "all"}),
+}
+BF16_CASES = [(s, c) for s in SHAPES for c in
+              ("hybrid", "hybrid-overlap", "hybrid-g-per-head", "shared_norm", "swa_only",
+               "la_only-all", "ssd-head-all")]
+BF16_CASES += [("B2-H4-Hkv1-T200-D64-w16-F64", c) for c in
+               ("shared_norm-per-head", "swa_only-rescale", "la_only", "la_only-all-rescale",
+                "ssd-sample")]
+FP32_CASES = [(s, c) for s in ("B2-H8-Hkv2-T300-D128-w64-F256", "B2-H4-Hkv1-T200-D64-w16-F64")
+              for c in ("hybrid", "shared_norm", "la_only-all", "ssd-sample")]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+def report(**row) -> None:
+    print(json.dumps(row), flush=True)
+    folder = os.environ.get("HEDGECATS_GPU_REPORT")
+    if not folder:
+        return
+    os.makedirs(folder, exist_ok=True)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    with open(os.path.join(folder, f"{worker}.jsonl"), "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def _kernels():
+    from hedgecats.models.ops import triton_hybrid
+
+    if not backends.available("triton"):
+        pytest.skip("triton not available")
+    return triton_hybrid
+
+
+def run(backend, shape, dtype, mode, *, pad=None, strided=False, seed=0, **kw):
+    """Output and gradients (q, k, v, both feature-map weights, and g when it is a tensor) of
+    one ``hybrid_attention`` call with real feature maps, on bf16-representable inputs."""
+    B, H, Hkv, T, D, w, proj = shape
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+
+    def mk(*s):  # bf16-representable values, so every dtype sees the same numbers
+        return torch.randn(*s, device=DEVICE, generator=gen).bfloat16().to(dtype)
+
+    if strided:  # the layout transformers hands attention: (B, T, H, D) transposed
+        q = mk(B, T, H, D).transpose(1, 2).requires_grad_()
+        k = mk(B, T, Hkv, D).transpose(1, 2).requires_grad_()
+        v = mk(B, T, Hkv, D).transpose(1, 2).requires_grad_()
+        leaves = [q, k, v]
+    else:
+        q, k, v = (mk(B, h, T, D).requires_grad_() for h in (H, Hkv, Hkv))
+        leaves = [q, k, v]
+    phi_q = HedgehogFeatureMap(H, D, projection=proj, seed=1).to(DEVICE)
+    phi_k = HedgehogFeatureMap(Hkv, D, projection=proj, seed=2).to(DEVICE)
+    kw = dict(kw)
+    g = kw.pop("g", 0.5)
+    if g == "head":
+        g = torch.linspace(0.2, 0.8, H, device=DEVICE).view(1, H, 1, 1).requires_grad_()
+    drop = kw.pop("swa_drop", None)
+    if drop == "sample":
+        kw["swa_drop"] = (torch.arange(B, device=DEVICE) % 2 == 0).view(B, 1, 1, 1)
+    elif drop == "head":
+        kw["swa_drop"] = (torch.arange(B * H, device=DEVICE) % 3 == 0).view(B, H, 1, 1)
+    out = hybrid_attention(q, k, v, phi_q(q), phi_k(k), window=w, mode=mode, g=g,
+                           backend=backend, key_padding_mask=pad, **kw)
+    (out.float() * mk(*out.shape).float()).sum().backward()
+    grads = [x.grad for x in leaves] + [phi_q.weight.grad, phi_k.weight.grad]
+    res = {"out": out.detach(), **{n: t if t is not None else torch.zeros(1, device=DEVICE)
+                                   for n, t in zip(GRADS, grads)}}
+    if torch.is_tensor(g):
+        res["dg"] = g.grad
+    return res
+
+
+def errors(got: dict, want: dict) -> dict:
+    return {name: rel_err(got[name], want[name]) for name in want}
+
+
+def check(cid, shape_id, dtype, mode, *, expect_fused=True, **kw):
+    th = _kernels()
+    shape = SHAPES[shape_id] if isinstance(shape_id, str) else shape_id
+    t0 = time.time()
+    oracle = run("reference", shape, torch.float32, mode, **kw)
+    same = oracle if dtype == torch.float32 else run("reference", shape, dtype, mode, **kw)
+    calls, n_err = th.CALLS["forward"], len(th.FALLBACK_ERRORS)
+    got = run("triton", shape, dtype, mode, **kw)
+    fused = th.CALLS["forward"] - calls
+    new_errors = th.FALLBACK_ERRORS[n_err:]
+    vs_same, vs_oracle = errors(got, same), errors(got, oracle)
+    report(test="hybrid", case=cid, shape=str(shape_id), dtype=str(dtype), fused_calls=fused,
+           vs_reference_same_dtype={n: float(f"{e:.2e}") for n, e in vs_same.items()},
+           vs_fp32_oracle={n: float(f"{e:.2e}") for n, e in vs_oracle.items()},
+           reference_same_dtype_vs_oracle={n: float(f"{e:.2e}")
+                                           for n, e in errors(same, oracle).items()},
+           triton_errors=new_errors, seconds=round(time.time() - t0, 2))
+    assert not new_errors, f"Triton failed and the call fell back: {new_errors}"
+    assert (fused > 0) == expect_fused, \
+        f"fused kernel {'not ' if expect_fused else ''}used ({fused} calls)"
+    assert torch.isfinite(got["out"]).all()
+    bad = {n: f"{e:.2e}" for n, e in vs_same.items() if not e < TOL[dtype]}
+    assert not bad, f"triton vs the reference in {dtype} (tolerance {TOL[dtype]}): {bad}"
+    if dtype == torch.bfloat16:
+        bad = {n: f"{e:.2e}" for n, e in vs_oracle.items() if not e < BF16_VS_ORACLE}
+        assert not bad, f"triton in bf16 vs the fp32 oracle (tolerance {BF16_VS_ORACLE}): {bad}"
+
+
+def _switches(case_id):
+    mode, kw = CASES[case_id]
+    return mode, dict(kw)
+
+
+@pytest.mark.parametrize("shape_id,case_id", BF16_CASES, ids=[f"{s}-{c}" for s, c in BF16_CASES])
+def test_fused_bf16(shape_id, case_id):
+    mode, kw = _switches(case_id)
+    check(case_id, shape_id, torch.bfloat16, mode, **kw)
+
+
+@pytest.mark.parametrize("shape_id,case_id", FP32_CASES, ids=[f"{s}-{c}" for s, c in FP32_CASES])
+def test_fused_fp32(shape_id, case_id):
+    mode, kw = _switches(case_id)
+    check(case_id, shape_id, torch.float32, mode, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("case_id", ["hybrid", "shared_norm", "ssd-head-all", "la_only"])
+def test_fused_padding(dtype, case_id):
+    """Left padding on one row, right padding and a hole on the other."""
+    shape = (2, 4, 2, 200, 64, 32, "square")
+    kpm = torch.ones(2, 200, dtype=torch.bool, device=DEVICE)
+    kpm[0, :50] = False
+    kpm[1, 180:] = False
+    kpm[1, 90:95] = False
+    mode, kw = _switches(case_id)
+    check(f"{case_id}-padding", shape, dtype, mode, pad=kpm, **kw)
+
+
+def test_fused_transformers_layout():
+    """q, k, v as views of (B, T, H, D) tensors, the layout the model hands attention."""
+    check("hybrid-strided", (2, 8, 2, 300, 128, 64, "square"), torch.bfloat16, "hybrid",
+          strided=True)
+
+
+def test_fused_long_sequence_matches_reference():
+    """8192 positions: the LA state accumulates over 128 chunks."""
+    check("hybrid-T8192", (1, 8, 2, 8192, 128, 64, "square"), torch.bfloat16, "hybrid")
+
+
+# ----------------------------------------------------------------------------- routing
+def _route(cid, shape, dtype, mode, **kw):
+    """A call the kernel does not cover: the pieces run and agree with the reference."""
+    check(cid, shape, dtype, mode, expect_fused=False, **kw)
+
+
+def test_routing_fp16_goes_to_the_pieces():
+    _route("fp16", (1, 4, 2, 128, 64, 16, "square"), torch.float16, "hybrid")
+
+
+def test_routing_head_dim_80_goes_to_the_pieces():
+    _route("D80", (1, 4, 2, 128, 80, 16, "square"), torch.bfloat16, "hybrid")
+
+
+def test_routing_shared_norm_outside_hybrid_goes_to_the_pieces():
+    _route("shared_norm-swa_only", (1, 4, 2, 128, 64, 16, "square"), torch.bfloat16, "swa_only",
+           shared_norm=True, g=0.1)
+
+
+def test_routing_output_gate_goes_to_the_pieces():
+    """A g per channel and position (output-gate mixers)."""
+    th = _kernels()
+    B, H, Hkv, T, D = 1, 4, 2, 96, 64
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    q = torch.randn(B, H, T, D, device=DEVICE, generator=gen).bfloat16()
+    k, v = (torch.randn(B, Hkv, T, D, device=DEVICE, generator=gen).bfloat16() for _ in range(2))
+    fq = HedgehogFeatureMap(H, D).to(DEVICE)(q)
+    fk = HedgehogFeatureMap(Hkv, D).to(DEVICE)(k)
+    g = torch.rand(B, H, T, D, device=DEVICE, generator=gen)
+    calls = th.CALLS["forward"]
+    got = hybrid_attention(q, k, v, fq, fk, window=16, g=g, backend="triton")
+    want = hybrid_attention(q, k, v, fq, fk, window=16, g=g, backend="reference")
+    assert th.CALLS["forward"] == calls
+    assert rel_err(got, want) < 1e-2
+
+
+def test_routing_kv_cache_call_goes_to_the_pieces():
+    """Fewer queries than keys (decoding with a cache)."""
+    th = _kernels()
+    B, H, Hkv, T, D = 1, 4, 2, 96, 64
+    gen = torch.Generator(device=DEVICE).manual_seed(4)
+    q = torch.randn(B, H, 1, D, device=DEVICE, generator=gen).bfloat16()
+    k, v = (torch.randn(B, Hkv, T, D, device=DEVICE, generator=gen).bfloat16() for _ in range(2))
+    fq = HedgehogFeatureMap(H, D).to(DEVICE)(q)
+    fk = HedgehogFeatureMap(Hkv, D).to(DEVICE)(k)
+    calls = th.CALLS["forward"]
+    got = hybrid_attention(q, k, v, fq, fk, window=16, backend="triton")
+    want = hybrid_attention(q, k, v, fq, fk, window=16, backend="reference")
+    assert th.CALLS["forward"] == calls
+    assert rel_err(got, want) < 1e-2
+
+
+def test_auto_uses_the_fused_kernel():
+    th = _kernels()
+    assert backends.triton_enabled()
+    calls = th.CALLS["forward"]
+    shape = (1, 4, 2, 128, 64, 16, "square")
+    run("auto", shape, torch.bfloat16, "hybrid")
+    assert th.CALLS["forward"] == calls + 1
+
+
+# ----------------------------------------------------------------------------- weights_xent
+XENT_SHAPES = {  # B, H, Hkv, T, D, projection
+    "B2-H8-Hkv2-T300-D128-F256": (2, 8, 2, 300, 128, "square"),
+    "B1-H4-Hkv4-T40-D64-F128": (1, 4, 4, 40, 64, "square"),
+    "B2-H4-Hkv1-T200-D64-F64": (2, 4, 1, 200, 64, "rectangular"),
+    "B1-H8-Hkv2-T2048-D128-F256": (1, 8, 2, 2048, 128, "square"),
+}
+XENT_CASES = [(s, dt, pad) for s in XENT_SHAPES for dt in ("bf16", "fp32")
+              for pad in (False, True) if not (s.startswith("B1-H8") and (dt == "fp32" or pad))]
+
+
+def _xent_run(fn, q, k, fq0, fk0, kpm):
+    fq, fk = fq0.clone().requires_grad_(), fk0.clone().requires_grad_()
+    x, e = fn(q, k, fq, fk, key_padding_mask=kpm, return_entropy=True)
+    x.backward()
+    return {"xent": x.detach().reshape(1), "entropy": e.detach().reshape(1), "dfq": fq.grad,
+            "dfk": fk.grad}
+
+
+def xent_check(cid, shape, dtype, pad, *, underflow=False, activation="softmax"):
+    from hedgecats.models.ops import triton_xent as tx
+
+    if not tx.available():
+        pytest.skip("triton not available")
+    B, H, Hkv, T, D, proj = shape
+    gen = torch.Generator(device=DEVICE).manual_seed(7)
+    q = torch.randn(B, H, T, D, device=DEVICE, generator=gen).bfloat16().to(dtype)
+    k = torch.randn(B, Hkv, T, D, device=DEVICE, generator=gen).bfloat16().to(dtype)
+    with torch.no_grad():
+        fq = HedgehogFeatureMap(H, D, activation, proj, seed=1).to(DEVICE)(q.float())
+        fk = HedgehogFeatureMap(Hkv, D, activation, proj, seed=2).to(DEVICE)(k.float())
+        if underflow:  # disjoint supports: every product of head 0 underflows to 0
+            half = fq.shape[-1] // 2
+            fq[:, :2, :, half:] = 0
+            fk[:, :1, :, :half] = 0
+    fq, fk = fq.to(dtype), fk.to(dtype)
+    kpm = None
+    if pad:
+        kpm = torch.ones(B, T, dtype=torch.bool, device=DEVICE)
+        kpm[0, : T // 5] = False
+        kpm[-1, T - T // 7:] = False
+    t0 = time.time()
+    calls, n_err = tx.CALLS["forward"], len(tx.FALLBACK_ERRORS)
+    got = _xent_run(tx.weights_xent, q, k, fq, fk, kpm)
+    fused = tx.CALLS["forward"] - calls
+    new_errors = tx.FALLBACK_ERRORS[n_err:]
+    same = _xent_run(transfer.weights_xent, q, k, fq, fk, kpm)
+    err = errors(got, same)
+    report(test="weights_xent", case=cid, shape=list(shape), dtype=str(dtype), pad=pad,
+           fused_calls=fused, vs_blocked_same_dtype={n: float(f"{e:.2e}") for n, e in err.items()},
+           xent=got["xent"].item(), entropy=got["entropy"].item(), triton_errors=new_errors,
+           seconds=round(time.time() - t0, 2))
+    assert not new_errors and fused == 1
+    assert torch.isfinite(got["xent"]).all() and torch.isfinite(got["dfq"]).all()
+    assert got["xent"].item() >= got["entropy"].item() - 1e-4  # Gibbs: xent >= H(A_soft)
+    tol = {"xent": 1e-4, "entropy": 1e-4, "dfq": TOL[dtype], "dfk": TOL[dtype]}
+    bad = {n: f"{e:.2e}" for n, e in err.items() if not e < tol[n]}
+    assert not bad, f"fused weights_xent vs the blocked version in {dtype}: {bad}"
+
+
+@pytest.mark.parametrize("shape_id,dt,pad", XENT_CASES,
+                         ids=[f"{s}-{d}{'-pad' if p else ''}" for s, d, p in XENT_CASES])
+def test_weights_xent_matches_blocked(shape_id, dt, pad):
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dt]
+    xent_check(shape_id, XENT_SHAPES[shape_id], dtype, pad)
+
+
+@pytest.mark.parametrize("activation", ["relu", "exp"])
+def test_weights_xent_underflow_and_activations(activation):
+    xent_check(f"underflow-{activation}", (2, 4, 2, 130, 64, "square"), torch.float32, True,
+               underflow=True, activation=activation)
