@@ -3,6 +3,8 @@
     hedgecats fit|validate|test --config stage.yaml [...]   one stage through LightningCLI
     hedgecats pipeline configs/pipelines/tiny.yaml [--output DIR] [--seed N] [--var K=V] [--dry-run]
     hedgecats evaluate ...                                   hedgecats.evaluation.cli
+    hedgecats export STAGE_OR_RUN OUT [--keep-adapter] ...   hedgecats.export (a hybrid directory)
+    hedgecats generate --model MODEL [PROMPT ...] ...        hedgecats.generate
 
 A pipeline YAML names its stages in order; each has a LightningCLI ``fit`` config
 (``model`` / ``data`` / ``trainer`` with ``class_path`` / ``init_args``). Strings may use
@@ -437,6 +439,14 @@ def main(argv: list[str] | None = None) -> int:
     if cmd in ("fit", "validate", "test"):
         _cli([cmd, *rest])
         return 0
+    if cmd == "export":
+        from .export import main as export_main
+
+        return export_main(rest)
+    if cmd == "generate":
+        from .generate import main as generate_main
+
+        return generate_main(rest)
     print(f"unknown command {cmd!r}\n{USAGE}", file=sys.stderr)
     return 2
 

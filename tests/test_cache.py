@@ -8,6 +8,14 @@ import logging
 
 import pytest
 import torch
+from hedgecats.models import HybridConfig, attention_mode, convert_to_hybrid, hybrid_layers
+from hedgecats.models.cache import (
+    HybridCache,
+    HybridLayerCache,
+    generated_cache,
+    layer_state_bytes,
+)
+from hedgecats.models.ops.reference import linear_attention_chunked
 from transformers import (
     DynamicCache,
     LlamaConfig,
@@ -17,12 +25,9 @@ from transformers import (
     MistralForCausalLM,
 )
 
-from hedgecats.models import HybridConfig, attention_mode, convert_to_hybrid, hybrid_layers
-from hedgecats.models.cache import HybridCache, HybridLayerCache, layer_state_bytes
-from hedgecats.models.ops.reference import linear_attention_chunked
-
 #: the keyword under which a cache reaches the model (transformers 5.24 renamed it)
-CACHE_KW = "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
+CACHE_KW = ("cache" if "cache" in inspect.signature(LlamaModel.forward).parameters
+            else "past_key_values")
 SMALL = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
 LA_MODES = ("hybrid", "swa_only", "la_only")
@@ -90,8 +95,9 @@ def test_reference_la_state_equals_the_keys_it_sums(shift):
 
 
 # ----------------------------------------------------------------------------- cached == full
-@pytest.mark.parametrize("mode, overlap", [(m, False) for m in MODES] + [(m, True) for m in LA_MODES],
-                         ids=lambda v: v if isinstance(v, str) else ("overlap" if v else "outside"))
+@pytest.mark.parametrize(
+    "mode, overlap", [(m, False) for m in MODES] + [(m, True) for m in LA_MODES],
+    ids=lambda v: v if isinstance(v, str) else ("overlap" if v else "outside"))
 def test_cached_logits_equal_full_forward(mode, overlap):
     """Per-layer windows, GQA, a prefill, steps and chunks; every mode, both LA spans."""
     model = tiny(HybridConfig(window=6, layer_windows={1: 3}, overlap=overlap, mode=mode))
@@ -224,7 +230,7 @@ def test_generate_greedy_uses_hybrid_cache_and_matches_full_forward(mode):
         out = model.generate(x, max_new_tokens=12, do_sample=False, output_logits=True,
                              return_dict_in_generate=True, pad_token_id=0)
         full = model(out.sequences).logits[:, x.shape[1] - 1:-1]
-    assert isinstance(out.past_key_values, HybridCache)
+    assert isinstance(generated_cache(out), HybridCache)
     torch.testing.assert_close(torch.stack(out.logits, 1), full, rtol=1e-5, atol=1e-5)
 
 
@@ -253,7 +259,7 @@ def test_generate_beam_search_matches_uncached_beam_search():
                                 pad_token_id=0, return_dict_in_generate=True)
         plain = model.generate(x, max_new_tokens=8, num_beams=3, do_sample=False,
                                pad_token_id=0, use_cache=False)
-    assert isinstance(cached.past_key_values, HybridCache)
+    assert isinstance(generated_cache(cached), HybridCache)
     assert torch.equal(cached.sequences, plain)
 
 
@@ -266,7 +272,7 @@ def test_softmax_mode_keeps_the_full_cache_and_says_so(caplog):
     with caplog.at_level(logging.WARNING, logger="hedgecats.models.hf"), torch.no_grad():
         out = model.generate(x, max_new_tokens=3, do_sample=False, pad_token_id=0,
                              return_dict_in_generate=True)
-    assert type(out.past_key_values) is DynamicCache
+    assert type(generated_cache(out)) is DynamicCache
     assert "mode 'softmax', which reads every earlier key" in caplog.text
     with pytest.raises(ValueError, match="mode 'softmax'.*reads every earlier key"):
         model(x, **{CACHE_KW: HybridCache(model)})

@@ -11,8 +11,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import hedgecats
 import pytest
 import torch
+from hedgecats.models import HybridConfig, attention_mode, convert_to_hybrid, set_attention_mode
+from hedgecats.models.cache import HybridCache, generated_cache
+from hedgecats.models.checkpoint import add_lora
+from hedgecats.models.hf import (
+    HedgecatsLlamaForCausalLM,
+    hybrid_section,
+    load_pretrained_hybrid,
+    save_hybrid,
+)
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
@@ -21,17 +31,6 @@ from transformers import (
     MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
-)
-
-import hedgecats  # noqa: F401  (registers the hybrid classes)
-from hedgecats.models import HybridConfig, attention_mode, convert_to_hybrid, set_attention_mode
-from hedgecats.models.cache import HybridCache
-from hedgecats.models.checkpoint import add_lora
-from hedgecats.models.hf import (
-    HedgecatsLlamaForCausalLM,
-    hybrid_section,
-    load_pretrained_hybrid,
-    save_hybrid,
 )
 
 SMALL = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
@@ -59,7 +58,8 @@ def hybrid(family="llama", cfg: HybridConfig | None = None, seed=0):
 
 
 def ids(B=2, T=24, seed=1):
-    return torch.randint(0, SMALL["vocab_size"], (B, T), generator=torch.Generator().manual_seed(seed))
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, SMALL["vocab_size"], (B, T), generator=g)
 
 
 def logits_by_mode(model, x) -> dict[str, torch.Tensor]:
@@ -121,7 +121,7 @@ def test_generate_of_a_loaded_hybrid_uses_the_constant_memory_cache(tmp_path):
     with torch.no_grad():
         out = loaded.generate(ids(B=1, T=5), max_new_tokens=4, do_sample=False, pad_token_id=0,
                               return_dict_in_generate=True)
-    assert isinstance(out.past_key_values, HybridCache)
+    assert isinstance(generated_cache(out), HybridCache)
 
 
 # ----------------------------------------------------------------------------- LoRA
@@ -255,8 +255,8 @@ class _FakeHub:
 
 
 def test_push_to_hub_through_transformers_up_to_the_upload(tmp_path, monkeypatch):
-    import transformers.utils.hub as hub
     from huggingface_hub import ModelCard
+    from transformers.utils import hub
 
     fake = _FakeHub(tmp_path / "uploaded")
     monkeypatch.setattr(hub, "hf_api", lambda: fake)

@@ -56,7 +56,8 @@ from .ops.hybrid import hybrid_attention
 
 log = logging.getLogger(__name__)
 
-__all__ = ["HybridCache", "HybridLayerCache", "cached_attention", "layer_state_bytes"]
+__all__ = ["HybridCache", "HybridLayerCache", "cached_attention", "generated_cache",
+           "layer_state_bytes"]
 
 
 def layer_state_bytes(batch: int, kv_heads: int, head_dim: int, feature_dim: int, window: int,
@@ -136,9 +137,9 @@ class HybridLayerCache(CacheLayerMixin):
         want = (self.keys.shape[0], self.keys.shape[1], self.keys.shape[3])
         got = (key_states.shape[0], key_states.shape[1], key_states.shape[3])
         if want != got:
-            raise ValueError(f"HybridCache layer {self.layer_idx} holds (batch, kv heads, head dim) "
-                             f"= {want}, the call brings {got}: a cache serves one batch of "
-                             f"sequences of one model (reset() it or make a new one)")
+            raise ValueError(f"HybridCache layer {self.layer_idx} holds (batch, kv heads, head "
+                             f"dim) = {want}, the call brings {got}: a cache serves one batch "
+                             f"of sequences of one model (reset() it or make a new one)")
         return key_states, value_states
 
     def get_seq_length(self) -> int:
@@ -315,6 +316,13 @@ class HybridCache(Cache):
             elif getattr(layer, "is_initialized", False) and layer.keys is not None:
                 total += layer.keys.numel() * layer.keys.element_size() * 2
         return total
+
+
+def generated_cache(output):
+    """The cache a ``generate(..., return_dict_in_generate=True)`` output holds: ``cache`` from
+    transformers 5.24, ``past_key_values`` before (reading the old name on 5.24 warns)."""
+    cache = output.get("cache")
+    return output.get("past_key_values") if cache is None else cache
 
 
 # ----------------------------------------------------------------------------- the computation

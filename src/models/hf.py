@@ -67,13 +67,13 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "FORMAT",
-    "HybridCausalLM",
     "HedgecatsLlamaConfig",
     "HedgecatsLlamaForCausalLM",
     "HedgecatsMistralConfig",
     "HedgecatsMistralForCausalLM",
     "HedgecatsQwen2Config",
     "HedgecatsQwen2ForCausalLM",
+    "HybridCausalLM",
     "adopt",
     "hybrid_section",
     "load_pretrained_hybrid",
@@ -236,7 +236,7 @@ def _needs_full_cache(model: nn.Module) -> bool:
     return any(a.hedgecats.mode == "softmax" for _, a in hybrid_layers(model))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _warn_once(msg: str) -> None:
     log.warning(msg)
 
@@ -437,9 +437,8 @@ def read_hybrid_config(path: str | os.PathLike) -> dict:
     if not str(mt).startswith("hedgecats_"):
         raise ValueError(
             f"{str(path)!r} is not a hedgecats hybrid: its config.json has model_type {mt!r}. "
-            f"Convert a plain model with hedgecats.models.convert_to_hybrid (or `hedgecats "
-            f"generate --hybrid CONFIG`), or turn a trained stage into a hybrid directory with "
-            f"`hedgecats export`")
+            f"Convert a plain model with hedgecats.models.convert_to_hybrid, or turn a trained "
+            f"stage into a hybrid directory with `hedgecats export`")
     _validate_section(cfg.get("hybrid"), where=str(path))
     return cfg
 

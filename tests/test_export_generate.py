@@ -1,0 +1,229 @@
+"""``hedgecats export`` (a run or stage -> a hybrid directory with a model card) and
+``hedgecats generate`` on its output, on a tiny two-stage run written here."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from hedgecats.cli import main
+from hedgecats.export import resolve_stage, results_table, stage_chain
+from hedgecats.generate import parse_switch
+from hedgecats.lightning_modules.tiny import save_tiny_llama
+from hedgecats.models import attention_mode
+from hedgecats.models.checkpoint import build_hybrid, load_hybrid, save_stage, stage_tensors, unwrap
+
+HYB = {"window": 4, "layer_windows": {1: 6}, "mixer": "learned_head"}
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+RESULTS = {"pipeline": "tiny", "stage": "finetune",
+           "results": {"hybrid": {"lm_loss": 1.024, "far_acc": 0.323},
+                       "swa_only": {"lm_loss": 1.296, "far_acc": 0.024}}}
+
+
+def _perturb(model, marks, seed):
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for n, p in unwrap(model).named_parameters():
+            if any(m in n for m in marks):
+                p.add_(0.1 * torch.randn_like(p))
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    """A run directory as ``hedgecats pipeline`` leaves it: transfer, then LoRA fine-tuning."""
+    root = tmp_path_factory.mktemp("run")
+    base = str(save_tiny_llama(root / "teacher" / "model"))
+    run = root / "tiny"
+    transfer = build_hybrid(base, hybrid_config=HYB)
+    _perturb(transfer, (".phi_", ".mixer."), 1)
+    t_pt = save_stage(run / "transfer" / "stage.pt", transfer, base_model=base, hybrid_config=HYB,
+                      stage="AttentionTransfer", meta={"global_step": 10, "init_from": None})
+    finetune = build_hybrid(base, hybrid_config=HYB, lora_config=LORA)
+    tensors = stage_tensors(transfer)
+    with torch.no_grad():
+        params = dict(unwrap(finetune).named_parameters())
+        for n, t in tensors.items():
+            params[n].copy_(t)
+    _perturb(finetune, ("lora_B",), 2)
+    save_stage(run / "finetune" / "stage.pt", finetune, base_model=base, hybrid_config=HYB,
+               lora_config=LORA, stage="HybridFinetune",
+               meta={"global_step": 5, "init_from": str(t_pt)})
+    for name in ("transfer", "finetune"):
+        (run / name / "config.yaml").write_text(yaml.safe_dump(
+            {"data": {"class_path": "x.RecallDataModule",
+                      "init_args": {"seq_len": 128, "batch_size": 32}}}))
+    (run / "results.json").write_text(json.dumps(RESULTS))
+    return run
+
+
+def _ids(T=20):
+    return torch.randint(3, 250, (1, T), generator=torch.Generator().manual_seed(0))
+
+
+# ----------------------------------------------------------------------------- export
+def test_run_directory_resolves_to_the_evaluated_stage_and_its_chain(run_dir):
+    stage_pt, run = resolve_stage(run_dir)
+    assert stage_pt == run_dir / "finetune" / "stage.pt" and run == run_dir
+    (run_dir / "results.json").rename(run_dir / "results.bak")
+    try:  # without results.json: the end of the init_from chain
+        assert resolve_stage(run_dir)[0] == run_dir / "finetune" / "stage.pt"
+    finally:
+        (run_dir / "results.bak").rename(run_dir / "results.json")
+    chain = stage_chain(stage_pt)
+    assert [(c["name"], c["stage"], c["steps"], c["tokens"]) for c in chain] == [
+        ("transfer", "AttentionTransfer", 10, 10 * 32 * 128),
+        ("finetune", "HybridFinetune", 5, 5 * 32 * 128)]
+
+
+def test_export_merged_with_card_and_check(run_dir, tmp_path):
+    out = tmp_path / "tiny-hybrid"
+    assert main(["export", str(run_dir), str(out), "--check"]) == 0
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "README.md", "tokenizer.json"} <= names
+    assert "adapter" not in names
+    card = (out / "README.md").read_text()
+    for text in ("library_name: transformers", "import hedgecats", "HybridFinetune",
+                 "AttentionTransfer", f"{5 * 32 * 128:,}", "| hybrid | 1.024 | 0.323 |",
+                 "Recipe: tiny", "merged into the weights", "| SWA window | 4 (per layer: "):
+        assert text in card, text
+    from transformers import AutoModelForCausalLM
+
+    ref, _, _ = load_hybrid(run_dir / "finetune" / "stage.pt", merge_lora=True)
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    with torch.no_grad():
+        assert torch.equal(loaded(_ids()).logits, ref(_ids()).logits)
+
+
+def test_export_keeps_the_adapter(run_dir, tmp_path):
+    out = tmp_path / "adapter-hybrid"
+    assert main(["export", str(run_dir / "finetune" / "stage.pt"), str(out), "--keep-adapter",
+                 "--check"]) == 0
+    assert (out / "adapter" / "adapter_config.json").is_file()
+    assert "peft adapter in `adapter/`" in (out / "README.md").read_text()
+    from transformers import AutoModelForCausalLM
+
+    ref, _, _ = load_hybrid(run_dir / "finetune" / "stage.pt", merge_lora=False)
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    with torch.no_grad(), attention_mode(unwrap(ref), "la_only"), attention_mode(loaded, "la_only"):
+        assert torch.equal(loaded(_ids()).logits, ref(input_ids=_ids()).logits)
+
+
+def test_export_refuses_to_overwrite_and_bad_sources(run_dir, tmp_path, capsys):
+    out = tmp_path / "exists"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert main(["export", str(run_dir), str(out)]) == 2
+    assert "exists and is not empty: pass --overwrite" in capsys.readouterr().err
+    assert (out / "keep.txt").read_text() == "mine"
+    assert main(["export", str(run_dir / "transfer"), str(out), "--overwrite"]) == 0
+    assert not (out / "keep.txt").exists() and (out / "config.json").is_file()
+    assert main(["export", str(out), str(tmp_path / "x")]) == 2
+    assert "is a transformers model directory, not a stage" in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "nowhere"), str(tmp_path / "x")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["export", str(tmp_path / "empty"), str(tmp_path / "x")]) == 2
+    assert "holds no stage checkpoint" in capsys.readouterr().err
+
+
+def test_export_pushes_through_transformers_then_the_card(run_dir, tmp_path, monkeypatch):
+    import huggingface_hub
+    from huggingface_hub import ModelCard
+    from transformers.utils import hub
+
+    uploaded: list[str] = []
+
+    class FakeHub:
+        def create_repo(self, repo_id, **kw):
+            return type("Repo", (), {"repo_id": repo_id})()
+
+        def create_commit(self, repo_id, operations, **kw):
+            uploaded.extend(op.path_in_repo for op in operations)
+
+    cards = []
+    monkeypatch.setattr(hub, "hf_api", lambda: FakeHub())
+    monkeypatch.setattr(hub, "create_and_tag_model_card",
+                        lambda repo_id, tags=None, token=None: ModelCard("# transformers' card\n"))
+    monkeypatch.setattr(huggingface_hub.HfApi, "upload_file",
+                        lambda self, **kw: cards.append(kw))
+    assert main(["export", str(run_dir), str(tmp_path / "p"), "--push-to-hub", "me/tiny"]) == 0
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(uploaded)
+    assert cards and cards[0]["path_in_repo"] == "README.md" and cards[0]["repo_id"] == "me/tiny"
+    assert 'from_pretrained("me/tiny")' in Path(cards[0]["path_or_fileobj"]).read_text()
+
+
+def test_results_table_formats():
+    evaluate_format = {"modes": {"hybrid": {"tasks": {"piqa": {"score": 70.1}}, "avg": 70.1,
+                                            "rec_perf": 95.0}}, "delta_la": 1.5}
+    table = results_table(evaluate_format)
+    assert "| mode | piqa | AVG | Rec. Perf |" in table and "| hybrid | 70.10 |" in table
+    assert "Delta_LA" in table
+    assert results_table({"something": 1}) is None
+
+
+# ----------------------------------------------------------------------------- generate
+@pytest.fixture(scope="module")
+def exported(run_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("exp") / "hybrid"
+    assert main(["export", str(run_dir), str(out)]) == 0
+    return out
+
+
+def test_generate_streams_greedy_text(exported, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert main(["generate", "--model", str(exported), "--max-new-tokens", "8", "abc"]) == 0
+    cap = capsys.readouterr()
+    tok = AutoTokenizer.from_pretrained(exported)
+    model = AutoModelForCausalLM.from_pretrained(exported)
+    enc = tok(["abc"], return_tensors="pt")
+    want = model.generate(**enc, max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
+    text = tok.decode(want[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert cap.out == "abc" + text + "\n"
+    assert "HybridCache" in cap.err and "tokens/s" in cap.err
+
+
+def test_generate_from_a_stage_with_mode_file_batch_and_sampling(run_dir, tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("first\n\nsecond one\n")
+    args = ["generate", "--model", str(run_dir / "finetune" / "stage.pt"), "--prompt-file",
+            str(prompts), "--mode", "la_only", "--switch", "la_span=all", "--max-new-tokens", "6",
+            "--batch-size", "2", "--no-stream", "--do-sample", "--top-k", "5", "--seed", "3"]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    assert first.startswith("first") and "\nsecond one" in first
+    assert main(args) == 0
+    assert capsys.readouterr().out == first  # seeded sampling repeats
+    assert main(["generate", "--model", str(run_dir), "--mode", "softmax", "--max-new-tokens",
+                 "3", "x"]) == 0
+    assert "full KV cache" in capsys.readouterr().err
+
+
+def test_generate_errors(run_dir, tmp_path, capsys):
+    base = run_dir.parent / "teacher" / "model"
+    assert main(["generate", "--model", str(base), "x"]) == 2
+    assert "is not a hedgecats hybrid" in capsys.readouterr().err
+    assert main(["generate", "--model", str(run_dir)]) == 2
+    assert "no prompt" in capsys.readouterr().err
+    assert main(["generate", "--model", str(run_dir), "--mode", "sideways", "x"]) == 2
+    assert "unknown attention mode 'sideways'" in capsys.readouterr().err
+    assert main(["generate", "--model", str(run_dir), "--num-beams", "2", "x"]) == 2
+    assert "beam search cannot stream" in capsys.readouterr().err
+
+
+def test_parse_switch():
+    assert parse_switch("la_span=all") == ("la_span", "all")
+    assert parse_switch("overlap=true") == ("overlap", True)
+    assert parse_switch("window=32") == ("window", 32)
+    assert parse_switch("eps=1e-6") == ("eps", 1e-6)
+    with pytest.raises(ValueError, match="expected name=value"):
+        parse_switch("overlap")
+
+
+def test_cli_usage_lists_the_new_commands(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "hedgecats export" in out and "hedgecats generate" in out
