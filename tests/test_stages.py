@@ -219,7 +219,7 @@ def test_collapsed_transfer_stops_with_a_clear_error_and_no_stage_file(base, tmp
     from hedgecats.lightning_modules.stages import TransferCollapseError
 
     m = AttentionTransfer(base, hybrid={**HYB, "feature_activation": "relu"}, objective=objective,
-                          lr=0.0)
+                          lr=1e-30)  # lr must be > 0; 1e-30 leaves the maps as initialised
     m.configure_model()
     with torch.no_grad():  # relu features: queries on coordinate 0, keys on 1: every product 0
         for _, attn in hybrid_layers(unwrap(m.model)):

@@ -21,6 +21,13 @@ from .downstream_eval import (
     RecallProbe,
     evaluation_steps,
 )
+from .guard import (
+    AtomicCheckpointIO,
+    DivergenceError,
+    NonFiniteStateError,
+    StepProgressBar,
+    TrainingGuard,
+)
 from .recall_data import RecallDataModule
 from .stages import (
     DEFAULT_LORA,
@@ -36,8 +43,10 @@ __all__ = [
     "DEFAULT_LORA",
     "SSD_INTERVALS",
     "SSD_SCHEDULES",
+    "AtomicCheckpointIO",
     "AttentionTransfer",
     "CheckpointOnInterrupt",
+    "DivergenceError",
     "ChoiceProbe",
     "DownstreamEval",
     "HybridFinetune",
@@ -49,7 +58,9 @@ __all__ = [
     "RecallProbe",
     "SSDScheduleError",
     "ScheduledSlidingWindowDropout",
+    "StepProgressBar",
     "TeacherPretraining",
+    "TrainingGuard",
     "TransferCollapseError",
     "evaluation_steps",
     "resolve_ssd_schedule",

@@ -228,21 +228,66 @@ class ScheduledSlidingWindowDropout(pl.Callback):
 
 
 class CheckpointOnInterrupt(OnExceptionCheckpoint):
-    """Save ``<dirpath>/<filename>.ckpt`` when training stops on SIGTERM or Ctrl-C, so that
-    ``ckpt_path=last`` resumes. Lightning raises both at a batch boundary, so the saved state is
-    consistent. Other errors (a non-finite loss included) may strike mid-step: nothing is saved,
-    and the last periodic checkpoint stays the one to resume from."""
+    """Save ``<dirpath>/<filename>.ckpt`` when training stops on SIGTERM or Ctrl-C (SIGINT), so
+    that ``ckpt_path=last`` resumes exactly.
+
+    Both signals stop training at the next batch boundary, where the state is consistent:
+    Lightning does so for SIGTERM, and this callback makes the first SIGINT do the same (Python
+    would raise ``KeyboardInterrupt`` wherever the main thread is, possibly between an optimiser
+    step and Lightning's step counter: a checkpoint saved there would not resume exactly). A
+    second Ctrl-C stops at once and saves nothing: the last periodic checkpoint stays the one to
+    resume from. Other errors (a non-finite loss included) may strike mid-step: nothing is saved.
+
+    After ``fit``, ``signal`` is the signal number that stopped it (``None`` if none) and
+    ``saved`` the path written (``None`` if nothing was saved).
+    """
 
     def __init__(self, dirpath: str, filename: str = "last") -> None:
         super().__init__(dirpath=dirpath, filename=filename)
+        self.signal: int | None = None
+        self.saved: str | None = None
+        self._previous_sigint = None
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        import signal
+        import threading
+
+        self.signal, self.saved = None, None
+        if stage != "fit" or threading.current_thread() is not threading.main_thread():
+            return
+
+        def on_sigint(signum, frame):
+            if self.signal is not None:  # the second Ctrl-C: stop now
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                raise KeyboardInterrupt
+            self.signal = signum
+            trainer._signal_connector.received_sigterm = True  # stop at the next batch boundary
+
+        self._previous_sigint = signal.signal(signal.SIGINT, on_sigint)
+
+    def _restore_sigint(self) -> None:
+        import signal
+
+        if self._previous_sigint is not None:
+            signal.signal(signal.SIGINT, self._previous_sigint)
+            self._previous_sigint = None
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                      exception: BaseException) -> None:
-        if isinstance(exception, NonFiniteLossError) or \
-                not isinstance(exception, (SIGTERMException, KeyboardInterrupt)):
+        import signal
+
+        self._restore_sigint()
+        if isinstance(exception, KeyboardInterrupt):  # the second Ctrl-C, possibly mid-step
+            self.signal = signal.SIGINT
             return
+        if isinstance(exception, NonFiniteLossError) or not isinstance(exception, SIGTERMException):
+            return
+        if self.signal is None:
+            self.signal = signal.SIGTERM
         super().on_exception(trainer, pl_module, exception)
+        self.saved = self.ckpt_path
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Keep the file: Lightning's version deletes it at teardown, but it is shared with
         ``ModelCheckpoint(save_last=True)`` and is what the next run resumes from."""
+        self._restore_sigint()

@@ -13,6 +13,7 @@ tensors; the frozen base is reloaded from its id. At the end of ``fit`` the stag
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -35,6 +36,7 @@ from ..models.checkpoint import (
     stage_tensors,
     unwrap,
 )
+from ..models.lora import LoraSettings
 from ..models.ops.transfer import OBJECTIVES, transfer_health, transfer_loss
 
 log = logging.getLogger(__name__)
@@ -49,9 +51,8 @@ __all__ = [
     "TransferCollapseError",
 ]
 
-#: PAPER.md section 5: rank 8, alpha 16 on q, k, v, o
-DEFAULT_LORA = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0,
-                "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+#: PAPER.md section 5: rank 8, alpha 16 on q, k, v, o (``LoraSettings()``'s defaults)
+DEFAULT_LORA = LoraSettings().to_dict()
 STAGE_FILE = "stage.pt"
 
 
@@ -74,6 +75,28 @@ def _check_finite(module: pl.LightningModule, loss: torch.Tensor, batch_idx: int
             f"rank) at global step {module.global_step}, batch {batch_idx}. Stopped before the "
             "optimiser step; no checkpoint of this step was written. Lower the learning rate, "
             "use bf16/fp32 instead of fp16, or check the data; resume from the last checkpoint.")
+
+
+def _check_lr(lr: float) -> None:
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0 \
+            or not math.isfinite(lr):
+        raise ValueError(f"lr={lr!r} must be a finite number > 0")
+
+
+def _hybrid_config(hybrid: HybridConfig | dict | None) -> HybridConfig:
+    """A validated ``HybridConfig`` from the YAML's mapping (or one already built); without a
+    ``seed`` of its own it takes the run's."""
+    if hybrid is None or isinstance(hybrid, dict):
+        hybrid = HybridConfig.from_dict(dict(hybrid or {}))
+    elif not isinstance(hybrid, HybridConfig):
+        raise TypeError(f"hybrid must be a HybridConfig or a mapping of its fields, got "
+                        f"{type(hybrid).__name__}")
+    # the run's seed (seed_everything, set before LightningCLI builds the model) initialises
+    # the feature maps unless the config names its own: seeds of a recipe then differ in
+    # stage 1 too (the first version always used HybridConfig's default, 0)
+    if hybrid.seed is None:
+        hybrid = dataclasses.replace(hybrid, seed=run_seed())
+    return hybrid
 
 
 def run_seed() -> int:
@@ -140,20 +163,25 @@ class _NextTokenLoss:
 class HybridStage(_Stage):
     """A stage on a converted pretrained model (shared by stages 1 and 2).
 
-    ``hybrid`` is a ``HybridConfig`` dict; without a ``seed`` of its own it takes the run's
-    (``seed_everything``), so each training seed initialises its own feature maps."""
+    ``hybrid`` is a ``HybridConfig`` (in YAML, a mapping of its fields: ``--help`` lists them);
+    without a ``seed`` of its own it takes the run's (``seed_everything``), so each training
+    seed initialises its own feature maps. ``lr`` must be > 0."""
 
-    def __init__(self, model_name_or_path: str, hybrid: dict | None = None,
+    def __init__(self, model_name_or_path: str, hybrid: HybridConfig | None = None,
                  revision: str | None = None, init_from: str | None = None,
                  torch_dtype: str | None = None, lr: float = 1e-2, weight_decay: float = 0.0,
                  activation_checkpointing: bool = False) -> None:
         super().__init__()
-        hybrid = dict(hybrid or {})
-        # the run's seed (seed_everything, set before LightningCLI builds the model) initialises
-        # the feature maps unless the config names its own: seeds of a recipe then differ in
-        # stage 1 too (the first version always used HybridConfig's default, 0)
-        hybrid.setdefault("seed", run_seed())
-        self.hybrid_config = HybridConfig.from_dict(hybrid)  # validated before any build
+        _check_lr(lr)
+        if weight_decay < 0:
+            raise ValueError(f"weight_decay={weight_decay!r} must be >= 0")
+        self.hybrid_config = _hybrid_config(hybrid)  # validated before any build
+
+    def _save_hparams(self) -> None:
+        """``save_hyperparameters`` with ``hybrid`` (and ``lora``) as plain mappings: what the
+        loggers and the checkpoint record."""
+        self.save_hyperparameters()
+        self.hparams["hybrid"] = self.hybrid_config.to_dict()
 
     # ------------------------------------------------------------------ model
     def _build_base(self) -> nn.Module:
@@ -279,7 +307,7 @@ class AttentionTransfer(HybridStage):
     Other arguments: see ``HybridStage``.
     """
 
-    def __init__(self, model_name_or_path: str, hybrid: dict | None = None,
+    def __init__(self, model_name_or_path: str, hybrid: HybridConfig | None = None,
                  objective: str = "weights_xent", revision: str | None = None,
                  init_from: str | None = None, torch_dtype: str | None = None, lr: float = 1e-2,
                  weight_decay: float = 0.0, train_mixer: bool = True, xent_block: int = 64,
@@ -295,7 +323,7 @@ class AttentionTransfer(HybridStage):
             raise ValueError(f"health_batches={health_batches!r} must be >= 0 (0: no final check)")
         super().__init__(model_name_or_path, hybrid, revision, init_from, torch_dtype, lr,
                          weight_decay, activation_checkpointing)
-        self.save_hyperparameters()
+        self._save_hparams()
         self.automatic_optimization = False
 
     def _prepare(self, model: nn.Module) -> nn.Module:
@@ -511,8 +539,8 @@ class HybridFinetune(_NextTokenLoss, HybridStage):
     """Stage 2: LoRA fine-tuning of the converted model on next-token prediction.
 
     Args:
-        lora: ``peft.LoraConfig`` keyword arguments (default ``DEFAULT_LORA``: r 8, alpha 16 on
-            q, k, v, o projections).
+        lora: a ``LoraSettings`` (in YAML, a mapping of its fields; default: r 8, alpha 16 on
+            q, k, v, o projections); other ``peft.LoraConfig`` arguments go under ``extra``.
         train_feature_maps: also train ``phi_q``, ``phi_k`` and mixer parameters (paper: frozen).
         mode: ``hybrid`` or ``la_only`` (pure-LA fine-tuning; use with ``la_span="all"``).
         la_span: ``outside | all`` for ``la_only``.
@@ -523,19 +551,28 @@ class HybridFinetune(_NextTokenLoss, HybridStage):
 
     MODES = ("hybrid", "la_only")
 
-    def __init__(self, model_name_or_path: str, hybrid: dict | None = None,
+    def __init__(self, model_name_or_path: str, hybrid: HybridConfig | None = None,
                  revision: str | None = None, init_from: str | None = None,
-                 torch_dtype: str | None = None, lora: dict | None = None,
+                 torch_dtype: str | None = None, lora: LoraSettings | None = None,
                  train_feature_maps: bool = False, mode: str = "hybrid", la_span: str = "outside",
                  lr: float = 1e-4, weight_decay: float = 0.0, plateau_factor: float = 0.1,
                  plateau_patience: int = 0, activation_checkpointing: bool = False) -> None:
         if mode not in self.MODES:
             raise ValueError(f"mode={mode!r} is not valid for fine-tuning; choose one of "
                              f"{', '.join(self.MODES)}")
+        if la_span not in ("outside", "all"):
+            raise ValueError(f"la_span={la_span!r} is not valid; choose outside or all")
+        if not 0 < plateau_factor < 1:
+            raise ValueError(f"plateau_factor={plateau_factor!r} must lie in (0, 1)")
+        if plateau_patience < 0:
+            raise ValueError(f"plateau_patience={plateau_patience!r} must be >= 0")
         super().__init__(model_name_or_path, hybrid, revision, init_from, torch_dtype, lr,
                          weight_decay, activation_checkpointing)
-        self.save_hyperparameters()
-        self.lora = dict(DEFAULT_LORA if lora is None else lora)
+        if lora is None or isinstance(lora, dict):
+            lora = LoraSettings.from_dict(lora or {})
+        self.lora = lora.to_dict()
+        self._save_hparams()
+        self.hparams["lora"] = self.lora
 
     def _lora_config(self) -> dict:
         return self.lora

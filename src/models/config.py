@@ -40,7 +40,8 @@ class HybridConfig:
         gate_rank: bottleneck rank of ``gate_lowrank``.
         shared_norm_init: initial per-head factor of ``shared_norm`` (LoLCATs: 0.1).
         layers: indices of the layers to convert (``None`` = all); the others stay softmax.
-        seed: feature maps (and gates) are initialised from this seed and the layer index only.
+        seed: feature maps (and gates) are initialised from this seed and the layer index only;
+            ``None`` (default): 0 when converting directly, the run's seed in a training stage.
     Runtime switches (also changed later with ``set_attention_mode``):
         mode: ``hybrid | swa_only | la_only | sinks_only | none | softmax``.
         rescale: the surviving branch of ``swa_only`` / ``la_only`` gets weight 1.
@@ -66,7 +67,7 @@ class HybridConfig:
     gate_rank: int = 16
     shared_norm_init: float = 0.1
     layers: list[int] | None = None
-    seed: int = 0
+    seed: int | None = None
     mode: str = "hybrid"
     rescale: bool = False
     la_span: str = "outside"

@@ -315,7 +315,7 @@ def convert_to_hybrid(model: nn.Module, config: HybridConfig) -> nn.Module:
     for i in todo:
         attn = layers[i].self_attn
         ref = attn.q_proj.weight
-        seed = config.seed + 2 * i
+        seed = (config.seed or 0) + 2 * i  # None: 0
         attn.phi_q = HedgehogFeatureMap(H, D, config.feature_activation, config.feature_projection,
                                         config.feature_init_std, seed=seed)
         attn.phi_k = HedgehogFeatureMap(Hkv, D, config.feature_activation, config.feature_projection,

@@ -1,0 +1,349 @@
+"""What keeps a long stage's state trustworthy: a guard on the parameters and the loss, atomic
+checkpoint files, and a progress bar that counts steps.
+
+``TrainingGuard`` (a callback):
+
+- **Non-finite state is never saved.** Every ``check_every_n_steps`` optimiser steps, and before
+  every checkpoint whatever that period, it checks that every trainable parameter is finite (one
+  fused ``torch._foreach_norm`` with ``ord=inf`` over the trainable tensors: no overflow, NaN
+  propagates, one device sync). A failed check raises ``NonFiniteStateError`` before the
+  checkpoint callback runs, so the last checkpoint on disk is the last finite state. (The loss
+  itself is checked in every ``training_step`` before the optimiser step: ``NonFiniteLossError``.)
+- **Slow divergence stops the stage.** It keeps an exponential moving average of the training
+  loss (``ema_alpha``) and its best (lowest) value; when the average stays above
+  ``divergence_factor`` times the best for ``divergence_patience`` consecutive optimiser steps
+  (after ``divergence_warmup`` steps), it raises ``DivergenceError``. Checkpoints written while the
+  average was above that level are *suspect*: the last one is renamed
+  ``diverged-step<N>.ckpt`` and the last good one becomes ``last.ckpt`` again, so the stage can
+  continue from it with a changed config (``hedgecats pipeline ... --resume-changed``).
+- **The record.** Every checkpoint carries ``checkpoint["hedgecats"]``: the guard's ``record``
+  (the pipeline sets it to the config that produced the stage) and the health at that step.
+
+``AtomicCheckpointIO`` writes each ``.ckpt`` to a temporary file in the same directory, fsyncs
+and renames it (a full disk or a crash never leaves a truncated checkpoint), and keeps the one
+it replaces as ``previous.ckpt`` (a hard link: no copy), the fallback when ``last.ckpt`` cannot
+be read.
+
+``StepProgressBar`` shows ``step 12/100`` when the stage is bounded by ``max_steps`` and ``epoch
+1/3`` only when ``max_epochs`` bounds it (Lightning's rich bar printed "Epoch 0/-2").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from ..models.io import atomic_write
+
+log = logging.getLogger(__name__)
+
+__all__ = ["AtomicCheckpointIO", "DivergenceError", "NonFiniteStateError", "StepProgressBar",
+           "TrainingGuard", "parameters_finite", "read_checkpoint_record"]
+
+PREVIOUS = "previous.ckpt"
+RECORD_KEY = "hedgecats"
+
+
+class NonFiniteStateError(RuntimeError):
+    """A trainable parameter became NaN or inf; nothing of that state was saved."""
+
+
+class DivergenceError(RuntimeError):
+    """The training loss rose far above its best level and stayed there."""
+
+
+# ----------------------------------------------------------------------------- checks
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # an FSDP2 shard
+
+
+@torch.no_grad()
+def parameters_finite(params: list[torch.Tensor]) -> torch.Tensor:
+    """A 0-dim bool tensor on the parameters' device: every element of every tensor is finite.
+
+    One ``torch._foreach_norm(ord=inf)`` per device and dtype (the largest absolute value of each
+    tensor: no overflow for large finite values; NaN and inf propagate), then one ``isfinite``
+    over the stacked maxima. Reading the result syncs the device once."""
+    tensors = [_local(p.detach()) for p in params if p.numel()]
+    if not tensors:
+        return torch.tensor(True)
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    flags = []
+    for (device, _), ts in groups.items():
+        norms = torch._foreach_norm(ts, ord=math.inf)
+        flags.append(torch.isfinite(torch.stack(norms).float()).all().to(tensors[0].device))
+    return torch.stack(flags).all()
+
+
+def _optimizer_finite(optimizers) -> bool:
+    """The optimisers' floating-point states (Adam's moments) are finite (this rank's shards)."""
+    states = [v for opt in optimizers for s in opt.state.values() for v in s.values()
+              if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0]
+    return bool(parameters_finite(states)) if states else True
+
+
+# ----------------------------------------------------------------------------- the guard
+class TrainingGuard(pl.Callback):
+    """Refuse to save non-finite state; stop on slow divergence (module docstring).
+
+    Args:
+        check_every_n_steps: optimiser steps between parameter checks (>= 1); a check also runs
+            before every checkpoint.
+        divergence_factor: the smoothed loss must stay below this multiple of its best value
+            (> 1); ``None`` switches the slow-divergence check off.
+        divergence_patience: consecutive optimiser steps above it that stop the stage (>= 1).
+        divergence_warmup: optimiser steps before steps above the level are counted (a
+            learning-rate warm-up may raise the loss briefly); the best level is tracked from
+            the first step.
+        ema_alpha: weight of the newest loss in the moving average, in (0, 1].
+        dirpath: the checkpoint directory (to restore the last good checkpoint after a slow
+            divergence); ``None``: leave the files alone.
+    """
+
+    def __init__(self, check_every_n_steps: int = 1, divergence_factor: float | None = 3.0,
+                 divergence_patience: int = 50, divergence_warmup: int = 50,
+                 ema_alpha: float = 0.05, dirpath: str | None = None) -> None:
+        if isinstance(check_every_n_steps, bool) or not isinstance(check_every_n_steps, int) \
+                or check_every_n_steps < 1:
+            raise ValueError(f"check_every_n_steps={check_every_n_steps!r} must be an integer >= 1")
+        if divergence_factor is not None and not divergence_factor > 1:
+            raise ValueError(f"divergence_factor={divergence_factor!r} must be > 1 (or null: off)")
+        if divergence_patience < 1:
+            raise ValueError(f"divergence_patience={divergence_patience!r} must be >= 1")
+        if divergence_warmup < 0:
+            raise ValueError(f"divergence_warmup={divergence_warmup!r} must be >= 0")
+        if not 0 < ema_alpha <= 1:
+            raise ValueError(f"ema_alpha={ema_alpha!r} must lie in (0, 1]")
+        self.check_every_n_steps = check_every_n_steps
+        self.factor, self.patience, self.warmup = divergence_factor, divergence_patience, \
+            divergence_warmup
+        self.alpha = ema_alpha
+        self.dirpath = Path(dirpath) if dirpath else None
+        #: what produced this stage (set by the pipeline); saved in every checkpoint
+        self.record: dict | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self.ema: float | None = None
+        self.best: float | None = None
+        self.best_step: int | None = None
+        self.above = 0  # consecutive optimiser steps above factor * best
+        self.above_since: int | None = None
+        self.last_step: int | None = None  # optimiser step of the last loss seen
+        self.checked_step: int | None = None
+        self.good_saves: list[int] = []  # steps of checkpoints saved while healthy
+        self.suspect_saves: list[int] = []
+
+    # ---------------------------------------------------------------- state (resumes exactly)
+    def state_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in ("ema", "best", "best_step", "above", "above_since",
+                                              "last_step", "good_saves", "suspect_saves")}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for k, v in state.items():
+            setattr(self, k, v)
+
+    # ---------------------------------------------------------------- parameters
+    @staticmethod
+    def _trainable(pl_module: pl.LightningModule) -> list[torch.Tensor]:
+        return [p for p in pl_module.parameters() if p.requires_grad]
+
+    def _check_parameters(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                          when: str, optimizer_state: bool = False) -> None:
+        finite = bool(parameters_finite(self._trainable(pl_module)))
+        opt_finite = _optimizer_finite(trainer.optimizers) if optimizer_state else True
+        if trainer.world_size > 1:  # shards differ per rank: every rank must stop together
+            finite = trainer.strategy.reduce_boolean_decision(finite, all=True)
+            opt_finite = trainer.strategy.reduce_boolean_decision(opt_finite, all=True)
+        self.checked_step = trainer.global_step
+        what = None if finite and opt_finite else \
+            "a trainable parameter" if not finite else "the optimiser state (Adam's moments)"
+        if what:
+            raise NonFiniteStateError(
+                f"{type(pl_module).__name__}: {what} became NaN or inf by optimiser step "
+                f"{trainer.global_step} ({when}); this state was not saved. The last "
+                f"checkpoint{self._where()} is the last finite one. Lower the learning rate "
+                "(model.init_args.lr), use bf16/fp32 instead of fp16, or check the data")
+
+    def _where(self) -> str:
+        return f" in {self.dirpath}" if self.dirpath else ""
+
+    # ---------------------------------------------------------------- loss
+    def _observe(self, loss: float, step: int, trainer: pl.Trainer, pl_module) -> None:
+        if self.factor is None:
+            return
+        if not math.isfinite(loss):
+            return  # the stage's own check stops it before the optimiser step
+        self.ema = loss if self.ema is None else (1 - self.alpha) * self.ema + self.alpha * loss
+        if self.best is None or self.ema < self.best:  # from the first step: a blow-up in
+            self.best, self.best_step = self.ema, step  # the warm-up must not become the level
+        if step < self.warmup:
+            return
+        if self.ema > self.factor * self.best:
+            if self.above == 0:
+                self.above_since = step
+            if step != self.last_step:
+                self.above += 1
+        else:
+            self.above, self.above_since = 0, None
+        self.last_step = step
+        if self.above >= self.patience:
+            restored = self._restore_last_good(trainer)
+            raise DivergenceError(
+                f"{type(pl_module).__name__}: the training loss diverged: its moving average "
+                f"{self.ema:.4g} has stayed above {self.factor:g} x its best level "
+                f"{self.best:.4g} (step {self.best_step}) for {self.above} optimiser steps, since "
+                f"step {self.above_since}. {restored} Lower the learning rate "
+                "(model.init_args.lr) or check the data; the check is the pipeline's "
+                "divergence.factor / divergence.patience")
+
+    def _restore_last_good(self, trainer: pl.Trainer) -> str:
+        """Rename the checkpoints saved while the loss was already above its level (kept as
+        ``diverged-step<N>.ckpt``); the last good one becomes ``last.ckpt`` again."""
+        good = self.good_saves[-1] if self.good_saves else None
+        if self.dirpath is None or not self.suspect_saves:
+            return (f"The last checkpoint (step {good}) was saved before the rise; continue from "
+                    "it with a changed config." if good is not None else
+                    "No checkpoint was saved before the rise: start the stage again.")
+        last, prev = self.dirpath / "last.ckpt", self.dirpath / PREVIOUS
+        renamed = []
+        if trainer.is_global_zero:
+            for path in (last, prev):
+                step = _ckpt_step(path) if path.exists() else None
+                if step is not None and (good is None or step > good):
+                    os.replace(path, self.dirpath / f"diverged-step{step}.ckpt")
+                    renamed.append(f"diverged-step{step}.ckpt")
+            if not last.exists() and prev.exists() and _ckpt_step(prev) == good:
+                os.replace(prev, last)
+        trainer.strategy.barrier("hedgecats_restore_last_good")
+        kept = (f"{last} is the last good checkpoint (step {good}): continue from it with a "
+                "changed config" if last.exists() else
+                "no good checkpoint is left: start the stage again")
+        return (f"Checkpoints saved during the rise were renamed ({', '.join(renamed)}); "
+                if renamed else "") + kept + "."
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs,
+                           batch, batch_idx: int) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        step = trainer.global_step
+        if step % self.check_every_n_steps == 0 and self.checked_step != step:
+            self._check_parameters(trainer, pl_module, "periodic check")
+        if isinstance(loss, torch.Tensor):
+            loss = loss.detach().float()
+            if trainer.world_size > 1:
+                loss = trainer.strategy.reduce(loss, reduce_op="mean")
+            self._observe(float(loss), step, trainer, pl_module)
+
+    # ---------------------------------------------------------------- saving
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        self._check_parameters(trainer, pl_module, "before a checkpoint", optimizer_state=True)
+        suspect = self.above > 0
+        step = trainer.global_step
+        (self.suspect_saves if suspect else self.good_saves).append(step)
+        del self.good_saves[:-2], self.suspect_saves[:-2]
+        checkpoint[RECORD_KEY] = {**(self.record or {}), "health": {
+            "step": step, "loss_ema": self.ema, "best": self.best, "suspect": suspect}}
+
+
+def _ckpt_step(path: Path) -> int | None:
+    with contextlib.suppress(Exception):
+        return int(torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+                   ["global_step"])
+    return None
+
+
+def read_checkpoint_record(path: str | os.PathLike) -> dict:
+    """``{"global_step", "record"}`` of a Lightning checkpoint (a file, or a sharded directory's
+    metadata); raises what ``torch.load`` raises when the file is truncated or corrupt."""
+    path = Path(path)
+    if path.is_dir():
+        from lightning.fabric.utilities.load import _METADATA_FILENAME
+
+        path = path / _METADATA_FILENAME
+    ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    if not isinstance(ckpt, dict) or "global_step" not in ckpt:
+        raise ValueError(f"{str(path)!r} is not a Lightning checkpoint (no global_step)")
+    return {"global_step": int(ckpt["global_step"]), "record": ckpt.get(RECORD_KEY)}
+
+
+# ----------------------------------------------------------------------------- files
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """``TorchCheckpointIO`` whose files are complete or absent (module docstring); the
+    ``last.ckpt`` it replaces stays as ``previous.ckpt``."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options=None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} takes no storage_options, got "
+                            f"{storage_options!r}")
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.name == "last.ckpt" and path.is_file():
+            keep_previous(path)
+        with atomic_write(path) as f:
+            torch.save(checkpoint, f)
+
+
+def keep_previous(path: Path) -> None:
+    """Make ``previous.ckpt`` (beside ``path``) the current ``path``: a hard link, renamed into
+    place atomically (a copy where the filesystem has no hard links)."""
+    prev = path.with_name(PREVIOUS)
+    tmp = path.with_name(f".{PREVIOUS}.tmp-{os.getpid()}")
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    try:
+        os.link(path, tmp)
+    except OSError:
+        import shutil
+
+        log.info("no hard links in %s: copying %s to %s", path.parent, path.name, PREVIOUS)
+        shutil.copyfile(path, tmp)
+    os.replace(tmp, prev)
+
+
+# ----------------------------------------------------------------------------- progress
+class StepProgressBar(TQDMProgressBar):
+    """TQDM bar counting optimiser steps of ``max_steps`` (``step 12/100``), with the epoch as
+    ``epoch 1`` (or ``epoch 1/3`` when ``max_epochs`` bounds the stage)."""
+
+    @staticmethod
+    def _by_steps(trainer: pl.Trainer) -> bool:
+        return trainer.max_steps is not None and trainer.max_steps > 0
+
+    def _describe(self, trainer: pl.Trainer) -> str:
+        epochs = trainer.max_epochs
+        bound = f"/{epochs}" if epochs is not None and epochs > 0 and not self._by_steps(trainer) \
+            else ""
+        return f"epoch {trainer.current_epoch + 1}{bound}"
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, *_: Any) -> None:
+        super().on_train_epoch_start(trainer)
+        bar = self.train_progress_bar
+        if self._by_steps(trainer):
+            bar.total = trainer.max_steps
+            bar.n = trainer.global_step
+            bar.unit = "step"
+        bar.set_description(self._describe(trainer))
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs,
+                           batch: Any, batch_idx: int) -> None:
+        if not self._by_steps(trainer):
+            return super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        bar = self.train_progress_bar
+        n = trainer.global_step
+        if bar is not None and self._should_update(n, bar.total):
+            if not bar.disable:
+                bar.n = n
+                bar.refresh()
+            bar.set_postfix(self.get_metrics(trainer, pl_module))

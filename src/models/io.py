@@ -1,0 +1,94 @@
+"""Files that are either complete or absent: atomic writes, and content hashes.
+
+Every file a run relies on (checkpoints, ``stage.pt``, ``config.yaml``, ``done``,
+``results.json``) is written to a temporary file in the same directory, flushed to disk, then
+renamed over its final name: a crash, a full disk or a quota leaves the previous version (or no
+file), never a truncated one. Plain Python; no lightning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+__all__ = ["WriteFailedError", "atomic_write", "atomic_write_bytes", "atomic_write_text",
+           "file_digest", "fsync_dir"]
+
+#: errors that mean "the disk would not take it": the message says so
+_NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+class WriteFailedError(OSError):
+    """A file could not be written completely (disk full, quota, file-size limit, permission);
+    its previous version, if any, is intact and no partial file is left behind."""
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a rename in ``path`` durable (best effort: some filesystems refuse directory fds)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _tmp_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | os.PathLike) -> Iterator[BinaryIO]:
+    """Yield a binary file; on a clean exit it is flushed, fsynced and renamed to ``path``.
+
+    On any error the temporary file is removed and ``path`` keeps its previous content; an
+    ``OSError`` becomes ``WriteFailedError`` naming ``path``."""
+    path = Path(path)
+    tmp = _tmp_name(path)
+    try:
+        with open(tmp, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as err:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if isinstance(err, OSError) and not isinstance(err, WriteFailedError):
+            why = "the disk is full, a quota or a file-size limit was reached" \
+                if err.errno in _NO_SPACE else "the write failed"
+            failed = WriteFailedError(
+                f"could not write {str(path)!r} ({err.strerror or err}): {why}; "
+                f"{'its previous version is intact' if path.exists() else 'nothing was left'}"
+                " -- free space (or fix the cause) and run again")
+            failed.errno = err.errno
+            raise failed from err
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    with atomic_write(path) as f:
+        f.write(data)
+    return Path(path)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    return atomic_write_bytes(path, text.encode())
+
+
+def file_digest(path: str | os.PathLike, chunk: int = 1 << 22,
+                progress: Callable[[int], None] | None = None) -> str:
+    """``sha256:<hex>`` of a file's content."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+            if progress is not None:
+                progress(len(block))
+    return f"sha256:{h.hexdigest()}"

@@ -1,0 +1,227 @@
+"""Reading a pipeline YAML: its shape, command-line overrides, and ``${...}`` references.
+
+A pipeline YAML names its stages in order; each has a LightningCLI ``fit`` config
+(``model`` / ``data`` / ``trainer`` with ``class_path`` / ``init_args``). Strings may use
+``${output}`` (the run directory), ``${stages.NAME}`` (``<output>/NAME``), which is how a stage
+points at the previous one's ``stage.pt`` (``init_from``) or saved model, ``${seed}`` and
+``${vars.NAME}`` (the top-level ``vars:`` mapping, overridden by ``--var NAME=VALUE``); a value
+that is exactly one ``${...}`` keeps the type of what it stands for.
+
+Overrides (``--set PATH=VALUE``, repeatable) change the YAML before references are resolved.
+``PATH`` is dotted, as the YAML is nested; ``stages.NAME`` selects the stage called ``NAME`` and
+``stages.*`` every stage; a number indexes a list; ``VALUE`` is read as YAML (``5`` an int,
+``[a, b]`` a list, ``null``). Examples::
+
+    --set stages.*.fit.trainer.max_steps=5          every stage
+    --set stages.transfer.fit.model.init_args.lr=3e-3
+    --set checkpoint_every_n_steps=10 --set evaluate.batch_size=8
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+
+import yaml
+
+from .errors import ConfigError
+
+__all__ = ["STAGE_KEYS", "TOP_LEVEL_KEYS", "apply_overrides", "load_pipeline", "parse_overrides",
+           "parse_vars", "read_yaml"]
+
+TOP_LEVEL_KEYS = ("name", "description", "output", "checkpoint_every_n_steps", "stages",
+                  "evaluate", "seed", "vars", "divergence", "loggers")
+STAGE_KEYS = ("name", "fit", "description", "divergence")
+_REF = re.compile(r"\$\{(output|seed|stages\.([A-Za-z0-9_\-]+)|vars\.([A-Za-z0-9_\-]+))\}")
+_NAME = re.compile(r"[A-Za-z0-9_\-]+")
+
+
+def read_yaml(path: Path, what: str = "pipeline"):
+    """The YAML document at ``path``; a missing file, a directory or a syntax error is a
+    ``ConfigError`` that names the file (and the line)."""
+    if not path.exists():
+        raise ConfigError(f"no such {what} file: {str(path)!r}")
+    if path.is_dir():
+        raise ConfigError(f"{str(path)!r} is a directory; the {what} is a YAML file")
+    try:
+        return yaml.safe_load(path.read_text())
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{str(path)!r} is not a text file ({err})") from err
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"{str(path)!r} is not valid YAML{where}: {problem}") from err
+
+
+def _substitute(obj, values: dict):
+    """Replace ``${...}`` references (module docstring); ``values`` maps each reference name
+    (``output``, ``seed``, ``stages.X``, ``vars.X``) to its value."""
+    if isinstance(obj, dict):
+        return {k: _substitute(v, values) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_substitute(v, values) for v in obj]
+    if isinstance(obj, str):
+        def lookup(m: re.Match):
+            name = m.group(1)
+            if name not in values:
+                kind = name.split(".")[0]
+                known = sorted(k.split(".", 1)[1] for k in values if k.startswith(kind + "."))
+                raise ConfigError(f"${{{name}}} names no {kind[:-1] if kind.endswith('s') else kind}"
+                                  f"; defined: {known}")
+            return values[name]
+
+        whole = _REF.fullmatch(obj)
+        if whole:  # a value that is one reference keeps its type (seed: an int)
+            return lookup(whole)
+        return _REF.sub(lambda m: str(lookup(m)), obj)
+    return obj
+
+
+def parse_vars(pairs: list[str] | None) -> dict[str, object]:
+    """``["NAME=VALUE", ...]`` from the command line; VALUE is read as YAML (``3`` an int)."""
+    out = {}
+    for pair in pairs or []:
+        name, sep, value = pair.partition("=")
+        if not sep or not _NAME.fullmatch(name):
+            raise ConfigError(f"--var takes NAME=VALUE, got {pair!r}")
+        out[name] = _yaml_value(value, f"--var {pair}")
+    return out
+
+
+def _yaml_value(text: str, where: str):
+    try:
+        return yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{where}: the value is not valid YAML ({err})") from err
+
+
+def parse_overrides(pairs: list[str] | None) -> list[tuple[list[str], object, str]]:
+    """``["a.b.c=VALUE", ...]`` -> ``[(["a", "b", "c"], value, text), ...]``."""
+    out = []
+    for pair in pairs or []:
+        path, sep, value = pair.partition("=")
+        keys = path.strip().split(".")
+        if not sep or not all(keys):
+            raise ConfigError(f"--set takes PATH=VALUE with a dotted PATH (e.g. "
+                              f"stages.transfer.fit.trainer.max_steps=5), got {pair!r}")
+        out.append((keys, _yaml_value(value, f"--set {pair}"), pair))
+    return out
+
+
+def apply_overrides(spec: dict, overrides: list[tuple[list[str], object, str]],
+                    source: str) -> dict:
+    """A copy of the raw ``spec`` with each ``--set`` applied (module docstring)."""
+    spec = copy.deepcopy(spec)
+    for keys, value, text in overrides:
+        if keys[0] not in TOP_LEVEL_KEYS:
+            raise ConfigError(f"--set {text}: {keys[0]!r} is not a pipeline key; valid: "
+                              f"{', '.join(TOP_LEVEL_KEYS)}")
+        if keys[0] == "stages":
+            if len(keys) < 3:
+                raise ConfigError(f"--set {text}: name a stage and a key inside it, e.g. "
+                                  "stages.transfer.fit.trainer.max_steps=5 (or stages.*.…)")
+            names = [st.get("name") for st in spec["stages"]]
+            if keys[1] == "*":
+                targets = spec["stages"]
+            elif keys[1] in names:
+                targets = [spec["stages"][names.index(keys[1])]]
+            else:
+                raise ConfigError(f"--set {text}: {source!r} has no stage {keys[1]!r}; stages: "
+                                  f"{', '.join(map(str, names))} (or * for all)")
+            if keys[2] not in STAGE_KEYS or keys[2] == "name":
+                raise ConfigError(f"--set {text}: a stage's settable keys are "
+                                  f"{', '.join(k for k in STAGE_KEYS if k != 'name')}, got "
+                                  f"{keys[2]!r}")
+            for st in targets:
+                _set(st, keys[2:], copy.deepcopy(value), text)
+        else:
+            _set(spec, keys, value, text)
+    return spec
+
+
+def _set(node, keys: list[str], value, text: str) -> None:
+    for i, key in enumerate(keys):
+        last = i == len(keys) - 1
+        if isinstance(node, list):
+            if not re.fullmatch(r"\d+", key) or int(key) >= len(node):
+                raise ConfigError(f"--set {text}: {'.'.join(keys[:i]) or 'the value'} is a list "
+                                  f"of {len(node)}; {key!r} is not an index of it")
+            if last:
+                node[int(key)] = value
+            else:
+                node = node[int(key)]
+            continue
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {text}: {'.'.join(keys[:i])} is {node!r}, not a mapping")
+        if last:
+            node[key] = value
+        else:
+            if node.get(key) is None:
+                node[key] = {}
+            node = node[key]
+
+
+def load_pipeline(path: str | Path, output: str | Path | None = None, seed: int | None = None,
+                  variables: dict | None = None,
+                  overrides: list[tuple[list[str], object, str]] | None = None) -> dict:
+    """Read a pipeline YAML, check its shape, apply ``overrides`` (``--set``) and resolve its
+    ``${...}`` references; ``seed`` (``--seed``) and ``variables`` (``--var``) override the
+    YAML's ``seed`` and ``vars``. Errors are ``ConfigError`` naming the file and the key."""
+    path = Path(path)
+    src = str(path)
+    spec = read_yaml(path)
+    if not isinstance(spec, dict) or not isinstance(spec.get("stages"), list) or not spec["stages"]:
+        raise ConfigError(f"{src!r}: a pipeline is a mapping with a non-empty 'stages' list"
+                          + (" (the file is empty)" if spec is None else ""))
+    unknown = sorted(set(spec) - set(TOP_LEVEL_KEYS))
+    if unknown:
+        raise ConfigError(f"{src!r}: unknown top-level keys {unknown}; valid: "
+                          f"{', '.join(TOP_LEVEL_KEYS)}")
+    names = []
+    for i, st in enumerate(spec["stages"]):
+        if not isinstance(st, dict) or "name" not in st or "fit" not in st:
+            raise ConfigError(f"{src!r}: stage {i} needs 'name' and 'fit' (a LightningCLI "
+                              f"config), got {st!r:.200}")
+        if not isinstance(st["name"], str) or not _NAME.fullmatch(st["name"]):
+            raise ConfigError(f"{src!r}: stage {i} name {st['name']!r} must be letters, digits, "
+                              "'_' or '-' (it names a directory)")
+        extra = sorted(set(st) - set(STAGE_KEYS))
+        if extra:
+            raise ConfigError(f"{src!r}: stage {st['name']!r} has unknown keys {extra}; valid: "
+                              f"{', '.join(STAGE_KEYS)}")
+        if not isinstance(st["fit"], dict) or "model" not in st["fit"]:
+            raise ConfigError(f"{src!r}: stage {st['name']!r} has no fit.model")
+        names.append(st["name"])
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{src!r}: stage names must be unique, got {names}")
+    spec = apply_overrides(spec, overrides or [], src)
+    for st in spec["stages"]:
+        if not isinstance(st.get("fit"), dict) or "model" not in st["fit"]:
+            raise ConfigError(f"{src!r}: stage {st['name']!r} has no fit.model")
+    yaml_vars = spec.get("vars") or {}
+    if not isinstance(yaml_vars, dict):
+        raise ConfigError(f"{src!r}: 'vars' must be a mapping of names to values")
+    undeclared = sorted(set(variables or {}) - set(yaml_vars))
+    if undeclared:
+        raise ConfigError(f"--var {undeclared} not declared in {src!r}'s vars: "
+                          f"{sorted(yaml_vars)} (declare each with its default)")
+    run_seed = spec.get("seed", 0) if seed is None else seed
+    if isinstance(run_seed, bool) or not isinstance(run_seed, int):
+        raise ConfigError(f"{src!r}: seed must be an integer, got {run_seed!r}")
+    for st in spec["stages"]:
+        if seed is not None or "seed_everything" not in st["fit"]:
+            st["fit"]["seed_everything"] = run_seed
+    out = Path(output or spec.get("output") or Path("runs") / spec.get("name", path.stem))
+    out = out.expanduser().resolve()
+    values = {"output": str(out), "seed": run_seed,
+              **{f"stages.{n}": str(out / n) for n in names},
+              **{f"vars.{k}": v for k, v in {**yaml_vars, **(variables or {})}.items()}}
+    spec = _substitute(spec, values)
+    spec["output"] = str(out)
+    spec["seed"] = run_seed
+    spec["source"] = str(path.resolve())
+    spec.setdefault("name", path.stem)
+    spec.setdefault("checkpoint_every_n_steps", 50)
+    return spec
