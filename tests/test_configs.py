@@ -74,3 +74,25 @@ def test_paper_hyperparameters(model):
         if recipe == "inference_hybrid":
             assert (a2["mode"], a2["la_span"]) == ("la_only", "all")
             assert "hybrid+overlap" in " ".join(spec["evaluate"]["argv"])
+
+
+def test_stage_and_datamodule_hyperparameters_do_not_collide():
+    """Lightning logs a LightningModule's and a DataModule's hyperparameters together and
+    refuses to start when a name has two values ("Error while merging hparams"): HybridFinetune's
+    ``mode`` (hybrid) against FineWebEduDataModule's ``mode`` (pack) stopped every paper recipe's
+    stage 2 before step 1. No stage may share an argument name with a DataModule."""
+    import inspect
+
+    from hedgecats.data import FineWebEduDataModule
+    from hedgecats.lightning_modules import (
+        AttentionTransfer,
+        HybridFinetune,
+        RecallDataModule,
+        TeacherPretraining,
+    )
+
+    for stage in (AttentionTransfer, HybridFinetune, TeacherPretraining):
+        for dm in (FineWebEduDataModule, RecallDataModule):
+            a = set(inspect.signature(stage.__init__).parameters) - {"self"}
+            b = set(inspect.signature(dm.__init__).parameters) - {"self"}
+            assert not a & b, (stage.__name__, dm.__name__, sorted(a & b))

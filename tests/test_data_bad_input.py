@@ -132,7 +132,7 @@ def test_documents_shorter_than_a_chunk(tok, tmp_path):
     files = write_fineweb_files(["ab", "cde", "f"] * 10, tmp_path, n_files=1)
     chunks = list(packed_sequences(files, tok, seq_len=SEQ))
     assert chunks[0][:7] == [97, 98, 256, 99, 100, 101, 256]
-    dm = datamodule(tok, files, mode="truncate", tokens_per_epoch=SEQ * 2)
+    dm = datamodule(tok, files, packing="truncate", tokens_per_epoch=SEQ * 2)
     dm.setup("fit")
     batch = next(iter(dm.train_dataloader()))
     assert batch["attention_mask"].sum().item() == 3  # "ab" + EOS, one document per row

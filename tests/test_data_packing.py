@@ -234,7 +234,7 @@ def test_validation_documents_differ_from_training_with_workers(tok, files):
 
 
 def test_truncate_mode_one_document_per_row(tok, docs, files):
-    dm = make_dm(tok, files["parquet"], mode="truncate", val_tokens=0)
+    dm = make_dm(tok, files["parquet"], packing="truncate", val_tokens=0)
     batch = next(iter(dm.train_dataloader()))
     ordered = file_order(docs, 4)
     for row, mask, labels, doc in zip(

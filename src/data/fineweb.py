@@ -21,7 +21,7 @@ itself and reads `trainer.datamodule.accumulate_grad_batches`.
 Resume: the train loader is a `resume.ResumableDataLoader`; `state_dict()` gathers every rank's
 loader state, taken after the batches Lightning actually handed to `training_step`, and
 `load_state_dict()` gives each rank its own. Resuming needs the same world size, `num_workers`,
-batch sizes, `seq_len` and `mode` (checked, with a clear error).
+batch sizes, `seq_len` and `packing` (checked, with a clear error).
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ class FineWebEduDataModule(pl.LightningDataModule):
         micro_batch_size: sequences per device per forward; None = global / world size.
         tokens_per_epoch: training tokens per epoch (the budget).
         val_tokens: validation tokens, all ranks together (0: no validation).
-        mode: "pack" (documents joined with EOS, cut into full chunks) or "truncate" (one document
+        packing: "pack" (documents joined with EOS, cut into full chunks) or "truncate" (one document
             per sequence, first seq_len tokens, padded).
         num_workers: DataLoader workers per rank (at most the files of a rank's share; fewer are
             used, with a warning, when there are fewer files).
@@ -169,7 +169,7 @@ class FineWebEduDataModule(pl.LightningDataModule):
         micro_batch_size: int | None = None,
         tokens_per_epoch: int = 25_000_000,
         val_tokens: int = 1_048_576,
-        mode: str = "pack",
+        packing: str = "pack",
         num_workers: int = 0,
         shuffle_buffer: int = 1024,
         seed: int = 0,
@@ -177,7 +177,7 @@ class FineWebEduDataModule(pl.LightningDataModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["tokenizer"])
-        check_mode(mode)
+        check_mode(packing)
         if num_workers < 0:
             raise ValueError(f"num_workers={num_workers!r} must be >= 0")
         self.tokenizer_arg = tokenizer
@@ -189,7 +189,7 @@ class FineWebEduDataModule(pl.LightningDataModule):
         self.micro_batch_size_arg = micro_batch_size
         self.tokens_per_epoch = tokens_per_epoch
         self.val_tokens = val_tokens
-        self.mode = mode
+        self.packing = packing
         self.num_workers = num_workers
         self.shuffle_buffer = shuffle_buffer
         self.seed = seed
@@ -311,7 +311,7 @@ class FineWebEduDataModule(pl.LightningDataModule):
             num_batches=plan.train_batches,
             val_batches=plan.val_batches,
             split=split,
-            mode=self.mode,
+            mode=self.packing,
             rank=self.rank,
             world_size=self.world_size,
             shuffle_buffer=self.shuffle_buffer,
