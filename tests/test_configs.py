@@ -13,7 +13,8 @@ RECIPES = ("lolcats", "inference_hybrid", "hedgecats", "ssd_dropout", "ssd_windo
 
 
 def test_every_model_and_recipe_has_a_pipeline():
-    names = {p.relative_to(ROOT / "pipelines").as_posix() for p in PIPELINES}
+    names = {p.relative_to(ROOT / "pipelines").as_posix() for p in PIPELINES
+             if ROOT / "pipelines" in p.parents}  # other folders: testbed, gated-swa
     assert {f"{m}/{r}.yaml" for m in MODELS for r in RECIPES} | {"tiny.yaml"} <= names
 
 
