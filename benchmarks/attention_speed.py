@@ -1,35 +1,59 @@
-"""One attention layer, forward + backward, per backend: median milliseconds and peak memory.
+"""One attention layer on the GPU, every path the issue compares: time, memory, correctness.
 
-    python benchmarks/attention_speed.py --out results.json
+    python benchmarks/attention_speed.py --out benchmarks/results          # all lengths
+    python benchmarks/attention_speed.py --shapes 8x1024,2x4096 --out /tmp/r
 
-Compares full causal softmax (torch SDPA, the teacher) with the hybrid (phi in PyTorch + SWA +
-normalised LA) through each available backend. Timings are medians over ``--iters`` runs after
-``--warmup``, with CUDA events. Where the reference fits (B * T <= 8192), each hybrid backend's
-output is also compared with it (relative L2, column ``rel_err_vs_reference``): a fast wrong
-kernel is not a result.
+Per B x T (H=32, Hkv=8, D=128, window 64, bf16 by default; q, k, v are views of (B, T, H, D)
+tensors, as a transformers model hands them to attention), forward + backward unless the name
+says ``fwd``:
+
+    teacher          the unconverted model's attention, exactly as transformers runs it
+                     (``sdpa_attention_forward``: SDPA, GQA, causal; no feature maps)
+    swa              sliding-window attention alone (the backend's SWA piece: fla, else flex)
+    hybrid <mixer>   the converted layer's default path (``backend="auto"``), feature maps
+                     included: phi_q(q), phi_k(k), hybrid_attention, for the fixed g, a learned
+                     per-head g and shared_norm mixers
+    hybrid pieces    the same through the piece-by-piece path (fla SWA + fla LA, no fused kernel)
+    kernel only      the fused Triton kernel with precomputed feature maps (no phi)
+    lolcats T x T    the hybrid materialised as T x T scores (LoLCATs-style; fixed g and
+                     shared_norm), where it fits in memory
+    <...> fwd        forward alone, no autograd (evaluation, prefill)
+
+Correctness first: before a row is timed, its output and gradients (q, k, v, feature-map
+weights) are compared with the fp32 reference where B * T <= ``--ref-tokens``, else with the
+independent piece-by-piece path; the relative errors are in the row. Times are medians of CUDA
+event timings after warm-up (the number of repeats adapts to the row's length); peak memory is
+``torch.cuda.max_memory_allocated`` over the timed repeats (inputs included) and, separately,
+above what was allocated before. Every row is run in its own try block: a failure is a row with
+an ``error``, never the end of the run.
+
+Writes ``attention_speed.json`` and ``attention_speed.md`` to ``--out`` and the issue's ratios
+into ``--summary`` (default ``<out>/summary.json``, merged with what is there).
+``--tune`` also times a few tile configurations of the fused kernel.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import statistics
 import sys
+import time
+import traceback
+from pathlib import Path
 
 import torch
-
 from hedgecats.models import HedgehogFeatureMap, hybrid_attention
+from hedgecats.models.mixers import LearnedHeadMixer, SharedNormMixer
 from hedgecats.models.ops import backends
+from hedgecats.models.ops import reference as ref
+
+# ----------------------------------------------------------------------------- timing
 
 
-def layer_inputs(B, H, Hkv, T, D, dtype):
-    q = torch.randn(B, H, T, D, device="cuda", dtype=dtype, requires_grad=True)
-    k = torch.randn(B, Hkv, T, D, device="cuda", dtype=dtype, requires_grad=True)
-    v = torch.randn(B, Hkv, T, D, device="cuda", dtype=dtype, requires_grad=True)
-    return q, k, v
-
-
-def bench(fn, warmup, iters):
+def bench(fn, warmup: int = 3, iters: int = 10) -> tuple[float, float]:
+    """(median ms over ``iters`` CUDA-event-timed calls after ``warmup``, peak GiB)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -45,72 +69,549 @@ def bench(fn, warmup, iters):
     return statistics.median(times), torch.cuda.max_memory_allocated() / 2**30
 
 
-def main(argv=None):
+DEVICE = "cuda"  # "cpu" in --tiny mode: host clock, no memory statistics
+
+
+def _sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed(fn) -> float:
+    """One call's milliseconds: CUDA events on the GPU, the host clock on the CPU."""
+    if DEVICE != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b)
+
+
+def bench_adaptive(fn, budget_ms: float = 1500.0, max_iters: int = 20) -> dict:
+    """Warm up (twice: compilation, then caches), time one call, then repeat so that the row
+    takes about ``budget_ms``: median, spread, peak memory (absolute and above the start)."""
+    fn()
+    _sync()
+    t0 = time.perf_counter()
+    fn()
+    _sync()
+    one = (time.perf_counter() - t0) * 1e3
+    iters = int(max(3, min(max_iters, budget_ms // max(one, 1e-3))))
+    cuda = DEVICE == "cuda"
+    base = torch.cuda.memory_allocated() if cuda else 0
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times = [_timed(fn) for _ in range(iters)]
+    peak = torch.cuda.max_memory_allocated() if cuda else 0
+    return {"ms": statistics.median(times), "ms_min": min(times), "ms_max": max(times),
+            "iters": iters, "peak_gib": peak / 2**30, "peak_above_start_gib": (peak - base) / 2**30}
+
+
+# ----------------------------------------------------------------------------- baselines
+
+
+class _TeacherModule(torch.nn.Module):
+    """What ``sdpa_attention_forward`` reads off a Llama attention module."""
+
+    def __init__(self, groups: int):
+        super().__init__()
+        self.num_key_value_groups = groups
+        self.is_causal = True
+
+
+def teacher_attention(module, q, k, v, scale):
+    """The unconverted model's attention call: (B, H, T, D) in, (B, T, H, D) out."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, q, k, v, None, dropout=0.0, scaling=scale)[0]
+
+
+def materialised_hybrid(q, k, v, fq, fk, *, window: int, g=0.5, shared_norm: bool = False,
+                        scale: float | None = None) -> torch.Tensor:
+    """The hybrid computed LoLCATs-style, with T x T score matrices: SWA weights
+    ``exp(s - max)`` on the window, LA weights ``fq.fk`` outside it (non-overlapping), in fp32;
+    shared_norm as LoLCATs (one denominator, factor ``g`` on the softmax terms), otherwise
+    ``g SWA + (1 - g) LA``. (B, H, T, D) in the input dtype. Memory O(B H T^2)."""
+    B, H, T, D = q.shape
+    scale = D ** -0.5 if scale is None else scale
+    k, v, fk = (ref.repeat_kv(x, H) for x in (k, v, fk))
+    t = torch.arange(T, device=q.device)
+    causal = t[None, :] <= t[:, None]
+    win = causal & (t[None, :] > t[:, None] - window)
+    far = t[None, :] <= t[:, None] - window
+    s = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # (B, H, T, T)
+    s = s.masked_fill(~win, float("-inf"))
+    m = s.amax(-1, keepdim=True)  # finite: the diagonal is always in the window
+    a_sm = torch.exp(s - m)
+    a_ln = torch.matmul(fq, fk.transpose(-1, -2)).float().masked_fill(~far, 0.0)
+    vf = v.float()
+    if shared_norm:
+        # LoLCATs' shared denominator; the LA terms are scaled by the same exp(-m) as the
+        # softmax terms (LoLCATs' code leaves them unscaled, a different function once logits
+        # are large: see ops.hybrid), so that this computes the function hybrid_attention does
+        f = g if not torch.is_tensor(g) else g.float().view(1, H, 1, 1)
+        a_ln = a_ln * torch.exp(-m)
+        num = torch.matmul(f * a_sm + a_ln, vf)
+        den = (f * a_sm).sum(-1, keepdim=True) + a_ln.sum(-1, keepdim=True)
+        out = num / den
+    else:
+        gg = g if not torch.is_tensor(g) else g.float().view(1, H, 1, 1)
+        swa = torch.matmul(a_sm, vf) / a_sm.sum(-1, keepdim=True)
+        la_den = a_ln.sum(-1, keepdim=True)
+        la = torch.where(la_den > 0, torch.matmul(a_ln, vf) / la_den.clamp_min(1e-30), 0.0)
+        out = gg * swa + (1 - gg) * la
+    return out.to(q.dtype)
+
+
+# ----------------------------------------------------------------------------- floors
+PEAK_FLOPS = 790e12  # bf16 dense, H200 (this workplace's measured matrix rate)
+PEAK_BYTES = 4.8e12  # HBM3e
+
+
+def floors(B, H, Hkv, T, D, F, w, bytes_per=2) -> dict:
+    """FLOPs and bytes each path must at least do (see benchmarks/README.md), and the floor in
+    ms = max(FLOPs / 790 TFLOP/s, bytes / 4.8 TB/s)."""
+    nq, nk = B * H * T, B * Hkv * T
+    pairs_full = B * H * T * (T + 1) / 2
+    pairs_win = B * H * sum(min(t + 1, w) for t in range(min(T, w))) + B * H * max(T - w, 0) * w
+    attn_io_f = bytes_per * (2 * nq * D + 2 * nk * D)  # q, o; k, v
+    attn_io_b = bytes_per * (3 * nq * D + 4 * nk * D)  # q, o, dO; k, v; dq; dk, dv
+    attn_io_b += bytes_per * nq * D  # dq written
+    la_f = 2 * F * D * (nq + nk)  # query . state, state update per key (kv heads)
+    la_b = 4 * F * D * (nq + nk)
+    la_io_f = bytes_per * (nq * F + nk * F)
+    la_io_b = 2 * la_io_f
+    phi_f = 2 * D * (F // 2) * (nq + nk)
+    phi_b = 2 * phi_f
+    phi_io_f = bytes_per * ((nq + nk) * D + (nq + nk) * F)
+    phi_io_b = bytes_per * (2 * (nq + nk) * D + (nq + nk) * F)
+
+    def ms(fl, by):
+        return 1e3 * max(fl / PEAK_FLOPS, by / PEAK_BYTES)
+
+    out = {}
+    for name, ff, fb, bf, bb in (
+        ("teacher", 4 * pairs_full * D, 10 * pairs_full * D, attn_io_f, attn_io_b),
+        ("swa", 4 * pairs_win * D, 10 * pairs_win * D, attn_io_f, attn_io_b),
+        ("kernel", 4 * pairs_win * D + la_f, 10 * pairs_win * D + la_b, attn_io_f + la_io_f,
+         attn_io_b + la_io_b),
+        ("hybrid", 4 * pairs_win * D + la_f + phi_f, 10 * pairs_win * D + la_b + phi_b,
+         attn_io_f + la_io_f + phi_io_f, attn_io_b + la_io_b + phi_io_b),
+        ("lolcats", 4 * pairs_full * (D + F / 2) + phi_f, 10 * pairs_full * (D + F / 2) + phi_b,
+         attn_io_f + phi_io_f + 2 * 4 * B * H * T * T, 0),
+    ):
+        out[name] = {"fwd_flops": ff, "fwd_bytes": bf, "fwd_ms": ms(ff, bf),
+                     "fwd_bwd_flops": ff + fb, "fwd_bwd_bytes": bf + bb,
+                     "fwd_bwd_ms": ms(ff + fb, bf + bb)}
+    return out
+
+
+# ----------------------------------------------------------------------------- the rows
+def rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+class Layer:
+    """Inputs and modules of one benchmark shape."""
+
+    def __init__(self, B, T, H, Hkv, D, window, dtype, projection, seed=0):
+        self.B, self.T, self.H, self.Hkv, self.D, self.w = B, T, H, Hkv, D, window
+        self.scale = D ** -0.5
+        gen = torch.Generator(device=DEVICE).manual_seed(seed)
+
+        def leaf(h):  # a view of (B, T, h, D), as the model hands attention its q, k, v
+            x = torch.randn(B, T, h, D, device=DEVICE, generator=gen, dtype=dtype)
+            return x.transpose(1, 2).requires_grad_()
+
+        self.q, self.k, self.v = leaf(H), leaf(Hkv), leaf(Hkv)
+        self.do = torch.randn(B, T, H, D, device=DEVICE, generator=gen, dtype=dtype)
+        self.phi_q = HedgehogFeatureMap(H, D, projection=projection, seed=1).to(DEVICE)
+        self.phi_k = HedgehogFeatureMap(Hkv, D, projection=projection, seed=2).to(DEVICE)
+        self.F = self.phi_q.feature_dim
+        self.mixers = {"fixed": None, "learned_head": LearnedHeadMixer(H, 0.5).to(DEVICE),
+                       "shared_norm": SharedNormMixer(H).to(DEVICE)}
+        self.teacher_module = _TeacherModule(H // Hkv)
+        self.params = [self.q, self.k, self.v, self.phi_q.weight, self.phi_k.weight,
+                       self.phi_q.bias, self.phi_k.bias]
+        self.params += [p for m in self.mixers.values() if m is not None for p in m.parameters()]
+
+    def mixer_args(self, mixer):
+        m = self.mixers[mixer]
+        if m is None:
+            return {"g": 0.5, "shared_norm": False}
+        return {"g": m(None), "shared_norm": m.shared_norm}
+
+    def zero(self):
+        for p in self.params:
+            p.grad = None
+
+    # forward callables, (B, T, H, D) out
+    def teacher(self):
+        return teacher_attention(self.teacher_module, self.q, self.k, self.v, self.scale)
+
+    def hybrid(self, mixer="fixed", backend="auto", fq=None, fk=None):
+        fq = self.phi_q(self.q) if fq is None else fq
+        fk = self.phi_k(self.k) if fk is None else fk
+        out = hybrid_attention(self.q, self.k, self.v, fq, fk, window=self.w, backend=backend,
+                               scale=self.scale, **self.mixer_args(mixer))
+        return out.transpose(1, 2).contiguous()
+
+    def swa(self):
+        ops = backends.select("auto", self.q)
+        out, _ = ops.swa(self.q, self.k, self.v, scale=self.scale, window=self.w, need_lse=False,
+                         key_padding_mask=None)
+        return out.transpose(1, 2).contiguous()
+
+    def lolcats(self, mixer="fixed"):
+        a = self.mixer_args(mixer)
+        out = materialised_hybrid(self.q, self.k, self.v, self.phi_q(self.q), self.phi_k(self.k),
+                                  window=self.w, scale=self.scale, **a)
+        return out.transpose(1, 2).contiguous()
+
+    def reference(self, mixer="fixed"):
+        """fp32 oracle on the same inputs."""
+        q, k, v = (x.detach().float().requires_grad_() for x in (self.q, self.k, self.v))
+        fq, fk = self.phi_q(q), self.phi_k(k)
+        out = hybrid_attention(q, k, v, fq, fk, window=self.w, backend="reference",
+                               scale=self.scale, **self.mixer_args(mixer))
+        return out, (q, k, v)
+
+    def grads_of(self, fwd):
+        """Output and gradients of q, k, v, Wq, Wk for the callable ``fwd``."""
+        self.zero()
+        out = fwd()
+        out.float().backward(self.do.float())
+        res = {"out": out.detach().float(), "dq": self.q.grad, "dk": self.k.grad,
+               "dv": self.v.grad, "dWq": self.phi_q.weight.grad, "dWk": self.phi_k.weight.grad}
+        self.zero()
+        return res
+
+
+def step_fwd_bwd(layer: Layer, fwd):
+    def fn():
+        out = fwd()
+        out.backward(layer.do)
+        layer.zero()
+    return fn
+
+
+def step_fwd(fwd):
+    def fn():
+        with torch.no_grad():
+            fwd()
+    return fn
+
+
+def check_against(layer: Layer, fwd, mixer, use_reference: bool, pieces=None) -> dict:
+    """Relative errors of ``fwd``'s output and gradients against the fp32 reference (or,
+    for long sequences, the piece-by-piece path)."""
+    got = layer.grads_of(fwd)
+    if use_reference:
+        out, (q, k, v) = layer.reference(mixer)
+        layer.phi_q.zero_grad()
+        layer.phi_k.zero_grad()
+        out.transpose(1, 2).backward(layer.do.float())
+        want = {"out": out.transpose(1, 2).detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
+                "dWq": layer.phi_q.weight.grad, "dWk": layer.phi_k.weight.grad}
+        layer.zero()
+        against = "fp32 reference"
+    else:
+        want = layer.grads_of(pieces)
+        against = "piece-by-piece path (bf16)"
+    errs = {n: float(f"{rel(got[n], want[n]):.2e}") for n in want if got[n] is not None}
+    return {"against": against, "rel_err": errs}
+
+
+def fits_materialised(B, H, T, budget_gib) -> bool:
+    # about six fp32 (B, H, T, T) tensors alive in forward + backward
+    return 6 * 4 * B * H * T * T / 2**30 <= budget_gib
+
+
+def run_shape(a, B, T, results, log):
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[a.dtype]
+    L = Layer(B, T, a.heads, a.kv_heads, a.head_dim, a.window, dtype, a.projection)
+    fl = floors(B, a.heads, a.kv_heads, T, a.head_dim, L.F, a.window)
+    use_ref = B * T <= a.ref_tokens
+    from hedgecats.models.ops import triton_hybrid as th
+
+    have_triton = backends.available("triton")
+
+    def pieces(mixer="fixed"):
+        be = "reference" if DEVICE == "cpu" else "fla" if backends.available("fla") else "flex"
+        return lambda: L.hybrid(mixer, backend=be)
+
+    rows = []
+    spec = [
+        ("teacher", "fwd+bwd", L.teacher, None, "teacher"),
+        ("teacher fwd", "fwd", L.teacher, None, "teacher"),
+        ("swa", "fwd+bwd", L.swa, None, "swa"),
+        ("swa fwd", "fwd", L.swa, None, "swa"),
+    ]
+    for mixer in ("fixed", "learned_head", "shared_norm"):
+        spec.append((f"hybrid {mixer}", "fwd+bwd", lambda m=mixer: L.hybrid(m), mixer, "hybrid"))
+    spec.append(("hybrid fixed fwd", "fwd", lambda: L.hybrid("fixed"), "fixed", "hybrid"))
+    spec.append(("hybrid pieces fixed", "fwd+bwd", pieces("fixed"), "fixed", "hybrid"))
+    if have_triton:
+        fq = L.phi_q(L.q).detach().requires_grad_()
+        fk = L.phi_k(L.k).detach().requires_grad_()
+        L.params += [fq, fk]
+        spec.append(("kernel only fixed", "fwd+bwd",
+                     lambda: L.hybrid("fixed", backend="triton", fq=fq, fk=fk), None, "kernel"))
+        spec.append(("kernel only fixed fwd", "fwd",
+                     lambda: L.hybrid("fixed", backend="triton", fq=fq, fk=fk), None, "kernel"))
+    if fits_materialised(B, a.heads, T, a.materialised_gib):
+        for mixer in ("fixed", "shared_norm"):
+            spec.append((f"lolcats T x T {mixer}", "fwd+bwd", lambda m=mixer: L.lolcats(m), mixer,
+                         "lolcats"))
+    for name, kind, fwd, mixer, floor_key in spec:
+        row = {"B": B, "T": T, "case": name, "kind": kind}
+        torch.cuda.empty_cache()
+        try:
+            if mixer is not None and kind == "fwd+bwd" and (use_ref or "pieces" not in name):
+                row["check"] = check_against(L, fwd, mixer, use_ref,
+                                             pieces=None if use_ref else pieces(mixer))
+            if have_triton and name.startswith("hybrid") and "pieces" not in name:
+                with torch.no_grad():
+                    c0 = th.CALLS["forward"]
+                    fwd()
+                    row["fused_kernel"] = th.CALLS["forward"] > c0
+            fn = step_fwd_bwd(L, fwd) if kind == "fwd+bwd" else step_fwd(fwd)
+            row.update(bench_adaptive(fn, a.budget_ms))
+            f = fl[floor_key]
+            row["floor_ms"] = f["fwd_bwd_ms"] if kind == "fwd+bwd" else f["fwd_ms"]
+            row["floor_fraction"] = row["floor_ms"] / row["ms"]
+            row["tokens_per_s"] = B * T / row["ms"] * 1e3
+        except Exception as e:  # a failing row is a finding, not the end of the run
+            row["error"] = f"{type(e).__name__}: {e}"[:600]
+            row["traceback"] = traceback.format_exc()[-1500:]
+            L.zero()
+        rows.append(row)
+        log(row)
+    results["rows"].extend(rows)
+    if a.tune and have_triton and f"{B}x{T}" in a.tune_shapes.split(","):
+        results["tuning"].extend(tune(L, B, T, log))
+
+
+TUNE_CONFIGS = {  # None: default_config
+    "default": None,
+    "bwd32x32w4": dict(block_m=64, block_n=64, state_chunk=64, warps=8, stages=2,
+                       bwd_block_m=32, bwd_block_n=32, bwd_warps=4),
+    "fwdw4-stages3": dict(block_m=64, block_n=64, state_chunk=64, warps=4, stages=3,
+                          bwd_block_m=32, bwd_block_n=64, bwd_warps=8),
+    "chunk128": dict(block_m=64, block_n=64, state_chunk=128, warps=8, stages=2,
+                     bwd_block_m=32, bwd_block_n=64, bwd_warps=8),
+}
+
+
+def tune(L: Layer, B, T, log) -> list[dict]:
+    """The fused kernel alone (precomputed feature maps, fixed g) under a few tile configs."""
+    from hedgecats.models.ops import triton_hybrid as th
+
+    fq = L.phi_q(L.q).detach().requires_grad_()
+    fk = L.phi_k(L.k).detach().requires_grad_()
+    B_, H, T_, D = L.q.shape
+    ones = torch.full((B, H), 0.5, device=DEVICE)
+    shift = torch.full((B, H), L.w, device=DEVICE, dtype=torch.int32)
+    out_rows = []
+    want = None
+    for name, cfg in TUNE_CONFIGS.items():
+        row = {"B": B, "T": T, "config": name, "tiles": cfg}
+        try:
+            conf = th.default_config(D, L.F, L.q.dtype) if cfg is None else th.KernelConfig(**cfg)
+            row["tiles"] = conf.__dict__
+
+            def fwd():
+                return th.hybrid_kernel(L.q, L.k, L.v, fq, fk, ones, 1 - ones, ones, shift,
+                                        window=L.w, scale=L.scale, eps=ref.DEN_TINY, config=conf)
+            with torch.no_grad():
+                out = fwd().float()
+            if want is None:
+                want = out
+            row["rel_err_vs_default"] = float(f"{rel(out, want):.2e}")
+            row["fwd"] = bench_adaptive(step_fwd(fwd), 600)["ms"]
+
+            def fb():
+                fwd().backward(L.do.transpose(1, 2))
+                L.q.grad = L.k.grad = L.v.grad = fq.grad = fk.grad = None
+            row["fwd_bwd"] = bench_adaptive(fb, 600)["ms"]
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {e}"[:400]
+        out_rows.append(row)
+        log(row)
+    return out_rows
+
+
+# ----------------------------------------------------------------------------- reporting
+def environment() -> dict:
+    gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (--tiny smoke run)"
+    env = {"gpu": gpu, "torch": torch.__version__,
+           "cuda": torch.version.cuda, "date": datetime.date.today().isoformat()}
+    for mod in ("triton", "fla", "transformers"):
+        try:
+            env[mod] = __import__(mod).__version__
+        except Exception:
+            env[mod] = None
+    return env
+
+
+def _find(rows, T, case):
+    for r in rows:
+        if r["T"] == T and r["case"] == case and "ms" in r:
+            return r
+    return None
+
+
+def ratios(rows) -> dict:
+    """The issue's ratios (ours / theirs), where both rows exist."""
+    def ratio(T, ours, theirs, key="ms"):
+        a, b = _find(rows, T, ours), _find(rows, T, theirs)
+        return None if a is None or b is None else round(a[key] / b[key], 4)
+
+    return {
+        "layer_vs_teacher_T1k": ratio(1024, "hybrid fixed", "teacher"),
+        "layer_vs_teacher_T64k": ratio(65536, "hybrid fixed", "teacher"),
+        "layer_fwd_vs_teacher_T1k": ratio(1024, "hybrid fixed fwd", "teacher fwd"),
+        "layer_mem_vs_swa_T64k": ratio(65536, "hybrid fixed", "swa", "peak_gib"),
+        "layer_vs_lolcats_T4k": ratio(4096, "hybrid fixed", "lolcats T x T fixed"),
+    }
+
+
+TARGETS = {"layer_vs_teacher_T1k": 2.5, "layer_vs_teacher_T64k": 0.1,
+           "layer_fwd_vs_teacher_T1k": 2.0, "layer_mem_vs_swa_T64k": 1.5,
+           "layer_vs_lolcats_T4k": 0.2}
+
+
+def markdown(res) -> str:
+    e = res["environment"]
+    lines = [f"# attention_speed ({e['gpu']}, {e['date']})", "",
+             f"`{res['command']}`", "",
+             f"torch {e['torch']}, CUDA {e['cuda']}, triton {e['triton']}, fla {e['fla']}, "
+             f"transformers {e['transformers']}. H={res['heads']}, Hkv={res['kv_heads']}, "
+             f"D={res['head_dim']}, window {res['window']}, {res['dtype']}, feature maps "
+             f"{res['projection']}. Median of CUDA-event timings after warm-up; peak memory "
+             "includes the inputs.", "",
+             "| B x T | case | ms | peak GiB | tokens/s | floor ms | floor / ms | max rel err "
+             "(against) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in res["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['B']} x {r['T']} | {r['case']} | error: "
+                         f"{r['error'][:120].replace('|', '/')} | | | | | |")
+            continue
+        chk = r.get("check")
+        err = "" if not chk else f"{max(chk['rel_err'].values()):.1e} ({chk['against']})"
+        lines.append(f"| {r['B']} x {r['T']} | {r['case']} | {r['ms']:.3f} | "
+                     f"{r['peak_gib']:.2f} | {r['tokens_per_s']:,.0f} | {r['floor_ms']:.3f} | "
+                     f"{r['floor_fraction']:.2f} | {err} |")
+    lines += ["", "| ratio (ours / theirs) | measured | target |", "| --- | --- | --- |"]
+    for k, v in res["ratios"].items():
+        t = TARGETS[k]
+        lines.append(f"| {k} | {v if v is not None else '-'} | <= {t} |")
+    if res.get("tuning"):
+        lines += ["", "Fused kernel alone under tile configurations (fixed g, feature maps "
+                  "precomputed):", "", "| B x T | config | fwd ms | fwd+bwd ms | rel err |",
+                  "| --- | --- | --- | --- | --- |"]
+        for r in res["tuning"]:
+            if "error" in r:
+                lines.append(f"| {r['B']} x {r['T']} | {r['config']} | error: "
+                             f"{r['error'][:100]} | | |")
+            else:
+                lines.append(f"| {r['B']} x {r['T']} | {r['config']} | {r['fwd']:.3f} | "
+                             f"{r['fwd_bwd']:.3f} | {r['rel_err_vs_default']:.1e} |")
+    return "\n".join(lines) + "\n"
+
+
+def update_summary(path: Path, values: dict, env: dict) -> None:
+    summary = json.loads(path.read_text()) if path.exists() else {}
+    summary.update({k: v for k, v in values.items()})
+    summary["gpu"], summary["date"] = env["gpu"], env["date"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary, indent=1) + "\n")
+
+
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shapes", default="8x1024,1x8192,1x32768", help="BxT list")
+    p.add_argument("--shapes", default="8x1024,2x4096,1x16384,1x65536,1x131072", help="BxT list")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--window", type=int, default=64)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--out", default=None)
+    p.add_argument("--projection", default="square", choices=["square", "rectangular"])
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--ref-tokens", type=int, default=8192,
+                   help="check against the fp32 reference up to B*T tokens, else the pieces")
+    p.add_argument("--materialised-gib", type=float, default=60.0,
+                   help="run the T x T baseline where it needs at most this much")
+    p.add_argument("--budget-ms", type=float, default=800.0, help="timing budget per row")
+    p.add_argument("--tune", action="store_true", help="also time tile configs of the kernel")
+    p.add_argument("--tune-shapes", default="8x1024,1x65536", help="BxT list for --tune")
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--summary", default=None, help="default <out>/summary.json")
+    p.add_argument("--tiny", action="store_true",
+                   help="CPU smoke run of this script: tiny shapes, host clock (numbers mean "
+                   "nothing)")
     a = p.parse_args(argv)
-    H, Hkv, D, w, dtype = a.heads, a.kv_heads, a.head_dim, a.window, torch.bfloat16
-    phi_q = HedgehogFeatureMap(H, D).cuda()
-    phi_k = HedgehogFeatureMap(Hkv, D).cuda()
-    rows = []
+    global DEVICE
+    if a.tiny:
+        DEVICE = "cpu"
+        a.heads, a.kv_heads, a.head_dim, a.window = 4, 2, 16, 8
+        if a.shapes == p.get_default("shapes"):
+            a.shapes = "2x64,1x128"
+        a.tune_shapes = "2x64"
+        a.budget_ms = min(a.budget_ms, 50.0)
+    elif not torch.cuda.is_available():
+        print("attention_speed needs a GPU (or --tiny for the CPU smoke run)", file=sys.stderr)
+        return 2
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = ["python", "benchmarks/attention_speed.py", *(argv or sys.argv[1:])]
+    res = {"command": " ".join(cmd),
+           "environment": environment(), "heads": a.heads, "kv_heads": a.kv_heads,
+           "head_dim": a.head_dim, "window": a.window, "dtype": a.dtype,
+           "projection": a.projection, "rows": [], "tuning": []}
+
+    def log(row):
+        if "config" in row:
+            msg = (f"error {row['error']}" if "error" in row else
+                   f"fwd {row['fwd']:.3f} ms  fwd+bwd {row['fwd_bwd']:.3f} ms  "
+                   f"err {row['rel_err_vs_default']:.1e}")
+            print(f"  tune B={row['B']} T={row['T']} {row['config']:12s} {msg}", flush=True)
+            return
+        if "error" in row:
+            print(f"B={row['B']:2d} T={row['T']:6d} {row['case']:26s} ERROR {row['error']}",
+                  flush=True)
+            return
+        chk = row.get("check")
+        err = "" if not chk else \
+            f"  err {max(chk['rel_err'].values()):.1e} vs {chk['against'].split()[0]}"
+        fused = "" if "fused_kernel" not in row else f"  fused={row['fused_kernel']}"
+        print(f"B={row['B']:2d} T={row['T']:6d} {row['case']:26s} {row['ms']:9.3f} ms "
+              f"{row['peak_gib']:7.2f} GiB  floor {row['floor_ms']:.3f} ms "
+              f"({row['floor_fraction']:.2f}){err}{fused}", flush=True)
+
+    t0 = time.time()
     for shape in a.shapes.split(","):
         B, T = map(int, shape.split("x"))
-        q, k, v = layer_inputs(B, H, Hkv, T, D, dtype)
-        do = torch.randn(B, H, T, D, device="cuda", dtype=dtype)
-
-        def run(mode, backend):
-            def fn():
-                fq, fk = phi_q(q), phi_k(k)
-                out = hybrid_attention(q, k, v, fq, fk, window=w, mode=mode, backend=backend)
-                out.backward(do)
-                for t in (q, k, v, phi_q.weight, phi_k.weight, phi_q.bias, phi_k.bias):
-                    t.grad = None
-            return fn
-
-        cases = [("softmax (SDPA)", "softmax", "auto")]
-        for be in ("auto", "fla", "flex", "flash_attn"):
-            if be == "auto" or backends.available(be):
-                cases.append((f"hybrid [{be}]", "hybrid", be))
-        if B * T <= 8192:
-            cases.append(("hybrid [reference]", "hybrid", "reference"))
-        ref_out = None
-        if B * T <= 8192:
-            with torch.no_grad():
-                ref_out = hybrid_attention(q, k, v, phi_q(q), phi_k(k), window=w, mode="hybrid",
-                                           backend="reference").float()
-        for name, mode, be in cases:
-            torch.cuda.empty_cache()
-            err = None
-            try:
-                if ref_out is not None and mode == "hybrid" and be != "reference":
-                    with torch.no_grad():
-                        out = hybrid_attention(q, k, v, phi_q(q), phi_k(k), window=w, mode=mode,
-                                               backend=be).float()
-                    err = ((out - ref_out).norm() / ref_out.norm()).item()
-                ms, mem = bench(run(mode, be), a.warmup, a.iters)
-            except Exception as e:  # report, do not hide: a backend that fails is a finding
-                rows.append(dict(B=B, T=T, case=name, error=f"{type(e).__name__}: {e}"[:300]))
-                print(f"B={B} T={T} {name:24s} FAILED {e}", file=sys.stderr)
-                continue
-            rows.append(dict(B=B, T=T, case=name, ms=round(ms, 3), peak_gib=round(mem, 2),
-                             tokens_per_s=round(B * T / ms * 1e3),
-                             rel_err_vs_reference=None if err is None else float(f"{err:.2e}")))
-            print(f"B={B:2d} T={T:6d} {name:24s} {ms:9.2f} ms  {mem:6.2f} GiB"
-                  + ("" if err is None else f"  err {err:.1e}"), flush=True)
-    res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, heads=H,
-               kv_heads=Hkv, head_dim=D, window=w, dtype="bf16", measure="fwd+bwd one layer",
-               rows=rows, command=" ".join(["python", "benchmarks/attention_speed.py"] + (argv or sys.argv[1:])))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+        try:
+            run_shape(a, B, T, res, log)
+        except Exception as e:  # out of memory building the inputs, say
+            res["rows"].append({"B": B, "T": T, "case": "(shape)", "error": f"{e}"[:400]})
+            print(f"B={B} T={T}: shape failed: {e}", flush=True)
+        torch.cuda.empty_cache()
+    res["seconds"] = round(time.time() - t0, 1)
+    res["ratios"] = ratios(res["rows"])
+    res["targets"] = TARGETS
+    (out / "attention_speed.json").write_text(json.dumps(res, indent=1) + "\n")
+    (out / "attention_speed.md").write_text(markdown(res))
+    update_summary(Path(a.summary) if a.summary else out / "summary.json", res["ratios"],
+                   res["environment"])
+    print(json.dumps(res["ratios"], indent=1))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
