@@ -3,6 +3,7 @@ are in tests/test_decode_gpu.py)."""
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 from pathlib import Path
@@ -64,3 +65,76 @@ def test_cache_kwarg_is_the_models():
     from transformers import LlamaModel
 
     assert CACHE_KWARG in inspect.signature(LlamaModel.forward).parameters
+
+
+class _NoHostReads:
+    """Makes every read of a tensor's value into Python an error (what a CUDA graph capture
+    refuses: ``.item()``, ``bool(t)``, ``int(t)``, ``float(t)``, ``.tolist()``, ``.nonzero()``),
+    and says a capture is going on, so that code which skips such reads while capturing does."""
+
+    NAMES = ("item", "__bool__", "__int__", "__float__", "__index__", "tolist", "nonzero")
+
+    def __enter__(self):
+        self.saved = {n: getattr(torch.Tensor, n) for n in self.NAMES}
+
+        def refuse(name):
+            def f(t, *a, **k):
+                raise AssertionError(f"host read-back: Tensor.{name} on {tuple(t.shape)}")
+            return f
+
+        for n in self.NAMES:
+            setattr(torch.Tensor, n, refuse(n))
+        self.capturing = torch.cuda.is_current_stream_capturing
+        torch.cuda.is_current_stream_capturing = lambda: True
+        self.available = torch.cuda.is_available
+        torch.cuda.is_available = lambda: True
+        return self
+
+    def __exit__(self, *exc):
+        for n, f in self.saved.items():
+            setattr(torch.Tensor, n, f)
+        torch.cuda.is_current_stream_capturing = self.capturing
+        torch.cuda.is_available = self.available
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "la_only", "sinks_only", "none"])
+def test_hybrid_decode_step_reads_nothing_back_to_the_host(mode):
+    """What GraphedDecoder captures -- a model forward of one token per sequence with a
+    prefilled HybridCache, no mask, position ids given -- is checked on the CPU for host
+    read-backs, which a CUDA graph capture cannot contain."""
+    model = convert_to_hybrid(LlamaForCausalLM(LlamaConfig(
+        vocab_size=31, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2)).eval(),
+        HybridConfig(window=4, mode=mode, mixer="gate_lowrank", gate_rank=2))
+    cache = HybridCache(model)
+    x = torch.randint(0, 31, (2, 9))
+    with torch.no_grad():
+        model(x, **{CACHE_KWARG: cache})
+        ids, pos = torch.zeros(2, 1, dtype=torch.long), torch.full((2, 1), 9)
+        want = model(ids, position_ids=pos, **{CACHE_KWARG: copy.deepcopy(cache)}).logits
+        with _NoHostReads():
+            got = model(input_ids=ids, position_ids=pos, **{CACHE_KWARG: cache},
+                        use_cache=True).logits
+    torch.testing.assert_close(got, want)
+
+
+def test_softmax_static_cache_step_reads_nothing_back_to_the_host():
+    """The softmax baseline's graph step: the same model in mode softmax with transformers'
+    StaticCache holding the prefilled keys (the benchmark's ``static_cache_like``)."""
+    from transformers import DynamicCache
+
+    bench = _bench()
+    model = convert_to_hybrid(LlamaForCausalLM(LlamaConfig(
+        vocab_size=31, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2)).eval(), HybridConfig(window=4,
+                                                                            mode="softmax"))
+    dyn = DynamicCache(config=model.config)
+    ids, pos = torch.zeros(1, 1, dtype=torch.long), torch.full((1, 1), 9)
+    with torch.no_grad():
+        model(torch.randint(0, 31, (1, 9)), **{CACHE_KWARG: dyn})
+        static = bench.static_cache_like(model, dyn, 1, 9, 20)
+        want = model(input_ids=ids, position_ids=pos, **{CACHE_KWARG: dyn}).logits
+        with _NoHostReads():
+            got = model(input_ids=ids, position_ids=pos, **{CACHE_KWARG: static},
+                        use_cache=True).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
