@@ -1,7 +1,9 @@
 """The ``hedgecats`` command.
 
     hedgecats fit|validate|test --config stage.yaml [...]   one stage through LightningCLI
-    hedgecats pipeline configs/pipelines/tiny.yaml [--output DIR] [--seed N] [--var K=V] [--dry-run]
+    hedgecats pipeline configs/pipelines/tiny.yaml [--output DIR] [--seed N] [--var K=V]
+              [--set PATH=VALUE] [--dry-run] [--restart-changed | --resume-changed]
+    hedgecats --version
     hedgecats evaluate ...                                   hedgecats.evaluation.cli
     hedgecats export STAGE_OR_RUN OUT [--keep-adapter] ...   hedgecats.export (a hybrid directory)
     hedgecats generate --model MODEL [PROMPT ...] ...        hedgecats.generate
@@ -18,190 +20,78 @@ Seeds: the top-level ``seed`` (default 0; ``--seed N`` overrides it) is every st
 flag makes a seed sweep. ``seed_everything`` reaches the feature maps' initialisation (a
 ``hybrid`` without its own ``seed`` takes the run's), LoRA's initialisation and the SSD draws;
 data order and data content stay with each DataModule's own ``seed`` (link it to ``${seed}`` to
-vary them too). The run directory:
+vary them too). ``--set PATH=VALUE`` overrides any key of the YAML for every stage or one
+(``--set stages.*.fit.trainer.max_steps=5``; ``hedgecats.pipeline.spec``). The run directory:
 
+    <output>/hedgecats-run.json           marks it as a run (another directory is refused)
+    <output>/pipeline.lock                the pipeline running there now (one at a time)
     <output>/<stage>/config.yaml          the resolved LightningCLI config (the run record)
-    <output>/<stage>/checkpoints/last.ckpt   resumes an interrupted stage (ckpt_path)
+    <output>/<stage>/checkpoints/last.ckpt   resumes an interrupted stage (previous.ckpt: the one
+                                          before, used when last.ckpt cannot be read)
     <output>/<stage>/stage.pt             the stage checkpoint handed to the next stage
-    <output>/<stage>/done                 written when the stage finished: it is skipped next time
+    <output>/<stage>/done                 the config, inputs and output hashes of a finished
+                                          stage: it is verified and skipped next time
     <output>/<stage>/logs/attempt_N/metrics.csv   the logged metrics (N: 0, then one per resume)
     <output>/results.json                 the evaluation (``evaluate`` section)
 
-Re-running the same command skips finished stages and resumes an interrupted one.
+Re-running the same command skips finished stages and resumes an interrupted one; a stage whose
+config changed is refused with the differing keys (``--restart-changed``, ``--resume-changed``).
+Signals, divergence, damaged files, exit statuses: docs/reliability.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
-import re
+import os
+import shlex
 import sys
 import time
 from pathlib import Path
 
-import yaml
+from .pipeline.spec import load_pipeline, parse_overrides
+from .pipeline.spec import parse_vars as _parse_vars
 
 __all__ = ["load_pipeline", "main", "run_pipeline"]
 
 USAGE = __doc__.split("\n\n")[1]
-_REF = re.compile(r"\$\{(output|seed|stages\.([A-Za-z0-9_\-]+)|vars\.([A-Za-z0-9_\-]+))\}")
 
 
-# ----------------------------------------------------------------------------- pipeline spec
-def _substitute(obj, values: dict):
-    """Replace ``${...}`` references (see the module docstring); ``values`` maps each reference
-    name (``output``, ``seed``, ``stages.X``, ``vars.X``) to its value."""
-    if isinstance(obj, dict):
-        return {k: _substitute(v, values) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_substitute(v, values) for v in obj]
-    if isinstance(obj, str):
-        def lookup(m: re.Match):
-            name = m.group(1)
-            if name not in values:
-                kind = name.split(".")[0]
-                known = sorted(k.split(".", 1)[1] for k in values if k.startswith(kind + "."))
-                raise ValueError(f"${{{name}}} names no {kind[:-1] if kind.endswith('s') else kind}"
-                                 f"; defined: {known}")
-            return values[name]
-
-        whole = _REF.fullmatch(obj)
-        if whole:  # a value that is one reference keeps its type (seed: an int)
-            return lookup(whole)
-        return _REF.sub(lambda m: str(lookup(m)), obj)
-    return obj
-
-
-def _parse_vars(pairs: list[str] | None) -> dict[str, object]:
-    """``["NAME=VALUE", ...]`` from the command line; VALUE is read as YAML (``3`` an int)."""
-    out = {}
-    for pair in pairs or []:
-        name, sep, value = pair.partition("=")
-        if not sep or not re.fullmatch(r"[A-Za-z0-9_\-]+", name):
-            raise ValueError(f"--var takes NAME=VALUE, got {pair!r}")
-        out[name] = yaml.safe_load(value)
-    return out
-
-
-def load_pipeline(path: str | Path, output: str | Path | None = None, seed: int | None = None,
-                  variables: dict | None = None) -> dict:
-    """Read a pipeline YAML, check its shape, and resolve its ``${...}`` references; ``seed``
-    (``--seed``) and ``variables`` (``--var``) override the YAML's ``seed`` and ``vars``."""
-    path = Path(path)
-    spec = yaml.safe_load(path.read_text())
-    if not isinstance(spec, dict) or not isinstance(spec.get("stages"), list) or not spec["stages"]:
-        raise ValueError(f"{str(path)!r}: a pipeline is a mapping with a non-empty 'stages' list")
-    unknown = sorted(set(spec) - {"name", "description", "output", "checkpoint_every_n_steps",
-                                  "stages", "evaluate", "seed", "vars"})
-    if unknown:
-        raise ValueError(f"{str(path)!r}: unknown top-level keys {unknown}")
-    names = []
-    for i, st in enumerate(spec["stages"]):
-        if not isinstance(st, dict) or "name" not in st or "fit" not in st:
-            raise ValueError(f"{str(path)!r}: stage {i} needs 'name' and 'fit' (a LightningCLI "
-                             f"config), got {st!r:.200}")
-        extra = sorted(set(st) - {"name", "fit", "description"})
-        if extra:
-            raise ValueError(f"{str(path)!r}: stage {st['name']!r} has unknown keys {extra}")
-        if "model" not in st["fit"]:
-            raise ValueError(f"{str(path)!r}: stage {st['name']!r} has no fit.model")
-        names.append(st["name"])
-    if len(set(names)) != len(names):
-        raise ValueError(f"{str(path)!r}: stage names must be unique, got {names}")
-    yaml_vars = spec.get("vars") or {}
-    if not isinstance(yaml_vars, dict):
-        raise ValueError(f"{str(path)!r}: 'vars' must be a mapping of names to values")
-    undeclared = sorted(set(variables or {}) - set(yaml_vars))
-    if undeclared:
-        raise ValueError(f"--var {undeclared} not declared in {str(path)!r}'s vars: "
-                         f"{sorted(yaml_vars)} (declare each with its default)")
-    run_seed = spec.get("seed", 0) if seed is None else seed
-    if isinstance(run_seed, bool) or not isinstance(run_seed, int):
-        raise ValueError(f"{str(path)!r}: seed must be an integer, got {run_seed!r}")
-    for st in spec["stages"]:
-        if seed is not None or "seed_everything" not in st["fit"]:
-            st["fit"]["seed_everything"] = run_seed
-    out = Path(output or spec.get("output") or Path("runs") / spec.get("name", path.stem))
-    values = {"output": str(out.resolve()), "seed": run_seed,
-              **{f"stages.{n}": str(out.resolve() / n) for n in names},
-              **{f"vars.{k}": v for k, v in {**yaml_vars, **(variables or {})}.items()}}
-    spec = _substitute(spec, values)
-    spec["output"] = str(out.resolve())
-    spec["seed"] = run_seed
-    spec.setdefault("name", path.stem)
-    spec.setdefault("checkpoint_every_n_steps", 50)
-    return spec
-
-
-# ----------------------------------------------------------------------------- running a stage
-def _stage_config(stage: dict, stage_dir: Path, every_n: int) -> dict:
-    cfg = copy.deepcopy(stage["fit"])
-    trainer = cfg.setdefault("trainer", {})
-    trainer["default_root_dir"] = str(stage_dir)
-    # one log directory per attempt: CSVLogger empties its directory when a run starts again
-    attempt = len(list((stage_dir / "logs").glob("attempt_*")))
-    trainer.setdefault("logger", {"class_path": "lightning.pytorch.loggers.CSVLogger",
-                                  "init_args": {"save_dir": str(stage_dir), "name": "logs",
-                                                "version": f"attempt_{attempt}"}})
-    ckdir = str(stage_dir / "checkpoints")
-    callbacks = list(trainer.get("callbacks") or [])
-    callbacks += [
-        {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-         "init_args": {"dirpath": ckdir, "save_last": True, "save_top_k": 0,
-                       "every_n_train_steps": every_n}},
-        {"class_path": "hedgecats.lightning_modules.CheckpointOnInterrupt",
-         "init_args": {"dirpath": ckdir}},
-    ]
-    trainer["callbacks"] = callbacks
-    return cfg
-
-
+# ----------------------------------------------------------------------------- one stage: fit
 def _cli(args, run: bool = True):
+    """``hedgecats fit|validate|test``: LightningCLI over every LightningModule and DataModule,
+    short class names included (``--model HybridFinetune``); CSV logs by default (a new
+    ``version_N`` per run, so resuming keeps the earlier metrics) and a step-counting progress
+    bar."""
     import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ProgressBar
     from lightning.pytorch.cli import LightningCLI
+
+    from .lightning_modules import StepProgressBar
+
+    class HedgecatsCLI(LightningCLI):
+        def instantiate_trainer(self, **kwargs):
+            cfg = self._get(self.config_init, "trainer", default={}) or {}
+            if cfg.get("logger") is None:
+                from lightning.pytorch.loggers import CSVLogger
+
+                kwargs["logger"] = CSVLogger(save_dir=cfg.get("default_root_dir") or os.getcwd(),
+                                             name="lightning_logs")
+            given = cfg.get("callbacks") or []
+            given = list(given) if isinstance(given, list) else [given]
+            if cfg.get("enable_progress_bar") is not False and \
+                    not any(isinstance(c, ProgressBar) for c in given):
+                kwargs["callbacks"] = [*given, StepProgressBar()]
+            return super().instantiate_trainer(**kwargs)
 
     argv, sys.argv = sys.argv, sys.argv[:1]  # the config comes from args, not the command line
     try:
-        return LightningCLI(pl.LightningModule, pl.LightningDataModule, subclass_mode_model=True,
-                            subclass_mode_data=True, args=args, run=run,
-                            save_config_kwargs={"overwrite": True},
+        return HedgecatsCLI(pl.LightningModule, pl.LightningDataModule,
+                            subclass_mode_model=True, subclass_mode_data=True, args=args,
+                            run=run, save_config_kwargs={"overwrite": True},
                             **({} if run else {"save_config_callback": None}))
     finally:
         sys.argv = argv
-
-
-def _run_stage(stage: dict, stage_dir: Path, every_n: int) -> None:
-    from lightning.pytorch.trainer.states import TrainerStatus
-
-    cfg = _stage_config(stage, stage_dir, every_n)
-    stage_dir.mkdir(parents=True, exist_ok=True)
-    (stage_dir / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-    last = stage_dir / "checkpoints" / "last.ckpt"
-    ckpt = str(last) if last.exists() else None
-    cli = _cli(cfg, run=False)
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt)
-    if cli.trainer.state.status != TrainerStatus.FINISHED or cli.trainer.interrupted:
-        raise RuntimeError(f"stage {stage['name']!r} did not finish "
-                           f"(status {cli.trainer.state.status}); run again to resume it")
-    if cli.trainer.is_global_zero:
-        (stage_dir / "done").write_text(time.strftime("%Y-%m-%dT%H:%M:%S\n"))
-
-
-def _warn_if_changed(stage: dict, stage_dir: Path, every_n: int, console) -> None:
-    """A stage that is skipped or resumed keeps what it was run with: say so when the YAML
-    changed since (the saved config.yaml is the record)."""
-    saved = stage_dir / "config.yaml"
-    if not saved.exists():
-        return
-    old = yaml.safe_load(saved.read_text())
-    new = _stage_config(stage, stage_dir, every_n)
-    for cfg in (old, new):  # the logger version differs per attempt by design
-        cfg.get("trainer", {}).pop("logger", None)
-    if old != new:
-        console.print(f"[yellow]warning: stage {stage['name']!r} was run with a different "
-                      f"config ({saved}); it is skipped or resumed as it was -- delete "
-                      f"{stage_dir} to run it again with the new one[/yellow]", soft_wrap=True)
 
 
 def _describe(stage: dict) -> str:
@@ -217,14 +107,6 @@ def _describe(stage: dict) -> str:
     data = fit.get("data", {})
     dcls = data.get("class_path", "-").rsplit(".", 1)[-1] if isinstance(data, dict) else data
     return f"{cls} [{budget}] data={dcls} {args}"
-
-
-def _status(stage_dir: Path) -> str:
-    if (stage_dir / "done").exists():
-        return "done (skipped)"
-    if (stage_dir / "checkpoints" / "last.ckpt").exists():
-        return "resume from checkpoints/last.ckpt"
-    return "new"
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -347,68 +229,155 @@ def _evaluations(spec: dict) -> list[dict]:
 
 # ----------------------------------------------------------------------------- pipeline
 def run_pipeline(path: str | Path, output: str | Path | None = None, dry_run: bool = False,
-                 console=None, seed: int | None = None, variables: dict | None = None
-                 ) -> dict | None:
-    """Run (or, with ``dry_run``, describe) a pipeline; returns what went to results.json."""
+                 console=None, seed: int | None = None, variables: dict | None = None,
+                 overrides: list | None = None, *, restart_changed: bool = False,
+                 resume_changed: bool = False, force: bool = False,
+                 resume_command: str | None = None) -> dict | None:
+    """Run (or, with ``dry_run``, check and describe) a pipeline; returns what went to
+    results.json. Everything is validated, and every stage planned (done / resume / new /
+    refused), before the first stage trains (docs/reliability.md)."""
     from rich.console import Console
+    from rich.markup import escape
 
+    from .models.io import atomic_write_text
+    from .pipeline import rundir, runner
+    from .pipeline.errors import ConfigError, Interrupted
+    from .pipeline.validate import validate_pipeline
+
+    if restart_changed and resume_changed:
+        raise ConfigError("--restart-changed and --resume-changed exclude each other")
     console = console or Console()
-    spec = load_pipeline(path, output, seed=seed, variables=variables)
+
+    def warn(msg: str) -> None:
+        console.print(f"[yellow]{escape(msg)}[/yellow]", soft_wrap=True)
+
+    spec = load_pipeline(path, output, seed=seed, variables=variables, overrides=overrides)
     out = Path(spec["output"])
+    names = [st["name"] for st in spec["stages"]]
+    rundir.check_output(out, pipeline=spec["name"], stage_names=names, force=force)
+    spec["run_id"] = rundir.run_id(out)
+    validate_pipeline(spec, warn=warn)
+    resume_command = resume_command or shlex.join(
+        ["hedgecats", "pipeline", str(path), "--output", str(out)])
+    flags = {"restart_changed": restart_changed, "resume_changed": resume_changed}
+
+    def plan_all() -> list:
+        plans, runs = [], set()
+        for st in spec["stages"]:
+            plan = runner.plan_stage(spec, st, upstream_runs=runs, check_inputs=not runs, **flags)
+            if plan.status != "done":
+                runs.add(st["name"])
+            plans.append(plan)
+        return plans
+
+    plans = plan_all()  # a changed or damaged stage is refused here, before anything trains
     n = len(spec["stages"])
-    console.print(f"[bold]pipeline {spec['name']}[/bold] -> {out} (seed {spec['seed']})",
-                  soft_wrap=True)
-    for i, st in enumerate(spec["stages"], 1):
-        console.print(f"  {i}/{n} {st['name']} [{_status(out / st['name'])}]: {_describe(st)}",
+    console.print(f"[bold]pipeline {escape(spec['name'])}[/bold] -> {escape(str(out))} "
+                  f"(seed {spec['seed']})", soft_wrap=True)
+    for i, (st, plan) in enumerate(zip(spec["stages"], plans), 1):
+        console.print(f"  {i}/{n} {st['name']} [{plan.describe()}]: {_describe(st)}",
                       soft_wrap=True, markup=False)
-        _warn_if_changed(st, out / st["name"], int(spec["checkpoint_every_n_steps"]), console)
+        for note in plan.notes:
+            warn(f"    note: {note}")
     evals = _evaluations(spec)
     for ev in evals:
         console.print(f"  evaluate: {ev.get('kind', 'recall')} on stage {ev.get('stage')!r}")
     if dry_run:
+        console.print("dry run: the pipeline is valid; nothing was run", soft_wrap=True)
         return None
-    t0 = time.time()
-    for i, st in enumerate(spec["stages"], 1):
-        stage_dir = out / st["name"]
-        if (stage_dir / "done").exists():
-            console.print(f"[dim]stage {i}/{n} {st['name']}: done, skipped[/dim]")
-            continue
-        console.rule(f"stage {i}/{n}: {st['name']} ({_status(stage_dir)})")
-        t = time.time()
-        _run_stage(st, stage_dir, int(spec["checkpoint_every_n_steps"]))
-        console.print(f"stage {st['name']} finished in {time.time() - t:.0f} s")
-    summary = {"pipeline": spec["name"], "output": str(out), "seed": spec["seed"]}
-    done = []
-    for ev in evals:
-        console.rule(f"evaluation: {ev.get('kind', 'recall')}")
-        kind = ev.get("kind", "recall")
-        if kind not in EVALUATORS:
-            raise ValueError(f"unknown evaluate kind {kind!r}; valid: {', '.join(EVALUATORS)}")
-        done.append({"kind": kind, **EVALUATORS[kind](spec, ev, console)})
-    if isinstance(spec.get("evaluate"), dict):
-        summary.update({k: v for k, v in done[0].items() if k != "kind"})
-    elif done:
-        summary["evaluations"] = done
-    summary["wall_s"] = round(time.time() - t0, 1)
-    (out / "results.json").write_text(json.dumps(summary, indent=2))
+    rank0 = rundir.is_rank_zero()
+    lock = rundir.acquire_lock(out, resume_command, warn=warn) if rank0 else None
+    phase = "before the first stage"
+    try:
+        with runner.SignalGuard() as signals:
+            if rank0:
+                rundir.write_marker(out, pipeline=spec["name"], source=spec["source"])
+                for tmp in runner.stale_temporaries(out):  # left by a killed write
+                    tmp.unlink(missing_ok=True)
+            spec["run_id"] = rundir.run_id(out)
+            ctx = runner.RunContext(spec, console, signals, resume_command, rank0)
+            t0 = time.time()
+            ran: set[str] = set()
+            for i, st in enumerate(spec["stages"], 1):
+                phase = f"before stage {st['name']!r}"
+                plan = runner.plan_stage(spec, st, upstream_runs=ran, check_inputs=True, **flags)
+                for note in plan.notes:
+                    warn(f"note: {note}")
+                if plan.status == "done":
+                    console.print(f"[dim]stage {i}/{n} {st['name']}: done, skipped[/dim]")
+                    continue
+                console.rule(f"stage {i}/{n}: {st['name']} ({plan.describe()})")
+                t = time.time()
+                phase = f"in stage {st['name']!r}"
+                runner.run_stage(ctx, st, plan)
+                ran.add(st["name"])
+                console.print(f"stage {st['name']} finished in {time.time() - t:.0f} s")
+            phase = "during the evaluation (every stage is done)"
+            summary = {"pipeline": spec["name"], "output": str(out), "seed": spec["seed"]}
+            done = []
+            for ev in evals:
+                console.rule(f"evaluation: {ev.get('kind', 'recall')}")
+                kind = ev.get("kind", "recall")
+                if kind not in EVALUATORS:
+                    raise ValueError(f"unknown evaluate kind {kind!r}; valid: {', '.join(EVALUATORS)}")
+                done.append({"kind": kind, **EVALUATORS[kind](spec, ev, console)})
+            if isinstance(spec.get("evaluate"), dict):
+                summary.update({k: v for k, v in done[0].items() if k != "kind"})
+            elif done:
+                summary["evaluations"] = done
+            summary["wall_s"] = round(time.time() - t0, 1)
+            if rank0:
+                atomic_write_text(out / "results.json", json.dumps(summary, indent=2))
+    except Interrupted as err:
+        if str(err):
+            raise
+        raise Interrupted(err.signum, f"interrupted by {err.signal_name} {phase}; what finished "
+                          f"is kept -- resume with: {resume_command}") from None
+    finally:
+        if lock is not None:
+            lock.release()
     console.print(f"run directory: {out}\n  results.json, <stage>/config.yaml, <stage>/stage.pt, "
-                  "<stage>/checkpoints/last.ckpt, <stage>/logs/attempt_*/metrics.csv", soft_wrap=True,
-                  markup=False)
+                  "<stage>/done, <stage>/checkpoints/last.ckpt, <stage>/logs/attempt_*/metrics.csv",
+                  soft_wrap=True, markup=False)
     return summary
 
 
 # ----------------------------------------------------------------------------- entry point
 def _pipeline_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="hedgecats pipeline",
-                                description="Run a recipe's stages in order (see configs/pipelines).")
+    p = argparse.ArgumentParser(
+        prog="hedgecats pipeline",
+        description="Run a recipe's stages in order (see configs/pipelines); what it promises "
+                    "on signals, divergence and damaged files: docs/reliability.md.",
+        epilog="exit status: 0 done; 1 a stage or the evaluation failed; 2 a mistake in the "
+               "pipeline or the command line (nothing ran); 3 the run directory is in use; "
+               "130 / 143 interrupted by SIGINT / SIGTERM (a checkpoint was saved)")
     p.add_argument("config", help="pipeline YAML, e.g. configs/pipelines/tiny.yaml")
     p.add_argument("--output", help="run directory (default: the YAML's output, else runs/<name>)")
     p.add_argument("--seed", type=int, default=None,
                    help="every stage's seed_everything and ${seed} (default: the YAML's seed, 0)")
     p.add_argument("--var", action="append", metavar="NAME=VALUE",
                    help="override one of the YAML's vars (repeatable)")
-    p.add_argument("--dry-run", action="store_true", help="print the resolved stages and exit")
+    p.add_argument("--set", action="append", dest="overrides", metavar="PATH=VALUE",
+                   help="override any key, dotted as the YAML is nested; stages.NAME is one "
+                        "stage, stages.* every stage (repeatable), e.g. "
+                        "--set stages.*.fit.trainer.max_steps=5")
+    p.add_argument("--loggers", metavar="NAMES",
+                   help="comma-separated loggers for every stage: csv (default), tensorboard, "
+                        "wandb (same as --set loggers=[...])")
+    p.add_argument("--dry-run", action="store_true",
+                   help="validate every stage and the evaluation, print the plan, run nothing")
+    p.add_argument("--restart-changed", action="store_true",
+                   help="start every stage whose config changed again from its beginning "
+                        "(its earlier files move to <stage>/superseded/)")
+    p.add_argument("--resume-changed", action="store_true",
+                   help="continue an interrupted stage whose config changed from its last good "
+                        "checkpoint, under the new config")
+    p.add_argument("--force", action="store_true",
+                   help="use an --output that is not empty and not a hedgecats run")
+    p.add_argument("--debug", action="store_true",
+                   help="show the traceback of an error (also HEDGECATS_DEBUG=1)")
     a = p.parse_args(argv)
+    debug = a.debug or os.environ.get("HEDGECATS_DEBUG", "") not in ("", "0")
     import warnings
 
     # noise that says nothing about this run: stage 1 optimises by hand on purpose, and the
@@ -416,14 +385,80 @@ def _pipeline_main(argv: list[str]) -> int:
     for msg in ("Using ModelCheckpoint with manual optimization", r".*\.fit\(ckpt_path=",
                 "isinstance.treespec, LeafSpec"):
         warnings.filterwarnings("ignore", message=msg)
-    run_pipeline(a.config, a.output, a.dry_run, seed=a.seed, variables=_parse_vars(a.var))
-    return 0
+    overrides = list(a.overrides or [])
+    if a.loggers:
+        overrides.append(f"loggers=[{a.loggers}]")
+    try:
+        run_pipeline(a.config, a.output, a.dry_run, seed=a.seed, variables=_parse_vars(a.var),
+                     overrides=parse_overrides(overrides), restart_changed=a.restart_changed,
+                     resume_changed=a.resume_changed, force=a.force,
+                     resume_command=_resume_command(argv, a))
+        return 0
+    except BaseException as err:  # one line for the user; the traceback with --debug
+        if debug or isinstance(err, SystemExit) and not _is_ours(err):
+            raise
+        code, message = _error_line(err)
+        print(f"hedgecats pipeline: {message}", file=sys.stderr, flush=True)
+        return code
+
+
+def _resume_command(argv: list[str], a) -> str:
+    """The command that resumes this run: the same words, the run directory made explicit,
+    without the flags that only apply once."""
+    words, skip = [], False
+    once = {"--dry-run", "--restart-changed", "--resume-changed", "--force", "--debug"}
+    for w in argv:
+        if skip:
+            skip = False
+            continue
+        if w in once:
+            continue
+        if w == "--output":
+            skip = True
+            continue
+        if w.startswith("--output="):
+            continue
+        words.append(w)
+    out = a.output
+    if out is None:
+        return shlex.join(["hedgecats", "pipeline", *words])
+    return shlex.join(["hedgecats", "pipeline", *words, "--output", str(Path(out).resolve())])
+
+
+def _is_ours(err: BaseException) -> bool:
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    return isinstance(err, SIGTERMException)
+
+
+def _error_line(err: BaseException) -> tuple[int, str]:
+    """(exit status, one line) for an error; see ``hedgecats pipeline --help``."""
+    from .pipeline.errors import EXIT_FAILED, Interrupted, PipelineError
+
+    text = " ".join(str(err).split()) or type(err).__name__
+    if isinstance(err, Interrupted):
+        return err.exit_code, text
+    if isinstance(err, PipelineError):
+        return err.exit_code, f"error: {text}"
+    if isinstance(err, KeyboardInterrupt):
+        return 130, "interrupted by SIGINT"
+    if isinstance(err, SystemExit):
+        return int(err.code or 0) if isinstance(err.code, int) else EXIT_FAILED, text
+    hint = " (run with --debug for the traceback)"
+    if isinstance(err, (ValueError, KeyError, TypeError, OSError)):  # raised with a message
+        return EXIT_FAILED, f"error: {text}{hint}"
+    return EXIT_FAILED, f"error: {type(err).__name__}: {text}{hint}"
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
+        return 0
+    if argv[0] in ("--version", "-V", "version"):
+        from . import __version__
+
+        print(f"hedgecats {__version__}")
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "pipeline":

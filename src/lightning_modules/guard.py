@@ -80,7 +80,7 @@ def parameters_finite(params: list[torch.Tensor]) -> torch.Tensor:
     for t in tensors:
         groups.setdefault((t.device, t.dtype), []).append(t)
     flags = []
-    for (device, _), ts in groups.items():
+    for ts in groups.values():
         norms = torch._foreach_norm(ts, ord=math.inf)
         flags.append(torch.isfinite(torch.stack(norms).float()).all().to(tensors[0].device))
     return torch.stack(flags).all()

@@ -22,6 +22,7 @@ __all__ = [
     "ResumeRefusedError",
     "RunDirError",
     "RunLockedError",
+    "StageFailedError",
     "WriteFailedError",
 ]
 
@@ -78,3 +79,8 @@ class Interrupted(PipelineError):
     @property
     def signal_name(self) -> str:
         return signal.Signals(self.signum).name
+
+
+class StageFailedError(PipelineError):
+    """A stage stopped on a non-finite loss or state, a divergence or a failed check; the
+    message names the last good checkpoint and what to change."""

@@ -24,7 +24,7 @@ from ..models.io import atomic_write_text, file_digest
 from .errors import CorruptRunError, RunDirError, RunLockedError
 
 __all__ = ["DONE_FILE", "LOCK_FILE", "MARKER_FILE", "RunLock", "acquire_lock", "check_output",
-           "is_rank_zero", "portable", "read_done", "stage_outputs", "verify_done", "write_done",
+           "is_rank_zero", "portable", "read_done", "run_id", "stage_outputs", "verify_done", "write_done",
            "write_marker"]
 
 MARKER_FILE = "hedgecats-run.json"
@@ -40,7 +40,7 @@ def is_rank_zero() -> bool:
     srun): only the first process locks and changes the run directory."""
     for var in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "NODE_RANK", "GROUP_RANK"):
         with contextlib.suppress(ValueError):
-            if int(os.environ.get(var, 0)) != 0:
+            if int(os.environ.get(var, "0")) != 0:
                 return False
     return True
 
@@ -109,7 +109,15 @@ def write_marker(out: Path, *, pipeline: str, source: str) -> None:
 
     atomic_write_text(marker, json.dumps({
         "format": RUN_FORMAT, "pipeline": pipeline, "source": source,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "hedgecats": __version__}, indent=2))
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "hedgecats": __version__,
+        "id": os.urandom(4).hex()}, indent=2))
+
+
+def run_id(out: Path) -> str:
+    """The run's id (W&B run names): the marker's, or ``new`` before the marker exists."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        return str(json.loads((out / MARKER_FILE).read_text()).get("id") or "run")
+    return "new"
 
 
 def _read_json(path: Path, what: str) -> dict:

@@ -68,7 +68,7 @@ def _substitute(obj, values: dict):
             if name not in values:
                 kind = name.split(".")[0]
                 known = sorted(k.split(".", 1)[1] for k in values if k.startswith(kind + "."))
-                raise ConfigError(f"${{{name}}} names no {kind[:-1] if kind.endswith('s') else kind}"
+                raise ConfigError(f"${{{name}}} names no {kind.removesuffix('s')}"
                                   f"; defined: {known}")
             return values[name]
 
