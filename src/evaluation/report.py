@@ -258,6 +258,9 @@ def atomic_output_dir(path: str | Path, overwrite: bool = False) -> Iterator[Pat
     final = check_output_dir(path, overwrite)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; the results follow the umask
     try:
         yield tmp
     except BaseException:

@@ -6,6 +6,9 @@ weights; it is a plain dict (no Lightning object inside, loadable with ``weights
     format         "hedgecats-stage/1"
     stage          name of the stage class that wrote it (e.g. "AttentionTransfer")
     base_model     id or path given to ``AutoModelForCausalLM.from_pretrained``
+    base_model_relative   (a local base model only) its path relative to the directory of
+                   ``stage.pt``: a run directory that moved still finds the base model it
+                   produced (``resolve_base_model``)
     revision       its revision (``None`` = default branch / a local directory)
     hybrid_config  ``HybridConfig.to_dict()`` used at conversion (``None``: not converted)
     lora_config    keyword arguments of ``peft.LoraConfig`` (``None``: no LoRA)
@@ -34,6 +37,7 @@ from torch import nn
 
 from .config import HybridConfig
 from .convert import convert_to_hybrid, hybrid_parameter_names
+from .io import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +45,11 @@ __all__ = [
     "DTYPES",
     "FORMAT",
     "build_hybrid",
+    "check_local_model",
     "load_hybrid",
     "load_tensors",
     "read_stage",
+    "resolve_base_model",
     "save_stage",
     "stage_tensors",
     "trainable_tensors",
@@ -98,33 +104,68 @@ def save_stage(path: str | os.PathLike, model: nn.Module, *, base_model: str,
     """Write a stage checkpoint (format in the module docstring); returns its path.
 
     ``tensors`` defaults to ``stage_tensors(model)``. The file is written atomically (a
-    temporary name, then renamed), so a crash never leaves a half-written ``stage.pt``.
+    temporary name, flushed to disk, then renamed), so a crash or a full disk never leaves a
+    half-written ``stage.pt`` (``io.WriteFailedError`` names it and keeps the previous one).
     """
     if isinstance(hybrid_config, HybridConfig):
         hybrid_config = hybrid_config.to_dict()
     tensors = stage_tensors(model) if tensors is None else tensors
     if not tensors:
         raise ValueError("the model has no trainable tensors: nothing to save in a stage checkpoint")
+    path = Path(path)
     payload = {"format": FORMAT, "stage": stage, "base_model": str(base_model),
                "revision": revision, "hybrid_config": hybrid_config,
                "lora_config": lora_config, "tensors": tensors, "meta": dict(meta or {})}
-    path = Path(path)
+    if Path(base_model).is_dir():  # a local model: also where it lies relative to stage.pt
+        payload["base_model_relative"] = os.path.relpath(Path(base_model).resolve(),
+                                                         path.parent.resolve())
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(payload, tmp)
-    os.replace(tmp, path)
+    with atomic_write(path) as f:
+        torch.save(payload, f)
     return path
 
 
 def read_stage(path: str | os.PathLike) -> dict:
-    """Load and validate a stage checkpoint dict (tensors on CPU)."""
-    payload = torch.load(path, map_location="cpu", weights_only=True)
+    """Load and validate a stage checkpoint dict (tensors on CPU); a missing or damaged file
+    is an error that names it."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"no such stage checkpoint: {str(path)!r}")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, ValueError, __import__("pickle").UnpicklingError) as err:
+        raise ValueError(f"{str(path)!r} cannot be read as a stage checkpoint "
+                         f"({str(err).splitlines()[0][:200]}): it is damaged or truncated. In a "
+                         "pipeline run, delete that stage's done file: the stage then resumes "
+                         "from its last checkpoint and writes stage.pt again") from err
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         got = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
         raise ValueError(f"{str(path)!r} is not a hedgecats stage checkpoint (format {got!r}, "
                          f"expected {FORMAT!r}); a Lightning .ckpt resumes a stage with ckpt_path, "
                          "stage.pt starts the next one with init_from")
     return payload
+
+
+def resolve_base_model(payload: dict, stage_path: str | os.PathLike) -> str:
+    """The base model of a stage checkpoint: the local directory recorded relative to the
+    checkpoint when it exists there (the run directory may have moved), else the recorded id or
+    path."""
+    rel = payload.get("base_model_relative")
+    if rel:
+        here = Path(stage_path).parent / rel
+        if here.is_dir():
+            return str(here.resolve())
+    return payload["base_model"]
+
+
+def check_local_model(name: str) -> None:
+    """A value that can only be a local path (absolute, ``./``, ``~``, or with two or more
+    slashes; hub ids are ``name`` or ``org/name``) must exist: ``FileNotFoundError`` says "no
+    such directory" instead of the hub's "Repo id must be in the form ..."."""
+    name = str(name)
+    local = name.startswith(("/", "./", "../", "~")) or name.count("/") >= 2
+    if local and not Path(name).expanduser().exists():
+        raise FileNotFoundError(f"no such directory: {name!r} (a local model path; a model id "
+                                "on the hub has the form name or org/name)")
 
 
 def build_hybrid(base_model: str, *, revision: str | None = None,
@@ -138,6 +179,7 @@ def build_hybrid(base_model: str, *, revision: str | None = None,
     """
     from transformers import AutoModelForCausalLM
 
+    check_local_model(base_model)
     model = AutoModelForCausalLM.from_pretrained(base_model, revision=revision,
                                                  dtype=resolve_dtype(dtype))
     if device is not None:
@@ -208,14 +250,15 @@ def load_hybrid(path: str | os.PathLike, *, device: str | torch.device = "cpu",
             stage trained with, recorded in ``meta["torch_dtype"]``, else the checkpoint's own).
         merge_lora: merge LoRA into the base weights and return the plain transformers model
             (default); ``False`` returns the ``PeftModel``.
-        base_model: override the recorded base model id/path (e.g. the run directory moved).
+        base_model: override the recorded base model id/path (by default the recorded one, or
+            the local directory at the same place relative to ``path`` when the run moved).
 
     Returns:
         ``(model, tokenizer, info)``: the model in eval mode; the tokenizer from the base model's
         id/path (``None`` if it has none); ``info`` = the checkpoint dict without ``tensors``.
     """
     payload = read_stage(path)
-    base = base_model or payload["base_model"]
+    base = base_model or resolve_base_model(payload, path)
     dtype = dtype if dtype is not None else payload["meta"].get("torch_dtype")
     model = build_hybrid(base, revision=payload["revision"], hybrid_config=payload["hybrid_config"],
                          lora_config=payload["lora_config"], dtype=dtype, device=device)
@@ -231,5 +274,6 @@ def load_hybrid(path: str | os.PathLike, *, device: str | torch.device = "cpu",
     except (OSError, ValueError) as err:  # a base model saved without a tokenizer
         log.info("no tokenizer for %r (%s)", base, err)
     info = {k: v for k, v in payload.items() if k != "tensors"}
+    info["base_model_recorded"], info["base_model"] = payload["base_model"], base  # as loaded
     info["tensor_names"] = sorted(payload["tensors"])
     return model, tokenizer, info

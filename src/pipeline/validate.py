@@ -36,8 +36,8 @@ SHORT_NAME_MODULES = ("hedgecats.lightning_modules", "lightning.pytorch.callback
                       "hedgecats.data")
 #: the keys of each kind of evaluation (``evaluate:``)
 EVALUATE_KEYS = {
-    "recall": {"kind", "stage", "teacher", "modes", "variants", "batch_size", "data", "device",
-               "precision"},
+    "recall": {"kind", "stage", "model", "hybrid", "teacher", "modes", "variants", "batch_size",
+               "data", "device", "precision"},
     "command": {"kind", "stage", "argv"},
 }
 #: init arguments that name a file or directory
@@ -318,12 +318,18 @@ def _check_evaluations(spec: dict) -> None:
                               f"{_suggest(unknown[0], EVALUATE_KEYS[kind])}; valid: "
                               f"{', '.join(sorted(EVALUATE_KEYS[kind]))}")
         stage = ev.get("stage")
-        if (kind == "recall" or stage is not None) and stage not in names:
+        if kind == "recall" and ("stage" in ev) == ("model" in ev):
+            raise ConfigError(f"{where}: a recall evaluation names either a stage of this "
+                              "pipeline (its stage.pt) or a transformers model (with a hybrid "
+                              f"config), not {'both' if 'stage' in ev else 'neither'}")
+        if stage is not None and stage not in names:
             raise ConfigError(f"{where}.stage={stage!r} is not a stage of the pipeline; stages: "
                               f"{', '.join(names)}")
         if kind == "command":
             _check_command(ev, where)
             continue
+        if "model" in ev:
+            _check_eval_model(spec, ev, where)
         modes = ev.get("modes", MODES)
         if not isinstance(modes, list | tuple) or not modes:
             raise ConfigError(f"{where}.modes must be a non-empty list of modes, got {modes!r}")
@@ -368,6 +374,25 @@ def _check_evaluations(spec: dict) -> None:
                               "test_corpus(), e.g. the stages' RecallDataModule)")
         _check_class_spec(ev["data"], f"{where}.data", "LightningDataModule")
         _instantiate(ev["data"], f"{where}.data")
+
+
+def _check_eval_model(spec: dict, ev: dict, where: str) -> None:
+    from ..models import HybridConfig
+
+    model = ev["model"]
+    out = Path(spec["output"])
+    if not isinstance(model, str) or not model:
+        raise ConfigError(f"{where}.model must be a model id or directory, got {model!r}")
+    if not model.startswith(str(out) + "/") and _looks_local(model) and \
+            not Path(model).expanduser().exists():
+        raise ConfigError(f"{where}.model={model!r}: no such directory")
+    hybrid = ev.get("hybrid") or {}
+    if not isinstance(hybrid, dict):
+        raise ConfigError(f"{where}.hybrid must be a mapping of HybridConfig fields")
+    try:
+        HybridConfig.from_dict(hybrid)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"{where}.hybrid: {err}") from err
 
 
 def _instantiate(value, where: str):
