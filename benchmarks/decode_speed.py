@@ -4,10 +4,20 @@
     PYTHONPATH=/tmp/pkg:/tmp/site python benchmarks/decode_speed.py --out $OUT/decode_speed.json
     python benchmarks/decode_speed.py --tiny --out /tmp/decode_speed.json   # CPU smoke test
 
+Under a time limit per command, run the parts separately and combine them:
+
+    python benchmarks/decode_speed.py --parts latency --out $OUT/decode_latency.json
+    python benchmarks/decode_speed.py --parts batch --out $OUT/decode_batch.json
+    python benchmarks/decode_speed.py --combine decode_latency.json decode_batch.json \
+        --out decode_speed.json --md decode_speed.md
+
 Model: Llama-3-8B's shape (32 layers, width 4096, 32 heads / 8 KV heads, vocabulary 128256) with
 Llama-3.1's 131072 positions, random weights, bf16, converted with ``HybridConfig(window=64)``
 (square softmax Hedgehog maps, non-overlapping LA); "softmax" is the same model in mode
 ``softmax`` (bit-exact the original attention). Nothing is downloaded.
+
+``--shape tiny`` (2 layers, width 64) and ``--device`` run the same paths small (``--tiny`` =
+``--shape tiny --device cpu``, no CUDA graphs).
 
 ``--parts latency`` (per context, default 1k / 8k / 32k / 128k, batch 1):
     prefill tokens/s   one forward of the prompt into an empty cache (last token's logits only)
@@ -327,6 +337,23 @@ def markdown(latency: list[dict], batch: dict | None) -> str:
     return "\n".join(lines)
 
 
+def combine(paths: list[str], out: str, md: str | None) -> int:
+    """One result from several runs: latency rows concatenated, the last batch part."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    latency = [r for run in runs for r in run["latency"]]
+    batch = next((run["batch"] for run in reversed(runs) if run.get("batch")), None)
+    result = {**runs[0], "command": [run["command"] for run in runs], "latency": latency,
+              "contexts": sorted({r["context"] for r in latency}), "batch": batch,
+              "targets": targets(latency, batch)}
+    Path(out).write_text(json.dumps(result, indent=2) + "\n")
+    table = markdown(latency, batch)
+    print(table)
+    print(json.dumps(result["targets"], indent=2))
+    if md:
+        Path(md).write_text(table + "\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="--shape tiny --device cpu (smoke test)")
@@ -344,7 +371,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-graphs", dest="graphs", action="store_false", default=None)
     p.add_argument("--out", default="decode_speed.json")
     p.add_argument("--md", help="also write the Markdown table here")
+    p.add_argument("--combine", nargs="+", metavar="JSON",
+                   help="no measuring: merge the results of earlier runs (e.g. --parts latency "
+                        "and --parts batch run as two commands) into --out, targets and table")
     args = p.parse_args(argv)
+    if args.combine:
+        return combine(args.combine, args.out, args.md)
     if args.tiny:
         args.shape, args.device = "tiny", "cpu"
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -27,13 +27,17 @@ def _bench():
 
 
 def test_decode_benchmark_tiny_mode(tmp_path):
-    out = tmp_path / "decode.json"
-    rc = _bench().main(["--tiny", "--contexts", "32,96", "--steps", "2", "--batch-steps", "1",
-                        "--max-batch", "2", "--warmup", "1", "--out", str(out),
-                        "--md", str(tmp_path / "decode.md")])
-    assert rc == 0
+    """Both parts, run as two commands and combined (as on the GPU, where each command has a
+    time limit)."""
+    bench, out = _bench(), tmp_path / "decode.json"
+    common = ["--tiny", "--contexts", "32,96", "--steps", "2", "--batch-steps", "1",
+              "--max-batch", "2", "--warmup", "1"]
+    assert bench.main([*common, "--parts", "latency", "--out", str(tmp_path / "a.json")]) == 0
+    assert bench.main([*common, "--parts", "batch", "--out", str(tmp_path / "b.json")]) == 0
+    assert bench.main(["--combine", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                       "--out", str(out), "--md", str(tmp_path / "decode.md")]) == 0
     res = json.loads(out.read_text())
-    assert res["command"].startswith("python benchmarks/decode_speed.py --tiny")
+    assert res["command"][0].startswith("python benchmarks/decode_speed.py --tiny")
     rows = {(r["mode"], r["context"]): r for r in res["latency"]}
     assert set(rows) == {(m, c) for m in ("hybrid", "softmax") for c in (32, 96)}
     for r in rows.values():
