@@ -1,0 +1,445 @@
+"""Stage throughput on one GPU (issue 12 item 1): tokens/s, step time and peak memory of the
+teacher's forward, stage 1 with each objective and stage 2, in one run.
+
+    python benchmarks/stage_speed.py --out benchmarks/results              # 8B shape, T 1k and 4k
+    python benchmarks/stage_speed.py --tiny --out /tmp/s                   # CPU smoke run
+
+The model is a Llama-3-8B-shaped ``LlamaForCausalLM`` with random weights in bf16 (no hub), built
+once and converted (window 64, the default mixer and feature maps); every measurement runs on it
+under bf16 autocast, 8,192 tokens per step (B=8 at T=1024, B=2 at T=4096), the median of
+``--steps`` steps after ``--warmup``, synchronised host timing (a step is many kernels and an
+optimiser step), peak memory over the timed steps.
+
+    teacher_forward          the model in softmax mode, no grad, LM head on one position: what
+                             stage 1 runs to get the teacher's q, k, v
+    transfer/<objective>     stage 1 as ``AttentionTransfer`` runs it: the teacher forward with an
+                             observer that computes each layer's loss (``ops.transfer.
+                             transfer_loss``) and backpropagates it at once, then AdamW on the
+                             feature maps. ``weights_xent`` runs the blocked PyTorch version
+                             (``[blocked]``) and the fused kernel (``[fused]``, ops.triton_xent,
+                             patched in for this row); ``la_output_mse [fused]`` computes LA
+                             through the fused hybrid kernel in la_only mode, ``la_span="all"``
+    transfer/lolcats_tt      hybrid_output_mse with a LoLCATs-style materialised T x T student
+    finetune/hybrid          stage 2: peft LoRA (r 8 on q, k, v, o), activation checkpointing,
+                             next-token loss, the layers in hybrid mode (SSD off)
+    finetune/softmax         the same LoRA step with the layers in softmax mode
+
+Results: ``stage_speed.json`` and ``stage_speed.md`` in ``--out``, and the issue's ratios in
+``--summary`` (default ``<out>/summary.json``, merged with attention_speed's). ``--profile``
+adds a torch.profiler table of one fused-xent stage-1 step. Every row runs in its own try
+block: a failure is a row with an ``error``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import inspect
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+from hedgecats.models import HybridConfig, convert_to_hybrid, hybrid_layers, set_attention_mode
+from hedgecats.models.ops import transfer
+
+LLAMA3_8B = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+             "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256,
+             "max_position_embeddings": 8192, "rope_theta": 500000.0}
+TINY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 258,
+        "max_position_embeddings": 1024}
+LORA = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0,
+        "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+
+
+def random_llama(shape: dict, dtype: torch.dtype, device: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**shape, tie_word_embeddings=False)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            torch.manual_seed(0)
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(old)
+    model.config._attn_implementation = "sdpa"
+    return model
+
+
+class Bench:
+    def __init__(self, a):
+        self.a = a
+        self.device = "cpu" if a.tiny else "cuda"
+        self.cuda = self.device == "cuda"
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def autocast(self):
+        return torch.autocast("cuda", dtype=torch.bfloat16) if self.cuda else \
+            contextlib.nullcontext()
+
+    def measure(self, step, tokens: int) -> dict:
+        """Median seconds of ``step()`` over ``--steps`` after ``--warmup``; peak memory."""
+        for _ in range(self.a.warmup):
+            step()
+        self.sync()
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(self.a.steps):
+            t0 = time.perf_counter()
+            loss = step()
+            self.sync()
+            times.append(time.perf_counter() - t0)
+        s = statistics.median(times)
+        peak = torch.cuda.max_memory_allocated() / 2**30 if self.cuda else None
+        return {"step_s": round(s, 5), "tokens_per_s": round(tokens / s, 1),
+                "step_s_all": [round(t, 5) for t in times], "peak_gib": peak,
+                "last_loss": None if loss is None else float(loss)}
+
+
+# ----------------------------------------------------------------------------- stage steps
+def _loss_of(res):
+    return res[0] if isinstance(res, tuple) else res
+
+
+def transfer_step(model, opt, ids, bench: Bench, objective: str):
+    """One AttentionTransfer step: teacher forward, per-layer loss backpropagated at once."""
+    layers = list(hybrid_layers(model))
+    n = len(layers)
+    takes_hidden = "hidden_states" in inspect.signature(transfer.transfer_loss).parameters
+    losses = []
+
+    def observer(module, query, key, value, key_padding_mask, *rest):
+        with torch.enable_grad():
+            extra = {"hidden_states": rest[0] if rest else None} if takes_hidden else {}
+            loss = _loss_of(transfer.transfer_loss(objective, module, query, key, value,
+                                                   key_padding_mask, **extra))
+            (loss / n).backward()
+        losses.append(loss.detach())
+
+    set_attention_mode(model, "softmax", observer=observer)
+    try:
+        with torch.no_grad(), bench.autocast():
+            model(input_ids=ids, logits_to_keep=1)
+    finally:
+        set_attention_mode(model, observer=None)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return torch.stack(losses).mean()
+
+
+def teacher_step(model, ids, bench: Bench):
+    set_attention_mode(model, "softmax")
+    with torch.no_grad(), bench.autocast():
+        model(input_ids=ids, logits_to_keep=1)
+    return None
+
+
+def finetune_step(peft_model, inner, opt, ids, bench: Bench, mode: str):
+    set_attention_mode(inner, mode)
+    with bench.autocast():
+        loss = peft_model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+@contextlib.contextmanager
+def patched(obj, name, value):
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)
+
+
+def la_mse_fused(q, k, v, fq, fk, *, scale=None, key_padding_mask=None, eps=None,
+                 backend="auto"):
+    """``la_output_mse`` with LA over every causal key through the fused hybrid kernel
+    (``la_only``, ``la_span="all"``, ``rescale=True`` is exactly that LA)."""
+    from hedgecats.models.ops.hybrid import hybrid_attention
+
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    o_soft = transfer._teacher_output(q, k, v, scale, key_padding_mask, backend)
+    kw = {} if eps is None else {"eps": eps}
+    o_la = hybrid_attention(q.detach(), k.detach(), v.detach(), fq, fk, window=1, mode="la_only",
+                            la_span="all", rescale=True, key_padding_mask=key_padding_mask,
+                            scale=scale, backend=backend, **kw)
+    return transfer._masked_mse(o_la, o_soft, key_padding_mask)
+
+
+def materialised_student(q, k, v, fq, fk, *, window, mode="hybrid", g=0.5, shared_norm=False,
+                         overlap=False, key_padding_mask=None, scale=None, eps=None,
+                         backend="auto", **_):
+    """``hybrid_attention``'s signature, computed LoLCATs-style with T x T scores."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from attention_speed import materialised_hybrid
+
+    return materialised_hybrid(q, k, v, fq, fk, window=window, g=g, shared_norm=shared_norm,
+                               scale=scale)
+
+
+# ----------------------------------------------------------------------------- the run
+def run(a) -> dict:
+    bench = Bench(a)
+    dev = bench.device
+    shape = TINY if a.tiny else LLAMA3_8B
+    dtype = torch.float32 if a.tiny else torch.bfloat16
+    t0 = time.time()
+    model = random_llama(shape, dtype, dev)
+    model.requires_grad_(False)
+    convert_to_hybrid(model, HybridConfig(window=a.window, seed=0))
+    model.requires_grad_(False)
+    phi = [p for name, p in model.named_parameters()
+           if ".phi_q." in name or ".phi_k." in name]
+    for p in phi:
+        p.requires_grad_(True)
+    build_s = time.time() - t0
+    rows = []
+
+    def log(row):
+        rows.append(row)
+        if "error" in row:
+            print(f"T={row['T']:5d} {row['name']:32s} ERROR {row['error']}", flush=True)
+        else:
+            peak = "-" if row["peak_gib"] is None else f"{row['peak_gib']:.1f} GiB"
+            print(f"T={row['T']:5d} {row['name']:32s} {row['tokens_per_s']:>12,.0f} tokens/s  "
+                  f"step {row['step_s'] * 1e3:8.1f} ms  peak {peak}", flush=True)
+
+    def attempt(name, T, fn):
+        if bench.cuda:
+            torch.cuda.empty_cache()
+        try:
+            row = {"name": name, "T": T, **fn()}
+        except Exception as e:  # a failing row is a finding, not the end of the run
+            row = {"name": name, "T": T, "error": f"{type(e).__name__}: {e}"[:600],
+                   "traceback": traceback.format_exc()[-1500:]}
+            for p in phi:
+                p.grad = None
+        log(row)
+
+    def has_triton():
+        from hedgecats.models.ops import backends
+
+        return backends.available("triton")
+
+    profile = None
+    for T in (int(t) for t in a.seq_lens.split(",")):
+        B = max(1, a.tokens // T)
+        tokens = B * T
+        gen = torch.Generator().manual_seed(T)
+        ids = torch.randint(0, shape["vocab_size"], (B, T), generator=gen).to(dev)
+        opt = torch.optim.AdamW(phi, lr=1e-3)
+        model.eval()  # no dropout; SSD off in stage 1 (softmax mode) anyway
+        attempt("teacher_forward", T, lambda: bench.measure(lambda: teacher_step(model, ids, bench),
+                                                             tokens))
+        variants = []
+        if T <= a.blocked_xent_max_t:
+            variants.append(("transfer/weights_xent [blocked]", "weights_xent", None))
+        if has_triton():
+            from hedgecats.models.ops import triton_xent
+
+            variants.append(("transfer/weights_xent [fused]", "weights_xent",
+                             ("weights_xent", triton_xent.weights_xent)))
+        variants.append(("transfer/la_output_mse", "la_output_mse", None))
+        if has_triton():
+            variants.append(("transfer/la_output_mse [fused]", "la_output_mse",
+                             ("la_output_mse", la_mse_fused)))
+        variants.append(("transfer/hybrid_output_mse", "hybrid_output_mse", None))
+        if T <= a.lolcats_max_t:
+            variants.append(("transfer/lolcats_tt", "hybrid_output_mse",
+                             ("hybrid_attention", materialised_student)))
+        for name, objective, patch in variants:
+            def fn(objective=objective, patch=patch):
+                ctx = patched(transfer, *patch) if patch else contextlib.nullcontext()
+                with ctx:
+                    return bench.measure(lambda: transfer_step(model, opt, ids, bench, objective),
+                                         tokens)
+            attempt(name, T, fn)
+        if a.profile and profile is None and has_triton():
+            from hedgecats.models.ops import triton_xent
+
+            with patched(transfer, "weights_xent", triton_xent.weights_xent):
+                profile = profile_step(lambda: transfer_step(model, opt, ids, bench,
+                                                             "weights_xent"), T, bench)
+    # stage 2 on the same model: LoRA added once (it cannot be taken off)
+    from hedgecats.models.checkpoint import add_lora
+
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for p in phi:
+        p.requires_grad_(False)
+    peft_model = add_lora(model, LORA)
+    peft_model.train()
+    lora = [p for p in peft_model.parameters() if p.requires_grad]
+    for T in (int(t) for t in a.seq_lens.split(",")):
+        B = max(1, a.tokens // T)
+        gen = torch.Generator().manual_seed(T + 1)
+        ids = torch.randint(0, shape["vocab_size"], (B, T), generator=gen).to(dev)
+        opt = torch.optim.AdamW(lora, lr=1e-4)
+        for mode in ("hybrid", "softmax"):
+            attempt(f"finetune/{mode}", T, lambda mode=mode: bench.measure(
+                lambda: finetune_step(peft_model, model, opt, ids, bench, mode), B * T))
+    return {"rows": rows, "build_s": round(build_s, 1), "profile": profile,
+            "trainable": {"feature_maps": sum(p.numel() for p in phi),
+                          "lora": sum(p.numel() for p in lora)}}
+
+
+def profile_step(step, T, bench: Bench):
+    """Where one stage-1 step's time goes (CUDA kernels, top 25)."""
+    if not bench.cuda:
+        return None
+    step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
+                                            torch.profiler.ProfilerActivity.CPU]) as prof:
+        step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+    print(f"== profile of one fused weights_xent stage-1 step, T={T}\n{table}", flush=True)
+    ev = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:25]
+    return {"T": T, "kernels": [{"name": e.key[:120], "cuda_ms": round(e.device_time_total / 1e3,
+                                                                       3), "calls": e.count}
+                                for e in ev]}
+
+
+def _row(rows, name, T):
+    for r in rows:
+        if r["name"] == name and r["T"] == T and "tokens_per_s" in r:
+            return r
+    return None
+
+
+def ratios(rows, short: int = 1024, long: int = 4096) -> dict:
+    """The issue's ratios at the short (1k) and long (4k) sequence lengths."""
+    def tps(name, T):
+        r = _row(rows, name, T)
+        return None if r is None else r["tokens_per_s"]
+
+    def div(x, y):
+        return None if x is None or y is None else round(x / y, 4)
+
+    teacher = tps("teacher_forward", short)
+    xent = tps("transfer/weights_xent [fused]", short) or \
+        tps("transfer/weights_xent [blocked]", short)
+    mse = [v for v in (tps("transfer/la_output_mse [fused]", short) or
+                       tps("transfer/la_output_mse", short),
+                       tps("transfer/hybrid_output_mse", short)) if v is not None]
+    peaks = [r["peak_gib"] for r in rows if r["name"].startswith("transfer/")
+             and "lolcats" not in r["name"] and r.get("peak_gib") is not None]
+    tf = _row(rows, "teacher_forward", short)
+    return {
+        "transfer_xent_vs_teacher_forward": div(xent, teacher),
+        "transfer_mse_vs_teacher_forward": div(min(mse) if mse else None, teacher),
+        "lora_vs_softmax_lora": div(tps("finetune/hybrid", short), tps("finetune/softmax", short)),
+        "transfer_vs_lolcats_T4k": div(tps("transfer/hybrid_output_mse", long),
+                                       tps("transfer/lolcats_tt", long)),
+        "transfer_peak_gib_over_teacher": None if not peaks or tf is None or tf["peak_gib"] is None
+        else round(max(peaks) - tf["peak_gib"], 2),
+        "scaling_efficiency_transfer_2gpu": None,
+        "scaling_efficiency_lora_2gpu": None,
+    }
+
+
+TARGETS = {"transfer_xent_vs_teacher_forward": ">= 0.5", "transfer_mse_vs_teacher_forward":
+           ">= 0.7", "lora_vs_softmax_lora": ">= 0.9", "transfer_vs_lolcats_T4k": ">= 3",
+           "transfer_peak_gib_over_teacher": "<= 10", "scaling_efficiency_transfer_2gpu": ">= 0.9",
+           "scaling_efficiency_lora_2gpu": ">= 0.9"}
+
+
+def environment(tiny: bool) -> dict:
+    env = {"gpu": "cpu (--tiny smoke run)" if tiny else torch.cuda.get_device_name(),
+           "torch": torch.__version__, "cuda": torch.version.cuda,
+           "date": datetime.date.today().isoformat()}
+    for mod in ("triton", "fla", "transformers", "peft"):
+        try:
+            env[mod] = __import__(mod).__version__
+        except Exception:
+            env[mod] = None
+    return env
+
+
+def markdown(res) -> str:
+    e = res["environment"]
+    lines = [f"# stage_speed ({e['gpu']}, {e['date']})", "", f"`{res['command']}`", "",
+             f"torch {e['torch']}, triton {e['triton']}, fla {e['fla']}, transformers "
+             f"{e['transformers']}, peft {e['peft']}. Model: {res['model']}, {res['tokens']} "
+             f"tokens per step, median of {res['steps']} steps after {res['warmup']}.", "",
+             "| T | row | tokens/s | step ms | peak GiB |", "| --- | --- | --- | --- | --- |"]
+    for r in res["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['T']} | {r['name']} | error: "
+                         f"{r['error'][:120].replace('|', '/')} | | |")
+        else:
+            peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
+            lines.append(f"| {r['T']} | {r['name']} | {r['tokens_per_s']:,.0f} | "
+                         f"{r['step_s'] * 1e3:.1f} | {peak} |")
+    lines += ["", "| ratio | measured | target |", "| --- | --- | --- |"]
+    for k, v in res["ratios"].items():
+        lines.append(f"| {k} | {'-' if v is None else v} | {TARGETS[k]} |")
+    lines += ["", "Two-GPU scaling is not measured by this script (one GPU): `null`."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tiny", action="store_true", help="CPU, tiny model: smoke test")
+    p.add_argument("--seq-lens", default=None,
+                   help="comma list (default 1024,4096; tiny 32,64); the ratios use the "
+                   "shortest as 'T1k' and the longest as 'T4k'")
+    p.add_argument("--tokens", type=int, default=None, help="tokens per step (default 8192)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default 3; tiny 1)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps (default 1)")
+    p.add_argument("--window", type=int, default=None, help="SWA window (default 64; tiny 8)")
+    p.add_argument("--blocked-xent-max-t", type=int, default=1024,
+                   help="run the blocked weights_xent up to this T (it is quadratic and slow)")
+    p.add_argument("--lolcats-max-t", type=int, default=4096)
+    p.add_argument("--profile", action="store_true", help="profile one fused-xent stage-1 step")
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--summary", default=None, help="default <out>/summary.json")
+    a = p.parse_args(argv)
+    a.seq_lens = a.seq_lens or ("32,64" if a.tiny else "1024,4096")
+    a.tokens = a.tokens or (64 if a.tiny else 8192)
+    a.steps = a.steps or (1 if a.tiny else 3)
+    a.warmup = a.warmup if a.warmup is not None else 1
+    a.window = a.window or (8 if a.tiny else 64)
+    if not a.tiny and not torch.cuda.is_available():
+        print("stage_speed needs a GPU (or --tiny for the CPU smoke run)", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    res = {"command": " ".join(["python", "benchmarks/stage_speed.py", *(argv or sys.argv[1:])]),
+           "environment": environment(a.tiny), "model": "tiny" if a.tiny else
+           "llama3-8b-shaped (random, bf16)", "tokens": a.tokens, "steps": a.steps,
+           "warmup": a.warmup, "window": a.window}
+    res.update(run(a))
+    lens = [int(t) for t in a.seq_lens.split(",")]
+    res["ratios"] = ratios(res["rows"], min(lens), max(lens))
+    res["ratio_lengths"] = {"short": min(lens), "long": max(lens)}
+    res["targets"] = TARGETS
+    res["seconds"] = round(time.time() - t0, 1)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "stage_speed.json").write_text(json.dumps(res, indent=1) + "\n")
+    (out / "stage_speed.md").write_text(markdown(res))
+    summary_path = Path(a.summary) if a.summary else out / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    summary.update(res["ratios"])
+    summary["gpu"], summary["date"] = res["environment"]["gpu"], res["environment"]["date"]
+    summary_path.write_text(json.dumps(summary, indent=1) + "\n")
+    print(json.dumps(res["ratios"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
