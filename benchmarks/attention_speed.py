@@ -489,6 +489,7 @@ TARGETS = {"layer_vs_teacher_T1k": 2.5, "layer_vs_teacher_T64k": 0.1,
 def markdown(res) -> str:
     e = res["environment"]
     lines = [f"# attention_speed ({e['gpu']}, {e['date']})", "",
+             f"{len(res['rows'])} rows in {res.get('seconds', '?')} s.", "",
              f"`{res['command']}`", "",
              f"torch {e['torch']}, CUDA {e['cuda']}, triton {e['triton']}, fla {e['fla']}, "
              f"transformers {e['transformers']}. H={res['heads']}, Hkv={res['kv_heads']}, "
@@ -535,7 +536,8 @@ def update_summary(path: Path, values: dict, env: dict) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shapes", default="8x1024,2x4096,1x16384,1x65536,1x131072", help="BxT list")
+    p.add_argument("--shapes", default="8x1024,2x4096,1x65536,1x16384,1x131072",
+                   help="BxT list, run in this order")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
@@ -594,6 +596,16 @@ def main(argv=None) -> int:
               f"({row['floor_fraction']:.2f}){err}{fused}", flush=True)
 
     t0 = time.time()
+
+    def write():  # after every shape: a run cut short by a time limit keeps what it measured
+        res["seconds"] = round(time.time() - t0, 1)
+        res["ratios"] = ratios(res["rows"])
+        res["targets"] = TARGETS
+        (out / "attention_speed.json").write_text(json.dumps(res, indent=1) + "\n")
+        (out / "attention_speed.md").write_text(markdown(res))
+        update_summary(Path(a.summary) if a.summary else out / "summary.json", res["ratios"],
+                       res["environment"])
+
     for shape in a.shapes.split(","):
         B, T = map(int, shape.split("x"))
         try:
@@ -602,13 +614,7 @@ def main(argv=None) -> int:
             res["rows"].append({"B": B, "T": T, "case": "(shape)", "error": f"{e}"[:400]})
             print(f"B={B} T={T}: shape failed: {e}", flush=True)
         torch.cuda.empty_cache()
-    res["seconds"] = round(time.time() - t0, 1)
-    res["ratios"] = ratios(res["rows"])
-    res["targets"] = TARGETS
-    (out / "attention_speed.json").write_text(json.dumps(res, indent=1) + "\n")
-    (out / "attention_speed.md").write_text(markdown(res))
-    update_summary(Path(a.summary) if a.summary else out / "summary.json", res["ratios"],
-                   res["environment"])
+        write()
     print(json.dumps(res["ratios"], indent=1))
     return 0
 

@@ -192,7 +192,7 @@ def materialised_student(q, k, v, fq, fk, *, window, mode="hybrid", g=0.5, share
 
 
 # ----------------------------------------------------------------------------- the run
-def run(a) -> dict:
+def run(a, on_row=None) -> dict:
     bench = Bench(a)
     dev = bench.device
     shape = TINY if a.tiny else LLAMA3_8B
@@ -211,6 +211,8 @@ def run(a) -> dict:
 
     def log(row):
         rows.append(row)
+        if on_row is not None:
+            on_row(rows)
         if "error" in row:
             print(f"T={row['T']:5d} {row['name']:32s} ERROR {row['error']}", flush=True)
         else:
@@ -421,22 +423,27 @@ def main(argv=None) -> int:
     res = {"command": " ".join(["python", "benchmarks/stage_speed.py", *(argv or sys.argv[1:])]),
            "environment": environment(a.tiny), "model": "tiny" if a.tiny else
            "llama3-8b-shaped (random, bf16)", "tokens": a.tokens, "steps": a.steps,
-           "warmup": a.warmup, "window": a.window}
-    res.update(run(a))
+           "warmup": a.warmup, "window": a.window, "rows": []}
     lens = [int(t) for t in a.seq_lens.split(",")]
-    res["ratios"] = ratios(res["rows"], min(lens), max(lens))
-    res["ratio_lengths"] = {"short": min(lens), "long": max(lens)}
-    res["targets"] = TARGETS
-    res["seconds"] = round(time.time() - t0, 1)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "stage_speed.json").write_text(json.dumps(res, indent=1) + "\n")
-    (out / "stage_speed.md").write_text(markdown(res))
     summary_path = Path(a.summary) if a.summary else out / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    summary.update(res["ratios"])
-    summary["gpu"], summary["date"] = res["environment"]["gpu"], res["environment"]["date"]
-    summary_path.write_text(json.dumps(summary, indent=1) + "\n")
+
+    def write(rows):  # after every row: a run cut short by a time limit keeps what it measured
+        res["rows"] = rows
+        res["ratios"] = ratios(rows, min(lens), max(lens))
+        res["ratio_lengths"] = {"short": min(lens), "long": max(lens)}
+        res["targets"] = TARGETS
+        res["seconds"] = round(time.time() - t0, 1)
+        (out / "stage_speed.json").write_text(json.dumps(res, indent=1) + "\n")
+        (out / "stage_speed.md").write_text(markdown(res))
+        summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+        summary.update(res["ratios"])
+        summary["gpu"], summary["date"] = res["environment"]["gpu"], res["environment"]["date"]
+        summary_path.write_text(json.dumps(summary, indent=1) + "\n")
+
+    res.update(run(a, on_row=write))
+    write(res["rows"])
     print(json.dumps(res["ratios"], indent=1))
     return 0
 

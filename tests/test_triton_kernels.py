@@ -147,17 +147,21 @@ def check(cid, shape_id, dtype, mode, *, expect_fused=True, **kw):
     fused = th.CALLS["forward"] - calls
     new_errors = th.FALLBACK_ERRORS[n_err:]
     vs_same, vs_oracle = errors(got, same), errors(got, oracle)
+    ref_vs_oracle = errors(same, oracle)
     report(test="hybrid", case=cid, shape=str(shape_id), dtype=str(dtype), fused_calls=fused,
            vs_reference_same_dtype={n: float(f"{e:.2e}") for n, e in vs_same.items()},
            vs_fp32_oracle={n: float(f"{e:.2e}") for n, e in vs_oracle.items()},
-           reference_same_dtype_vs_oracle={n: float(f"{e:.2e}")
-                                           for n, e in errors(same, oracle).items()},
+           reference_same_dtype_vs_oracle={n: float(f"{e:.2e}") for n, e in ref_vs_oracle.items()},
            triton_errors=new_errors, seconds=round(time.time() - t0, 2))
     assert not new_errors, f"Triton failed and the call fell back: {new_errors}"
     assert (fused > 0) == expect_fused, \
         f"fused kernel {'not ' if expect_fused else ''}used ({fused} calls)"
     assert torch.isfinite(got["out"]).all()
-    bad = {n: f"{e:.2e}" for n, e in vs_same.items() if not e < TOL[dtype]}
+    # within the tolerance of the same-dtype reference, or at least as close to the fp32 oracle
+    # as that reference is (two bf16 computations differ by about twice the dtype's noise)
+    bad = {n: f"{e:.2e} (oracle {vs_oracle[n]:.2e}, reference's {ref_vs_oracle[n]:.2e})"
+           for n, e in vs_same.items()
+           if not (e < TOL[dtype] or vs_oracle[n] <= 1.25 * ref_vs_oracle[n])}
     assert not bad, f"triton vs the reference in {dtype} (tolerance {TOL[dtype]}): {bad}"
     if dtype == torch.bfloat16:
         bad = {n: f"{e:.2e}" for n, e in vs_oracle.items() if not e < BF16_VS_ORACLE}
