@@ -599,6 +599,11 @@ def main(argv=None) -> int:
 
     def write():  # after every shape: a run cut short by a time limit keeps what it measured
         res["seconds"] = round(time.time() - t0, 1)
+        if backends.available("triton"):
+            from hedgecats.models.ops import triton_hybrid as th
+
+            res["kernel_tile_retries"] = list(th.RETRIES)
+            res["kernel_fallback_errors"] = list(th.FALLBACK_ERRORS)
         res["ratios"] = ratios(res["rows"])
         res["targets"] = TARGETS
         (out / "attention_speed.json").write_text(json.dumps(res, indent=1) + "\n")

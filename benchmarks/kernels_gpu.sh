@@ -67,8 +67,14 @@ for r in sorted(rows, key=lambda r: (r["test"], r["case"], str(r["shape"]), r["d
     same = r.get("vs_reference_same_dtype") or r.get("vs_blocked_same_dtype")
     print(f"| {r['test']} | {r['case']}{'-pad' if r.get('pad') else ''} | {r['shape']} | "
           f"{r['dtype'].replace('torch.', '')} | {r.get('fused_calls')} | {worst(same)} | "
-          f"{worst(r.get('vs_fp32_oracle'))} | {len(r.get('triton_errors') or [])} | "
+          f"{worst(r.get('vs_fp32_oracle'))} | {len(r.get('triton_errors') or [])}"
+          f"{' +%d tile retries' % len(r['tile_retries']) if r.get('tile_retries') else ''} | "
           f"{r.get('seconds')} |")
+msgs = sorted({m for r in rows for m in (r.get("triton_errors") or []) + (r.get("tile_retries") or [])})
+if msgs:
+    print("\nTriton errors and tile retries seen:\n")
+    for m in msgs:
+        print("- " + m.replace("\n", " ")[:400])
 EOF
   say "$(wc -l < "$OUT/kernel_tests.jsonl" 2>/dev/null) case reports in kernel_tests.md"
 fi

@@ -142,7 +142,7 @@ def check(cid, shape_id, dtype, mode, *, expect_fused=True, **kw):
     t0 = time.time()
     oracle = run("reference", shape, torch.float32, mode, **kw)
     same = oracle if dtype == torch.float32 else run("reference", shape, dtype, mode, **kw)
-    calls, n_err = th.CALLS["forward"], len(th.FALLBACK_ERRORS)
+    calls, n_err, n_retry = th.CALLS["forward"], len(th.FALLBACK_ERRORS), len(th.RETRIES)
     got = run("triton", shape, dtype, mode, **kw)
     fused = th.CALLS["forward"] - calls
     new_errors = th.FALLBACK_ERRORS[n_err:]
@@ -152,7 +152,8 @@ def check(cid, shape_id, dtype, mode, *, expect_fused=True, **kw):
            vs_reference_same_dtype={n: float(f"{e:.2e}") for n, e in vs_same.items()},
            vs_fp32_oracle={n: float(f"{e:.2e}") for n, e in vs_oracle.items()},
            reference_same_dtype_vs_oracle={n: float(f"{e:.2e}") for n, e in ref_vs_oracle.items()},
-           triton_errors=new_errors, seconds=round(time.time() - t0, 2))
+           triton_errors=new_errors, tile_retries=th.RETRIES[n_retry:],
+           seconds=round(time.time() - t0, 2))
     assert not new_errors, f"Triton failed and the call fell back: {new_errors}"
     assert (fused > 0) == expect_fused, \
         f"fused kernel {'not ' if expect_fused else ''}used ({fused} calls)"
@@ -312,7 +313,7 @@ def xent_check(cid, shape, dtype, pad, *, underflow=False, activation="softmax")
         kpm[0, : T // 5] = False
         kpm[-1, T - T // 7:] = False
     t0 = time.time()
-    calls, n_err = tx.CALLS["forward"], len(tx.FALLBACK_ERRORS)
+    calls, n_err, n_retry = tx.CALLS["forward"], len(tx.FALLBACK_ERRORS), len(tx.RETRIES)
     got = _xent_run(tx.weights_xent, q, k, fq, fk, kpm)
     fused = tx.CALLS["forward"] - calls
     new_errors = tx.FALLBACK_ERRORS[n_err:]
@@ -321,7 +322,7 @@ def xent_check(cid, shape, dtype, pad, *, underflow=False, activation="softmax")
     report(test="weights_xent", case=cid, shape=list(shape), dtype=str(dtype), pad=pad,
            fused_calls=fused, vs_blocked_same_dtype={n: float(f"{e:.2e}") for n, e in err.items()},
            xent=got["xent"].item(), entropy=got["entropy"].item(), triton_errors=new_errors,
-           seconds=round(time.time() - t0, 2))
+           tile_retries=tx.RETRIES[n_retry:], seconds=round(time.time() - t0, 2))
     assert not new_errors and fused == 1
     assert torch.isfinite(got["xent"]).all() and torch.isfinite(got["dfq"]).all()
     assert got["xent"].item() >= got["entropy"].item() - 1e-4  # Gibbs: xent >= H(A_soft)

@@ -112,9 +112,11 @@ def default_config(D: int, F: int, dtype: torch.dtype) -> KernelConfig:
     if dtype == torch.float32:
         return KernelConfig(block_m=32, block_n=32, state_chunk=64, warps=4, stages=1,
                             bwd_block_m=32, bwd_block_n=32, bwd_warps=4, state_f=32, state_d=32)
-    big = D * F >= 128 * 256
+    big = D * F >= 128 * 256  # e.g. D = 128 with the square map (F = 256)
+    # the key-side backward keeps dk, dv (D wide) and dfk (F wide) in fp32 registers: 32 keys
+    # per program when they are wide
     return KernelConfig(warps=8 if big else 4, bwd_warps=8,
-                        bwd_block_m=32 if big else 64, bwd_block_n=64)
+                        bwd_block_m=32 if big else 64, bwd_block_n=32 if big else 64)
 
 
 # ============================================================================= the kernels
@@ -596,12 +598,32 @@ if _HAVE_TRITON:
 LOG2E = 1.4426950408889634
 
 
+def _ptr(x, dummy):
+    """A tensor for a pointer argument the kernel does not read (its flag is off)."""
+    return dummy if x is None else x
+
+
 def _strides(x: torch.Tensor) -> tuple[int, int, int]:
     return x.stride(0), x.stride(1), x.stride(2)
 
 
 def _prec(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _state_tile(cfg: KernelConfig, heads: int, F: int, D: int) -> tuple[int, int]:
+    """(F, D) tile of one state-kernel program: the configured one, halved (down to 32) while
+    the grid has fewer programs than about two per multiprocessor (the state kernels walk T
+    sequentially, so at batch 1 their parallelism is the grid)."""
+    bf, bd = min(cfg.state_f, F), min(cfg.state_d, D)
+    while heads * (F // bf) * (D // bd) < 264 and (bf > 32 or bd > 32):
+        if bf >= bd and bf > 32:
+            bf //= 2
+        elif bd > 32:
+            bd //= 2
+        else:
+            bf //= 2
+    return bf, bd
 
 
 def _la_states(fk, v, kpm_i8, cfg: KernelConfig):
@@ -612,9 +634,9 @@ def _la_states(fk, v, kpm_i8, cfg: KernelConfig):
     NC = triton.cdiv(T, CS)
     S = torch.empty(B, Hkv, NC, F, D, device=fk.device, dtype=fk.dtype)
     z = torch.empty(B, Hkv, NC, F, device=fk.device, dtype=torch.float32)
-    BF, BD = min(cfg.state_f, F), min(cfg.state_d, D)
+    BF, BD = _state_tile(cfg, B * Hkv, F, D)
     grid = (B * Hkv, F // BF, D // BD)
-    _state_fwd[grid](fk, v, kpm_i8, S, z, *_strides(fk), *_strides(v), T, Hkv, NC,
+    _state_fwd[grid](fk, v, _ptr(kpm_i8, z), S, z, *_strides(fk), *_strides(v), T, Hkv, NC,
                      F=F, D=D, CS=CS, BF=BF, BD=BD, HAS_KPM=kpm_i8 is not None,
                      PREC=_prec(fk.dtype), num_warps=cfg.state_warps)
     return S, z, NC
@@ -634,7 +656,7 @@ def _forward(q, k, v, fq, fk, ca, cb, logs, shift, first, kpm_i8, *, window, sca
     lse = torch.empty(B * H, T, device=q.device, dtype=torch.float32)
     den = torch.empty(B * H, T, device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(T, cfg.block_m), B * H)
-    _fwd[grid](q, k, v, fq, fk, S, z, o, lse, den, ca, cb, logs, shift, first, kpm_i8,
+    _fwd[grid](q, k, v, fq, fk, S, z, o, lse, den, ca, cb, logs, shift, first, _ptr(kpm_i8, lse),
                *_strides(q), *_strides(k), *_strides(v), *_strides(fq), *_strides(fk),
                *_strides(o), T, H, H // Hkv, NC, window, scale * LOG2E, eps,
                D=D, F=F, BM=cfg.block_m, BN=cfg.block_n, CS=cfg.state_chunk, HAS_SWA=has_swa,
@@ -665,7 +687,7 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, kpm_i8, lse, den,
     prec = _prec(q.dtype)
     common = dict(D=D, F=F, CS=cfg.state_chunk, PREC=prec)
     _bwd_dq[(NMB, B * H)](
-        q, k, v, fq, fk, do, S, z, lse, den, ca, cb, logs, shift, first, kpm_i8,
+        q, k, v, fq, fk, do, S, z, lse, den, ca, cb, logs, shift, first, _ptr(kpm_i8, lse),
         dq if dq is not None else dummy, dfq if dfq is not None else dummy,
         delta, ws, gf, dden, pa, pb,
         *_strides(q), *_strides(k), *_strides(v), *_strides(fq), *_strides(fk), *_strides(do),
@@ -676,7 +698,7 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, kpm_i8, lse, den,
     if has_la:
         R = torch.empty(B, Hkv, NC, F, D, device=dev, dtype=fq.dtype)
         U = torch.empty(B, Hkv, NC, F, **f32)
-        BF, BD = min(cfg.state_f, F), min(cfg.state_d, D)
+        BF, BD = _state_tile(cfg, B * Hkv, F, D)
         _state_rev[(B * Hkv, F // BF, D // BD)](
             fq, do, gf, dden, shift, R, U, *_strides(fq), *_strides(do), T, H, G, NC,
             BF=BF, BD=BD, num_warps=cfg.state_warps, **common)
@@ -686,7 +708,7 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, kpm_i8, lse, den,
     dv = torch.empty(B, Hkv, T, D, device=dev, dtype=v.dtype)
     dfk = torch.empty(B, Hkv, T, F, device=dev, dtype=fk.dtype) if has_la else None
     _bwd_dkv[(triton.cdiv(T, BN), B * Hkv)](
-        q, k, v, fq, fk, do, lse, delta, ws, gf, dden, R, U, shift, kpm_i8,
+        q, k, v, fq, fk, do, lse, delta, ws, gf, dden, R, U, shift, _ptr(kpm_i8, lse),
         dk, dv, dfk if dfk is not None else dummy,
         *_strides(q), *_strides(k), *_strides(v), *_strides(fq), *_strides(fk), *_strides(do),
         T, H, G, NC, window, scale, scale * LOG2E,
@@ -711,13 +733,41 @@ def _triton_errors() -> tuple[type[BaseException], ...]:
     return tuple(errs)
 
 
+#: tiles that fit any Hopper / Ampere part, tried when the configured ones fail to compile
+#: (out of shared memory or registers)
+SAFE_CONFIG = KernelConfig(block_m=32, block_n=32, state_chunk=64, warps=4, stages=1,
+                           bwd_block_m=32, bwd_block_n=32, bwd_warps=4, state_f=32, state_d=32,
+                           state_warps=4)
+#: (phase, config, problem key) combinations that failed to compile, and the retries made
+_FAILED: set = set()
+RETRIES: list[str] = []
+
+
+def _with_retry(phase: str, key: tuple, cfg: KernelConfig, fn):
+    """``fn(cfg)``, or ``fn(SAFE_CONFIG)`` when ``cfg``'s kernels do not compile here (once per
+    problem key; the failure is logged once and recorded in ``RETRIES``)."""
+    errs = _triton_errors()
+    if (phase, cfg, key) not in _FAILED:
+        try:
+            return fn(cfg)
+        except errs as e:
+            if cfg == SAFE_CONFIG:
+                raise
+            _FAILED.add((phase, cfg, key))
+            RETRIES.append(f"{phase} {key}: {type(e).__name__}: {str(e)[:300]}")
+            _warn_once(f"fused hybrid {phase}: tiles {cfg} do not compile here "
+                       f"({type(e).__name__}: {str(e)[:200]}); using {SAFE_CONFIG}")
+    return fn(SAFE_CONFIG)
+
+
 class _HybridFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, fq, fk, ca, cb, logs, shift, first, kpm_i8, window, scale, eps,
                 has_swa, has_la, shared, cfg):
-        o, lse, den = _forward(q, k, v, fq, fk, ca, cb, logs, shift, first, kpm_i8,
-                               window=window, scale=scale, eps=eps, has_swa=has_swa,
-                               has_la=has_la, shared=shared, cfg=cfg)
+        key = (q.dtype, q.shape[-1], fq.shape[-1], has_swa, has_la, shared, kpm_i8 is not None)
+        o, lse, den = _with_retry("forward", key, cfg, lambda c: _forward(
+            q, k, v, fq, fk, ca, cb, logs, shift, first, kpm_i8, window=window, scale=scale,
+            eps=eps, has_swa=has_swa, has_la=has_la, shared=shared, cfg=c))
         ctx.save_for_backward(q, k, v, fq, fk, ca, cb, logs, shift, first, lse, den,
                               *(() if kpm_i8 is None else (kpm_i8,)))
         ctx.args = dict(window=window, scale=scale, eps=eps, has_swa=has_swa, has_la=has_la,
@@ -733,9 +783,13 @@ class _HybridFn(torch.autograd.Function):
         do = do if do.stride(-1) == 1 else do.contiguous()
         if do.dtype != q.dtype:
             do = do.to(q.dtype)
+        key = (q.dtype, q.shape[-1], fq.shape[-1], a["has_swa"], a["has_la"], a["shared"],
+               kpm_i8 is not None)
+        args = {n: x for n, x in a.items() if n != "cfg"}
         try:
-            dq, dk, dv, dfq, dfk, dpa, dpb = _backward(
-                do, q, k, v, fq, fk, ca, cb, logs, shift, first, kpm_i8, lse, den, **a)
+            dq, dk, dv, dfq, dfk, dpa, dpb = _with_retry("backward", key, a["cfg"], lambda c: (
+                _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, kpm_i8, lse, den,
+                          cfg=c, **args)))
         except _triton_errors() as e:  # a Triton resource / compile failure: say so, stay right
             FALLBACK_ERRORS.append(f"backward: {type(e).__name__}: {e}"[:500])
             _warn_once(f"fused hybrid backward failed in Triton ({type(e).__name__}); this call's "

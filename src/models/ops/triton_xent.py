@@ -256,13 +256,34 @@ def _prec(dtype):
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+#: (block_m, block_n, warps, stages) tried when the chosen tiles do not compile here
+SAFE_BLOCKS = (32, 32, 4, 1)
+_FAILED: set = set()
+RETRIES: list[str] = []
+
+
 def _blocks(q, fq, block_m, block_n):
+    """(block_m, block_n, warps, stages): 64 x 64 tiles in bf16, 32 x 32 with fp32 operands."""
     if block_m is not None:
-        return block_m, block_n or block_m, 4
+        return block_m, block_n or block_m, 4, 2
     if torch.float32 in (q.dtype, fq.dtype):
-        return 32, 32, 4
+        return SAFE_BLOCKS
     big = q.shape[-1] * fq.shape[-1] >= 128 * 256
-    return 64, 64, 8 if big else 4
+    return 64, 64, 8 if big else 4, 2
+
+
+def _with_retry(phase, key, blocks, fn):
+    if (phase, blocks, key) not in _FAILED:
+        try:
+            return fn(blocks)
+        except _triton_errors() as e:
+            if blocks == SAFE_BLOCKS:
+                raise
+            _FAILED.add((phase, blocks, key))
+            RETRIES.append(f"{phase} {key}: {type(e).__name__}: {str(e)[:300]}")
+            _warn_once(f"fused weights_xent {phase}: tiles {blocks} do not compile here "
+                       f"({type(e).__name__}); using {SAFE_BLOCKS}")
+    return fn(SAFE_BLOCKS)
 
 
 class _XentFn(torch.autograd.Function):
@@ -271,40 +292,52 @@ class _XentFn(torch.autograd.Function):
         B, H, T, D = q.shape
         Hkv = k.shape[1]
         F = fq.shape[-1]
-        BM, BN, warps = _blocks(q, fq, block_m, block_n)
+        blocks = _blocks(q, fq, block_m, block_n)
         f32 = dict(device=q.device, dtype=torch.float32)
         xe, ent, lse, lz = (torch.empty(B * H, T, **f32) for _ in range(4))
-        kw = dict(D=D, F=F, BM=BM, BN=BN, HAS_KPM=kpm_i8 is not None, PREC_S=_prec(q.dtype),
-                  PREC_A=_prec(fq.dtype), num_warps=warps)
         kpm_arg = kpm_i8 if kpm_i8 is not None else lse
-        _xent_fwd[(triton.cdiv(T, BM), B * H)](
-            q, k, fq, fk, kpm_arg, xe, ent, lse, lz, *_strides(q), *_strides(k), *_strides(fq),
-            *_strides(fk), T, H, H // Hkv, scale * LOG2E, TINY, **kw)
+        key = (q.dtype, fq.dtype, D, F, kpm_i8 is not None)
+
+        def launch(bl):
+            BM, BN, warps, stages = bl
+            _xent_fwd[(triton.cdiv(T, BM), B * H)](
+                q, k, fq, fk, kpm_arg, xe, ent, lse, lz, *_strides(q), *_strides(k),
+                *_strides(fq), *_strides(fk), T, H, H // Hkv, scale * LOG2E, TINY,
+                D=D, F=F, BM=BM, BN=BN, HAS_KPM=kpm_i8 is not None, PREC_S=_prec(q.dtype),
+                PREC_A=_prec(fq.dtype), num_warps=warps, num_stages=stages)
+
+        _with_retry("forward", key, blocks, launch)
         ctx.save_for_backward(q, k, fq, fk, lse, lz, *(() if kpm_i8 is None else (kpm_i8,)))
-        ctx.meta = (scale, BM, BN, warps, kpm_i8 is not None)
+        ctx.meta = (scale, blocks, kpm_i8 is not None)
         ctx.mark_non_differentiable(ent)
         return xe.view(B, H, T), ent.view(B, H, T)
 
     @staticmethod
     def backward(ctx, dxe, _dent):
         q, k, fq, fk, lse, lz, *rest = ctx.saved_tensors
-        scale, BM, BN, warps, has_kpm = ctx.meta
+        scale, blocks, has_kpm = ctx.meta
         kpm_i8 = rest[0] if has_kpm else None
         B, H, T, D = q.shape
         Hkv = k.shape[1]
         F = fq.shape[-1]
         w = dxe.float().reshape(B * H, T).contiguous()
-        dfq = torch.empty_like(fq, memory_format=torch.contiguous_format)
+        dfq = torch.empty(B, H, T, F, device=fq.device, dtype=fq.dtype)
         dfk = torch.empty(B, Hkv, T, F, device=fk.device, dtype=fk.dtype)
-        kw = dict(D=D, F=F, BM=BM, BN=BN, HAS_KPM=has_kpm, PREC_S=_prec(q.dtype),
-                  PREC_A=_prec(fq.dtype), num_warps=warps)
         kpm_arg = kpm_i8 if kpm_i8 is not None else lse
         args = (*_strides(q), *_strides(k), *_strides(fq), *_strides(fk), T, H, H // Hkv,
                 scale * LOG2E, TINY)
-        _xent_bwd_dq[(triton.cdiv(T, BM), B * H)](q, k, fq, fk, kpm_arg, lse, lz, w, dfq,
-                                                   *args, **kw)
-        _xent_bwd_dk[(triton.cdiv(T, BN), B * Hkv)](q, k, fq, fk, kpm_arg, lse, lz, w, dfk,
-                                                     *args, **kw)
+        key = (q.dtype, fq.dtype, D, F, has_kpm)
+
+        def launch(bl):
+            BM, BN, warps, stages = bl
+            kw = dict(D=D, F=F, BM=BM, BN=BN, HAS_KPM=has_kpm, PREC_S=_prec(q.dtype),
+                      PREC_A=_prec(fq.dtype), num_warps=warps, num_stages=stages)
+            _xent_bwd_dq[(triton.cdiv(T, BM), B * H)](q, k, fq, fk, kpm_arg, lse, lz, w, dfq,
+                                                       *args, **kw)
+            _xent_bwd_dk[(triton.cdiv(T, BN), B * Hkv)](q, k, fq, fk, kpm_arg, lse, lz, w, dfk,
+                                                         *args, **kw)
+
+        _with_retry("backward", key, blocks, launch)
         return None, None, dfq, dfk, None, None, None, None
 
 
