@@ -85,13 +85,15 @@ def test_plain_teacher_still_converts_to_a_hybrid(tmp_path):
 
 
 def test_gated_swa_pipeline_config_builds_each_kind_of_variant(tmp_path):
-    """configs/gated-swa/teacher.yaml through LightningCLI: a pattern string, a list, and the
-    plain teacher (vars set to null) all parse, with the downstream callback and its probes."""
+    """configs/gated-swa/teacher.yaml through LightningCLI (as hedgecats pipeline builds a stage):
+    a pattern string, a per-layer list and the plain teacher (vars set to null) all parse, with
+    the downstream callback and its probes."""
     import copy
     from pathlib import Path
 
-    from hedgecats.cli import _cli, _stage_config, load_pipeline
+    from hedgecats.cli import load_pipeline
     from hedgecats.lightning_modules import DownstreamEval
+    from lightning.pytorch.cli import LightningCLI
 
     path = Path(__file__).resolve().parents[1] / "configs" / "gated-swa" / "teacher.yaml"
     cases = [({}, (256, 256, 256, None), "elementwise", 64),
@@ -99,9 +101,12 @@ def test_gated_swa_pipeline_config_builds_each_kind_of_variant(tmp_path):
                "rope_fraction": 0.5}, (64, None, 256, None), "lowrank", 32)]
     for variables, windows, gate, rotary in cases:
         spec = load_pipeline(path, output=tmp_path, variables=variables)
-        cfg = copy.deepcopy(_stage_config(spec["stages"][0], tmp_path / "teacher", 10))
-        cfg["trainer"]["accelerator"] = "cpu"
-        cli = _cli(cfg, run=False)
+        cfg = copy.deepcopy(spec["stages"][0]["fit"])
+        cfg["trainer"] |= {"accelerator": "cpu", "default_root_dir": str(tmp_path),
+                           "logger": False}
+        cli = LightningCLI(pl.LightningModule, pl.LightningDataModule, subclass_mode_model=True,
+                           subclass_mode_data=True, args=cfg, run=False,
+                           save_config_callback=None)
         arch = cli.model.arch
         assert (arch.layer_windows, arch.output_gate, arch.rotary_dim) == (windows, gate, rotary)
         (cb,) = [c for c in cli.trainer.callbacks if isinstance(c, DownstreamEval)]
