@@ -357,3 +357,22 @@ def test_parameter_counts_by_hand():
         assert {k: counts[k] for k in want} == want
         assert counts["total"] == sum(want.values())
         assert counts["non_embedding"] == counts["total"] - 2 * V * C
+
+
+def test_gates_initialise_the_same_under_another_default_device():
+    """Lightning builds the model under torch.device("cuda"): the low-rank gate's draw must not
+    hand a CPU generator to a factory on that device (the crash of issue 10). Checked under the
+    meta device with the check that makes the CPU raise as CUDA does."""
+    from test_init_devices import GeneratorDeviceCheck
+
+    cfg = _cfg(output_gate="lowrank", gate_rank=3)
+    cpu = build_pretrain_model(cfg, seed=2).state_dict()
+    with torch.device("meta"), GeneratorDeviceCheck():
+        meta = build_pretrain_model(cfg, seed=2)
+    assert all(p.is_meta for p in meta.parameters())
+    gate = OutputGate(32, 32, rank=3)
+    with GeneratorDeviceCheck():
+        torch.manual_seed(2)
+        gate.reset_parameters()
+    assert gate.down.weight.abs().sum() > 0
+    assert cpu["model.layers.0.self_attn.gate.up.bias"].eq(0.0).all()  # logit(0.5)
