@@ -304,6 +304,8 @@ def run_pipeline(path: str | Path, output: str | Path | None = None, dry_run: bo
                 for note in plan.notes:
                     warn(f"note: {note}")
                 if plan.status == "done":
+                    if plan.restore_config and rank0:
+                        runner.restore_config(plan)
                     console.print(f"[dim]stage {i}/{n} {st['name']}: done, skipped[/dim]")
                     continue
                 console.rule(f"stage {i}/{n}: {st['name']} ({plan.describe()})")

@@ -142,17 +142,16 @@ class TrainingGuard(pl.Callback):
         self.above_since: int | None = None
         self.last_step: int | None = None  # optimiser step of the last loss seen
         self.checked_step: int | None = None
-        self.good_saves: list[int] = []  # steps of checkpoints saved while healthy
-        self.suspect_saves: list[int] = []
 
     # ---------------------------------------------------------------- state (resumes exactly)
     def state_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in ("ema", "best", "best_step", "above", "above_since",
-                                              "last_step", "good_saves", "suspect_saves")}
+                                              "last_step")}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for k, v in state.items():
-            setattr(self, k, v)
+            if k in ("ema", "best", "best_step", "above", "above_since", "last_step"):
+                setattr(self, k, v)
 
     # ---------------------------------------------------------------- parameters
     @staticmethod
@@ -199,7 +198,7 @@ class TrainingGuard(pl.Callback):
             self.above, self.above_since = 0, None
         self.last_step = step
         if self.above >= self.patience:
-            restored = self._restore_last_good(trainer)
+            restored = self._set_aside(trainer, self.above_since)
             raise DivergenceError(
                 f"{type(pl_module).__name__}: the training loss diverged: its moving average "
                 f"{self.ema:.4g} has stayed above {self.factor:g} x its best level "
@@ -208,30 +207,28 @@ class TrainingGuard(pl.Callback):
                 "(model.init_args.lr) or check the data; the check is the pipeline's "
                 "divergence.factor / divergence.patience")
 
-    def _restore_last_good(self, trainer: pl.Trainer) -> str:
-        """Rename the checkpoints saved while the loss was already above its level (kept as
-        ``diverged-step<N>.ckpt``); the last good one becomes ``last.ckpt`` again."""
-        good = self.good_saves[-1] if self.good_saves else None
-        if self.dirpath is None or not self.suspect_saves:
-            return (f"The last checkpoint (step {good}) was saved before the rise; continue from "
-                    "it with a changed config." if good is not None else
-                    "No checkpoint was saved before the rise: start the stage again.")
+    def _set_aside(self, trainer: pl.Trainer, first_bad: int) -> str:
+        """Rename the checkpoints of step ``first_bad`` or later (kept as
+        ``diverged-step<N>.ckpt``); the newest earlier one becomes ``last.ckpt`` again. Returns
+        a sentence for the error message."""
+        if self.dirpath is None:
+            return ""
         last, prev = self.dirpath / "last.ckpt", self.dirpath / PREVIOUS
         renamed = []
         if trainer.is_global_zero:
             for path in (last, prev):
                 step = _ckpt_step(path) if path.exists() else None
-                if step is not None and (good is None or step > good):
+                if step is not None and step >= first_bad:
                     os.replace(path, self.dirpath / f"diverged-step{step}.ckpt")
                     renamed.append(f"diverged-step{step}.ckpt")
-            if not last.exists() and prev.exists() and _ckpt_step(prev) == good:
+            if not last.exists() and prev.exists():
                 os.replace(prev, last)
-        trainer.strategy.barrier("hedgecats_restore_last_good")
-        kept = (f"{last} is the last good checkpoint (step {good}): continue from it with a "
-                "changed config" if last.exists() else
+        trainer.strategy.barrier("hedgecats_set_aside")
+        good = _ckpt_step(last) if last.exists() else None
+        kept = (f"{last} (step {good}) is the last good checkpoint" if good is not None else
                 "no good checkpoint is left: start the stage again")
-        return (f"Checkpoints saved during the rise were renamed ({', '.join(renamed)}); "
-                if renamed else "") + kept + "."
+        return (f"Checkpoints of step {first_bad} or later were set apart "
+                f"({', '.join(renamed)}); " if renamed else "") + kept + "."
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs,
                            batch, batch_idx: int) -> None:
@@ -245,14 +242,21 @@ class TrainingGuard(pl.Callback):
                 loss = trainer.strategy.reduce(loss, reduce_op="mean")
             self._observe(float(loss), step, trainer, pl_module)
 
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                     exception: BaseException) -> None:
+        """A non-finite loss at step N: the state of step N produced it, so a checkpoint of
+        that state must not be resumed from."""
+        from .stages import NonFiniteLossError
+
+        if isinstance(exception, NonFiniteLossError):
+            self._set_aside(trainer, trainer.global_step)
+
     # ---------------------------------------------------------------- saving
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
         self._check_parameters(trainer, pl_module, "before a checkpoint", optimizer_state=True)
         suspect = self.above > 0
         step = trainer.global_step
-        (self.suspect_saves if suspect else self.good_saves).append(step)
-        del self.good_saves[:-2], self.suspect_saves[:-2]
         checkpoint[RECORD_KEY] = {**(self.record or {}), "health": {
             "step": step, "loss_ema": self.ema, "best": self.best, "suspect": suspect}}
 

@@ -72,9 +72,9 @@ def _check_finite(module: pl.LightningModule, loss: torch.Tensor, batch_idx: int
     if not finite:
         raise NonFiniteLossError(
             f"{type(module).__name__}: non-finite loss ({loss.detach().float().item()!r} on this "
-            f"rank) at global step {module.global_step}, batch {batch_idx}. Stopped before the "
-            "optimiser step; no checkpoint of this step was written. Lower the learning rate, "
-            "use bf16/fp32 instead of fp16, or check the data; resume from the last checkpoint.")
+            f"rank) at global step {module.global_step}, batch {batch_idx}, stopped before the "
+            "optimiser step; lower the learning rate, use bf16/fp32 instead of fp16, or check "
+            "the data")
 
 
 def _check_lr(lr: float) -> None:

@@ -279,6 +279,7 @@ class StagePlan:
     diffs: list = field(default_factory=list)  # unsafe differences from the record
     notes: list[str] = field(default_factory=list)
     record: dict | None = None  # what produced the checkpoint / the done stage
+    restore_config: bool = False  # config.yaml is damaged: rewrite it from done's record
 
     def describe(self) -> str:
         if self.status == "done":
@@ -325,6 +326,19 @@ def _checkpoint(stage_dir: Path) -> tuple[Path | None, dict | None, list[str]]:
     raise CorruptRunError(
         f"cannot resume stage {stage_dir.name!r}: its checkpoint cannot be read: {bad}. Move "
         f"{ckdir} away (e.g. rename it) to start the stage from its beginning")
+
+
+def _readable_config(stage_dir: Path) -> bool:
+    try:
+        return isinstance(yaml.safe_load((stage_dir / "config.yaml").read_text()), dict)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return False
+
+
+def restore_config(plan: StagePlan) -> None:
+    """Write ``config.yaml`` again from the full config kept in ``done``."""
+    atomic_write_text(plan.dir / "config.yaml", yaml.safe_dump(plan.record["config"],
+                                                               sort_keys=False))
 
 
 def _legacy_fit(stage_dir: Path, spec: dict) -> dict | None:
@@ -392,6 +406,10 @@ def plan_stage(spec: dict, stage: dict, *, restart_changed: bool = False,
         if diffs:
             return _changed(plan, where, "the config that produced it (done)", restart_changed,
                             resume_changed=False)
+        if not _readable_config(d) and done.get("config"):
+            plan.notes.append(f"{d / 'config.yaml'} is empty or unreadable: it is written again "
+                              "from the record in done")
+            plan.restore_config = True
         return plan
     ckpt, rec, notes = _checkpoint(d)
     if ckpt is None:
@@ -504,7 +522,7 @@ def _last_good(stage_dir: Path) -> str:
 
     last = stage_dir / "checkpoints" / "last.ckpt"
     if not last.exists():
-        return "no checkpoint was saved"
+        return "no good checkpoint is left"
     try:
         step = read_checkpoint_record(last)["global_step"]
     except CHECKPOINT_ERRORS:
@@ -603,11 +621,13 @@ def run_stage(ctx: RunContext, stage: dict, plan: StagePlan) -> None:
                           f"at once, nothing saved; {_last_good(d)} -- resume with: "
                           f"{ctx.resume_command}") from err
     except (NonFiniteLossError, NonFiniteStateError, DivergenceError) as err:
+        good = (d / "checkpoints" / "last.ckpt").exists()
+        then = ("run again with --resume-changed to continue from that checkpoint, or "
+                "--restart-changed to start the stage over" if good else
+                "run again with --restart-changed to start the stage over")
         raise StageFailedError(
-            f"stage {name!r} stopped: {err}. Now {_last_good(d)}. Change the config (e.g. "
-            f"--set stages.{name}.fit.model.init_args.lr=...), then run again with "
-            "--resume-changed to continue from that checkpoint, or --restart-changed to start "
-            "the stage over") from err
+            f"stage {name!r} stopped: {str(err).rstrip('.')}. Now {_last_good(d)}. Change the "
+            f"config (e.g. --set stages.{name}.fit.model.init_args.lr=...), then {then}") from err
     finally:
         ctx.signals.trainer = None
     if trainer.state.status != TrainerStatus.FINISHED or trainer.interrupted:
@@ -615,7 +635,8 @@ def run_stage(ctx: RunContext, stage: dict, plan: StagePlan) -> None:
                                f"{trainer.state.status}); run again to resume it")
     if ctx.rank0:
         write_done(d, fit=fit, inputs=inputs,
-                   extra={"stage": name, "global_step": trainer.global_step, "history": history})
+                   extra={"stage": name, "global_step": trainer.global_step, "history": history,
+                          "config": cfg})
     received = on_interrupt.signal or ctx.signals.received
     if received:
         raise Interrupted(received, f"interrupted by {signal.Signals(received).name} as stage "
