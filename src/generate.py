@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from transformers import TextStreamer
+
 __all__ = ["load_for_generation", "main", "parse_switch", "read_prompts"]
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -150,17 +152,15 @@ def run(a, out=None, err=None) -> None:
           f"({n_new / max(dt, 1e-9):.1f} tokens/s); {kind}]", file=err)
 
 
-class _Streamer:
-    """transformers' ``TextStreamer`` writing to ``out`` (it prints to stdout itself)."""
+class _Streamer(TextStreamer):
+    """transformers' ``TextStreamer``, writing to ``out`` instead of stdout."""
 
-    def __new__(cls, tok, out):
-        from transformers import TextStreamer
+    def __init__(self, tok, out) -> None:
+        super().__init__(tok, skip_prompt=True, skip_special_tokens=True)
+        self.out = out
 
-        class Streamer(TextStreamer):
-            def on_finalized_text(self, text: str, stream_end: bool = False):
-                print(text, end="", file=out, flush=True)
-
-        return Streamer(tok, skip_prompt=True, skip_special_tokens=True)
+    def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+        print(text, end="", file=self.out, flush=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
