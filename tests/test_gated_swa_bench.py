@@ -54,19 +54,20 @@ def test_runs_as_processes_and_reports_merge(tmp_path):
            "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--tiny", "--parallel", "2", "--seeds", "1",
-         "--variants", "full,swa_large_prope_lowrank", "--work", str(tmp_path / "w")],
+         "--variants", "swa_large_prope_lowrank", "--work", str(tmp_path / "w")],
         env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     res = json.loads((tmp_path / "b" / "gated_swa.json").read_text())
-    assert [(r["variant"], r["seed"]) for r in res["runs"]] == \
-        [("full", 1), ("swa_large_prope_lowrank", 1)]
-    assert "==== full seed 1" in (tmp_path / "b" / "gated_swa.log").read_text()
+    assert [(r["variant"], r["seed"]) for r in res["runs"]] == [("swa_large_prope_lowrank", 1)]
+    assert res["runs"][0]["reload_max_abs_diff"] == 0.0  # registered in the worker process too
+    assert "==== swa_large_prope_lowrank seed 1" in (tmp_path / "b" / "gated_swa.log").read_text()
     # a second report of the same settings (another seed), merged into one with mean +- std
     bench = _bench()
-    bench.main(["--tiny", "--variants", "full", "--out", str(tmp_path / "c"),
+    bench.main(["--tiny", "--variants", "swa_large_prope_lowrank", "--out", str(tmp_path / "c"),
                 "--work", str(tmp_path / "w")])
     bench.main(["--merge", str(tmp_path / "b" / "gated_swa.json"),
                 str(tmp_path / "c" / "gated_swa.json"), "--out", str(tmp_path / "m")])
     merged = json.loads((tmp_path / "m" / "gated_swa.json").read_text())
-    assert merged["summary"]["rows"]["full"]["seeds"] == [0, 1]
-    assert " ± " in (tmp_path / "m" / "gated_swa.md").read_text().split("| full |")[1].split("\n")[0]
+    assert merged["summary"]["rows"]["swa_large_prope_lowrank"]["seeds"] == [0, 1]
+    row = (tmp_path / "m" / "gated_swa.md").read_text().split("| swa_large_prope_lowrank |")[1]
+    assert " ± " in row.split("\n")[0]
