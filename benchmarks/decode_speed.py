@@ -16,8 +16,9 @@ Llama-3.1's 131072 positions, random weights, bf16, converted with ``HybridConfi
 (square softmax Hedgehog maps, non-overlapping LA); "softmax" is the same model in mode
 ``softmax`` (bit-exact the original attention). Nothing is downloaded.
 
-``--shape tiny`` (2 layers, width 64) and ``--device`` run the same paths small (``--tiny`` =
-``--shape tiny --device cpu``, no CUDA graphs).
+``--shape small`` (4 layers, width 512, head dimension 128) or ``tiny`` (2 layers, width 64) and
+``--device`` run the same paths small (``--tiny`` = ``--shape tiny --device cpu``, no CUDA
+graphs).
 
 ``--parts latency`` (per context, default 1k / 8k / 32k / 128k, batch 1):
     prefill tokens/s   one forward of the prompt into an empty cache (last token's logits only)
@@ -56,6 +57,11 @@ LLAMA3_8B = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads"
 TINY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 258,
         "max_position_embeddings": 4096}
+#: a small model with the 8B's head dimension (128), for checking the GPU paths quickly
+SMALL = {"hidden_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "intermediate_size": 1024, "vocab_size": 1024,
+         "max_position_embeddings": 16384}
+SHAPES = {"8b": LLAMA3_8B, "small": SMALL, "tiny": TINY}
 
 
 def build(shape: dict, dtype: torch.dtype, device: str, window: int):
@@ -357,7 +363,7 @@ def combine(paths: list[str], out: str, md: str | None) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="--shape tiny --device cpu (smoke test)")
-    p.add_argument("--shape", choices=("8b", "tiny"), default="8b")
+    p.add_argument("--shape", choices=tuple(SHAPES), default="8b")
     p.add_argument("--device", help="default: cuda when available")
     p.add_argument("--contexts", help="comma-separated prompt lengths")
     p.add_argument("--parts", default="latency,batch", help="latency, batch or both")
@@ -380,9 +386,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiny:
         args.shape, args.device = "tiny", "cpu"
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    shape = TINY if args.shape == "tiny" else LLAMA3_8B
+    shape = SHAPES[args.shape]
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    small = args.shape == "tiny"
+    small = args.shape != "8b"
     contexts = ([int(c) for c in args.contexts.split(",")] if args.contexts
                 else [64, 512] if small else [1024, 8192, 32768, 131072])
     args.graphs = device == "cuda" if args.graphs is None else args.graphs and device == "cuda"

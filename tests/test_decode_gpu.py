@@ -192,7 +192,7 @@ def _bench():
 def test_decode_benchmark_small_shape_on_gpu(tmp_path):
     """Every path of the benchmark (graphs included) on a small model: no row has an error."""
     out = tmp_path / "d.json"
-    assert _bench().main(["--shape", "tiny", "--device", "cuda", "--contexts", "256,1024",
+    assert _bench().main(["--shape", "small", "--device", "cuda", "--contexts", "256,1024",
                           "--steps", "4", "--batch-steps", "2", "--max-batch", "64",
                           "--batch-context", "1024", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
