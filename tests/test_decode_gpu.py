@@ -165,9 +165,10 @@ def test_graphed_decoder_with_a_static_cache_in_softmax_mode():
         model(x, **{CACHE_KWARG: dyn})
     static = bench.static_cache_like(model, dyn, 1, 100, 140)
     tokens = ids(T=10, seed=5)[0]
-    dec = GraphedDecoder(model, static, warmup=0)
-    want = _eager_steps(model, dyn, 100, tokens)
-    got = torch.cat([dec(t.view(1, 1), torch.tensor([[100 + i]], device="cuda")).clone()
+    dec = GraphedDecoder(model, static, warmup=1)
+    _eager_steps(model, dyn, 100, torch.zeros(1, dtype=torch.long, device="cuda"))  # warm-up
+    want = _eager_steps(model, dyn, 101, tokens)
+    got = torch.cat([dec(t.view(1, 1), torch.tensor([[101 + i]], device="cuda")).clone()
                      for i, t in enumerate(tokens)], 1)
     assert rel(got, want) < BF16
 
