@@ -295,6 +295,12 @@ def convert_to_hybrid(model: nn.Module, config: HybridConfig) -> nn.Module:
     All checks run before anything is built: an unsupported family, a layer index out of range,
     a head dimension the rectangular projection cannot halve raise ``ValueError``. Logs which
     layers were converted and which were left as softmax.
+
+    The model then has the hybrid class of its family (``models.hf``: e.g. ``LlamaForCausalLM``
+    -> ``HedgecatsLlamaForCausalLM``, a subclass), so that ``save_pretrained`` writes a hybrid
+    that ``AutoModelForCausalLM.from_pretrained`` rebuilds and ``generate`` uses the
+    constant-memory ``HybridCache``; and a forward pre-hook refuses positions past the base
+    model's ``max_position_embeddings``.
     """
     if not isinstance(config, HybridConfig):
         raise TypeError(f"config must be a HybridConfig, got {type(config).__name__}")
