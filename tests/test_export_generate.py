@@ -153,6 +153,11 @@ def test_export_pushes_through_transformers_then_the_card(run_dir, tmp_path, mon
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(uploaded)
     assert cards and cards[0]["path_in_repo"] == "README.md" and cards[0]["repo_id"] == "me/tiny"
     assert 'from_pretrained("me/tiny")' in Path(cards[0]["path_or_fileobj"]).read_text()
+    uploaded.clear()
+    assert main(["export", str(run_dir), str(tmp_path / "q"), "--keep-adapter",
+                 "--push-to-hub", "me/tiny-adapter"]) == 0
+    assert {"config.json", "adapter/adapter_config.json",
+            "adapter/adapter_model.safetensors"} <= set(uploaded)
 
 
 def test_results_table_formats():

@@ -147,11 +147,14 @@ def test_lora_kept_as_a_peft_adapter(tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     with torch.no_grad():
         assert torch.equal(loaded(x).logits, want)
-    # a loaded adapter model saves again the same way (transformers' own adapter saving)
+    # a loaded adapter model saves again the same way, with save_hybrid or save_pretrained
     save_hybrid(loaded, tmp_path / "again", lora="adapter")
-    again = AutoModelForCausalLM.from_pretrained(tmp_path / "again")
-    with torch.no_grad():
-        assert torch.equal(again(x).logits, want)
+    loaded.save_pretrained(tmp_path / "plain")
+    for d in ("again", "plain"):
+        assert (tmp_path / d / "adapter" / "adapter_model.safetensors").is_file()
+        again = AutoModelForCausalLM.from_pretrained(tmp_path / d)
+        with torch.no_grad():
+            assert torch.equal(again(x).logits, want)
 
 
 def test_lora_merged(tmp_path):

@@ -146,9 +146,12 @@ class HybridCausalLM:
                         **kwargs):
         """``PreTrainedModel.save_pretrained``, writing the hybrid config (module docstring).
 
-        A model with LoRA layers injected is refused: ``save_hybrid(model, dir, lora=...)``
-        chooses between merging and an adapter. ``hybrid_adapter`` (used by ``save_hybrid``)
-        records the adapter subfolder in the section."""
+        A model loaded with its LoRA adapter saves it again as an adapter (so ``push_to_hub``
+        uploads what was loaded); other models with LoRA layers injected are refused:
+        ``save_hybrid(model, dir, lora=...)`` chooses between merging and an adapter.
+        ``hybrid_adapter`` (used by ``save_hybrid``) records the adapter subfolder."""
+        if state_dict is None and "_hedgecats_peft" in self.__dict__:
+            return save_hybrid(self, save_directory, lora="adapter", **kwargs)
         if state_dict is None and _lora_modules(self):
             raise ValueError(
                 "this hybrid has LoRA layers: save it with hedgecats.models.hf.save_hybrid(model, "
