@@ -38,8 +38,12 @@ RECALL_ROWS = {"teacher": "teacher", "softmax": "softmax", "hybrid": "hybrid",
                "hybrid (overlap)": "hybrid+overlap", "swa_only": "swa_only",
                "la_only": "la_only", "la_only (la_span_all)": "la_only+all",
                "sinks_only": "sinks_only", "none": "none"}
-SHORT_TASKS = ("recall_mc_short_1", "recall_mc_short_3")
 FAR_TASK = "recall_mc_far"
+
+
+def _short(tasks) -> list[str]:
+    """The short multiple-choice tasks present (the whole question inside the window)."""
+    return sorted(t for t in tasks if t.startswith("recall_mc_short"))
 MC_MODES = {"hybrid": "hybrid", "swa_only": "swa_only", "la_only": "la_only",
             "la_only+la_span=all": "la_only+all", "none": "none"}
 
@@ -90,7 +94,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     root = Path(a.root).resolve()
     tasks = root / "mc_tasks"
     if not (tasks / f"{FAR_TASK}.yaml").exists():
-        write_recall_mc_tasks(tasks, n_docs=a.mc_docs, seed=1234)
+        write_recall_mc_tasks(tasks, task=a.mc_task, n_docs=a.mc_docs, seed=1234)
     teacher = Path(a.teacher).resolve() if a.teacher else root / "teacher" / "teacher" / "model"
     report = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "jobs": {}}
     if not a.teacher:
@@ -189,7 +193,7 @@ def aggregate(runs: dict[str, dict[int, dict]]) -> dict:
         for label, col in {**MC_MODES, "softmax": "softmax"}.items():
             per = [by_seed[s]["mc"].get(label) for s in seeds]
             if any(per):
-                r["mc_short"][col] = _stats([statistics.fmean(p[t] for t in SHORT_TASKS)
+                r["mc_short"][col] = _stats([statistics.fmean(p[t] for t in _short(p))
                                              for p in per if p])
                 r["mc_far"][col] = _stats([p[FAR_TASK] for p in per if p])
 
@@ -203,7 +207,8 @@ def aggregate(runs: dict[str, dict[int, dict]]) -> dict:
 
         def mc(kind):
             return lambda s, m: (None if not by_seed[s]["mc"].get(m) else
-                                 statistics.fmean(by_seed[s]["mc"][m][t] for t in SHORT_TASKS)
+                                 statistics.fmean(by_seed[s]["mc"][m][t]
+                                                  for t in _short(by_seed[s]["mc"][m]))
                                  if kind == "short" else by_seed[s]["mc"][m][FAR_TASK])
 
         r["delta_la_mc_short"] = delta(mc("short"))
@@ -238,10 +243,11 @@ def render(agg: dict) -> str:
         _table(agg, "near_acc", cols, 1.0, 3),
         "### LM loss after stage 2 (nats per byte, held-out documents)",
         _table(agg, "lm_loss", cols, 1.0, 3),
-        "### Short multiple-choice tasks (lm-eval acc, %, mean of recall_mc_short_1 and _3: the "
-        "whole question inside the window)",
+        "### Short multiple-choice tasks (lm-eval acc, %, mean of the recall_mc_short tasks: the "
+        "whole question inside the window; chance 25)",
         _table(agg, "mc_short", mc_cols, 1.0, 1),
-        "### Far multiple-choice task (lm-eval acc, %, recall_mc_far)",
+        "### Far multiple-choice task (lm-eval acc, %, recall_mc_far: the answer 150-400 tokens "
+        "back; chance 25)",
         _table(agg, "mc_far", mc_cols, 1.0, 1),
         "### Delta_LA = hybrid - swa_only",
         "\n".join(["| recipe (seeds) | short MC (points) | far MC (points) | far recall "
@@ -343,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--transfer-steps", type=int, default=300)
     r.add_argument("--finetune-steps", type=int, default=400)
     r.add_argument("--mc-docs", type=int, default=128, help="documents per multiple-choice task")
+    r.add_argument("--mc-task", default="marker", choices=("marker", "kv"),
+                   help="the corpus task the multiple-choice tasks are built like (the teacher's)")
     r.add_argument("--legacy-objective", action="store_true",
                    help="the first weights_xent (benchmarks/testbed_legacy.py), into <root>/legacy")
     r.set_defaults(fn=cmd_run)

@@ -137,63 +137,78 @@ def _filler(rng, fill: np.ndarray, length: int) -> np.ndarray:
     return row
 
 
-#: the multiple-choice tasks of ``write_recall_mc_tasks``:
-#: name -> (context length range, facts in the context, distance range of the asked fact)
-#: where a distance is counted from the fact's value to the asked value, as in the corpus
-MC_TASKS: dict[str, tuple[tuple[int, int], int, str]] = {
-    "recall_mc_short_1": ((24, 56), 1, "near"),  # the whole question fits a 64-token window
-    "recall_mc_short_3": ((32, 60), 3, "near"),
-    "recall_mc_far": ((None, None), 3, "far"),   # the asked fact beyond the window
+#: the multiple-choice tasks of ``write_recall_mc_tasks``, per corpus task:
+#: name -> (context length range or None, facts in the context, distance regime)
+MC_TASKS: dict[str, dict[str, tuple[tuple[int, int] | None, int, str]]] = {
+    "kv": {
+        "recall_mc_short_1": ((24, 56), 1, "near"),  # the whole question fits a 64-token window
+        "recall_mc_short_3": ((32, 60), 3, "near"),
+        "recall_mc_far": (None, 3, "far"),           # the asked fact beyond the window
+    },
+    "marker": {
+        "recall_mc_short_1": ((24, 56), 1, "near"),
+        "recall_mc_far": (None, 1, "far"),
+    },
 }
 
 
-def write_recall_mc_tasks(root, *, n_docs: int = 256, near_max: int = 63, far_min: int = 150,
-                          far_max: int = 400, filler: str = string.ascii_lowercase,
-                          seed: int = 0) -> list[str]:
+def write_recall_mc_tasks(root, *, task: str = "kv", n_docs: int = 256, near_max: int = 63,
+                          far_min: int = 150, far_max: int = 400,
+                          filler: str = string.ascii_lowercase, seed: int = 0) -> list[str]:
     """Multiple-choice recall tasks in lm-eval's format (a YAML and a JSONL per task) under
-    ``root``, built from the corpus's own documents, for ``hedgecats evaluate --tasks root``.
+    ``root``, built like the corpus's own documents (``task``: ``kv`` or ``marker``), for
+    ``hedgecats evaluate --tasks root``.
 
-    Each document is filler with ``#Kv`` facts (distinct keys) ending in ``?K`` for one of them;
-    the four choices are its value and three other lowercase letters (``acc``: the value gets
-    the highest log-likelihood). ``recall_mc_short_*`` contexts are at most 60 tokens, so a
-    64-token window sees the whole question (the paper's regime, where most PIQA / ARC prompts
-    fit the window); ``recall_mc_far`` asks a fact ``far_min..far_max`` tokens back. Returns the
-    task names. Deterministic in ``seed``.
+    ``kv``: filler with ``#Kv`` facts (distinct keys) ending in ``?K`` for one of them; the
+    choices are its value and three other lowercase letters. ``marker``: filler with the secret
+    ``#S`` ending in ``?``; the choices are ``S`` and three other uppercase letters. ``acc``: the
+    right choice gets the highest log-likelihood (chance 25%). ``recall_mc_short_*`` contexts
+    are at most 60 tokens, so a 64-token window sees the whole question (the paper's regime,
+    where most PIQA / ARC prompts fit the window); ``recall_mc_far`` asks for something
+    ``far_min..far_max`` tokens back. Returns the task names. Deterministic in ``seed``.
     """
     import json
     from pathlib import Path
 
+    if task not in MC_TASKS:
+        raise ValueError(f"task={task!r} is not valid; choose one of {', '.join(MC_TASKS)}")
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     fill = np.frombuffer(filler.encode(), dtype=np.uint8)
-    lower = string.ascii_lowercase
-    for name, ((lo, hi), n_facts, regime) in MC_TASKS.items():
+    lower, upper = string.ascii_lowercase, string.ascii_uppercase
+    for name, (span, n_facts, regime) in MC_TASKS[task].items():
         rows = []
         for i in range(n_docs):
-            keys = rng.permutation(list(string.ascii_uppercase))[:n_facts]
+            keys = [str(c) for c in rng.permutation(list(upper))[:n_facts]]
             vals = [lower[int(rng.integers(26))] for _ in keys]
             if regime == "near":
-                length = int(rng.integers(lo, hi + 1))
+                length = int(rng.integers(span[0], span[1] + 1))
                 dist = int(rng.integers(3, min(near_max, length - 3) + 1))
             else:
                 dist = int(rng.integers(far_min, far_max + 1))
                 length = dist + int(rng.integers(8, 64))
-            row = _filler(rng, fill, length)
-            # the asked fact (key 0): its value sits `dist` before the asked value at `length`
-            v_pos = length - dist
-            row[v_pos - 2:v_pos + 1] = [ord("#"), ord(keys[0]), ord(vals[0])]
-            taken = set(range(v_pos - 2, v_pos + 1)) | {length - 2, length - 1}
-            for key, val in zip(keys[1:], vals[1:]):  # the others anywhere else before the query
-                for _ in range(100):
-                    f = int(rng.integers(0, length - 5))
-                    if not taken & set(range(f, f + 3)):
-                        row[f:f + 3] = [ord("#"), ord(key), ord(val)]
-                        taken |= set(range(f, f + 3))
-                        break
-            row[length - 2:length] = [ord("?"), ord(keys[0])]
-            others = [c for c in lower if c != vals[0]]
-            choices = [vals[0], *(others[j] for j in rng.choice(25, size=3, replace=False))]
+            row = _filler(rng, fill, length + (1 if task == "marker" else 0))
+            if task == "marker":  # "#S" ... "?" -> S, S sitting `dist` before the answer
+                s_pos = length + 1 - dist
+                row[s_pos - 1:s_pos + 1] = [ord("#"), ord(keys[0])]
+                row[length] = ord("?")
+                row, answer, pool = row[:length + 1], keys[0], upper
+            else:  # "#Kv" ... "?K" -> v, v sitting `dist` before the answer
+                v_pos = length - dist
+                row[v_pos - 2:v_pos + 1] = [ord("#"), ord(keys[0]), ord(vals[0])]
+                taken = set(range(v_pos - 2, v_pos + 1)) | {length - 2, length - 1}
+                for key, val in zip(keys[1:], vals[1:]):  # the others anywhere before the query
+                    for _ in range(100):
+                        f = int(rng.integers(0, length - 5))
+                        if not taken & set(range(f, f + 3)):
+                            row[f:f + 3] = [ord("#"), ord(key), ord(val)]
+                            taken |= set(range(f, f + 3))
+                            break
+                row[length - 2:length] = [ord("?"), ord(keys[0])]
+                row, answer, pool = row[:length], vals[0], lower
+            others = [c for c in pool if c != answer]
+            choices = [answer, *(others[j] for j in rng.choice(len(others), size=3, replace=False))]
             order = rng.permutation(4)
             rows.append({"id": i, "context": bytes(row.tolist()).decode("ascii"),
                          "choices": [choices[j] for j in order],
@@ -209,10 +224,10 @@ def write_recall_mc_tasks(root, *, n_docs: int = 256, near_max: int = 63, far_mi
             "doc_to_text: \"{{context}}\"\n"
             "doc_to_choice: \"{{choices}}\"\n"
             "doc_to_target: label\n"
-            "target_delimiter: \"\"\n"  # the value follows '?K' directly, as in training
+            "target_delimiter: \"\"\n"  # the answer follows the query directly, as in training
             "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
             "metadata:\n  version: 1.0\n")
-    return list(MC_TASKS)
+    return list(MC_TASKS[task])
 
 
 def _marker_doc(row, d, rng, upper, near_max, far_min, far_max, answers) -> None:
