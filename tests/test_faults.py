@@ -10,6 +10,7 @@ limit) run ``hedgecats pipeline`` in a subprocess.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -98,6 +99,7 @@ def make_spec(path: Path, *, evaluate: bool = False, stages: dict | None = None,
     if not evaluate:
         spec.pop("evaluate")
     for st in spec["stages"]:
+        st["fit"] = copy.deepcopy(st["fit"])  # YAML anchors share mappings between stages
         st["fit"]["trainer"]["log_every_n_steps"] = 1
         if stages and st["name"] in stages:
             stages[st["name"]](st["fit"])
@@ -188,7 +190,7 @@ def test_sigterm_as_a_stage_ends_keeps_it_done_and_exits_143(tmp_path, capsys, f
 
 
 def test_sigterm_during_the_evaluation(tmp_path, capsys, finished, monkeypatch):
-    import hedgecats.cli as cli
+    from hedgecats import cli
 
     out = copy_run(finished, tmp_path / "run", ("teacher", "transfer", "finetune"))
     cfg = make_spec(tmp_path / "p.yaml", evaluate=True)
@@ -208,10 +210,10 @@ def test_sigterm_during_the_evaluation(tmp_path, capsys, finished, monkeypatch):
     assert rc == 0 and json.loads((out / "results.json").read_text())["results"]
 
 
-def _pipeline_process(cfg: Path, out: Path, *extra: str, preexec=None) -> subprocess.Popen:
+def _pipeline_process(cfg: Path, out: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "hedgecats.cli", "pipeline", str(cfg),
                              "--output", str(out), *extra], env=ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, preexec_fn=preexec)
+                            stderr=subprocess.PIPE, text=True)
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
@@ -343,3 +345,377 @@ def test_slow_divergence_stops_the_stage(tmp_path, capsys, finished, stage, fact
     if (ck / "last.ckpt").exists():
         assert not torch.load(ck / "last.ckpt", weights_only=False)["hedgecats"]["health"][
             "suspect"]
+
+
+# ============================================================================= resume: exact or refused
+def _interrupted(tmp_path, finished, capsys, stage="finetune", at=2):
+    """A run whose ``stage`` was stopped by SIGTERM after step ``at`` (checkpoint there)."""
+    keep = {"transfer": ("teacher",), "finetune": ("teacher", "transfer")}[stage]
+    out = copy_run(finished, tmp_path / "run", keep)
+    cfg = make_spec(tmp_path / "p.yaml", stages={stage: add_callback(
+        "SignalAtStep", step=at, signum=int(signal.SIGTERM), once=str(tmp_path / "fired"))})
+    rc, _, _ = run(capsys, cfg, out)
+    assert rc == 143
+    return out, cfg
+
+
+def _with(cfg: Path, dest: Path, stage: str, edit) -> Path:
+    spec = yaml.safe_load(cfg.read_text())
+    st = next(st for st in spec["stages"] if st["name"] == stage)
+    st["fit"] = copy.deepcopy(st["fit"])  # YAML anchors share mappings between stages
+    edit(st["fit"])
+    dest.write_text(yaml.safe_dump(spec))
+    return dest
+
+
+def test_a_changed_config_is_refused_naming_every_key_and_the_record_stays(tmp_path, capsys,
+                                                                          finished):
+    out, cfg = _interrupted(tmp_path, finished, capsys)
+    record = (out / "finetune" / "config.yaml").read_text()
+    changed = _with(cfg, tmp_path / "c.yaml", "finetune", lambda fit: (
+        fit["model"]["init_args"].update(lr=5e-3),
+        fit["data"]["init_args"].update(batch_size=2)))
+    rc, _, err = run(capsys, changed, out)
+    line = one_line(err)
+    assert rc == 2 and "stage 'finetune'" in line
+    assert "differs from the config that produced last.ckpt (step 2)" in line
+    assert "model.init_args.lr: 0.001 -> 0.005" in line
+    assert "data.init_args.batch_size: 4 -> 2" in line
+    assert (out / "finetune" / "config.yaml").read_text() == record  # still the truth
+    assert ckpt_step(out / "finetune" / "checkpoints" / "last.ckpt") == 2
+    # the same refusal from --dry-run, before anything would train
+    rc, _, err = run(capsys, changed, out, "--dry-run")
+    assert rc == 2 and "model.init_args.lr: 0.001 -> 0.005" in one_line(err)
+    # --restart-changed: earlier files set apart (logs stay), the stage starts from step 0
+    rc, _, err = run(capsys, changed, out, "--restart-changed")
+    assert rc == 0, err
+    old = out / "finetune" / "superseded" / "0"
+    assert ckpt_step(old / "checkpoints" / "last.ckpt") == 2 and (old / "config.yaml").exists()
+    assert ckpt_step(out / "finetune" / "checkpoints" / "last.ckpt") == 4
+    assert (out / "finetune" / "logs" / "attempt_0").is_dir()  # the first attempt's metrics
+    saved = yaml.safe_load((out / "finetune" / "config.yaml").read_text())
+    assert saved["model"]["init_args"]["lr"] == 5e-3
+
+
+def test_keys_that_may_change_on_resume(tmp_path, capsys, finished):
+    """max_steps and logging may change while a stage is interrupted: it resumes exactly."""
+    out, cfg = _interrupted(tmp_path, finished, capsys)
+    longer = _with(cfg, tmp_path / "c.yaml", "finetune", lambda fit: fit["trainer"].update(
+        max_steps=5, log_every_n_steps=2, enable_model_summary=True))
+    rc, text, err = run(capsys, longer, out)
+    assert rc == 0, err
+    assert "resume from checkpoints/last.ckpt (step 2)" in text
+    assert ckpt_step(out / "finetune" / "checkpoints" / "last.ckpt") == 5
+
+
+def test_a_changed_done_stage_and_the_stages_that_read_it(tmp_path, capsys, finished):
+    out = copy_run(finished, tmp_path / "run", ("teacher", "transfer", "finetune"))
+    changed = make_spec(tmp_path / "c.yaml", stages={"transfer": set_model_arg(lr=2e-2)})
+    rc, _, err = run(capsys, changed, out)
+    line = one_line(err)
+    assert rc == 2 and "stage 'transfer'" in line and "(done)" in line
+    assert "model.init_args.lr: 0.01 -> 0.02" in line and "--resume-changed" not in line
+    sha = json.loads((out / "finetune" / "done").read_text())["files"]["stage.pt"]["sha256"]
+    rc, _, err = run(capsys, changed, out, "--restart-changed")
+    assert rc == 0, err
+    # finetune read transfer's stage.pt, which changed: it ran again too
+    assert (out / "transfer" / "superseded" / "0" / "stage.pt").exists()
+    assert (out / "finetune" / "superseded" / "0" / "stage.pt").exists()
+    assert json.loads((out / "finetune" / "done").read_text())["files"]["stage.pt"]["sha256"] != sha
+    rc, text, _ = run(capsys, changed, out)  # and now everything is done
+    assert rc == 0 and text.count("done, skipped") == 3
+
+
+def test_a_moved_run_still_resumes_skips_and_evaluates(tmp_path, capsys, finished):
+    out, cfg = _interrupted(tmp_path, finished, capsys)
+    moved = tmp_path / "elsewhere" / "run2"
+    moved.parent.mkdir()
+    shutil.move(str(out), str(moved))
+    spec = yaml.safe_load(cfg.read_text())
+    spec["evaluate"] = yaml.safe_load(make_spec(tmp_path / "e.yaml", evaluate=True).read_text())[
+        "evaluate"]
+    cfg.write_text(yaml.safe_dump(spec))
+    rc, text, err = run(capsys, cfg, moved, "--dry-run")
+    assert rc == 0, err
+    assert "differs" not in text + err and text.count("done (skipped)") == 2
+    rc, text, err = run(capsys, cfg, moved)
+    assert rc == 0, err
+    assert "resume from checkpoints/last.ckpt (step 2)" in text
+    results = json.loads((moved / "results.json").read_text())
+    assert results["results"]["teacher"]["n_far"] > 0  # the teacher found in the moved run
+    from hedgecats.models.checkpoint import read_stage
+
+    rel = read_stage(moved / "finetune" / "stage.pt")["base_model_relative"]
+    assert rel == "../teacher/model"
+
+
+# ============================================================================= damaged files
+def test_a_truncated_last_checkpoint_falls_back_to_the_previous_one(tmp_path, capsys, finished):
+    out, cfg = _interrupted(tmp_path, finished, capsys, at=3)
+    ck = out / "finetune" / "checkpoints"
+    assert ckpt_step(ck / "previous.ckpt") == 2
+    data = (ck / "last.ckpt").read_bytes()
+    (ck / "last.ckpt").write_bytes(data[: len(data) // 2])
+    rc, text, err = run(capsys, cfg, out)
+    assert rc == 0, err
+    flat = text.replace("\n", "")
+    assert "last.ckpt cannot be read" in flat and "resuming from" in flat and "(step 2)" in flat
+    assert ckpt_step(ck / "last.ckpt") == 4
+
+
+def test_checkpoints_that_cannot_be_read_are_named(tmp_path, capsys, finished):
+    out, cfg = _interrupted(tmp_path, finished, capsys)
+    ck = out / "finetune" / "checkpoints"
+    for name in ("last.ckpt", "previous.ckpt"):
+        if (ck / name).exists():
+            (ck / name).write_bytes(b"PK\x03\x04 truncated")
+    rc, _, err = run(capsys, cfg, out)
+    line = one_line(err)
+    assert rc == 1 and "cannot resume stage 'finetune'" in line and str(ck / "last.ckpt") in line
+    assert "Move" in line and "to start the stage from its beginning" in line
+
+
+@pytest.mark.parametrize("damage", ["truncated stage.pt", "missing model file", "garbage done",
+                                    "empty config.yaml"])
+def test_damaged_outputs_of_a_done_stage(tmp_path, capsys, finished, damage):
+    out = copy_run(finished, tmp_path / "run", ("teacher", "transfer", "finetune"))
+    cfg = make_spec(tmp_path / "p.yaml")
+    if damage == "truncated stage.pt":
+        pt = out / "transfer" / "stage.pt"
+        pt.write_bytes(pt.read_bytes()[:100])
+        expect = "stage 'transfer' (" , "is marked done, but stage.pt has 100 bytes"
+    elif damage == "missing model file":
+        (out / "teacher" / "model" / "config.json").unlink()
+        expect = "stage 'teacher' (", "model/config.json is missing"
+    elif damage == "garbage done":
+        (out / "transfer" / "done").write_text("{not json")
+        expect = str(out / "transfer" / "done"), "cannot be read as a stage's done record"
+    else:
+        (out / "transfer" / "config.yaml").write_text("")
+        rc, text, err = run(capsys, cfg, out)
+        assert rc == 0, err
+        assert "config.yaml is empty or unreadable: it is written again" in text.replace("\n", "")
+        assert yaml.safe_load((out / "transfer" / "config.yaml").read_text())["model"]
+        return
+    rc, _, err = run(capsys, cfg, out)
+    line = one_line(err)
+    assert rc == 1 and all(e in line for e in expect), line
+    if damage == "truncated stage.pt":  # what the message says to do works
+        assert "delete" in line and "done" in line
+        (out / "transfer" / "done").unlink()
+        rc, text, err = run(capsys, cfg, out)
+        assert rc == 0, err
+        from hedgecats.models.checkpoint import read_stage
+
+        assert read_stage(out / "transfer" / "stage.pt")["tensors"]
+
+
+def test_a_failed_checkpoint_write_leaves_no_partial_file(tmp_path, capsys, finished):
+    """RLIMIT_FSIZE stands in for a full disk: the first checkpoint of the stage cannot be
+    written; the error is one line and no truncated or temporary file remains."""
+    out = copy_run(finished, tmp_path / "run", ("teacher",))
+    cfg = make_spec(tmp_path / "p.yaml")
+    code = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (24000, resource.RLIM_INFINITY)); "
+            "from hedgecats.cli import main; "
+            f"sys.exit(main(['pipeline', {str(cfg)!r}, '--output', {str(out)!r}]))")
+    proc = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True,
+                          timeout=240, check=False)
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("hedgecats pipeline:")]
+    assert proc.returncode == 1 and len(lines) == 1 and "Traceback" not in proc.stderr, \
+        proc.stderr[-3000:]
+    ck = out / "transfer" / "checkpoints"
+    assert f"could not write '{ck / 'last.ckpt'}' (File too large)" in lines[0]
+    assert "nothing was left" in lines[0]
+    assert not (ck / "last.ckpt").exists() and not list(out.rglob(".*.tmp-*"))
+    assert not (out / "transfer" / "done").exists() and not (out / "pipeline.lock").exists()
+    rc, _, err = run(capsys, cfg, out)  # room again: the stage runs
+    assert rc == 0, err
+
+
+def test_atomic_write_keeps_the_previous_file_when_a_write_fails(tmp_path):
+    import errno
+
+    from hedgecats.models.io import WriteFailedError, atomic_write, atomic_write_text
+
+    path = atomic_write_text(tmp_path / "results.json", "old")
+    with pytest.raises(WriteFailedError, match="disk is full.*previous version is intact"), \
+            atomic_write(path) as f:
+        f.write(b"new, half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["results.json"]
+
+
+# ============================================================================= one run per directory
+def test_lock_held_by_a_live_process_or_another_host(tmp_path, capsys, finished):
+    out = copy_run(finished, tmp_path / "run", ("teacher", "transfer", "finetune"))
+    cfg = make_spec(tmp_path / "p.yaml")
+    holder = subprocess.Popen(["sleep", "30"])
+    try:
+        (out / "pipeline.lock").write_text(json.dumps({
+            "pid": holder.pid, "host": __import__("socket").gethostname(),
+            "started": "2026-01-01T00:00:00", "command": "hedgecats pipeline other.yaml"}))
+        rc, _, err = run(capsys, cfg, out)
+        line = one_line(err)
+        assert rc == 3 and f"pid {holder.pid}" in line and "other.yaml" in line
+    finally:
+        holder.kill()
+        holder.wait()
+    (out / "pipeline.lock").write_text(json.dumps({
+        "pid": 1, "host": "gpu-node-7", "started": "2026-01-01T00:00:00", "command": "x"}))
+    rc, _, err = run(capsys, cfg, out)
+    line = one_line(err)
+    assert rc == 3 and "on gpu-node-7" in line and "delete" in line
+    (out / "pipeline.lock").unlink()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (out / "pipeline.lock").write_text(json.dumps({
+        "pid": dead.pid, "host": __import__("socket").gethostname(),
+        "started": "2026-01-01T00:00:00", "command": "x"}))
+    rc, text, err = run(capsys, cfg, out)
+    assert rc == 0, err
+    assert f"took over the lock of pid {dead.pid}" in text.replace("\n", "")
+    assert not (out / "pipeline.lock").exists()
+
+
+# ============================================================================= mistakes
+def _bad(tmp_path, edit=None, top=None) -> Path:
+    spec = yaml.safe_load(make_spec(tmp_path / "b.yaml", evaluate=True).read_text())
+    if edit:
+        edit(spec)
+    spec.update(top or {})
+    (tmp_path / "b.yaml").write_text(yaml.safe_dump(spec))
+    return tmp_path / "b.yaml"
+
+
+def _stage(spec, name):
+    st = next(st for st in spec["stages"] if st["name"] == name)
+    st["fit"] = copy.deepcopy(st["fit"])
+    return st["fit"]
+
+
+MISTAKES = {
+    "yaml syntax": (lambda p: p.write_text("stages:\n  - name: a\n   fit: {}\n"),
+                    "is not valid YAML at line 3, column 4"),
+    "missing file": (lambda p: p.unlink(), "no such pipeline file"),
+    "empty file": (lambda p: p.write_text(""), "(the file is empty)"),
+    "model typo": (lambda s: _stage(s, "transfer")["model"]["init_args"].update(objectve="x"),
+                   ("stages.transfer.fit.model.init_args: 'objectve' is not an argument of "
+                    "AttentionTransfer; did you mean 'objective'?")),
+    "hybrid typo": (lambda s: _stage(s, "transfer")["model"]["init_args"]["hybrid"].update(
+        windw=4), ("init_args.hybrid: 'windw' is not a field of HybridConfig; did you mean "
+                   "'window'?")),
+    "window 0": (lambda s: _stage(s, "finetune")["model"]["init_args"]["hybrid"].update(
+        window=0), "HybridConfig.window=0 must be an integer >= 1"),
+    "negative lr": (lambda s: _stage(s, "finetune")["model"]["init_args"].update(lr=-1e-3),
+                    "stages.finetune.fit.model.init_args.lr=-0.001 must be a finite number > 0"),
+    "teacher lr": (lambda s: _stage(s, "teacher")["model"]["init_args"].update(lr=0),
+                   "stages.teacher.fit.model.init_args.lr=0 must be a finite number > 0"),
+    "wrong type": (lambda s: _stage(s, "transfer")["trainer"].update(max_steps="many"),
+                   "stages.transfer.fit: trainer.max_steps: Expected a <class 'int'>"),
+    "unknown class": (lambda s: _stage(s, "finetune")["model"].update(
+        class_path="HybridFinetun"), ("'HybridFinetun' is not a LightningModule class that "
+                                      "hedgecats knows; did you mean 'HybridFinetune'?")),
+    "bad objective": (lambda s: _stage(s, "transfer")["model"]["init_args"].update(
+        objective="mse"), "objective='mse' is not valid; choose one of weights_xent"),
+    "no local model": (lambda s: _stage(s, "transfer")["model"]["init_args"].update(
+        model_name_or_path="/models/llama-3-8b"),
+        "model_name_or_path='/models/llama-3-8b': no such directory"),
+    "later stage": (lambda s: _stage(s, "transfer")["model"]["init_args"].update(
+        init_from="${stages.finetune}/stage.pt"), ("is written by stage 'finetune', which "
+                                                   "does not run before 'transfer'")),
+    "ckpt_path": (lambda s: _stage(s, "finetune").update(ckpt_path="last"),
+                  "unknown key 'ckpt_path' (the pipeline resumes stages itself)"),
+    "checkpoint every 0": (None, "checkpoint_every_n_steps=0 must be an integer >= 1",
+                           {"checkpoint_every_n_steps": 0}),
+    "divergence typo": (None, "divergence: unknown keys ['patients']", {"divergence": {
+        "patients": 3}}),
+    "evaluate key": (lambda s: s["evaluate"].update(batchsize=8),
+                     ("evaluate: 'batchsize' is not a key of a recall evaluation; did you mean "
+                      "'batch_size'?")),
+    "evaluate mode": (lambda s: s["evaluate"].update(modes=["hybird"]),
+                      "evaluate.modes: 'hybird' is not a mode; did you mean 'hybrid'?"),
+    "evaluate stage": (lambda s: s["evaluate"].update(stage="fintune"),
+                       "evaluate.stage='fintune' is not a stage of the pipeline"),
+    "variant switch": (lambda s: s["evaluate"]["variants"]["rescale"].update(rescal=True),
+                       "evaluate.variants.rescale: 'rescal' is not a switch"),
+    "evaluate list": (lambda s: s.update(evaluate=[s["evaluate"], {"kind": "recall", "stage":
+                                                                    "finetune", "modes": ["x"]}]),
+                      "evaluate[1].modes: 'x' is not a mode"),
+    "unknown logger": (None, "loggers entry neptune is not valid", {"loggers": ["neptune"]}),
+}
+
+
+@pytest.mark.parametrize("case", list(MISTAKES))
+def test_every_mistake_is_one_clear_error_before_anything_runs(tmp_path, capsys, case):
+    edit, expect, *top = MISTAKES[case]
+    out = tmp_path / "run"
+    if case in ("yaml syntax", "missing file", "empty file"):
+        cfg = _bad(tmp_path)
+        edit(cfg)
+    else:
+        cfg = _bad(tmp_path, edit, top[0] if top else None)
+    t0 = time.time()
+    rc, _, err = run(capsys, cfg, out, "--dry-run")
+    line = one_line(err)
+    assert rc == 2 and expect in line, line
+    assert str(cfg) in line or case in ("no local model",) or "--output" in line
+    assert not out.exists()  # nothing written
+    rc, _, err = run(capsys, cfg, out)  # the real run stops at the same place
+    assert rc == 2 and expect in one_line(err) and not out.exists()
+    assert time.time() - t0 < 60
+
+
+def test_debug_shows_the_traceback(tmp_path, capsys, monkeypatch):
+    from hedgecats.pipeline.errors import ConfigError
+
+    cfg = _bad(tmp_path, top={"checkpoint_every_n_steps": 0})
+    with pytest.raises(ConfigError):
+        main(["pipeline", str(cfg), "--output", str(tmp_path / "run"), "--debug"])
+    monkeypatch.setenv("HEDGECATS_DEBUG", "1")
+    with pytest.raises(ConfigError):
+        main(["pipeline", str(cfg), "--output", str(tmp_path / "run")])
+
+
+def test_output_that_is_a_file_or_not_a_run(tmp_path, capsys):
+    cfg = make_spec(tmp_path / "p.yaml")
+    (tmp_path / "afile").write_text("x")
+    rc, _, err = run(capsys, cfg, tmp_path / "afile", "--dry-run")
+    assert rc == 2 and "is a file, not a directory" in one_line(err)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "results.json").write_text('{"mine": 1}')
+    (mine / "notes.txt").write_text("do not touch")
+    rc, _, err = run(capsys, cfg, mine)
+    line = one_line(err)
+    assert rc == 2 and "is not empty and is not a hedgecats run" in line and "--force" in line
+    assert (mine / "results.json").read_text() == '{"mine": 1}'
+    rc, _, err = run(capsys, cfg, mine, "--dry-run", "--force")
+    assert rc == 0, err
+
+
+def test_run_directories_follow_the_umask(tmp_path, capsys, finished):
+    out = copy_run(finished, tmp_path / "run", ("teacher",))
+    cfg = make_spec(tmp_path / "p.yaml")
+    old = os.umask(0o022)
+    try:
+        rc, _, err = run(capsys, cfg, out)
+    finally:
+        os.umask(old)
+    assert rc == 0, err
+    for d in (out / "transfer", out / "finetune" / "checkpoints"):
+        assert d.stat().st_mode & 0o777 == 0o755
+    assert (out / "results.json").stat().st_mode & 0o777 == 0o644
+    assert (out / "transfer" / "stage.pt").stat().st_mode & 0o777 == 0o644
+
+
+def test_evaluate_output_follows_the_umask(tmp_path):
+    from hedgecats.evaluation.report import atomic_output_dir
+
+    old = os.umask(0o022)
+    try:
+        with atomic_output_dir(tmp_path / "results") as d:
+            (d / "x").write_text("1")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "results").stat().st_mode & 0o777 == 0o755

@@ -285,7 +285,12 @@ def read_checkpoint_record(path: str | os.PathLike) -> dict:
 # ----------------------------------------------------------------------------- files
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` whose files are complete or absent (module docstring); the
-    ``last.ckpt`` it replaces stays as ``previous.ckpt``."""
+    ``last.ckpt`` it replaces stays as ``previous.ckpt`` (unless it holds the same step: a
+    checkpoint saved again on interruption keeps the earlier step as the fallback)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._steps: dict[Path, int | None] = {}  # step last written to each path
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options=None) -> None:
         if storage_options is not None:
@@ -293,10 +298,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                             f"{storage_options!r}")
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        if path.name == "last.ckpt" and path.is_file():
+        step = checkpoint.get("global_step")
+        if path.name == "last.ckpt" and path.is_file() and \
+                (path not in self._steps or self._steps[path] != step):
             keep_previous(path)
         with atomic_write(path) as f:
             torch.save(checkpoint, f)
+        self._steps[path] = step
 
 
 def keep_previous(path: Path) -> None:

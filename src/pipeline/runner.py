@@ -25,6 +25,7 @@ and new value. Paths inside the run are compared as ``${output}/...``: a moved r
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -251,6 +252,10 @@ def _inputs(spec: dict, stage: dict) -> dict[str, str]:
         except CorruptRunError:
             pass
         inner = str(Path(*rel.parts[1:])) if len(rel.parts) > 1 else ""
+        if path.is_file() and path.suffix == ".pt":  # a stage checkpoint: what it holds
+            with contextlib.suppress(OSError, ValueError):
+                digests[portable(ref, out)] = stage_digest(path)
+                continue
         if done and not done.get("legacy"):
             entries = sorted((k, v["sha256"]) for k, v in done["files"].items()
                              if not inner or k == inner or k.startswith(inner + "/"))
@@ -266,6 +271,25 @@ def _inputs(spec: dict, stage: dict) -> dict[str, str]:
         digests[portable(ref, out)] = entries[0][1] if len(entries) == 1 else \
             "sha256:" + __import__("hashlib").sha256(json.dumps(entries).encode()).hexdigest()
     return digests
+
+
+def stage_digest(path: Path) -> str:
+    """A digest of what a ``stage.pt`` holds (tensors, conversion and LoRA configs), not of
+    its bytes: the file records its base model's absolute path, which changes when a run
+    directory moves without changing the stage."""
+    import hashlib
+
+    from ..models.checkpoint import read_stage
+
+    payload = read_stage(path)
+    h = hashlib.sha256(json.dumps([payload.get("hybrid_config"), payload.get("lora_config"),
+                                   payload.get("base_model_relative")], sort_keys=True,
+                                  default=str).encode())
+    for name in sorted(payload["tensors"]):
+        t = payload["tensors"][name].contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+        h.update(t.view(-1).view(__import__("torch").uint8).numpy().tobytes())
+    return f"stage-sha256:{h.hexdigest()}"
 
 
 # ----------------------------------------------------------------------------- plans
