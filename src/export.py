@@ -153,15 +153,24 @@ def _is_hub_id(name: str | None) -> bool:
         and not name.startswith((".", "/", "~"))
 
 
+def _shown(path_or_id: str | None) -> str:
+    """A hub id as it is; a local path by its last two parts (an absolute path says nothing to a
+    reader of the card and tells where the exporter keeps their files)."""
+    if path_or_id is None or _is_hub_id(path_or_id):
+        return str(path_or_id)
+    return "/".join(Path(path_or_id).parts[-2:])
+
+
 def model_card(*, name: str, section: dict, chain: list[dict], lora: str | None,
                results: dict | None, results_source: str | None, recipe: str | None) -> str:
     """The README.md of an exported hybrid."""
     hc = section["config"]
-    base = chain[-1]["base_model"] if chain else None
+    base_id = chain[-1]["base_model"] if chain else None
+    base = _shown(base_id)
     meta = ["---", "library_name: transformers", "tags:", "- hedgecats", "- linear-attention",
             "- sliding-window-attention"]
-    if _is_hub_id(base):
-        meta.append(f"base_model: {base}")
+    if _is_hub_id(base_id):
+        meta.append(f"base_model: {base_id}")
     meta.append("---")
     windows = f"{hc['window']}" + (f" (per layer: {hc['layer_windows']})"
                                    if hc.get("layer_windows") else "")
@@ -169,7 +178,8 @@ def model_card(*, name: str, section: dict, chain: list[dict], lora: str | None,
     out = meta + [
         "", f"# {name}", "",
         f"A hybrid of linear attention (learned Hedgehog feature maps) and sliding-window softmax "
-        f"attention, converted from **{base}** with hedgecats (format "
+        f"attention, converted from **{base}**{'' if _is_hub_id(base_id) else ' (local)'} "
+        f"with hedgecats (format "
         f"`{section['format']}`, hedgecats {section.get('hedgecats_version')}).", "",
         "Load it with hedgecats installed and imported (it registers the model classes; without "
         "it transformers does not know the model type and refuses to load it):", "",
@@ -181,14 +191,14 @@ def model_card(*, name: str, section: dict, chain: list[dict], lora: str | None,
         "  # constant-memory cache", "```", "",
         "## Architecture", "",
         "| | |", "|---|---|",
-        f"| base model | {base} ({section['family']}) |",
+        f"| base model | {base} ({section['family']}{'' if _is_hub_id(base_id) else ', local'}) |",
         f"| converted layers | {layers} |",
         f"| SWA window | {windows} |",
         f"| feature map | {hc['feature_activation']}, {hc['feature_projection']} projection |",
         f"| LA span | {'every causal key' if hc['overlap'] else 'keys outside the window'} |",
         f"| mixer | {hc['mixer']} (g = {hc['g']}) |",
         f"| mode saved | {hc['mode']} |",
-        f"| base model's own window | {section.get('base_sliding_window')} |",
+        f"| base model's own window | {section.get('base_sliding_window') or 'none'} |",
         f"| LoRA | {_lora_text(lora)} |", "",
         "Ablation modes are switched after loading: `hedgecats.models.set_attention_mode(model, "
         "'swa_only')` (also `la_only`, `sinks_only`, `none`, `softmax`).", "",
@@ -206,7 +216,7 @@ def model_card(*, name: str, section: dict, chain: list[dict], lora: str | None,
     elif table is None:
         out.append(f"`{results_source}` is in a format this card does not render.")
     else:
-        out += [f"From `{results_source}`:", "", table]
+        out += [f"From `{_shown(results_source)}`:", "", table]
     return "\n".join(out) + "\n"
 
 
