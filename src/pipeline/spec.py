@@ -90,11 +90,19 @@ def parse_vars(pairs: list[str] | None) -> dict[str, object]:
     return out
 
 
+_EXP_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
 def _yaml_value(text: str, where: str):
+    """A command-line value read as YAML; ``3e-3`` is a float (YAML 1.1 would make it a
+    string: it wants ``3.0e-3``)."""
     try:
-        return yaml.safe_load(text) if text.strip() else ""
+        value = yaml.safe_load(text) if text.strip() else ""
     except yaml.YAMLError as err:
         raise ConfigError(f"{where}: the value is not valid YAML ({err})") from err
+    if isinstance(value, str) and _EXP_FLOAT.fullmatch(value.strip()):
+        return float(value)
+    return value
 
 
 def parse_overrides(pairs: list[str] | None) -> list[tuple[list[str], object, str]]:
