@@ -144,6 +144,8 @@ def test_lora_kept_as_a_peft_adapter(tmp_path):
     assert (tmp_path / "adapter" / "adapter_config.json").is_file()
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
     assert json.loads((tmp_path / "config.json").read_text())["hybrid"]["adapter"] == "adapter"
+    adapter_cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert adapter_cfg["base_model_name_or_path"] is None  # it belongs to the hybrid beside it
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     with torch.no_grad():
         assert torch.equal(loaded(x).logits, want)

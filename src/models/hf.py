@@ -399,8 +399,21 @@ def save_hybrid(model: nn.Module, save_directory: str | os.PathLike, *, lora: st
         if peft_model is None:
             raise ValueError("the model has LoRA layers but no peft model to save them with "
                              "(LoRA injected some other way): save with lora='merge'")
-        peft_model.save_pretrained(save_directory / ADAPTER_DIR)  # peft's own adapter format
+        target = save_directory / ADAPTER_DIR
+        peft_model.save_pretrained(target)  # peft's own adapter format
+        _detach_adapter(target)
     return save_directory
+
+
+def _detach_adapter(target: Path) -> None:
+    """The adapter belongs to the hybrid beside it: its ``base_model_name_or_path`` (peft writes
+    the path of the model it was trained from, on the exporter's machine) is cleared, so that
+    nothing applies it to the base model before conversion, and peft's template card goes."""
+    cfg_file = target / "adapter_config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg["base_model_name_or_path"] = None
+    cfg_file.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    (target / "README.md").unlink(missing_ok=True)
 
 
 def _base_state_dict(inner: nn.Module, mods, *, merge: bool) -> dict[str, torch.Tensor]:
