@@ -124,6 +124,57 @@ def cmd_run(a: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+# ----------------------------------------------------------------------------- recover
+_CELL = re.compile(r"[│┃]")
+
+
+def tables_from_log(text: str) -> list[dict[str, dict[str, float]]]:
+    """The recall tables a pipeline printed (``recall_eval.format_table``), in order, as
+    ``{mode label: {column: value}}``: for runs stopped before they wrote results.json (values
+    rounded to the printed 3 decimals). A label split over two lines (``la_only`` /
+    ``(la_span_al…``) is joined, the ellipsis completed from the variant names."""
+    tables, cols, rows = [], None, None
+    for line in text.splitlines():
+        if line.startswith("┃"):
+            cols = [c.strip() for c in _CELL.split(line)[1:-1]]
+            rows = []
+        elif line.startswith("│") and cols is not None:
+            cells = [c.strip() for c in _CELL.split(line)[1:-1]]
+            if cells[0].startswith("(") and all(not c for c in cells[1:]):  # a label's 2nd line
+                variant = cells[0].strip("()…")
+                full = next((v for v in ("la_span_all", "rescale", "overlap", "window_only")
+                             if v.startswith(variant)), variant)
+                rows[-1] = (f"{rows[-1][0]} ({full})", rows[-1][1])
+                continue
+            rows.append((cells[0], {("acc_" + c if c.startswith("d") and c[1:2].isdigit() else c):
+                                    float(v) for c, v in zip(cols[1:], cells[1:])}))
+        elif line.startswith("└") and rows is not None:
+            tables.append(dict(rows))
+            cols = rows = None
+    return tables
+
+
+def cmd_recover(a: argparse.Namespace) -> int:
+    """results.json for runs whose evaluation was cut short, from the tables in their logs."""
+    root = Path(a.root)
+    n = 0
+    for log in sorted((root / "logs").glob("*-s[0-9]*.log")):
+        run = root / log.stem
+        if (run / "results.json").exists() or not run.is_dir():
+            continue
+        tables = tables_from_log(log.read_text(errors="replace"))
+        if len(tables) < 2:
+            continue
+        evaluations = [{"kind": "recall", "stage": "transfer", "results": tables[0]},
+                       {"kind": "recall", "stage": "finetune", "results": tables[1]}]
+        (run / "results.json").write_text(json.dumps(
+            {"pipeline": log.stem, "recovered_from_log": str(log), "evaluations": evaluations},
+            indent=2))
+        n += 1
+    print(f"recovered {n} runs' recall tables from {root / 'logs'}")
+    return 0
+
+
 # ----------------------------------------------------------------------------- report
 def _stats(values: list[float]) -> dict:
     vals = [v for v in values if v is not None and v == v]
@@ -213,8 +264,9 @@ def aggregate(runs: dict[str, dict[int, dict]]) -> dict:
 
         r["delta_la_mc_short"] = delta(mc("short"))
         r["delta_la_mc_far"] = delta(mc("far"))
-        r["delta_la_far_recall"] = delta(
-            lambda s, m: (by_seed[s]["final"].get(m) or {}).get("far_acc"))
+        for where in ("far", "near"):
+            r[f"delta_la_{where}_recall"] = delta(
+                lambda s, m, w=where: (by_seed[s]["final"].get(m) or {}).get(f"{w}_acc"))
         for metric in ("la_rel_err", "den_collapsed"):
             vals = [statistics.fmean(by_seed[s]["health"][metric].values())
                     for s in seeds if by_seed[s]["health"]]
@@ -250,11 +302,13 @@ def render(agg: dict) -> str:
         "back; chance 25)",
         _table(agg, "mc_far", mc_cols, 1.0, 1),
         "### Delta_LA = hybrid - swa_only",
-        "\n".join(["| recipe (seeds) | short MC (points) | far MC (points) | far recall "
-                   "(accuracy) |", "|---|---|---|---|",
-                   *(f"| {k} ({len(r['seeds'])}) | {_fmt(r['delta_la_mc_short'], 1, 1)} | "
-                     f"{_fmt(r['delta_la_mc_far'], 1, 1)} | "
-                     f"{_fmt(r['delta_la_far_recall'], 1, 3)} |" for k, r in agg.items())]),
+        "\n".join(["| recipe (seeds) | near recall (accuracy; inside the window) | far recall "
+                   "(accuracy; beyond it) | short MC (points) | far MC (points) |",
+                   "|---|---|---|---|---|",
+                   *(f"| {k} ({len(r['seeds'])}) | {_fmt(r['delta_la_near_recall'], 1, 3)} | "
+                     f"{_fmt(r['delta_la_far_recall'], 1, 3)} | "
+                     f"{_fmt(r['delta_la_mc_short'], 1, 1)} | "
+                     f"{_fmt(r['delta_la_mc_far'], 1, 1)} |" for k, r in agg.items())]),
         "### Right after stage 1 (no LoRA yet): far recall accuracy",
         _table(agg, "transfer_far_acc", cols, 1.0, 3),
         "### Stage-1 health at its end (mean over layers)",
@@ -299,8 +353,8 @@ def plot(agg: dict, out: Path, runs: dict) -> list[Path]:
     plt.close(fig)
 
     fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(recipes)), 3.8))
-    for ax, key, title, unit in ((axes[0], "delta_la_mc_short", "short MC tasks (window sees "
-                                  "everything)", "points"),
+    for ax, key, title, unit in ((axes[0], "delta_la_near_recall", "near recall (inside the "
+                                  "window)", "accuracy"),
                                  (axes[1], "delta_la_far_recall", "far recall (beyond the window)",
                                   "accuracy")):
         st = [agg[r][key] for r in recipes]
@@ -310,7 +364,8 @@ def plot(agg: dict, out: Path, runs: dict) -> list[Path]:
             ax.scatter([i] * len(s["values"]), s["values"], s=8, color="k", zorder=3)
         ax.axhline(0, color="grey", lw=0.8)
         ax.set_xticks(range(len(recipes)), recipes, rotation=20, ha="right")
-        ax.set_title(f"Delta_LA = hybrid - swa_only: {title}", fontsize=9)
+        ax.set_title(f"Delta_LA = hybrid - swa_only: {title}\nmean ± std over seeds; dots: "
+                     "seeds", fontsize=9)
         ax.set_ylabel(unit)
     fig.tight_layout()
     p2 = out / "delta_la.png"
@@ -359,6 +414,10 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--out", default="runs/testbed/report")
     q.add_argument("--no-plots", action="store_true")
     q.set_defaults(fn=cmd_report)
+    v = sub.add_parser("recover", help="results.json from the logs of runs cut short "
+                       "(recall tables only)")
+    v.add_argument("--root", default="runs/testbed")
+    v.set_defaults(fn=cmd_recover)
     a = p.parse_args(argv)
     return a.fn(a)
 

@@ -9,19 +9,20 @@
 #   --teacher  train the testbed teacher (configs/testbed/teacher.yaml), in the background while
 #              the smoke tests run, and send it back as $OUT/teacher.tar.part-* (else the
 #              teacher is read from .testbed/teacher.tar.part-*, carried from an earlier call)
-#   --seeds / --recipes / --legacy / --jobs: benchmarks/testbed.py run (skipped without --seeds)
+#   --seeds / --recipes / --legacy / --jobs / --steps T,F (transfer, finetune; default 200,250)
+#              / --mc-docs N: benchmarks/testbed.py run (skipped without --seeds)
 #   --budget   stop starting new work after this many seconds (default 540)
 # Results: $OUT/testbed_runs.tgz (every run's results.json, mc/, config.yaml, metrics.csv, logs),
 # $OUT/report.tgz (benchmarks/testbed.py report), $OUT/testbed_gpu.log. Wheels: .whl (carried).
 set -u -o pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 START=$(date +%s)
-SMOKE=0; TEACHER=0; SEEDS=""; RECIPES=all; LEGACY=""; JOBS=7; BUDGET=540
+SMOKE=0; TEACHER=0; SEEDS=""; RECIPES=all; LEGACY=""; JOBS=7; BUDGET=540; STEPS=200,250; MC=64
 while [ $# -gt 0 ]; do
   case $1 in
     --smoke) SMOKE=1;; --teacher) TEACHER=1;; --legacy) LEGACY=--legacy-objective;;
     --seeds) SEEDS=$2; shift;; --recipes) RECIPES=$2; shift;; --jobs) JOBS=$2; shift;;
-    --budget) BUDGET=$2; shift;;
+    --budget) BUDGET=$2; shift;; --steps) STEPS=$2; shift;; --mc-docs) MC=$2; shift;;
     *) echo "unknown option $1" >&2; exit 2;;
   esac; shift
 done
@@ -65,8 +66,10 @@ fi
 if [ -n "$SEEDS" ] && [ -d "$TEACHER_DIR" ] && [ "$(left)" -gt 120 ]; then
   echo "== recipes seeds $SEEDS ($RECIPES, $JOBS at once) at $(( $(date +%s) - START )) s"
   timeout $(( $(left) - 30 )) python3 benchmarks/testbed.py run --root $ROOT \
-    --teacher $TEACHER_DIR --seeds $SEEDS --recipes $RECIPES --jobs $JOBS $LEGACY
+    --teacher $TEACHER_DIR --seeds $SEEDS --recipes $RECIPES --jobs $JOBS $LEGACY \
+    --transfer-steps ${STEPS%,*} --finetune-steps ${STEPS#*,} --mc-docs $MC
   echo "testbed rc=$?"
+  python3 benchmarks/testbed.py recover --root $ROOT  # runs stopped in their last evaluation
   python3 benchmarks/testbed.py report --root $ROOT --out $ROOT/report 2>&1 | tail -80
   (cd $ROOT && tar -czf $OUT/report.tgz report 2>/dev/null)
 fi
