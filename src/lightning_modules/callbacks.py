@@ -231,15 +231,21 @@ class CheckpointOnInterrupt(OnExceptionCheckpoint):
     """Save ``<dirpath>/<filename>.ckpt`` when training stops on SIGTERM or Ctrl-C (SIGINT), so
     that ``ckpt_path=last`` resumes exactly.
 
-    Both signals stop training at the next batch boundary, where the state is consistent:
-    Lightning does so for SIGTERM, and this callback makes the first SIGINT do the same (Python
-    would raise ``KeyboardInterrupt`` wherever the main thread is, possibly between an optimiser
-    step and Lightning's step counter: a checkpoint saved there would not resume exactly). A
-    second Ctrl-C stops at once and saves nothing: the last periodic checkpoint stays the one to
-    resume from. Other errors (a non-finite loss included) may strike mid-step: nothing is saved.
+    A signal is only recorded when it arrives (and forwarded to the ranks Lightning's launcher
+    started). At the end of every training batch the ranks decide together whether any of them
+    received one (one all-reduce of a flag; nothing on a single device), and all of them stop
+    there, at the same batch boundary, where the state is consistent: then the checkpoint is
+    saved once for all ranks. This replaces Lightning's own SIGTERM handler, which broadcasts
+    from inside the signal handler (a collective that can meet another collective of a rank
+    that is waiting elsewhere: a deadlock) and stops each rank on its own flag. Python would
+    raise ``KeyboardInterrupt`` for SIGINT wherever the main thread is, possibly between an
+    optimiser step and Lightning's step counter: a checkpoint saved there would not resume
+    exactly. A second Ctrl-C stops at once and saves nothing: the last periodic checkpoint stays
+    the one to resume from. Other errors (a non-finite loss included) may strike mid-step:
+    nothing is saved.
 
-    After ``fit``, ``signal`` is the signal number that stopped it (``None`` if none) and
-    ``saved`` the path written (``None`` if nothing was saved).
+    After ``fit``, ``signal`` is the signal number received (``None`` if none) and ``saved`` the
+    path written (``None`` if nothing was saved).
     """
 
     def __init__(self, dirpath: str, filename: str = "last") -> None:
@@ -247,23 +253,46 @@ class CheckpointOnInterrupt(OnExceptionCheckpoint):
         self.signal: int | None = None
         self.saved: str | None = None
         self._previous_sigint = None
+        self._trainer = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         import signal
         import threading
 
-        self.signal, self.saved = None, None
-        if stage != "fit" or threading.current_thread() is not threading.main_thread():
+        self.saved, self._trainer = None, trainer
+        if stage != "fit":
             return
+        # Lightning registers its SIGTERM handler after ``setup``: this takes its place
+        trainer._signal_connector._sigterm_notifier_fn = self.notify_signal
+        if threading.current_thread() is threading.main_thread():
+            self._previous_sigint = signal.signal(signal.SIGINT, self.notify_signal)
 
-        def on_sigint(signum, frame):
-            if self.signal is not None:  # the second Ctrl-C: stop now
+    def notify_signal(self, signum: int, frame=None) -> None:
+        """Record a signal (SIGTERM, SIGINT) and forward it to the launched ranks; training
+        stops at the end of the current batch."""
+        import signal
+
+        if self.signal is not None:
+            if signum == signal.SIGINT:  # the second Ctrl-C: stop now
                 signal.signal(signal.SIGINT, signal.default_int_handler)
                 raise KeyboardInterrupt
-            self.signal = signum
-            trainer._signal_connector.received_sigterm = True  # stop at the next batch boundary
+            return
+        self.signal = int(signum)
+        launcher = self._trainer.strategy.launcher if self._trainer is not None else None
+        if launcher is not None:
+            launcher.kill(signum)  # the ranks Lightning started (a no-op in those ranks)
 
-        self._previous_sigint = signal.signal(signal.SIGINT, on_sigint)
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs,
+                           batch, batch_idx: int) -> None:
+        stop = self.signal is not None
+        if trainer.world_size > 1:  # every rank stops at the same batch, or none does
+            stop = trainer.strategy.reduce_boolean_decision(stop, all=False)
+        if stop:
+            if self.signal is None:
+                import signal
+
+                self.signal = signal.SIGTERM  # another rank received it
+            trainer._signal_connector.received_sigterm = True  # raised after this batch
 
     def _restore_sigint(self) -> None:
         import signal

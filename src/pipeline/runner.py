@@ -483,10 +483,10 @@ def _changed(plan: StagePlan, where: str, what: str, restart: bool, resume_chang
 
 # ----------------------------------------------------------------------------- signals
 class SignalGuard:
-    """SIGTERM and SIGINT for the whole pipeline. During a stage's ``fit`` the signal is
-    recorded and training stops at the next batch boundary (Lightning for SIGTERM,
-    ``CheckpointOnInterrupt`` for SIGINT), after a checkpoint; elsewhere (loading, between
-    stages, the evaluation) it raises ``Interrupted`` at once."""
+    """SIGTERM and SIGINT for the whole pipeline. During a stage's ``fit`` the signal goes to
+    the stage's ``CheckpointOnInterrupt``: training stops at the end of the batch, on every
+    rank together, after a checkpoint; elsewhere (between stages, the evaluation) it raises
+    ``Interrupted`` at once."""
 
     def __init__(self) -> None:
         self.received: int | None = None
@@ -505,14 +505,13 @@ class SignalGuard:
         self._previous = {}
 
     def _handle(self, signum, frame) -> None:
-        first = self.received is None
-        if first:
+        if self.received is None:
             self.received = signum
-        if self.trainer is not None and first:
-            self.trainer._signal_connector.received_sigterm = True  # stop at a batch boundary
+        if self.trainer is not None:  # the stage's CheckpointOnInterrupt decides, per batch
+            for cb in self.trainer.callbacks:
+                if hasattr(cb, "notify_signal"):
+                    cb.notify_signal(signum, frame)
             return
-        if self.trainer is not None and signum == signal.SIGTERM:
-            return  # Lightning's own handler runs too; a repeated SIGTERM changes nothing
         raise Interrupted(signum, "")
 
 
