@@ -172,6 +172,10 @@ def _branch_weights(g, shared_norm, lse, la_den, la_has, eps):
     s = g if torch.is_tensor(g) else torch.tensor(float(g), device=lse.device)
     if torch.is_tensor(s) and s.dim() == 4:
         s = s[..., 0]  # (B|1, H, T|1, 1) -> (B|1, H, T|1)
+    # clamps (audited with the weights_xent fix, docs/testbed.md): s = sigmoid(a_h) > 0, the
+    # floor only keeps log finite for a saturated sigmoid; the LA denominator is floored at the
+    # same eps as the LA output's own division (ops.reference.DEN_TINY for non-negative maps),
+    # so alpha and LA_t describe the same normalised weights - no flat region is created
     log_s = torch.log(s.float().clamp_min(1e-30))
     log_far = torch.log(la_den.float().clamp_min(eps))
     alpha = torch.sigmoid(log_s + lse.float() - log_far)

@@ -103,6 +103,7 @@ def softmax_attention_blocked(
         p = torch.exp(s - m)  # exp(-inf) = 0 on masked keys
         denom = p.sum(dim=-1, keepdim=True)  # (B, H, q, 1)
         out = torch.einsum("bhqk,bhkd->bhqd", p, v[:, :, lo:hi])
+        # the clamp never acts where the result is used (denom > 0); it keeps 0/0 out of the graph
         out = torch.where(denom > 0, out / denom.clamp_min(1e-30), torch.zeros_like(out))
         outs.append(out)
         lses.append((m + torch.log(denom)).squeeze(-1))  # log(0) = -inf where nothing visible

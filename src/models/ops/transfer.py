@@ -135,6 +135,7 @@ def _masked_mse(student: torch.Tensor, teacher: torch.Tensor, kpm) -> torch.Tens
     if kpm is None:
         return err.mean()
     w = kpm[:, None, :, None].float()
+    # the floor only acts for a batch of padding alone (loss 0 then, rather than 0/0)
     return (err * w).sum() / (w.sum() * err.shape[1] * err.shape[3]).clamp_min(1.0)
 
 
