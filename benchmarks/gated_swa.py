@@ -1,4 +1,4 @@
-"""The second seed's pretraining study at testbed scale (PAPER.md section 8; issue 15, item 4).
+"""The pretraining study at testbed scale (docs/method.md#pretraining-study; issue 15, item 4).
 
     bash benchmarks/gated_swa.sh                        # GPU: every variant, one H200, ~5-6 min
     python benchmarks/gated_swa.py --tiny               # CPU smoke test (seconds)

@@ -1,6 +1,6 @@
 """Tokenising documents and cutting them into fixed-length sequences: the pure core.
 
-Two ways to make `seq_len`-token sequences from documents (PAPER.md section 5):
+Two ways to make `seq_len`-token sequences from documents (docs/method.md#data):
 
 - `pack` (default): each document's tokens followed by EOS, laid end to end, cut into full
   `seq_len` chunks. No padding, no token dropped or repeated, except the tail: the last partial

@@ -1,4 +1,4 @@
-"""Component ablations through lm-eval: one loaded model, every mode (PAPER.md section 4).
+"""Component ablations through lm-eval: one model, every mode (docs/method.md#modes-and-switches).
 
 A *mode spec* is a mode name with optional switches joined by ``+``::
 

@@ -35,7 +35,7 @@ __all__ = [
     "resolve_tasks",
 ]
 
-#: the paper's six tasks (PAPER.md section 4), the default ``--tasks``
+#: the paper's six tasks (docs/method.md#metrics), the default ``--tasks``
 PAPER_TASKS = ("piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande", "mmlu")
 #: tasks scored by something other than ``acc`` in the paper
 PAPER_METRICS = {"arc_challenge": "acc_norm", "hellaswag": "acc_norm"}

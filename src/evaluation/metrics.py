@@ -1,4 +1,4 @@
-"""Table arithmetic (PAPER.md section 4) with standard errors, and aggregation over seeds.
+"""Table arithmetic (docs/method.md#metrics) with standard errors, and aggregation over seeds.
 
     AVG       = mean over tasks of the task scores (percent)
     se(AVG)   = sqrt(sum_task se_task^2) / n_tasks          (tasks are independent samples)

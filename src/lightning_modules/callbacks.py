@@ -1,6 +1,6 @@
 """Callbacks: Scheduled Sliding-window Dropout, and a checkpoint on interruption.
 
-SSD (PAPER.md section 5): during stage 2, each layer's SWA branch is dropped with probability
+SSD (docs/method.md#ssd): during stage 2, each layer's SWA branch is dropped with probability
 ``p_k`` and the window is ``w_k`` in phase ``k``; both lists hold their last value. The paper's
 phases are epochs of 25M tokens; a phase may instead be a number of optimiser steps or an equal
 fraction of the stage, so that short runs (the testbed, smoke tests) advance the schedule too.
@@ -30,7 +30,7 @@ __all__ = ["SSD_INTERVALS", "SSD_SCHEDULES", "CheckpointOnInterrupt",
 #: steps, or an equal fraction of the stage's optimiser steps (as many fractions as entries)
 SSD_INTERVALS = ("epoch", "step", "fraction")
 
-#: name -> (p per epoch, window per epoch), PAPER.md section 5; the last value is held
+#: name -> (p per epoch, window per epoch), docs/method.md#ssd; the last value is held
 SSD_SCHEDULES: dict[str, tuple[tuple[float, ...], tuple[int, ...]]] = {
     "dropout": ((0.9, 0.75, 0.5, 0.5), (32,)),
     "window": ((0.5,), (4, 8, 16, 32, 64)),
@@ -91,7 +91,7 @@ class ScheduledSlidingWindowDropout(pl.Callback):
     """Set the SWA drop probability and the window of every hybrid layer, phase by phase.
 
     Args:
-        schedule: ``dropout | window | fixed`` (PAPER.md), or ``None`` with both lists given.
+        schedule: ``dropout | window | fixed`` (docs/method.md#ssd), or ``None`` with both lists.
         p, window: per-phase lists overriding the schedule's columns.
         interval: what a phase lasts: ``epoch`` (the paper), ``step`` (``interval_steps``
             optimiser steps) or ``fraction`` (the stage's optimiser steps cut into as many equal

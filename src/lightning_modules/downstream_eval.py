@@ -1,6 +1,6 @@
 """Light downstream evaluation during training, logged next to the loss (issue 15, item 3).
 
-The second seed's lesson (PAPER.md section 8): when the architecture adds an inductive bias (a
+The second seed's lesson (docs/method.md#pretraining-study): with an added inductive bias (a
 window, a gate), the loss can improve while what the model can *do* gets worse, so a run's curves
 should show both. ``DownstreamEval`` runs a few cheap probes every N optimiser steps or every
 fraction of training and logs them as ``downstream/<probe>/<metric>``:

@@ -1,4 +1,4 @@
-"""The training stages, one LightningModule each (PAPER.md section 5).
+"""The training stages, one LightningModule each (docs/method.md, stages 1 and 2).
 
     TeacherPretraining   a small softmax Llama trained from scratch (the embedded default's teacher)
     AttentionTransfer    stage 1: base frozen, feature maps (and mixer) learn the layer's softmax
@@ -51,7 +51,7 @@ __all__ = [
     "TransferCollapseError",
 ]
 
-#: PAPER.md section 5: rank 8, alpha 16 on q, k, v, o (``LoraSettings()``'s defaults)
+#: docs/method.md#stage-2-lora-fine-tuning: rank 8, alpha 16 on q, k, v, o = ``LoraSettings()``
 DEFAULT_LORA = LoraSettings().to_dict()
 STAGE_FILE = "stage.pt"
 
@@ -604,7 +604,7 @@ class HybridFinetune(_NextTokenLoss, HybridStage):
 
 class TeacherPretraining(_NextTokenLoss, _Stage):
     """Pretrain a small Llama-like model from scratch: the embedded default's teacher, and the
-    second seed's pretraining study (PAPER.md section 8).
+    second seed's pretraining study (docs/method.md#pretraining-study).
 
     The architecture is a ``hedgecats.models.pretrain.PretrainConfig``, checked when this module
     is built (before any Trainer starts). Beyond the Llama shape:

@@ -1,4 +1,4 @@
-"""Hedgehog feature maps (PAPER.md section 2, Eq. 4).
+"""Hedgehog feature maps (docs/method.md#feature-maps, Eq. 4).
 
     phi(x) = [ act(x W + b)  ++  act(-x W - b) ]          (++ = concatenate on the feature axis)
 

@@ -1,4 +1,4 @@
-"""How the SWA and LA branches are mixed (PAPER.md section 3).
+"""How the SWA and LA branches are mixed (docs/method.md#mixers).
 
 Every mixer is a module whose ``forward(hidden_states)`` returns the ``g`` argument of
 ``ops.hybrid_attention``: a float or a tensor broadcastable to ``(B, H, T, D)``; ``shared_norm``

@@ -1,4 +1,4 @@
-"""Small Llama-like models pretrained from scratch, with the second seed's options (PAPER.md 8).
+"""Small Llama-like models pretrained from scratch (docs/method.md#pretraining-study).
 
     PretrainConfig                the architecture: one validated dataclass
     build_pretrain_model(cfg)     today's ``LlamaForCausalLM`` when the config is plain (every

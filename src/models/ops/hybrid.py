@@ -1,4 +1,4 @@
-"""The functional hybrid layer (PAPER.md sections 3-4): SWA + LA, mixers and ablation modes.
+"""The functional hybrid layer (docs/method.md#the-hybrid-layer): SWA + LA, mixers, modes.
 
     hybrid      w_swa * SWA + w_la * LA          (w_swa, w_la) = (g, 1 - g), or the
                                                 shared-norm weights (alpha_t, 1 - alpha_t)

@@ -126,7 +126,7 @@ def linear_attention_chunked(
         o_t = sum_i (fq_t . fk_i) v_i / sum_i (fq_t . fk_i)
 
     ``shift = 0`` is ordinary causal LA (all causal keys, "overlapping"); ``shift = w`` sees only
-    keys outside a window of ``w`` ("non-overlapping", PAPER.md Eq. 3).
+    keys outside a window of ``w`` ("non-overlapping", docs/method.md#the-hybrid-layer).
 
     Returns ``(out (B, H, Tq, D), den (B, H, Tq), has_keys (B, H, Tq) bool)``, fp32. ``out`` is 0
     where no key is visible. The denominator is clamped to ``eps`` before dividing (see

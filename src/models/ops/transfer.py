@@ -1,4 +1,4 @@
-"""Attention-transfer objectives (PAPER.md section 5, stage 1), one layer at a time.
+"""Attention-transfer objectives (docs/method.md#stage-1-attention-transfer), one layer at a time.
 
 The teacher is the layer's own causal softmax attention on the same (detached) q, k, v; the
 student is the layer's feature maps (and mixer). Three objectives, each a scalar averaged over
