@@ -80,9 +80,9 @@ def errors(got: dict, want: dict) -> dict:
 
 TOL = {"float32": 1e-5, "bfloat16": 1.5e-2}
 SMALL = dict(block_m=16, block_n=16, state_chunk=16, bwd_block_m=16, bwd_block_n=16,
-             state_f=16, state_d=16)
+             state_f=16, state_d=16, f_chunk=16)  # F = 32: two feature slices
 MIXED = dict(block_m=32, block_n=16, state_chunk=32, bwd_block_m=16, bwd_block_n=32,
-             state_f=16, state_d=16)
+             state_f=16, state_d=16, f_chunk=32)
 
 
 def _inputs(B, H, Hkv, T, D, dtype, seed, features):
@@ -289,6 +289,7 @@ def cases(quick: bool = False):
         ("xent-rectangular-D32", xent_case, dict(D=32, projection="rectangular", T=40)),
         ("xent-underflow", xent_case, dict(underflow=True, features="relu")),
         ("xent-bf16", xent_case, dict(dtype=bf16, T=64, D=32)),
+        ("xent-bf16-default-tiles", xent_case, dict(dtype=bf16, T=150, D=32, bm=None, bn=None)),
         ("xent-entry", xent_entry_case, None),
     ]
     if quick:

@@ -25,20 +25,30 @@ How (all kernels take strided (B, H, T, X) tensors, no copies of q, k, v):
     _state_fwd    per (b, kv head, F-block, D-block), walking T: the LA state
                   S_j = sum_{i < j C} fk_i v_i^T and z_j = sum_{i < j C} fk_i at every C-th
                   position (C = ``state_chunk``), masked keys left out. (B, Hkv, T/C, F, D).
-    _fwd          per (b, h, block of BM queries): the window keys (online softmax, exp2), then
-                  LA from the nearest state at or before t0 - shift + 1 plus the keys between it
-                  and the block (masked), the mixer, the output; keeps lse_t and den_t (fp32).
-    backward      _state_fwd again; _bwd_dq per query block recomputes SWA_t . dO_t and
-                  LA_t . dO_t (first pass), forms the per-query factors of the mixer, then dq and
-                  dfq (second pass); _state_rev walks T backwards summing fq_t dnum_t^T over the
-                  query heads of each kv head (GQA) into reverse states; _bwd_dkv per key block
-                  and kv head gets dk, dv, dfk from its window queries, the queries between it and
-                  the next reverse state, and that state. Mixer gradients (c_A, c_B or log s_h)
-                  come back as per-block partial sums, reduced in torch (deterministic).
+    _fwd          per (b, h, block of BM queries): LA from the nearest state at or before
+                  t0 - shift + 1 plus the keys between it and the block (masked), the window keys
+                  (online softmax, exp2), the mixer, the output; keeps lse_t and den_t (fp32).
+    backward      _state_fwd again; _bwd_dq per query block recomputes LA_t . dO_t and
+                  SWA_t . dO_t (first pass), forms the mixer's per-query factors, then dq (second
+                  pass); _bwd_dfq per query block and feature slice: dfq; _state_rev walks T
+                  backwards summing fq_t dnum_t^T over the query heads of each kv head (GQA) into
+                  reverse states; per key block and kv head, _bwd_dkv_swa gets dk and the window's
+                  dv from the window queries, and _bwd_dkv_la dfk (per feature slice) and the
+                  rest of dv from the queries between the block and the next reverse state, and
+                  that state. Mixer gradients (c_A, c_B or log s_h) come back as per-block
+                  partial sums, reduced in torch (deterministic).
 
-Numerics: matrix products in the input dtype with fp32 accumulation (``ieee`` fp32 for fp32
-inputs); the stored LA states are in the input dtype (they are a matrix operand anyway), the key
-sums z, the denominators, lse and every normaliser in fp32.
+The feature dimension is taken ``f_chunk`` at a time in every product over it, so no program
+holds an F-wide operand and an F-wide accumulator at once (tile sizes were chosen from ptxas's
+register report for sm_90a: ``default_config``). Tiles that do not compile on a device are
+replaced once by ``SAFE_CONFIG`` (``RETRIES``); any other Triton failure sends the call to the
+piece-by-piece path (``FALLBACK_ERRORS``).
+
+Numerics: matrix products in the input dtype with fp32 accumulation (fp32 inputs: ``tf32x3``,
+three tf32 products, about fp32 accuracy); the stored LA states are in the input dtype (they are
+a matrix operand anyway), the key sums z, the denominators, lse and every normaliser in fp32;
+per-query factors (mixer weights, 1/den) are applied in fp32 to the products' rows rather than
+to a rounded operand.
 
 Checked against ``kernel_reference`` (pure PyTorch, the same function built from
 ``ops.reference``) under ``TRITON_INTERPRET=1`` on CPU (tests/test_triton_interpreter.py) and
@@ -104,6 +114,7 @@ class KernelConfig:
     state_f: int = 64
     state_d: int = 64
     state_warps: int = 4
+    f_chunk: int = 128  # feature-dimension slice of the LA products (registers)
 
 
 def default_config(D: int, F: int, dtype: torch.dtype) -> KernelConfig:
@@ -111,12 +122,17 @@ def default_config(D: int, F: int, dtype: torch.dtype) -> KernelConfig:
     space of bf16 ones, so fp32 runs on 32-wide tiles."""
     if dtype == torch.float32:
         return KernelConfig(block_m=32, block_n=32, state_chunk=64, warps=4, stages=1,
-                            bwd_block_m=32, bwd_block_n=32, bwd_warps=4, state_f=32, state_d=32)
-    big = D * F >= 128 * 256  # e.g. D = 128 with the square map (F = 256)
-    # the key-side backward keeps dk, dv (D wide) and dfk (F wide) in fp32 registers: 32 keys
-    # per program when they are wide
-    return KernelConfig(warps=8 if big else 4, bwd_warps=8,
-                        bwd_block_m=32 if big else 64, bwd_block_n=32 if big else 64)
+                            bwd_block_m=32, bwd_block_n=32, bwd_warps=4, state_f=32, state_d=32,
+                            f_chunk=64)
+    # chosen from ptxas's register report for sm_90a (no GPU needed to read it): with D = 128
+    # the fp32 accumulators of 64 x 128 tiles need 8 warps, the key-side backward 32-key tiles
+    # and the feature dimension in slices of 64 (then at most 16 bytes spill per thread; a
+    # 64 x 64 backward spilled 128-388 bytes); with D <= 64 nothing spills at 64 x 64
+    if D >= 128:
+        return KernelConfig(block_m=64, block_n=64, warps=8, stages=2, bwd_block_m=64,
+                            bwd_block_n=32, bwd_warps=8, f_chunk=64)
+    return KernelConfig(block_m=64, block_n=64, warps=4, stages=2, bwd_block_m=64,
+                        bwd_block_n=64, bwd_warps=8, f_chunk=128)
 
 
 # ============================================================================= the kernels
@@ -168,12 +184,62 @@ if _HAVE_TRITON:
             z += tl.sum(fk.to(tl.float32), axis=0)
 
     @triton.jit
+    def _la_num(FQ, FK, V, SST, ZST, KPM, b, h, hk, Hkv, t0, shift, T, NC,
+                sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sv_b, sv_h, sv_t,
+                D: tl.constexpr, F: tl.constexpr, FC: tl.constexpr, BM: tl.constexpr,
+                BN: tl.constexpr, CS: tl.constexpr, HAS_KPM: tl.constexpr, PREC: tl.constexpr):
+        """Numerator (BM, D) and denominator (BM) of LA over keys i <= t - shift for the queries
+        t0 .. t0 + BM - 1: the nearest stored state at or before t0 - shift + 1, plus the keys
+        between it and the block. The feature dimension is taken FC at a time."""
+        offs_m = t0 + tl.arange(0, BM)
+        offs_d = tl.arange(0, D)
+        rows = offs_m < T
+        fq_base = FQ + b.to(tl.int64) * sfq_b + h.to(tl.int64) * sfq_h
+        fk_base = FK + b.to(tl.int64) * sfk_b + hk.to(tl.int64) * sfk_h
+        v_base = V + b.to(tl.int64) * sv_b + hk.to(tl.int64) * sv_h
+        jst = tl.minimum(tl.maximum(t0 - shift + 1, 0) // CS, NC - 1)
+        st = SST + (b * Hkv + hk).to(tl.int64) * NC * F * D + jst.to(tl.int64) * F * D
+        zt = ZST + (b * Hkv + hk).to(tl.int64) * NC * F + jst * F
+        num = tl.zeros([BM, D], dtype=tl.float32)
+        den = tl.zeros([BM], dtype=tl.float32)
+        for c in tl.static_range(F // FC):
+            offs_f = c * FC + tl.arange(0, FC)
+            fq = tl.load(fq_base + offs_m[:, None] * sfq_t + offs_f[None, :], mask=rows[:, None],
+                         other=0.0)
+            S = tl.load(st + offs_f[:, None] * D + offs_d[None, :])
+            z = tl.load(zt + offs_f)
+            num += tl.dot(fq, S, input_precision=PREC)
+            den += tl.sum(fq.to(tl.float32) * z[None, :], axis=1)
+        hi = tl.minimum(t0 + BM - shift, T)
+        for start in range(jst * CS, hi, BN):
+            offs_n = start + tl.arange(0, BN)
+            kin = offs_n < T
+            a = tl.zeros([BM, BN], dtype=tl.float32)
+            for c in tl.static_range(F // FC):
+                offs_f = c * FC + tl.arange(0, FC)
+                fq = tl.load(fq_base + offs_m[:, None] * sfq_t + offs_f[None, :],
+                             mask=rows[:, None], other=0.0)
+                fkb = tl.load(fk_base + offs_n[:, None] * sfk_t + offs_f[None, :],
+                              mask=kin[:, None], other=0.0)
+                a += tl.dot(fq, tl.trans(fkb), input_precision=PREC)
+            ok = (offs_n[None, :] <= offs_m[:, None] - shift) & kin[None, :]
+            if HAS_KPM:
+                real = tl.load(KPM + b * T + offs_n, mask=kin, other=0) != 0
+                ok = ok & real[None, :]
+            a = tl.where(ok, a, 0.0)
+            den += tl.sum(a, axis=1)
+            vb = tl.load(v_base + offs_n[:, None] * sv_t + offs_d[None, :], mask=kin[:, None],
+                         other=0.0)
+            num += tl.dot(a.to(vb.dtype), vb, input_precision=PREC)
+        return num, den
+
+    @triton.jit
     def _fwd(Q, K, V, FQ, FK, SST, ZST, OUT, LSE, DEN, CA, CB, LOGS, SHIFT, FIRST, KPM,
              sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
              sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, so_b, so_h, so_t,
              T, H, G, NC, window, scale_log2, eps,
-             D: tl.constexpr, F: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-             CS: tl.constexpr, HAS_SWA: tl.constexpr, HAS_LA: tl.constexpr,
+             D: tl.constexpr, F: tl.constexpr, FC: tl.constexpr, BM: tl.constexpr,
+             BN: tl.constexpr, CS: tl.constexpr, HAS_SWA: tl.constexpr, HAS_LA: tl.constexpr,
              SHARED: tl.constexpr, HAS_KPM: tl.constexpr, PREC: tl.constexpr):
         LN2: tl.constexpr = 0.6931471805599453
         pid_m = tl.program_id(0)
@@ -185,11 +251,23 @@ if _HAVE_TRITON:
         t0 = pid_m * BM
         offs_m = t0 + tl.arange(0, BM)
         offs_d = tl.arange(0, D)
-        offs_f = tl.arange(0, F)
         rows = offs_m < T
         k_base = K + b.to(tl.int64) * sk_b + hk.to(tl.int64) * sk_h
         v_base = V + b.to(tl.int64) * sv_b + hk.to(tl.int64) * sv_h
         first = tl.load(FIRST + b)
+        shift = tl.load(SHIFT + pid_bh)
+
+        # ---- linear attention over keys i <= t - shift (first: its registers are free again
+        # before the window's accumulator is live)
+        num = tl.zeros([BM, D], dtype=tl.float32)
+        den = tl.zeros([BM], dtype=tl.float32)
+        if HAS_LA:
+            num, den = _la_num(FQ, FK, V, SST, ZST, KPM, b, h, hk, Hkv, t0, shift, T, NC,
+                               sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sv_b, sv_h, sv_t,
+                               D, F, FC, BM, BN, CS, HAS_KPM, PREC)
+        has_far = (offs_m - shift) >= first
+        r = tl.where(has_far, 1.0 / tl.maximum(den, eps), 0.0)
+        la = num * r[:, None]
 
         # ---- windowed softmax
         m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
@@ -226,40 +304,6 @@ if _HAVE_TRITON:
         swa = acc / tl.where(has_win, l_i, 1.0)[:, None]
         lse2 = tl.where(has_win, m_i + tl.log2(tl.where(has_win, l_i, 1.0)), float("-inf"))
 
-        # ---- linear attention over keys i <= t - shift
-        shift = tl.load(SHIFT + pid_bh)
-        num = tl.zeros([BM, D], dtype=tl.float32)
-        den = tl.zeros([BM], dtype=tl.float32)
-        if HAS_LA:
-            fq = tl.load(FQ + b.to(tl.int64) * sfq_b + h.to(tl.int64) * sfq_h
-                         + offs_m[:, None] * sfq_t + offs_f[None, :], mask=rows[:, None], other=0.0)
-            fk_base = FK + b.to(tl.int64) * sfk_b + hk.to(tl.int64) * sfk_h
-            jst = tl.minimum(tl.maximum(t0 - shift + 1, 0) // CS, NC - 1)
-            st = SST + (b * Hkv + hk).to(tl.int64) * NC * F * D + jst.to(tl.int64) * F * D
-            S = tl.load(st + offs_f[:, None] * D + offs_d[None, :])
-            z = tl.load(ZST + (b * Hkv + hk).to(tl.int64) * NC * F + jst * F + offs_f)
-            num = tl.dot(fq, S, input_precision=PREC)
-            den = tl.sum(fq.to(tl.float32) * z[None, :], axis=1)
-            hi = tl.minimum(t0 + BM - shift, T)
-            for start in range(jst * CS, hi, BN):
-                offs_n = start + tl.arange(0, BN)
-                kin = offs_n < T
-                fkb = tl.load(fk_base + offs_n[:, None] * sfk_t + offs_f[None, :],
-                              mask=kin[:, None], other=0.0)
-                a = tl.dot(fq, tl.trans(fkb), input_precision=PREC)
-                ok = (offs_n[None, :] <= offs_m[:, None] - shift) & kin[None, :]
-                if HAS_KPM:
-                    real = tl.load(KPM + b * T + offs_n, mask=kin, other=0) != 0
-                    ok = ok & real[None, :]
-                a = tl.where(ok, a, 0.0)
-                den += tl.sum(a, axis=1)
-                vb = tl.load(v_base + offs_n[:, None] * sv_t + offs_d[None, :], mask=kin[:, None],
-                             other=0.0)
-                num += tl.dot(a.to(vb.dtype), vb, input_precision=PREC)
-        has_far = (offs_m - shift) >= first
-        r = tl.where(has_far, 1.0 / tl.maximum(den, eps), 0.0)
-        la = num * r[:, None]
-
         # ---- mixer
         if SHARED:
             logs = tl.load(LOGS + pid_bh)
@@ -279,17 +323,18 @@ if _HAVE_TRITON:
 
     @triton.jit
     def _bwd_dq(Q, K, V, FQ, FK, DO, SST, ZST, LSE, DEN, CA, CB, LOGS, SHIFT, FIRST, KPM,
-                DQ, DFQ, DELTA, WS, GF, DDEN, PA, PB,
+                DQ, DELTA, WS, GF, DDEN, PA, PB,
                 sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
                 sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sdo_b, sdo_h, sdo_t,
                 T, H, G, NC, NMB, window, scale, scale_log2, eps,
-                D: tl.constexpr, F: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                CS: tl.constexpr, HAS_SWA: tl.constexpr, HAS_LA: tl.constexpr,
+                D: tl.constexpr, F: tl.constexpr, FC: tl.constexpr, BM: tl.constexpr,
+                BN: tl.constexpr, CS: tl.constexpr, HAS_SWA: tl.constexpr, HAS_LA: tl.constexpr,
                 SHARED: tl.constexpr, HAS_KPM: tl.constexpr, PREC: tl.constexpr):
-        """dq, dfq of one query block, and the per-query factors the key-side kernels need:
-        DELTA (the softmax row term, incl. the shared-norm lse gradient), WS (SWA weight),
-        GF (dnum = GF dO), DDEN (gradient of the LA denominator); PA, PB: this block's partial
-        mixer gradients (d c_A, d c_B; or d log s and 0 with SHARED)."""
+        """dq of one query block, and the per-query factors the other kernels need: DELTA (the
+        softmax row term, incl. the shared-norm lse gradient), WS (SWA weight), GF (dnum =
+        GF dO), DDEN (gradient of the LA denominator); PA, PB: this block's partial mixer
+        gradients (d c_A, d c_B; or d log s and 0 with SHARED). SWA_t . dO_t and LA_t . dO_t
+        come from recomputing both branches (first pass)."""
         LN2: tl.constexpr = 0.6931471805599453
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
@@ -300,11 +345,9 @@ if _HAVE_TRITON:
         t0 = pid_m * BM
         offs_m = t0 + tl.arange(0, BM)
         offs_d = tl.arange(0, D)
-        offs_f = tl.arange(0, F)
         rows = offs_m < T
         k_base = K + b.to(tl.int64) * sk_b + hk.to(tl.int64) * sk_h
         v_base = V + b.to(tl.int64) * sv_b + hk.to(tl.int64) * sv_h
-        fk_base = FK + b.to(tl.int64) * sfk_b + hk.to(tl.int64) * sfk_h
         row_base = pid_bh.to(tl.int64) * T
         first = tl.load(FIRST + b)
         shift = tl.load(SHIFT + pid_bh)
@@ -320,9 +363,14 @@ if _HAVE_TRITON:
         lo = (lo // BN) * BN
         hi = tl.minimum(t0 + BM, T)
 
-        # ---- first pass: SWA_t . dO_t and LA_t . dO_t
-        dot_swa = tl.zeros([BM], dtype=tl.float32)
+        # ---- first pass: LA_t . dO_t, then SWA_t . dO_t
         dot_la = tl.zeros([BM], dtype=tl.float32)
+        if HAS_LA:
+            num, _ = _la_num(FQ, FK, V, SST, ZST, KPM, b, h, hk, Hkv, t0, shift, T, NC,
+                             sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sv_b, sv_h, sv_t,
+                             D, F, FC, BM, BN, CS, HAS_KPM, PREC)
+            dot_la = tl.sum(num * do.to(tl.float32), axis=1) * r
+        dot_swa = tl.zeros([BM], dtype=tl.float32)
         if HAS_SWA:
             q = tl.load(Q + b.to(tl.int64) * sq_b + h.to(tl.int64) * sq_h
                         + offs_m[:, None] * sq_t + offs_d[None, :], mask=rows[:, None], other=0.0)
@@ -342,29 +390,6 @@ if _HAVE_TRITON:
                 p = tl.where(ok, tl.exp2(s - lse_safe[:, None]), 0.0)
                 dpv = tl.dot(do, tl.trans(vb), input_precision=PREC)
                 dot_swa += tl.sum(p * dpv, axis=1)
-        if HAS_LA:
-            fq = tl.load(FQ + b.to(tl.int64) * sfq_b + h.to(tl.int64) * sfq_h
-                         + offs_m[:, None] * sfq_t + offs_f[None, :], mask=rows[:, None], other=0.0)
-            jst = tl.minimum(tl.maximum(t0 - shift + 1, 0) // CS, NC - 1)
-            st = SST + (b * Hkv + hk).to(tl.int64) * NC * F * D + jst.to(tl.int64) * F * D
-            S = tl.load(st + offs_f[:, None] * D + offs_d[None, :])
-            num = tl.dot(fq, S, input_precision=PREC)
-            la_hi = tl.minimum(t0 + BM - shift, T)
-            for start in range(jst * CS, la_hi, BN):
-                offs_n = start + tl.arange(0, BN)
-                kin = offs_n < T
-                fkb = tl.load(fk_base + offs_n[:, None] * sfk_t + offs_f[None, :],
-                              mask=kin[:, None], other=0.0)
-                a = tl.dot(fq, tl.trans(fkb), input_precision=PREC)
-                ok = (offs_n[None, :] <= offs_m[:, None] - shift) & kin[None, :]
-                if HAS_KPM:
-                    real = tl.load(KPM + b * T + offs_n, mask=kin, other=0) != 0
-                    ok = ok & real[None, :]
-                a = tl.where(ok, a, 0.0)
-                vb = tl.load(v_base + offs_n[:, None] * sv_t + offs_d[None, :], mask=kin[:, None],
-                             other=0.0)
-                num += tl.dot(a.to(vb.dtype), vb, input_precision=PREC)
-            dot_la = tl.sum(num * do.to(tl.float32), axis=1) * r
 
         # ---- the mixer's per-query factors
         if SHARED:
@@ -398,7 +423,7 @@ if _HAVE_TRITON:
         tl.store(GF + row_base + offs_m, gf, mask=rows)
         tl.store(DDEN + row_base + offs_m, dden, mask=rows)
 
-        # ---- second pass: dq, dfq
+        # ---- second pass: dq
         if HAS_SWA:
             dq = tl.zeros([BM, D], dtype=tl.float32)
             for start in range(lo, hi, BN):
@@ -420,27 +445,60 @@ if _HAVE_TRITON:
                 dq += tl.dot(ds.to(kb.dtype), kb, input_precision=PREC)
             tl.store(DQ + pid_bh.to(tl.int64) * T * D + offs_m[:, None] * D + offs_d[None, :],
                      (dq * scale).to(DQ.dtype.element_ty), mask=rows[:, None])
-        if HAS_LA:
-            zt = tl.load(ZST + (b * Hkv + hk).to(tl.int64) * NC * F + jst * F + offs_f)
-            St = tl.load(st + offs_f[None, :] * D + offs_d[:, None])  # (D, F)
-            # dnum_t = gf_t dO_t: gf applied in fp32 to the products' rows
-            dfq = tl.dot(do, St, input_precision=PREC) * gf[:, None] + dden[:, None] * zt[None, :]
-            for start in range(jst * CS, la_hi, BN):
-                offs_n = start + tl.arange(0, BN)
-                kin = offs_n < T
-                fkb = tl.load(fk_base + offs_n[:, None] * sfk_t + offs_f[None, :],
-                              mask=kin[:, None], other=0.0)
-                vb = tl.load(v_base + offs_n[:, None] * sv_t + offs_d[None, :], mask=kin[:, None],
-                             other=0.0)
-                ok = (offs_n[None, :] <= offs_m[:, None] - shift) & kin[None, :]
-                if HAS_KPM:
-                    real = tl.load(KPM + b * T + offs_n, mask=kin, other=0) != 0
-                    ok = ok & real[None, :]
-                da = tl.dot(do, tl.trans(vb), input_precision=PREC) * gf[:, None] + dden[:, None]
-                da = tl.where(ok, da, 0.0)
-                dfq += tl.dot(da.to(fkb.dtype), fkb, input_precision=PREC)
-            tl.store(DFQ + pid_bh.to(tl.int64) * T * F + offs_m[:, None] * F + offs_f[None, :],
-                     dfq.to(DFQ.dtype.element_ty), mask=rows[:, None])
+
+    @triton.jit
+    def _bwd_dfq(FK, V, DO, SST, ZST, GF, DDEN, SHIFT, KPM, DFQ,
+                 sfk_b, sfk_h, sfk_t, sv_b, sv_h, sv_t, sdo_b, sdo_h, sdo_t,
+                 T, H, G, NC,
+                 D: tl.constexpr, F: tl.constexpr, FC: tl.constexpr, BM: tl.constexpr,
+                 BN: tl.constexpr, CS: tl.constexpr, HAS_KPM: tl.constexpr,
+                 PREC: tl.constexpr):
+        """dfq[:, c FC : (c + 1) FC] of one query block (program axis 2 is c):
+        dfq_t = S^T dnum_t + dden_t z + sum_{intra i} (dnum_t . v_i + dden_t) fk_i,
+        dnum_t = GF_t dO_t."""
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        pid_f = tl.program_id(2)
+        b = pid_bh // H
+        h = pid_bh % H
+        hk = h // G
+        Hkv = H // G
+        t0 = pid_m * BM
+        offs_m = t0 + tl.arange(0, BM)
+        offs_d = tl.arange(0, D)
+        offs_f = pid_f * FC + tl.arange(0, FC)
+        rows = offs_m < T
+        row_base = pid_bh.to(tl.int64) * T
+        shift = tl.load(SHIFT + pid_bh)
+        do = tl.load(DO + b.to(tl.int64) * sdo_b + h.to(tl.int64) * sdo_h + offs_m[:, None] * sdo_t
+                     + offs_d[None, :], mask=rows[:, None], other=0.0)
+        gf = tl.load(GF + row_base + offs_m, mask=rows, other=0.0)
+        dden = tl.load(DDEN + row_base + offs_m, mask=rows, other=0.0)
+        jst = tl.minimum(tl.maximum(t0 - shift + 1, 0) // CS, NC - 1)
+        st = SST + (b * Hkv + hk).to(tl.int64) * NC * F * D + jst.to(tl.int64) * F * D
+        zt = tl.load(ZST + (b * Hkv + hk).to(tl.int64) * NC * F + jst * F + offs_f)
+        St = tl.load(st + offs_f[None, :] * D + offs_d[:, None])  # (D, FC)
+        # gf applied in fp32 to the products' rows (rounding gf * dO first cost accuracy)
+        dfq = tl.dot(do, St, input_precision=PREC) * gf[:, None] + dden[:, None] * zt[None, :]
+        fk_base = FK + b.to(tl.int64) * sfk_b + hk.to(tl.int64) * sfk_h
+        v_base = V + b.to(tl.int64) * sv_b + hk.to(tl.int64) * sv_h
+        hi = tl.minimum(t0 + BM - shift, T)
+        for start in range(jst * CS, hi, BN):
+            offs_n = start + tl.arange(0, BN)
+            kin = offs_n < T
+            fkb = tl.load(fk_base + offs_n[:, None] * sfk_t + offs_f[None, :], mask=kin[:, None],
+                          other=0.0)
+            vb = tl.load(v_base + offs_n[:, None] * sv_t + offs_d[None, :], mask=kin[:, None],
+                         other=0.0)
+            ok = (offs_n[None, :] <= offs_m[:, None] - shift) & kin[None, :]
+            if HAS_KPM:
+                real = tl.load(KPM + b * T + offs_n, mask=kin, other=0) != 0
+                ok = ok & real[None, :]
+            da = tl.dot(do, tl.trans(vb), input_precision=PREC) * gf[:, None] + dden[:, None]
+            da = tl.where(ok, da, 0.0)
+            dfq += tl.dot(da.to(fkb.dtype), fkb, input_precision=PREC)
+        tl.store(DFQ + pid_bh.to(tl.int64) * T * F + offs_m[:, None] * F + offs_f[None, :],
+                 dfq.to(DFQ.dtype.element_ty), mask=rows[:, None])
 
     @triton.jit
     def _state_rev(FQ, DO, GF, DDEN, SHIFT, RST, UST,
@@ -482,22 +540,21 @@ if _HAVE_TRITON:
                 do = tl.load(DO + b.to(tl.int64) * sdo_b + h.to(tl.int64) * sdo_h
                              + offs_t[:, None] * sdo_t + offs_d[None, :], mask=tin[:, None],
                              other=0.0)
-                dnum = (do.to(tl.float32) * gf[:, None]).to(fq.dtype)
-                R += tl.dot(tl.trans(fq), dnum, input_precision=PREC)
+                # gf scales fq's rows (fp32, then one rounding) rather than dO's
+                fqg = (fq.to(tl.float32) * gf[:, None]).to(fq.dtype)
+                R += tl.dot(tl.trans(fqg), do, input_precision=PREC)
                 if pid_d == 0:
                     dd = tl.load(DDEN + bh.to(tl.int64) * T + offs_t, mask=tin, other=0.0)
                     u += tl.sum(fq.to(tl.float32) * dd[:, None], axis=0)
 
     @triton.jit
-    def _bwd_dkv(Q, K, V, FQ, FK, DO, LSE, DELTA, WS, GF, DDEN, RST, UST, SHIFT, KPM,
-                 DK, DV, DFK,
-                 sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
-                 sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sdo_b, sdo_h, sdo_t,
-                 T, H, G, NC, window, scale, scale_log2,
-                 D: tl.constexpr, F: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                 CS: tl.constexpr, HAS_SWA: tl.constexpr, HAS_LA: tl.constexpr,
-                 HAS_KPM: tl.constexpr, PREC: tl.constexpr):
-        """dk, dv, dfk of one key block of one kv head, summed over its G query heads."""
+    def _bwd_dkv_swa(Q, K, V, DO, LSE, DELTA, WS, KPM, DK, DV,
+                     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sdo_b, sdo_h, sdo_t,
+                     T, H, G, window, scale, scale_log2,
+                     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     HAS_KPM: tl.constexpr, PREC: tl.constexpr):
+        """dk and the window's part of dv for one key block of one kv head (summed over its G
+        query heads). DV is the final dv (no LA) or an fp32 buffer the LA kernel adds to."""
         pid_n = tl.program_id(0)
         pid_bh = tl.program_id(1)  # b * Hkv + hk
         Hkv = H // G
@@ -506,7 +563,6 @@ if _HAVE_TRITON:
         i0 = pid_n * BN
         offs_n = i0 + tl.arange(0, BN)
         offs_d = tl.arange(0, D)
-        offs_f = tl.arange(0, F)
         kin = offs_n < T
         kreal = kin
         if HAS_KPM:
@@ -517,44 +573,84 @@ if _HAVE_TRITON:
                      + offs_d[None, :], mask=kin[:, None], other=0.0)
         dk = tl.zeros([BN, D], dtype=tl.float32)
         dv = tl.zeros([BN, D], dtype=tl.float32)
-        dfk = tl.zeros([BN, F], dtype=tl.float32)
-        jb = tl.minimum(tl.cdiv(i0 + BN - 1, CS), NC)  # first reverse state past the block
-        if HAS_LA:
-            fkb = tl.load(FK + b.to(tl.int64) * sfk_b + hk.to(tl.int64) * sfk_h
-                          + offs_n[:, None] * sfk_t + offs_f[None, :], mask=kin[:, None], other=0.0)
+        q_hi = tl.minimum(i0 + BN - 1 + window, T)
         for g in range(0, G):
             h = hk * G + g
-            bh = b * H + h
-            row_base = bh.to(tl.int64) * T
+            row_base = (b * H + h).to(tl.int64) * T
             q_base = Q + b.to(tl.int64) * sq_b + h.to(tl.int64) * sq_h
             do_base = DO + b.to(tl.int64) * sdo_b + h.to(tl.int64) * sdo_h
-            if HAS_SWA:
-                q_hi = tl.minimum(i0 + BN - 1 + window, T)
-                for start in range(i0, q_hi, BM):
-                    offs_m = start + tl.arange(0, BM)
-                    qin = offs_m < T
-                    qb = tl.load(q_base + offs_m[:, None] * sq_t + offs_d[None, :],
-                                 mask=qin[:, None], other=0.0)
-                    dob = tl.load(do_base + offs_m[:, None] * sdo_t + offs_d[None, :],
-                                  mask=qin[:, None], other=0.0)
-                    lse2 = tl.load(LSE + row_base + offs_m, mask=qin, other=float("-inf"))
-                    lse_safe = tl.where(lse2 > float("-inf"), lse2, 0.0)
-                    delta = tl.load(DELTA + row_base + offs_m, mask=qin, other=0.0)
-                    ws = tl.load(WS + row_base + offs_m, mask=qin, other=0.0)
-                    sT = tl.dot(kb, tl.trans(qb), input_precision=PREC) * scale_log2  # (BN, BM)
-                    ok = (offs_m[None, :] >= offs_n[:, None]) & \
-                         (offs_m[None, :] - window < offs_n[:, None]) & qin[None, :] & \
-                         kreal[:, None]
-                    pT = tl.where(ok, tl.exp2(sT - lse_safe[None, :]), 0.0)
-                    # dSWA_t = ws_t dO_t: the weight is applied in fp32 around the products
-                    # (rounding ws * dO to bf16 first cost ~1e-2 in dk)
-                    dv += tl.dot((pT * ws[None, :]).to(qb.dtype), dob, input_precision=PREC)
-                    dpT = tl.dot(vb, tl.trans(dob), input_precision=PREC) * ws[None, :]
-                    dsT = pT * (dpT - delta[None, :])
-                    dk += tl.dot(dsT.to(qb.dtype), qb, input_precision=PREC)
-            if HAS_LA:
-                shift = tl.load(SHIFT + bh)
+            for start in range(i0, q_hi, BM):
+                offs_m = start + tl.arange(0, BM)
+                qin = offs_m < T
+                qb = tl.load(q_base + offs_m[:, None] * sq_t + offs_d[None, :], mask=qin[:, None],
+                             other=0.0)
+                dob = tl.load(do_base + offs_m[:, None] * sdo_t + offs_d[None, :],
+                              mask=qin[:, None], other=0.0)
+                lse2 = tl.load(LSE + row_base + offs_m, mask=qin, other=float("-inf"))
+                lse_safe = tl.where(lse2 > float("-inf"), lse2, 0.0)
+                delta = tl.load(DELTA + row_base + offs_m, mask=qin, other=0.0)
+                ws = tl.load(WS + row_base + offs_m, mask=qin, other=0.0)
+                sT = tl.dot(kb, tl.trans(qb), input_precision=PREC) * scale_log2  # (BN, BM)
+                ok = (offs_m[None, :] >= offs_n[:, None]) & \
+                     (offs_m[None, :] - window < offs_n[:, None]) & qin[None, :] & \
+                     kreal[:, None]
+                pT = tl.where(ok, tl.exp2(sT - lse_safe[None, :]), 0.0)
+                # dSWA_t = ws_t dO_t: the weight is applied in fp32 around the products
+                # (rounding ws * dO to bf16 first cost ~1e-2 in dk)
+                dv += tl.dot((pT * ws[None, :]).to(qb.dtype), dob, input_precision=PREC)
+                dpT = tl.dot(vb, tl.trans(dob), input_precision=PREC) * ws[None, :]
+                dsT = pT * (dpT - delta[None, :])
+                dk += tl.dot(dsT.to(qb.dtype), qb, input_precision=PREC)
+        base = pid_bh.to(tl.int64) * T
+        tl.store(DK + (base + offs_n[:, None]) * D + offs_d[None, :],
+                 tl.where(kreal[:, None], dk * scale, 0.0).to(DK.dtype.element_ty),
+                 mask=kin[:, None])
+        tl.store(DV + (base + offs_n[:, None]) * D + offs_d[None, :],
+                 tl.where(kreal[:, None], dv, 0.0).to(DV.dtype.element_ty), mask=kin[:, None])
+
+    @triton.jit
+    def _bwd_dkv_la(FQ, FK, V, DO, GF, DDEN, RST, UST, SHIFT, KPM, DVS, DV, DFK,
+                    sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sv_b, sv_h, sv_t,
+                    sdo_b, sdo_h, sdo_t,
+                    T, H, G, NC,
+                    D: tl.constexpr, F: tl.constexpr, FC: tl.constexpr, BM: tl.constexpr,
+                    BN: tl.constexpr, CS: tl.constexpr, ADD_DVS: tl.constexpr,
+                    HAS_KPM: tl.constexpr, PREC: tl.constexpr):
+        """Linear attention's part of the key-side gradients for one key block of one kv head
+        (summed over its G query heads): programs with axis-2 index c < F / FC write
+        dfk[:, c FC : (c + 1) FC]; the one with c = F / FC writes dv (plus the window's part,
+        DVS, when ADD_DVS). Keys see the reverse state past the block and the queries between
+        the block and that state."""
+        pid_n = tl.program_id(0)
+        pid_bh = tl.program_id(1)  # b * Hkv + hk
+        pid_f = tl.program_id(2)
+        Hkv = H // G
+        b = pid_bh // Hkv
+        hk = pid_bh % Hkv
+        i0 = pid_n * BN
+        offs_n = i0 + tl.arange(0, BN)
+        offs_d = tl.arange(0, D)
+        kin = offs_n < T
+        kreal = kin
+        if HAS_KPM:
+            kreal = kreal & (tl.load(KPM + b * T + offs_n, mask=kin, other=0) != 0)
+        fk_base = FK + b.to(tl.int64) * sfk_b + hk.to(tl.int64) * sfk_h
+        vb = tl.load(V + b.to(tl.int64) * sv_b + hk.to(tl.int64) * sv_h + offs_n[:, None] * sv_t
+                     + offs_d[None, :], mask=kin[:, None], other=0.0)
+        jb = tl.minimum(tl.cdiv(i0 + BN - 1, CS), NC)  # first reverse state past the block
+        st = RST + pid_bh.to(tl.int64) * NC * F * D + (jb - 1).to(tl.int64) * F * D
+        out_base = pid_bh.to(tl.int64) * T
+        if pid_f * FC < F:  # ---- dfk, one FC-wide slice
+            offs_f = pid_f * FC + tl.arange(0, FC)
+            Rt = tl.load(st + offs_f[None, :] * D + offs_d[:, None])  # (D, FC)
+            u = tl.load(UST + pid_bh.to(tl.int64) * NC * F + (jb - 1) * F + offs_f)
+            dfk = tl.dot(vb, Rt, input_precision=PREC) + u[None, :]
+            for g in range(0, G):
+                h = hk * G + g
+                row_base = (b * H + h).to(tl.int64) * T
+                shift = tl.load(SHIFT + b * H + h)
                 fq_base = FQ + b.to(tl.int64) * sfq_b + h.to(tl.int64) * sfq_h
+                do_base = DO + b.to(tl.int64) * sdo_b + h.to(tl.int64) * sdo_h
                 q_hi = tl.minimum(jb * CS + shift, T)
                 for start in range(i0 + shift, q_hi, BM):
                     offs_m = start + tl.arange(0, BM)
@@ -566,32 +662,54 @@ if _HAVE_TRITON:
                     gf = tl.load(GF + row_base + offs_m, mask=qin, other=0.0)
                     dd = tl.load(DDEN + row_base + offs_m, mask=qin, other=0.0)
                     ok = (offs_m[None, :] - shift >= offs_n[:, None]) & qin[None, :] & \
-                         kreal[:, None]
-                    aT = tl.dot(fkb, tl.trans(fqb), input_precision=PREC)  # (BN, BM)
-                    aT = tl.where(ok, aT, 0.0)
-                    # dnum_t = gf_t dO_t, the factor applied in fp32 (as for SWA above)
-                    dv += tl.dot((aT * gf[None, :]).to(dob.dtype), dob, input_precision=PREC)
+                        kreal[:, None]
                     daT = tl.dot(vb, tl.trans(dob), input_precision=PREC) * gf[None, :] + \
                         dd[None, :]
                     daT = tl.where(ok, daT, 0.0)
                     dfk += tl.dot(daT.to(fqb.dtype), fqb, input_precision=PREC)
-        if HAS_LA:
-            st = RST + pid_bh.to(tl.int64) * NC * F * D + (jb - 1).to(tl.int64) * F * D
-            R = tl.load(st + offs_f[:, None] * D + offs_d[None, :])  # (F, D)
-            u = tl.load(UST + pid_bh.to(tl.int64) * NC * F + (jb - 1) * F + offs_f)
-            dfk += tl.dot(vb, tl.trans(R), input_precision=PREC) + u[None, :]
-            dv += tl.dot(fkb, R, input_precision=PREC)
-        dk = tl.where(kreal[:, None], dk * scale, 0.0)
-        dv = tl.where(kreal[:, None], dv, 0.0)
-        base = pid_bh.to(tl.int64) * T
-        tl.store(DK + (base + offs_n[:, None]) * D + offs_d[None, :], dk.to(DK.dtype.element_ty),
-                 mask=kin[:, None])
-        tl.store(DV + (base + offs_n[:, None]) * D + offs_d[None, :], dv.to(DV.dtype.element_ty),
-                 mask=kin[:, None])
-        if HAS_LA:
-            dfk = tl.where(kreal[:, None], dfk, 0.0)
-            tl.store(DFK + (base + offs_n[:, None]) * F + offs_f[None, :],
-                     dfk.to(DFK.dtype.element_ty), mask=kin[:, None])
+            tl.store(DFK + (out_base + offs_n[:, None]) * F + offs_f[None, :],
+                     tl.where(kreal[:, None], dfk, 0.0).to(DFK.dtype.element_ty),
+                     mask=kin[:, None])
+        else:  # ---- dv
+            dv = tl.zeros([BN, D], dtype=tl.float32)
+            for c in tl.static_range(F // FC):
+                offs_f = c * FC + tl.arange(0, FC)
+                fkb = tl.load(fk_base + offs_n[:, None] * sfk_t + offs_f[None, :],
+                              mask=kin[:, None], other=0.0)
+                R = tl.load(st + offs_f[:, None] * D + offs_d[None, :])  # (FC, D)
+                dv += tl.dot(fkb, R, input_precision=PREC)
+            for g in range(0, G):
+                h = hk * G + g
+                row_base = (b * H + h).to(tl.int64) * T
+                shift = tl.load(SHIFT + b * H + h)
+                fq_base = FQ + b.to(tl.int64) * sfq_b + h.to(tl.int64) * sfq_h
+                do_base = DO + b.to(tl.int64) * sdo_b + h.to(tl.int64) * sdo_h
+                q_hi = tl.minimum(jb * CS + shift, T)
+                for start in range(i0 + shift, q_hi, BM):
+                    offs_m = start + tl.arange(0, BM)
+                    qin = offs_m < T
+                    aT = tl.zeros([BN, BM], dtype=tl.float32)
+                    for c in tl.static_range(F // FC):
+                        offs_f = c * FC + tl.arange(0, FC)
+                        fkb = tl.load(fk_base + offs_n[:, None] * sfk_t + offs_f[None, :],
+                                      mask=kin[:, None], other=0.0)
+                        fqb = tl.load(fq_base + offs_m[:, None] * sfq_t + offs_f[None, :],
+                                      mask=qin[:, None], other=0.0)
+                        aT += tl.dot(fkb, tl.trans(fqb), input_precision=PREC)
+                    dob = tl.load(do_base + offs_m[:, None] * sdo_t + offs_d[None, :],
+                                  mask=qin[:, None], other=0.0)
+                    gf = tl.load(GF + row_base + offs_m, mask=qin, other=0.0)
+                    ok = (offs_m[None, :] - shift >= offs_n[:, None]) & qin[None, :] & \
+                        kreal[:, None]
+                    # dnum_t = gf_t dO_t, the factor applied in fp32 (as for SWA)
+                    aT = tl.where(ok, aT * gf[None, :], 0.0)
+                    dv += tl.dot(aT.to(dob.dtype), dob, input_precision=PREC)
+            if ADD_DVS:
+                dv += tl.load(DVS + (out_base + offs_n[:, None]) * D + offs_d[None, :],
+                              mask=kin[:, None], other=0.0)
+            tl.store(DV + (out_base + offs_n[:, None]) * D + offs_d[None, :],
+                     tl.where(kreal[:, None], dv, 0.0).to(DV.dtype.element_ty),
+                     mask=kin[:, None])
 
 
 # ============================================================================= launchers
@@ -608,7 +726,7 @@ def _strides(x: torch.Tensor) -> tuple[int, int, int]:
 
 
 def _prec(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"
+    return "tf32x3" if dtype == torch.float32 else "tf32"  # fp32: 3 tf32 products, ~fp32 accuracy
 
 
 def _state_tile(cfg: KernelConfig, heads: int, F: int, D: int) -> tuple[int, int]:
@@ -642,6 +760,10 @@ def _la_states(fk, v, kpm_i8, cfg: KernelConfig):
     return S, z, NC
 
 
+def _fc(cfg: KernelConfig, F: int) -> int:
+    return min(cfg.f_chunk, F)
+
+
 def _forward(q, k, v, fq, fk, ca, cb, logs, shift, first, kpm_i8, *, window, scale, eps,
              has_swa, has_la, shared, cfg: KernelConfig):
     B, H, T, D = q.shape
@@ -659,9 +781,9 @@ def _forward(q, k, v, fq, fk, ca, cb, logs, shift, first, kpm_i8, *, window, sca
     _fwd[grid](q, k, v, fq, fk, S, z, o, lse, den, ca, cb, logs, shift, first, _ptr(kpm_i8, lse),
                *_strides(q), *_strides(k), *_strides(v), *_strides(fq), *_strides(fk),
                *_strides(o), T, H, H // Hkv, NC, window, scale * LOG2E, eps,
-               D=D, F=F, BM=cfg.block_m, BN=cfg.block_n, CS=cfg.state_chunk, HAS_SWA=has_swa,
-               HAS_LA=has_la, SHARED=shared, HAS_KPM=kpm_i8 is not None, PREC=_prec(q.dtype),
-               num_warps=cfg.warps, num_stages=cfg.stages)
+               D=D, F=F, FC=_fc(cfg, F), BM=cfg.block_m, BN=cfg.block_n, CS=cfg.state_chunk,
+               HAS_SWA=has_swa, HAS_LA=has_la, SHARED=shared, HAS_KPM=kpm_i8 is not None,
+               PREC=_prec(q.dtype), num_warps=cfg.warps, num_stages=cfg.stages)
     return o, lse, den
 
 
@@ -671,9 +793,13 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, kpm_i8, lse, den,
     Hkv = k.shape[1]
     G = H // Hkv
     F = fq.shape[-1]
+    FC = _fc(cfg, F)
     dev = q.device
     f32 = dict(device=dev, dtype=torch.float32)
     dummy = torch.empty(1, device=dev, dtype=q.dtype)
+    kpm = _ptr(kpm_i8, lse)
+    has_kpm = kpm_i8 is not None
+    prec = _prec(q.dtype)
     if has_la:
         S, z, NC = _la_states(fk, v, kpm_i8, cfg)
     else:
@@ -681,39 +807,53 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, kpm_i8, lse, den,
     BM, BN = cfg.bwd_block_m, cfg.bwd_block_n
     NMB = triton.cdiv(T, BM)
     dq = torch.empty(B, H, T, D, device=dev, dtype=q.dtype) if has_swa else None
-    dfq = torch.empty(B, H, T, F, device=dev, dtype=fq.dtype) if has_la else None
     delta, ws, gf, dden = (torch.empty(B * H, T, **f32) for _ in range(4))
     pa, pb = torch.empty(B * H, NMB, **f32), torch.empty(B * H, NMB, **f32)
-    prec = _prec(q.dtype)
-    common = dict(D=D, F=F, CS=cfg.state_chunk, PREC=prec)
     _bwd_dq[(NMB, B * H)](
-        q, k, v, fq, fk, do, S, z, lse, den, ca, cb, logs, shift, first, _ptr(kpm_i8, lse),
-        dq if dq is not None else dummy, dfq if dfq is not None else dummy,
-        delta, ws, gf, dden, pa, pb,
+        q, k, v, fq, fk, do, S, z, lse, den, ca, cb, logs, shift, first, kpm,
+        _ptr(dq, dummy), delta, ws, gf, dden, pa, pb,
         *_strides(q), *_strides(k), *_strides(v), *_strides(fq), *_strides(fk), *_strides(do),
         T, H, G, NC, NMB, window, scale, scale * LOG2E, eps,
-        BM=BM, BN=BN, HAS_SWA=has_swa, HAS_LA=has_la, SHARED=shared,
-        HAS_KPM=kpm_i8 is not None, num_warps=cfg.bwd_warps, num_stages=cfg.stages, **common)
+        D=D, F=F, FC=FC, BM=BM, BN=BN, CS=cfg.state_chunk, HAS_SWA=has_swa, HAS_LA=has_la,
+        SHARED=shared, HAS_KPM=has_kpm, PREC=prec, num_warps=cfg.bwd_warps,
+        num_stages=cfg.stages)
+    dfq = None
+    if has_la:
+        dfq = torch.empty(B, H, T, F, device=dev, dtype=fq.dtype)
+        _bwd_dfq[(NMB, B * H, F // FC)](
+            fk, v, do, S, z, gf, dden, shift, kpm, dfq,
+            *_strides(fk), *_strides(v), *_strides(do), T, H, G, NC,
+            D=D, F=F, FC=FC, BM=BM, BN=BN, CS=cfg.state_chunk, HAS_KPM=has_kpm, PREC=prec,
+            num_warps=cfg.bwd_warps, num_stages=cfg.stages)
     del S, z
+    dk = torch.empty(B, Hkv, T, D, device=dev, dtype=k.dtype)
+    dv = torch.empty(B, Hkv, T, D, device=dev, dtype=v.dtype)
+    NNB = triton.cdiv(T, BN)
+    dvs = None
+    if has_swa:
+        dvs = torch.empty(B, Hkv, T, D, **f32) if has_la else dv
+        _bwd_dkv_swa[(NNB, B * Hkv)](
+            q, k, v, do, lse, delta, ws, kpm, dk, dvs,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(do),
+            T, H, G, window, scale, scale * LOG2E,
+            D=D, BM=BM, BN=BN, HAS_KPM=has_kpm, PREC=prec, num_warps=cfg.bwd_warps,
+            num_stages=cfg.stages)
+    else:
+        dk.zero_()
+    dfk = None
     if has_la:
         R = torch.empty(B, Hkv, NC, F, D, device=dev, dtype=fq.dtype)
         U = torch.empty(B, Hkv, NC, F, **f32)
         BF, BD = _state_tile(cfg, B * Hkv, F, D)
         _state_rev[(B * Hkv, F // BF, D // BD)](
             fq, do, gf, dden, shift, R, U, *_strides(fq), *_strides(do), T, H, G, NC,
-            BF=BF, BD=BD, num_warps=cfg.state_warps, **common)
-    else:
-        R, U = dummy, torch.empty(1, **f32)
-    dk = torch.empty(B, Hkv, T, D, device=dev, dtype=k.dtype)
-    dv = torch.empty(B, Hkv, T, D, device=dev, dtype=v.dtype)
-    dfk = torch.empty(B, Hkv, T, F, device=dev, dtype=fk.dtype) if has_la else None
-    _bwd_dkv[(triton.cdiv(T, BN), B * Hkv)](
-        q, k, v, fq, fk, do, lse, delta, ws, gf, dden, R, U, shift, _ptr(kpm_i8, lse),
-        dk, dv, dfk if dfk is not None else dummy,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(fq), *_strides(fk), *_strides(do),
-        T, H, G, NC, window, scale, scale * LOG2E,
-        BM=BM, BN=BN, HAS_SWA=has_swa, HAS_LA=has_la, HAS_KPM=kpm_i8 is not None,
-        num_warps=cfg.bwd_warps, num_stages=cfg.stages, **common)
+            F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD, PREC=prec, num_warps=cfg.state_warps)
+        dfk = torch.empty(B, Hkv, T, F, device=dev, dtype=fk.dtype)
+        _bwd_dkv_la[(NNB, B * Hkv, F // FC + 1)](
+            fq, fk, v, do, gf, dden, R, U, shift, kpm, _ptr(dvs, dv), dv, dfk,
+            *_strides(fq), *_strides(fk), *_strides(v), *_strides(do), T, H, G, NC,
+            D=D, F=F, FC=FC, BM=BM, BN=BN, CS=cfg.state_chunk, ADD_DVS=has_swa,
+            HAS_KPM=has_kpm, PREC=prec, num_warps=cfg.bwd_warps, num_stages=cfg.stages)
     dpa, dpb = pa.sum(-1), pb.sum(-1)  # (B * H,)
     return dq, dk, dv, dfq, dfk, dpa, dpb
 
@@ -737,7 +877,7 @@ def _triton_errors() -> tuple[type[BaseException], ...]:
 #: (out of shared memory or registers)
 SAFE_CONFIG = KernelConfig(block_m=32, block_n=32, state_chunk=64, warps=4, stages=1,
                            bwd_block_m=32, bwd_block_n=32, bwd_warps=4, state_f=32, state_d=32,
-                           state_warps=4)
+                           state_warps=4, f_chunk=64)
 #: (phase, config, problem key) combinations that failed to compile, and the retries made
 _FAILED: set = set()
 RETRIES: list[str] = []

@@ -253,23 +253,30 @@ def _strides(x):
 
 
 def _prec(dtype):
-    return "ieee" if dtype == torch.float32 else "tf32"
+    # fp32 operands: three tf32 products (about fp32 accuracy)
+    return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
-#: (block_m, block_n, warps, stages) tried when the chosen tiles do not compile here
-SAFE_BLOCKS = (32, 32, 4, 1)
+#: (block_m, block_n, warps, stages) of the forward, the dfq and the dfk kernel, tried when the
+#: chosen tiles do not compile here
+SAFE_BLOCKS = ((32, 32, 4, 1),) * 3
 _FAILED: set = set()
 RETRIES: list[str] = []
 
 
 def _blocks(q, fq, block_m, block_n):
-    """(block_m, block_n, warps, stages): 64 x 64 tiles in bf16, 32 x 32 with fp32 operands."""
+    """Tiles per kernel (forward, dfq, dfk): (queries, keys, warps, stages). From ptxas's
+    register report for sm_90a: the backward kernels hold an F-wide fp32 accumulator for their
+    own rows, so those rows come 32 at a time when D x F is large (no spills then; 64 x 64
+    spilled up to 600 bytes per thread); fp32 operands on 32 x 32 tiles."""
     if block_m is not None:
-        return block_m, block_n or block_m, 4, 2
+        t = (block_m, block_n or block_m, 4, 2)
+        return (t, t, t)
     if torch.float32 in (q.dtype, fq.dtype):
         return SAFE_BLOCKS
-    big = q.shape[-1] * fq.shape[-1] >= 128 * 256
-    return 64, 64, 8 if big else 4, 2
+    if q.shape[-1] * fq.shape[-1] >= 128 * 256:
+        return (64, 64, 8, 2), (32, 64, 8, 2), (64, 32, 8, 2)
+    return (64, 64, 8, 2), (64, 64, 8, 2), (64, 32, 8, 2)
 
 
 def _with_retry(phase, key, blocks, fn):
@@ -299,7 +306,7 @@ class _XentFn(torch.autograd.Function):
         key = (q.dtype, fq.dtype, D, F, kpm_i8 is not None)
 
         def launch(bl):
-            BM, BN, warps, stages = bl
+            BM, BN, warps, stages = bl[0]
             _xent_fwd[(triton.cdiv(T, BM), B * H)](
                 q, k, fq, fk, kpm_arg, xe, ent, lse, lz, *_strides(q), *_strides(k),
                 *_strides(fq), *_strides(fk), T, H, H // Hkv, scale * LOG2E, TINY,
@@ -329,13 +336,12 @@ class _XentFn(torch.autograd.Function):
         key = (q.dtype, fq.dtype, D, F, has_kpm)
 
         def launch(bl):
-            BM, BN, warps, stages = bl
-            kw = dict(D=D, F=F, BM=BM, BN=BN, HAS_KPM=has_kpm, PREC_S=_prec(q.dtype),
-                      PREC_A=_prec(fq.dtype), num_warps=warps, num_stages=stages)
-            _xent_bwd_dq[(triton.cdiv(T, BM), B * H)](q, k, fq, fk, kpm_arg, lse, lz, w, dfq,
-                                                       *args, **kw)
-            _xent_bwd_dk[(triton.cdiv(T, BN), B * Hkv)](q, k, fq, fk, kpm_arg, lse, lz, w, dfk,
-                                                         *args, **kw)
+            for kernel, (BM, BN, warps, stages), grid, out in (
+                    (_xent_bwd_dq, bl[1], lambda bm, bn: (triton.cdiv(T, bm), B * H), dfq),
+                    (_xent_bwd_dk, bl[2], lambda bm, bn: (triton.cdiv(T, bn), B * Hkv), dfk)):
+                kernel[grid(BM, BN)](q, k, fq, fk, kpm_arg, lse, lz, w, out, *args, D=D, F=F,
+                                     BM=BM, BN=BN, HAS_KPM=has_kpm, PREC_S=_prec(q.dtype),
+                                     PREC_A=_prec(fq.dtype), num_warps=warps, num_stages=stages)
 
         _with_retry("backward", key, blocks, launch)
         return None, None, dfq, dfk, None, None, None, None
