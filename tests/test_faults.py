@@ -719,3 +719,16 @@ def test_evaluate_output_follows_the_umask(tmp_path):
     finally:
         os.umask(old)
     assert (tmp_path / "results").stat().st_mode & 0o777 == 0o755
+
+
+def test_parameters_finite_check():
+    from hedgecats.lightning_modules.guard import parameters_finite
+
+    ok = [torch.randn(10, 10), torch.randn(3, dtype=torch.bfloat16), torch.zeros(0)]
+    assert parameters_finite(ok)
+    huge = [torch.full((100,), 1e30)]  # its 2-norm overflows fp32: confirmed element-wise
+    assert parameters_finite(huge)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        t = torch.randn(5, 5)
+        t[2, 3] = bad
+        assert not parameters_finite([*ok, t])
