@@ -59,3 +59,46 @@ def test_sigterm_on_two_ranks_saves_once_and_every_rank_exits(tmp_path, finished
     assert proc.returncode == 0, err[-3000:]
     assert ckpt_step(last) == 4 and (out / "finetune" / "done").exists()
     assert Path(out / "finetune" / "stage.pt").exists()
+
+
+def _fsdp2_worker(base: str, root: str) -> None:
+    """Two ranks, FSDP2 (our ModelParallelStrategy), a sharded checkpoint every step."""
+    import lightning.pytorch as pl
+    from hedgecats.lightning_modules import AttentionTransfer, RecallDataModule
+    from hedgecats.lightning_modules.strategies import ModelParallelStrategy
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    pl.seed_everything(0)
+    dm = RecallDataModule(seq_len=48, window=8, far_min=16, far_max=40, num_train=30, num_val=4,
+                          num_test=4, batch_size=4)
+    tr = pl.Trainer(accelerator="cpu", devices=2, max_steps=3, default_root_dir=root,
+                    strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+                    logger=False, enable_progress_bar=False, enable_model_summary=False,
+                    limit_val_batches=0,
+                    callbacks=[ModelCheckpoint(dirpath=f"{root}/checkpoints", save_last=True,
+                                               save_top_k=0, every_n_train_steps=1)])
+    tr.fit(AttentionTransfer(base, hybrid={"window": 8}), datamodule=dm)
+
+
+def test_sharded_checkpoints_are_written_whole_with_a_previous_one(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from hedgecats.lightning_modules.guard import read_checkpoint_record
+    from hedgecats.lightning_modules.tiny import save_tiny_llama
+
+    base = save_tiny_llama(tmp_path / "base")
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    subprocess.run([sys.executable, __file__, str(base), str(tmp_path / "run")], check=True,
+                   env=env, timeout=300, capture_output=True)
+    ck = tmp_path / "run" / "checkpoints"
+    assert read_checkpoint_record(ck / "last.ckpt")["global_step"] == 3
+    assert read_checkpoint_record(ck / "previous.ckpt")["global_step"] == 2
+    assert (ck / "last.ckpt").is_dir() and not list(ck.glob(".*tmp*"))
+
+
+if __name__ == "__main__":
+    import sys
+
+    _fsdp2_worker(sys.argv[1], sys.argv[2])

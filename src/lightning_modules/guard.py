@@ -268,9 +268,9 @@ class TrainingGuard(pl.Callback):
 
 
 def _ckpt_step(path: Path) -> int | None:
+    """The step of a checkpoint file or sharded directory; ``None`` if it cannot be read."""
     with contextlib.suppress(Exception):
-        return int(torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-                   ["global_step"])
+        return read_checkpoint_record(path)["global_step"]
     return None
 
 

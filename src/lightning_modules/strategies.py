@@ -19,7 +19,39 @@ __all__ = ["ModelParallelStrategy"]
 
 class ModelParallelStrategy(_LightningModelParallel):
     """``lightning.pytorch.strategies.ModelParallelStrategy`` (FSDP2 + optional TP) whose
-    sharded checkpoints carry the trainable tensors only. Same arguments."""
+    sharded checkpoints carry the trainable tensors only, and are written whole or not at all:
+    every rank writes its shards into ``.<name>.tmp-dcp/``, then rank 0 renames the directory it
+    replaces to ``previous.ckpt`` (for ``last.ckpt``) and the new one into place. Same
+    arguments."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options=None) -> None:
+        import os
+        import shutil
+
+        if not self._save_distributed_checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        path = Path(self.broadcast(filepath))
+        tmp = path.with_name(f".{path.name}.tmp-dcp")
+        if self.global_rank == 0 and tmp.exists():
+            shutil.rmtree(tmp)  # a write that died part-way
+        self.barrier("hedgecats_dcp_tmp")
+        super().save_checkpoint(checkpoint, tmp, storage_options)
+        self.barrier("hedgecats_dcp_written")
+        if self.global_rank == 0:
+            if path.exists():
+                if path.name == "last.ckpt":
+                    prev = path.with_name("previous.ckpt")
+                    if prev.is_dir():
+                        shutil.rmtree(prev)
+                    elif prev.exists():
+                        prev.unlink()
+                    os.replace(path, prev)
+                elif path.is_dir():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink()
+            os.replace(tmp, path)
+        self.barrier("hedgecats_dcp_renamed")
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         import torch
