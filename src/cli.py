@@ -7,6 +7,8 @@
     hedgecats evaluate ...                                   hedgecats.evaluation.cli
     hedgecats export STAGE_OR_RUN OUT [--keep-adapter] ...   hedgecats.export (a hybrid directory)
     hedgecats generate --model MODEL [PROMPT ...] ...        hedgecats.generate
+    hedgecats import-lolcats --base M --distill CKPT [--lora CKPT] OUT
+                                                             hedgecats.import_lolcats
 
 A pipeline YAML names its stages in order; each has a LightningCLI ``fit`` config
 (``model`` / ``data`` / ``trainer`` with ``class_path`` / ``init_args``). Strings may use
@@ -111,10 +113,9 @@ def _describe(stage: dict) -> str:
 
 # ----------------------------------------------------------------------------- evaluation
 def _instantiate(spec: dict):
-    import importlib
+    from .pipeline.validate import resolve_class  # a dotted path or a short class name
 
-    mod, _, cls = spec["class_path"].rpartition(".")
-    return getattr(importlib.import_module(mod), cls)(**spec.get("init_args", {}))
+    return resolve_class(spec["class_path"])(**spec.get("init_args", {}))
 
 
 def _eval_device(ev: dict) -> tuple[str, str]:
@@ -484,6 +485,10 @@ def main(argv: list[str] | None = None) -> int:
         from .generate import main as generate_main
 
         return generate_main(rest)
+    if cmd == "import-lolcats":
+        from .import_lolcats import main as import_main
+
+        return import_main(rest)
     print(f"unknown command {cmd!r}\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from .errors import ConfigError
 from .runner import DIVERGENCE_KEYS, LOGGERS, build_cli, logger_entries, stage_config
 
-__all__ = ["EVALUATE_KEYS", "validate_pipeline"]
+__all__ = ["EVALUATE_KEYS", "resolve_class", "validate_pipeline"]
 
 FIT_KEYS = ("seed_everything", "model", "data", "trainer", "optimizer", "lr_scheduler")
 #: where a short class name is looked up
@@ -92,6 +92,12 @@ def _check_divergence(div, where: str) -> None:
 
 
 # ----------------------------------------------------------------------------- classes
+def resolve_class(name: str, where: str = "class_path", kind: str = "LightningDataModule"):
+    """The class a ``class_path`` names: a dotted path, or a short name exported by the stage,
+    callback, logger, strategy or data modules (``RecallDataModule``)."""
+    return _resolve(name, where, kind)
+
+
 def _resolve(name, where: str, kind: str):
     if not isinstance(name, str) or not name:
         raise ConfigError(f"{where}: class_path must be a class name, got {name!r}")
