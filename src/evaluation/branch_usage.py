@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 from hedgecats.models import attention_mode, hybrid_attention, hybrid_layers
+from hedgecats.models.ops.windows import outside_limit
 
 log = logging.getLogger(__name__)
 
@@ -69,13 +70,18 @@ def branch_usage(model, tokenizer, *, text: str | None = None, max_tokens: int =
         common = {"window": rt.window, "g": module.mixer(hidden_states),
                   "shared_norm": module.mixer.shared_norm, "overlap": rt.overlap,
                   "la_span": "outside", "n_sinks": rt.n_sinks, "key_padding_mask": key_padding_mask,
-                  "scale": getattr(module, "scaling", None), "eps": rt.eps, "backend": rt.backend}
+                  "scale": getattr(module, "scaling", None), "eps": rt.eps, "backend": rt.backend,
+                  "window_shape": getattr(rt, "window_shape", "sliding")}
         c_swa = hybrid_attention(query, key, value, fq, fk, mode="swa_only", rescale=False, **common)
         c_la = hybrid_attention(query, key, value, fq, fk, mode="la_only", rescale=False, **common)
         n_swa_BHT = c_swa.float().norm(dim=-1)
         n_la_BHT = c_la.float().norm(dim=-1)
         T = n_swa_BHT.shape[-1]
         far_T = torch.arange(T, device=n_swa_BHT.device) >= (0 if rt.overlap else rt.window)
+        if not rt.overlap and getattr(rt, "window_shape", "sliding") != "sliding":
+            # terraced windows (ops.windows): LA sees keys from the third block on
+            lim = outside_limit(rt.window_shape, rt.window, None, 1, T, T, n_swa_BHT.device)
+            far_T = lim[0] > 0
         s = sums.setdefault(rt.layer_idx, {"window": rt.window})
         for name, val in (("swa", n_swa_BHT), ("la", n_la_BHT)):
             s[name] = s.get(name, 0) + val[..., far_T].sum(dim=(0, 2)).double().cpu()  # (H,)

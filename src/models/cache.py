@@ -57,7 +57,22 @@ from .ops.hybrid import hybrid_attention
 log = logging.getLogger(__name__)
 
 __all__ = ["HybridCache", "HybridLayerCache", "cached_attention", "generated_cache",
-           "layer_state_bytes"]
+           "layer_state_bytes", "unsupported_reason"]
+
+
+def unsupported_reason(attn: nn.Module) -> str | None:
+    """Why a converted ``self_attn`` cannot run from a ``HybridCache``, or ``None``: a terraced
+    window (its keys leave the window a block at a time, and ``terraced_end`` moves its blocks
+    with the sequence's length), or key feature maps per query head under GQA (the state is
+    kept per key/value head). Such models generate with transformers' full cache."""
+    rt = attn.hedgecats
+    if getattr(rt, "window_shape", "sliding") != "sliding":
+        return f"its {rt.window_shape!r} window"
+    kv_heads = getattr(attn.phi_k, "input_heads", attn.phi_k.num_heads)
+    if attn.phi_k.num_heads != kv_heads:
+        return (f"its key feature maps per query head ({attn.phi_k.num_heads} maps, "
+                f"{kv_heads} key/value heads)")
+    return None
 
 
 def layer_state_bytes(batch: int, kv_heads: int, head_dim: int, feature_dim: int, window: int,
@@ -265,6 +280,11 @@ class HybridCache(Cache):
                 layers.append(DynamicLayer())
                 self.full_layers.append(i)
             else:
+                why = unsupported_reason(attn)
+                if why is not None:
+                    raise ValueError(f"layer {i} cannot use a HybridCache because of {why}: "
+                                     f"generate with transformers' DynamicCache (model.generate "
+                                     f"does so by itself for such models)")
                 layers.append(HybridLayerCache(i, rt.window, rt.n_sinks, attn.phi_k.feature_dim,
                                                attn))
         if len(self.full_layers) == len(layers):

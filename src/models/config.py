@@ -5,16 +5,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from .feature_maps import ACTIVATIONS, PROJECTIONS
-from .mixers import MIXERS
+from .mixers import MIXERS, SHARED_NORM_SHIFTS
 from .ops.backends import BACKENDS
 from .ops.hybrid import LA_SPANS, MODES
 from .ops.reference import default_eps
+from .ops.windows import WINDOW_SHAPES
 
-__all__ = ["HybridConfig", "SSD_GRANULARITIES"]
+__all__ = ["KEY_MAP_HEADS", "SSD_GRANULARITIES", "HybridConfig"]
 
 #: shapes of the Scheduled Sliding-window Dropout mask, drawn per layer: one draw per sample
 #: (default), per batch, or per sample and head
 SSD_GRANULARITIES = ("sample", "batch", "head")
+#: the heads of ``phi_k``: one map per key/value head, or per query head (LoLCATs, under GQA)
+KEY_MAP_HEADS = ("kv", "query")
 
 
 def _one_of(name: str, value, options) -> None:
@@ -42,6 +45,16 @@ class HybridConfig:
         layers: indices of the layers to convert (``None`` = all); the others stay softmax.
         seed: feature maps (and gates) are initialised from this seed and the layer index only;
             ``None`` (default): 0 when converting directly, the run's seed in a training stage.
+        window_shape: ``sliding`` (default) | ``terraced`` | ``terraced_end``: the terraced
+            shapes are LoLCATs' block window (the query's block of ``window`` tokens up to it
+            plus the previous block), with blocks from each sequence's first real token, or
+            ending at its last one as LoLCATs' code has them (``ops.windows``).
+        shared_norm_shift: ``none`` (default: docs/method.md#mixers) | ``window_max`` (LoLCATs'
+            code: the window's softmax scores shifted by its max logit, LA's not); only with
+            ``mixer="shared_norm"`` (``ops.hybrid``).
+        key_map_heads: ``kv`` (default: ``phi_k`` per key/value head) | ``query`` (one map per
+            query head applied to the repeated keys, as LoLCATs under GQA).
+        feature_floor: every feature is clamped to at least this (LoLCATs: 1e-12; 0 = none).
     Runtime switches (also changed later with ``set_attention_mode``):
         mode: ``hybrid | swa_only | la_only | sinks_only | none | softmax``.
         rescale: the surviving branch of ``swa_only`` / ``la_only`` gets weight 1.
@@ -68,6 +81,10 @@ class HybridConfig:
     shared_norm_init: float = 0.1
     layers: list[int] | None = None
     seed: int | None = None
+    window_shape: str = "sliding"
+    shared_norm_shift: str = "none"
+    key_map_heads: str = "kv"
+    feature_floor: float = 0.0
     mode: str = "hybrid"
     rescale: bool = False
     la_span: str = "outside"
@@ -98,6 +115,15 @@ class HybridConfig:
         _one_of("la_span", self.la_span, LA_SPANS)
         _one_of("backend", self.backend, BACKENDS)
         _one_of("ssd_granularity", self.ssd_granularity, SSD_GRANULARITIES)
+        _one_of("window_shape", self.window_shape, WINDOW_SHAPES)
+        _one_of("shared_norm_shift", self.shared_norm_shift, SHARED_NORM_SHIFTS)
+        _one_of("key_map_heads", self.key_map_heads, KEY_MAP_HEADS)
+        if self.shared_norm_shift != "none" and self.mixer != "shared_norm":
+            raise ValueError(f"HybridConfig.shared_norm_shift={self.shared_norm_shift!r} belongs "
+                             f"to mixer='shared_norm', not mixer={self.mixer!r}")
+        if not 0.0 <= self.feature_floor < 1.0:
+            raise ValueError(f"HybridConfig.feature_floor={self.feature_floor!r} must lie in "
+                             "[0, 1) (LoLCATs clamps features at 1e-12)")
         if not 0.0 <= self.g <= 1.0:
             raise ValueError(f"HybridConfig.g={self.g!r} must lie in [0, 1]")
         if self.mixer != "fixed" and not 0.0 < self.g < 1.0:

@@ -63,6 +63,8 @@ class LayerRuntime:
     eps: float
     ssd_p: float = 0.0
     ssd_granularity: str = "sample"
+    #: ``sliding`` | ``terraced`` | ``terraced_end`` (``ops.windows``): fixed at conversion
+    window_shape: str = "sliding"
     #: optional ``fn(module, query, key, value, key_padding_mask, hidden_states)`` called
     #: before the layer's attention (attention transfer, branch-usage probes);
     #: ``hidden_states`` is the layer input for gated mixers, else None; the return is ignored
@@ -183,7 +185,7 @@ def hedgecats_attention_forward(module: nn.Module, query, key, value, attention_
         query, key, value, fq, fk, window=rt.window, mode=rt.mode, g=module.mixer(hidden),
         shared_norm=module.mixer.shared_norm, overlap=rt.overlap, rescale=rt.rescale,
         la_span=rt.la_span, n_sinks=rt.n_sinks, swa_drop=swa_drop, key_padding_mask=kpm,
-        scale=scaling, eps=rt.eps, backend=rt.backend,
+        scale=scaling, eps=rt.eps, backend=rt.backend, window_shape=rt.window_shape,
     )  # (B, H, T, D)
     return out.transpose(1, 2).contiguous(), None
 
@@ -323,19 +325,23 @@ def convert_to_hybrid(model: nn.Module, config: HybridConfig) -> nn.Module:
         ref = attn.q_proj.weight
         seed = (config.seed or 0) + 2 * i  # None: 0
         attn.phi_q = HedgehogFeatureMap(H, D, config.feature_activation, config.feature_projection,
-                                        config.feature_init_std, seed=seed)
-        attn.phi_k = HedgehogFeatureMap(Hkv, D, config.feature_activation, config.feature_projection,
-                                        config.feature_init_std, seed=seed + 1)
+                                        config.feature_init_std, seed=seed,
+                                        floor=config.feature_floor)
+        attn.phi_k = HedgehogFeatureMap(H if config.key_map_heads == "query" else Hkv, D,
+                                        config.feature_activation, config.feature_projection,
+                                        config.feature_init_std, seed=seed + 1,
+                                        floor=config.feature_floor, input_heads=Hkv)
         attn.mixer = build_mixer(config.mixer, hidden_size=hidden, num_heads=H, head_dim=D,
                                  g=config.g, gate_rank=config.gate_rank,
-                                 shared_norm_init=config.shared_norm_init, seed=seed)
+                                 shared_norm_init=config.shared_norm_init, seed=seed,
+                                 shared_norm_shift=config.shared_norm_shift)
         for name in ("phi_q", "phi_k", "mixer"):  # fp32 master weights on the layer's device
             getattr(attn, name).to(device=ref.device, dtype=torch.float32)
         attn.hedgecats = LayerRuntime(
             layer_idx=i, window=config.window_for(i), mode=config.mode, overlap=config.overlap,
             rescale=config.rescale, la_span=config.la_span, n_sinks=config.n_sinks,
             backend=config.backend, eps=config.eps, ssd_p=config.ssd_p,
-            ssd_granularity=config.ssd_granularity)
+            ssd_granularity=config.ssd_granularity, window_shape=config.window_shape)
         if config.mixer in _GATED_MIXERS:
             attn.register_forward_pre_hook(_stash_input, with_kwargs=True)
         attn.register_forward_pre_hook(_bind_cache, with_kwargs=True)

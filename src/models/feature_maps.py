@@ -6,6 +6,11 @@
 ``(D, D/2)`` ("rectangular", ``F = D``, LoLCATs); ``b`` is one bias per output feature (LoLCATs
 uses a scalar per head, which a softmax ignores; we follow the formula). ``act`` acts over the
 feature axis of each half separately.
+
+Two options exist for maps imported from LoLCATs (``models.lolcats``): ``floor`` clamps every
+feature from below (LoLCATs' ``SoftmaxDim`` clamps at its ``eps``, 1e-12), and ``input_heads``
+lets a map with one head per *query* head take the keys' fewer heads under GQA, repeating each
+key head for its query heads first (LoLCATs applies ``feature_map_k`` after ``repeat_kv``).
 """
 
 from __future__ import annotations
@@ -73,13 +78,17 @@ class HedgehogFeatureMap(nn.Module):
         projection: ``square`` (``W: (H, D, D)``, ``F = 2D``) or ``rectangular``
             (``W: (H, D, D/2)``, ``F = D``).
         init_std: std of the Gaussian noise added to the identity init.
+        floor: every feature is at least this (``clamp_min``; 0 = no clamp). LoLCATs: 1e-12.
+        input_heads: heads of the input, when fewer than ``num_heads`` (GQA keys for a map per
+            query head): input head ``j`` feeds map heads ``j * r ... (j + 1) * r - 1``,
+            ``r = num_heads // input_heads``, as ``repeat_kv`` orders them. ``None``: equal.
         seed: the init is drawn on the CPU from ``torch.Generator().manual_seed(seed)`` only,
             then copied to the parameters' device: the same numbers on every rank and machine,
             whatever the global RNG state and whatever default device the module is built
             under (Lightning builds models under ``torch.device("cuda")``, FSDP under ``meta``
             and materialises them later through ``reset_parameters``).
 
-    Shapes: ``forward(x: (B, H, T, D)) -> (B, H, T, F)``.
+    Shapes: ``forward(x: (B, H or input_heads, T, D)) -> (B, H, T, F)``.
     """
 
     def __init__(
@@ -90,9 +99,18 @@ class HedgehogFeatureMap(nn.Module):
         projection: str = "square",
         init_std: float = 0.1,
         seed: int = 0,
+        floor: float = 0.0,
+        input_heads: int | None = None,
     ) -> None:
         super().__init__()
         _choice(activation, ACTIVATIONS, "feature-map activation")
+        input_heads = num_heads if input_heads is None else input_heads
+        if input_heads < 1 or num_heads % input_heads:
+            raise ValueError(f"num_heads={num_heads} must be a multiple of "
+                             f"input_heads={input_heads}")
+        if floor < 0:
+            raise ValueError(f"floor={floor!r} must be >= 0")
+        self.input_heads, self.floor = input_heads, float(floor)
         self.num_heads, self.head_dim = num_heads, head_dim
         self.activation, self.projection = activation, projection
         self.init_std, self.seed = init_std, seed
@@ -113,18 +131,24 @@ class HedgehogFeatureMap(nn.Module):
         self.bias.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 4 or x.shape[1] != self.num_heads or x.shape[-1] != self.head_dim:
-            raise ValueError(
-                f"expected x of shape (B, {self.num_heads}, T, {self.head_dim}), got {tuple(x.shape)}"
-            )
+        heads = (self.num_heads,) if self.input_heads == self.num_heads else (
+            self.input_heads, self.num_heads)
+        if x.dim() != 4 or x.shape[1] not in heads or x.shape[-1] != self.head_dim:
+            want = " or ".join(f"(B, {h}, T, {self.head_dim})" for h in heads)
+            raise ValueError(f"expected x of shape {want}, got {tuple(x.shape)}")
+        if x.shape[1] != self.num_heads:  # GQA keys, one map per query head
+            x = x.repeat_interleave(self.num_heads // x.shape[1], dim=1)  # (B, H, T, D)
         w = self.weight.to(x.dtype)
         u = torch.einsum("bhtd,hdf->bhtf", x, w) + self.bias.to(x.dtype)[None, :, None, :]
         act = ACTIVATIONS[self.activation]
-        return torch.cat([act(u), act(-u)], dim=-1)  # (B, H, T, F)
+        phi = torch.cat([act(u), act(-u)], dim=-1)  # (B, H, T, F)
+        return phi.clamp_min(self.floor) if self.floor > 0 else phi
 
     def extra_repr(self) -> str:
+        extra = "" if self.input_heads == self.num_heads else f", input_heads={self.input_heads}"
+        extra += f", floor={self.floor:g}" if self.floor > 0 else ""
         return (
             f"heads={self.num_heads}, head_dim={self.head_dim}, features={self.feature_dim}, "
-            f"activation={self.activation!r}, projection={self.projection!r}"
+            f"activation={self.activation!r}, projection={self.projection!r}{extra}"
         )
 

@@ -201,7 +201,7 @@ class HybridCausalLM:
         from .cache import HybridCache
 
         impl = generation_config.cache_implementation
-        if impl not in (None, "dynamic") and not _needs_full_cache(self):
+        if impl not in (None, "dynamic") and _full_cache_reason(self) is None:
             raise ValueError(
                 f"cache_implementation={impl!r} is a transformers cache of every key, laid out "
                 f"for softmax layers; a hedgecats hybrid generates with its own HybridCache "
@@ -211,9 +211,9 @@ class HybridCausalLM:
         for key in ("cache", "past_key_values"):
             made = model_kwargs.get(key)
             if type(made) is DynamicCache and not getattr(made, "_is_user_defined", False):
-                if _needs_full_cache(self):
-                    _warn_once(f"{type(self).__name__}: a converted layer runs mode 'softmax', "
-                               f"which reads every earlier key: generating with transformers' "
+                why = _full_cache_reason(self)
+                if why is not None:
+                    _warn_once(f"{type(self).__name__}: {why}: generating with transformers' "
                                f"full DynamicCache (memory grows with the context)")
                 else:
                     model_kwargs[key] = HybridCache(self)
@@ -236,7 +236,22 @@ def _load_adapter(model: nn.Module, where: str, subfolder: str, revision: str | 
 
 
 def _needs_full_cache(model: nn.Module) -> bool:
-    return any(a.hedgecats.mode == "softmax" for _, a in hybrid_layers(model))
+    return _full_cache_reason(model) is not None
+
+
+def _full_cache_reason(model: nn.Module) -> str | None:
+    """Why ``generate`` must keep every key (a ``DynamicCache``), or ``None``: a converted layer
+    in mode ``softmax`` (it reads every key), or one the ``HybridCache`` cannot serve
+    (``cache.unsupported_reason``: a terraced window, key maps per query head under GQA)."""
+    from .cache import unsupported_reason
+
+    for i, a in hybrid_layers(model):
+        if a.hedgecats.mode == "softmax":
+            return "a converted layer runs mode 'softmax', which reads every earlier key"
+        why = unsupported_reason(a)
+        if why is not None:
+            return f"layer {i} cannot use the constant-memory HybridCache because of {why}"
+    return None
 
 
 @functools.cache

@@ -62,13 +62,21 @@ class LearnedHeadMixer(nn.Module):
 
 
 class SharedNormMixer(nn.Module):
-    """LoLCATs' per-head factor on the window's softmax terms, ``sigmoid(a_h)``, init 0.1."""
+    """LoLCATs' per-head factor on the window's softmax terms, ``sigmoid(a_h)``, init 0.1.
 
-    shared_norm = True
+    ``shift="window_max"``: the window's softmax terms are shifted by its largest logit and the
+    LA terms are not, as in LoLCATs' code (``ops.hybrid``); ``shared_norm`` then reads
+    ``"window_max"`` instead of ``True``, which is what ``hybrid_attention`` takes."""
 
-    def __init__(self, num_heads: int, init: float = 0.1) -> None:
+    shared_norm: bool | str = True
+
+    def __init__(self, num_heads: int, init: float = 0.1, shift: str = "none") -> None:
         super().__init__()
-        self.init = init
+        if shift not in SHARED_NORM_SHIFTS:
+            raise ValueError(f"unknown shared-norm shift {shift!r}; valid: "
+                             f"{', '.join(SHARED_NORM_SHIFTS)}")
+        self.init, self.shift = init, shift
+        self.shared_norm = True if shift == "none" else "window_max"
         self.logit_factor = nn.Parameter(torch.full((num_heads,), logit(init)))
 
     @torch.no_grad()
@@ -77,6 +85,9 @@ class SharedNormMixer(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
         return torch.sigmoid(self.logit_factor)[None, :, None, None]  # (1, H, 1, 1)
+
+    def extra_repr(self) -> str:
+        return f"heads={self.logit_factor.numel()}, shift={self.shift!r}"
 
 
 class OutputGateMixer(nn.Module):
@@ -123,15 +134,19 @@ class OutputGateMixer(nn.Module):
 
 
 MIXERS = ("fixed", "learned_head", "shared_norm", "gate_elementwise", "gate_lowrank")
+#: what ``shared_norm`` subtracts from the window's scores: nothing (docs/method.md#mixers,
+#: computed in log space) or the window's max logit while leaving LA's unscaled (LoLCATs' code)
+SHARED_NORM_SHIFTS = ("none", "window_max")
 
 
 def build_mixer(name: str, *, hidden_size: int, num_heads: int, head_dim: int, g: float,
-                gate_rank: int, shared_norm_init: float = 0.1, seed: int = 0) -> nn.Module:
+                gate_rank: int, shared_norm_init: float = 0.1, seed: int = 0,
+                shared_norm_shift: str = "none") -> nn.Module:
     """The mixer called ``name`` for one layer (``seed``: its random init, gates only)."""
     builders = {
         "fixed": lambda: FixedMixer(g),
         "learned_head": lambda: LearnedHeadMixer(num_heads, g),
-        "shared_norm": lambda: SharedNormMixer(num_heads, shared_norm_init),
+        "shared_norm": lambda: SharedNormMixer(num_heads, shared_norm_init, shared_norm_shift),
         "gate_elementwise": lambda: OutputGateMixer(hidden_size, num_heads, head_dim, g, seed=seed),
         "gate_lowrank": lambda: OutputGateMixer(hidden_size, num_heads, head_dim, g, gate_rank,
                                                  seed=seed),

@@ -5,12 +5,17 @@ the requested backend, falling back piece by piece to the reference where that b
 do a call (a padding mask fla's SWA cannot take, a log-sum-exp flash-attn cannot differentiate).
 A fallback changes speed only, never the result, and is logged once per reason.
 
-    swa(q, k, v, scale, window, need_lse, key_padding_mask)  -> (out, lse | None)
-    linear(fq, fk, v, shift, eps, need_den, key_padding_mask) -> (out, den | None, has_keys)
+    swa(q, k, v, scale, window, need_lse, key_padding_mask[, window_shape])  -> (out, lse | None)
+    linear(fq, fk, v, shift, eps, need_den, key_padding_mask[, window_shape])
+                                                              -> (out, den | None, has_keys)
     sinks(q, k, v, scale, n_sinks, key_padding_mask)         -> (out, lse)
     softmax(q, k, v, scale, key_padding_mask)                -> out
 
 Shapes as in ``ops.reference``; outputs may be fp32 (reference) or the input dtype (kernels).
+``window_shape`` (``ops.windows``, default ``sliding``): the terraced windows of LoLCATs'
+conversions have no kernel here; ``Ops`` sends their SWA, and their LA outside the window, to the
+PyTorch reference on every backend (logged once), so no kernel ever sees a window it would
+compute as a sliding one.
 
 ``auto`` on CUDA: SWA from flash-attn when installed, else fla's windowed ``parallel_attn``
 (both without padding or lse: such calls go to flex_attention), else flex_attention; LA from fla's ``chunk_linear_attn`` with the shift trick;
@@ -35,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from . import reference as ref
+from . import windows
 
 log = logging.getLogger(__name__)
 
@@ -67,12 +73,21 @@ def available(name: str) -> bool:
 
 
 # ----------------------------------------------------------------------------- reference pieces
-def ref_swa(q, k, v, *, scale, window, need_lse, key_padding_mask):
+def ref_swa(q, k, v, *, scale, window, need_lse, key_padding_mask, window_shape="sliding"):
+    if window_shape in windows.TERRACED:
+        return windows.softmax_attention_terraced(q, k, v, scale=scale, window=window,
+                                                  window_shape=window_shape,
+                                                  key_padding_mask=key_padding_mask)
     return ref.softmax_attention_blocked(q, k, v, scale=scale, window=window,
                                          key_padding_mask=key_padding_mask)
 
 
-def ref_linear(fq, fk, v, *, shift, eps, need_den, key_padding_mask):
+def ref_linear(fq, fk, v, *, shift, eps, need_den, key_padding_mask, window_shape="sliding"):
+    """``shift``: the window the keys lie outside of (0: every causal key, whatever the shape)."""
+    if window_shape in windows.TERRACED and shift > 0:
+        return windows.linear_attention_terraced(fq, fk, v, window=shift,
+                                                 window_shape=window_shape, eps=eps,
+                                                 key_padding_mask=key_padding_mask)
     return ref.linear_attention_chunked(fq, fk, v, shift=shift, eps=eps,
                                         key_padding_mask=key_padding_mask)
 
@@ -295,8 +310,16 @@ class Ops:
                            la_span=la_span, swa_drop=swa_drop, key_padding_mask=key_padding_mask,
                            scale=scale, eps=eps)
 
-    def swa(self, q, k, v, *, scale, window, need_lse, key_padding_mask):
+    def swa(self, q, k, v, *, scale, window, need_lse, key_padding_mask, window_shape="sliding"):
+        """``window_shape`` (``ops.windows``): the terraced shapes have no GPU kernel here and run
+        the PyTorch reference on every backend (logged once), never a sliding-window kernel."""
         impl = self._swa
+        if window_shape != "sliding":
+            if impl is not ref_swa:
+                _warn_once(f"no GPU kernel for the {window_shape!r} window: its SWA runs the "
+                           f"PyTorch reference (exact, slower)")
+            return ref_swa(q, k, v, scale=scale, window=window, need_lse=need_lse,
+                           key_padding_mask=key_padding_mask, window_shape=window_shape)
         if impl is fla_swa and q.dtype == torch.float32:
             # fla 0.6.0 on an H200: fp32 with D=128 needs 256 KiB of shared memory (> 227 KiB)
             _warn_once("fla kernels run out of shared memory in fp32 at these sizes: fp32 SWA "
@@ -315,8 +338,17 @@ class Ops:
         return impl(q, k, v, scale=scale, window=window, need_lse=need_lse,
                     key_padding_mask=key_padding_mask)
 
-    def linear(self, fq, fk, v, *, shift, eps, need_den, key_padding_mask):
+    def linear(self, fq, fk, v, *, shift, eps, need_den, key_padding_mask,
+               window_shape="sliding"):
+        """``window_shape``: keys outside a terraced window (``shift`` > 0) run the PyTorch
+        reference on every backend (logged once); ``shift`` 0 is every causal key, any shape."""
         impl = self._linear
+        if window_shape != "sliding" and shift > 0:
+            if impl is not ref_linear:
+                _warn_once(f"no GPU kernel for linear attention outside a {window_shape!r} "
+                           f"window: it runs the PyTorch reference (exact, slower)")
+            return ref_linear(fq, fk, v, shift=shift, eps=eps, need_den=need_den,
+                              key_padding_mask=key_padding_mask, window_shape=window_shape)
         if impl is fla_linear and fq.dtype == torch.float32:
             _warn_once("fla kernels run out of shared memory in fp32 at these sizes: fp32 LA "
                        "runs the reference (bf16 keeps fla)")

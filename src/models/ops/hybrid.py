@@ -12,7 +12,9 @@
 SWA_t is softmax over keys ``t - w < i <= t``. LA_t sees keys ``i <= t - w`` (non-overlapping,
 the default) or ``i <= t`` (``overlap=True``); in ``la_only`` mode ``la_span="all"`` widens LA to
 every causal key whatever ``overlap`` says (elsewhere ``la_span`` has no effect). LA is 0 for a
-query with no visible key.
+query with no visible key. ``window_shape`` (``ops.windows``) replaces the sliding window by
+LoLCATs' terraced one (the query's block of ``w`` tokens plus the previous block); "keys outside
+the window" then means the keys of the blocks before those.
 
 ``shared_norm`` (LoLCATs) uses one denominator for both branches,
 
@@ -23,22 +25,35 @@ which equals ``alpha_t SWA_t + (1 - alpha_t) LA_t`` with
 ``alpha_t = sigmoid(log s + lse_t - log Z_far_t)`` (``lse_t`` the window's log-sum-exp, ``Z_far_t``
 the LA denominator; ``alpha_t = 1`` where LA sees no key). We compute it in that form: both
 branches are normalised separately and the weight is formed in log space, so it is exact for any
-logit size. LoLCATs' own code subtracts the window max from the softmax terms only and leaves the
-LA terms unscaled, so its ratio over/underflows once logits are large; ours does not, and agrees
-with it wherever theirs is finite.
+logit size (this formula's exp(s_ti) overflows fp32 once logits pass ~88).
+
+LoLCATs' own code (``hybrid_attention_quadratic`` in ``linear_window_attention_{sw,tk}.py``) is
+a different function, not only a different computation: it subtracts the window's largest logit
+``m_t`` from the softmax scores and leaves the LA scores unscaled,
+
+    out_t = (s * sum_win exp(s_ti - m_t) v_i + sum_far phi_q.phi_k v_i)
+            / (s * sum_win exp(s_ti - m_t) + sum_far phi_q.phi_k),
+
+so its weight is ``alpha_t = sigmoid(log s + lse_t - m_t - log Z_far_t)``: LA counts ``exp(m_t)``
+times more than in the formula above. ``shared_norm="window_max"`` computes that one (for
+conversions imported from LoLCATs, ``models.lolcats``), in the same log-space form; its terms
+are bounded (``exp(s_ti - m_t) <= 1``), so LoLCATs' direct form is finite too and the two agree
+to rounding.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import backends
+from . import backends, windows
 from .reference import DEN_TINY
 
 __all__ = ["MODES", "LA_SPANS", "hybrid_attention"]
 
 MODES = ("hybrid", "swa_only", "la_only", "sinks_only", "none", "softmax")
 LA_SPANS = ("outside", "all")
+#: ``shared_norm`` values: off, the formula of docs/method.md#mixers, LoLCATs' max-shifted one
+SHARED_NORMS = (False, True, "window_max")
 
 
 def _check_choice(value: str, options: tuple[str, ...], what: str) -> None:
@@ -56,7 +71,7 @@ def hybrid_attention(
     window: int,
     mode: str = "hybrid",
     g: float | torch.Tensor = 0.5,
-    shared_norm: bool = False,
+    shared_norm: bool | str = False,
     overlap: bool = False,
     rescale: bool = False,
     la_span: str = "outside",
@@ -67,19 +82,23 @@ def hybrid_attention(
     eps: float = DEN_TINY,
     backend: str = "auto",
     ops: backends.Ops | None = None,
+    window_shape: str = "sliding",
 ) -> torch.Tensor:
     """Hybrid attention of one layer.
 
     Args:
         q: (B, H, T, D), RoPE applied.     k, v: (B, Hkv, Tk, D) (GQA when Hkv < H).
-        fq: (B, H, T, F) = phi_q(q).       fk: (B, Hkv, Tk, F) = phi_k(k). Unused (may be None)
-            in modes that run no LA (``sinks_only``, ``none``, ``softmax``).
-        window: SWA window ``w`` (>= 1).
+        fq: (B, H, T, F) = phi_q(q).       fk: (B, Hkv, Tk, F) = phi_k(k), or (B, H, Tk, F)
+            for key maps untied per query head (LoLCATs). Unused (may be None) in modes that
+            run no LA (``sinks_only``, ``none``, ``softmax``).
+        window: SWA window ``w`` (>= 1); the block length of the terraced shapes.
         mode: one of ``MODES``.
         g: SWA weight. A float, or a tensor broadcastable to (B, H, T, D) (learned per head,
             or an output gate per channel). With ``shared_norm=True`` it is instead the per-head
             factor ``sigmoid(a_h)``, broadcastable to (B, H, T, 1).
-        shared_norm: LoLCATs' shared denominator (see the module docstring).
+        shared_norm: ``False``; ``True`` for the shared denominator of docs/method.md#mixers;
+            ``"window_max"`` for LoLCATs' code, softmax scores shifted by the window's max
+            logit (module docstring).
         overlap: LA over all causal keys instead of keys outside the window.
         rescale: in ``swa_only`` / ``la_only`` the surviving branch gets weight 1.
         la_span: ``outside`` or ``all``; ``all`` lets LA see every causal key in ``la_only``.
@@ -95,12 +114,16 @@ def hybrid_attention(
             ``backends.select(backend, q, key_padding_mask)``. A KV cache passes its own, whose
             pieces add what it keeps of earlier keys (``models.cache``); the mixing and the
             modes stay the ones above.
+        window_shape: ``sliding`` (default) | ``terraced`` | ``terraced_end`` (``ops.windows``).
 
     Returns:
         (B, H, T, D) in q's dtype.
     """
     _check_choice(mode, MODES, "attention mode")
     _check_choice(la_span, LA_SPANS, "la_span")
+    _check_choice(window_shape, windows.WINDOW_SHAPES, "window shape")
+    if shared_norm not in SHARED_NORMS:
+        raise ValueError(f"shared_norm={shared_norm!r}; valid: False, True, 'window_max'")
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window!r}")
     if k.shape[2] != v.shape[2] or k.shape[1] != v.shape[1]:
@@ -122,8 +145,21 @@ def hybrid_attention(
         raise ValueError(f"mode {mode!r} runs linear attention: fq and fk are required")
 
     # the whole layer in one fused kernel, where the backend has one that covers this call
-    # (``backends.Ops.fused``; ``None``: compose the pieces below)
+    # (``backends.Ops.fused``; ``None``: compose the pieces below). It computes the sliding
+    # window, the unshifted shared norm and key maps per KV head only: other calls never reach it.
     fused = getattr(ops, "fused", None)
+    unfused = _fused_cannot(window_shape, shared_norm, k, fk)
+    if fused is not None and unfused is not None:
+        if getattr(ops, "_fused", None) is not None:  # a kernel was there to be used
+            backends._warn_once(f"fused Triton hybrid not used for {unfused}: composing the "
+                                f"pieces")
+        fused = None
+    shape_kw = {}
+    if window_shape != "sliding":
+        if not isinstance(ops, backends.Ops):
+            raise ValueError(f"{type(ops).__name__} (a KV cache's pieces) cannot compute the "
+                             f"{window_shape!r} window; run without the cache")
+        shape_kw = {"window_shape": window_shape}
     out = None if fused is None else fused(
         q, k, v, fq, fk, window=window, mode=mode, g=g, shared_norm=shared_norm, overlap=overlap,
         rescale=rescale, la_span=la_span, swa_drop=swa_drop, key_padding_mask=key_padding_mask,
@@ -133,19 +169,25 @@ def hybrid_attention(
 
     need_swa = mode in ("hybrid", "swa_only")
     need_la = mode in ("hybrid", "la_only") or shared_norm or swa_drop is not None
-    need_lse = shared_norm
+    need_lse = bool(shared_norm)
 
     swa = lse = None
     if need_swa or shared_norm:
         swa, lse = ops.swa(q, k, v, scale=scale, window=window, need_lse=need_lse,
-                           key_padding_mask=key_padding_mask)
+                           key_padding_mask=key_padding_mask, **shape_kw)
     shift = 0 if overlap else window
     la = la_den = la_has = None
     if need_la:
-        la, la_den, la_has = ops.linear(fq, fk, v, shift=shift, eps=eps, need_den=shared_norm,
-                                        key_padding_mask=key_padding_mask)
+        la, la_den, la_has = ops.linear(fq, fk, v, shift=shift, eps=eps,
+                                        need_den=bool(shared_norm),
+                                        key_padding_mask=key_padding_mask, **shape_kw)
+    m_win = None
+    if shared_norm == "window_max":  # LoLCATs: the window's largest logit, PyTorch on any device
+        m_win = windows.window_max_logit(q, k, scale=scale, window=window,
+                                         window_shape=window_shape,
+                                         key_padding_mask=key_padding_mask)
 
-    w_swa, w_la = _branch_weights(g, shared_norm, lse, la_den, la_has, eps)
+    w_swa, w_la = _branch_weights(g, shared_norm, lse, la_den, la_has, eps, m_win)
 
     def la_only_output() -> torch.Tensor:
         la_all = la
@@ -165,8 +207,21 @@ def hybrid_attention(
     return out.to(dtype)
 
 
-def _branch_weights(g, shared_norm, lse, la_den, la_has, eps):
-    """(w_swa, w_la), each a float or a tensor broadcastable to (B, H, T, D)."""
+def _fused_cannot(window_shape, shared_norm, k, fk) -> str | None:
+    """Why the fused kernel must not take this call (it would compute another function), or
+    ``None``."""
+    if window_shape != "sliding":
+        return f"the {window_shape!r} window"
+    if shared_norm == "window_max":
+        return "LoLCATs' max-shifted shared norm"
+    if fk is not None and fk.shape[1] != k.shape[1]:
+        return "key feature maps per query head"
+    return None
+
+
+def _branch_weights(g, shared_norm, lse, la_den, la_has, eps, m_win=None):
+    """(w_swa, w_la), each a float or a tensor broadcastable to (B, H, T, D). ``m_win``
+    (B, H, T): the window's max logit for ``shared_norm="window_max"``, else ``None``."""
     if not shared_norm:
         return g, 1 - g
     s = g if torch.is_tensor(g) else torch.tensor(float(g), device=lse.device)
@@ -178,7 +233,11 @@ def _branch_weights(g, shared_norm, lse, la_den, la_has, eps):
     # so alpha and LA_t describe the same normalised weights - no flat region is created
     log_s = torch.log(s.float().clamp_min(1e-30))
     log_far = torch.log(la_den.float().clamp_min(eps))
-    alpha = torch.sigmoid(log_s + lse.float() - log_far)
+    log_near = lse.float()
+    if m_win is not None:  # LoLCATs: log sum_win exp(s_ti - m_t); -inf - -inf rows are set below
+        log_near = torch.where(torch.isfinite(lse), lse.float() - m_win.float(),
+                               torch.full_like(log_near, float("-inf")))
+    alpha = torch.sigmoid(log_s + log_near - log_far)
     # no far key: all weight on the window; no window key either (padding): weight irrelevant
     alpha = torch.where(la_has, alpha, torch.ones_like(alpha))
     alpha = torch.where(torch.isfinite(lse), alpha, torch.zeros_like(alpha))
