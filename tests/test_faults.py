@@ -732,3 +732,18 @@ def test_parameters_finite_check():
         t = torch.randn(5, 5)
         t[2, 3] = bad
         assert not parameters_finite([*ok, t])
+
+
+def test_a_second_ctrl_c_stops_at_once():
+    from hedgecats.lightning_modules import CheckpointOnInterrupt
+
+    cb = CheckpointOnInterrupt("/nonexistent")
+    cb.notify_signal(signal.SIGINT)  # recorded: the stage stops at the end of the batch
+    assert cb.signal == signal.SIGINT
+    cb.notify_signal(signal.SIGTERM)  # another signal changes nothing
+    old = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            cb.notify_signal(signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, old)

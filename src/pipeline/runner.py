@@ -594,7 +594,8 @@ def run_stage(ctx: RunContext, stage: dict, plan: StagePlan) -> None:
 
     spec, d = ctx.spec, plan.dir
     fit = user_fit(spec, stage)
-    history = list((plan.record or {}).get("history") or [])
+    history = list((plan.record or {}).get("history") or []) \
+        if plan.status in ("resume", "resume-changed") else []
     if ctx.rank0:
         d.mkdir(parents=True, exist_ok=True)
         if plan.status == "restart":
@@ -640,6 +641,8 @@ def run_stage(ctx: RunContext, stage: dict, plan: StagePlan) -> None:
         raise Interrupted(signum, f"interrupted by {signal.Signals(signum).name} during stage "
                           f"{name!r}: {saved} -- resume with: {ctx.resume_command}") from err
     except SystemExit as err:  # Lightning's answer to a KeyboardInterrupt (a second Ctrl-C)
+        if on_interrupt.signal != signal.SIGINT:
+            raise
         raise Interrupted(signal.SIGINT, f"interrupted by SIGINT during stage {name!r}: stopped "
                           f"at once, nothing saved; {_last_good(d)} -- resume with: "
                           f"{ctx.resume_command}") from err
