@@ -14,7 +14,6 @@ import logging
 
 import pytest
 import torch
-
 from hedgecats.models import HedgehogFeatureMap, hybrid_attention
 from hedgecats.models.lolcats import lolcats_attention, lolcats_feature_map, lolcats_masks
 from hedgecats.models.ops import backends, windows
@@ -270,8 +269,8 @@ def test_terraced_calls_never_reach_a_sliding_kernel(caplog):
     q, k, v, Lq, Lk, wf, _, _ = make(1, 2, 1, 37, 8)
     fq = lolcats_feature_map(q, Lq)
     fk = lolcats_feature_map(k.repeat_interleave(2, 1), Lk)
-    kw = dict(window=8, g=torch.sigmoid(wf), shared_norm="window_max",
-              window_shape="terraced_end")
+    kw = {"window": 8, "g": torch.sigmoid(wf), "shared_norm": "window_max",
+          "window_shape": "terraced_end"}
     with caplog.at_level(logging.WARNING):
         got = hybrid_attention(q, k, v, fq, fk, ops=gpu_like, **kw)
     want = hybrid_attention(q, k, v, fq, fk, backend="reference", **kw)
@@ -289,7 +288,7 @@ def test_cache_ops_refuse_terraced():
         def swa(self, q, k, v, *, scale, window, need_lse, key_padding_mask):
             raise AssertionError
 
-    q, k, v, Lq, Lk, wf, _, _ = make(1, 2, 2, 10, 8)
+    q, k, v, Lq, Lk, _, _, _ = make(1, 2, 2, 10, 8)
     fq, fk = lolcats_feature_map(q, Lq), lolcats_feature_map(k, Lk)
     with pytest.raises(ValueError, match="cannot compute the 'terraced' window"):
         hybrid_attention(q, k, v, fq, fk, window=4, ops=CacheLikeOps(), window_shape="terraced")
@@ -314,8 +313,8 @@ def test_gpu_backends_match_reference(dtype, shape):
                                  for x in make(2, 4, 2, 300, 64))
     fq = lolcats_feature_map(q, Lq).to(dtype)
     fk = lolcats_feature_map(k.repeat_interleave(2, 1), Lk).to(dtype)
-    kw = dict(window=64, g=torch.sigmoid(wf), shared_norm="window_max", window_shape=shape,
-              eps=NO_FLOOR)
+    kw = {"window": 64, "g": torch.sigmoid(wf), "shared_norm": "window_max",
+          "window_shape": shape, "eps": NO_FLOOR}
     got = hybrid_attention(q.to(dtype), k.to(dtype), v.to(dtype), fq, fk, backend="auto", **kw)
     want = hybrid_attention(q.to(dtype), k.to(dtype), v.to(dtype), fq, fk, backend="reference",
                             **kw)

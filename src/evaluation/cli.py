@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import logging
 import shlex
 import sys
@@ -92,6 +93,17 @@ def _ints(text: str) -> list[int]:
     if not vals or min(vals) < 1:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
     return vals
+
+
+def _is_hybrid_directory(spec: str) -> bool:
+    """A saved hedgecats hybrid (``hedgecats export``, ``import-lolcats``, ``save_pretrained``
+    of a converted model): a local directory whose config.json names a ``hedgecats_*`` type."""
+    cfg = Path(spec).expanduser() / "config.json"
+    try:
+        return cfg.is_file() and str(json.loads(cfg.read_text()).get("model_type", "")
+                                     ).startswith("hedgecats_")
+    except (OSError, ValueError):
+        return False
 
 
 def _batch_size(text: str) -> int | str:
@@ -265,8 +277,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     elif args.expect_base:
         raise ValueError("--expect-base checks a stage checkpoint's base model; --model "
                          f"{args.model!r} is not a stage checkpoint")
-    converted = hybrid is not None or (is_stage_checkpoint(args.model)
-                                       and peek_stage(args.model).get("hybrid_config") is not None)
+    converted = hybrid is not None or _is_hybrid_directory(args.model) or (
+        is_stage_checkpoint(args.model) and peek_stage(args.model).get("hybrid_config") is not None)
     needs = [s.label for s in specs if s.mode != "softmax"]
     if needs and not converted:
         raise ValueError(f"modes {needs} need a converted (hybrid) model, but {args.model!r} is "
