@@ -1,4 +1,4 @@
-"""The fused Triton kernels (ops.triton_hybrid, ops.triton_xent) on CPU under Triton's
+"""The fused Triton kernels (ops.triton_hybrid, ops.triton_xent, ops.triton_phi) on CPU under Triton's
 interpreter, against the PyTorch references: outputs and every gradient, fp32 and bf16.
 
 Needs triton (not installed on CI: skipped there). The kernels run in a subprocess with
@@ -45,7 +45,7 @@ def _failures(rows: list[dict]) -> list[str]:
 
 def test_kernels_match_references_quick():
     rows = _run("--quick")
-    assert len(rows) == 5
+    assert len(rows) == 6
     bad = _failures(rows)
     assert not bad, "\n".join(bad)
 
@@ -53,6 +53,6 @@ def test_kernels_match_references_quick():
 @pytest.mark.slow
 def test_kernels_match_references_all_cases():
     rows = _run()
-    assert len(rows) >= 40
+    assert len(rows) >= 45
     bad = _failures(rows)
     assert not bad, "\n".join(bad)

@@ -348,3 +348,57 @@ def test_weights_xent_matches_blocked(shape_id, dt, pad):
 def test_weights_xent_underflow_and_activations(activation):
     xent_check(f"underflow-{activation}", (2, 4, 2, 130, 64, "square"), torch.float32, True,
                underflow=True, activation=activation)
+
+
+# ----------------------------------------------------------------------------- feature maps
+PHI_SHAPES = {  # B, H, T, D, projection
+    "B2-H8-T300-D128-square": (2, 8, 300, 128, "square"),
+    "B2-H8-T300-D128-rectangular": (2, 8, 300, 128, "rectangular"),
+    "B1-H4-T40-D64-square": (1, 4, 40, 64, "square"),
+}
+PHI_CASES = [(s, a) for s in PHI_SHAPES for a in ("softmax", "exp")]
+
+
+@pytest.mark.parametrize("shape_id,activation", PHI_CASES,
+                         ids=[f"{s}-{a}" for s, a in PHI_CASES])
+def test_fused_feature_map(shape_id, activation):
+    """ops.triton_phi against the fp32 map, next to the module's own bf16 forward: values and
+    gradients of x, W and b; the kernel must be about as close to fp32 as the module is."""
+    from hedgecats.models.ops import triton_phi as tp
+
+    if not tp.available():
+        pytest.skip("triton not available")
+    B, H, T, D, proj = PHI_SHAPES[shape_id]
+    gen = torch.Generator(device=DEVICE).manual_seed(9)
+    fm = HedgehogFeatureMap(H, D, activation, proj, seed=3).to(DEVICE)
+    with torch.no_grad():
+        fm.bias.normal_(0, 0.3, generator=gen)
+    x0 = torch.randn(B, T, H, D, device=DEVICE, generator=gen).bfloat16().transpose(1, 2)
+    dy = torch.randn(B, H, T, fm.feature_dim, device=DEVICE, generator=gen).bfloat16().float()
+
+    def run(fn, dtype):
+        x = x0.detach().to(dtype).requires_grad_()
+        fm.zero_grad()
+        y = fn(x)
+        y.float().backward(dy)
+        return {"y": y.detach(), "dx": x.grad, "dW": fm.weight.grad.clone(),
+                "db": fm.bias.grad.clone()}
+
+    t0 = time.time()
+    calls, n_err = tp.CALLS["forward"], len(tp.FALLBACK_ERRORS)
+    got = run(lambda x: tp.hedgehog_features(x, fm.weight, fm.bias, activation), torch.bfloat16)
+    fused = tp.CALLS["forward"] - calls
+    module = run(fm, torch.bfloat16)
+    oracle = run(lambda x: tp.reference_features(x, fm.weight, fm.bias, activation),
+                 torch.float32)
+    vs_oracle, module_vs_oracle = errors(got, oracle), errors(module, oracle)
+    new_errors = tp.FALLBACK_ERRORS[n_err:]
+    report(test="feature_map", case=activation, shape=shape_id, dtype="torch.bfloat16",
+           fused_calls=fused, vs_fp32_oracle={n: float(f"{e:.2e}") for n, e in vs_oracle.items()},
+           vs_reference_same_dtype=errors(got, module),
+           module_vs_oracle={n: float(f"{e:.2e}") for n, e in module_vs_oracle.items()},
+           triton_errors=new_errors, seconds=round(time.time() - t0, 2))
+    assert not new_errors and fused == 1
+    bad = {n: f"{e:.2e} (module {module_vs_oracle[n]:.2e})" for n, e in vs_oracle.items()
+           if not (e < 1e-2 or e <= 1.25 * module_vs_oracle[n])}
+    assert not bad, f"fused feature map vs the fp32 map: {bad}"

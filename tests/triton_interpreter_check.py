@@ -242,6 +242,34 @@ def xent_entry_case(cid):
             "entropy": rel(got[1].reshape(1), want[1].reshape(1))}
 
 
+def phi_case(cid, *, B=2, H=3, T=45, D=16, proj="square", activation="softmax",
+             dtype=torch.float32, strided=False):
+    """triton_phi.hedgehog_features vs the fp32 map: values and gradients of x, W, b."""
+    from hedgecats.models import HedgehogFeatureMap
+    from hedgecats.models.ops import triton_phi as tp
+
+    g = torch.Generator().manual_seed(11)
+    fm = HedgehogFeatureMap(H, D, activation, proj, seed=4)
+    with torch.no_grad():
+        fm.bias.normal_(0, 0.5, generator=g)
+    x0 = (torch.randn(B, T, H, D, generator=g).transpose(1, 2) if strided
+          else torch.randn(B, H, T, D, generator=g)).to(dtype)
+    dy = torch.randn(B, H, T, fm.feature_dim, generator=g).to(dtype).float()
+
+    def run(fn, cast):
+        x = x0.detach().to(cast).requires_grad_()
+        fm.zero_grad()
+        y = fn(x)
+        y.float().backward(dy)
+        return {"y": y.detach(), "dx": x.grad, "dW": fm.weight.grad.clone(),
+                "db": fm.bias.grad.clone()}
+
+    got = run(lambda x: tp.hedgehog_features(x, fm.weight, fm.bias, activation), dtype)
+    want = run(lambda x: tp.reference_features(x, fm.weight, fm.bias, activation),
+               torch.float32)
+    return errors(got, want)
+
+
 def cases(quick: bool = False):
     bf16 = torch.bfloat16
     k = kernel_case
@@ -291,10 +319,15 @@ def cases(quick: bool = False):
         ("xent-bf16", xent_case, dict(dtype=bf16, T=64, D=32)),
         ("xent-bf16-default-tiles", xent_case, dict(dtype=bf16, T=150, D=32, bm=None, bn=None)),
         ("xent-entry", xent_entry_case, None),
+        ("phi-softmax", phi_case, dict(dtype=bf16)),
+        ("phi-softmax-strided-rect", phi_case, dict(dtype=bf16, strided=True,
+                                                    proj="rectangular", D=32)),
+        ("phi-exp", phi_case, dict(dtype=bf16, activation="exp")),
+        ("phi-D32-T70", phi_case, dict(dtype=bf16, T=70, D=32)),
     ]
     if quick:
         keep = {"kernel-hybrid", "kernel-pad-shared", "layer-ssd-head-all", "xent-pad",
-                "xent-entry"}
+                "xent-entry", "phi-softmax"}
         out = [c for c in out if c[0] in keep]
     return [(cid, fn, kw, "bfloat16" if kw and kw.get("dtype") == bf16 else "float32")
             for cid, fn, kw in out]

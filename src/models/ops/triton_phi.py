@@ -1,0 +1,272 @@
+"""The Hedgehog feature map as one Triton kernel per direction (issue 11: "the feature maps may
+stay a separate GEMM if fusing them does not pay; measure it").
+
+    phi(x) = [ act(x W_h + b_h)  ++  act(-(x W_h + b_h)) ]      act = softmax over the F/2
+                                                                features, or exp
+
+the function of ``models.feature_maps.HedgehogFeatureMap`` (activations ``softmax`` and ``exp``).
+The PyTorch module runs it as an einsum, a bias add, two fp32 softmaxes, two casts and a
+concatenation, and autograd keeps the fp32 softmax outputs (at T = 64k with 32 heads, F = 256:
+about 3 GiB for phi_q). Here:
+
+    forward     per (b, h, block of rows): u = x W + b in fp32 (one matrix product), both
+                activations, one (rows, F) store; nothing else is kept for the backward
+    backward    per (b, h, block of rows): u and both activations recomputed from x,
+                du = s1 (dy1 - <dy1, s1>) - s2 (dy2 - <dy2, s2>) (softmax; exp: dy1 e1 - dy2 e2),
+                dx = du W^T in the kernel; du is written once (input dtype) and torch reduces
+                dW = sum_(b,t) x^T du (one batched GEMM over heads) and db = sum du (fp32)
+
+Numerics: u stays fp32 until the activations (the PyTorch module rounds it to the input dtype
+first), so the kernel is at least as close to the fp32 map as the module is. Gradients of the
+weight and bias come back in their own dtype (fp32 master weights).
+
+Unsupported calls (no Triton / CPU without the interpreter, activations ``relu``, ``elu1p``,
+``none``, head dims that are not powers of two in [16, 128], F/2 not a power of two in
+[16, 128], dtypes other than bf16) return ``None`` from ``hedgehog_features``; callers
+keep the module's own forward. Wiring (``models.feature_maps.HedgehogFeatureMap.forward``)::
+
+    out = triton_phi.hedgehog_features(x, self.weight, self.bias, self.activation)
+    if out is not None:
+        return out
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+log = logging.getLogger(__name__)
+
+__all__ = ["available", "hedgehog_features", "reference_features", "unsupported_reason"]
+
+FALLBACK_ERRORS: list[str] = []
+CALLS = {"forward": 0}
+ACTIVATIONS = ("softmax", "exp")
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(msg: str) -> None:
+    log.warning(msg)
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return torch.cuda.is_available() or _interpret()
+
+
+try:
+    import triton
+    import triton.language as tl
+
+    _HAVE_TRITON = True
+except Exception:  # pragma: no cover - CPU CI has no triton
+    _HAVE_TRITON = False
+
+if _HAVE_TRITON:
+
+    @triton.jit
+    def _acts(x, W, bias, SOFTMAX: tl.constexpr, PREC: tl.constexpr):
+        """Both halves' activations (fp32) of the rows x (BM, D) for one head."""
+        u = tl.dot(x, W, input_precision=PREC) + bias[None, :]
+        if SOFTMAX:
+            e1 = tl.exp(u - tl.max(u, axis=1)[:, None])
+            e2 = tl.exp(tl.min(u, axis=1)[:, None] - u)
+            a1 = e1 / tl.sum(e1, axis=1)[:, None]
+            a2 = e2 / tl.sum(e2, axis=1)[:, None]
+        else:
+            a1 = tl.exp(u)
+            a2 = tl.exp(-u)
+        return a1, a2
+
+    @triton.jit
+    def _phi_fwd(X, W, BIAS, Y, sx_b, sx_h, sx_t, T, H,
+                 D: tl.constexpr, FH: tl.constexpr, BM: tl.constexpr, SOFTMAX: tl.constexpr,
+                 PREC: tl.constexpr):
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        b = pid_bh // H
+        h = pid_bh % H
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        offs_d = tl.arange(0, D)
+        offs_f = tl.arange(0, FH)
+        rows = offs_m < T
+        x = tl.load(X + b.to(tl.int64) * sx_b + h.to(tl.int64) * sx_h + offs_m[:, None] * sx_t
+                    + offs_d[None, :], mask=rows[:, None], other=0.0)
+        w = tl.load(W + h.to(tl.int64) * D * FH + offs_d[:, None] * FH + offs_f[None, :])
+        bias = tl.load(BIAS + h * FH + offs_f).to(tl.float32)
+        a1, a2 = _acts(x, w, bias, SOFTMAX, PREC)
+        y = Y + (pid_bh.to(tl.int64) * T + offs_m[:, None]) * (2 * FH) + offs_f[None, :]
+        tl.store(y, a1.to(Y.dtype.element_ty), mask=rows[:, None])
+        tl.store(y + FH, a2.to(Y.dtype.element_ty), mask=rows[:, None])
+
+    @triton.jit
+    def _phi_bwd(X, W, BIAS, DY, DX, DU, sx_b, sx_h, sx_t, sdy_b, sdy_h, sdy_t, T, H,
+                 D: tl.constexpr, FH: tl.constexpr, BM: tl.constexpr, SOFTMAX: tl.constexpr,
+                 PREC: tl.constexpr):
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        b = pid_bh // H
+        h = pid_bh % H
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        offs_d = tl.arange(0, D)
+        offs_f = tl.arange(0, FH)
+        rows = offs_m < T
+        x = tl.load(X + b.to(tl.int64) * sx_b + h.to(tl.int64) * sx_h + offs_m[:, None] * sx_t
+                    + offs_d[None, :], mask=rows[:, None], other=0.0)
+        w = tl.load(W + h.to(tl.int64) * D * FH + offs_d[:, None] * FH + offs_f[None, :])
+        bias = tl.load(BIAS + h * FH + offs_f).to(tl.float32)
+        a1, a2 = _acts(x, w, bias, SOFTMAX, PREC)
+        dy = DY + b.to(tl.int64) * sdy_b + h.to(tl.int64) * sdy_h + offs_m[:, None] * sdy_t \
+            + offs_f[None, :]
+        dy1 = tl.load(dy, mask=rows[:, None], other=0.0).to(tl.float32)
+        dy2 = tl.load(dy + FH, mask=rows[:, None], other=0.0).to(tl.float32)
+        if SOFTMAX:
+            du = a1 * (dy1 - tl.sum(dy1 * a1, axis=1)[:, None]) - \
+                a2 * (dy2 - tl.sum(dy2 * a2, axis=1)[:, None])
+        else:
+            du = dy1 * a1 - dy2 * a2
+        du = tl.where(rows[:, None], du, 0.0).to(x.dtype)
+        dx = tl.dot(du, tl.trans(w), input_precision=PREC)
+        tl.store(DX + (pid_bh.to(tl.int64) * T + offs_m[:, None]) * D + offs_d[None, :],
+                 dx.to(DX.dtype.element_ty), mask=rows[:, None])
+        tl.store(DU + (pid_bh.to(tl.int64) * T + offs_m[:, None]) * FH + offs_f[None, :], du,
+                 mask=rows[:, None])
+
+
+def _prec(dtype):
+    return "tf32"  # bf16 operands (fp32 is routed away)
+
+
+def _tiles(D: int, FH: int, backward: bool) -> tuple[int, int]:
+    """(rows per program, warps), from ptxas's register report for sm_90a: no spills in either
+    direction for D = 64 / 128 and F/2 = D / D/2 (the backward holds x, dy and du: 32 rows
+    when they are wide; 64 spilled 368 bytes per thread)."""
+    if backward and D * FH >= 64 * 128:
+        return 32, 8
+    return 64, 4 if D * FH <= 64 * 64 else 8
+
+
+class _PhiFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, bias, softmax):
+        B, H, T, D = x.shape
+        FH = w.shape[-1]
+        wc = w.to(x.dtype).contiguous()  # (H, D, F/2), as the module casts it
+        bc = bias.to(x.dtype).contiguous()
+        y = torch.empty(B, H, T, 2 * FH, device=x.device, dtype=x.dtype)
+        BM, warps = _tiles(D, FH, backward=False)
+        _phi_fwd[(triton.cdiv(T, BM), B * H)](
+            x, wc, bc, y, x.stride(0), x.stride(1), x.stride(2), T, H, D=D, FH=FH, BM=BM,
+            SOFTMAX=softmax, PREC=_prec(x.dtype), num_warps=warps)
+        ctx.save_for_backward(x, wc, bc)
+        ctx.meta = (softmax, w.dtype, bias.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, wc, bc = ctx.saved_tensors
+        softmax, w_dtype, b_dtype = ctx.meta
+        B, H, T, D = x.shape
+        FH = wc.shape[-1]
+        if dy.stride(-1) != 1:
+            dy = dy.contiguous()
+        dy = dy.to(x.dtype)
+        dx = torch.empty(B, H, T, D, device=x.device, dtype=x.dtype)
+        du = torch.empty(B, H, T, FH, device=x.device, dtype=x.dtype)
+        BM, warps = _tiles(D, FH, backward=True)
+        _phi_bwd[(triton.cdiv(T, BM), B * H)](
+            x, wc, bc, dy, dx, du, x.stride(0), x.stride(1), x.stride(2), dy.stride(0),
+            dy.stride(1), dy.stride(2), T, H, D=D, FH=FH, BM=BM, SOFTMAX=softmax,
+            PREC=_prec(x.dtype), num_warps=warps)
+        dw = dbias = None
+        if ctx.needs_input_grad[1]:
+            # sum over (b, t) of x^T du: one GEMM per head over all B T rows
+            xs = x.permute(1, 3, 0, 2).reshape(H, D, B * T)
+            dus = du.permute(1, 0, 2, 3).reshape(H, B * T, FH)
+            dw = torch.bmm(xs, dus).to(w_dtype)
+        if ctx.needs_input_grad[2]:
+            dbias = du.float().sum(dim=(0, 2)).to(b_dtype)
+        return dx, dw, dbias, None
+
+
+def unsupported_reason(x, weight, bias, activation: str) -> str | None:
+    if activation not in ACTIVATIONS:
+        return f"activation {activation!r} (the kernel takes {', '.join(ACTIVATIONS)})"
+    if not available():
+        return "triton is not installed or there is no CUDA device"
+    if not (x.is_cuda or _interpret()):
+        return "the kernel runs on CUDA tensors"
+    if x.dtype != torch.bfloat16:  # fp32 products spilled heavily; fp32 maps are not hot
+        return f"dtype {x.dtype} (the kernel takes bf16)"
+    if x.dim() != 4 or weight.dim() != 3 or x.shape[1] != weight.shape[0] or \
+            x.shape[-1] != weight.shape[1]:
+        return "shapes of x and weight do not match"
+
+    def pow2(n):
+        return n & (n - 1) == 0
+
+    D, FH = weight.shape[1], weight.shape[2]
+    if not (pow2(D) and 16 <= D <= 128):
+        return f"head dim {D} (powers of two in [16, 128])"
+    if not (pow2(FH) and 16 <= FH <= 128):
+        return f"{FH} features per half (powers of two in [16, 128])"
+    if x.shape[2] == 0:
+        return "empty sequence"
+    return None
+
+
+def hedgehog_features(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                      activation: str = "softmax") -> torch.Tensor | None:
+    """``phi(x)`` (B, H, T, F) in x's dtype for x (B, H, T, D), weight (H, D, F/2), bias
+    (H, F/2); differentiable in all three. ``None`` where the kernel does not apply (reason
+    logged once): the caller computes the map itself."""
+    reason = unsupported_reason(x, weight, bias, activation)
+    if reason is not None:
+        if activation in ACTIVATIONS:
+            _warn_once(f"fused feature map not used: {reason}")
+        return None
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    try:
+        y = _PhiFn.apply(x, weight, bias, activation == "softmax")
+    except _triton_errors() as e:
+        FALLBACK_ERRORS.append(f"{type(e).__name__}: {e}"[:500])
+        _warn_once(f"fused feature map failed in Triton ({type(e).__name__}); using PyTorch")
+        return None
+    CALLS["forward"] += 1
+    return y
+
+
+def reference_features(x, weight, bias, activation="softmax") -> torch.Tensor:
+    """The same map in plain PyTorch, fp32 (the tests' oracle)."""
+    u = torch.einsum("bhtd,hdf->bhtf", x.float(), weight.float()) + \
+        bias.float()[None, :, None, :]
+    if activation == "softmax":
+        return torch.cat([torch.softmax(u, -1), torch.softmax(-u, -1)], dim=-1)
+    return torch.cat([torch.exp(u), torch.exp(-u)], dim=-1)
+
+
+def _triton_errors():
+    errs = []
+    try:
+        from triton.runtime.errors import OutOfResources
+        errs.append(OutOfResources)
+    except Exception:  # pragma: no cover
+        pass
+    try:
+        from triton.compiler.errors import CompilationError
+        errs.append(CompilationError)
+    except Exception:  # pragma: no cover
+        pass
+    return tuple(errs)
