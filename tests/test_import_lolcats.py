@@ -219,6 +219,28 @@ def test_generate_with_a_terraced_window(ws, tmp_path):
     assert torch.equal(gen, seq)
 
 
+def test_cache_refusal_and_branch_usage(ws, tmp_path):
+    """The constant-memory cache names why it cannot serve the import; branch usage (an
+    evaluation tool that calls the layer itself) runs with the terraced window, and LA's share
+    is counted only where LA sees keys (from the third block of 8 on)."""
+    from transformers import AutoTokenizer
+
+    from hedgecats.evaluation.branch_usage import branch_usage
+    from hedgecats.models.cache import HybridCache
+
+    out = tmp_path / "out"
+    assert run(ws, out, lora=False) == 0
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    with pytest.raises(ValueError, match="layer 0 cannot use a HybridCache because of its "
+                                         "'terraced_end' window"):
+        HybridCache(model)
+    bu = branch_usage(model, AutoTokenizer.from_pretrained(out), text="abcdefghij" * 4,
+                      max_tokens=36)
+    first = bu["layers"][0]
+    assert first["n_positions"] == 36 - 12  # blocks [0,4) [4,12) [12,20) ...: LA from 12 on
+    assert all(0.0 <= x <= 1.0 for x in first["la_share"])
+
+
 def test_evaluate_loads_the_directory_as_a_hybrid(ws, tmp_path):
     """What ``hedgecats evaluate --model DIR`` does with it before lm-eval runs: the directory
     counts as converted (ablation modes allowed) and loads as the imported hybrid."""
