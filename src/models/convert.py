@@ -176,6 +176,12 @@ def hedgecats_attention_forward(module: nn.Module, query, key, value, attention_
                                       _with_window(attention_mask, query, key, base_window),
                                       dropout=dropout, scaling=scaling, **kwargs)
     query, key, value = _common_dtype(query, key, value)
+    if rt.window_shape == "terraced_end" and kpm is None and query.shape[0] > 1:
+        _warn_once("a 'terraced_end' window (LoLCATs' blocks, ending at each sequence's last "
+                   "token) runs a batch of several sequences with no padding in its mask: if "
+                   "they were right-padded without a mask (lm-eval), the shorter ones get "
+                   "blocks that end at the padded length; evaluate with batch size 1 or pass "
+                   "the attention mask")
     needs_la = rt.mode in ("hybrid", "swa_only", "la_only")
     fq = module.phi_q(query) if needs_la else None
     fk = module.phi_k(key) if needs_la else None
@@ -188,6 +194,11 @@ def hedgecats_attention_forward(module: nn.Module, query, key, value, attention_
         scale=scaling, eps=rt.eps, backend=rt.backend, window_shape=rt.window_shape,
     )  # (B, H, T, D)
     return out.transpose(1, 2).contiguous(), None
+
+
+@functools.cache
+def _warn_once(msg: str) -> None:
+    log.warning(msg)
 
 
 def _stash_input(module: nn.Module, args, kwargs) -> None:
