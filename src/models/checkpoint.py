@@ -133,10 +133,11 @@ def read_stage(path: str | os.PathLike) -> dict:
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except (RuntimeError, EOFError, ValueError, __import__("pickle").UnpicklingError) as err:
-        raise ValueError(f"{str(path)!r} cannot be read as a stage checkpoint "
-                         f"({str(err).splitlines()[0][:200]}): it is damaged or truncated. In a "
-                         "pipeline run, delete that stage's done file: the stage then resumes "
-                         "from its last checkpoint and writes stage.pt again") from err
+        raise ValueError(f"cannot read stage checkpoint {str(path)!r} "
+                         f"({str(err).splitlines()[0][:200]}): it is damaged, truncated or not a "
+                         "stage checkpoint. In a pipeline run, delete that stage's done file: "
+                         "the stage then resumes from its last checkpoint and writes stage.pt "
+                         "again") from err
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         got = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
         raise ValueError(f"{str(path)!r} is not a hedgecats stage checkpoint (format {got!r}, "
