@@ -22,6 +22,7 @@ Each case prints one line with its errors, and with ``HEDGECATS_GPU_REPORT=DIR``
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -58,6 +59,9 @@ CASES = {  # id -> (mode, switches); "g": "head" = a learned per-head mixer (ten
     "la_only-all-rescale": ("la_only", {"la_span": "all", "rescale": True}),
     "ssd-sample": ("hybrid", {"swa_drop": "sample", "g": "head"}),
     "ssd-head-all": ("hybrid", {"swa_drop": "head", "la_span": "all"}),
+    # a kernel floor large enough to show (products of these maps are ~1e-2): k = fq.fk + eps
+    "hybrid-floor": ("hybrid", {"eps": 0.05}),
+    "shared_norm-floor-la_only": ("la_only", {"eps": 0.05, "la_span": "all"}),
 }
 BF16_CASES = [(s, c) for s in SHAPES for c in
               ("hybrid", "hybrid-overlap", "hybrid-g-per-head", "shared_norm", "swa_only",
@@ -65,6 +69,8 @@ BF16_CASES = [(s, c) for s in SHAPES for c in
 BF16_CASES += [("B2-H4-Hkv1-T200-D64-w16-F64", c) for c in
                ("shared_norm-per-head", "swa_only-rescale", "la_only", "la_only-all-rescale",
                 "ssd-sample")]
+BF16_CASES += [("B2-H8-Hkv2-T300-D128-w64-F256", c) for c in
+               ("hybrid-floor", "shared_norm-floor-la_only")]
 # fp32 kernels take long to compile (tf32x3 products, spills): one shape of each head dim
 FP32_CASES = [("B2-H8-Hkv2-T300-D128-w64-F256", "hybrid"), ("B2-H8-Hkv2-T300-D128-w64-F256",
                                                              "shared_norm")]
@@ -173,6 +179,11 @@ def check(cid, shape_id, dtype, mode, *, expect_fused=True, **kw):
 
 def _switches(case_id):
     mode, kw = CASES[case_id]
+    if "eps" in kw:
+        from hedgecats.models.ops import reference
+
+        if not hasattr(reference, "LA_EPS"):
+            pytest.skip("the reference LA has no additive kernel floor here")
     return mode, dict(kw)
 
 
@@ -296,7 +307,7 @@ def _xent_run(fn, q, k, fq0, fk0, kpm):
             "dfk": fk.grad}
 
 
-def xent_check(cid, shape, dtype, pad, *, underflow=False, activation="softmax"):
+def xent_check(cid, shape, dtype, pad, *, underflow=False, activation="softmax", eps=None):
     from hedgecats.models.ops import triton_xent as tx
 
     if not tx.available():
@@ -320,10 +331,11 @@ def xent_check(cid, shape, dtype, pad, *, underflow=False, activation="softmax")
         kpm[-1, T - T // 7:] = False
     t0 = time.time()
     calls, n_err, n_retry = tx.CALLS["forward"], len(tx.FALLBACK_ERRORS), len(tx.RETRIES)
-    got = _xent_run(tx.weights_xent, q, k, fq, fk, kpm)
+    kw = {} if eps is None else {"eps": eps}
+    got = _xent_run(functools.partial(tx.weights_xent, **kw), q, k, fq, fk, kpm)
     fused = tx.CALLS["forward"] - calls
     new_errors = tx.FALLBACK_ERRORS[n_err:]
-    same = _xent_run(transfer.weights_xent, q, k, fq, fk, kpm)
+    same = _xent_run(functools.partial(transfer.weights_xent, **kw), q, k, fq, fk, kpm)
     err = errors(got, same)
     report(test="weights_xent", case=cid, shape=list(shape), dtype=str(dtype), pad=pad,
            fused_calls=fused, vs_blocked_same_dtype={n: float(f"{e:.2e}") for n, e in err.items()},
@@ -348,6 +360,15 @@ def test_weights_xent_matches_blocked(shape_id, dt, pad):
 def test_weights_xent_underflow_and_activations(activation):
     xent_check(f"underflow-{activation}", (2, 4, 2, 130, 64, "square"), torch.float32, True,
                underflow=True, activation=activation)
+
+
+def test_weights_xent_kernel_floor():
+    """A floor large enough to show: k = max(fq.fk + eps, TINY) in both versions."""
+    from hedgecats.models.ops import triton_xent as tx
+
+    if tx.KERNEL_FLOOR == 0.0:
+        pytest.skip("the blocked weights_xent has no kernel floor argument here")
+    xent_check("floor-0.01", (2, 4, 2, 200, 64, "square"), torch.bfloat16, True, eps=0.01)
 
 
 # ----------------------------------------------------------------------------- feature maps

@@ -79,6 +79,15 @@ def errors(got: dict, want: dict) -> dict:
 
 
 TOL = {"float32": 1e-5, "bfloat16": 1.5e-2}
+
+
+def _floors():
+    """Kernel floors to test with: large enough to matter where the references add the floor to
+    every kernel value (ops.reference.LA_EPS exists), else fp32's smallest normal number."""
+    from hedgecats.models.ops import reference as ref
+
+    additive = hasattr(ref, "LA_EPS")
+    return (0.3 if additive else ref.DEN_TINY), (0.05 if additive else ref.DEN_TINY), additive
 SMALL = dict(block_m=16, block_n=16, state_chunk=16, bwd_block_m=16, bwd_block_n=16,
              state_f=16, state_d=16, f_chunk=16)  # F = 32: two feature slices
 MIXED = dict(block_m=32, block_n=16, state_chunk=32, bwd_block_m=16, bwd_block_n=32,
@@ -114,7 +123,7 @@ def _kpm(B, T):
 
 def kernel_case(cid, *, B=2, H=4, Hkv=2, T=50, D=16, window=8, shift=None, shared=False,
                 has_swa=True, has_la=True, pad=False, dtype=torch.float32, cfg=SMALL,
-                per_bh_shift=False, features="rand", seed=0):
+                per_bh_shift=False, features="rand", seed=0, eps=None):
     """hybrid_kernel vs kernel_reference: outputs and gradients of all 8 inputs."""
     from hedgecats.models.ops import triton_hybrid as th
 
@@ -126,7 +135,8 @@ def kernel_case(cid, *, B=2, H=4, Hkv=2, T=50, D=16, window=8, shift=None, share
         sh[0, 1] = 0
         sh[-1, 0] = 0
     kpm = _kpm(B, T) if pad else None
-    kw = dict(window=window, scale=D ** -0.5, eps=th.ref.DEN_TINY, key_padding_mask=kpm,
+    eps = _floors()[0] if eps is None else eps
+    kw = dict(window=window, scale=D ** -0.5, eps=eps, key_padding_mask=kpm,
               has_swa=has_swa, has_la=has_la, shared=shared)
     names = ["out", "dq", "dk", "dv", "dfq", "dfk", "dca", "dcb", "dlogs"]
     ins = [t.clone().requires_grad_() for t in (q, k, v, fq, fk, ca, cb, logs)]
@@ -160,7 +170,7 @@ def layer_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=45, D=16, window=8, dty
         swa_drop = torch.rand(B, H, 1, 1, generator=gen) < 0.5
     args = dict(window=window, mode=mode, shared_norm=False, overlap=False, rescale=False,
                 la_span="outside", swa_drop=swa_drop, key_padding_mask=kpm, scale=D ** -0.5,
-                eps=th.ref.DEN_TINY)
+                eps=_floors()[1])
     args.update(switches)
 
     def run(fn, cast):
@@ -188,7 +198,7 @@ def layer_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=45, D=16, window=8, dty
 
 
 def xent_case(cid, *, B=2, H=4, Hkv=2, T=50, D=16, pad=False, dtype=torch.float32, bm=16, bn=16,
-              features="softmax", projection="square", seed=0, underflow=False):
+              features="softmax", projection="square", seed=0, underflow=False, eps=None):
     """triton_xent vs transfer.weights_xent (blocked): value, entropy, dfq, dfk."""
     from hedgecats.models import HedgehogFeatureMap
     from hedgecats.models.ops import transfer
@@ -214,15 +224,20 @@ def xent_case(cid, *, B=2, H=4, Hkv=2, T=50, D=16, pad=False, dtype=torch.float3
         return {"xent": x.detach().reshape(1), "entropy": e.reshape(1), "dfq": fq.grad,
                 "dfk": fk.grad}
 
+    additive = _floors()[2]
+    eps = (0.01 if additive else 0.0) if eps is None else eps
+
     def fused(q, k, fq, fk):
-        xe, ent = tx.xent_rows(q, k, fq, fk, scale=D ** -0.5, key_padding_mask=kpm, block_m=bm,
-                               block_n=bn)
+        xe, ent = tx.xent_rows(q, k, fq, fk, scale=D ** -0.5, key_padding_mask=kpm, eps=eps,
+                               block_m=bm, block_n=bn)
         r = torch.ones(B, 1, T) if kpm is None else kpm[:, None].float()
         n = r.sum() * H
         return (xe * r).sum() / n, (ent * r).sum() / n
 
     def blocked(q, k, fq, fk):
-        return transfer.weights_xent(q, k, fq, fk, key_padding_mask=kpm, return_entropy=True)
+        kw = {"eps": eps} if additive else {}
+        return transfer.weights_xent(q, k, fq, fk, key_padding_mask=kpm, return_entropy=True,
+                                     **kw)
 
     return errors(run(fused, dtype), run(blocked, torch.float32))
 
@@ -275,6 +290,7 @@ def cases(quick: bool = False):
     k = kernel_case
     out = [
         ("kernel-hybrid", k, {}),
+        ("kernel-floor-tiny", k, dict(eps=1.1754943508222875e-38, pad=True)),
         ("kernel-shared", k, dict(shared=True)),
         ("kernel-overlap", k, dict(shift=0)),
         ("kernel-swa-only", k, dict(has_la=False)),
@@ -316,6 +332,7 @@ def cases(quick: bool = False):
         ("xent-relu-pad", xent_case, dict(features="relu", pad=True)),
         ("xent-rectangular-D32", xent_case, dict(D=32, projection="rectangular", T=40)),
         ("xent-underflow", xent_case, dict(underflow=True, features="relu")),
+        ("xent-underflow-no-floor", xent_case, dict(underflow=True, features="relu", eps=0.0)),
         ("xent-bf16", xent_case, dict(dtype=bf16, T=64, D=32)),
         ("xent-bf16-default-tiles", xent_case, dict(dtype=bf16, T=150, D=32, bm=None, bn=None)),
         ("xent-entry", xent_entry_case, None),

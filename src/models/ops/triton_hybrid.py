@@ -4,8 +4,9 @@ One forward and one backward per call, recomputing instead of storing (issue 11)
 kernels compute, per batch row ``b`` and query head ``h`` (``c_A, c_B, shift`` per ``(b, h)``):
 
     SWA_t = softmax over the window keys  t - w < i <= t           (lse_t kept, fp32)
-    LA_t  = sum_{i <= t - shift} (fq_t.fk_i) v_i / max(den_t, eps)  den_t = sum (fq_t.fk_i), fp32
-            (0 where no real key i <= t - shift)
+    LA_t  = sum_{i <= t - shift} k_ti v_i / max(den_t, eps)    den_t = sum k_ti, fp32,
+            k_ti = fq_t.fk_i + eps (the kernel floor of ops.reference.linear_attention_chunked:
+            eps in numerator and normaliser alike; 0 where no real key i <= t - shift)
     out_t = c_A SWA_t + c_B LA_t                                    (fixed / per-head / SSD)
     out_t = alpha_t SWA_t + (1 - alpha_t) LA_t,
             alpha_t = sigmoid(log s_h + lse_t - log max(den_t, eps))   (``shared_norm``)
@@ -147,12 +148,13 @@ except Exception:  # pragma: no cover - CPU CI has no triton
 if _HAVE_TRITON:
 
     @triton.jit
-    def _state_fwd(FK, V, KPM, SST, ZST,
+    def _state_fwd(FK, V, KPM, SST, ZST, VST,
                    sfk_b, sfk_h, sfk_t, sv_b, sv_h, sv_t,
                    T, Hkv, NC,
                    F: tl.constexpr, D: tl.constexpr, CS: tl.constexpr, BF: tl.constexpr,
                    BD: tl.constexpr, HAS_KPM: tl.constexpr, PREC: tl.constexpr):
-        """S_j = sum_{i < j CS, real} fk_i v_i^T (F x D), z_j = sum fk_i, for j < NC."""
+        """S_j = sum_{i < j CS, real} fk_i v_i^T (F x D), z_j = sum fk_i, u_j = sum v_i (the
+        kernel floor's share of the numerator), for j < NC."""
         pid_bh = tl.program_id(0)
         pid_f = tl.program_id(1)
         pid_d = tl.program_id(2)
@@ -165,13 +167,17 @@ if _HAVE_TRITON:
         v_base = V + b.to(tl.int64) * sv_b + hk.to(tl.int64) * sv_h
         st_base = SST + pid_bh.to(tl.int64) * NC * F * D
         z_base = ZST + pid_bh.to(tl.int64) * NC * F
+        v_sum_base = VST + pid_bh.to(tl.int64) * NC * D
         S = tl.zeros([BF, BD], dtype=tl.float32)
         z = tl.zeros([BF], dtype=tl.float32)
+        vs = tl.zeros([BD], dtype=tl.float32)
         for j in range(0, NC):
             tl.store(st_base + j * F * D + offs_f[:, None] * D + offs_d[None, :],
                      S.to(SST.dtype.element_ty))
             if pid_d == 0:
                 tl.store(z_base + j * F + offs_f, z)
+            if pid_f == 0:
+                tl.store(v_sum_base + j * D + offs_d, vs)
             offs_n = j * CS + offs_c
             keep = offs_n < T
             if HAS_KPM:
@@ -182,15 +188,19 @@ if _HAVE_TRITON:
                         other=0.0)
             S += tl.dot(tl.trans(fk), v, input_precision=PREC)
             z += tl.sum(fk.to(tl.float32), axis=0)
+            if pid_f == 0:
+                vs += tl.sum(v.to(tl.float32), axis=0)
 
     @triton.jit
-    def _la_num(FQ, FK, V, SST, ZST, KPM, b, h, hk, Hkv, t0, shift, T, NC,
+    def _la_num(FQ, FK, V, SST, ZST, VST, CNT, KPM, b, h, hk, Hkv, t0, shift, T, NC, eps,
                 sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sv_b, sv_h, sv_t,
                 D: tl.constexpr, F: tl.constexpr, FC: tl.constexpr, BM: tl.constexpr,
                 BN: tl.constexpr, CS: tl.constexpr, HAS_KPM: tl.constexpr, PREC: tl.constexpr):
         """Numerator (BM, D) and denominator (BM) of LA over keys i <= t - shift for the queries
-        t0 .. t0 + BM - 1: the nearest stored state at or before t0 - shift + 1, plus the keys
-        between it and the block. The feature dimension is taken FC at a time."""
+        t0 .. t0 + BM - 1, kernel values fq.fk + eps: the nearest stored state at or before
+        t0 - shift + 1 (with the floor's share, eps times its value sum and its count of real
+        keys), plus the keys between it and the block. The feature dimension is taken FC at a
+        time."""
         offs_m = t0 + tl.arange(0, BM)
         offs_d = tl.arange(0, D)
         rows = offs_m < T
@@ -200,8 +210,10 @@ if _HAVE_TRITON:
         jst = tl.minimum(tl.maximum(t0 - shift + 1, 0) // CS, NC - 1)
         st = SST + (b * Hkv + hk).to(tl.int64) * NC * F * D + jst.to(tl.int64) * F * D
         zt = ZST + (b * Hkv + hk).to(tl.int64) * NC * F + jst * F
-        num = tl.zeros([BM, D], dtype=tl.float32)
-        den = tl.zeros([BM], dtype=tl.float32)
+        vsum = tl.load(VST + (b * Hkv + hk).to(tl.int64) * NC * D + jst * D + offs_d)
+        n_state = tl.load(CNT + b * (T + 1) + jst * CS).to(tl.float32)  # real keys < jst CS
+        num = tl.zeros([BM, D], dtype=tl.float32) + eps * vsum[None, :]
+        den = tl.zeros([BM], dtype=tl.float32) + eps * n_state
         for c in tl.static_range(F // FC):
             offs_f = c * FC + tl.arange(0, FC)
             fq = tl.load(fq_base + offs_m[:, None] * sfq_t + offs_f[None, :], mask=rows[:, None],
@@ -226,7 +238,7 @@ if _HAVE_TRITON:
             if HAS_KPM:
                 real = tl.load(KPM + b * T + offs_n, mask=kin, other=0) != 0
                 ok = ok & real[None, :]
-            a = tl.where(ok, a, 0.0)
+            a = tl.where(ok, a + eps, 0.0)
             den += tl.sum(a, axis=1)
             vb = tl.load(v_base + offs_n[:, None] * sv_t + offs_d[None, :], mask=kin[:, None],
                          other=0.0)
@@ -234,7 +246,7 @@ if _HAVE_TRITON:
         return num, den
 
     @triton.jit
-    def _fwd(Q, K, V, FQ, FK, SST, ZST, OUT, LSE, DEN, CA, CB, LOGS, SHIFT, FIRST, KPM,
+    def _fwd(Q, K, V, FQ, FK, SST, ZST, VST, CNT, OUT, LSE, DEN, CA, CB, LOGS, SHIFT, FIRST, KPM,
              sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
              sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, so_b, so_h, so_t,
              T, H, G, NC, window, scale_log2, eps,
@@ -262,9 +274,9 @@ if _HAVE_TRITON:
         num = tl.zeros([BM, D], dtype=tl.float32)
         den = tl.zeros([BM], dtype=tl.float32)
         if HAS_LA:
-            num, den = _la_num(FQ, FK, V, SST, ZST, KPM, b, h, hk, Hkv, t0, shift, T, NC,
-                               sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sv_b, sv_h, sv_t,
-                               D, F, FC, BM, BN, CS, HAS_KPM, PREC)
+            num, den = _la_num(FQ, FK, V, SST, ZST, VST, CNT, KPM, b, h, hk, Hkv, t0, shift, T,
+                               NC, eps, sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sv_b, sv_h,
+                               sv_t, D, F, FC, BM, BN, CS, HAS_KPM, PREC)
         has_far = (offs_m - shift) >= first
         r = tl.where(has_far, 1.0 / tl.maximum(den, eps), 0.0)
         la = num * r[:, None]
@@ -322,7 +334,8 @@ if _HAVE_TRITON:
         tl.store(DEN + pid_bh.to(tl.int64) * T + offs_m, den, mask=rows)
 
     @triton.jit
-    def _bwd_dq(Q, K, V, FQ, FK, DO, SST, ZST, LSE, DEN, CA, CB, LOGS, SHIFT, FIRST, KPM,
+    def _bwd_dq(Q, K, V, FQ, FK, DO, SST, ZST, VST, CNT, LSE, DEN, CA, CB, LOGS, SHIFT, FIRST,
+                KPM,
                 DQ, DELTA, WS, GF, DDEN, PA, PB,
                 sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
                 sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sdo_b, sdo_h, sdo_t,
@@ -366,8 +379,8 @@ if _HAVE_TRITON:
         # ---- first pass: LA_t . dO_t, then SWA_t . dO_t
         dot_la = tl.zeros([BM], dtype=tl.float32)
         if HAS_LA:
-            num, _ = _la_num(FQ, FK, V, SST, ZST, KPM, b, h, hk, Hkv, t0, shift, T, NC,
-                             sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sv_b, sv_h, sv_t,
+            num, _ = _la_num(FQ, FK, V, SST, ZST, VST, CNT, KPM, b, h, hk, Hkv, t0, shift, T, NC,
+                             eps, sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sv_b, sv_h, sv_t,
                              D, F, FC, BM, BN, CS, HAS_KPM, PREC)
             dot_la = tl.sum(num * do.to(tl.float32), axis=1) * r
         dot_swa = tl.zeros([BM], dtype=tl.float32)
@@ -501,13 +514,14 @@ if _HAVE_TRITON:
                  dfq.to(DFQ.dtype.element_ty), mask=rows[:, None])
 
     @triton.jit
-    def _state_rev(FQ, DO, GF, DDEN, SHIFT, RST, UST,
+    def _state_rev(FQ, DO, GF, DDEN, SHIFT, RST, UST, WST,
                    sfq_b, sfq_h, sfq_t, sdo_b, sdo_h, sdo_t,
                    T, H, G, NC,
                    F: tl.constexpr, D: tl.constexpr, CS: tl.constexpr, BF: tl.constexpr,
                    BD: tl.constexpr, PREC: tl.constexpr):
         """Reverse states, summed over the G query heads of a kv head: entry j holds
-        R = sum_{t - shift_h >= (j+1) CS} fq_t (GF_t dO_t)^T (F x D) and u = sum DDEN_t fq_t."""
+        R = sum_{t - shift_h >= (j+1) CS} fq_t (GF_t dO_t)^T (F x D), u = sum DDEN_t fq_t and
+        w = sum GF_t dO_t (the kernel floor's share of dv)."""
         pid_bh = tl.program_id(0)  # b * Hkv + hk
         pid_f = tl.program_id(1)
         pid_d = tl.program_id(2)
@@ -519,14 +533,18 @@ if _HAVE_TRITON:
         offs_c = tl.arange(0, CS)
         st_base = RST + pid_bh.to(tl.int64) * NC * F * D
         u_base = UST + pid_bh.to(tl.int64) * NC * F
+        w_base = WST + pid_bh.to(tl.int64) * NC * D
         R = tl.zeros([BF, BD], dtype=tl.float32)
         u = tl.zeros([BF], dtype=tl.float32)
+        w = tl.zeros([BD], dtype=tl.float32)
         for jj in range(0, NC):
             j = NC - 1 - jj
             tl.store(st_base + j * F * D + offs_f[:, None] * D + offs_d[None, :],
                      R.to(RST.dtype.element_ty))
             if pid_d == 0:
                 tl.store(u_base + j * F + offs_f, u)
+            if pid_f == 0:
+                tl.store(w_base + j * D + offs_d, w)
             for g in range(0, G):
                 h = hk * G + g
                 bh = b * H + h
@@ -546,6 +564,8 @@ if _HAVE_TRITON:
                 if pid_d == 0:
                     dd = tl.load(DDEN + bh.to(tl.int64) * T + offs_t, mask=tin, other=0.0)
                     u += tl.sum(fq.to(tl.float32) * dd[:, None], axis=0)
+                if pid_f == 0:
+                    w += tl.sum(do.to(tl.float32) * gf[:, None], axis=0)
 
     @triton.jit
     def _bwd_dkv_swa(Q, K, V, DO, LSE, DELTA, WS, KPM, DK, DV,
@@ -609,10 +629,10 @@ if _HAVE_TRITON:
                  tl.where(kreal[:, None], dv, 0.0).to(DV.dtype.element_ty), mask=kin[:, None])
 
     @triton.jit
-    def _bwd_dkv_la(FQ, FK, V, DO, GF, DDEN, RST, UST, SHIFT, KPM, DVS, DV, DFK,
+    def _bwd_dkv_la(FQ, FK, V, DO, GF, DDEN, RST, UST, WST, SHIFT, KPM, DVS, DV, DFK,
                     sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sv_b, sv_h, sv_t,
                     sdo_b, sdo_h, sdo_t,
-                    T, H, G, NC,
+                    T, H, G, NC, eps,
                     D: tl.constexpr, F: tl.constexpr, FC: tl.constexpr, BM: tl.constexpr,
                     BN: tl.constexpr, CS: tl.constexpr, ADD_DVS: tl.constexpr,
                     HAS_KPM: tl.constexpr, PREC: tl.constexpr):
@@ -670,8 +690,9 @@ if _HAVE_TRITON:
             tl.store(DFK + (out_base + offs_n[:, None]) * F + offs_f[None, :],
                      tl.where(kreal[:, None], dfk, 0.0).to(DFK.dtype.element_ty),
                      mask=kin[:, None])
-        else:  # ---- dv
-            dv = tl.zeros([BN, D], dtype=tl.float32)
+        else:  # ---- dv (the floor: eps times every later dnum_t, from the state and below)
+            w = tl.load(WST + pid_bh.to(tl.int64) * NC * D + (jb - 1) * D + offs_d)
+            dv = tl.zeros([BN, D], dtype=tl.float32) + eps * w[None, :]
             for c in tl.static_range(F // FC):
                 offs_f = c * FC + tl.arange(0, FC)
                 fkb = tl.load(fk_base + offs_n[:, None] * sfk_t + offs_f[None, :],
@@ -702,7 +723,7 @@ if _HAVE_TRITON:
                     ok = (offs_m[None, :] - shift >= offs_n[:, None]) & qin[None, :] & \
                         kreal[:, None]
                     # dnum_t = gf_t dO_t, the factor applied in fp32 (as for SWA)
-                    aT = tl.where(ok, aT * gf[None, :], 0.0)
+                    aT = tl.where(ok, (aT + eps) * gf[None, :], 0.0)
                     dv += tl.dot(aT.to(dob.dtype), dob, input_precision=PREC)
             if ADD_DVS:
                 dv += tl.load(DVS + (out_base + offs_n[:, None]) * D + offs_d[None, :],
@@ -752,33 +773,36 @@ def _la_states(fk, v, kpm_i8, cfg: KernelConfig):
     NC = triton.cdiv(T, CS)
     S = torch.empty(B, Hkv, NC, F, D, device=fk.device, dtype=fk.dtype)
     z = torch.empty(B, Hkv, NC, F, device=fk.device, dtype=torch.float32)
+    vs = torch.empty(B, Hkv, NC, D, device=fk.device, dtype=torch.float32)
     BF, BD = _state_tile(cfg, B * Hkv, F, D)
     grid = (B * Hkv, F // BF, D // BD)
-    _state_fwd[grid](fk, v, _ptr(kpm_i8, z), S, z, *_strides(fk), *_strides(v), T, Hkv, NC,
+    _state_fwd[grid](fk, v, _ptr(kpm_i8, z), S, z, vs, *_strides(fk), *_strides(v), T, Hkv, NC,
                      F=F, D=D, CS=CS, BF=BF, BD=BD, HAS_KPM=kpm_i8 is not None,
                      PREC=_prec(fk.dtype), num_warps=cfg.state_warps)
-    return S, z, NC
+    return S, z, vs, NC
 
 
 def _fc(cfg: KernelConfig, F: int) -> int:
     return min(cfg.f_chunk, F)
 
 
-def _forward(q, k, v, fq, fk, ca, cb, logs, shift, first, kpm_i8, *, window, scale, eps,
+def _forward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, *, window, scale, eps,
              has_swa, has_la, shared, cfg: KernelConfig):
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     F = fq.shape[-1]
     dummy = torch.empty(1, device=q.device, dtype=q.dtype)
     if has_la:
-        S, z, NC = _la_states(fk, v, kpm_i8, cfg)
+        S, z, vs, NC = _la_states(fk, v, kpm_i8, cfg)
     else:
         S, z, NC = dummy, torch.empty(1, device=q.device), 1
+        vs = z
     o = torch.empty(B, H, T, D, device=q.device, dtype=q.dtype)
     lse = torch.empty(B * H, T, device=q.device, dtype=torch.float32)
     den = torch.empty(B * H, T, device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(T, cfg.block_m), B * H)
-    _fwd[grid](q, k, v, fq, fk, S, z, o, lse, den, ca, cb, logs, shift, first, _ptr(kpm_i8, lse),
+    _fwd[grid](q, k, v, fq, fk, S, z, vs, cnt, o, lse, den, ca, cb, logs, shift, first,
+               _ptr(kpm_i8, lse),
                *_strides(q), *_strides(k), *_strides(v), *_strides(fq), *_strides(fk),
                *_strides(o), T, H, H // Hkv, NC, window, scale * LOG2E, eps,
                D=D, F=F, FC=_fc(cfg, F), BM=cfg.block_m, BN=cfg.block_n, CS=cfg.state_chunk,
@@ -787,7 +811,7 @@ def _forward(q, k, v, fq, fk, ca, cb, logs, shift, first, kpm_i8, *, window, sca
     return o, lse, den
 
 
-def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, kpm_i8, lse, den, *, window,
+def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse, den, *, window,
               scale, eps, has_swa, has_la, shared, cfg: KernelConfig):
     B, H, T, D = q.shape
     Hkv = k.shape[1]
@@ -801,16 +825,17 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, kpm_i8, lse, den,
     has_kpm = kpm_i8 is not None
     prec = _prec(q.dtype)
     if has_la:
-        S, z, NC = _la_states(fk, v, kpm_i8, cfg)
+        S, z, vs, NC = _la_states(fk, v, kpm_i8, cfg)
     else:
         S, z, NC = dummy, torch.empty(1, **f32), 1
+        vs = z
     BM, BN = cfg.bwd_block_m, cfg.bwd_block_n
     NMB = triton.cdiv(T, BM)
     dq = torch.empty(B, H, T, D, device=dev, dtype=q.dtype) if has_swa else None
     delta, ws, gf, dden = (torch.empty(B * H, T, **f32) for _ in range(4))
     pa, pb = torch.empty(B * H, NMB, **f32), torch.empty(B * H, NMB, **f32)
     _bwd_dq[(NMB, B * H)](
-        q, k, v, fq, fk, do, S, z, lse, den, ca, cb, logs, shift, first, kpm,
+        q, k, v, fq, fk, do, S, z, vs, cnt, lse, den, ca, cb, logs, shift, first, kpm,
         _ptr(dq, dummy), delta, ws, gf, dden, pa, pb,
         *_strides(q), *_strides(k), *_strides(v), *_strides(fq), *_strides(fk), *_strides(do),
         T, H, G, NC, NMB, window, scale, scale * LOG2E, eps,
@@ -825,7 +850,7 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, kpm_i8, lse, den,
             *_strides(fk), *_strides(v), *_strides(do), T, H, G, NC,
             D=D, F=F, FC=FC, BM=BM, BN=BN, CS=cfg.state_chunk, HAS_KPM=has_kpm, PREC=prec,
             num_warps=cfg.bwd_warps, num_stages=cfg.stages)
-    del S, z
+    del S, z, vs
     dk = torch.empty(B, Hkv, T, D, device=dev, dtype=k.dtype)
     dv = torch.empty(B, Hkv, T, D, device=dev, dtype=v.dtype)
     NNB = triton.cdiv(T, BN)
@@ -844,14 +869,15 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, kpm_i8, lse, den,
     if has_la:
         R = torch.empty(B, Hkv, NC, F, D, device=dev, dtype=fq.dtype)
         U = torch.empty(B, Hkv, NC, F, **f32)
+        W = torch.empty(B, Hkv, NC, D, **f32)
         BF, BD = _state_tile(cfg, B * Hkv, F, D)
         _state_rev[(B * Hkv, F // BF, D // BD)](
-            fq, do, gf, dden, shift, R, U, *_strides(fq), *_strides(do), T, H, G, NC,
+            fq, do, gf, dden, shift, R, U, W, *_strides(fq), *_strides(do), T, H, G, NC,
             F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD, PREC=prec, num_warps=cfg.state_warps)
         dfk = torch.empty(B, Hkv, T, F, device=dev, dtype=fk.dtype)
         _bwd_dkv_la[(NNB, B * Hkv, F // FC + 1)](
-            fq, fk, v, do, gf, dden, R, U, shift, kpm, _ptr(dvs, dv), dv, dfk,
-            *_strides(fq), *_strides(fk), *_strides(v), *_strides(do), T, H, G, NC,
+            fq, fk, v, do, gf, dden, R, U, W, shift, kpm, _ptr(dvs, dv), dv, dfk,
+            *_strides(fq), *_strides(fk), *_strides(v), *_strides(do), T, H, G, NC, eps,
             D=D, F=F, FC=FC, BM=BM, BN=BN, CS=cfg.state_chunk, ADD_DVS=has_swa,
             HAS_KPM=has_kpm, PREC=prec, num_warps=cfg.bwd_warps, num_stages=cfg.stages)
     dpa, dpb = pa.sum(-1), pb.sum(-1)  # (B * H,)
@@ -902,13 +928,13 @@ def _with_retry(phase: str, key: tuple, cfg: KernelConfig, fn):
 
 class _HybridFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, fq, fk, ca, cb, logs, shift, first, kpm_i8, window, scale, eps,
-                has_swa, has_la, shared, cfg):
+    def forward(ctx, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, window, scale,
+                eps, has_swa, has_la, shared, cfg):
         key = (q.dtype, q.shape[-1], fq.shape[-1], has_swa, has_la, shared, kpm_i8 is not None)
         o, lse, den = _with_retry("forward", key, cfg, lambda c: _forward(
-            q, k, v, fq, fk, ca, cb, logs, shift, first, kpm_i8, window=window, scale=scale,
+            q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, window=window, scale=scale,
             eps=eps, has_swa=has_swa, has_la=has_la, shared=shared, cfg=c))
-        ctx.save_for_backward(q, k, v, fq, fk, ca, cb, logs, shift, first, lse, den,
+        ctx.save_for_backward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, lse, den,
                               *(() if kpm_i8 is None else (kpm_i8,)))
         ctx.args = dict(window=window, scale=scale, eps=eps, has_swa=has_swa, has_la=has_la,
                         shared=shared, cfg=cfg)
@@ -917,7 +943,7 @@ class _HybridFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, fq, fk, ca, cb, logs, shift, first, lse, den, *rest = ctx.saved_tensors
+        q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, lse, den, *rest = ctx.saved_tensors
         kpm_i8 = rest[0] if ctx.has_kpm else None
         a = ctx.args
         do = do if do.stride(-1) == 1 else do.contiguous()
@@ -928,8 +954,8 @@ class _HybridFn(torch.autograd.Function):
         args = {n: x for n, x in a.items() if n != "cfg"}
         try:
             dq, dk, dv, dfq, dfk, dpa, dpb = _with_retry("backward", key, a["cfg"], lambda c: (
-                _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, kpm_i8, lse, den,
-                          cfg=c, **args)))
+                _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
+                          den, cfg=c, **args)))
         except _triton_errors() as e:  # a Triton resource / compile failure: say so, stay right
             FALLBACK_ERRORS.append(f"backward: {type(e).__name__}: {e}"[:500])
             _warn_once(f"fused hybrid backward failed in Triton ({type(e).__name__}); this call's "
@@ -944,7 +970,7 @@ class _HybridFn(torch.autograd.Function):
             dca, dcb, dlogs = None, None, dpa
         else:
             dca, dcb, dlogs = dpa, dpb, None
-        return (dq, dk, dv, dfq, dfk, dca, dcb, dlogs) + (None,) * 10
+        return (dq, dk, dv, dfq, dfk, dca, dcb, dlogs) + (None,) * 11
 
 
 def _reference_backward(ctx, do, q, k, v, fq, fk, ca, cb, logs, shift, first, kpm_i8, a):
@@ -961,7 +987,7 @@ def _reference_backward(ctx, do, q, k, v, fq, fk, ca, cb, logs, shift, first, kp
         dca = dcb = None
     else:
         dlogs = None
-    return (dq, dk, dv, dfq, dfk, dca, dcb, dlogs) + (None,) * 10
+    return (dq, dk, dv, dfq, dfk, dca, dcb, dlogs) + (None,) * 11
 
 
 # ============================================================================= entry points
@@ -986,19 +1012,22 @@ def hybrid_kernel(q, k, v, fq, fk, ca, cb, logs, shift, *, window: int, scale: f
     if key_padding_mask is None:
         kpm_i8 = None
         first = torch.zeros(B, device=dev, dtype=torch.int32)
+        cnt = torch.arange(T + 1, device=dev, dtype=torch.int32).expand(B, T + 1).contiguous()
     else:
         kpm = key_padding_mask.bool()
         kpm_i8 = kpm.to(torch.int8).contiguous()
         # index of the first real key of each row (T where there is none)
         idx = torch.where(kpm, torch.arange(T, device=dev)[None, :], T)
         first = idx.min(dim=1).values.to(torch.int32)
+        # cnt[b, i]: real keys before position i (the kernel floor counts visible real keys)
+        cnt = torch.nn.functional.pad(kpm.int().cumsum(1), (1, 0)).to(torch.int32).contiguous()
     ca = ca.float().reshape(B * H).contiguous()
     cb = cb.float().reshape(B * H).contiguous()
     logs = logs.float().reshape(B * H).contiguous()
     shift = shift.to(device=dev, dtype=torch.int32).reshape(B * H).contiguous()
-    return _HybridFn.apply(q, k, v, fq, fk, ca, cb, logs, shift, first, kpm_i8, int(window),
-                           float(scale), float(eps), bool(has_swa), bool(has_la), bool(shared),
-                           cfg)
+    return _HybridFn.apply(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8,
+                           int(window), float(scale), float(eps), bool(has_swa), bool(has_la),
+                           bool(shared), cfg)
 
 
 def kernel_reference(q, k, v, fq, fk, ca, cb, logs, shift, *, window: int, scale: float,

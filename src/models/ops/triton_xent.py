@@ -4,7 +4,7 @@ Same function and signature as ``ops.transfer.weights_xent`` (read its docstring
 semantics): per real query ``t`` and head,
 
     xent_t = -sum_{i <= t, real} A_soft[t, i] log A_phi[t, i]
-           = log Z_t - sum_i A_soft[t, i] log k_ti,     k_ti = max(fq_t.fk_i, TINY),
+           = log Z_t - sum_i A_soft[t, i] log k_ti,     k_ti = max(fq_t.fk_i + eps, TINY),
                                                         Z_t  = sum_i k_ti
     ent_t  = -sum_i A_soft[t, i] log A_soft[t, i] = lse_t - sum_i A_soft[t, i] s_ti
 
@@ -13,7 +13,7 @@ averaged over real queries and heads. The teacher's weights ``A_soft = softmax(s
 student's kernel values; nothing of size T x T is ever stored. Per row the forward keeps
 ``lse_t`` and ``Z_t`` (fp32); the backward recomputes both products per tile:
 
-    d xent_t / d a_ti = 1 / Z_t - A_soft[t, i] / k_ti      where a_ti >= TINY (else 0: the floor)
+    d xent_t / d a_ti = 1 / Z_t - A_soft[t, i] / k_ti   where a_ti + eps >= TINY (else 0)
 
 and accumulates ``dfq`` per query block (``_bwd_dq``) and ``dfk`` per key block of each kv head,
 summed over its query heads (``_bwd_dk``: GQA without atomics). Only ``fq`` and ``fk`` get
@@ -23,13 +23,18 @@ Unsupported calls (CPU without the interpreter, no Triton, dtypes other than bf1
 feature dims not powers of two in [16, 128] / [16, 256]) run ``ops.transfer.weights_xent``, the
 blocked PyTorch version, which stays the CPU path and the tests' oracle; the reason is logged once.
 
+The kernel floor ``eps`` (``k_ti = max(fq.fk + eps, TINY)``, ``ops.reference.LA_EPS`` by
+default) follows the blocked version: its default is read off ``transfer.weights_xent``'s
+signature (``KERNEL_FLOOR``; 0 for a blocked version without the argument).
+
 Wiring (``ops.transfer.transfer_loss``): call this module's ``weights_xent`` instead of the
-blocked one (same arguments; ``block`` is accepted and ignored).
+blocked one (same arguments, ``eps`` included; ``block`` is accepted and ignored).
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 
@@ -43,6 +48,17 @@ log = logging.getLogger(__name__)
 __all__ = ["available", "unsupported_reason", "weights_xent", "xent_rows"]
 
 TINY = DEN_TINY
+
+
+def _default_floor() -> float:
+    """The blocked version's default kernel floor ``eps`` (``k = max(fq.fk + eps, TINY)``); 0
+    where it has none (``k = max(fq.fk, TINY)``)."""
+    p = inspect.signature(transfer.weights_xent).parameters.get("eps")
+    return 0.0 if p is None else float(p.default)
+
+
+#: the kernel floor added to every product, as in the blocked version
+KERNEL_FLOOR = _default_floor()
 FALLBACK_ERRORS: list[str] = []
 CALLS = {"forward": 0}  # calls that ran the kernel (tests check the path taken)
 
@@ -78,7 +94,7 @@ if _HAVE_TRITON:
     @triton.jit
     def _xent_fwd(Q, K, FQ, FK, KPM, XE, ENT, LSE, LZ,
                   sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t,
-                  T, H, G, scale_log2, tiny,
+                  T, H, G, scale_log2, tiny, eps,
                   D: tl.constexpr, F: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                   HAS_KPM: tl.constexpr, PREC_S: tl.constexpr, PREC_A: tl.constexpr):
         LN2: tl.constexpr = 0.6931471805599453
@@ -117,7 +133,7 @@ if _HAVE_TRITON:
                 ok = ok & real[None, :]
             s = tl.dot(q, tl.trans(kb), input_precision=PREC_S) * scale_log2
             a = tl.dot(fq, tl.trans(fkb), input_precision=PREC_A)
-            kk = tl.where(ok, tl.maximum(a, tiny), 0.0)
+            kk = tl.where(ok, tl.maximum(a + eps, tiny), 0.0)
             z_i += tl.sum(kk, axis=1)
             logk = tl.log(tl.where(ok, kk, 1.0))
             s = tl.where(ok, s, float("-inf"))
@@ -144,7 +160,7 @@ if _HAVE_TRITON:
     @triton.jit
     def _xent_bwd_dq(Q, K, FQ, FK, KPM, LSE, LZ, W, DFQ,
                      sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t,
-                     T, H, G, scale_log2, tiny,
+                     T, H, G, scale_log2, tiny, eps,
                      D: tl.constexpr, F: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                      HAS_KPM: tl.constexpr, PREC_S: tl.constexpr, PREC_A: tl.constexpr):
         pid_m = tl.program_id(0)
@@ -183,7 +199,7 @@ if _HAVE_TRITON:
                 real = tl.load(KPM + b * T + offs_n, mask=kin, other=0) != 0
                 ok = ok & real[None, :]
             s = tl.dot(q, tl.trans(kb), input_precision=PREC_S) * scale_log2
-            a = tl.dot(fq, tl.trans(fkb), input_precision=PREC_A)
+            a = tl.dot(fq, tl.trans(fkb), input_precision=PREC_A) + eps
             p = tl.exp2(s - lse_safe[:, None])
             pass_ = ok & (a >= tiny)
             da = tl.where(pass_, w[:, None] * (rz[:, None] - p / tl.where(pass_, a, 1.0)), 0.0)
@@ -194,7 +210,7 @@ if _HAVE_TRITON:
     @triton.jit
     def _xent_bwd_dk(Q, K, FQ, FK, KPM, LSE, LZ, W, DFK,
                      sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t,
-                     T, H, G, scale_log2, tiny,
+                     T, H, G, scale_log2, tiny, eps,
                      D: tl.constexpr, F: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                      HAS_KPM: tl.constexpr, PREC_S: tl.constexpr, PREC_A: tl.constexpr):
         pid_n = tl.program_id(0)
@@ -234,7 +250,7 @@ if _HAVE_TRITON:
                 rz = tl.where(live, tl.exp(-tl.load(LZ + base + offs_m, mask=qin, other=0.0)), 0.0)
                 w = tl.where(live, tl.load(W + base + offs_m, mask=qin, other=0.0), 0.0)
                 sT = tl.dot(kb, tl.trans(qb), input_precision=PREC_S) * scale_log2  # (BN, BM)
-                aT = tl.dot(fkb, tl.trans(fqb), input_precision=PREC_A)
+                aT = tl.dot(fkb, tl.trans(fqb), input_precision=PREC_A) + eps
                 ok = (offs_m[None, :] >= offs_n[:, None]) & qin[None, :] & kreal[:, None]
                 pT = tl.exp2(sT - lse_safe[None, :])
                 pass_ = ok & (aT >= tiny)
@@ -295,7 +311,7 @@ def _with_retry(phase, key, blocks, fn):
 
 class _XentFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, fq, fk, kpm_i8, scale, block_m, block_n):
+    def forward(ctx, q, k, fq, fk, kpm_i8, scale, eps, block_m, block_n):
         B, H, T, D = q.shape
         Hkv = k.shape[1]
         F = fq.shape[-1]
@@ -309,20 +325,20 @@ class _XentFn(torch.autograd.Function):
             BM, BN, warps, stages = bl[0]
             _xent_fwd[(triton.cdiv(T, BM), B * H)](
                 q, k, fq, fk, kpm_arg, xe, ent, lse, lz, *_strides(q), *_strides(k),
-                *_strides(fq), *_strides(fk), T, H, H // Hkv, scale * LOG2E, TINY,
+                *_strides(fq), *_strides(fk), T, H, H // Hkv, scale * LOG2E, TINY, eps,
                 D=D, F=F, BM=BM, BN=BN, HAS_KPM=kpm_i8 is not None, PREC_S=_prec(q.dtype),
                 PREC_A=_prec(fq.dtype), num_warps=warps, num_stages=stages)
 
         _with_retry("forward", key, blocks, launch)
         ctx.save_for_backward(q, k, fq, fk, lse, lz, *(() if kpm_i8 is None else (kpm_i8,)))
-        ctx.meta = (scale, blocks, kpm_i8 is not None)
+        ctx.meta = (scale, eps, blocks, kpm_i8 is not None)
         ctx.mark_non_differentiable(ent)
         return xe.view(B, H, T), ent.view(B, H, T)
 
     @staticmethod
     def backward(ctx, dxe, _dent):
         q, k, fq, fk, lse, lz, *rest = ctx.saved_tensors
-        scale, blocks, has_kpm = ctx.meta
+        scale, eps, blocks, has_kpm = ctx.meta
         kpm_i8 = rest[0] if has_kpm else None
         B, H, T, D = q.shape
         Hkv = k.shape[1]
@@ -332,7 +348,7 @@ class _XentFn(torch.autograd.Function):
         dfk = torch.empty(B, Hkv, T, F, device=fk.device, dtype=fk.dtype)
         kpm_arg = kpm_i8 if kpm_i8 is not None else lse
         args = (*_strides(q), *_strides(k), *_strides(fq), *_strides(fk), T, H, H // Hkv,
-                scale * LOG2E, TINY)
+                scale * LOG2E, TINY, eps)
         key = (q.dtype, fq.dtype, D, F, has_kpm)
 
         def launch(bl):
@@ -344,17 +360,20 @@ class _XentFn(torch.autograd.Function):
                                      PREC_A=_prec(fq.dtype), num_warps=warps, num_stages=stages)
 
         _with_retry("backward", key, blocks, launch)
-        return None, None, dfq, dfk, None, None, None, None
+        return None, None, dfq, dfk, None, None, None, None, None
 
 
-def xent_rows(q, k, fq, fk, *, scale: float, key_padding_mask=None, block_m: int | None = None,
-              block_n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def xent_rows(q, k, fq, fk, *, scale: float, key_padding_mask=None, eps: float = 0.0,
+              block_m: int | None = None, block_n: int | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row cross-entropy (differentiable in fq, fk) and teacher entropy, both (B, H, T)
-    fp32, 0 for rows with no visible key; padded query rows are *not* zeroed here."""
+    fp32, 0 for rows with no visible key; padded query rows are *not* zeroed here. Kernel
+    values ``max(fq.fk + eps, TINY)``."""
     q, k, fq, fk = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, fq, fk))
     kpm_i8 = None if key_padding_mask is None else \
         key_padding_mask.bool().to(torch.int8).contiguous()
-    return _XentFn.apply(q.detach(), k.detach(), fq, fk, kpm_i8, float(scale), block_m, block_n)
+    return _XentFn.apply(q.detach(), k.detach(), fq, fk, kpm_i8, float(scale), float(eps),
+                         block_m, block_n)
 
 
 def unsupported_reason(q, k, fq, fk) -> str | None:
@@ -386,27 +405,31 @@ def unsupported_reason(q, k, fq, fk) -> str | None:
 
 def weights_xent(q: torch.Tensor, k: torch.Tensor, fq: torch.Tensor, fk: torch.Tensor, *,
                  scale: float | None = None, key_padding_mask: torch.Tensor | None = None,
-                 block: int = 64, return_entropy: bool = False
+                 block: int = 64, return_entropy: bool = False, eps: float | None = None
                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``ops.transfer.weights_xent`` through the fused kernel (same arguments and result;
     ``block`` is the blocked version's and is ignored here). Falls back to the blocked version
-    where the kernel does not apply (reason logged once)."""
+    where the kernel does not apply (reason logged once). ``eps``: the kernel floor, default
+    the blocked version's default (``KERNEL_FLOOR``)."""
+    eps = KERNEL_FLOOR if eps is None else eps
+    blocked_kw = {} if eps == KERNEL_FLOOR else {"eps": eps}  # the blocked version's own default
     reason = unsupported_reason(q, k, fq, fk)
     if reason is not None:
         _warn_once(f"fused weights_xent not used: {reason}; running the blocked PyTorch version")
         return transfer.weights_xent(q, k, fq, fk, scale=scale, key_padding_mask=key_padding_mask,
-                                     block=block, return_entropy=return_entropy)
+                                     block=block, return_entropy=return_entropy, **blocked_kw)
     B, H, T, D = q.shape
     scale = D ** -0.5 if scale is None else scale
     try:
-        xe, ent = xent_rows(q, k, fq, fk, scale=scale, key_padding_mask=key_padding_mask)
+        xe, ent = xent_rows(q, k, fq, fk, scale=scale, key_padding_mask=key_padding_mask,
+                            eps=eps)
         CALLS["forward"] += 1
     except _triton_errors() as e:
         FALLBACK_ERRORS.append(f"{type(e).__name__}: {e}"[:500])
         _warn_once(f"fused weights_xent failed in Triton ({type(e).__name__}); running the "
                    "blocked PyTorch version")
         return transfer.weights_xent(q, k, fq, fk, scale=scale, key_padding_mask=key_padding_mask,
-                                     block=block, return_entropy=return_entropy)
+                                     block=block, return_entropy=return_entropy, **blocked_kw)
     if key_padding_mask is None:
         norm = float(B * T * H)
         total, total_ent = xe.sum(), ent.sum()
