@@ -23,6 +23,8 @@ optimiser step), peak memory over the timed steps.
     finetune/hybrid          stage 2: peft LoRA (r 8 on q, k, v, o), activation checkpointing,
                              next-token loss, the layers in hybrid mode (SSD off)
     finetune/softmax         the same LoRA step with the layers in softmax mode
+    <...> [fused phi]        the same with the feature maps through ops.triton_phi (patched into
+                             HedgehogFeatureMap.forward for the row; not wired by default)
 
 Results: ``stage_speed.json`` and ``stage_speed.md`` in ``--out``, and the issue's ratios in
 ``--summary`` (default ``<out>/summary.json``, merged with attention_speed's). ``--profile``
@@ -155,6 +157,23 @@ def finetune_step(peft_model, inner, opt, ids, bench: Bench, mode: str):
     return loss.detach()
 
 
+def fused_phi_forward(self, x):
+    """HedgehogFeatureMap.forward through ops.triton_phi where it applies."""
+    from hedgecats.models.ops import triton_phi
+
+    out = triton_phi.hedgehog_features(x, self.weight, self.bias, self.activation)
+    return out if out is not None else _MODULE_FORWARD(self, x)
+
+
+def _module_forward():
+    from hedgecats.models.feature_maps import HedgehogFeatureMap
+
+    return HedgehogFeatureMap, HedgehogFeatureMap.forward
+
+
+_FM_CLASS, _MODULE_FORWARD = _module_forward()
+
+
 @contextlib.contextmanager
 def patched(obj, name, value):
     old = getattr(obj, name)
@@ -263,10 +282,21 @@ def run(a, on_row=None) -> dict:
         if T <= a.lolcats_max_t:
             variants.append(("transfer/lolcats_tt", "hybrid_output_mse",
                              ("hybrid_attention", materialised_student)))
-        for name, objective, patch in variants:
-            def fn(objective=objective, patch=patch):
-                ctx = patched(transfer, *patch) if patch else contextlib.nullcontext()
-                with ctx:
+        if has_triton() and T == min(int(t) for t in a.seq_lens.split(",")):
+            from hedgecats.models.ops import triton_xent
+
+            # the fused feature map too (ops.triton_phi, not wired into the module yet)
+            variants.append(("transfer/weights_xent [fused, fused phi]", "weights_xent",
+                             ("weights_xent", triton_xent.weights_xent), True))
+            variants.append(("transfer/hybrid_output_mse [fused phi]", "hybrid_output_mse",
+                             None, True))
+        for name, objective, patch, *with_fused_phi in variants:
+            def fn(objective=objective, patch=patch, fused_phi=bool(with_fused_phi)):
+                with contextlib.ExitStack() as stack:
+                    if patch:
+                        stack.enter_context(patched(transfer, *patch))
+                    if fused_phi:
+                        stack.enter_context(patched(_FM_CLASS, "forward", fused_phi_forward))
                     return bench.measure(lambda: transfer_step(model, opt, ids, bench, objective),
                                          tokens)
             attempt(name, T, fn)
@@ -293,6 +323,12 @@ def run(a, on_row=None) -> dict:
         for mode in ("hybrid", "softmax"):
             attempt(f"finetune/{mode}", T, lambda mode=mode: bench.measure(
                 lambda: finetune_step(peft_model, model, opt, ids, bench, mode), B * T))
+        if has_triton() and T == min(int(t) for t in a.seq_lens.split(",")):
+            def fused_phi_row():
+                with patched(_FM_CLASS, "forward", fused_phi_forward):
+                    return bench.measure(
+                        lambda: finetune_step(peft_model, model, opt, ids, bench, "hybrid"), B * T)
+            attempt("finetune/hybrid [fused phi]", T, fused_phi_row)
     return {"rows": rows, "build_s": round(build_s, 1), "profile": profile,
             "trainable": {"feature_maps": sum(p.numel() for p in phi),
                           "lora": sum(p.numel() for p in lora)}}
@@ -354,6 +390,24 @@ def ratios(rows, short: int = 1024, long: int = 4096) -> dict:
     }
 
 
+def ratios_fused_phi(rows, short: int = 1024) -> dict:
+    """The stage ratios with the fused feature map as well (rows named ``[... fused phi]``)."""
+    def tps(name):
+        r = _row(rows, name, short)
+        return None if r is None else r["tokens_per_s"]
+
+    def div(x, y):
+        return None if x is None or y is None else round(x / y, 4)
+
+    teacher = tps("teacher_forward")
+    return {"transfer_xent_vs_teacher_forward": div(tps("transfer/weights_xent [fused, fused phi]"),
+                                                    teacher),
+            "transfer_hybrid_mse_vs_teacher_forward": div(
+                tps("transfer/hybrid_output_mse [fused phi]"), teacher),
+            "lora_vs_softmax_lora": div(tps("finetune/hybrid [fused phi]"),
+                                        tps("finetune/softmax"))}
+
+
 TARGETS = {"transfer_xent_vs_teacher_forward": ">= 0.5", "transfer_mse_vs_teacher_forward":
            ">= 0.7", "lora_vs_softmax_lora": ">= 0.9", "transfer_vs_lolcats_T4k": ">= 3",
            "transfer_peak_gib_over_teacher": "<= 10", "scaling_efficiency_transfer_2gpu": ">= 0.9",
@@ -390,7 +444,9 @@ def markdown(res) -> str:
     lines += ["", "| ratio | measured | target |", "| --- | --- | --- |"]
     for k, v in res["ratios"].items():
         lines.append(f"| {k} | {'-' if v is None else v} | {TARGETS[k]} |")
-    lines += ["", "Two-GPU scaling is not measured by this script (one GPU): `null`."]
+    lines += ["", "With the fused feature map as well (ops.triton_phi, not wired by default): "
+              + ", ".join(f"{k} {v}" for k, v in res.get("ratios_with_fused_phi", {}).items()),
+              "", "Two-GPU scaling is not measured by this script (one GPU): `null`."]
     return "\n".join(lines) + "\n"
 
 
@@ -433,6 +489,7 @@ def main(argv=None) -> int:
         res["rows"] = rows
         res["ratios"] = ratios(rows, min(lens), max(lens))
         res["ratio_lengths"] = {"short": min(lens), "long": max(lens)}
+        res["ratios_with_fused_phi"] = ratios_fused_phi(rows, min(lens))
         res["targets"] = TARGETS
         res["seconds"] = round(time.time() - t0, 1)
         (out / "stage_speed.json").write_text(json.dumps(res, indent=1) + "\n")
