@@ -274,15 +274,17 @@ def run(a, on_row=None) -> dict:
 
             variants.append(("transfer/weights_xent [fused]", "weights_xent",
                              ("weights_xent", triton_xent.weights_xent)))
-        variants.append(("transfer/la_output_mse", "la_output_mse", None))
-        if has_triton():
-            variants.append(("transfer/la_output_mse [fused]", "la_output_mse",
-                             ("la_output_mse", la_mse_fused)))
+        short = T == min(int(t) for t in a.seq_lens.split(","))
+        if short or a.all_rows:  # the long length needs only what transfer_vs_lolcats_T4k reads
+            variants.append(("transfer/la_output_mse", "la_output_mse", None))
+            if has_triton():
+                variants.append(("transfer/la_output_mse [fused]", "la_output_mse",
+                                 ("la_output_mse", la_mse_fused)))
         variants.append(("transfer/hybrid_output_mse", "hybrid_output_mse", None))
         if T <= a.lolcats_max_t:
             variants.append(("transfer/lolcats_tt", "hybrid_output_mse",
                              ("hybrid_attention", materialised_student)))
-        if has_triton() and T == min(int(t) for t in a.seq_lens.split(",")):
+        if has_triton() and short:
             from hedgecats.models.ops import triton_xent
 
             # the fused feature map too (ops.triton_phi, not wired into the module yet)
@@ -463,6 +465,9 @@ def main(argv=None) -> int:
     p.add_argument("--blocked-xent-max-t", type=int, default=1024,
                    help="run the blocked weights_xent up to this T (it is quadratic and slow)")
     p.add_argument("--lolcats-max-t", type=int, default=4096)
+    p.add_argument("--all-rows", action="store_true",
+                   help="every stage-1 objective at every length (default: the MSE objectives "
+                   "at the shortest only, hybrid_output_mse and the T x T student at all)")
     p.add_argument("--profile", action="store_true", help="profile one fused-xent stage-1 step")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--summary", default=None, help="default <out>/summary.json")
