@@ -86,9 +86,12 @@ def test_reference_la_state_equals_the_keys_it_sums(shift):
     keep = kpm[:, :cut, None].float()
     S = torch.einsum("bhnf,bhnd->bhfd", fk[:, :, :cut] * keep[:, None], v[:, :, :cut])
     z = (fk[:, :, :cut] * keep[:, None]).sum(2)
+    vsum = (v[:, :, :cut] * keep[:, None]).sum(2)
     got, den, has = linear_attention_chunked(fq, fk[:, :, cut:], v[:, :, cut:], shift=shift,
                                              key_padding_mask=kpm[:, cut:],
-                                             state=(S, z, kpm[:, :cut].sum(1)))
+                                             state=(S, z, kpm[:, :cut].sum(1), vsum), eps=0.3)
+    want, den_w, has_w = linear_attention_chunked(fq, fk, v, shift=shift, key_padding_mask=kpm,
+                                                  eps=0.3)  # a floor large enough to matter
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(den, den_w, rtol=1e-5, atol=1e-6)
     assert torch.equal(has, has_w)

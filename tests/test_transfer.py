@@ -1,5 +1,7 @@
 """Attention-transfer objectives against naive full T x T formulas: values and gradients."""
 
+import math
+
 import pytest
 import torch
 from hedgecats.models import HedgehogFeatureMap, hybrid_attention
@@ -48,7 +50,7 @@ def _naive_xent(q, k, fq, fk, kpm):
     fk = repeat_kv(fk, H)
     allowed = _allowed(T, kpm, B)
     a_soft = _teacher(q, k, kpm)
-    a = (fq @ fk.transpose(-1, -2)).masked_fill(~allowed, 0.0)
+    a = (fq @ fk.transpose(-1, -2) + 1e-6).masked_fill(~allowed, 0.0)  # the kernel floor
     log_a_phi = torch.where(allowed, torch.log(a) - torch.log(a.sum(-1, keepdim=True)), 0.0)
     xent = -(a_soft * log_a_phi).sum(-1)  # (B, H, T)
     w = torch.ones(B, T) if kpm is None else kpm.float()
@@ -71,6 +73,7 @@ def _exact_xent_and_entropy(q, k, phi_q, phi_k):
     B, H, T, D = q.shape
     lq, lk = _log_features(phi_q, q), repeat_kv(_log_features(phi_k, k), H)
     log_kernel = torch.logsumexp(lq[:, :, :, None, :] + lk[:, :, None, :, :], dim=-1)  # (B,H,T,T)
+    log_kernel = torch.logaddexp(log_kernel, torch.tensor(math.log(1e-6), dtype=torch.float64))
     allowed = _allowed(T, None, B)
     log_kernel = log_kernel.masked_fill(~allowed, float("-inf"))
     log_a_phi = log_kernel - torch.logsumexp(log_kernel, -1, keepdim=True)
@@ -153,19 +156,19 @@ def test_weights_xent_has_no_zero_loss_region():
 
 
 def test_optimising_weights_xent_learns_the_teacher_instead_of_collapsing():
-    """Feature maps trained on a fixed, peaked random teacher (entropy ~0.09 nats, sharp maps
-    whose products start partly below 1e-6). The exact cross-entropy (log space, fp64) must fall
-    towards the teacher's entropy, stay above it, and the LA output approach the teacher's.
-    Before the fix the loss fell to ~6 while the exact cross-entropy stayed infinite-or-worse,
-    the LA output moved *away* from the teacher (relative error 1.24 -> 1.27) and half the rows
-    ended with a normaliser below 1e-6: the collapse seen on the GPU testbed."""
+    """Feature maps trained on a fixed, peaked random teacher (entropy 0.078 nats), from sharp
+    maps (init noise 0.3) whose products start partly far below 1e-6. The exact cross-entropy
+    (log space, fp64, with the kernel floor) must fall close to the teacher's entropy and the LA
+    output approach the teacher's. Measured after 300 steps: 8.28 -> 0.68 nats, LA output error
+    1.16 -> 0.59; the first version (numerator and normaliser floored differently) reached only
+    1.33 nats and 0.71, its loss reading below the exact value while rows collapsed."""
     B, H, T, D = 2, 2, 64, 32
     g = torch.Generator().manual_seed(0)
     q = 6 * torch.randn(B, H, T, D, generator=g)
     k = 6 * torch.randn(B, H, T, D, generator=g)
     v = torch.randn(B, H, T, D, generator=g)
-    phi_q = HedgehogFeatureMap(H, D, init_std=1.0, seed=1)
-    phi_k = HedgehogFeatureMap(H, D, init_std=1.0, seed=2)
+    phi_q = HedgehogFeatureMap(H, D, init_std=0.3, seed=1)
+    phi_k = HedgehogFeatureMap(H, D, init_std=0.3, seed=2)
     a_soft = _teacher(q, k, None)
     o_soft = a_soft @ v.double()
 
@@ -178,7 +181,7 @@ def test_optimising_weights_xent_learns_the_teacher_instead_of_collapsing():
     xent0, ent = _exact_xent_and_entropy(q, k, phi_q, phi_k)
     err0 = la_error()
     opt = torch.optim.AdamW([*phi_q.parameters(), *phi_k.parameters()], lr=1e-2)
-    for _ in range(200):
+    for _ in range(300):
         loss = weights_xent(q, k, phi_q(q), phi_k(k), block=32)
         opt.zero_grad()
         loss.backward()
@@ -186,10 +189,12 @@ def test_optimising_weights_xent_learns_the_teacher_instead_of_collapsing():
     xent1, _ = _exact_xent_and_entropy(q, k, phi_q, phi_k)
     err1 = la_error()
     got, got_ent = weights_xent(q, k, phi_q(q), phi_k(k), block=32, return_entropy=True)
-    assert ent < 0.2 and xent0 > 10 * ent  # a peaked teacher, a poor start
-    assert ent - 1e-6 <= xent1 < 0.5 * xent0, (xent0, xent1, ent)
+    assert ent < 0.1 and xent0 > 50 * ent  # a peaked teacher, a poor start
+    assert ent - 1e-6 <= xent1 < 1.0, (xent0, xent1, ent)
+    torch.testing.assert_close(got.double(), torch.tensor(xent1, dtype=torch.float64),
+                               rtol=1e-3, atol=1e-4)  # the loss reads what it is
     assert got >= got_ent - 1e-6
-    assert err1 < 0.75 * err0, (err0, err1)
+    assert err1 < 0.65 and err1 < 0.6 * err0, (err0, err1)
 
 
 @pytest.mark.parametrize("activation", ["softmax", "exp", "relu", "elu1p"])
@@ -259,21 +264,25 @@ def test_transfer_health_matches_naive():
 
     q, k, v, kpm, phi_q, phi_k = _inputs(2, 30, 4, 2, 8, True, seed=5)
     module = SimpleNamespace(phi_q=phi_q, phi_k=phi_k, mixer=FixedMixer(0.3),
-                             hedgecats=SimpleNamespace(window=6, overlap=False, eps=1e-30,
+                             hedgecats=SimpleNamespace(window=6, overlap=False, eps=0.25,
                                                        backend="reference", layer_idx=0))
     got = transfer_health(module, q, k, v, kpm)
     B, H, T, _ = q.shape
     fq, fk = phi_q(q).double(), repeat_kv(phi_k(k), H).double()
     allowed = _allowed(T, kpm, B)
-    a = (fq @ fk.transpose(-1, -2)) * allowed
+    prod = (fq @ fk.transpose(-1, -2)) * allowed
+    a = (prod + 0.25) * allowed  # a kernel floor large enough to matter in some rows
     o_la = (a @ repeat_kv(v, H).double()) / a.sum(-1, keepdim=True)
     o_soft = _teacher(q, k, kpm) @ repeat_kv(v, H).double()
     o_hyb = hybrid_attention(q, k, v, phi_q(q), phi_k(k), window=6, g=0.3, key_padding_mask=kpm,
-                             backend="reference").double()
+                             backend="reference", eps=0.25).double()
     w = kpm[:, None, :, None].double()
     for name, o in (("la_rel_err", o_la), ("hybrid_rel_err", o_hyb)):
         want = (((o - o_soft) ** 2) * w).sum() / ((o_soft ** 2) * w).sum()
         torch.testing.assert_close(got[name].double(), want, rtol=1e-4, atol=1e-6)
-    den = a.sum(-1)  # (B, H, T)
+    den = prod.sum(-1)  # (B, H, T): the products alone
     rows = kpm[:, None, :].expand_as(den)
-    torch.testing.assert_close(got["den_collapsed"].double(), (den < 1e-6)[rows].double().mean())
+    n_keys = kpm.double().cumsum(-1)[:, None, :]
+    torch.testing.assert_close(got["den_collapsed"].double(),
+                               (den < 0.25 * n_keys)[rows].double().mean())
+    assert 0 < got["den_collapsed"] < 1  # the case exercises both sides

@@ -285,8 +285,9 @@ class AttentionTransfer(HybridStage):
     **Health.** Every validation logs, per layer and averaged, what the student's output is
     worth whatever the objective (``ops.transfer.transfer_health``): ``val/la_rel_err`` (LA over
     every key against the teacher's output; 1 = no better than an output of 0),
-    ``val/hybrid_rel_err`` and ``val/den_collapsed`` (fraction of rows whose LA normaliser is
-    below 1e-6). At the end of the stage the same is measured on up to ``health_batches``
+    ``val/hybrid_rel_err`` and ``val/den_collapsed`` (fraction of rows whose feature products
+    sum to less than the kernel floor, ``eps`` per visible key). At the end of the stage the
+    same is measured on up to ``health_batches``
     validation batches and checked: if any layer's trained output (LA for ``weights_xent`` /
     ``la_output_mse``, the hybrid for ``hybrid_output_mse``) has a relative error above
     ``max_rel_err`` (default 1.0: worse than no attention), or more than ``max_den_collapsed``
@@ -496,8 +497,9 @@ class AttentionTransfer(HybridStage):
             bad = {i: round(v, 3) for i, v in health.get("den_collapsed", {}).items()
                    if v > h.max_den_collapsed}
             if bad:
-                problems.append(f"more than {h.max_den_collapsed:.0%} of rows with an LA "
-                                f"normaliser below 1e-6 (den_collapsed) in layers {bad}")
+                problems.append(f"more than {h.max_den_collapsed:.0%} of rows whose feature "
+                                f"products sum below the kernel floor (den_collapsed) in layers "
+                                f"{bad}")
         if problems:
             raise TransferCollapseError(
                 f"attention transfer ({h.objective}) ended with a student that does not "

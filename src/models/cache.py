@@ -80,7 +80,7 @@ def layer_state_bytes(batch: int, kv_heads: int, head_dim: int, feature_dim: int
     """Bytes one converted layer's cache holds for ``batch`` sequences, at any context length."""
     el = torch.empty((), dtype=dtype).element_size()
     kv = 2 * window * head_dim * el + 2 * (n_sinks + 1) * head_dim * el  # ring + sinks (+1 spare)
-    state = (feature_dim * head_dim + feature_dim) * 4  # S and z in fp32
+    state = (feature_dim * head_dim + feature_dim + head_dim) * 4  # S, z and vsum in fp32
     flags = window + (n_sinks + 1) + 2 * 8  # real flags; two counters per sequence
     return batch * (kv_heads * (kv + state) + flags) + 8  # + the position counter
 
@@ -93,7 +93,9 @@ class HybridLayerCache(CacheLayerMixin):
         real           (B, w) bool           slot holds a real (unpadded) key of the window
         S              (B, Hkv, F, D) fp32   LA state over every key older than the window
         z              (B, Hkv, F) fp32
-        n_state        (B,) long             real keys in S, z
+        vsum           (B, Hkv, D) fp32      sum of those keys' values (the LA kernel floor's
+                                             numerator term, ``ops.reference.LA_EPS``)
+        n_state        (B,) long             real keys in S, z, vsum
         sink_keys/_values (B, Hkv, n_sinks + 1, D)  the first n_sinks real keys; the last slot
                                              is scratch for the keys that are not sinks
         sink_real      (B, n_sinks + 1) bool
@@ -130,6 +132,7 @@ class HybridLayerCache(CacheLayerMixin):
         self.real = torch.zeros(B, w, dtype=torch.bool, device=dev)
         self.S = torch.zeros(B, Hkv, F, Dv, dtype=torch.float32, device=dev)
         self.z = torch.zeros(B, Hkv, F, dtype=torch.float32, device=dev)
+        self.vsum = torch.zeros(B, Hkv, Dv, dtype=torch.float32, device=dev)
         self.n_state = torch.zeros(B, dtype=torch.long, device=dev)
         self.sink_keys = torch.zeros(B, Hkv, ns + 1, D, dtype=dt, device=dev)
         self.sink_values = torch.zeros(B, Hkv, ns + 1, Dv, dtype=value_states.dtype, device=dev)
@@ -186,7 +189,7 @@ class HybridLayerCache(CacheLayerMixin):
             "decoding needs a croppable cache)")
 
     def _batch_tensors(self) -> list[str]:
-        return ["keys", "values", "real", "S", "z", "n_state", "sink_keys", "sink_values",
+        return ["keys", "values", "real", "S", "z", "vsum", "n_state", "sink_keys", "sink_values",
                 "sink_real", "n_real"]
 
     def _tensors(self) -> list[torch.Tensor]:
@@ -216,6 +219,7 @@ class HybridLayerCache(CacheLayerMixin):
         fk = fk.float() * keep
         self.S += torch.einsum("bhnf,bhnd->bhfd", fk, v.float())
         self.z += fk.sum(dim=2)
+        self.vsum += (v.float() * keep).sum(dim=2)
         self.n_state += real.sum(dim=1)
 
     def write_window(self, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor,
@@ -363,7 +367,7 @@ class _CacheOps:
         c = self.layer
         return ref.linear_attention_chunked(fq, fk, v, shift=shift, eps=eps,
                                             key_padding_mask=key_padding_mask,
-                                            state=(c.S, c.z, c.n_state))
+                                            state=(c.S, c.z, c.n_state, c.vsum))
 
     def sinks(self, q, k, v, *, scale, n_sinks, key_padding_mask):
         """Softmax over the stored sinks and the new keys that are sinks, causal among the new

@@ -61,10 +61,10 @@ class HybridConfig:
         la_span: ``outside | all``: whether ``la_only`` LA sees every causal key.
         n_sinks: keys kept by ``sinks_only`` (paper: 8).
         backend: ``auto | reference | fla | flash_attn | flex``.
-        eps: guard on the LA denominator; ``None`` (default) picks ``ops.reference.default_eps``
-            for the activation: fp32's smallest normal number for the non-negative maps (it
-            only catches an underflow, so inference uses the normalised weights the
-            ``weights_xent`` objective trains), 1e-6 for ``none``.
+        eps: the LA kernel floor, added to every kernel value ``fq . fk`` in numerator and
+            normaliser alike, at inference and in the ``weights_xent`` objective (so both use
+            one distribution, and the normaliser and its gradients stay bounded); ``None``
+            (default) is ``ops.reference.LA_EPS`` (1e-6).
         ssd_p: probability that a layer's SWA branch is dropped in training (SSD; 0 = off).
         ssd_granularity: ``sample | batch | head``: what one SSD draw covers, per layer.
     """

@@ -235,7 +235,10 @@ def fla_linear(fq, fk, v, *, shift, eps, need_den, key_padding_mask):
     if Tq != Tk:
         raise NotImplementedError("fla_linear needs Tq == Tk")
     if key_padding_mask is not None:
-        fk = fk * key_padding_mask[:, None, :, None].to(fk.dtype)
+        keep = key_padding_mask[:, None, :, None].to(fk.dtype)
+        fk, v_real = fk * keep, v * keep.to(v.dtype)
+    else:
+        v_real = v
     fk_s, v_s = _shift_right(fk, shift), _shift_right(v, shift)  # on the KV heads, before repeat
     # numerator from the chunk kernel (fp32 accumulation inside); the denominator in fp32 by us:
     # fla's own normalize=True sums the keys in the input dtype, which in bf16 was off by 16%
@@ -244,7 +247,12 @@ def fla_linear(fq, fk, v, *, shift, eps, need_den, key_padding_mask):
                                ref.repeat_kv(v_s, H).transpose(1, 2), scale=1.0, normalize=False)
     num = num.transpose(1, 2).float()  # (B, H, T, D)
     den = la_denominator(fq, fk_s)
-    has = _has_keys(key_padding_mask, B, H, Tk, shift, fq.device)
+    n_keys = _visible_keys(key_padding_mask, B, Tk, shift, fq.device)  # (B, T)
+    # the kernel floor (ops.reference.LA_EPS): + eps per visible key, in numerator and denominator
+    vsum = prefix_sum(_shift_right(v_real, shift))  # (B, Hkv, T, D) fp32, per KV head
+    num = num + eps * ref.repeat_kv(vsum, H)
+    den = den + eps * n_keys[:, None, :].to(den.dtype)
+    has = (n_keys > 0)[:, None].expand(B, H, Tk)
     out = torch.where(has[..., None], num / den.clamp_min(eps)[..., None], torch.zeros_like(num))
     return out, (den if need_den else None), has
 
@@ -259,15 +267,22 @@ def la_denominator(fq: torch.Tensor, fk: torch.Tensor, chunk: int = 64) -> torch
     einsum became thousands of 1 x F x 1 matrix products, 6.4 ms at B=8, T=1024)."""
     B, H, T, Fd = fq.shape
     Hkv = fk.shape[1]
-    n = -(-T // chunk)
-    acc = torch.promote_types(fk.dtype, torch.float32)  # fp32 at least (bf16 sums drift)
-    x = F.pad(fk.to(acc), (0, 0, 0, n * chunk - T)).view(B, Hkv, n, chunk, Fd)
-    within = x.cumsum(dim=3)
-    totals = within[:, :, :, -1]  # (B, Hkv, n, F)
-    before = totals.cumsum(dim=2) - totals  # sum of all earlier chunks
-    cum = (within + before[:, :, :, None]).view(B, Hkv, n * chunk, Fd)[:, :, :T]
+    cum = prefix_sum(fk, chunk)  # (B, Hkv, T, F)
     prod = fq.view(B, Hkv, H // Hkv, T, Fd) * cum[:, :, None]  # fp32 by type promotion
     return prod.sum(-1).view(B, H, T)
+
+
+def prefix_sum(x: torch.Tensor, chunk: int = 64) -> torch.Tensor:
+    """``out[b, h, t] = sum_{i <= t} x[b, h, i]`` along dim 2 of (B, H, T, X), in fp32 at least,
+    as two short scans (within chunks of ``chunk`` positions, then over the chunk totals)."""
+    B, Hx, T, X = x.shape
+    n = -(-T // chunk)
+    acc = torch.promote_types(x.dtype, torch.float32)  # fp32 at least (bf16 sums drift)
+    y = F.pad(x.to(acc), (0, 0, 0, n * chunk - T)).view(B, Hx, n, chunk, X)
+    within = y.cumsum(dim=3)
+    totals = within[:, :, :, -1]  # (B, Hx, n, X)
+    before = totals.cumsum(dim=2) - totals  # sum of all earlier chunks
+    return (within + before[:, :, :, None]).view(B, Hx, n * chunk, X)[:, :, :T]
 
 
 def _shift_right(x: torch.Tensor, shift: int) -> torch.Tensor:
@@ -279,14 +294,18 @@ def _shift_right(x: torch.Tensor, shift: int) -> torch.Tensor:
     return torch.cat([pad, x[:, :, : max(T - shift, 0)]], dim=2)
 
 
+def _visible_keys(key_padding_mask, B, T, shift, device) -> torch.Tensor:
+    """(B, T) long: how many real keys ``i <= t - shift`` query t sees."""
+    if key_padding_mask is None:
+        n = (torch.arange(T, device=device) - shift + 1).clamp_min(0)
+        return n[None].expand(B, T)
+    seen = key_padding_mask.long().cumsum(-1)  # real keys in [0, t]
+    return torch.cat([seen.new_zeros(B, min(shift, T)), seen[:, : max(T - shift, 0)]], dim=1)
+
+
 def _has_keys(key_padding_mask, B, H, T, shift, device) -> torch.Tensor:
     """(B, H, T) bool: whether query t sees at least one real key ``i <= t - shift``."""
-    if key_padding_mask is None:
-        has = torch.arange(T, device=device) >= shift
-        return has[None, None].expand(B, H, T)
-    seen = key_padding_mask.long().cumsum(-1)  # real keys in [0, t]
-    seen = torch.cat([seen.new_zeros(B, min(shift, T)), seen[:, : max(T - shift, 0)]], dim=1)
-    return (seen > 0)[:, None].expand(B, H, T)
+    return (_visible_keys(key_padding_mask, B, T, shift, device) > 0)[:, None].expand(B, H, T)
 
 
 # ----------------------------------------------------------------------------- selection

@@ -46,7 +46,7 @@ from __future__ import annotations
 import torch
 
 from . import backends, windows
-from .reference import DEN_TINY
+from .reference import LA_EPS
 
 __all__ = ["MODES", "LA_SPANS", "hybrid_attention"]
 
@@ -79,7 +79,7 @@ def hybrid_attention(
     swa_drop: torch.Tensor | None = None,
     key_padding_mask: torch.Tensor | None = None,
     scale: float | None = None,
-    eps: float = DEN_TINY,
+    eps: float = LA_EPS,
     backend: str = "auto",
     ops: backends.Ops | None = None,
     window_shape: str = "sliding",
@@ -107,8 +107,8 @@ def hybrid_attention(
             that of ``la_only`` with the same switches (Scheduled Sliding-window Dropout).
         key_padding_mask: (B, Tk) bool, True for real tokens.
         scale: score scale, default ``1/sqrt(D)``.
-        eps: LA denominator guard (``ops.reference.default_eps``: fp32's smallest normal number
-            for the non-negative feature maps, 1e-6 for activation ``none``).
+        eps: the LA kernel floor, added to every kernel value ``fq . fk`` in numerator and
+            normaliser alike (``ops.reference.LA_EPS``, 1e-6).
         backend: ``auto | reference | fla | flash_attn | flex | triton`` (see ``ops.backends``).
         ops: the pieces to compute with, an object like ``backends.Ops``; default
             ``backends.select(backend, q, key_padding_mask)``. A KV cache passes its own, whose
@@ -228,9 +228,9 @@ def _branch_weights(g, shared_norm, lse, la_den, la_has, eps, m_win=None):
     if torch.is_tensor(s) and s.dim() == 4:
         s = s[..., 0]  # (B|1, H, T|1, 1) -> (B|1, H, T|1)
     # clamps (audited with the weights_xent fix, docs/testbed.md): s = sigmoid(a_h) > 0, the
-    # floor only keeps log finite for a saturated sigmoid; the LA denominator is floored at the
-    # same eps as the LA output's own division (ops.reference.DEN_TINY for non-negative maps),
-    # so alpha and LA_t describe the same normalised weights - no flat region is created
+    # floor only keeps log finite for a saturated sigmoid; the LA denominator already holds the
+    # kernel floor (eps per visible key, ops.reference.LA_EPS), so the clamp acts only where LA
+    # sees no key (alpha is set to 1 there below): alpha and LA_t use the same weights
     log_s = torch.log(s.float().clamp_min(1e-30))
     log_far = torch.log(la_den.float().clamp_min(eps))
     log_near = lse.float()

@@ -18,6 +18,7 @@ import torch
 
 __all__ = [
     "DEN_TINY",
+    "LA_EPS",
     "default_eps",
     "repeat_kv",
     "softmax_attention_blocked",
@@ -26,20 +27,28 @@ __all__ = [
 
 NEG_INF = float("-inf")
 
-#: the LA denominator guard of the non-negative feature maps: fp32's smallest normal number.
-#: Their denominator is a sum of products >= 0, positive whenever a key is visible, so a floor
-#: this small only catches an underflow and never changes a normalised weight: inference then
-#: uses exactly the normalised weights that the ``weights_xent`` objective trains
-#: (``ops.transfer``). A floor such as 1e-6 would rescale every row whose products are small,
-#: and such rows are legitimate: the normalised weights do not depend on the products' scale.
+#: fp32's smallest normal number: a floor that only keeps a log or a division finite
 DEN_TINY = torch.finfo(torch.float32).tiny
+
+#: The LA kernel floor ``eps``: every kernel value is ``k_ti = fq_t . fk_i + eps``, in the
+#: numerator and the normaliser alike, at inference and in the ``weights_xent`` objective
+#: (``ops.transfer``), so the normalised weights are always a distribution over the visible keys
+#: and the objective and inference use the same ones. It also bounds the normaliser from below
+#: (``>= eps`` per visible key), and so the gradients through it: with no floor (the second
+#: version: only an underflow guard) rows whose products fell to 1e-20 after stage 1 - a fifth of
+#: them on the GPU testbed - gave inf / NaN gradients in stage 2 (``d(num/den)/d den`` goes
+#: through ``den**2``), first seen as NaN in a CPU fine-tune. A row whose products are all far
+#: below ``eps`` averages its visible values uniformly: in the objective that is a high loss (the
+#: cross-entropy against uniform weights), never a minimum. Against typical softmax-feature
+#: products (~1e-2) the floor changes a weight by ~1e-4 relative.
+LA_EPS = 1e-6
 
 
 def default_eps(activation: str) -> float:
-    """The LA denominator guard for a feature-map activation: ``DEN_TINY`` for the non-negative
-    maps, 1e-6 for ``none``, whose features (and so denominators) can be negative or zero: its
-    normalised weights are not a distribution, and the guard only keeps the division finite."""
-    return 1e-6 if activation == "none" else DEN_TINY
+    """The LA kernel floor for a feature-map activation: ``LA_EPS`` for all. With ``none``
+    (features, and so products, can be negative) the weights are not a distribution anyway; the
+    floor then only keeps the normaliser away from 0 in most rows (and the division is guarded)."""
+    return LA_EPS
 
 
 def repeat_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -117,28 +126,30 @@ def linear_attention_chunked(
     *,
     shift: int = 0,
     key_padding_mask: torch.Tensor | None = None,
-    eps: float = DEN_TINY,
+    eps: float = LA_EPS,
     chunk: int = 64,
-    state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    state: tuple[torch.Tensor, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Normalised causal linear attention over keys ``i <= t - shift``.
 
-        o_t = sum_i (fq_t . fk_i) v_i / sum_i (fq_t . fk_i)
+        o_t = sum_i (fq_t . fk_i + eps) v_i / sum_i (fq_t . fk_i + eps)
+
+    (the sums over visible real keys; ``eps``: the kernel floor, ``LA_EPS``).
 
     ``shift = 0`` is ordinary causal LA (all causal keys, "overlapping"); ``shift = w`` sees only
     keys outside a window of ``w`` ("non-overlapping", docs/method.md#the-hybrid-layer).
 
     Returns ``(out (B, H, Tq, D), den (B, H, Tq), has_keys (B, H, Tq) bool)``, fp32. ``out`` is 0
-    where no key is visible. The denominator is clamped to ``eps`` before dividing (see
-    ``DEN_TINY`` and ``default_eps``: an underflow guard for the non-negative maps, a finite
-    guard for ``activation="none"`` whose features can be negative, when the output is not a
-    convex combination of values).
+    where no key is visible; ``den`` includes the floor (``eps`` times the visible keys). With
+    non-negative features ``den >= eps`` wherever a key is visible; with activation ``none`` it
+    can be negative, and the division is guarded by clamping it to ``eps`` (the output is then
+    not a convex combination of values).
 
     ``state``: keys that came before ``fk`` (a KV cache's linear-attention state,
-    ``models.cache``), visible to every query: ``(S (B, Hkv, F, D), z (B, Hkv, F), count (B,))``
-    with ``S = sum_i fk_i v_i^T``, ``z = sum_i fk_i`` over those keys and ``count`` the number of
-    real ones among them. They enter numerator, denominator and ``has_keys`` exactly as keys of
-    ``fk`` would. ``None``: no earlier key.
+    ``models.cache``), visible to every query: ``(S (B, Hkv, F, D), z (B, Hkv, F), count (B,),
+    vsum (B, Hkv, D))`` with ``S = sum_i fk_i v_i^T``, ``z = sum_i fk_i``, ``vsum = sum_i v_i``
+    over those keys and ``count`` the number of real ones among them. They enter numerator,
+    denominator and ``has_keys`` exactly as keys of ``fk`` would. ``None``: no earlier key.
 
     Memory: one ``(F, D)`` state per chunk and head, plus ``chunk x chunk`` intra-chunk scores.
     """
@@ -150,17 +161,23 @@ def linear_attention_chunked(
     if key_padding_mask is not None:
         keep = key_padding_mask[:, None, :, None].to(fk.dtype)  # (B, 1, Tk, 1)
         fk = fk * keep
+        v_real = v * keep  # padded keys' values stay out of the floor's sum
         valid = key_padding_mask[:, None, :].bool()  # (B, 1, Tk)
     else:
-        valid = None
+        v_real, valid = v, None
     F_, D = fk.shape[-1], v.shape[-1]
     if state is None:
         state = fq.new_zeros(B, H, F_, D)
         zsum = fq.new_zeros(B, H, F_)
+        vsum = fq.new_zeros(B, H, D)
         count = torch.zeros(B, 1, dtype=torch.long, device=fq.device)  # visible real keys so far
     else:  # per KV head -> per query head, as fk and v above
-        S0, z0, c0 = state
+        if len(state) != 4:
+            raise ValueError("the linear-attention state is (S, z, count, vsum); got "
+                             f"{len(state)} tensors (a cache from before the kernel floor?)")
+        S0, z0, c0, v0 = state
         state, zsum = repeat_kv(S0.float(), H), repeat_kv(z0.float(), H)
+        vsum = repeat_kv(v0.float()[:, :, None], H)[:, :, 0]
         count = c0.reshape(B, 1).long()
     done = 0  # keys [0, done) are in the state
     outs, dens, hits = [], [], []
@@ -172,10 +189,11 @@ def linear_attention_chunked(
         if full > done:
             state = state + torch.einsum("bhkf,bhkd->bhfd", fk[:, :, done:full], v[:, :, done:full])
             zsum = zsum + fk[:, :, done:full].sum(dim=2)
+            vsum = vsum + v_real[:, :, done:full].sum(dim=2)
             count = count + _count_valid(valid, done, full, B, fq.device)
             done = full
         q_c = fq[:, :, qs:qe]
-        num = torch.einsum("bhqf,bhfd->bhqd", q_c, state)
+        num = torch.einsum("bhqf,bhfd->bhqd", q_c, state) + eps * vsum[:, :, None]
         den = torch.einsum("bhqf,bhf->bhq", q_c, zsum)
         n_keys = count.expand(B, qe - qs).clone()  # (B, q)
         # keys seen only by part of the chunk: done <= i <= a_e - 1 - shift
@@ -185,10 +203,12 @@ def linear_attention_chunked(
             ipos = torch.arange(done, hi, device=fq.device)[None, :]
             vis = (ipos <= tpos - shift).to(fq.dtype)  # (q, k)
             a = torch.einsum("bhqf,bhkf->bhqk", q_c, fk[:, :, done:hi]) * vis
-            num = num + torch.einsum("bhqk,bhkd->bhqd", a, v[:, :, done:hi])
-            den = den + a.sum(dim=-1)
             real = vis[None] if valid is None else vis[None] * valid[:, 0, done:hi][:, None, :]
+            num = num + torch.einsum("bhqk,bhkd->bhqd", a, v[:, :, done:hi]) \
+                + eps * torch.einsum("bqk,bhkd->bhqd", real, v_real[:, :, done:hi])
+            den = den + a.sum(dim=-1)
             n_keys = n_keys + real.sum(dim=-1).long()
+        den = den + eps * n_keys[:, None, :].to(den.dtype)  # the floor, once per visible key
         has = (n_keys > 0)[:, None, :].expand(B, H, qe - qs)
         out = num / den.clamp_min(eps)[..., None]
         outs.append(torch.where(has[..., None], out, torch.zeros_like(out)))

@@ -6,7 +6,7 @@ real query positions and heads:
 
     weights_xent       -sum_t sum_{i<=t} A_soft[t,i] log A_phi[t,i]   (HedgeHog; summed over keys,
                        averaged over queries) with A_phi[t,i] = k_ti / sum_{j<=t} k_tj and the
-                       kernel k_ti = max(fq_t.fk_i, TINY) (see below)
+                       kernel k_ti = fq_t.fk_i + eps (see below)
     la_output_mse      mean || O_soft - O_LA ||^2     (LA over all causal keys)
     hybrid_output_mse  mean || O_soft - (g O_SWA + (1-g) O_LA) ||^2   (LoLCATs; the layer's mixer)
 
@@ -14,20 +14,20 @@ Outputs are compared before ``o_proj``; the MSE is the mean over (B, H, T, D) of
 
 **The cross-entropy is exact and bounded below by the teacher's entropy.** ``A_phi`` is always a
 distribution over the visible keys: numerator and normaliser are formed from the *same* kernel
-values, each floored at ``TINY`` (fp32's smallest normal number, 1.2e-38), which only matters
-where a product underflows (the feature maps' products are >= 0 for every activation but
-``none``). The first version floored the numerator elementwise at ``eps`` = 1e-6 but the
-normaliser only as a sum; once every product of a row fell below ``eps`` both logs were
+values ``k_ti = fq_t . fk_i + eps`` (``eps``: the layer's kernel floor, ``ops.reference.LA_EPS``,
+1e-6), and the LA at inference divides the same sums (``ops.reference.linear_attention_chunked``
+and the GPU backends), so inference uses the normalised weights this objective trains (tested:
+``tests/test_transfer.py``). The first version floored the numerator elementwise at ``eps`` but
+the normaliser only as a sum; once every product of a row fell below ``eps`` both logs were
 ``log(eps)``, the loss read exactly 0 with no gradient, and training found that region by pushing
 query and key features onto disjoint coordinates (every recipe with this objective collapsed its
 LA branch on the GPU testbed: docs/testbed.md). Now ``xent >= H(A_soft)`` row by row (Gibbs), and
-a row whose every product underflows scores the cross-entropy against the *uniform* weights: a
-high loss, never a minimum. ``weights_xent(..., return_entropy=True)`` also returns the teacher's
-entropy, so that ``KL = xent - entropy >= 0`` (0 = match) can be logged.
-The inference LA (``ops.reference.linear_attention_chunked`` and the GPU backends) divides the
-same kernel sums, floored at ``TINY`` for the non-negative maps, so it uses the same normalised
-weights (tested: ``tests/test_transfer.py``); only ``activation="none"``, whose products can be
-negative, keeps a larger guard there and is not a distribution.
+a row whose every product is far below ``eps`` scores the cross-entropy against *uniform*
+weights: a high loss, never a minimum, with a gradient through every product.
+``weights_xent(..., return_entropy=True)`` also returns the teacher's entropy, so that
+``KL = xent - entropy >= 0`` (0 = match) can be logged. With activation ``none`` products can be
+negative; kernel values are then floored at fp32's smallest normal number before the log (its
+weights are not a distribution at inference either).
 
 ``weights_xent`` is quadratic in T. It runs over query blocks, and each block is recomputed in
 the backward pass (``torch.utils.checkpoint``), so at most one ``(B, H, block, T)`` score tile is
@@ -42,9 +42,9 @@ from torch.utils.checkpoint import checkpoint
 
 from . import backends
 from .hybrid import hybrid_attention
-from .reference import DEN_TINY, repeat_kv
+from .reference import DEN_TINY, LA_EPS, repeat_kv
 
-__all__ = ["COLLAPSED_DEN", "OBJECTIVES", "TINY", "hybrid_output_mse", "la_log_weights",
+__all__ = ["OBJECTIVES", "TINY", "hybrid_output_mse", "la_log_weights",
            "la_output_mse", "transfer_health", "transfer_loss", "weights_xent"]
 
 OBJECTIVES = ("weights_xent", "la_output_mse", "hybrid_output_mse")
@@ -54,21 +54,23 @@ OBJECTIVES = ("weights_xent", "la_output_mse", "hybrid_output_mse")
 TINY = DEN_TINY
 
 
-def la_log_weights(fq: torch.Tensor, fk: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """``log A_phi`` over keys: ``log k_ti - log sum_{j allowed} k_tj``, ``k = max(fq.fk, TINY)``.
+def la_log_weights(fq: torch.Tensor, fk: torch.Tensor, allowed: torch.Tensor,
+                   eps: float = LA_EPS) -> torch.Tensor:
+    """``log A_phi`` over keys: ``log k_ti - log sum_{j allowed} k_tj``, ``k = fq.fk + eps``.
 
     fq (B, H, q, F), fk (B, H, k, F) (heads already repeated), allowed (B|1, 1|H, q, k) bool.
     Returns (B, H, q, k) fp32, 0 where not allowed (so ``0 * log`` terms vanish; a row with no
-    allowed key is all 0). The floor is applied to each kernel value before both the numerator
-    and the sum, so ``exp`` of a row is a distribution whatever the magnitudes.
+    allowed key is all 0). The same kernel values form the numerator and the sum, so ``exp`` of a
+    row is a distribution whatever the magnitudes (``TINY`` only keeps the log of a negative
+    product, activation ``none``, finite).
     """
-    a = torch.einsum("bhqf,bhkf->bhqk", fq.float(), fk.float()).clamp_min(TINY)
+    a = (torch.einsum("bhqf,bhkf->bhqk", fq.float(), fk.float()) + eps).clamp_min(TINY)
     a = a.masked_fill(~allowed, 0.0)
     log_den = torch.log(a.sum(dim=-1, keepdim=True).clamp_min(TINY))  # TINY: rows with no key
     return torch.where(allowed, torch.log(a.clamp_min(TINY)) - log_den, torch.zeros_like(a))
 
 
-def _xent_block(q_blk, k, fq_blk, fk, qpos, kpm, scale: float):
+def _xent_block(q_blk, k, fq_blk, fk, qpos, kpm, scale: float, eps: float = LA_EPS):
     """Summed cross-entropy and teacher entropy of one query block. q_blk (B,H,b,D),
     k (B,H,Tk,D), fq_blk (B,H,b,F), fk (B,H,Tk,F), qpos (b,) absolute positions, kpm (B,Tk)
     bool or None. Returns ``(xent_sum, entropy_sum)``, the entropy without gradient."""
@@ -82,7 +84,7 @@ def _xent_block(q_blk, k, fq_blk, fk, qpos, kpm, scale: float):
         log_soft = torch.log_softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)
         a_soft = torch.exp(log_soft).nan_to_num(0.0)  # a query with no visible key (padding)
         ent = -(a_soft * torch.where(allowed, log_soft, torch.zeros_like(log_soft))).sum(-1)
-    xent = -(a_soft * la_log_weights(fq_blk, fk, allowed)).sum(dim=-1)  # (B, H, b)
+    xent = -(a_soft * la_log_weights(fq_blk, fk, allowed, eps)).sum(dim=-1)  # (B, H, b)
     if kpm is not None:  # padded queries do not count
         real = kpm[:, None, qpos].to(xent.dtype)
         xent, ent = xent * real, ent * real
@@ -91,7 +93,7 @@ def _xent_block(q_blk, k, fq_blk, fk, qpos, kpm, scale: float):
 
 def weights_xent(q: torch.Tensor, k: torch.Tensor, fq: torch.Tensor, fk: torch.Tensor, *,
                  scale: float | None = None, key_padding_mask: torch.Tensor | None = None,
-                 block: int = 64, return_entropy: bool = False
+                 block: int = 64, return_entropy: bool = False, eps: float = LA_EPS
                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """HedgeHog attention-weight cross-entropy, blocked over queries (see the module docstring).
 
@@ -99,7 +101,8 @@ def weights_xent(q: torch.Tensor, k: torch.Tensor, fq: torch.Tensor, fk: torch.T
     key_padding_mask (B, T) bool, True = real. Only ``fq`` and ``fk`` receive gradients.
     Returns the mean over real queries and heads of ``-sum_i A_soft log A_phi``; with
     ``return_entropy`` also the same mean of the teacher's entropy ``-sum_i A_soft log A_soft``
-    (a detached lower bound of the first: their difference is the KL divergence).
+    (a detached lower bound of the first: their difference is the KL divergence). ``eps``: the
+    kernel floor (``ops.reference.LA_EPS``; the layer's ``eps`` through ``transfer_loss``).
     """
     B, H, T, D = q.shape
     scale = D ** -0.5 if scale is None else scale
@@ -112,7 +115,7 @@ def weights_xent(q: torch.Tensor, k: torch.Tensor, fq: torch.Tensor, fk: torch.T
         qe = min(qs + block, T)
         qpos = torch.arange(qs, qe, device=q.device)
         args = (q[:, :, qs:qe], k[:, :, :qe], fq[:, :, qs:qe], fk[:, :, :qe], qpos,
-                None if kpm is None else kpm[:, :qe], scale)
+                None if kpm is None else kpm[:, :qe], scale, eps)
         if torch.is_grad_enabled() and (fq.requires_grad or fk.requires_grad):
             x, e = checkpoint(_xent_block, *args, use_reentrant=False)
         else:
@@ -146,7 +149,7 @@ def _teacher_output(q, k, v, scale, kpm, backend):
 
 
 def la_output_mse(q, k, v, fq, fk, *, scale: float | None = None,
-                  key_padding_mask: torch.Tensor | None = None, eps: float = DEN_TINY,
+                  key_padding_mask: torch.Tensor | None = None, eps: float = LA_EPS,
                   backend: str = "auto") -> torch.Tensor:
     """``mean ||O_soft - O_LA||^2`` with LA over all causal keys. Shapes as ``weights_xent``,
     v (B, Hkv, T, D)."""
@@ -158,17 +161,18 @@ def la_output_mse(q, k, v, fq, fk, *, scale: float | None = None,
     return _masked_mse(o_la, o_soft, key_padding_mask)
 
 
-def hybrid_output_mse(q, k, v, fq, fk, *, window: int, g=0.5, shared_norm: bool = False,
+def hybrid_output_mse(q, k, v, fq, fk, *, window: int, g=0.5, shared_norm: bool | str = False,
                       overlap: bool = False, scale: float | None = None,
-                      key_padding_mask: torch.Tensor | None = None, eps: float = DEN_TINY,
-                      backend: str = "auto") -> torch.Tensor:
-    """``mean ||O_soft - hybrid||^2``, the hybrid as ``ops.hybrid_attention(mode="hybrid")``."""
+                      key_padding_mask: torch.Tensor | None = None, eps: float = LA_EPS,
+                      backend: str = "auto", window_shape: str = "sliding") -> torch.Tensor:
+    """``mean ||O_soft - hybrid||^2``, the hybrid as ``ops.hybrid_attention(mode="hybrid")``
+    (``window_shape``: ``ops.windows``)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     o_soft = _teacher_output(q, k, v, scale, key_padding_mask, backend)
     o_hyb = hybrid_attention(q.detach(), k.detach(), v.detach(), fq, fk, window=window,
                              mode="hybrid", g=g, shared_norm=shared_norm, overlap=overlap,
                              key_padding_mask=key_padding_mask, scale=scale, eps=eps,
-                             backend=backend)
+                             backend=backend, window_shape=window_shape)
     return _masked_mse(o_hyb, o_soft, key_padding_mask)
 
 
@@ -198,7 +202,7 @@ def transfer_loss(objective: str, module, query, key, value, key_padding_mask=No
     fq, fk = module.phi_q(q), module.phi_k(k)
     if objective == "weights_xent":
         loss, entropy = weights_xent(q, k, fq, fk, scale=scale, key_padding_mask=key_padding_mask,
-                                     block=xent_block, return_entropy=True)
+                                     block=xent_block, return_entropy=True, eps=rt.eps)
         return loss, {"kl": loss.detach() - entropy}
     if objective == "la_output_mse":
         return la_output_mse(q, k, v, fq, fk, scale=scale, key_padding_mask=key_padding_mask,
@@ -206,12 +210,8 @@ def transfer_loss(objective: str, module, query, key, value, key_padding_mask=No
     return hybrid_output_mse(q, k, v, fq, fk, window=rt.window, g=_gate(module, hidden_states),
                              shared_norm=module.mixer.shared_norm, overlap=rt.overlap, scale=scale,
                              key_padding_mask=key_padding_mask, eps=rt.eps,
-                             backend=rt.backend), {}
-
-
-#: a row's LA normaliser below this is "collapsed" in the health metric: the old objective's
-#: clamp (and the inference guard of the first version) acted below it
-COLLAPSED_DEN = 1e-6
+                             backend=rt.backend,
+                             window_shape=getattr(rt, "window_shape", "sliding")), {}
 
 
 @torch.no_grad()
@@ -223,10 +223,11 @@ def transfer_health(module, query, key, value, key_padding_mask=None,
                         (what ``weights_xent`` and ``la_output_mse`` train); 1 = no better than
                         an output of 0
     ``hybrid_rel_err``  the same for the layer's hybrid output (``hybrid_output_mse`` trains it)
-    ``den_collapsed``   fraction of real query rows whose LA normaliser over every causal key
-                        is below ``COLLAPSED_DEN``: query and key features on disjoint
-                        coordinates, the signature of the collapse the first ``weights_xent``
-                        found
+    ``den_collapsed``   fraction of real query rows (LA over every causal key) whose products
+                        sum to less than the kernel floor's share (``eps`` per visible key): the
+                        floor then carries most of the row, which averages its values nearly
+                        uniformly. Query and key features on disjoint coordinates, the signature
+                        of the collapse the first ``weights_xent`` found
     Sums run over real (unpadded) queries only; values are fp32 scalars.
     """
     rt = module.hedgecats
@@ -241,7 +242,8 @@ def transfer_health(module, query, key, value, key_padding_mask=None,
     o_hyb = hybrid_attention(q, k, v, fq, fk, window=rt.window, mode="hybrid",
                              g=_gate(module, hidden_states), shared_norm=module.mixer.shared_norm,
                              overlap=rt.overlap, key_padding_mask=kpm, scale=scale, eps=rt.eps,
-                             backend=rt.backend)
+                             backend=rt.backend,
+                             window_shape=getattr(rt, "window_shape", "sliding"))
     real = (torch.ones(q.shape[0], q.shape[2], dtype=torch.bool, device=q.device) if kpm is None
             else kpm.bool())  # (B, T)
     w = real[:, None, :, None].float()
@@ -250,5 +252,7 @@ def transfer_health(module, query, key, value, key_padding_mask=None,
         return ((o.float() - o_soft).pow(2) * w).sum() / (o_soft.pow(2) * w).sum().clamp_min(TINY)
 
     rows = real[:, None, :].expand_as(den)
+    n_keys = real.long().cumsum(-1)[:, None, :].float()  # visible real keys (LA over every key)
+    products = den.float() - rt.eps * n_keys  # the kernel sums without the floor
     return {"la_rel_err": rel_err(o_la), "hybrid_rel_err": rel_err(o_hyb),
-            "den_collapsed": (den.float() < COLLAPSED_DEN)[rows].float().mean()}
+            "den_collapsed": (products < rt.eps * n_keys)[rows].float().mean()}
