@@ -1,0 +1,152 @@
+"""Every fused Triton kernel compiles for the H100/H200 (sm_90a) on a machine without a GPU, and
+the default tiles keep register spills small (ptxas's report, read without a device).
+
+Needs triton (skipped on CI, which has none); slow (each kernel takes seconds to compile on two
+cores). The report of each kernel is printed (``-s``): registers, spill bytes, shared memory,
+whether the matrix products became Hopper's ``wgmma``. This is how the tiles in
+``triton_hybrid.default_config``, ``triton_xent._blocks`` and ``triton_phi._tiles`` were chosen.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+pytestmark = pytest.mark.slow
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("the interpreter is on: nothing is compiled", allow_module_level=True)
+
+from hedgecats.models.ops import triton_hybrid as th  # noqa: E402
+from hedgecats.models.ops import triton_phi as tp  # noqa: E402
+from hedgecats.models.ops import triton_xent as tx  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+F32 = "*fp32"
+#: spill bytes per thread the default bf16 tiles may have (seen: at most 32)
+MAX_SPILL = 64
+
+
+def compile_report(fn, pointers: dict, constexprs: dict, floats=(), warps=4, stages=2) -> dict:
+    """Compile ``fn`` for sm_90a; ptxas's resource report of the result."""
+    sig = {}
+    for name in fn.arg_names:
+        sig[name] = ("constexpr" if name in constexprs else pointers.get(name)
+                     or ("fp32" if name in floats else "i32"))
+    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
+                            target=TARGET, options={"num_warps": warps, "num_stages": stages})
+    ptx = kernel.asm["ptx"]
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    try:
+        out = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
+                             capture_output=True, text=True, check=True).stderr
+    finally:
+        os.unlink(f.name)
+    num = lambda pat: int(m.group(1)) if (m := re.search(pat, out)) else 0  # noqa: E731
+    return {"registers": num(r"Used (\d+) registers"), "spill": num(r"(\d+) bytes spill stores"),
+            "smem": kernel.metadata.shared, "wgmma": "wgmma" in ptx}
+
+
+def hybrid_kernels(dtype: torch.dtype, D: int, F: int, has_swa=True, has_la=True, shared=False,
+                   kpm=False):
+    cfg = th.default_config(D, F, dtype)
+    prec = th._prec(dtype)
+    FC = th._fc(cfg, F)
+    BF, BD = th._state_tile(cfg, 64, F, D)
+    lo = dict(D=D, F=F, FC=FC, CS=cfg.state_chunk, HAS_KPM=kpm, PREC=prec)
+    flags = dict(HAS_SWA=has_swa, HAS_LA=has_la)
+    fwd_tiles = dict(BM=cfg.block_m, BN=cfg.block_n)
+    bwd_tiles = dict(BM=cfg.bwd_block_m, BN=cfg.bwd_block_n)
+    yield "state_fwd", th._state_fwd, dict(F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD,
+                                            HAS_KPM=kpm, PREC=prec), (), cfg.state_warps, 3
+    yield "fwd", th._fwd, dict(**lo, **flags, **fwd_tiles, SHARED=shared), \
+        ("scale_log2", "eps"), cfg.warps, cfg.stages
+    yield "bwd_dq", th._bwd_dq, dict(**lo, **flags, **bwd_tiles, SHARED=shared), \
+        ("scale", "scale_log2", "eps"), cfg.bwd_warps, cfg.stages
+    if has_la:
+        yield "bwd_dfq", th._bwd_dfq, dict(**lo, **bwd_tiles), (), cfg.bwd_warps, cfg.stages
+        yield "state_rev", th._state_rev, dict(F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD,
+                                                PREC=prec), (), cfg.state_warps, 3
+        yield "bwd_dkv_la", th._bwd_dkv_la, dict(**lo, **bwd_tiles, ADD_DVS=has_swa), \
+            ("eps",), cfg.bwd_warps, cfg.stages
+    if has_swa:
+        yield "bwd_dkv_swa", th._bwd_dkv_swa, dict(D=D, **bwd_tiles, HAS_KPM=kpm, PREC=prec), \
+            ("scale", "scale_log2"), cfg.bwd_warps, cfg.stages
+
+
+def _pointers(dtype):
+    dt = "*bf16" if dtype == torch.bfloat16 else F32
+    types = {n: dt for n in ("Q", "K", "V", "FQ", "FK", "DO", "SST", "OUT", "DQ", "DFQ", "RST",
+                             "DK", "DFK", "X", "W", "BIAS", "Y", "DY", "DX", "DU")}
+    types.update({n: F32 for n in ("ZST", "VST", "LSE", "DEN", "CA", "CB", "LOGS", "DELTA",
+                                   "WS", "GF", "DDEN", "PA", "PB", "UST", "WST", "DVS", "XE",
+                                   "ENT", "LZ")})
+    types.update({"CNT": "*i32", "SHIFT": "*i32", "FIRST": "*i32", "KPM": "*i8"})
+    return types
+
+
+HYBRID = [  # dtype, D, F, flags
+    (torch.bfloat16, 128, 256, {}),
+    (torch.bfloat16, 128, 256, {"shared": True, "kpm": True}),
+    (torch.bfloat16, 128, 128, {}),
+    (torch.bfloat16, 64, 128, {}),
+    (torch.bfloat16, 64, 128, {"has_la": False}),
+    (torch.bfloat16, 64, 128, {"has_swa": False, "kpm": True}),
+    (torch.float32, 64, 64, {}),
+]
+
+
+def _hybrid_id(case) -> str:
+    dtype, D, F, flags = case
+    return f"{str(dtype)[6:]}-D{D}-F{F}" + "".join(f"-{k}={v}" for k, v in flags.items())
+
+
+@pytest.mark.parametrize("dtype,D,F,flags", HYBRID, ids=[_hybrid_id(c) for c in HYBRID])
+def test_hybrid_kernels_compile_for_sm90(dtype, D, F, flags):
+    ptrs = _pointers(dtype)
+    for name, fn, constexprs, floats, warps, stages in hybrid_kernels(dtype, D, F, **flags):
+        # the window's dv goes to an fp32 buffer when LA adds to it
+        ptrs_k = dict(ptrs, DV=F32 if name == "bwd_dkv_swa" else ptrs["Q"])
+        r = compile_report(fn, ptrs_k, constexprs, floats, warps, stages)
+        print(f"{name:12s} {str(dtype)[6:]} D{D} F{F} {flags}: {r}")
+        if dtype == torch.bfloat16:
+            assert r["spill"] <= MAX_SPILL, (name, r)
+
+
+@pytest.mark.parametrize("D,F", [(128, 256), (64, 128)])
+def test_xent_kernels_compile_for_sm90(D, F):
+    q = torch.empty(1, 1, 1, D, dtype=torch.bfloat16)
+    fq = torch.empty(1, 1, 1, F, dtype=torch.bfloat16)
+    tiles = tx._blocks(q, fq, None, None)
+    ptrs = _pointers(torch.bfloat16)
+    for (name, fn), (BM, BN, warps, stages) in zip(
+            (("xent_fwd", tx._xent_fwd), ("xent_dq", tx._xent_bwd_dq),
+             ("xent_dk", tx._xent_bwd_dk)), tiles):
+        ptrs_k = dict(ptrs, DFQ="*bf16", DFK="*bf16", W=F32)
+        r = compile_report(fn, ptrs_k, dict(D=D, F=F, BM=BM, BN=BN, HAS_KPM=True, PREC_S="tf32",
+                                            PREC_A="tf32"),
+                           ("scale_log2", "tiny", "eps"), warps, stages)
+        print(f"{name:12s} D{D} F{F} {BM}x{BN} w{warps}: {r}")
+        assert r["spill"] <= MAX_SPILL, (name, r)
+
+
+@pytest.mark.parametrize("D,FH", [(128, 128), (128, 64), (64, 64)])
+def test_feature_map_kernels_compile_for_sm90(D, FH):
+    ptrs = _pointers(torch.bfloat16)
+    for name, fn, backward in (("phi_fwd", tp._phi_fwd, False), ("phi_bwd", tp._phi_bwd, True)):
+        BM, warps = tp._tiles(D, FH, backward)
+        r = compile_report(fn, ptrs, dict(D=D, FH=FH, BM=BM, SOFTMAX=True, PREC="tf32"), (),
+                           warps, 2)
+        print(f"{name:8s} D{D} F/2={FH} {BM} w{warps}: {r}")
+        assert r["spill"] <= MAX_SPILL, (name, r)
