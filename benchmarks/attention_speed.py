@@ -429,10 +429,10 @@ TUNE_CONFIGS = {  # None: default_config (D=128: fwd 64x64 w8, bwd 64x32 w8, f_c
     "default": None,
     # smaller tiles: no spills at all in ptxas's report, but mma.sync instead of wgmma
     "fwd32-bwd32": dict(block_m=32, block_n=64, state_chunk=64, warps=8, stages=2,
-                        bwd_block_m=32, bwd_block_n=32, bwd_warps=8, f_chunk=64),
+                        bwd_block_m=32, bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8),
     # half the stored states (memory at long T), twice the keys between state and block
     "chunk128": dict(block_m=64, block_n=64, state_chunk=128, warps=8, stages=2,
-                     bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64),
+                     bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8),
 }
 
 

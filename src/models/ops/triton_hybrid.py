@@ -131,7 +131,7 @@ def default_config(D: int, F: int, dtype: torch.dtype) -> KernelConfig:
     # 64 x 64 backward spilled 128-388 bytes); with D <= 64 nothing spills at 64 x 64
     if D >= 128:
         return KernelConfig(block_m=64, block_n=64, warps=8, stages=2, bwd_block_m=64,
-                            bwd_block_n=32, bwd_warps=8, f_chunk=64)
+                            bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8)
     return KernelConfig(block_m=64, block_n=64, warps=4, stages=2, bwd_block_m=64,
                         bwd_block_n=64, bwd_warps=8, f_chunk=128)
 
