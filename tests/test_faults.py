@@ -327,10 +327,11 @@ def test_non_finite_weights_with_a_finite_loss_are_never_saved(tmp_path, capsys,
     assert final["optimizer_states"][0]["param_groups"][0]["lr"] == 3e-3
 
 
-@pytest.mark.parametrize("stage,factor", [("transfer", 3.0), ("finetune", 1.1)])
+@pytest.mark.parametrize("stage,factor", [("transfer", 1.5), ("finetune", 1.1)])
 def test_slow_divergence_stops_the_stage(tmp_path, capsys, finished, stage, factor):
-    """lr 1e6: every loss stays finite, but far above its level (transfer: 2.9 -> ~45; the
-    shrunken teacher's fine-tune loss, 4.7, only rises to uniform, 5.6: hence factor 1.1)."""
+    """lr 1e6: every loss stays finite, but far above its level (transfer: 3.2 -> 6-45 with
+    this shrunken teacher, depending on the feature maps; its fine-tune loss, 4.7, only rises to
+    uniform, 5.6: hence factors below the default 3)."""
     keep = ("teacher",) if stage == "transfer" else ("teacher", "transfer")
     out = copy_run(finished, tmp_path / "run", keep)
     cfg = make_spec(tmp_path / "p.yaml", stages={stage: lambda fit: (
@@ -626,6 +627,8 @@ MISTAKES = {
                                                    "does not run before 'transfer'")),
     "ckpt_path": (lambda s: _stage(s, "finetune").update(ckpt_path="last"),
                   "unknown key 'ckpt_path' (the pipeline resumes stages itself)"),
+    "checkpointing off": (lambda s: _stage(s, "transfer")["trainer"].update(
+        enable_checkpointing=False), "enable_checkpointing=false: a pipeline stage always "),
     "checkpoint every 0": (None, "checkpoint_every_n_steps=0 must be an integer >= 1",
                            {"checkpoint_every_n_steps": 0}),
     "divergence typo": (None, "divergence: unknown keys ['patients']", {"divergence": {

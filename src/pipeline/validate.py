@@ -252,6 +252,10 @@ def _check_stage(spec: dict, st: dict, i: int, warn) -> None:
     trainer = fit.get("trainer") or {}
     if not isinstance(trainer, dict):
         raise ConfigError(f"{where}.fit.trainer must be a mapping, got {trainer!r}")
+    if trainer.get("enable_checkpointing") is False:
+        raise ConfigError(f"{where}.fit.trainer.enable_checkpointing=false: a pipeline stage "
+                          "always checkpoints (that is how it resumes); remove the key and set "
+                          "checkpoint_every_n_steps instead")
     for j, cb in enumerate(trainer.get("callbacks") or []):
         _check_class_spec(cb, f"{where}.fit.trainer.callbacks[{j}]", "Callback")
     for key in ("logger", "strategy", "plugins"):
