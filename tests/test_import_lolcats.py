@@ -192,6 +192,19 @@ def test_config_yaml_softmax_layers_and_prefixes(ws, tmp_path):
         close(model(ids()).logits, theirs(ids()).logits, "logits")
 
 
+def test_finetune_config_gives_alpha_and_checks_rank(ws, tmp_path, capsys):
+    ft = tmp_path / "ft.yaml"
+    ft.write_text("finetune:\n  method: lora\n  kwargs:\n    r: 8\n    lora_alpha: 32\n"
+                  "    lora_dropout: 0\n    target_modules: [q_proj, k_proj, v_proj, o_proj]\n")
+    assert run(ws, tmp_path / "out", "--finetune-config", str(ft)) == 0
+    record = json.loads((tmp_path / "out" / "lolcats_import.json").read_text())
+    assert (record["lora"]["r"], record["lora"]["alpha"]) == (RANK, 32.0)
+    ft.write_text("finetune:\n  method: lora\n  kwargs:\n    r: 4\n    lora_alpha: 8\n")
+    assert run(ws, tmp_path / "out2", "--finetune-config", str(ft)) == 2
+    assert "the LoRA tensors have rank 8, the fine-tuning config says r=4" in \
+        capsys.readouterr().err
+
+
 def test_tied_maps(ws, tmp_path):
     sd = distill_state()
     for i in range(LAYERS):
@@ -223,10 +236,9 @@ def test_cache_refusal_and_branch_usage(ws, tmp_path):
     """The constant-memory cache names why it cannot serve the import; branch usage (an
     evaluation tool that calls the layer itself) runs with the terraced window, and LA's share
     is counted only where LA sees keys (from the third block of 8 on)."""
-    from transformers import AutoTokenizer
-
     from hedgecats.evaluation.branch_usage import branch_usage
     from hedgecats.models.cache import HybridCache
+    from transformers import AutoTokenizer
 
     out = tmp_path / "out"
     assert run(ws, out, lora=False) == 0
