@@ -31,8 +31,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 CONFIGS = REPO / "configs" / "testbed"
-RECIPES = ("lolcats", "lolcats_shared_norm", "inference_hybrid", "hedgecats", "ssd_dropout",
-           "ssd_window", "ssd_fixed")
+RECIPES = ("lolcats", "lolcats_shared_norm", "lolcats_window_max", "inference_hybrid",
+           "hedgecats", "ssd_dropout", "ssd_window", "ssd_fixed")
 #: recall-evaluation rows shown in the tables, in order (label in results.json -> column)
 RECALL_ROWS = {"teacher": "teacher", "softmax": "softmax", "hybrid": "hybrid",
                "hybrid (overlap)": "hybrid+overlap", "swa_only": "swa_only",
