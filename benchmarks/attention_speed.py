@@ -421,8 +421,6 @@ def run_shape(a, B, T, results, log):
         rows.append(row)
         log(row)
     results["rows"].extend(rows)
-    if a.tune and have_triton and f"{B}x{T}" in a.tune_shapes.split(","):
-        results["tuning"].extend(tune(L, B, T, log))
 
 
 TUNE_CONFIGS = {  # None: default_config (D=128: fwd 64x64 w8, bwd 64x32 w8, f_chunk 64)
@@ -653,6 +651,19 @@ def main(argv=None) -> int:
             print(f"B={B} T={T}: shape failed: {e}", flush=True)
         torch.cuda.empty_cache()
         write()
+    # tile configurations last: each compiles its kernels anew, and the rows above come first
+    if a.tune and backends.available("triton"):
+        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[a.dtype]
+        for shape in a.tune_shapes.split(","):
+            B, T = map(int, shape.split("x"))
+            try:
+                L = Layer(B, T, a.heads, a.kv_heads, a.head_dim, a.window, dtype, a.projection)
+                res["tuning"].extend(tune(L, B, T, log))
+                del L
+            except Exception as e:
+                res["tuning"].append({"B": B, "T": T, "config": "(shape)", "error": f"{e}"[:400]})
+            torch.cuda.empty_cache()
+            write()
     print(json.dumps(res["ratios"], indent=1))
     return 0
 
