@@ -11,7 +11,8 @@
 # Writes to $OUT (8 files): kernels_gpu.log (everything printed), kernel_tests.md (one row per
 # test case: errors against the reference), kernel_tests.jsonl (the same, raw),
 # attention_speed.{json,md}, stage_speed.{json,md}, summary.json.
-# Limits (seconds, env): TESTS_TIMEOUT 180, ATTN_TIMEOUT 190, STAGES_TIMEOUT 170; WORKERS 8.
+# Limits (seconds, env): TESTS_TIMEOUT 170, ATTN_TIMEOUT 180, STAGES_TIMEOUT 160; WORKERS 8
+# (worst case with the kill grace periods: 580 s, under the 600 s a GPU call may take).
 # SKIP_TESTS=1 / SKIP_ATTN=1 / SKIP_STAGES=1 leave a step out.
 set -o pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -48,7 +49,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   rm -rf "$HEDGECATS_GPU_REPORT"
   par=""
   python3 -c "import xdist" 2>/dev/null && par="-n ${WORKERS:-8}"
-  timeout -s INT -k 30 "${TESTS_TIMEOUT:-180}" python3 -m pytest -p no:cacheprovider -m gpu -q -rfEs \
+  timeout -s INT -k 30 "${TESTS_TIMEOUT:-170}" python3 -m pytest -p no:cacheprovider -m gpu -q -rfEs \
     --tb=line $par tests/test_triton_kernels.py 2>&1 | grep -v '^{' | tee -a "$LOG"
   say "pytest exit status: $?"
   cat "$HEDGECATS_GPU_REPORT"/*.jsonl > "$OUT/kernel_tests.jsonl" 2>/dev/null
@@ -82,7 +83,7 @@ fi
 # ---------------------------------------------------------------- 2. one layer
 if [ "${SKIP_ATTN:-0}" != 1 ]; then
   say "== 2. benchmarks/attention_speed.py ($(($(date +%s) - start)) s)"
-  timeout -s INT -k 20 "${ATTN_TIMEOUT:-190}" python3 benchmarks/attention_speed.py --tune --out "$OUT" \
+  timeout -s INT -k 20 "${ATTN_TIMEOUT:-180}" python3 benchmarks/attention_speed.py --tune --out "$OUT" \
     ${ATTN_ARGS:-} 2>&1 | tee -a "$LOG"
   say "attention_speed exit status: $?"
 fi
@@ -90,7 +91,7 @@ fi
 # ---------------------------------------------------------------- 3. stages
 if [ "${SKIP_STAGES:-0}" != 1 ]; then
   say "== 3. benchmarks/stage_speed.py ($(($(date +%s) - start)) s)"
-  timeout -s INT -k 20 "${STAGES_TIMEOUT:-170}" python3 benchmarks/stage_speed.py --profile --out "$OUT" \
+  timeout -s INT -k 20 "${STAGES_TIMEOUT:-160}" python3 benchmarks/stage_speed.py --profile --out "$OUT" \
     ${STAGE_ARGS:-} 2>&1 | grep -v "FutureWarning\|warnings.warn" | tee -a "$LOG"
   say "stage_speed exit status: $?"
 fi
