@@ -24,8 +24,9 @@ dtypes other than bf16 / fp32, mixed dtypes, head or feature dims that are not p
 How (all kernels take strided (B, H, T, X) tensors, no copies of q, k, v):
 
     _state_fwd    per (b, kv head, F-block, D-block), walking T: the LA state
-                  S_j = sum_{i < j C} fk_i v_i^T and z_j = sum_{i < j C} fk_i at every C-th
-                  position (C = ``state_chunk``), masked keys left out. (B, Hkv, T/C, F, D).
+                  S_j = sum_{i < j C} fk_i v_i^T, z_j = sum fk_i and u_j = sum v_i (the floor's
+                  share) at every C-th position (C = ``state_chunk``), masked keys left out.
+                  (B, Hkv, T/C, F, D) in the input dtype; z, u in fp32.
     _fwd          per (b, h, block of BM queries): LA from the nearest state at or before
                   t0 - shift + 1 plus the keys between it and the block (masked), the window keys
                   (online softmax, exp2), the mixer, the output; keeps lse_t and den_t (fp32).
@@ -1195,22 +1196,3 @@ def _launch(q, k, v, fq, fk, ca, cb, logs, shift, window, scale, eps, kpm, has_s
         _warn_once(f"fused hybrid forward failed in Triton ({type(e).__name__}: "
                    f"{str(e)[:200]}); running the piece-by-piece path")
         return None
-
-
-def floor_model(B: int, H: int, Hkv: int, T: int, D: int, F: int, window: int,
-                bytes_per: int = 2) -> dict:
-    """FLOPs and bytes of one fused call (forward; forward + backward), the least that any
-    implementation of this function must do: every input read once, every output written once,
-    the window's two products per (query, key) pair, the LA state products once per key and
-    per query. Used by benchmarks/README.md's floor table."""
-    pairs = B * H * T * window  # (query, key) pairs in the window (upper bound near t < w)
-    f_swa = 4 * pairs * D  # q.k and p.v
-    f_la = B * H * T * 2 * F * D * 2 + B * Hkv * T * 2 * F * D  # fq.S, dnum-free num; states
-    fwd_flops = f_swa + f_la
-    bwd_flops = 2.5 * f_swa + 2 * f_la  # flash-style backward ~2.5x the window products
-    io_fwd = bytes_per * (B * H * T * (D + F) + B * Hkv * T * (2 * D + F) + B * H * T * D)
-    io_bwd = bytes_per * (2 * B * H * T * (D + F) + 2 * B * Hkv * T * (2 * D + F)
-                          + 2 * B * H * T * D)
-    return {"fwd_flops": fwd_flops, "fwd_bwd_flops": fwd_flops + bwd_flops,
-            "fwd_bytes": io_fwd, "fwd_bwd_bytes": io_fwd + io_bwd}
-
