@@ -161,6 +161,8 @@ def fused_phi_forward(self, x):
     """HedgehogFeatureMap.forward through ops.triton_phi where it applies."""
     from hedgecats.models.ops import triton_phi
 
+    if getattr(self, "floor", 0.0) > 0:  # a feature floor (LoLCATs imports): the module's own
+        return _MODULE_FORWARD(self, x)
     out = triton_phi.hedgehog_features(x, self.weight, self.bias, self.activation)
     return out if out is not None else _MODULE_FORWARD(self, x)
 
