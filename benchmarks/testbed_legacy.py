@@ -5,9 +5,11 @@
 The first ``weights_xent`` floored each kernel value at ``eps`` = 1e-6 in the numerator but the
 normaliser only as a sum, and inference floored the LA denominator at 1e-6: once every product
 of a row fell below 1e-6 the loss read 0 with no gradient (docs/testbed.md, issue 20). This
-wrapper restores exactly those two formulas and switches the end-of-stage health check (which
-the first version did not have) off, so that the collapse can be measured; everything else is
-today's code. It is a measurement tool, never a recipe.
+wrapper restores exactly those two formulas - the objective's block, and at inference LA with
+no kernel floor and its normaliser clamped at 1e-6 (``out = num / max(den, 1e-6)``, obtained
+from today's LA run without a floor as ``out * den / max(den, 1e-6)``) - and switches the
+end-of-stage health check (which the first version did not have) off, so that the collapse can
+be measured; everything else is today's code. It is a measurement tool, never a recipe.
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ import torch
 LEGACY_EPS = 1e-6
 
 
-def _legacy_xent_block(q_blk, k, fq_blk, fk, qpos, kpm, scale: float):
-    """The first version's block (its formula verbatim), plus the teacher entropy that today's
-    interface returns."""
+def _legacy_xent_block(q_blk, k, fq_blk, fk, qpos, kpm, scale: float, eps: float = 0.0):
+    """The first version's block (its formula verbatim; today's kernel floor ``eps`` is ignored),
+    plus the teacher entropy that today's interface returns."""
     Tk = k.shape[2]
     allowed = torch.arange(Tk, device=q_blk.device)[None, :] <= qpos[:, None]
     allowed = allowed[None, None]
@@ -43,13 +45,31 @@ def _legacy_xent_block(q_blk, k, fq_blk, fk, qpos, kpm, scale: float):
     return xent.sum(), ent.sum()
 
 
+def _legacy_linear(impl):
+    """An ``Ops.linear`` piece with the first version's inference: no kernel floor, the
+    normaliser clamped at ``LEGACY_EPS``."""
+    from hedgecats.models.ops.reference import DEN_TINY
+
+    def linear(fq, fk, v, *, shift, eps, need_den, key_padding_mask, **kw):
+        out, den, has = impl(fq, fk, v, shift=shift, eps=DEN_TINY, need_den=True,
+                             key_padding_mask=key_padding_mask, **kw)
+        out = out * (den / den.clamp_min(LEGACY_EPS))[..., None].to(out.dtype)
+        return out, (den if need_den else None), has
+
+    return linear
+
+
 def install() -> None:
     from hedgecats.lightning_modules import stages
-    from hedgecats.models import config
-    from hedgecats.models.ops import transfer
+    from hedgecats.models.ops import backends, transfer
 
     transfer._xent_block = _legacy_xent_block
-    config.default_eps = lambda activation: LEGACY_EPS  # the first version's inference guard
+    for name in ("ref_linear", "fla_linear"):
+        setattr(backends, name, _legacy_linear(getattr(backends, name)))
+    backends.REFERENCE = backends.Ops(backends.ref_swa, backends.ref_linear,
+                                      backends.ref_softmax, "reference")
+    backends._cuda_ops.cache_clear()
+    backends.triton_enabled = lambda: False  # the fused kernel has the floor built in
     stages.AttentionTransfer._check_health = lambda self, health: None  # measured, not enforced
 
 

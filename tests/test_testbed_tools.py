@@ -1,0 +1,101 @@
+"""benchmarks/testbed.py (recover, report) and benchmarks/testbed_legacy.py, on CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _printed_table(rows: dict) -> str:
+    """What a pipeline prints: ``recall_eval.format_table`` through rich at 80 columns."""
+    from rich.console import Console
+
+    from hedgecats.lightning_modules.recall_eval import format_table
+
+    buf = io.StringIO()
+    Console(file=buf, width=80).print(format_table(rows, title="t"))
+    return buf.getvalue()
+
+
+def _row(far, near=0.4, loss=3.0):
+    return {"lm_loss": loss, "near_loss": 1.0, "near_acc": near, "far_loss": 1.0, "far_acc": far,
+            "acc_d150-233": far, "acc_d234-316": far, "acc_d317-400": far}
+
+
+def test_recover_reads_the_printed_tables_back():
+    tb = _load("testbed")
+    final = {"teacher": _row(0.459), "hybrid": _row(0.336), "swa_only": _row(0.030),
+             "swa_only (rescale)": _row(0.031), "la_only (la_span_all)": _row(0.286),
+             "hybrid (overlap)": _row(0.2)}
+    text = "noise\n" + _printed_table({"hybrid": _row(0.05)}) + "x\n" + _printed_table(final)
+    tables = tb.tables_from_log(text)
+    assert len(tables) == 2 and list(tables[1]) == list(final)
+    for label, row in final.items():
+        for key in ("lm_loss", "near_acc", "far_acc", "acc_d150-233"):
+            assert tables[1][label][key] == pytest.approx(row[key], abs=5e-4), (label, key)
+
+
+def test_report_means_and_spreads_over_seeds(tmp_path):
+    tb = _load("testbed")
+    for seed, (h, s) in enumerate(((0.30, 0.03), (0.40, 0.05))):
+        run = tmp_path / f"hedgecats-s{seed}"
+        run.mkdir()
+        ev = [{"kind": "recall", "stage": "transfer", "results": {"hybrid": _row(0.05)}},
+              {"kind": "recall", "stage": "finetune",
+               "results": {"hybrid": _row(h), "swa_only": _row(s)}}]
+        (run / "results.json").write_text(json.dumps({"evaluations": ev}))
+    assert tb.main(["report", "--root", str(tmp_path), "--out", str(tmp_path / "r"),
+                    "--no-plots"]) == 0
+    agg = json.loads((tmp_path / "r" / "testbed.json").read_text())["aggregate"]["hedgecats"]
+    assert agg["seeds"] == [0, 1]
+    assert agg["far_acc"]["hybrid"]["mean"] == pytest.approx(0.35)
+    assert agg["far_acc"]["hybrid"]["std"] == pytest.approx(0.0707107, rel=1e-5)
+    assert agg["delta_la_far_recall"]["values"] == pytest.approx([0.27, 0.35])
+    assert "| hedgecats (2) |" in (tmp_path / "r" / "testbed.md").read_text()
+
+
+def test_legacy_wrapper_restores_the_first_formulas(monkeypatch):
+    """The before-run tool must compute the first version: the objective's clamps (0 loss for
+    a row whose products are all below 1e-6) and LA with no floor, normaliser clamped at 1e-6."""
+    from hedgecats.lightning_modules import stages
+    from hedgecats.models import hybrid_attention
+    from hedgecats.models.ops import backends, transfer
+
+    for mod, name in ((transfer, "_xent_block"), (backends, "ref_linear"),
+                      (backends, "fla_linear"), (backends, "REFERENCE"),
+                      (backends, "triton_enabled"), (stages.AttentionTransfer, "_check_health")):
+        monkeypatch.setattr(mod, name, getattr(mod, name))
+    legacy = _load("testbed_legacy")
+    legacy.install()
+    try:
+        B, H, T, D, F = 1, 2, 12, 4, 8
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(B, H, T, D, generator=g) for _ in range(3))
+        fq = torch.full((B, H, T, F), 1e-5)
+        fk = torch.full((B, H, T, F), 1e-5)
+        fq[..., 0], fk[..., 1] = 1.0, 1.0
+        fq2, fk2 = fq * 1e-4, fk  # products ~2e-9, row sums < 1e-6: the zero-loss region
+        assert transfer.weights_xent(q, k, fq2, fk2, block=4) == 0.0
+        out = hybrid_attention(q, k, v, fq2, fk2, window=1, mode="la_only", la_span="all",
+                               rescale=True, backend="reference")
+        a = (fq2 @ fk2.transpose(-1, -2)).tril()  # (B, H, T, T) products, no floor
+        want = (a @ v) / a.sum(-1, keepdim=True).clamp_min(1e-6)
+        torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-7)
+    finally:
+        backends._cuda_ops.cache_clear()
