@@ -131,9 +131,10 @@ def teacher_attention(module, q, k, v, scale):
 
 
 def materialised_hybrid(q, k, v, fq, fk, *, window: int, g=0.5, shared_norm: bool = False,
-                        scale: float | None = None) -> torch.Tensor:
+                        scale: float | None = None, eps: float = ref.LA_EPS) -> torch.Tensor:
     """The hybrid computed LoLCATs-style, with T x T score matrices: SWA weights
-    ``exp(s - max)`` on the window, LA weights ``fq.fk`` outside it (non-overlapping), in fp32;
+    ``exp(s - max)`` on the window, LA weights ``fq.fk + eps`` (the kernel floor,
+    ``ops.reference.LA_EPS``) outside it (non-overlapping), in fp32;
     shared_norm as LoLCATs (one denominator, factor ``g`` on the softmax terms), otherwise
     ``g SWA + (1 - g) LA``. (B, H, T, D) in the input dtype. Memory O(B H T^2)."""
     B, H, T, D = q.shape
@@ -147,7 +148,7 @@ def materialised_hybrid(q, k, v, fq, fk, *, window: int, g=0.5, shared_norm: boo
     s = s.masked_fill(~win, float("-inf"))
     m = s.amax(-1, keepdim=True)  # finite: the diagonal is always in the window
     a_sm = torch.exp(s - m)
-    a_ln = torch.matmul(fq, fk.transpose(-1, -2)).float().masked_fill(~far, 0.0)
+    a_ln = (torch.matmul(fq, fk.transpose(-1, -2)).float() + eps).masked_fill(~far, 0.0)
     vf = v.float()
     if shared_norm:
         # LoLCATs' shared denominator; the LA terms are scaled by the same exp(-m) as the

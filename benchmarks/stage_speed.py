@@ -204,12 +204,19 @@ def la_mse_fused(q, k, v, fq, fk, *, scale=None, key_padding_mask=None, eps=None
 def materialised_student(q, k, v, fq, fk, *, window, mode="hybrid", g=0.5, shared_norm=False,
                          overlap=False, key_padding_mask=None, scale=None, eps=None,
                          backend="auto", **_):
-    """``hybrid_attention``'s signature, computed LoLCATs-style with T x T scores."""
+    """``hybrid_attention``'s signature, computed LoLCATs-style with T x T scores, for the calls
+    stage 1 makes with ``hybrid_output_mse`` (mode hybrid, no overlap, no padding); anything
+    else is refused rather than computed as something else."""
+    if mode != "hybrid" or overlap or key_padding_mask is not None:
+        raise NotImplementedError(f"the materialised student computes mode 'hybrid' without "
+                                  f"overlap or padding; got mode={mode!r}, overlap={overlap!r}, "
+                                  f"padding={key_padding_mask is not None}")
     sys.path.insert(0, str(Path(__file__).parent))
     from attention_speed import materialised_hybrid
 
+    kw = {} if eps is None else {"eps": eps}
     return materialised_hybrid(q, k, v, fq, fk, window=window, g=g, shared_norm=shared_norm,
-                               scale=scale)
+                               scale=scale, **kw)
 
 
 # ----------------------------------------------------------------------------- the run

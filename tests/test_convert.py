@@ -329,3 +329,17 @@ def test_mixed_dtypes_reach_the_kernels_as_one_dtype(monkeypatch):
     assert seen and all(set(d) == {torch.bfloat16} for d in seen), seen
     q32, v16 = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4, dtype=torch.bfloat16)
     assert {t.dtype for t in conv._common_dtype(q32, q32, v16)} == {torch.float32}  # no autocast
+
+
+def test_a_config_without_the_kernel_floor_warns(caplog):
+    """Configs saved before the LA kernel floor record eps = fp32's tiny; loading one says so."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="hedgecats.models.config"):
+        HybridConfig(eps=1.1754943508222875e-38)
+    assert "below the LA kernel floor" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hedgecats.models.config"):
+        HybridConfig()
+        HybridConfig(eps=1e-38, window_shape="terraced")  # a LoLCATs import: on purpose
+    assert not caplog.text

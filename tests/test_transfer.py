@@ -265,6 +265,7 @@ def test_transfer_health_matches_naive():
     q, k, v, kpm, phi_q, phi_k = _inputs(2, 30, 4, 2, 8, True, seed=5)
     module = SimpleNamespace(phi_q=phi_q, phi_k=phi_k, mixer=FixedMixer(0.3),
                              hedgecats=SimpleNamespace(window=6, overlap=False, eps=0.25,
+                                                       window_shape="sliding",
                                                        backend="reference", layer_idx=0))
     got = transfer_health(module, q, k, v, kpm)
     B, H, T, _ = q.shape

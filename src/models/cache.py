@@ -5,14 +5,15 @@ A converted layer needs of the past only what its branches read:
     SWA          the last ``w`` keys and values (the window), kept in a ring buffer: the key at
                  position ``p`` sits in slot ``p % w``; RoPE is applied before caching, so a
                  softmax over the window is a function of the set of keys, not of their order
-    LA           S = sum_i phi_k(k_i) v_i^T, z = sum_i phi_k(k_i) and the number of real keys,
-                 per KV head, in fp32, over every key older than the window: a key enters the
+    LA           S = sum_i phi_k(k_i) v_i^T, z = sum_i phi_k(k_i), vsum = sum_i v_i (the kernel
+                 floor's term) and the number of real keys, per KV head, in fp32, over every key
+                 older than the window: a key enters the
                  state as it leaves the window (what the non-overlapping design needs; with
                  ``overlap=True`` or ``la_span="all"`` LA also reads the window's keys)
     sinks_only   the first ``n_sinks`` real keys of each sequence (behind left padding they
                  start later)
 
-so its memory is ``B * Hkv * (2 w D + F D + F + 2 (n_sinks + 1) D)`` numbers whatever the
+so its memory is ``B * Hkv * (2 w D + F D + F + D + 2 (n_sinks + 1) D)`` numbers whatever the
 context length. Every mode but ``softmax`` runs from it, and the cache keeps all three parts up
 to date in every mode, so the mode may change between calls. ``softmax`` reads every key: a
 ``HybridCache`` refuses it (generation then uses transformers' full ``DynamicCache``, and says

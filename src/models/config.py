@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field, fields
 
 from .feature_maps import ACTIVATIONS, PROJECTIONS
 from .mixers import MIXERS, SHARED_NORM_SHIFTS
 from .ops.backends import BACKENDS
 from .ops.hybrid import LA_SPANS, MODES
-from .ops.reference import default_eps
+from .ops.reference import LA_EPS, default_eps
 from .ops.windows import WINDOW_SHAPES
 
 __all__ = ["KEY_MAP_HEADS", "SSD_GRANULARITIES", "HybridConfig"]
@@ -149,6 +150,14 @@ class HybridConfig:
             self.eps = default_eps(self.feature_activation)
         if self.eps <= 0:
             raise ValueError(f"HybridConfig.eps={self.eps!r} must be > 0")
+        if self.eps < LA_EPS and self.window_shape == "sliding" and self.shared_norm_shift == "none":
+            # LoLCATs imports set it on purpose (terraced window / window-max shift); a config
+            # saved between the exact objective and the kernel floor recorded fp32's tiny here
+            logging.getLogger(__name__).warning(
+                "HybridConfig.eps=%g is below the LA kernel floor %g: linear attention runs "
+                "without it (a model saved before the floor was introduced records this; "
+                "docs/method.md#the-hybrid-layer). Set eps: %g to use the floor.",
+                self.eps, LA_EPS, LA_EPS)
         if self.layers is not None:
             if len(set(self.layers)) != len(self.layers) or any(i < 0 for i in self.layers):
                 raise ValueError(f"HybridConfig.layers={self.layers!r} must be distinct indices >= 0")

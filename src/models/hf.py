@@ -235,10 +235,6 @@ def _load_adapter(model: nn.Module, where: str, subfolder: str, revision: str | 
     model.__dict__["_hedgecats_peft"] = peft_model  # not a submodule: no second state-dict path
 
 
-def _needs_full_cache(model: nn.Module) -> bool:
-    return _full_cache_reason(model) is not None
-
-
 def _full_cache_reason(model: nn.Module) -> str | None:
     """Why ``generate`` must keep every key (a ``DynamicCache``), or ``None``: a converted layer
     in mode ``softmax`` (it reads every key), or one the ``HybridCache`` cannot serve

@@ -305,11 +305,6 @@ def _visible_keys(key_padding_mask, B, T, shift, device) -> torch.Tensor:
     return torch.cat([seen.new_zeros(B, min(shift, T)), seen[:, : max(T - shift, 0)]], dim=1)
 
 
-def _has_keys(key_padding_mask, B, H, T, shift, device) -> torch.Tensor:
-    """(B, H, T) bool: whether query t sees at least one real key ``i <= t - shift``."""
-    return (_visible_keys(key_padding_mask, B, T, shift, device) > 0)[:, None].expand(B, H, T)
-
-
 # ----------------------------------------------------------------------------- selection
 class Ops:
     """The four pieces of one backend choice, with per-call fallback to the reference, and
@@ -402,7 +397,7 @@ def select(backend: str, q: torch.Tensor, key_padding_mask: torch.Tensor | None 
         return REFERENCE
     if backend != "auto" and not available(backend):
         raise ValueError(f"backend {backend!r} is not available here (install the [gpu] extra)")
-    return _cuda_ops(backend)
+    return _cuda_ops(backend, triton_enabled())
 
 
 def triton_enabled() -> bool:
@@ -418,7 +413,9 @@ def _fused_triton(q, k, v, fq, fk, **kw):
 
 
 @functools.lru_cache(maxsize=None)
-def _cuda_ops(backend: str) -> Ops:
+def _cuda_ops(backend: str, use_triton: bool) -> Ops:
+    """The pieces for ``backend``; ``use_triton``: whether ``auto`` takes the fused kernel (part
+    of the cache key, so ``HEDGECATS_TRITON`` set later in a process still takes effect)."""
     linear = fla_linear if available("fla") else ref_linear
     if linear is ref_linear:
         _warn_once("fla is not installed: linear attention runs the PyTorch reference (slow); "
@@ -431,6 +428,6 @@ def _cuda_ops(backend: str) -> Ops:
     else:
         swa = {"fla": fla_swa, "flash_attn": flash_swa, "flex": flex_swa}[backend]
     fused = None
-    if backend == "triton" or (backend == "auto" and triton_enabled()):
+    if backend == "triton" or (backend == "auto" and use_triton):
         fused = _fused_triton
     return Ops(swa, linear, sdpa_softmax, backend, fused)

@@ -18,8 +18,10 @@ the window" then means the keys of the blocks before those.
 
 ``shared_norm`` (LoLCATs) uses one denominator for both branches,
 
-    out_t = (s * sum_win exp(q.k_i/sqrt(D)) v_i + sum_far phi_q.phi_k v_i)
-            / (s * sum_win exp(q.k_i/sqrt(D)) + sum_far phi_q.phi_k),       s = sigmoid(a_h),
+    out_t = (s * sum_win exp(q.k_i/sqrt(D)) v_i + sum_far kappa_i v_i)
+            / (s * sum_win exp(q.k_i/sqrt(D)) + sum_far kappa_i),       s = sigmoid(a_h),
+
+(``kappa_i = phi_q.phi_k_i + eps``, the LA kernel with its floor, ``ops.reference.LA_EPS``)
 
 which equals ``alpha_t SWA_t + (1 - alpha_t) LA_t`` with
 ``alpha_t = sigmoid(log s + lse_t - log Z_far_t)`` (``lse_t`` the window's log-sum-exp, ``Z_far_t``

@@ -50,7 +50,8 @@ __all__ = ["OBJECTIVES", "TINY", "hybrid_output_mse", "la_log_weights",
 OBJECTIVES = ("weights_xent", "la_output_mse", "hybrid_output_mse")
 
 
-#: the kernel floor: fp32's smallest normal number (see the module docstring)
+#: fp32's smallest normal number: keeps the log of a non-positive kernel value (activation
+#: ``none``) finite; the kernel floor itself is the layer's ``eps`` (``reference.LA_EPS``)
 TINY = DEN_TINY
 
 
@@ -211,7 +212,7 @@ def transfer_loss(objective: str, module, query, key, value, key_padding_mask=No
                              shared_norm=module.mixer.shared_norm, overlap=rt.overlap, scale=scale,
                              key_padding_mask=key_padding_mask, eps=rt.eps,
                              backend=rt.backend,
-                             window_shape=getattr(rt, "window_shape", "sliding")), {}
+                             window_shape=rt.window_shape), {}
 
 
 @torch.no_grad()
@@ -243,7 +244,7 @@ def transfer_health(module, query, key, value, key_padding_mask=None,
                              g=_gate(module, hidden_states), shared_norm=module.mixer.shared_norm,
                              overlap=rt.overlap, key_padding_mask=kpm, scale=scale, eps=rt.eps,
                              backend=rt.backend,
-                             window_shape=getattr(rt, "window_shape", "sliding"))
+                             window_shape=rt.window_shape)
     real = (torch.ones(q.shape[0], q.shape[2], dtype=torch.bool, device=q.device) if kpm is None
             else kpm.bool())  # (B, T)
     w = real[:, None, :, None].float()

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import torch
 
-from .reference import DEN_TINY, repeat_kv
+from .reference import LA_EPS, repeat_kv
 
 __all__ = [
     "TERRACED",
@@ -213,7 +213,7 @@ def linear_attention_terraced(
     window: int,
     window_shape: str = "terraced",
     key_padding_mask: torch.Tensor | None = None,
-    eps: float = DEN_TINY,
+    eps: float = LA_EPS,
     chunk: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Normalised linear attention over the keys outside the terraced window,
