@@ -46,7 +46,7 @@ def _naive_layer0_la_share(model, ids_BT, g: float) -> torch.Tensor:
         s_BHTT = q_BHTD @ k_BHTD.transpose(-1, -2) / D ** 0.5
         s_BHTT = s_BHTT.masked_fill(~((j <= t) & (j > t - W)), float("-inf"))
         swa_BHTD = s_BHTT.softmax(-1) @ v_BHTD
-        a_BHTT = (fq_BHTF @ fk_BHTF.transpose(-1, -2)) * (j <= t - W)
+        a_BHTT = (fq_BHTF @ fk_BHTF.transpose(-1, -2) + 1e-6) * (j <= t - W)  # the kernel floor
         la_BHTD = (a_BHTT @ v_BHTD) / a_BHTT.sum(-1, keepdim=True).clamp_min(1e-30)
         far = slice(W, T)
         n_swa = (g * swa_BHTD).norm(dim=-1)[..., far].sum(dim=(0, 2))
