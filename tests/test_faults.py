@@ -65,8 +65,12 @@ class WaitAtStep(pl.Callback):
         if trainer.global_step != self.step or self.ready.exists():
             return
         self.ready.write_text(str(os.getpid()))
+        # the pipeline's CheckpointOnInterrupt records the signal (it replaces Lightning's
+        # handler, so trainer.received_sigterm is set only at the next batch boundary)
+        interrupt = next(c for c in trainer.callbacks
+                         if type(c).__name__ == "CheckpointOnInterrupt")
         t0 = time.time()
-        while time.time() - t0 < 600 and not trainer.received_sigterm:
+        while time.time() - t0 < 600 and interrupt.signal is None:
             time.sleep(0.05)
 
 
