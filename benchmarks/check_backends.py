@@ -11,7 +11,6 @@ import json
 import time
 
 import torch
-
 from hedgecats.models import HedgehogFeatureMap, hybrid_attention
 from hedgecats.models.ops import backends
 
@@ -36,7 +35,7 @@ def inputs(shape, seed=0):
     """bf16-representable inputs, so every dtype sees the same numbers."""
     B, H, Hkv, T, D, _ = shape
     g = torch.Generator(device="cuda").manual_seed(seed)
-    mk = lambda *s: torch.randn(*s, device="cuda", generator=g).bfloat16().float()  # noqa: E731
+    mk = lambda *s: torch.randn(*s, device="cuda", generator=g).bfloat16().float()
     return mk(B, H, T, D), mk(B, Hkv, T, D), mk(B, Hkv, T, D), mk(B, H, T, D)
 
 

@@ -23,12 +23,11 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
-from hedgecats.lightning_modules.strategies import ModelParallelStrategy
-from torch.utils.data import DataLoader, Dataset
-
 from hedgecats.lightning_modules.stages import AttentionTransfer, HybridFinetune
+from hedgecats.lightning_modules.strategies import ModelParallelStrategy
 from hedgecats.models import HybridConfig, convert_to_hybrid
 from hedgecats.models.checkpoint import add_lora, load_tensors, read_stage
+from torch.utils.data import DataLoader, Dataset
 
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,

@@ -19,7 +19,6 @@ import sys
 
 import torch
 from attention_speed import bench  # benchmarks/ is on sys.path when run as a script
-
 from hedgecats.models import HedgehogFeatureMap, hybrid_attention
 from hedgecats.models.ops import backends
 from hedgecats.models.ops import reference as ref

@@ -144,7 +144,6 @@ def teacher_step(model, ids, bench: Bench):
     set_attention_mode(model, "softmax")
     with torch.no_grad(), bench.autocast():
         model(input_ids=ids, logits_to_keep=1)
-    return None
 
 
 def finetune_step(peft_model, inner, opt, ids, bench: Bench, mode: str):

@@ -7,6 +7,6 @@ Importing it registers the hybrid model classes with transformers' ``AutoConfig`
 
 __version__ = "0.1.0"
 
-from .models.hf import register as _register  # noqa: E402
+from .models.hf import register as _register
 
 _register()

@@ -12,7 +12,6 @@ import types
 
 import pytest
 import torch
-
 from hedgecats.models.ops import backends
 from hedgecats.models.ops import reference as ref
 

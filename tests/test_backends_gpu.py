@@ -22,7 +22,6 @@ import warnings
 
 import pytest
 import torch
-
 from hedgecats.models import HedgehogFeatureMap, hybrid_attention
 from hedgecats.models.ops import backends
 

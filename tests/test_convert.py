@@ -4,6 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hedgecats.models import (
+    HybridConfig,
+    attention_mode,
+    convert_to_hybrid,
+    hybrid_layers,
+    hybrid_parameter_names,
+    set_attention_mode,
+)
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -13,15 +21,6 @@ from transformers import (
     MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
-)
-
-from hedgecats.models import (
-    HybridConfig,
-    attention_mode,
-    convert_to_hybrid,
-    hybrid_layers,
-    hybrid_parameter_names,
-    set_attention_mode,
 )
 
 SMALL = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,

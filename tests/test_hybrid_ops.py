@@ -9,7 +9,6 @@ import textwrap
 
 import pytest
 import torch
-
 from hedgecats.models import MODES, HedgehogFeatureMap, hybrid_attention
 from hedgecats.models.ops.reference import default_eps
 

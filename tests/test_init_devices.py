@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
-from transformers import LlamaConfig, LlamaForCausalLM
-
 from hedgecats.models import HybridConfig, convert_to_hybrid, hybrid_parameter_names
 from hedgecats.models.feature_maps import HedgehogFeatureMap
 from hedgecats.models.mixers import MIXERS
+from torch.overrides import TorchFunctionMode
+from transformers import LlamaConfig, LlamaForCausalLM
 
 SMALL = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)

@@ -7,7 +7,6 @@ import signal
 from pathlib import Path
 
 import lightning.pytorch as pl
-import pytest
 import torch
 import yaml
 from hedgecats.cli import main

@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-
 from hedgecats.cli import main
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -38,11 +37,10 @@ def _id(p: Path) -> str:
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     """Tiny bases of both families (byte tokenizer), local FineWeb-Edu files, local tasks."""
-    from transformers import MistralConfig, MistralForCausalLM
-
     from hedgecats.data import byte_level_tokenizer, filler_documents, write_fineweb_files
     from hedgecats.lightning_modules.recall_data import write_recall_mc_tasks
     from hedgecats.lightning_modules.tiny import save_tiny_llama
+    from transformers import MistralConfig, MistralForCausalLM
 
     root = tmp_path_factory.mktemp("recipes")
     llama = save_tiny_llama(root / "llama")

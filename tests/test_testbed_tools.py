@@ -24,9 +24,8 @@ def _load(name: str):
 
 def _printed_table(rows: dict) -> str:
     """What a pipeline prints: ``recall_eval.format_table`` through rich at 80 columns."""
-    from rich.console import Console
-
     from hedgecats.lightning_modules.recall_eval import format_table
+    from rich.console import Console
 
     buf = io.StringIO()
     Console(file=buf, width=80).print(format_table(rows, title="t"))

@@ -24,11 +24,11 @@ pytestmark = pytest.mark.slow
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("the interpreter is on: nothing is compiled", allow_module_level=True)
 
-from hedgecats.models.ops import triton_hybrid as th  # noqa: E402
-from hedgecats.models.ops import triton_phi as tp  # noqa: E402
-from hedgecats.models.ops import triton_xent as tx  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+from hedgecats.models.ops import triton_hybrid as th
+from hedgecats.models.ops import triton_phi as tp
+from hedgecats.models.ops import triton_xent as tx
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
 TARGET = GPUTarget("cuda", 90, 32)
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
@@ -53,7 +53,7 @@ def compile_report(fn, pointers: dict, constexprs: dict, floats=(), warps=4, sta
                              capture_output=True, text=True, check=True).stderr
     finally:
         os.unlink(f.name)
-    num = lambda pat: int(m.group(1)) if (m := re.search(pat, out)) else 0  # noqa: E731
+    num = lambda pat: int(m.group(1)) if (m := re.search(pat, out)) else 0
     return {"registers": num(r"Used (\d+) registers"), "spill": num(r"(\d+) bytes spill stores"),
             "smem": kernel.metadata.shared, "wgmma": "wgmma" in ptx}
 

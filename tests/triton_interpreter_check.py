@@ -22,8 +22,8 @@ import time
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
 
 def _install_shims() -> None:

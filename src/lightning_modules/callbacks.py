@@ -22,9 +22,16 @@ from ..models.checkpoint import unwrap
 from ..models.config import SSD_GRANULARITIES
 from .stages import NonFiniteLossError
 
-__all__ = ["SSD_INTERVALS", "SSD_SCHEDULES", "CheckpointOnInterrupt",
-           "ScheduledSlidingWindowDropout", "SSDScheduleError", "resolve_ssd_schedule",
-           "ssd_phase", "ssd_schedule"]
+__all__ = [
+    "SSD_INTERVALS",
+    "SSD_SCHEDULES",
+    "CheckpointOnInterrupt",
+    "SSDScheduleError",
+    "ScheduledSlidingWindowDropout",
+    "resolve_ssd_schedule",
+    "ssd_phase",
+    "ssd_schedule",
+]
 
 #: what one entry of an SSD schedule lasts: an epoch (the paper), ``interval_steps`` optimiser
 #: steps, or an equal fraction of the stage's optimiser steps (as many fractions as entries)

@@ -28,13 +28,13 @@ from ..data.tokenization import BYTE_EOS_ID, BYTE_PAD_ID, BYTE_VOCAB_SIZE, byte_
 
 __all__ = [
     "EOS_ID",
+    "MC_TASKS",
     "PAD_ID",
     "VOCAB_SIZE",
     "RecallCorpus",
     "RecallDataModule",
     "ResumableDistributedSampler",
     "ResumableLoader",
-    "MC_TASKS",
     "byte_tokenizer",
     "make_recall_corpus",
     "write_recall_mc_tasks",

@@ -322,7 +322,7 @@ def convert_to_hybrid(model: nn.Module, config: HybridConfig) -> nn.Module:
     feature_dim(D, config.feature_projection)  # raises if D cannot be halved
     n = len(layers)
     todo = list(range(n)) if config.layers is None else sorted(config.layers)
-    bad = [i for i in todo + list((config.layer_windows or {})) if not 0 <= i < n]
+    bad = [i for i in todo + list(config.layer_windows or {}) if not 0 <= i < n]
     if bad:
         raise ValueError(f"layer indices {sorted(set(bad))} are out of range for a model of {n} layers")
     already = [i for i in todo if hasattr(layers[i].self_attn, "hedgecats")]

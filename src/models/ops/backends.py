@@ -49,12 +49,12 @@ log = logging.getLogger(__name__)
 BACKENDS = ("auto", "reference", "fla", "flash_attn", "flex", "triton")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _warn_once(msg: str) -> None:
     log.warning(msg)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def available(name: str) -> bool:
     """Whether a GPU backend can run here (CUDA present and its package importable)."""
     if name == "reference":
@@ -412,7 +412,7 @@ def _fused_triton(q, k, v, fq, fk, **kw):
     return triton_hybrid.fused_hybrid(q, k, v, fq, fk, **kw)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cuda_ops(backend: str, use_triton: bool) -> Ops:
     """The pieces for ``backend``; ``use_triton``: whether ``auto`` takes the fused kernel (part
     of the cache key, so ``HEDGECATS_TRITON`` set later in a process still takes effect)."""

@@ -50,7 +50,7 @@ import torch
 from . import backends, windows
 from .reference import LA_EPS
 
-__all__ = ["MODES", "LA_SPANS", "hybrid_attention"]
+__all__ = ["LA_SPANS", "MODES", "hybrid_attention"]
 
 MODES = ("hybrid", "swa_only", "la_only", "sinks_only", "none", "softmax")
 LA_SPANS = ("outside", "all")

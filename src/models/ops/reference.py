@@ -20,9 +20,9 @@ __all__ = [
     "DEN_TINY",
     "LA_EPS",
     "default_eps",
+    "linear_attention_chunked",
     "repeat_kv",
     "softmax_attention_blocked",
-    "linear_attention_chunked",
 ]
 
 NEG_INF = float("-inf")
