@@ -287,3 +287,30 @@ def test_transfer_health_matches_naive():
     torch.testing.assert_close(got["den_collapsed"].double(),
                                (den < 0.25 * n_keys)[rows].double().mean())
     assert 0 < got["den_collapsed"] < 1  # the case exercises both sides
+
+
+def test_transfer_loss_takes_the_fused_xent_only_when_enabled_on_cuda(monkeypatch):
+    """The fused weights_xent (ops.triton_xent) is opt-in (HEDGECATS_TRITON=1) and CUDA-only;
+    on CPU, or not enabled, stage 1 computes the blocked reference."""
+    import sys
+    import types
+    from types import SimpleNamespace
+
+    from hedgecats.models.mixers import FixedMixer
+    from hedgecats.models.ops import backends, transfer
+
+    calls = []
+    fake = types.ModuleType("hedgecats.models.ops.triton_xent")
+    fake.weights_xent = lambda *a, **kw: calls.append(kw) or transfer.weights_xent(*a, **kw)
+    monkeypatch.setitem(sys.modules, "hedgecats.models.ops.triton_xent", fake)
+    q, k, v, _, phi_q, phi_k = _inputs(1, 12, 2, 2, 8, False)
+    module = SimpleNamespace(phi_q=phi_q, phi_k=phi_k, mixer=FixedMixer(0.5), scaling=None,
+                             hedgecats=SimpleNamespace(window=4, overlap=False, eps=1e-6,
+                                                       backend="reference", layer_idx=0,
+                                                       window_shape="sliding"))
+    monkeypatch.setattr(backends, "triton_enabled", lambda: True)
+    loss, extras = transfer.transfer_loss("weights_xent", module, q, k, v)
+    assert not calls  # CPU tensors: never the fused kernel
+    want = weights_xent(q, k, phi_q(q), phi_k(k), eps=1e-6)
+    torch.testing.assert_close(loss, want)
+    assert extras["kl"] >= 0

@@ -202,8 +202,13 @@ def transfer_loss(objective: str, module, query, key, value, key_padding_mask=No
     scale = getattr(module, "scaling", None)
     fq, fk = module.phi_q(q), module.phi_k(k)
     if objective == "weights_xent":
-        loss, entropy = weights_xent(q, k, fq, fk, scale=scale, key_padding_mask=key_padding_mask,
-                                     block=xent_block, return_entropy=True, eps=rt.eps)
+        xent = weights_xent
+        if q.is_cuda and backends.triton_enabled():  # opt-in, as the fused hybrid kernel
+            from . import triton_xent  # (imports this module: a lazy import)
+
+            xent = triton_xent.weights_xent  # falls back to this blocked version itself
+        loss, entropy = xent(q, k, fq, fk, scale=scale, key_padding_mask=key_padding_mask,
+                             block=xent_block, return_entropy=True, eps=rt.eps)
         return loss, {"kl": loss.detach() - entropy}
     if objective == "la_output_mse":
         return la_output_mse(q, k, v, fq, fk, scale=scale, key_padding_mask=key_padding_mask,
