@@ -50,7 +50,7 @@ MC_MODES = {"hybrid": "hybrid", "swa_only": "swa_only", "la_only": "la_only",
 
 # ----------------------------------------------------------------------------- run
 def _pipeline_cmd(config: Path, output: Path, seed: int | None, variables: dict,
-                  legacy: bool) -> list[str]:
+                  legacy: bool, overrides: list[str] = ()) -> list[str]:
     entry = [sys.executable, str(HERE / "testbed_legacy.py")] if legacy else \
         [sys.executable, "-m", "hedgecats.cli"]
     cmd = [*entry, "pipeline", str(config), "--output", str(output)]
@@ -58,6 +58,8 @@ def _pipeline_cmd(config: Path, output: Path, seed: int | None, variables: dict,
         cmd += ["--seed", str(seed)]
     for k, v in variables.items():
         cmd += ["--var", f"{k}={v}"]
+    for o in overrides:
+        cmd += ["--set", o]
     return cmd
 
 
@@ -113,7 +115,7 @@ def cmd_run(a: argparse.Namespace) -> int:
                  "finetune_steps": a.finetune_steps}
     jobs = [(f"{'legacy-' if a.legacy_objective else ''}{r}-s{s}",
              _pipeline_cmd(CONFIGS / f"{r}.yaml", base / f"{r}-s{s}", s, variables,
-                           a.legacy_objective))
+                           a.legacy_objective, a.set or []))
             for s in a.seeds for r in recipes]
     report["jobs"].update(_run_jobs(jobs, a.jobs, root / "logs"))
     report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
@@ -159,7 +161,9 @@ def cmd_recover(a: argparse.Namespace) -> int:
     root = Path(a.root)
     n = 0
     for log in sorted((root / "logs").glob("*-s[0-9]*.log")):
-        run = root / log.stem
+        # a --legacy-objective run logs as legacy-<recipe>-s<S> and lives in <root>/legacy/
+        run = (root / "legacy" / log.stem.removeprefix("legacy-")
+               if log.stem.startswith("legacy-") else root / log.stem)
         if (run / "results.json").exists() or not run.is_dir():
             continue
         tables = tables_from_log(log.read_text(errors="replace"))
@@ -406,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--mc-docs", type=int, default=128, help="documents per multiple-choice task")
     r.add_argument("--mc-task", default="marker", choices=("marker", "kv"),
                    help="the corpus task the multiple-choice tasks are built like (the teacher's)")
+    r.add_argument("--set", action="append", metavar="PATH=VALUE",
+                   help="passed to every pipeline (hedgecats pipeline --set), repeatable")
     r.add_argument("--legacy-objective", action="store_true",
                    help="the first weights_xent (benchmarks/testbed_legacy.py), into <root>/legacy")
     r.set_defaults(fn=cmd_run)

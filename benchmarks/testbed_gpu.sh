@@ -11,17 +11,20 @@
 #              teacher is read from .testbed/teacher.tar.part-*, carried from an earlier call)
 #   --seeds / --recipes / --legacy / --jobs / --steps T,F (transfer, finetune; default 200,250)
 #              / --mc-docs N: benchmarks/testbed.py run (skipped without --seeds)
+#   --legacy-recipes R1,R2  beside the main run, the same seeds of these recipes with the first
+#              weights_xent (--legacy-objective, into <root>/legacy; report in report/legacy):
+#              the controlled before/after of issue 20 in one call
 #   --budget   stop starting new work after this many seconds (default 540)
-# Results: $OUT/testbed_runs.tgz (every run's results.json, mc/, config.yaml, metrics.csv, logs),
+# Results: $OUT/testbed_runs.tgz.part-* (every run's results.json, mc/, config.yaml, metrics.csv, logs),
 # $OUT/report.tgz (benchmarks/testbed.py report), $OUT/testbed_gpu.log. Wheels: .whl (carried).
 set -u -o pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 START=$(date +%s)
-SMOKE=0; TEACHER=0; SEEDS=""; RECIPES=all; LEGACY=""; JOBS=7; BUDGET=540; STEPS=200,250; MC=64
+SMOKE=0; TEACHER=0; SEEDS=""; RECIPES=all; LEGACY=""; LEGACY_RECIPES=""; JOBS=7; BUDGET=540; STEPS=200,250; MC=64
 while [ $# -gt 0 ]; do
   case $1 in
     --smoke) SMOKE=1;; --teacher) TEACHER=1;; --legacy) LEGACY=--legacy-objective;;
-    --seeds) SEEDS=$2; shift;; --recipes) RECIPES=$2; shift;; --jobs) JOBS=$2; shift;;
+    --seeds) SEEDS=$2; shift;; --legacy-recipes) LEGACY_RECIPES=$2; shift;; --recipes) RECIPES=$2; shift;; --jobs) JOBS=$2; shift;;
     --budget) BUDGET=$2; shift;; --steps) STEPS=$2; shift;; --mc-docs) MC=$2; shift;;
     *) echo "unknown option $1" >&2; exit 2;;
   esac; shift
@@ -65,14 +68,28 @@ fi
 
 if [ -n "$SEEDS" ] && [ -d "$TEACHER_DIR" ] && [ "$(left)" -gt 120 ]; then
   echo "== recipes seeds $SEEDS ($RECIPES, $JOBS at once) at $(( $(date +%s) - START )) s"
+  if [ -n "$LEGACY_RECIPES" ]; then
+    echo "== beside it: legacy objective, $LEGACY_RECIPES seeds $SEEDS"
+    timeout $(( $(left) - 30 )) python3 benchmarks/testbed.py run --root $ROOT \
+      --teacher $TEACHER_DIR --seeds $SEEDS --recipes $LEGACY_RECIPES --jobs 8 \
+      --legacy-objective --transfer-steps ${STEPS%,*} --finetune-steps ${STEPS#*,} \
+      --mc-docs $MC > $ROOT/legacy_run.log 2>&1 &
+    LPID=$!
+  fi
   timeout $(( $(left) - 30 )) python3 benchmarks/testbed.py run --root $ROOT \
     --teacher $TEACHER_DIR --seeds $SEEDS --recipes $RECIPES --jobs $JOBS $LEGACY \
     --transfer-steps ${STEPS%,*} --finetune-steps ${STEPS#*,} --mc-docs $MC
   echo "testbed rc=$?"
+  if [ -n "$LEGACY_RECIPES" ]; then wait $LPID; echo "legacy rc=$?"; cat $ROOT/legacy_run.log; fi
   python3 benchmarks/testbed.py recover --root $ROOT  # runs stopped in their last evaluation
   python3 benchmarks/testbed.py report --root $ROOT --out $ROOT/report 2>&1 | tail -80
+  if [ -d $ROOT/legacy ]; then
+    python3 benchmarks/testbed.py report --root $ROOT/legacy --out $ROOT/report/legacy 2>&1 | tail -40
+  fi
   (cd $ROOT && tar -czf $OUT/report.tgz report 2>/dev/null)
 fi
-(cd $ROOT && tar -czf $OUT/testbed_runs.tgz --exclude='*.ckpt' --exclude='*/finetune/stage.pt' \
-   --exclude='teacher/teacher/model' --exclude='mc_tasks' . 2>/dev/null)
+# in 15 MB parts (a file over 16 MB would not come back): cat testbed_runs.tgz.part-* | tar -xz
+(cd $ROOT && tar -czf - --exclude='*.ckpt' --exclude='*/finetune/stage.pt' \
+   --exclude='teacher/teacher/model' --exclude='mc_tasks' . 2>/dev/null \
+   | split -b 15M - $OUT/testbed_runs.tgz.part-)
 echo "== done at $(( $(date +%s) - START )) s"; ls -la "$OUT"

@@ -50,6 +50,20 @@ def test_recover_reads_the_printed_tables_back():
             assert tables[1][label][key] == pytest.approx(row[key], abs=5e-4), (label, key)
 
 
+def test_recover_finds_legacy_runs_in_their_folder(tmp_path):
+    """``--legacy-objective`` logs as ``legacy-<recipe>-s<S>.log`` into the shared logs folder
+    and runs in ``<root>/legacy/<recipe>-s<S>``: recover must write the results there."""
+    tb = _load("testbed")
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "legacy" / "hedgecats-s1").mkdir(parents=True)
+    table = _printed_table({"hybrid": _row(0.2), "swa_only": _row(0.03)})
+    (tmp_path / "logs" / "legacy-hedgecats-s1.log").write_text(table + table)
+    assert tb.main(["recover", "--root", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "legacy" / "hedgecats-s1" / "results.json").read_text())
+    assert res["evaluations"][1]["results"]["hybrid"]["far_acc"] == pytest.approx(0.2, abs=5e-4)
+    assert not (tmp_path / "legacy-hedgecats-s1").exists()
+
+
 def test_report_means_and_spreads_over_seeds(tmp_path):
     tb = _load("testbed")
     for seed, (h, s) in enumerate(((0.30, 0.03), (0.40, 0.05))):

@@ -682,8 +682,10 @@ if _HAVE_TRITON:
                                   mask=qin[:, None], other=0.0)
                     gf = tl.load(GF + row_base + offs_m, mask=qin, other=0.0)
                     dd = tl.load(DDEN + row_base + offs_m, mask=qin, other=0.0)
+                    # queries from q_hi on are in the reverse state: a query tile taller
+                    # than the key tile overshoots q_hi and must not count them twice
                     ok = (offs_m[None, :] - shift >= offs_n[:, None]) & qin[None, :] & \
-                        kreal[:, None]
+                        (offs_m[None, :] < q_hi) & kreal[:, None]
                     daT = tl.dot(vb, tl.trans(dob), input_precision=PREC) * gf[None, :] + \
                         dd[None, :]
                     daT = tl.where(ok, daT, 0.0)
@@ -722,7 +724,7 @@ if _HAVE_TRITON:
                                   mask=qin[:, None], other=0.0)
                     gf = tl.load(GF + row_base + offs_m, mask=qin, other=0.0)
                     ok = (offs_m[None, :] - shift >= offs_n[:, None]) & qin[None, :] & \
-                        kreal[:, None]
+                        (offs_m[None, :] < q_hi) & kreal[:, None]  # (q_hi: as for dfk)
                     # dnum_t = gf_t dO_t, the factor applied in fp32 (as for SWA)
                     aT = tl.where(ok, (aT + eps) * gf[None, :], 0.0)
                     dv += tl.dot(aT.to(dob.dtype), dob, input_precision=PREC)
