@@ -27,7 +27,7 @@ fi
 mkdir -p /tmp/pkg && ln -sfn "$PWD/src" /tmp/pkg/hedgecats
 export PYTHONPATH=/tmp/pkg:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton_cache}
-export HEDGECATS_TRITON=${HEDGECATS_TRITON:-1}  # auto takes the fused kernel (opt-in until this run passes)
+export HEDGECATS_TRITON=${HEDGECATS_TRITON:-1}  # auto takes the fused kernel (the default; 0 turns it off)
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm \
   --format=csv,noheader 2>&1 | tee -a "$LOG"
 python3 - <<'EOF' 2>&1 | tee -a "$LOG"

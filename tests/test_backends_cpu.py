@@ -136,3 +136,20 @@ def test_cache_calls_never_reach_flex():
     got, _ = ops.swa(q, k, v, scale=0.3, window=5, need_lse=False, key_padding_mask=None)
     want, _ = backends.ref_swa(q, k, v, scale=0.3, window=5, need_lse=False, key_padding_mask=None)
     torch.testing.assert_close(got, want)
+
+
+def test_fused_triton_switch_is_on_unless_set_to_zero(monkeypatch):
+    """``auto`` takes the fused Triton kernels wherever Triton is installed (validated on an
+    H200, benchmarks/results/kernels_h200/); ``HEDGECATS_TRITON=0`` is the way to run without."""
+    from hedgecats.models.ops import backends
+
+    monkeypatch.setattr(backends, "available", lambda name: name == "triton")
+    monkeypatch.delenv("HEDGECATS_TRITON", raising=False)
+    assert backends.triton_enabled()
+    monkeypatch.setenv("HEDGECATS_TRITON", "1")
+    assert backends.triton_enabled()
+    monkeypatch.setenv("HEDGECATS_TRITON", "0")
+    assert not backends.triton_enabled()
+    monkeypatch.delenv("HEDGECATS_TRITON")
+    monkeypatch.setattr(backends, "available", lambda name: False)
+    assert not backends.triton_enabled()  # no Triton (CPU CI): never

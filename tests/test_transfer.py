@@ -290,8 +290,9 @@ def test_transfer_health_matches_naive():
 
 
 def test_transfer_loss_takes_the_fused_xent_only_when_enabled_on_cuda(monkeypatch):
-    """The fused weights_xent (ops.triton_xent) is opt-in (HEDGECATS_TRITON=1) and CUDA-only;
-    on CPU, or not enabled, stage 1 computes the blocked reference."""
+    """The fused weights_xent (ops.triton_xent) is CUDA-only and follows the fused kernels' switch
+    (``backends.triton_enabled``: Triton installed, ``HEDGECATS_TRITON`` not 0); on CPU, or
+    switched off, stage 1 computes the blocked reference."""
     import sys
     import types
     from types import SimpleNamespace

@@ -203,7 +203,7 @@ def transfer_loss(objective: str, module, query, key, value, key_padding_mask=No
     fq, fk = module.phi_q(q), module.phi_k(k)
     if objective == "weights_xent":
         xent = weights_xent
-        if q.is_cuda and backends.triton_enabled():  # opt-in, as the fused hybrid kernel
+        if q.is_cuda and backends.triton_enabled():  # as the fused hybrid kernel (HEDGECATS_TRITON=0: off)
             from . import triton_xent  # (imports this module: a lazy import)
 
             xent = triton_xent.weights_xent  # falls back to this blocked version itself
