@@ -9,7 +9,16 @@ from hedgecats.pipeline.runner import build_cli, stage_config
 from hedgecats.pipeline.validate import validate_pipeline
 
 ROOT = Path(__file__).resolve().parents[1] / "configs"
-PIPELINES = sorted(ROOT.rglob("*.yaml"))
+
+
+def is_base(path: Path) -> bool:
+    """A base that recipes extend, not runnable alone: named ``_*.yaml`` or in a ``base/``
+    folder (README, "Recipes as bases")."""
+    return path.name.startswith("_") or "base" in path.relative_to(ROOT).parts[:-1]
+
+
+PIPELINES = sorted(p for p in ROOT.rglob("*.yaml") if not is_base(p))
+BASES = sorted(p for p in ROOT.rglob("*.yaml") if is_base(p))
 MODELS = ("mistral-7b", "llama3-8b", "llama3.1-8b")
 RECIPES = ("lolcats", "inference_hybrid", "hedgecats", "ssd_dropout", "ssd_window", "ssd_fixed")
 
@@ -117,3 +126,21 @@ def test_stage_and_datamodule_hyperparameters_do_not_collide():
             a = set(inspect.signature(stage.__init__).parameters) - {"self"}
             b = set(inspect.signature(dm.__init__).parameters) - {"self"}
             assert not a & b, (stage.__name__, dm.__name__, sorted(a & b))
+
+
+def _bases_of(path: Path) -> set[Path]:
+    import yaml
+
+    named = (yaml.safe_load(path.read_text()) or {}).get("extends") or []
+    out = set()
+    for base in [named] if isinstance(named, str) else named:
+        base = (path.parent / base).resolve()
+        out |= {base, *_bases_of(base)}
+    return out
+
+
+def test_every_base_is_extended_by_a_recipe():
+    """Bases are not runnable alone (test_pipeline_extends checks the recipes built on them);
+    one that no recipe reaches would go untested."""
+    reached = set().union(*(_bases_of(p) for p in PIPELINES))
+    assert BASES and not [p for p in BASES if p.resolve() not in reached]

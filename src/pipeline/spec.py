@@ -15,11 +15,29 @@ Overrides (``--set PATH=VALUE``, repeatable) change the YAML before references a
     --set stages.*.fit.trainer.max_steps=5          every stage
     --set stages.transfer.fit.model.init_args.lr=3e-3
     --set checkpoint_every_n_steps=10 --set evaluate.batch_size=8
+
+``extends: PATH`` (or a list of paths, relative to the file that names it) builds a file on other
+files (``read_pipeline``): the bases, each with its own ``extends`` resolved, are laid over one
+another in the order listed, then the file itself over them; the result is what every step above
+sees, as if it had been written out in one file. Laying ``over`` onto ``base``:
+
+- mappings merge key by key, recursively, ``over`` winning; keys new in ``over`` come after the
+  inherited ones, which keep their place;
+- a list, a scalar, or a value whose type differs replaces the inherited value whole (a child
+  that changes one callback writes the whole ``callbacks`` list);
+- ``null`` removes the key (a ``null`` in the bottom file, one with no bases below it, is a plain
+  value; to set an inherited key to null, use ``--set KEY=null``);
+- ``stages`` (top level) merge by ``name``: an entry whose name is inherited merges into that
+  stage key by key, keeping its place in the order; a new name is appended after the inherited
+  stages; ``{name: NAME, delete: true}`` removes the inherited stage.
+
+A missing base or a cycle is a one-line ``ConfigError`` naming the chain of files.
 """
 
 from __future__ import annotations
 
 import copy
+import os
 import re
 from pathlib import Path
 
@@ -27,8 +45,8 @@ import yaml
 
 from .errors import ConfigError
 
-__all__ = ["STAGE_KEYS", "TOP_LEVEL_KEYS", "apply_overrides", "load_pipeline", "parse_overrides",
-           "parse_vars", "read_yaml"]
+__all__ = ["STAGE_KEYS", "TOP_LEVEL_KEYS", "apply_overrides", "load_pipeline", "merge_layers",
+           "parse_overrides", "parse_vars", "read_pipeline", "read_yaml"]
 
 TOP_LEVEL_KEYS = ("name", "description", "output", "checkpoint_every_n_steps", "stages",
                   "evaluate", "seed", "vars", "divergence", "loggers")
@@ -55,6 +73,107 @@ def read_yaml(path: Path, what: str = "pipeline"):
         raise ConfigError(f"{str(path)!r} is not valid YAML{where}: {problem}") from err
 
 
+EXTENDS_KEY = "extends"
+_DELETE_STAGE = "delete"
+_ABSENT = object()
+
+
+def read_pipeline(path: str | Path) -> dict:
+    """The pipeline YAML at ``path`` with its ``extends`` resolved (module docstring): one
+    mapping, as if the file and its bases had been written out as one; nothing is checked or
+    substituted yet. YAML anchors become copies: ``--set`` on one stage's ``&data`` leaves
+    the other stages' alone."""
+    return _unshare(_read_layers(Path(path), ()))
+
+
+def _unshare(obj):
+    if isinstance(obj, dict):
+        return {k: _unshare(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_unshare(v) for v in obj]
+    return obj
+
+
+def _chain_text(chain: tuple[Path, ...]) -> str:
+    return " -> ".join(os.path.normpath(p) for p in chain)
+
+
+def _read_layers(path: Path, chain: tuple[Path, ...]) -> dict:
+    chain = (*chain, path)
+    if path.resolve() in {p.resolve() for p in chain[:-1]}:
+        raise ConfigError(f"extends cycle: {_chain_text(chain)}")
+    try:
+        raw = read_yaml(path)
+    except ConfigError as err:
+        if len(chain) == 1:
+            raise
+        raise ConfigError(f"{err} (extends chain: {_chain_text(chain)})") from err
+    if len(chain) > 1 and not isinstance(raw, dict):
+        raise ConfigError(f"{os.path.normpath(path)!r} is {'empty' if raw is None else 'not a mapping'}"
+                          f"; a base is a mapping (extends chain: {_chain_text(chain)})")
+    if not isinstance(raw, dict) or EXTENDS_KEY not in raw:
+        return raw
+    bases = raw.pop(EXTENDS_KEY)
+    bases = [bases] if isinstance(bases, str) else bases
+    if not isinstance(bases, list) or not bases or not all(isinstance(b, str) and b for b in bases):
+        raise ConfigError(f"{os.path.normpath(path)!r}: extends takes a path or a list of paths "
+                          f"(relative to the file), got {bases!r}")
+    layers = [_read_layers(path.parent / base, chain) for base in bases] + [raw]
+    merged = layers[0]
+    for i, over in enumerate(layers[1:], 1):
+        where = os.path.normpath(path if i == len(bases) else path.parent / bases[i])
+        merged = merge_layers(merged, over, where)
+    return merged
+
+
+def merge_layers(base, over, where: str = "the child", _top: bool = True):
+    """``over`` laid onto ``base`` (a copy; module docstring): mappings merge key by key,
+    ``null`` removes a key, top-level ``stages`` merge by name, anything else replaces."""
+    if not isinstance(over, dict):
+        return copy.deepcopy(over)
+    out = copy.deepcopy(base) if isinstance(base, dict) else {}
+    for key, value in over.items():
+        if value is None:
+            out.pop(key, None)
+        elif _top and key == "stages":
+            out[key] = _merge_stages(out.get(key, []), value, where)
+        else:
+            out[key] = merge_layers(out.get(key, _ABSENT), value, where, _top=False)
+    return out
+
+
+def _merge_stages(base, over, where: str) -> list:
+    if not isinstance(over, list) or not isinstance(base, list):
+        raise ConfigError(f"{where!r}: 'stages' is a list (of stages merged by name), got "
+                          f"{(base if not isinstance(base, list) else over)!r:.200}")
+    out = copy.deepcopy(base)
+    names = [st.get("name") if isinstance(st, dict) else None for st in out]
+    seen = set()
+    for i, st in enumerate(over):
+        if not isinstance(st, dict) or not isinstance(st.get("name"), str):
+            raise ConfigError(f"{where!r}: stage {i} needs a 'name' (the stage it adds or "
+                              f"changes), got {st!r:.200}")
+        name = st["name"]
+        if name in seen:
+            raise ConfigError(f"{where!r}: stage {name!r} is named twice")
+        seen.add(name)
+        if _DELETE_STAGE in st:
+            if st[_DELETE_STAGE] is not True or set(st) != {"name", _DELETE_STAGE}:
+                raise ConfigError(f"{where!r}: stage {name!r}: 'delete: true' removes an "
+                                  f"inherited stage and takes no other keys, got {st!r:.200}")
+            if name not in names:
+                raise ConfigError(f"{where!r}: cannot delete stage {name!r}: no inherited stage "
+                                  f"has that name; inherited: {[n for n in names if n]}")
+            del out[names.index(name)]
+            names.remove(name)
+        elif name in names:
+            out[names.index(name)] = merge_layers(out[names.index(name)], st, where, _top=False)
+        else:
+            out.append(merge_layers({}, st, where, _top=False))
+            names.append(name)
+    return out
+
+
 def _substitute(obj, values: dict):
     """Replace ``${...}`` references (module docstring); ``values`` maps each reference name
     (``output``, ``seed``, ``stages.X``, ``vars.X``) to its value."""
@@ -73,8 +192,8 @@ def _substitute(obj, values: dict):
             return values[name]
 
         whole = _REF.fullmatch(obj)
-        if whole:  # a value that is one reference keeps its type (seed: an int)
-            return lookup(whole)
+        if whole:  # a value that is one reference keeps its type (seed: an int); a mapping
+            return copy.deepcopy(lookup(whole))  # is copied, not shared between its uses
         return _REF.sub(lambda m: str(lookup(m)), obj)
     return obj
 
@@ -174,12 +293,12 @@ def _set(node, keys: list[str], value, text: str) -> None:
 def load_pipeline(path: str | Path, output: str | Path | None = None, seed: int | None = None,
                   variables: dict | None = None,
                   overrides: list[tuple[list[str], object, str]] | None = None) -> dict:
-    """Read a pipeline YAML, check its shape, apply ``overrides`` (``--set``) and resolve its
-    ``${...}`` references; ``seed`` (``--seed``) and ``variables`` (``--var``) override the
-    YAML's ``seed`` and ``vars``. Errors are ``ConfigError`` naming the file and the key."""
+    """Read a pipeline YAML with its ``extends`` bases merged, check its shape, apply
+    ``overrides`` (``--set``) and resolve its ``${...}`` references; ``seed`` (``--seed``) and
+    ``variables`` (``--var``) override the YAML's ``seed`` and ``vars``. Errors are ``ConfigError`` naming the file and the key."""
     path = Path(path)
     src = str(path)
-    spec = read_yaml(path)
+    spec = read_pipeline(path)
     if not isinstance(spec, dict) or not isinstance(spec.get("stages"), list) or not spec["stages"]:
         raise ConfigError(f"{src!r}: a pipeline is a mapping with a non-empty 'stages' list"
                           + (" (the file is empty)" if spec is None else ""))
