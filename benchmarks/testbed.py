@@ -91,7 +91,7 @@ def _run_jobs(jobs: list[tuple[str, list[str]]], n_parallel: int, logs: Path) ->
 
 
 def cmd_run(a: argparse.Namespace) -> int:
-    from hedgecats.lightning_modules.recall_data import write_recall_mc_tasks
+    from hedgecats.data.recall_bytes import write_recall_mc_tasks
 
     root = Path(a.root).resolve()
     tasks = root / "mc_tasks"

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from hedgecats.lightning_modules.recall_data import (
+from hedgecats.data.recall_bytes import (
     EOS_ID,
     PAD_ID,
     byte_tokenizer,

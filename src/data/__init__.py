@@ -1,11 +1,14 @@
-"""Data: FineWeb-Edu streaming, packing, per-rank sharding, exact resume, synthetic corpora.
+"""Data: FineWeb-Edu streaming, packing, per-rank sharding, exact resume, synthetic corpora
+(English recall facts in `recall.py`, the byte recall corpus of the embedded default in
+`recall_bytes.py`).
 
 Knows no model (DESIGN.md, layering): it imports neither `hedgecats.models` nor anything above.
 """
 
 from .fineweb import BatchPlan, FineWebEduDataModule, plan_batches
 from .packing import IGNORE_INDEX, MODES, collate, packed_sequences, tokenize_documents
-from .resume import ResumableDataLoader, all_gather_objects, batches_consumed
+from .recall_bytes import RecallCorpus, RecallDataModule, make_recall_corpus, write_recall_mc_tasks
+from .resume import ResumableDataLoader, ResumableTrainData, all_gather_objects, batches_consumed
 from .sources import DocumentSource, find_invalid_utf8, resolve_data_files
 from .streaming import PackedBatchStream
 from .synthetic import (
@@ -28,7 +31,10 @@ __all__ = [
     "FillerGrammar",
     "FineWebEduDataModule",
     "PackedBatchStream",
+    "RecallCorpus",
+    "RecallDataModule",
     "ResumableDataLoader",
+    "ResumableTrainData",
     "all_gather_objects",
     "batches_consumed",
     "byte_level_tokenizer",
@@ -37,6 +43,7 @@ __all__ = [
     "find_invalid_utf8",
     "fineweb_records",
     "load_tokenizer",
+    "make_recall_corpus",
     "packed_sequences",
     "plan_batches",
     "python_source_documents",
@@ -45,4 +52,5 @@ __all__ = [
     "train_bpe_tokenizer",
     "write_fineweb_file",
     "write_fineweb_files",
+    "write_recall_mc_tasks",
 ]

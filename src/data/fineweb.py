@@ -18,8 +18,8 @@ config sets the global batch once and nothing else. A Trainer given a different 
 `accumulate_grad_batches` is an error. A LightningModule with manual optimisation accumulates
 itself and reads `trainer.datamodule.accumulate_grad_batches`.
 
-Resume: the train loader is a `resume.ResumableDataLoader`; `state_dict()` gathers every rank's
-loader state, taken after the batches Lightning actually handed to `training_step`, and
+Resume (`resume.ResumableTrainData`): the train loader is a `resume.ResumableDataLoader`;
+`state_dict()` gathers every rank's loader state, taken after the batches Lightning actually handed to `training_step`, and
 `load_state_dict()` gives each rank its own. Resuming needs the same world size, `num_workers`,
 batch sizes, `seq_len` and `packing` (checked, with a clear error).
 """
@@ -33,18 +33,18 @@ from dataclasses import dataclass
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
-from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
 from .packing import check_mode
-from .resume import ResumableDataLoader, all_gather_objects, batches_consumed
+from .resume import (
+    ResumableDataLoader,
+    ResumableTrainData,
+    all_gather_objects,
+)
 from .sources import DocumentSource
 from .streaming import PackedBatchStream
 from .tokenization import eos_token_id, load_tokenizer, pad_token_id
-
-DATAMODULE_STATE_FORMAT = "hedgecats.datamodule/1"
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ def plan_batches(
     )
 
 
-class FineWebEduDataModule(pl.LightningDataModule):
+class FineWebEduDataModule(ResumableTrainData, pl.LightningDataModule):
     """FineWeb-Edu streamed with `datasets`, tokenised, packed, split across ranks, resumable.
 
     Batches are `{"input_ids", "labels", "attention_mask"}`, LongTensors (B, T) with
@@ -204,14 +204,6 @@ class FineWebEduDataModule(pl.LightningDataModule):
         self._resume_state: dict | None = None
 
     # -- sizes ---------------------------------------------------------------------------------
-
-    def _world(self) -> tuple[int, int]:
-        trainer = self.trainer
-        if trainer is not None:
-            return int(trainer.global_rank), int(trainer.world_size)
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(), dist.get_world_size()
-        return 0, 1
 
     def _plan(self, world_size: int) -> BatchPlan:
         return plan_batches(
@@ -333,11 +325,7 @@ class FineWebEduDataModule(pl.LightningDataModule):
             managed=True,
             epoch=self.trainer.current_epoch if self.trainer is not None else 0,
         )
-        if self._resume_state is not None:
-            loader.resume_from(self._resume_state)
-            self._resume_state = None
-        self._train_loader = loader
-        return loader
+        return self._track_train_loader(loader)
 
     def val_dataloader(self) -> DataLoader | list:
         if self.plan is None:
@@ -350,37 +338,3 @@ class FineWebEduDataModule(pl.LightningDataModule):
             num_workers=self.workers,
             pin_memory=self.pin_memory,
         )
-
-    def state_dict(self) -> dict:
-        """Every rank's train-loader state after the batches trained on (collective: all ranks)."""
-        if self._train_loader is None:
-            return {}
-        trainer = self.trainer
-        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
-        consumed = batches_consumed(trainer) if fitting else None
-        states = all_gather_objects(self._train_loader.state_at(consumed))
-        return {
-            "format": DATAMODULE_STATE_FORMAT,
-            "world_size": len(states),
-            "loader_states": states,
-        }
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Take this rank's loader state; it applies to the train loader before its first batch."""
-        if not state_dict:
-            return
-        if state_dict.get("format") != DATAMODULE_STATE_FORMAT:
-            raise ValueError(f"not a {DATAMODULE_STATE_FORMAT} state: keys {sorted(state_dict)}")
-        rank, world_size = self._world()
-        saved = state_dict["world_size"]
-        if saved != world_size:
-            raise ValueError(
-                f"the checkpoint's data state is for world_size={saved}, this run has "
-                f"{world_size}; "
-                "exact resume needs the same world size (the data split depends on it)"
-            )
-        state = state_dict["loader_states"][rank]
-        if self._train_loader is not None:
-            self._train_loader.resume_from(state)
-        else:
-            self._resume_state = state

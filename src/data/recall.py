@@ -38,6 +38,7 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
+from .buckets import WINDOW_BUCKETS, window_bucket
 from .synthetic import FillerGrammar, write_fineweb_files
 
 KEY_WORDS = (
@@ -75,8 +76,10 @@ QUERY_LEADS = (
     "Remember: the code for {key} is ",
 )
 FACT_PATTERN = re.compile(r"code for ([a-z]+-\d+) is (\d+)")
-DISTANCE_BUCKETS = ("inside", "1-4x", "4-16x", "beyond")
 DEFAULT_DISTANCES = (16, 64, 256, 1024)
+#: the window-relative buckets, defined once in `buckets.py` (names kept for this module's users)
+DISTANCE_BUCKETS = WINDOW_BUCKETS
+distance_bucket = window_bucket
 
 
 @dataclass(frozen=True)
@@ -107,19 +110,6 @@ class RecallAnswer:
 
     def bucket(self, window: int) -> str:
         return distance_bucket(self.distance, window)
-
-
-def distance_bucket(distance: int, window: int) -> str:
-    """`inside` (< w), `1-4x` (w to 4w), `4-16x` (4w to 16w) or `beyond` (>= 16w) the window w."""
-    if window < 1:
-        raise ValueError(f"window={window!r} must be >= 1")
-    if distance < window:
-        return "inside"
-    if distance < 4 * window:
-        return "1-4x"
-    if distance < 16 * window:
-        return "4-16x"
-    return "beyond"
 
 
 def _length_fn(tokenizer: PreTrainedTokenizerBase | None) -> Callable[[str], int]:

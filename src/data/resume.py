@@ -25,7 +25,9 @@ of the next one.
 
 A loader made with `managed=True` leaves its state to its owner (the DataModule): `state_dict()`
 returns a small marker that Lightning stores in its loop state, and `load_state_dict(marker)` is
-a no-op, so Lightning's rank-0 copy can never overwrite the per-rank state.
+a no-op, so Lightning's rank-0 copy can never overwrite the per-rank state. The owner's side is
+`ResumableTrainData`, the mixin every resumable DataModule of this package uses
+(`fineweb.FineWebEduDataModule`, `recall_bytes.RecallDataModule`).
 """
 
 from __future__ import annotations
@@ -35,9 +37,11 @@ from collections import deque
 from typing import Any
 
 import torch.distributed as dist
+from lightning.pytorch.trainer.states import TrainerFn
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 LOADER_STATE_FORMAT = "hedgecats.loader/1"
+DATAMODULE_STATE_FORMAT = "hedgecats.datamodule/1"
 _MANAGED_KEY = "hedgecats_state_managed_by"
 
 
@@ -224,6 +228,74 @@ class ResumableDataLoader(StatefulDataLoader):
             return
         if state_dict:
             self.resume_from(state_dict)
+
+
+class ResumableTrainData:
+    """Mixin of a `LightningDataModule` whose train loader is a managed `ResumableDataLoader`.
+
+    `state_dict()` gathers every rank's loader state, taken after the batches Lightning handed to
+    `training_step` (`batches_consumed`); `load_state_dict()` gives each rank its own, applied to
+    the train loader before its first batch (or to the next one built). The DataModule wraps the
+    loader it returns from `train_dataloader` in `_track_train_loader(loader)` and sets
+    `_train_loader = _resume_state = None` in its `__init__`. Put the mixin before
+    `LightningDataModule` in the bases, so that its `state_dict` wins.
+    """
+
+    _train_loader: ResumableDataLoader | None = None
+    _resume_state: dict | None = None
+
+    def _world(self) -> tuple[int, int]:
+        """(rank, world size): the trainer's, else torch.distributed's, else (0, 1)."""
+        trainer = getattr(self, "trainer", None)
+        if trainer is not None:
+            return int(trainer.global_rank), int(trainer.world_size)
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return 0, 1
+
+    def _track_train_loader(self, loader: ResumableDataLoader) -> ResumableDataLoader:
+        """Remember `loader` as the train loader, resumed from a state restored before it."""
+        if not loader.managed:
+            raise ValueError("the train loader of a ResumableTrainData must be managed=True")
+        if self._resume_state is not None:
+            loader.resume_from(self._resume_state)
+            self._resume_state = None
+        self._train_loader = loader
+        return loader
+
+    def state_dict(self) -> dict:
+        """Every rank's train-loader state after the batches trained on (collective: all ranks)."""
+        if self._train_loader is None:
+            return {}
+        trainer = getattr(self, "trainer", None)
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        consumed = batches_consumed(trainer) if fitting else None
+        states = all_gather_objects(self._train_loader.state_at(consumed))
+        return {
+            "format": DATAMODULE_STATE_FORMAT,
+            "world_size": len(states),
+            "loader_states": states,
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Take this rank's loader state; it applies to the train loader before its first batch."""
+        if not state_dict:
+            return
+        if state_dict.get("format") != DATAMODULE_STATE_FORMAT:
+            raise ValueError(f"not a {DATAMODULE_STATE_FORMAT} state: keys {sorted(state_dict)}")
+        rank, world_size = self._world()
+        saved = state_dict["world_size"]
+        if saved != world_size:
+            raise ValueError(
+                f"the checkpoint's data state is for world_size={saved}, this run has "
+                f"{world_size}; "
+                "exact resume needs the same world size (the data split depends on it)"
+            )
+        state = state_dict["loader_states"][rank]
+        if self._train_loader is not None:
+            self._train_loader.resume_from(state)
+        else:
+            self._resume_state = state
 
 
 def _copy_structure(state: Any) -> Any:

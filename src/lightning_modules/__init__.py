@@ -1,8 +1,14 @@
 """One LightningModule per training stage, and the callbacks that drive them.
 
 Imports lightning; ``hedgecats.models`` never does (DESIGN.md, layering).
+
+This is the Lightning-facing namespace that YAML configs name in ``class_path``: besides the
+stages and callbacks it re-exports ``RecallDataModule``, whose home is
+``hedgecats.data.recall_bytes`` (``class_path: hedgecats.lightning_modules.RecallDataModule``
+and ``hedgecats.data.RecallDataModule`` are the same class).
 """
 
+from ..data.recall_bytes import RecallDataModule
 from .callbacks import (
     SSD_INTERVALS,
     SSD_SCHEDULES,
@@ -28,7 +34,6 @@ from .guard import (
     StepProgressBar,
     TrainingGuard,
 )
-from .recall_data import RecallDataModule
 from .stages import (
     DEFAULT_LORA,
     AttentionTransfer,

@@ -43,7 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .recall_data import RecallCorpus, make_recall_corpus
+from ..data.buckets import range_bucket
+from ..data.recall_bytes import RecallCorpus, make_recall_corpus
 
 log = logging.getLogger(__name__)
 
@@ -166,10 +167,10 @@ class RecallProbe(Probe):
         else:
             out = []
             for b in buckets:
-                if len(b) != 2 or not all(isinstance(x, int) for x in b) or b[0] > b[1]:
+                if len(b) != 2:
                     raise ValueError(f"bucket {b!r} is not valid: give [lo, hi] with integer "
                                      "distances lo <= hi (bounds inclusive)")
-                out.append((f"d{b[0]}-{b[1]}", b[0], b[1]))
+                out.append(range_bucket(*b))
         dist = self.corpus.answers[:, 2]
         for name, lo, hi in out:
             if not ((dist >= lo) & (dist <= hi)).any():

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..data.recall_bytes import RecallCorpus
 from ..models import attention_mode
-from .recall_data import RecallCorpus
 
 __all__ = ["EVAL_MODES", "evaluate_recall", "format_table"]
 

@@ -17,7 +17,7 @@ def save_tiny_llama(path: str | Path, *, vocab_size: int = BYTE_VOCAB_SIZE, hidd
     """A random Llama (GQA by default) in ``path``, with the byte tokenizer when asked."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from .recall_data import EOS_ID, PAD_ID, byte_tokenizer
+    from ..data.recall_bytes import EOS_ID, PAD_ID, byte_tokenizer
 
     cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size,
                       num_hidden_layers=num_layers, num_attention_heads=num_heads,
