@@ -22,9 +22,13 @@ import pytest
 import torch
 import yaml
 from hedgecats.cli import main
+from hedgecats.pipeline.spec import read_pipeline
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-PAPER = sorted((CONFIGS / "pipelines").glob("*/*.yaml"))
+# the recipes, not the bases they extend (configs/pipelines/base/, <model>/_model.yaml: README,
+# "Recipes as bases")
+PAPER = sorted(p for p in (CONFIGS / "pipelines").glob("*/*.yaml")
+               if p.parent.name != "base" and not p.name.startswith("_"))
 TESTBED = sorted(p for p in (CONFIGS / "testbed").glob("*.yaml") if p.name != "teacher.yaml")
 RECIPES = PAPER + TESTBED
 STEPS = 3
@@ -111,7 +115,7 @@ def _shrink_testbed(spec: dict, assets: dict, accelerator: str) -> dict:
 
 
 def _run_recipe(path: Path, assets: dict, tmp_path: Path, accelerator: str) -> dict:
-    spec = yaml.safe_load(path.read_text())
+    spec = read_pipeline(path)  # its bases merged (extends:); references resolved below
     shrink = _shrink_testbed if path.parent.name == "testbed" else _shrink_paper
     spec = shrink(spec, assets, accelerator)
     cfg = tmp_path / path.name
