@@ -131,7 +131,7 @@ _CELL = re.compile(r"[│┃]")
 
 
 def tables_from_log(text: str) -> list[dict[str, dict[str, float]]]:
-    """The recall tables a pipeline printed (``recall_eval.format_table``), in order, as
+    """The recall tables a pipeline printed (``hedgecats.evaluation.recall.format_table``), in order, as
     ``{mode label: {column: value}}``: for runs stopped before they wrote results.json (values
     rounded to the printed 3 decimals). A label split over two lines (``la_only`` /
     ``(la_span_al…``) is joined, the ellipsis completed from the variant names."""

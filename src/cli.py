@@ -140,7 +140,7 @@ def _eval_device(ev: dict) -> tuple[str, str]:
 def _evaluate_recall(spec: dict, ev: dict, console) -> dict:
     import torch
 
-    from .lightning_modules.recall_eval import EVAL_MODES, evaluate_recall, format_table
+    from .evaluation.recall import EVAL_MODES, evaluate_recall, format_table, recall_summary
     from .models import HybridConfig, convert_to_hybrid
     from .models.checkpoint import load_hybrid
 
@@ -193,10 +193,8 @@ def _evaluate_recall(spec: dict, ev: dict, console) -> dict:
                                "held-out recall "
                                f"documents (near: fact <= {corpus.near_max} tokens back; far: >= "
                                f"{corpus.far_min}; model window {window})"))
-    return {"stage": ev.get("stage"), "checkpoint": str(source), "window": window,
-            "near_max": corpus.near_max, "far_min": corpus.far_min, "far_max": corpus.far_max,
-            "buckets": [list(b) for b in corpus.buckets()], "device": device,
-            "precision": precision, "n_docs": len(corpus.input_ids), "results": rows}
+    return recall_summary(rows, corpus, stage=ev.get("stage"), checkpoint=str(source),
+                          window=window, device=device, precision=precision)
 
 
 def _evaluate_command(spec: dict, ev: dict, console) -> dict:
@@ -240,6 +238,7 @@ def run_pipeline(path: str | Path, output: str | Path | None = None, dry_run: bo
     from rich.console import Console
     from rich.markup import escape
 
+    from .evaluation.report import RESULTS_SCHEMA
     from .models.io import atomic_write_text
     from .pipeline import rundir, runner
     from .pipeline.errors import ConfigError, Interrupted
@@ -316,7 +315,8 @@ def run_pipeline(path: str | Path, output: str | Path | None = None, dry_run: bo
                 ran.add(st["name"])
                 console.print(f"stage {st['name']} finished in {time.time() - t:.0f} s")
             phase = "during the evaluation (every stage is done)"
-            summary = {"pipeline": spec["name"], "output": str(out), "seed": spec["seed"]}
+            summary = {"schema": RESULTS_SCHEMA, "pipeline": spec["name"], "output": str(out),
+                       "seed": spec["seed"]}
             done = []
             for ev in evals:
                 console.rule(f"evaluation: {ev.get('kind', 'recall')}")

@@ -23,8 +23,8 @@ def _load(name: str):
 
 
 def _printed_table(rows: dict) -> str:
-    """What a pipeline prints: ``recall_eval.format_table`` through rich at 80 columns."""
-    from hedgecats.lightning_modules.recall_eval import format_table
+    """What a pipeline prints: ``evaluation.recall.format_table`` through rich at 80 columns."""
+    from hedgecats.evaluation.recall import format_table
     from rich.console import Console
 
     buf = io.StringIO()

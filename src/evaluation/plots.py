@@ -4,29 +4,26 @@ retrieval accuracy by distance bucket. Only reads run outputs; never loads a mod
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-__all__ = ["avg_by_run", "delta_la_bars", "load_runs", "retrieval_curves"]
+from ..data.buckets import WINDOW_BUCKETS as BUCKETS
+from .report import read_results
 
-BUCKETS = ("inside", "1-4x", "4-16x", "beyond")
+__all__ = ["avg_by_run", "delta_la_bars", "load_runs", "retrieval_curves"]
 
 
 def load_runs(paths: Iterable[str | Path]) -> list[tuple[str, dict]]:
     """``[(label, results)]`` in the given order; label = ``meta.run_name`` or the directory name.
 
-    ``paths`` are ``results.json`` files or directories holding one.
+    ``paths`` are ``results.json`` files or directories holding one, of ``hedgecats evaluate``
+    or of ``hedgecats pipeline`` (``report.read_results``: a pipeline's rows have recall
+    scores and no AVG, so only the recall plots show them).
     """
     runs = []
     for p in paths:
-        p = Path(p)
-        f = p / "results.json" if p.is_dir() else p
-        if not f.is_file():
-            raise FileNotFoundError(f"no results.json at {str(p)!r}")
-        res = json.loads(f.read_text())
-        if "modes" not in res:
-            raise ValueError(f"{str(f)!r} is not a hedgecats results.json (no 'modes')")
+        res = read_results(p)  # hedgecats evaluate's or a pipeline's results.json
+        f = Path(p) / "results.json" if Path(p).is_dir() else Path(p)
         label = (res.get("meta") or {}).get("run_name") or f.parent.name
         runs.append((label, res))
     if not runs:

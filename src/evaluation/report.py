@@ -2,7 +2,8 @@
 
 ``results.json`` (scores in percent, stderrs in points, ``null`` where unknown)::
 
-    {"modes": {"<label>": {"mode": "la_only", "switches": {...},
+    {"schema": "hedgecats.results/1",
+     "modes": {"<label>": {"mode": "la_only", "switches": {...},
                            "tasks": {"<task>": {"metric": "acc_norm", "score": 41.2,
                                                 "stderr": 1.1, "n": 1172}},
                            "avg": 40.3, "avg_stderr": 0.5, "rec_perf": 95.2,
@@ -17,6 +18,16 @@
 With several seeds a task's ``score`` is the mean over seeds, ``stderr`` the mean lm-eval stderr
 of one run, ``seed_std`` the standard deviation over seeds; ``avg`` is the mean of the per-seed
 AVGs and ``avg_seeds`` its summary (std, 95% t interval).
+
+One schema, two writers: ``hedgecats evaluate`` writes the file above; ``hedgecats pipeline``
+writes ``{"schema", "pipeline", "output", "seed", ...}`` with its recall evaluations
+(``evaluation.recall.recall_summary``: ``{"stage", "window", "buckets", "results": {label:
+{lm_loss, near_acc, far_acc, acc_<bucket>, ...}}, ...}``) at the top level (one evaluation) or
+under ``evaluations`` (several, each with its ``kind``). ``read_results`` reads both (and files
+written before the ``schema`` field, recognised by their keys) into one view: ``modes`` always
+holds one row per evaluated mode label -- for a pipeline's file ``{"mode", "switches", "stage",
+"recall": {...}, "avg": null}`` -- and ``recall`` lists the recall evaluations (``[]`` for
+``hedgecats evaluate``'s file), everything else as written.
 
 Writing is atomic: everything goes to a hidden temporary directory beside ``<dir>``, which is
 renamed to ``<dir>`` only when every file is written; a failure leaves ``<dir>`` as it was.
@@ -38,15 +49,19 @@ from . import metrics
 from .lm_eval_bridge import TaskScore
 
 __all__ = [
+    "RESULTS_SCHEMA",
     "atomic_output_dir",
     "build_results",
     "check_output_dir",
     "format_markdown",
+    "read_results",
     "write_csv",
     "write_results",
 ]
 
 DELTA_MODES = ("hybrid", "swa_only")
+#: the version of the results.json schema (module docstring), written by both writers
+RESULTS_SCHEMA = "hedgecats.results/1"
 
 
 # ----------------------------------------------------------------------------- building
@@ -93,7 +108,7 @@ def build_results(mode_runs: list[dict[str, dict[str, TaskScore]]], tasks: list[
     if not mode_runs:
         raise ValueError("no results to report")
     labels = list(mode_runs[0])
-    out: dict = {"tasks": list(tasks), "modes": {}}
+    out: dict = {"schema": RESULTS_SCHEMA, "tasks": list(tasks), "modes": {}}
     for label in labels:
         per_seed = [run[label] for run in mode_runs]
         row = _seed_row(per_seed, tasks) if len(per_seed) > 1 else _table_row(per_seed[0], tasks)
@@ -133,6 +148,42 @@ def build_results(mode_runs: list[dict[str, dict[str, TaskScore]]], tasks: list[
     out["branch_usage"] = branch_usage
     out["meta"] = dict(meta or {})
     return out
+
+
+# ----------------------------------------------------------------------------- reading
+def _recall_evaluations(res: dict) -> list[dict]:
+    """A pipeline results.json's recall evaluations, in order."""
+    if "evaluations" in res:
+        return [e for e in res["evaluations"] if e.get("kind", "recall") == "recall"
+                and "results" in e]
+    return [res] if "results" in res else []
+
+
+def read_results(path: str | Path) -> dict:
+    """A ``results.json`` (or a directory holding one) of ``hedgecats evaluate`` or of a
+    pipeline, in the one view described in the module docstring."""
+    p = Path(path)
+    f = p / "results.json" if p.is_dir() else p
+    if not f.is_file():
+        raise FileNotFoundError(f"no results.json at {str(p)!r}")
+    res = json.loads(f.read_text())
+    schema = res.get("schema") if isinstance(res, dict) else None
+    if schema not in (None, RESULTS_SCHEMA):
+        raise ValueError(f"{str(f)!r} has schema {schema!r}; this reader knows {RESULTS_SCHEMA!r}")
+    if isinstance(res, dict) and "modes" in res:  # hedgecats evaluate
+        return {"recall": [], **res}
+    if not isinstance(res, dict) or "pipeline" not in res:
+        raise ValueError(f"{str(f)!r} is not a hedgecats results.json (neither 'modes' of "
+                         "hedgecats evaluate nor 'pipeline' of hedgecats pipeline)")
+    recall = _recall_evaluations(res)
+    modes: dict[str, dict] = {}
+    for ev in recall:
+        for label, row in ev["results"].items():
+            mode = "softmax" if label == "teacher" else label.split(" (", 1)[0]
+            key = f"{ev.get('stage')}: {label}" if len(recall) > 1 else label
+            modes[key] = {"mode": mode, "switches": {}, "stage": ev.get("stage"),
+                          "recall": dict(row), "avg": None, "avg_stderr": None}
+    return {**res, "modes": modes, "recall": recall}
 
 
 # ----------------------------------------------------------------------------- formatting

@@ -31,8 +31,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from hedgecats.models import attention_mode, hybrid_layers
 
+from ..data import recall as _recall_data
+from ..data.buckets import WINDOW_BUCKETS as BUCKETS
+from ..data.buckets import window_bucket
+from ..models import attention_mode, hybrid_layers
 from .ablation import ModeSpec, is_converted
 
 log = logging.getLogger(__name__)
@@ -40,22 +43,13 @@ log = logging.getLogger(__name__)
 __all__ = ["BUCKETS", "ProbeDocument", "default_distances", "format_retrieval_markdown",
            "make_probe_documents", "probe_window", "retrieval_probe", "score_documents"]
 
-BUCKETS = ("inside", "1-4x", "4-16x", "beyond")
 SCORING = ("greedy exact match of the queried value (argmax at every value token given the true "
            "prefix = greedy decoding); token accuracy alongside")
 
 
-def _recall():
-    try:
-        from hedgecats.data import recall
-    except ImportError as e:  # pragma: no cover - ships with the package
-        raise ValueError(f"the retrieval probe needs hedgecats.data.recall ({e})") from e
-    return recall
-
-
 def bucket_of(distance: int, window: int) -> str:
-    """``inside`` / ``1-4x`` / ``4-16x`` / ``beyond`` (the data package's convention)."""
-    return _recall().distance_bucket(distance, window)
+    """``inside`` / ``1-4x`` / ``4-16x`` / ``beyond`` (``hedgecats.data.buckets``)."""
+    return window_bucket(distance, window)
 
 
 def probe_window(model, default: int | None = None) -> tuple[int, str]:
@@ -94,7 +88,7 @@ def make_probe_documents(tokenizer, distances: Sequence[int], n_per_distance: in
     """
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError("the retrieval probe needs a fast tokenizer (token offsets)")
-    recall = _recall()
+    recall = _recall_data
     docs, skipped = [], []
     for k, d in enumerate(distances):
         batch = []

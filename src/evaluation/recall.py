@@ -1,4 +1,9 @@
-"""Ablation-mode evaluation on held-out recall documents (the embedded default's last step).
+"""Recall loss and accuracy per ablation mode on held-out byte recall documents.
+
+The pipeline's ``evaluate: {kind: recall}`` step (the embedded default's last step); its sibling
+``retrieval.py`` scores greedy exact match on English facts for ``hedgecats evaluate``. Both group
+answers by the distance buckets of ``hedgecats.data.buckets``, and ``recall_summary`` writes the
+pipeline's section of ``results.json`` in the schema ``report.read_results`` reads.
 
 For every attention mode: the mean next-token loss over all tokens, and the loss and accuracy on
 the recalled values whose fact lies near (distance ``<= corpus.near_max``) or far (``>=
@@ -82,6 +87,19 @@ def evaluate_recall(model: nn.Module, corpus: RecallCorpus, *,
     finally:
         model.train(was_training)
     return results
+
+
+def recall_summary(results: dict[str, dict[str, float]], corpus: RecallCorpus, *,
+                   stage: str | None, checkpoint: str, window: int, device: str,
+                   precision: str) -> dict:
+    """One recall evaluation as the pipeline's ``results.json`` records it (``{"kind": "recall",
+    **recall_summary(...)}``; ``report.read_results`` reads it): ``results`` is
+    ``{row label: evaluate_recall's row}``, the rows in printed order (``teacher``, modes,
+    ``"<mode> (<variant>)"``)."""
+    return {"stage": stage, "checkpoint": checkpoint, "window": window,
+            "near_max": corpus.near_max, "far_min": corpus.far_min, "far_max": corpus.far_max,
+            "buckets": [list(b) for b in corpus.buckets()], "device": device,
+            "precision": precision, "n_docs": len(corpus.input_ids), "results": results}
 
 
 def format_table(results: dict[str, dict[str, float]], title: str = ""):
