@@ -196,7 +196,7 @@ def test_extends_errors_are_one_line_naming_the_chain(tmp_path, files, message):
 
 
 def test_a_base_alone_names_what_it_lacks():
-    with pytest.raises(ConfigError, match=r"\$\{vars.base_model\} names no var"):
+    with pytest.raises(ConfigError, match=r"base/hedgecats.yaml': \$\{vars.base_model\} names no var"):
         load_pipeline(CONFIGS / "pipelines" / "base" / "hedgecats.yaml", "/tmp/unused")
 
 

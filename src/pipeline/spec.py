@@ -345,7 +345,10 @@ def load_pipeline(path: str | Path, output: str | Path | None = None, seed: int 
     values = {"output": str(out), "seed": run_seed,
               **{f"stages.{n}": str(out / n) for n in names},
               **{f"vars.{k}": v for k, v in {**yaml_vars, **(variables or {})}.items()}}
-    spec = _substitute(spec, values)
+    try:
+        spec = _substitute(spec, values)
+    except ConfigError as err:  # a base run alone lacks what its recipes add
+        raise ConfigError(f"{src!r}: {err}") from err
     spec["output"] = str(out)
     spec["seed"] = run_seed
     spec["source"] = str(path.resolve())
