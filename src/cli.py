@@ -198,11 +198,8 @@ def _evaluate_recall(spec: dict, ev: dict, console) -> dict:
 
 
 def _evaluate_command(spec: dict, ev: dict, console) -> dict:
-    try:
-        from .evaluation.cli import main as evaluate_main
-    except ImportError as err:
-        raise RuntimeError("the pipeline's evaluate step needs hedgecats.evaluation.cli "
-                           f"(not available here: {err})") from err
+    from .evaluation.cli import main as evaluate_main
+
     argv = [str(a) for a in ev.get("argv", [])]
     console.print(f"hedgecats evaluate {' '.join(argv)}")
     rc = evaluate_main(argv)
@@ -467,12 +464,8 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "pipeline":
         return _pipeline_main(rest)
     if cmd == "evaluate":
-        try:
-            from .evaluation.cli import main as evaluate_main
-        except ImportError as err:
-            print(f"hedgecats evaluate is not available: hedgecats.evaluation.cli cannot be "
-                  f"imported ({err})", file=sys.stderr)
-            return 2
+        from .evaluation.cli import main as evaluate_main
+
         return int(evaluate_main(rest) or 0)
     if cmd in ("fit", "validate", "test"):
         _cli([cmd, *rest])

@@ -10,15 +10,14 @@ from pathlib import Path
 
 import torch
 import yaml
-from hedgecats.models import HybridConfig, convert_to_hybrid
+from hedgecats.models import HybridConfig, checkpoint, convert_to_hybrid
+from hedgecats.models.checkpoint import resolve_dtype
 
 log = logging.getLogger(__name__)
 
 __all__ = ["LoadedModel", "check_base_model", "is_stage_checkpoint", "load_for_eval",
            "peek_base_model", "peek_stage", "read_hybrid_config", "resolve_dtype", "stage_checkpoint_path"]
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 #: keys under which a stage checkpoint's info may name its base model
 _BASE_KEYS = ("base_model", "base_model_id", "model_id", "base_model_name_or_path")
 
@@ -30,14 +29,6 @@ class LoadedModel:
     source: str            # "stage_checkpoint" | "transformers" | "transformers+hybrid"
     base_model: str | None
     info: dict = field(default_factory=dict)
-
-
-def resolve_dtype(name: str, device: str) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
-    if name not in _DTYPES:
-        raise ValueError(f"unknown --dtype {name!r}; valid: auto, {', '.join(_DTYPES)}")
-    return _DTYPES[name]
 
 
 def read_hybrid_config(path: str | Path) -> HybridConfig:
@@ -80,16 +71,8 @@ def check_base_model(base: str | None, expected: str | None, what: str = "--expe
                          f"({what}); evaluate it against its own base model")
 
 
-def _checkpoint_api():
-    try:
-        from hedgecats.models import checkpoint
-    except ImportError as e:  # pragma: no cover - the module ships with the package
-        raise ValueError(f"this installation cannot read stage checkpoints ({e})") from e
-    return checkpoint
-
-
 def _load_hybrid(path: str, device: str, dtype: torch.dtype):
-    return _checkpoint_api().load_hybrid(path, device=device, dtype=dtype)
+    return checkpoint.load_hybrid(path, device=device, dtype=dtype)
 
 
 def is_stage_checkpoint(spec: str) -> bool:
@@ -113,7 +96,7 @@ def peek_stage(spec: str) -> dict:
     """A stage checkpoint's dict (tensors included, on CPU: they are small), without building
     the model; raises ``ValueError`` if it cannot be read."""
     try:
-        return _checkpoint_api().read_stage(stage_checkpoint_path(spec))
+        return checkpoint.read_stage(stage_checkpoint_path(spec))
     except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
         raise ValueError(f"cannot read stage checkpoint {spec!r}: {e}") from e
 

@@ -52,22 +52,30 @@ __all__ = [
     "resolve_base_model",
     "save_stage",
     "stage_tensors",
-    "trainable_tensors",
     "unwrap",
 ]
 
 FORMAT = "hedgecats-stage/1"
-#: names accepted wherever a dtype is configured in YAML
+#: names accepted wherever a dtype is configured (YAML ``torch_dtype``, ``--dtype``)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: short names for the same dtypes
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _LORA_MARK = ".lora_"
 
 
-def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+def resolve_dtype(dtype: str | torch.dtype | None, device: str | None = None
+                  ) -> torch.dtype | None:
+    """The torch dtype a name means (``None`` and dtypes pass through). ``"auto"``, allowed
+    when a ``device`` is given, is bfloat16 on CUDA and float32 elsewhere."""
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
-    return DTYPES[dtype]
+    if dtype == "auto" and device is not None:
+        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    name = DTYPE_ALIASES.get(dtype, dtype)
+    if name not in DTYPES:
+        valid = [*(["auto"] if device is not None else []), *DTYPES, *DTYPE_ALIASES]
+        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(valid)}")
+    return DTYPES[name]
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -81,11 +89,6 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     if hasattr(t, "full_tensor"):
         t = t.full_tensor()
     return t.detach().to("cpu").clone()
-
-
-def trainable_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """{name: CPU copy} of every parameter with ``requires_grad``, names as in ``unwrap(model)``."""
-    return {n: _full(p) for n, p in unwrap(model).named_parameters() if p.requires_grad}
 
 
 def stage_tensors(model: nn.Module) -> dict[str, torch.Tensor]:

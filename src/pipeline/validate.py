@@ -419,10 +419,8 @@ def _check_command(ev: dict, where: str) -> None:
     argv = ev.get("argv", [])
     if not isinstance(argv, list):
         raise ConfigError(f"{where}.argv must be a list of command-line words, got {argv!r}")
-    try:
-        from ..evaluation.cli import build_parser
-    except ImportError as err:
-        raise ConfigError(f"{where}: hedgecats evaluate is not available ({err})") from err
+    from ..evaluation.cli import build_parser
+
     err_text = io.StringIO()
     try:
         with contextlib.redirect_stderr(err_text), contextlib.redirect_stdout(io.StringIO()):
