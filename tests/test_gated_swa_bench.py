@@ -40,7 +40,7 @@ def test_every_variant_trains_and_is_reported(tmp_path):
         assert [h["step"] for h in r["history"]] == list(range(1, 7))  # every 10% of 6 steps
         assert {"downstream/recall/d60-80/acc", "downstream/mc_near/acc",
                 "downstream/mc_far/acc"} <= set(r["final"])
-        assert len(r["doc_loss"]) == 4
+        assert len(r["doc_loss"]) == 16  # one per probe document (--tiny: 16, marker task)
     md = (tmp_path / "a" / "gated_swa.md").read_text()
     assert md.count("\n| swa_") == 6 and "| smaller window (no gate): swa_small - swa_large |" in md
     assert len(res["summary"]["deltas"]) == 7
