@@ -108,6 +108,8 @@ def make_spec(path: Path, *, evaluate: bool = False, stages: dict | None = None,
         st["fit"]["trainer"]["log_every_n_steps"] = 1
         if stages and st["name"] in stages:
             stages[st["name"]](st["fit"])
+    # the fault cases name the exact step that blew up: check after every step (default 4)
+    spec["divergence"] = {"check_every_n_steps": 1}
     spec.update(top or {})
     path.write_text(yaml.safe_dump(spec))
     return path
