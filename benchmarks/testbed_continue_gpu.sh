@@ -42,7 +42,7 @@ timeout 100 python3 benchmarks/guard_overhead.py --device cuda --dtype bfloat16 
 echo "== 2. testbed ($(( $(date +%s) - START )) s): $RECIPES; again from stage 1: $RERUN"
 python3 - $ROOT/mc_tasks <<'PY'
 import sys
-from hedgecats.lightning_modules.recall_data import write_recall_mc_tasks
+from hedgecats.data.recall_bytes import write_recall_mc_tasks
 write_recall_mc_tasks(sys.argv[1], task="marker", n_docs=64, seed=1234)
 PY
 COMMON="--root $ROOT --teacher $ROOT/teacher/teacher/model --seeds 0,1,2 --transfer-steps 200 --finetune-steps 250 --mc-docs 64"
