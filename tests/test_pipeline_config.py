@@ -100,6 +100,12 @@ def test_typed_hybrid_and_lora_are_validated_and_recorded_as_mappings(tmp_path):
         AttentionTransfer("x", hybrid={"windw": 3})
     with pytest.raises(ValueError, match="lr=-1 must be a finite number > 0"):
         AttentionTransfer("x", lr=-1)
+    # stage 1 has no activations to checkpoint; the argument stays for saved configs
+    with pytest.raises(ValueError, match=r"activation_checkpointing=True\) is not supported.*"
+                                         r"HybridFinetune"):
+        AttentionTransfer("x", activation_checkpointing=True)
+    assert AttentionTransfer("x", activation_checkpointing=False).hparams[
+        "activation_checkpointing"] is False
 
 
 def test_step_progress_bar_counts_steps_not_epochs(tmp_path):

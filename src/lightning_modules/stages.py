@@ -305,6 +305,12 @@ class AttentionTransfer(HybridStage):
             batch and the world size), or 1 when the datamodule has none.
         lr: AdamW learning rate (paper: 1e-2).
         health_batches, max_rel_err, max_den_collapsed: the end-of-stage check (above).
+        activation_checkpointing: must stay ``False``: stage 1 has nothing to checkpoint
+            (only the feature maps train, and the teacher forward runs without gradients, one
+            layer's student graph at a time). ``True`` raises ``ValueError``; the argument is
+            kept because the saved configs of earlier runs record it. To save memory here,
+            lower the data's ``micro_batch_size`` (gradient accumulation keeps the global
+            batch); checkpointing belongs to stage 2 (``HybridFinetune``).
     Other arguments: see ``HybridStage``.
     """
 
@@ -322,6 +328,13 @@ class AttentionTransfer(HybridStage):
             raise ValueError(f"accumulate_grad_batches={accumulate_grad_batches!r} must be >= 1")
         if health_batches < 0:
             raise ValueError(f"health_batches={health_batches!r} must be >= 0 (0: no final check)")
+        if activation_checkpointing:
+            raise ValueError(
+                "AttentionTransfer(activation_checkpointing=True) is not supported: stage 1 trains "
+                "only the feature maps and runs the teacher forward without gradients, so there "
+                "are no activations to checkpoint. Leave it false; to save memory lower the "
+                "data's micro_batch_size (accumulate_grad_batches keeps the global batch), and "
+                "use activation_checkpointing in HybridFinetune (stage 2)")
         super().__init__(model_name_or_path, hybrid, revision, init_from, torch_dtype, lr,
                          weight_decay, activation_checkpointing)
         self._save_hparams()
