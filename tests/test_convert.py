@@ -312,22 +312,22 @@ def test_qwen2_sliding_layers_refused():
 def test_mixed_dtypes_reach_the_kernels_as_one_dtype(monkeypatch):
     """Under bf16 autocast with an fp32 base, RoPE gives fp32 q, k and the projection a bf16 v;
     the backends take one dtype (mixed calls went to the slow paths on the GPU)."""
-    from hedgecats.models import convert as conv
+    from hedgecats.models import layer
 
     seen = []
-    real = conv.hybrid_attention
+    real = layer.hybrid_attention
 
     def spy(q, k, v, fq, fk, **kw):
         seen.append((q.dtype, k.dtype, v.dtype, fq.dtype, fk.dtype))
         return real(q, k, v, fq, fk, **kw)
 
-    monkeypatch.setattr(conv, "hybrid_attention", spy)
+    monkeypatch.setattr(layer, "hybrid_attention", spy)
     model = convert_to_hybrid(tiny(), HybridConfig(window=4))
     with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
         model(ids(T=12))
     assert seen and all(set(d) == {torch.bfloat16} for d in seen), seen
     q32, v16 = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4, dtype=torch.bfloat16)
-    assert {t.dtype for t in conv._common_dtype(q32, q32, v16)} == {torch.float32}  # no autocast
+    assert {t.dtype for t in layer._common_dtype(q32, q32, v16)} == {torch.float32}  # no autocast
 
 
 def test_a_config_without_the_kernel_floor_warns(caplog):
@@ -342,3 +342,25 @@ def test_a_config_without_the_kernel_floor_warns(caplog):
         HybridConfig()
         HybridConfig(eps=1e-38, window_shape="terraced")  # a LoLCATs import: on purpose
     assert not caplog.text
+
+
+def test_layer_runtime_fields_are_hybrid_config_fields():
+    """``LayerRuntime`` declares no switch of its own: each is a ``HybridConfig`` field, with its
+    type and default, and a converted layer starts from its config's values."""
+    import dataclasses
+
+    from hedgecats.models.layer import LAYER_FIELDS, LayerRuntime
+
+    cfg_fields = {f.name: f for f in dataclasses.fields(HybridConfig)}
+    rt_fields = {f.name: f for f in dataclasses.fields(LayerRuntime)}
+    assert set(rt_fields) == {"layer_idx", "observer", *LAYER_FIELDS}
+    assert set(HybridConfig.RUNTIME) <= set(LAYER_FIELDS)
+    for name in LAYER_FIELDS:
+        assert (rt_fields[name].type, rt_fields[name].default) == \
+            (cfg_fields[name].type, cfg_fields[name].default), name
+    cfg = HybridConfig(window=4, layer_windows={1: 2}, mode="la_only", window_shape="terraced")
+    model = convert_to_hybrid(tiny(), cfg)
+    for i, attn in hybrid_layers(model):
+        assert attn.hedgecats == LayerRuntime(
+            layer_idx=i, **{n: getattr(cfg, n) for n in LAYER_FIELDS if n != "window"},
+            window=cfg.window_for(i))

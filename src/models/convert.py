@@ -3,7 +3,8 @@
 ``convert_to_hybrid`` walks the decoder layers, adds ``phi_q``, ``phi_k`` and ``mixer`` as
 submodules of each converted ``self_attn`` (so state-dict keys are stable and peft's
 ``q_proj``... targets still match), attaches a ``LayerRuntime`` with the switches, and routes
-attention through the ``"hedgecats"`` attention implementation registered with transformers.
+attention through the ``"hedgecats"`` attention implementation registered with transformers
+(both in ``models.layer``, which also lists where a converted model keeps its state).
 The original weights are not touched; layers that are not converted keep softmax attention.
 
 A base model with its own sliding window (Mistral-7B-v0.1: 4096) keeps it for its softmax
@@ -16,26 +17,24 @@ and linear attention needs every key (see ``convert_to_hybrid``).
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 from torch import nn
 
 from .config import SSD_GRANULARITIES, HybridConfig
 from .feature_maps import HedgehogFeatureMap, feature_dim
+from .layer import ATTN_IMPLEMENTATION, LayerRuntime, check_positions, install, register
 from .mixers import build_mixer
 from .ops.backends import BACKENDS
-from .ops.hybrid import LA_SPANS, MODES, hybrid_attention
+from .ops.hybrid import LA_SPANS, MODES
 
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "ATTN_IMPLEMENTATION",
     "SUPPORTED_MODEL_TYPES",
-    "LayerRuntime",
     "attention_mode",
     "convert_to_hybrid",
     "hybrid_layers",
@@ -43,222 +42,7 @@ __all__ = [
     "set_attention_mode",
 ]
 
-ATTN_IMPLEMENTATION = "hedgecats"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-_GATED_MIXERS = ("gate_elementwise", "gate_lowrank")
-
-
-@dataclass
-class LayerRuntime:
-    """The switches of one converted layer (plain data, not parameters)."""
-
-    layer_idx: int
-    window: int
-    mode: str
-    overlap: bool
-    rescale: bool
-    la_span: str
-    n_sinks: int
-    backend: str
-    eps: float
-    ssd_p: float = 0.0
-    ssd_granularity: str = "sample"
-    #: ``sliding`` | ``terraced`` | ``terraced_end`` (``ops.windows``): fixed at conversion
-    window_shape: str = "sliding"
-    #: optional ``fn(module, query, key, value, key_padding_mask, hidden_states)`` called
-    #: before the layer's attention (attention transfer, branch-usage probes);
-    #: ``hidden_states`` is the layer input for gated mixers, else None; the return is ignored
-    observer: object = None
-
-
-# ----------------------------------------------------------------------------- attention function
-def _key_padding_mask(attention_mask: torch.Tensor | None, kv_len: int) -> torch.Tensor | None:
-    """(B, Tk) bool from transformers' 4D mask: a key is real if some query may attend to it
-    (each real key is visible at least to itself). ``None`` when there is no mask."""
-    if attention_mask is None or attention_mask.dim() != 4:
-        return None
-    m = attention_mask[..., :kv_len]
-    if m.dtype != torch.bool:
-        m = m > torch.finfo(m.dtype).min / 2
-    kpm = m.any(dim=-2)[:, 0]  # (B, Tk)
-    return None if bool(kpm.all()) else kpm
-
-
-def _with_window(attention_mask, query, key, window: int | None):
-    """The base model's own sliding window (``window`` keys, the query's included) added to
-    transformers' causal / padding mask, as its sliding-window mask would have it. Unchanged
-    where the window cannot matter (no key is older than it)."""
-    Tq, Tk = query.shape[2], key.shape[2]
-    if window is None or Tk <= window:
-        return attention_mask
-    t = torch.arange(Tk - Tq, Tk, device=query.device)[:, None]
-    i = torch.arange(Tk, device=query.device)[None, :]
-    band = (i <= t) & (i > t - window)  # (Tq, Tk)
-    if attention_mask is None:
-        return band[None, None]
-    m = attention_mask[..., :Tk]
-    if m.dtype == torch.bool:
-        return m & band
-    return m.masked_fill(~band, torch.finfo(m.dtype).min)
-
-
-def _check_no_evicted_keys(key, position_ids, rt: LayerRuntime) -> None:
-    """Linear attention needs every earlier key: a cache that dropped some (a sliding-window
-    cache) would silently shrink it to the cached ones. Position ids count real tokens only,
-    so fewer keys than the largest position + 1 means keys were dropped."""
-    if position_ids is None or rt.mode not in ("hybrid", "la_only", "swa_only"):
-        return
-    seen = int(position_ids.max()) + 1
-    if key.shape[2] < seen:
-        raise RuntimeError(
-            f"layer {rt.layer_idx}: the KV cache holds {key.shape[2]} keys but the sequence is at "
-            f"position {seen - 1}: older keys were dropped (a sliding-window cache?), and linear "
-            f"attention needs them all. Use a full cache: model.config.sliding_window must stay "
-            f"None after convert_to_hybrid (it sets it so), and caches must be created after it. "
-            f"(Position ids that do not start at 0 without a cache also end here: LA reads "
-            f"absolute positions through RoPE, so pass positions counted from the first token.)")
-
-
-def _common_dtype(query, key, value):
-    """q, k, v in one dtype. Under ``bf16-mixed`` with an fp32 base, RoPE hands attention fp32 q
-    and k but a bf16 v (seen on an H200): the fast kernels take one dtype, and mixed calls went
-    to the slow paths. Under autocast the autocast dtype is what the layer computes in anyway;
-    without it, the wider dtype (nothing is rounded)."""
-    dtypes = {query.dtype, key.dtype, value.dtype}
-    if len(dtypes) == 1:
-        return query, key, value
-    dev = query.device.type
-    if torch.is_autocast_enabled(dev):
-        dtype = torch.get_autocast_dtype(dev)
-    else:
-        dtype = functools.reduce(torch.promote_types, dtypes)
-    return query.to(dtype), key.to(dtype), value.to(dtype)
-
-
-def _ssd_mask(rt: LayerRuntime, B: int, H: int, device) -> torch.Tensor | None:
-    if rt.ssd_p <= 0.0:
-        return None
-    shape = {"sample": (B, 1, 1, 1), "batch": (1, 1, 1, 1), "head": (B, H, 1, 1)}[rt.ssd_granularity]
-    return torch.rand(shape, device=device) < rt.ssd_p
-
-
-def hedgecats_attention_forward(module: nn.Module, query, key, value, attention_mask,
-                                dropout: float = 0.0, scaling: float | None = None, **kwargs):
-    """The ``"hedgecats"`` attention implementation: (B, H, T, D) in, (B, T, H, D) out."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    rt: LayerRuntime | None = getattr(module, "hedgecats", None)
-    hidden = module.__dict__.pop("_hedgecats_input", None)
-    base_window = module.__dict__.get("hedgecats_base_window")
-    if rt is None:  # a layer left unconverted
-        return sdpa_attention_forward(module, query, key, value,
-                                      _with_window(attention_mask, query, key, base_window),
-                                      dropout=dropout, scaling=scaling, **kwargs)
-    cache_slot = module.__dict__.pop("_hedgecats_cache", None)  # bound by _bind_cache
-    if cache_slot is not None:  # constant-memory cache: only the new tokens' keys came in
-        from .cache import cached_attention
-
-        query, key, value = _common_dtype(query, key, value)
-        out = cached_attention(cache_slot, module, query, key, value, attention_mask,
-                               g=module.mixer(hidden), scale=scaling,
-                               swa_drop=_ssd_mask(rt, query.shape[0], query.shape[1], query.device)
-                               if module.training and rt.mode == "hybrid" else None)
-        return out.transpose(1, 2).contiguous(), None
-    _check_no_evicted_keys(key, kwargs.get("position_ids"), rt)
-    # the padding mask costs a host synchronisation, which softmax mode does not need (it
-    # would break the capture of a decode step in a CUDA graph)
-    kpm = (_key_padding_mask(attention_mask, key.shape[2])
-           if rt.mode != "softmax" or rt.observer is not None else None)
-    if rt.observer is not None:
-        rt.observer(module, query, key, value, kpm, hidden)
-    if rt.mode == "softmax":  # exactly the original model's attention
-        return sdpa_attention_forward(module, query, key, value,
-                                      _with_window(attention_mask, query, key, base_window),
-                                      dropout=dropout, scaling=scaling, **kwargs)
-    query, key, value = _common_dtype(query, key, value)
-    if rt.window_shape == "terraced_end" and kpm is None and query.shape[0] > 1:
-        _warn_once("a 'terraced_end' window (LoLCATs' blocks, ending at each sequence's last "
-                   "token) runs a batch of several sequences with no padding in its mask: if "
-                   "they were right-padded without a mask (lm-eval), the shorter ones get "
-                   "blocks that end at the padded length; evaluate with batch size 1 or pass "
-                   "the attention mask")
-    needs_la = rt.mode in ("hybrid", "swa_only", "la_only")
-    fq = module.phi_q(query) if needs_la else None
-    fk = module.phi_k(key) if needs_la else None
-    swa_drop = _ssd_mask(rt, query.shape[0], query.shape[1], query.device) \
-        if module.training and rt.mode == "hybrid" else None
-    out = hybrid_attention(
-        query, key, value, fq, fk, window=rt.window, mode=rt.mode, g=module.mixer(hidden),
-        shared_norm=module.mixer.shared_norm, overlap=rt.overlap, rescale=rt.rescale,
-        la_span=rt.la_span, n_sinks=rt.n_sinks, swa_drop=swa_drop, key_padding_mask=kpm,
-        scale=scaling, eps=rt.eps, backend=rt.backend, window_shape=rt.window_shape,
-    )  # (B, H, T, D)
-    return out.transpose(1, 2).contiguous(), None
-
-
-@functools.cache
-def _warn_once(msg: str) -> None:
-    log.warning(msg)
-
-
-def _stash_input(module: nn.Module, args, kwargs) -> None:
-    """Forward pre-hook: keep the layer input for output-gate mixers."""
-    module.__dict__["_hedgecats_input"] = kwargs.get("hidden_states", args[0] if args else None)
-
-
-def _call_cache(kwargs: dict):
-    """The cache a decoder call carries (``cache`` since transformers 5.24, before that
-    ``past_key_values``)."""
-    cache = kwargs.get("cache")
-    return kwargs.get("past_key_values") if cache is None else cache
-
-
-def _bind_cache(module: nn.Module, args, kwargs) -> None:
-    """Forward pre-hook of a converted ``self_attn``: with a ``HybridCache`` in the call, check
-    and bind the layer's slot (``models.cache``); the attention function then uses it."""
-    from .cache import HybridCache
-
-    cache = _call_cache(kwargs)
-    if isinstance(cache, HybridCache):
-        module.__dict__["_hedgecats_cache"] = cache.bind(module.hedgecats.layer_idx, module)
-    else:
-        module.__dict__.pop("_hedgecats_cache", None)
-
-
-def _check_positions(model: nn.Module, args, kwargs) -> None:
-    """Forward pre-hook of a converted model: a position past the base model's
-    ``max_position_embeddings`` is an error (RoPE, and the feature maps trained on its output,
-    never saw it). Skipped while a CUDA graph is captured or torch.compile traces (reading
-    position ids back is a host synchronisation)."""
-    limit = getattr(model.config, "max_position_embeddings", None)
-    if limit is None or torch.compiler.is_compiling() or (
-            torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
-        return
-    pos = kwargs.get("position_ids")
-    if pos is not None:
-        last = int(pos.max()) if pos.numel() else -1
-    else:
-        x = kwargs.get("input_ids", args[0] if args else None)
-        x = kwargs.get("inputs_embeds") if x is None else x
-        if x is None:
-            return
-        cache = _call_cache(kwargs)
-        past = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0
-        last = past + x.shape[1] - 1
-    if last >= limit:
-        raise ValueError(
-            f"position {last} is past the base model's max_position_embeddings={limit}: the "
-            f"context (prompt + generated tokens) is longer than the positions the model was "
-            f"trained on; shorten the prompt or max_new_tokens")
-
-
-def _register() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(ATTN_IMPLEMENTATION, hedgecats_attention_forward)
-    # without a mask entry the attention mask arrives as None even with padding
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
 
 
 # ----------------------------------------------------------------------------- conversion
@@ -330,7 +114,7 @@ def convert_to_hybrid(model: nn.Module, config: HybridConfig) -> nn.Module:
         raise ValueError(f"layers {already} are already converted; convert a fresh model")
     base_window = _base_sliding_window(model.config)
 
-    _register()
+    register()
     for i in todo:
         attn = layers[i].self_attn
         ref = attn.q_proj.weight
@@ -348,14 +132,7 @@ def convert_to_hybrid(model: nn.Module, config: HybridConfig) -> nn.Module:
                                  shared_norm_shift=config.shared_norm_shift)
         for name in ("phi_q", "phi_k", "mixer"):  # fp32 master weights on the layer's device
             getattr(attn, name).to(device=ref.device, dtype=torch.float32)
-        attn.hedgecats = LayerRuntime(
-            layer_idx=i, window=config.window_for(i), mode=config.mode, overlap=config.overlap,
-            rescale=config.rescale, la_span=config.la_span, n_sinks=config.n_sinks,
-            backend=config.backend, eps=config.eps, ssd_p=config.ssd_p,
-            ssd_granularity=config.ssd_granularity, window_shape=config.window_shape)
-        if config.mixer in _GATED_MIXERS:
-            attn.register_forward_pre_hook(_stash_input, with_kwargs=True)
-        attn.register_forward_pre_hook(_bind_cache, with_kwargs=True)
+        install(attn, config, i)
     if base_window is not None:
         # our attention function applies the base model's window to its softmax attention;
         # transformers must neither mask nor evict the older keys linear attention reads
@@ -367,7 +144,7 @@ def convert_to_hybrid(model: nn.Module, config: HybridConfig) -> nn.Module:
                  base_window)
     model.hedgecats_config = config
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    model.register_forward_pre_hook(_check_positions, with_kwargs=True)
+    model.register_forward_pre_hook(check_positions, with_kwargs=True)
     from .hf import adopt
 
     adopt(model)  # its hybrid class: save_pretrained and generate know it is a hybrid

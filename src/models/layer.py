@@ -1,0 +1,281 @@
+"""The layer tier: the ``"hedgecats"`` attention function every converted ``self_attn`` runs,
+and its per-layer runtime (``LayerRuntime``). ``models.convert`` installs them (conversion);
+``models.ops`` computes (kernels); this module wires one layer's call to the ops.
+
+Where a converted model keeps its state (plain Python attributes, never parameters; nothing
+here is in the state dict, so checkpoints hold only the weights of ``phi_q`` / ``phi_k`` /
+``mixer`` and the ``HybridConfig`` dict):
+
+* ``model.hedgecats_config``: the ``HybridConfig`` the model was converted with (the
+  architecture; ``models.hf.live_hybrid_config`` combines it with the layers' current switches).
+* ``self_attn.hedgecats``: the layer's ``LayerRuntime``, whose fields are ``HybridConfig``'s
+  runtime fields (``LAYER_FIELDS``: the switches ``set_attention_mode`` changes, and the window
+  shape) plus ``layer_idx`` and the ``observer`` hook. A layer without it was not converted.
+* ``self_attn.__dict__`` (outside ``nn.Module``'s registries, so neither a submodule nor a
+  buffer): ``"hedgecats_base_window"``, the base model's own sliding window, set at conversion
+  on *every* layer (unconverted ones too, which have no runtime); and two values that live
+  for one call only, put there by forward pre-hooks and popped by the attention function:
+  ``"_hedgecats_input"`` (the layer input, for gated mixers) and ``"_hedgecats_cache"`` (the
+  bound ``HybridCache`` slot).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import field, fields, make_dataclass
+
+import torch
+from torch import nn
+
+from .config import HybridConfig
+from .ops.hybrid import hybrid_attention
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "LAYER_FIELDS",
+    "LayerRuntime",
+    "check_positions",
+    "hedgecats_attention_forward",
+    "install",
+    "register",
+]
+
+ATTN_IMPLEMENTATION = "hedgecats"
+_GATED_MIXERS = ("gate_elementwise", "gate_lowrank")
+
+#: the ``HybridConfig`` fields one converted layer carries at run time: the runtime switches
+#: (``HybridConfig.RUNTIME``; ``window`` per layer, from ``window_for``) and the window shape
+_CONFIG = {f.name: f for f in fields(HybridConfig)}
+LAYER_FIELDS: tuple[str, ...] = (*HybridConfig.RUNTIME, "window_shape")
+
+
+def _from_config(cls, config: HybridConfig, layer_idx: int):
+    """Layer ``layer_idx``'s runtime as ``config`` sets it (its window: ``window_for``)."""
+    values = {name: getattr(config, name) for name in LAYER_FIELDS}
+    values["window"] = config.window_for(layer_idx)
+    return cls(layer_idx=layer_idx, **values)
+
+
+#: The switches of one converted layer (plain data, not parameters): ``layer_idx``, the
+#: ``HybridConfig`` fields named in ``LAYER_FIELDS`` (their types and defaults are
+#: ``HybridConfig``'s, so they are declared once), and ``observer``: an optional
+#: ``fn(module, query, key, value, key_padding_mask, hidden_states)`` called before the layer's
+#: attention (attention transfer, branch-usage probes); ``hidden_states`` is the layer input
+#: for gated mixers, else None; the return is ignored. Build it with
+#: ``LayerRuntime.from_config(config, layer_idx)``.
+LayerRuntime = make_dataclass(
+    "LayerRuntime",
+    [("layer_idx", int),
+     *[(n, _CONFIG[n].type, field(default=_CONFIG[n].default)) for n in LAYER_FIELDS],
+     ("observer", object, field(default=None))],
+    namespace={"from_config": classmethod(_from_config)},
+)
+LayerRuntime.__module__ = __name__
+LayerRuntime.__doc__ = ("The switches of one converted layer: ``layer_idx``, HybridConfig's "
+                        "``LAYER_FIELDS`` and an ``observer`` hook (module ``models.layer``).")
+
+
+# ----------------------------------------------------------------------------- attention function
+def _key_padding_mask(attention_mask: torch.Tensor | None, kv_len: int) -> torch.Tensor | None:
+    """(B, Tk) bool from transformers' 4D mask: a key is real if some query may attend to it
+    (each real key is visible at least to itself). ``None`` when there is no mask."""
+    if attention_mask is None or attention_mask.dim() != 4:
+        return None
+    m = attention_mask[..., :kv_len]
+    if m.dtype != torch.bool:
+        m = m > torch.finfo(m.dtype).min / 2
+    kpm = m.any(dim=-2)[:, 0]  # (B, Tk)
+    return None if bool(kpm.all()) else kpm
+
+
+def _with_window(attention_mask, query, key, window: int | None):
+    """The base model's own sliding window (``window`` keys, the query's included) added to
+    transformers' causal / padding mask, as its sliding-window mask would have it. Unchanged
+    where the window cannot matter (no key is older than it)."""
+    Tq, Tk = query.shape[2], key.shape[2]
+    if window is None or Tk <= window:
+        return attention_mask
+    t = torch.arange(Tk - Tq, Tk, device=query.device)[:, None]
+    i = torch.arange(Tk, device=query.device)[None, :]
+    band = (i <= t) & (i > t - window)  # (Tq, Tk)
+    if attention_mask is None:
+        return band[None, None]
+    m = attention_mask[..., :Tk]
+    if m.dtype == torch.bool:
+        return m & band
+    return m.masked_fill(~band, torch.finfo(m.dtype).min)
+
+
+def _check_no_evicted_keys(key, position_ids, rt: LayerRuntime) -> None:
+    """Linear attention needs every earlier key: a cache that dropped some (a sliding-window
+    cache) would silently shrink it to the cached ones. Position ids count real tokens only,
+    so fewer keys than the largest position + 1 means keys were dropped."""
+    if position_ids is None or rt.mode not in ("hybrid", "la_only", "swa_only"):
+        return
+    seen = int(position_ids.max()) + 1
+    if key.shape[2] < seen:
+        raise RuntimeError(
+            f"layer {rt.layer_idx}: the KV cache holds {key.shape[2]} keys but the sequence is at "
+            f"position {seen - 1}: older keys were dropped (a sliding-window cache?), and linear "
+            f"attention needs them all. Use a full cache: model.config.sliding_window must stay "
+            f"None after convert_to_hybrid (it sets it so), and caches must be created after it. "
+            f"(Position ids that do not start at 0 without a cache also end here: LA reads "
+            f"absolute positions through RoPE, so pass positions counted from the first token.)")
+
+
+def _common_dtype(query, key, value):
+    """q, k, v in one dtype. Under ``bf16-mixed`` with an fp32 base, RoPE hands attention fp32 q
+    and k but a bf16 v (seen on an H200): the fast kernels take one dtype, and mixed calls went
+    to the slow paths. Under autocast the autocast dtype is what the layer computes in anyway;
+    without it, the wider dtype (nothing is rounded)."""
+    dtypes = {query.dtype, key.dtype, value.dtype}
+    if len(dtypes) == 1:
+        return query, key, value
+    dev = query.device.type
+    if torch.is_autocast_enabled(dev):
+        dtype = torch.get_autocast_dtype(dev)
+    else:
+        dtype = functools.reduce(torch.promote_types, dtypes)
+    return query.to(dtype), key.to(dtype), value.to(dtype)
+
+
+def _ssd_mask(rt: LayerRuntime, B: int, H: int, device) -> torch.Tensor | None:
+    if rt.ssd_p <= 0.0:
+        return None
+    shape = {"sample": (B, 1, 1, 1), "batch": (1, 1, 1, 1), "head": (B, H, 1, 1)}[rt.ssd_granularity]
+    return torch.rand(shape, device=device) < rt.ssd_p
+
+
+def hedgecats_attention_forward(module: nn.Module, query, key, value, attention_mask,
+                                dropout: float = 0.0, scaling: float | None = None, **kwargs):
+    """The ``"hedgecats"`` attention implementation: (B, H, T, D) in, (B, T, H, D) out."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    rt: LayerRuntime | None = getattr(module, "hedgecats", None)
+    hidden = module.__dict__.pop("_hedgecats_input", None)
+    base_window = module.__dict__.get("hedgecats_base_window")
+    if rt is None:  # a layer left unconverted
+        return sdpa_attention_forward(module, query, key, value,
+                                      _with_window(attention_mask, query, key, base_window),
+                                      dropout=dropout, scaling=scaling, **kwargs)
+    cache_slot = module.__dict__.pop("_hedgecats_cache", None)  # bound by _bind_cache
+    if cache_slot is not None:  # constant-memory cache: only the new tokens' keys came in
+        from .cache import cached_attention
+
+        query, key, value = _common_dtype(query, key, value)
+        out = cached_attention(cache_slot, module, query, key, value, attention_mask,
+                               g=module.mixer(hidden), scale=scaling,
+                               swa_drop=_ssd_mask(rt, query.shape[0], query.shape[1], query.device)
+                               if module.training and rt.mode == "hybrid" else None)
+        return out.transpose(1, 2).contiguous(), None
+    _check_no_evicted_keys(key, kwargs.get("position_ids"), rt)
+    # the padding mask costs a host synchronisation, which softmax mode does not need (it
+    # would break the capture of a decode step in a CUDA graph)
+    kpm = (_key_padding_mask(attention_mask, key.shape[2])
+           if rt.mode != "softmax" or rt.observer is not None else None)
+    if rt.observer is not None:
+        rt.observer(module, query, key, value, kpm, hidden)
+    if rt.mode == "softmax":  # exactly the original model's attention
+        return sdpa_attention_forward(module, query, key, value,
+                                      _with_window(attention_mask, query, key, base_window),
+                                      dropout=dropout, scaling=scaling, **kwargs)
+    query, key, value = _common_dtype(query, key, value)
+    if rt.window_shape == "terraced_end" and kpm is None and query.shape[0] > 1:
+        _warn_once("a 'terraced_end' window (LoLCATs' blocks, ending at each sequence's last "
+                   "token) runs a batch of several sequences with no padding in its mask: if "
+                   "they were right-padded without a mask (lm-eval), the shorter ones get "
+                   "blocks that end at the padded length; evaluate with batch size 1 or pass "
+                   "the attention mask")
+    needs_la = rt.mode in ("hybrid", "swa_only", "la_only")
+    fq = module.phi_q(query) if needs_la else None
+    fk = module.phi_k(key) if needs_la else None
+    swa_drop = _ssd_mask(rt, query.shape[0], query.shape[1], query.device) \
+        if module.training and rt.mode == "hybrid" else None
+    out = hybrid_attention(
+        query, key, value, fq, fk, window=rt.window, mode=rt.mode, g=module.mixer(hidden),
+        shared_norm=module.mixer.shared_norm, overlap=rt.overlap, rescale=rt.rescale,
+        la_span=rt.la_span, n_sinks=rt.n_sinks, swa_drop=swa_drop, key_padding_mask=kpm,
+        scale=scaling, eps=rt.eps, backend=rt.backend, window_shape=rt.window_shape,
+    )  # (B, H, T, D)
+    return out.transpose(1, 2).contiguous(), None
+
+
+@functools.cache
+def _warn_once(msg: str) -> None:
+    log.warning(msg)
+
+
+def _stash_input(module: nn.Module, args, kwargs) -> None:
+    """Forward pre-hook: keep the layer input for output-gate mixers."""
+    module.__dict__["_hedgecats_input"] = kwargs.get("hidden_states", args[0] if args else None)
+
+
+def _call_cache(kwargs: dict):
+    """The cache a decoder call carries (``cache`` since transformers 5.24, before that
+    ``past_key_values``)."""
+    cache = kwargs.get("cache")
+    return kwargs.get("past_key_values") if cache is None else cache
+
+
+def _bind_cache(module: nn.Module, args, kwargs) -> None:
+    """Forward pre-hook of a converted ``self_attn``: with a ``HybridCache`` in the call, check
+    and bind the layer's slot (``models.cache``); the attention function then uses it."""
+    from .cache import HybridCache
+
+    cache = _call_cache(kwargs)
+    if isinstance(cache, HybridCache):
+        module.__dict__["_hedgecats_cache"] = cache.bind(module.hedgecats.layer_idx, module)
+    else:
+        module.__dict__.pop("_hedgecats_cache", None)
+
+
+def install(attn: nn.Module, config: HybridConfig, layer_idx: int) -> None:
+    """Give a ``self_attn`` (its ``phi_q``, ``phi_k`` and ``mixer`` already added) its runtime
+    and the forward pre-hooks the attention function reads: the layer input for gated mixers,
+    the bound ``HybridCache`` slot."""
+    attn.hedgecats = LayerRuntime.from_config(config, layer_idx)
+    if config.mixer in _GATED_MIXERS:
+        attn.register_forward_pre_hook(_stash_input, with_kwargs=True)
+    attn.register_forward_pre_hook(_bind_cache, with_kwargs=True)
+
+
+def check_positions(model: nn.Module, args, kwargs) -> None:
+    """Forward pre-hook of a converted model: a position past the base model's
+    ``max_position_embeddings`` is an error (RoPE, and the feature maps trained on its output,
+    never saw it). Skipped while a CUDA graph is captured or torch.compile traces (reading
+    position ids back is a host synchronisation)."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is None or torch.compiler.is_compiling() or (
+            torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        return
+    pos = kwargs.get("position_ids")
+    if pos is not None:
+        last = int(pos.max()) if pos.numel() else -1
+    else:
+        x = kwargs.get("input_ids", args[0] if args else None)
+        x = kwargs.get("inputs_embeds") if x is None else x
+        if x is None:
+            return
+        cache = _call_cache(kwargs)
+        past = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0
+        last = past + x.shape[1] - 1
+    if last >= limit:
+        raise ValueError(
+            f"position {last} is past the base model's max_position_embeddings={limit}: the "
+            f"context (prompt + generated tokens) is longer than the positions the model was "
+            f"trained on; shorten the prompt or max_new_tokens")
+
+
+
+
+def register() -> None:
+    """Register the attention function (and its mask) with transformers as ``\"hedgecats\"``."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, hedgecats_attention_forward)
+    # without a mask entry the attention mask arrives as None even with padding
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
