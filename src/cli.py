@@ -143,6 +143,7 @@ def _evaluate_recall(spec: dict, ev: dict, console) -> dict:
     from .evaluation.recall import EVAL_MODES, evaluate_recall, format_table, recall_summary
     from .models import HybridConfig, convert_to_hybrid
     from .models.checkpoint import load_hybrid
+    from .models.config import parse_variant_mapping
 
     output = Path(spec["output"])
     device, precision = _eval_device(ev)
@@ -174,8 +175,7 @@ def _evaluate_recall(spec: dict, ev: dict, console) -> dict:
                   f"{precision}")
     results = evaluate_recall(model, corpus, modes=modes, batch_size=bs, autocast_dtype=amp)
     for name, variant in (ev.get("variants") or {}).items():
-        switches = dict(variant)
-        variant_modes = tuple(switches.pop("modes", ("swa_only", "la_only")))
+        variant_modes, switches = parse_variant_mapping(variant)
         for mode, r in evaluate_recall(model, corpus, modes=variant_modes, batch_size=bs,
                                        autocast_dtype=amp, **switches).items():
             results[f"{mode} ({name})"] = r

@@ -290,8 +290,8 @@ def _check_export(model, path: Path) -> None:
 
     from .models import attention_mode
     from .models.checkpoint import unwrap
+    from .models.config import MODES
     from .models.hf import load_pretrained_hybrid
-    from .models.ops.hybrid import MODES
 
     loaded = load_pretrained_hybrid(str(path), dtype=next(model.parameters()).dtype)
     merged = json.loads((path / "config.json").read_text())["hybrid"]["adapter"] is None

@@ -23,6 +23,8 @@ from pathlib import Path
 
 from transformers import TextStreamer
 
+from .models.config import MODES
+
 __all__ = ["load_for_generation", "main", "parse_switch", "read_prompts"]
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -170,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True,
                    help="hybrid directory, stage.pt / stage or run directory, or hub id")
     p.add_argument("--prompt-file", help="one prompt per line")
-    p.add_argument("--mode", help="hybrid | swa_only | la_only | sinks_only | none | softmax")
+    p.add_argument("--mode", help=" | ".join(MODES))
     p.add_argument("--switch", action="append", default=[], metavar="NAME=VALUE",
                    help="a runtime switch, e.g. la_span=all, overlap=true, window=32 (repeatable)")
     p.add_argument("--max-new-tokens", type=int, default=64)

@@ -364,3 +364,35 @@ def test_layer_runtime_fields_are_hybrid_config_fields():
         assert attn.hedgecats == LayerRuntime(
             layer_idx=i, **{n: getattr(cfg, n) for n in LAYER_FIELDS if n != "window"},
             window=cfg.window_for(i))
+
+
+def test_one_vocabulary_of_modes_and_switches():
+    """``models.config`` defines the modes and switches once: the switches are HybridConfig's
+    runtime fields, with its types and choices; text and YAML variants share the checks."""
+    from hedgecats.models.config import (
+        MODES,
+        SWITCHES,
+        parse_variant,
+        parse_variant_mapping,
+        validate_switches,
+    )
+
+    assert list(SWITCHES) == [n for n in HybridConfig.RUNTIME if n != "mode"]
+    assert SWITCHES["la_span"].choices == ("outside", "all") and SWITCHES["rescale"].kind is bool
+    assert "softmax" in MODES
+    assert parse_variant("la_only+rescale+la_span=all") == ("la_only", {"rescale": True,
+                                                                         "la_span": "all"})
+    assert parse_variant_mapping({"la_span": "all", "modes": ["la_only"]}) == (
+        ("la_only",), {"la_span": "all"})
+    assert parse_variant_mapping({"rescale": True}) == (("swa_only", "la_only"), {"rescale": True})
+    for call, match in [
+        (lambda: parse_variant_mapping({"la_span": "all"}),  # default modes include swa_only
+         "switch 'la_span' has no effect in mode 'swa_only'; it applies to: la_only"),
+        (lambda: parse_variant_mapping({"rescale": True, "modes": ["la_olny"]}),
+         "unknown attention mode 'la_olny'; did you mean 'la_only'"),
+        (lambda: validate_switches({"n_sinks": 0}), "'n_sinks': it takes an integer >= 1"),
+        (lambda: validate_switches({"windw": 3}), "unknown switch 'windw'; did you mean 'window'"),
+        (lambda: parse_variant("hybrid+backend=fla"), "'backend' cannot be set in a variant"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            call()

@@ -6,14 +6,8 @@ A *mode spec* is a mode name with optional switches joined by ``+``::
     la_only+rescale+la_span=all                           hybrid+overlap
     swa_only+window=128        sinks_only+n_sinks=4       softmax
 
-Switches (each only where it changes the output, anything else is rejected):
-
-    rescale[=true|false]   swa_only, la_only: the surviving branch gets weight 1
-    la_span=outside|all    la_only: LA over keys outside the window (default) or all causal keys
-    overlap[=true|false]   hybrid, la_only: LA also over the window's keys
-    window=N               hybrid, swa_only, la_only: SWA window (and LA shift) of every layer
-    n_sinks=N              sinks_only: number of sink keys
-
+The syntax, the modes and the switches (each allowed only where it changes the output) are
+``models.config``'s (``parse_variant``, ``SWITCHES``; ``config.variant_syntax()`` lists them).
 The full spec string is the row label. ``softmax`` is the original model's attention; it is the
 only mode of a model that was not converted.
 """
@@ -24,7 +18,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from hedgecats.models import MODES, attention_mode, hybrid_layers
+from hedgecats.models import MODES, attention_mode, hybrid_layers, parse_variant
 
 from .lm_eval_bridge import TaskScore, TaskSelection, evaluate_tasks, make_lm
 
@@ -39,50 +33,8 @@ __all__ = [
     "run_modes",
 ]
 
-DEFAULT_MODES = ("hybrid", "swa_only", "la_only", "sinks_only", "none")
-
-_TRUE = {"true": True, "1": True, "yes": True, "on": True,
-         "false": False, "0": False, "no": False, "off": False}
-_LA_SPANS = ("outside", "all")
-#: switch -> (modes where it has an effect, parser)
-_SWITCHES: dict[str, tuple[tuple[str, ...], Callable[[str | None], object]]] = {}
-
-
-def _bool(name):
-    def parse(v):
-        if v is None:
-            return True
-        if v.lower() not in _TRUE:
-            raise ValueError(f"switch {name!r} takes true/false, got {v!r}")
-        return _TRUE[v.lower()]
-    return parse
-
-
-def _int(name):
-    def parse(v):
-        try:
-            n = int(v) if v is not None else None
-        except ValueError:
-            n = None
-        if n is None or n < 1:
-            raise ValueError(f"switch {name!r} needs an integer >= 1, e.g. {name}=64; got {v!r}")
-        return n
-    return parse
-
-
-def _la_span(v):
-    if v not in _LA_SPANS:
-        raise ValueError(f"switch 'la_span' takes one of {', '.join(_LA_SPANS)}; got {v!r}")
-    return v
-
-
-_SWITCHES.update({
-    "rescale": (("swa_only", "la_only"), _bool("rescale")),
-    "la_span": (("la_only",), _la_span),
-    "overlap": (("hybrid", "la_only"), _bool("overlap")),
-    "window": (("hybrid", "swa_only", "la_only"), _int("window")),
-    "n_sinks": (("sinks_only",), _int("n_sinks")),
-})
+#: every mode but the original attention
+DEFAULT_MODES = tuple(m for m in MODES if m != "softmax")
 
 
 @dataclass(frozen=True)
@@ -95,27 +47,10 @@ class ModeSpec:
 
     @classmethod
     def parse(cls, text: str) -> ModeSpec:
-        """Parse ``mode[+switch[=value]]...``; raise ``ValueError`` naming what is valid."""
-        label = text.strip()
-        parts = [p.strip() for p in label.split("+")]
-        mode = parts[0]
-        if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r} in {label!r}; valid modes: {', '.join(MODES)}")
-        switches: dict = {}
-        for part in parts[1:]:
-            name, sep, value = part.partition("=")
-            name = name.strip()
-            if name not in _SWITCHES:
-                raise ValueError(f"unknown switch {name!r} in mode {label!r}; valid switches: "
-                                 f"{', '.join(_SWITCHES)}")
-            modes, parse = _SWITCHES[name]
-            if mode not in modes:
-                raise ValueError(f"switch {name!r} has no effect in mode {mode!r} ({label!r}); "
-                                 f"it applies to: {', '.join(modes)}")
-            if name in switches:
-                raise ValueError(f"switch {name!r} given twice in {label!r}")
-            switches[name] = parse(value.strip() if sep else None)
-        return cls(label=label, mode=mode, switches=switches)
+        """Parse ``mode[+switch[=value]]...`` (``models.config.parse_variant``); raise
+        ``ValueError`` naming what is valid."""
+        mode, switches = parse_variant(text)
+        return cls(label=text.strip(), mode=mode, switches=switches)
 
 
 def parse_modes(text: str | list[str]) -> list[ModeSpec]:

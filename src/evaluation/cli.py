@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from hedgecats.models.config import variant_syntax
+
 from .ablation import (
     DEFAULT_MODES,
     ModeSpec,
@@ -44,13 +46,7 @@ __all__ = ["build_parser", "main"]
 _MODES_HELP = ("comma-separated ablation modes, each with optional '+switch' parts (syntax "
                "below); default: %(default)s")
 
-_MODE_SYNTAX = """\
-mode syntax: MODE[+SWITCH[=VALUE]]...   MODE: hybrid swa_only la_only sinks_only none softmax
-  rescale[=true|false]   swa_only, la_only: the surviving branch gets weight 1 instead of g / 1-g
-  la_span=outside|all    la_only: LA over keys outside the window (default) or every causal key
-  overlap[=true|false]   hybrid, la_only: LA also over the window's keys
-  window=N               hybrid, swa_only, la_only: override every layer's window
-  n_sinks=N              sinks_only: number of sink keys (default 8)
+_MODE_SYNTAX = variant_syntax() + """
   A switch where it has no effect is an error. The whole string is the row label, e.g.
   --modes hybrid,swa_only,la_only,la_only+la_span=all,la_only+rescale+la_span=all,swa_only+window=128
   'softmax' is the original attention (the only mode of a model that is not converted).

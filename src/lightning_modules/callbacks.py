@@ -19,7 +19,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from ..models import hybrid_layers, set_attention_mode
 from ..models.checkpoint import unwrap
-from ..models.config import SSD_GRANULARITIES
+from ..models.config import SWITCHES
 from .stages import NonFiniteLossError
 
 __all__ = [
@@ -122,11 +122,13 @@ class ScheduledSlidingWindowDropout(pl.Callback):
                  window: list[int] | None = None, interval: str = "epoch",
                  interval_steps: int | None = None, granularity: str = "sample",
                  rescale: bool = False, la_span: str = "outside") -> None:
-        if granularity not in SSD_GRANULARITIES:
-            raise ValueError(f"granularity={granularity!r} is not valid; choose one of "
-                             f"{', '.join(SSD_GRANULARITIES)}")
-        if la_span not in ("outside", "all"):
-            raise ValueError(f"la_span={la_span!r} is not valid; choose outside or all")
+        for name, value, switch in (("granularity", granularity, "ssd_granularity"),
+                                    ("la_span", la_span, "la_span"), ("rescale", rescale, "rescale")):
+            try:
+                SWITCHES[switch].check(value)
+            except ValueError:
+                raise ValueError(f"{name}={value!r} is not valid; choose "
+                                 f"{SWITCHES[switch].expects}") from None
         if interval not in SSD_INTERVALS:
             raise ValueError(f"interval={interval!r} is not valid; choose one of "
                              f"{', '.join(SSD_INTERVALS)}")

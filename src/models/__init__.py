@@ -3,7 +3,7 @@
 Never imports lightning (DESIGN.md, layering).
 """
 
-from .config import HybridConfig
+from .config import LA_SPANS, MODES, SWITCHES, HybridConfig, parse_variant, validate_switches
 from .convert import (
     attention_mode,
     convert_to_hybrid,
@@ -13,7 +13,7 @@ from .convert import (
 )
 from .feature_maps import HedgehogFeatureMap
 from .mixers import build_mixer
-from .ops.hybrid import LA_SPANS, MODES, hybrid_attention
+from .ops.hybrid import hybrid_attention
 
 # importing pretrain registers PretrainLlamaForCausalLM ("hedgecats_pretrain") with the Auto
 # classes, so from_pretrained reloads gated / sliding-window teachers wherever models is imported
@@ -22,6 +22,7 @@ from .pretrain import PretrainConfig, build_pretrain_model, load_pretrained
 __all__ = [
     "LA_SPANS",
     "MODES",
+    "SWITCHES",
     "HedgehogFeatureMap",
     "HybridConfig",
     "PretrainConfig",
@@ -33,5 +34,7 @@ __all__ = [
     "hybrid_layers",
     "hybrid_parameter_names",
     "load_pretrained",
+    "parse_variant",
     "set_attention_mode",
+    "validate_switches",
 ]

@@ -1,8 +1,13 @@
-"""``HybridConfig``: the architecture of a converted model, validated before anything is built."""
+"""``HybridConfig``: the architecture of a converted model, validated before anything is built;
+and the one vocabulary of attention modes and runtime switches (``MODES``, ``SWITCHES``,
+``validate_switches``, ``parse_variant``) that conversion, the ablations, the callbacks and the
+command lines share (docs/method.md#modes-and-switches)."""
 
 from __future__ import annotations
 
+import difflib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
 from .feature_maps import ACTIVATIONS, PROJECTIONS
@@ -12,7 +17,20 @@ from .ops.hybrid import LA_SPANS, MODES
 from .ops.reference import LA_EPS, default_eps
 from .ops.windows import WINDOW_SHAPES
 
-__all__ = ["KEY_MAP_HEADS", "SSD_GRANULARITIES", "HybridConfig"]
+__all__ = [
+    "KEY_MAP_HEADS",
+    "LA_SPANS",
+    "MODES",
+    "SSD_GRANULARITIES",
+    "SWITCHES",
+    "VARIANT_MODES",
+    "HybridConfig",
+    "Switch",
+    "check_mode",
+    "parse_variant",
+    "parse_variant_mapping",
+    "validate_switches",
+]
 
 #: shapes of the Scheduled Sliding-window Dropout mask, drawn per layer: one draw per sample
 #: (default), per batch, or per sample and head
@@ -181,3 +199,235 @@ class HybridConfig:
             raise ValueError(f"unknown HybridConfig fields {unknown}; valid: {', '.join(sorted(known))}")
         return cls(**d)
 
+
+
+# ----------------------------------------------------------------------------- modes and switches
+# ``MODES`` (``hybrid | swa_only | la_only | sinks_only | none | softmax``) and ``LA_SPANS`` are
+# the kernel's (``ops.hybrid`` checks them); every other module names them through this one.
+
+_TRUE = {"true": True, "1": True, "yes": True, "on": True,
+         "false": False, "0": False, "no": False, "off": False}
+#: ``HybridConfig`` field types -> the Python type a switch value must have
+_KINDS = {"bool": bool, "int": int, "float": float, "float | None": float, "str": str}
+
+
+@dataclass(frozen=True)
+class Switch:
+    """A runtime switch: a field of ``HybridConfig.RUNTIME`` that ``set_attention_mode`` may
+    change after conversion. Its type (and, for a string, its choices) is the field's."""
+
+    name: str
+    #: bool | int | float | str, from the ``HybridConfig`` field's type
+    kind: type
+    #: the allowed values of a string switch (the map ``HybridConfig`` checks it against)
+    choices: tuple[str, ...] | None
+    #: the range of a number (a predicate), and how to say it
+    in_range: Callable[[object], bool] | None
+    range_text: str
+    #: the modes in which it changes the output, where a variant may set it; () = not a variant
+    #: switch (a kernel choice, a training switch, or fixed with the conversion)
+    modes: tuple[str, ...]
+    help: str
+
+    @property
+    def expects(self) -> str:
+        """What a valid value is, in words (for errors and ``--help``)."""
+        if self.choices is not None:
+            return f"one of {', '.join(self.choices)}"
+        if self.kind is bool:
+            return "true/false"
+        noun = "an integer" if self.kind is int else "a number"
+        return f"{noun} {self.range_text}".rstrip()
+
+    @property
+    def syntax(self) -> str:
+        """``rescale[=true|false]``, ``la_span=outside|all``, ``window=N``."""
+        if self.kind is bool:
+            return f"{self.name}[=true|false]"
+        if self.choices is not None:
+            return f"{self.name}={'|'.join(self.choices)}"
+        return f"{self.name}=N" if self.kind is int else f"{self.name}=X"
+
+    def check(self, value):
+        """``value`` if valid, else ``ValueError`` saying what is valid."""
+        if isinstance(value, bool) and self.kind is not bool:
+            ok = False
+        elif self.kind is float:
+            ok = isinstance(value, (int, float))
+        else:
+            ok = isinstance(value, self.kind)
+        ok = ok and (self.choices is None or value in self.choices) and (
+            self.in_range is None or self.in_range(value))
+        if not ok:
+            raise ValueError(f"invalid value {value!r} for switch {self.name!r}: it takes "
+                             f"{self.expects}, e.g. {self.example}")
+        return value
+
+    @property
+    def example(self) -> str:
+        if self.kind is bool:
+            return f"{self.name}=true"
+        if self.choices is not None:
+            return f"{self.name}={self.choices[-1]}"
+        return f"{self.name}={_DEFAULT_EXAMPLES.get(self.name, 1)}"
+
+    def parse(self, text: str | None):
+        """The value written after ``name=`` in a variant (``None``: the bare name, a bool's
+        ``true``); ``ValueError`` saying what is valid."""
+        if self.kind is bool:
+            if text is None:
+                return True
+            if text.lower() not in _TRUE:
+                raise ValueError(f"switch {self.name!r} takes true/false, got {text!r}")
+            return _TRUE[text.lower()]
+        value = text
+        if text is not None and self.kind in (int, float):
+            try:
+                value = self.kind(text)
+            except ValueError:
+                value = text
+        if text is None:
+            raise ValueError(f"switch {self.name!r} needs a value: {self.expects}, e.g. "
+                             f"{self.example}")
+        try:
+            return self.check(value)
+        except ValueError:
+            raise ValueError(f"switch {self.name!r} takes {self.expects}, e.g. {self.example}; "
+                             f"got {text!r}") from None
+
+
+_DEFAULT_EXAMPLES = {"window": 64, "n_sinks": 8, "eps": 1e-6, "ssd_p": 0.1}
+_CHOICES = {"la_span": LA_SPANS, "backend": BACKENDS, "ssd_granularity": SSD_GRANULARITIES}
+_LA_MODES = ("hybrid", "swa_only", "la_only")
+#: name -> (range predicate, the range in words, modes where it changes the output, help)
+_SWITCH_RULES: dict[str, tuple] = {
+    "window": (lambda v: v >= 1, ">= 1", _LA_MODES,
+               "override every layer's SWA window (and LA's shift)"),
+    "rescale": (None, "", ("swa_only", "la_only"),
+                "the surviving branch gets weight 1 instead of g / 1-g"),
+    "la_span": (None, "", ("la_only",),
+                "LA over keys outside the window (default) or every causal key"),
+    "n_sinks": (lambda v: v >= 1, ">= 1", ("sinks_only",), "number of sink keys (default 8)"),
+    "backend": (None, "", (), "the kernels (a choice of speed, not of output)"),
+    "eps": (lambda v: v > 0, "> 0", (), "the LA kernel floor (set with the conversion)"),
+    "overlap": (None, "", ("hybrid", "la_only"), "LA also over the window's keys"),
+    "ssd_p": (lambda v: 0.0 <= v <= 1.0, "in [0, 1]", (), "SSD drop probability (training)"),
+    "ssd_granularity": (None, "", (), "what one SSD draw covers (training)"),
+}
+
+
+def _build_switches() -> dict[str, Switch]:
+    types = {f.name: f.type for f in fields(HybridConfig)}
+    names = [n for n in HybridConfig.RUNTIME if n != "mode"]
+    if set(names) != set(_SWITCH_RULES):  # a new runtime field needs its rule here
+        raise RuntimeError(f"HybridConfig.RUNTIME {names} and the switch rules "
+                           f"{sorted(_SWITCH_RULES)} differ")
+    out = {}
+    for name in names:
+        in_range, range_text, modes, help_ = _SWITCH_RULES[name]
+        out[name] = Switch(name, _KINDS[types[name]], _CHOICES.get(name), in_range, range_text,
+                           modes, help_)
+    return out
+
+
+#: every runtime switch but ``mode``, in ``HybridConfig.RUNTIME``'s order
+SWITCHES: dict[str, Switch] = _build_switches()
+
+
+def _suggest(word: str, options) -> str:
+    near = difflib.get_close_matches(str(word), [str(o) for o in options], n=1)
+    return f"; did you mean {near[0]!r}?" if near else ""
+
+
+def check_mode(mode: str) -> str:
+    """``mode`` if it is one of ``MODES``, else ``ValueError`` naming the valid ones."""
+    if mode not in MODES:
+        raise ValueError(f"unknown attention mode {mode!r}{_suggest(mode, MODES)}; valid modes: "
+                         f"{', '.join(MODES)}")
+    return mode
+
+
+def validate_switches(switches: dict, modes: tuple[str, ...] | list[str] | None = None,
+                      extra: tuple[str, ...] = ()) -> dict:
+    """Check a mapping ``{switch: value}``: every name a switch, every value of its type and
+    range, and (given ``modes``) every switch one that changes the output in each of them.
+    Names in ``extra`` pass unchecked (``set_attention_mode``'s ``observer``). Returns it;
+    ``ValueError`` says what is wrong and what would be right."""
+    for name, value in switches.items():
+        if name in extra:
+            continue
+        sw = SWITCHES.get(name)
+        if sw is None:
+            valid = [*SWITCHES, *extra]
+            raise ValueError(f"unknown switch {name!r}{_suggest(name, valid)}; valid switches: "
+                             f"{', '.join(valid)}")
+        sw.check(value)
+        for mode in modes or ():
+            _check_effect(sw, mode)
+    return switches
+
+
+def _check_effect(sw: Switch, mode: str, label: str | None = None) -> None:
+    if mode in sw.modes:
+        return
+    where = f" ({label!r})" if label else ""
+    if sw.modes:
+        raise ValueError(f"switch {sw.name!r} has no effect in mode {mode!r}{where}; it applies "
+                         f"to: {', '.join(sw.modes)}")
+    variant = [n for n, s in SWITCHES.items() if s.modes]
+    raise ValueError(f"switch {sw.name!r} cannot be set in a variant{where}: {sw.help}; a "
+                     f"variant sets: {', '.join(variant)}")
+
+
+def parse_variant(text: str) -> tuple[str, dict]:
+    """``mode[+switch[=value]]...`` (``la_only+rescale+la_span=all``) -> ``(mode, switches)``.
+
+    A bare boolean switch is ``true``; a switch that has no effect in the mode, one given twice,
+    an unknown name or a bad value raise ``ValueError`` naming what is valid."""
+    label = text.strip()
+    mode, *parts = [p.strip() for p in label.split("+")]
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r} in {label!r}{_suggest(mode, MODES)}; valid "
+                         f"modes: {', '.join(MODES)}")
+    switches: dict = {}
+    for part in parts:
+        name, sep, value = part.partition("=")
+        name = name.strip()
+        sw = SWITCHES.get(name)
+        if sw is None:
+            variant = [n for n, s in SWITCHES.items() if s.modes]
+            raise ValueError(f"unknown switch {name!r} in mode {label!r}"
+                             f"{_suggest(name, variant)}; valid switches: {', '.join(variant)}")
+        _check_effect(sw, mode, label)
+        if name in switches:
+            raise ValueError(f"switch {name!r} given twice in {label!r}")
+        switches[name] = sw.parse(value.strip() if sep else None)
+    return mode, switches
+
+
+#: the modes a YAML variant runs in when it names none
+VARIANT_MODES = ("swa_only", "la_only")
+
+
+def parse_variant_mapping(variant: dict) -> tuple[tuple[str, ...], dict]:
+    """A YAML variant ``{switch: value, ..., modes: [mode, ...]}`` -> ``(modes, switches)``;
+    ``modes`` defaults to ``VARIANT_MODES``. The same checks as ``parse_variant``: known modes,
+    valid values, and each switch one that changes the output in every mode listed."""
+    if not isinstance(variant, dict):  # ValueError, as every other config error here
+        raise ValueError(  # noqa: TRY004
+            f"a variant is a mapping of switches (and 'modes'), got {variant!r}")
+    switches = dict(variant)
+    modes = switches.pop("modes", VARIANT_MODES)
+    if isinstance(modes, str) or not isinstance(modes, (list, tuple)) or not modes:
+        raise ValueError(f"a variant's modes must be a non-empty list of modes, got {modes!r}")
+    for mode in modes:
+        check_mode(mode)
+    return tuple(modes), validate_switches(switches, modes)
+
+
+def variant_syntax() -> str:
+    """The variant syntax and its switches, one per line (for ``--help``)."""
+    lines = [f"mode syntax: MODE[+SWITCH[=VALUE]]...   MODE: {' '.join(MODES)}"]
+    lines += [f"  {s.syntax:<22} {', '.join(s.modes)}: {s.help}"
+              for s in SWITCHES.values() if s.modes]
+    return "\n".join(lines)

@@ -24,12 +24,10 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from .config import SSD_GRANULARITIES, HybridConfig
+from .config import HybridConfig, check_mode, validate_switches
 from .feature_maps import HedgehogFeatureMap, feature_dim
 from .layer import ATTN_IMPLEMENTATION, LayerRuntime, check_positions, install, register
 from .mixers import build_mixer
-from .ops.backends import BACKENDS
-from .ops.hybrid import LA_SPANS, MODES
 
 log = logging.getLogger(__name__)
 
@@ -168,38 +166,25 @@ def hybrid_parameter_names(model: nn.Module) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- switching
-_SWITCH_CHECKS = {
-    "window": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
-    "rescale": lambda v: isinstance(v, bool),
-    "overlap": lambda v: isinstance(v, bool),
-    "la_span": lambda v: v in LA_SPANS,
-    "n_sinks": lambda v: isinstance(v, int) and v >= 1,
-    "backend": lambda v: v in BACKENDS,
-    "eps": lambda v: isinstance(v, float) and v > 0,
-    "ssd_p": lambda v: isinstance(v, (int, float)) and 0.0 <= v <= 1.0,
-    "ssd_granularity": lambda v: v in SSD_GRANULARITIES,
-    "observer": lambda v: v is None or callable(v),
-}
-
-
 def set_attention_mode(model: nn.Module, mode: str | None = None, **switches) -> None:
-    """Set the mode (one of ``MODES``) and any runtime switch on every converted layer.
+    """Set the mode (one of ``config.MODES``) and any runtime switch on every converted layer.
 
-    Switches: ``window`` (overrides per-layer windows), ``rescale``, ``overlap``, ``la_span``,
-    ``n_sinks``, ``backend``, ``eps``, ``ssd_p``, ``ssd_granularity``, ``observer``.
+    Switches: ``config.SWITCHES`` (``window`` overrides per-layer windows, ``rescale``,
+    ``overlap``, ``la_span``, ``n_sinks``, ``backend``, ``eps``, ``ssd_p``, ``ssd_granularity``),
+    checked by ``config.validate_switches``; and the layer's ``observer`` hook (a callable or
+    None).
     """
     layers = list(hybrid_layers(model))
     if not layers:
         raise ValueError("the model has no hybrid layers: convert it with convert_to_hybrid first "
                          f"(mode {mode!r} needs them)")
-    if mode is not None and mode not in MODES:
-        raise ValueError(f"unknown attention mode {mode!r}; valid: {', '.join(MODES)}")
-    for name, value in switches.items():
-        check = _SWITCH_CHECKS.get(name)
-        if check is None:
-            raise ValueError(f"unknown switch {name!r}; valid: {', '.join(_SWITCH_CHECKS)}")
-        if not check(value):
-            raise ValueError(f"invalid value {value!r} for switch {name!r}")
+    if mode is not None:
+        check_mode(mode)
+    validate_switches(switches, extra=("observer",))
+    observer = switches.get("observer")
+    if observer is not None and not callable(observer):
+        raise ValueError(f"invalid value {observer!r} for switch 'observer': a callable "
+                         "fn(module, query, key, value, key_padding_mask, hidden_states) or None")
     if switches.get("overlap") and any(a.mixer.shared_norm for _, a in layers):
         raise ValueError("overlap=True contradicts the shared_norm mixer (window keys counted twice)")
     for _, attn in layers:

@@ -86,9 +86,9 @@ FORMAT = "hedgecats-hybrid/1"
 ADAPTER_DIR = "adapter"
 _SECTION_KEYS = {"format", "family", "config", "base_sliding_window", "adapter",
                  "hedgecats_version"}
-#: runtime switches that ``set_attention_mode`` sets on every layer at once
-_UNIFORM_SWITCHES = ("mode", "overlap", "rescale", "la_span", "n_sinks", "backend", "eps",
-                     "ssd_p", "ssd_granularity")
+#: runtime switches that ``set_attention_mode`` sets on every layer at once (all but the window,
+#: which a saved hybrid records per layer)
+_UNIFORM_SWITCHES = tuple(n for n in HybridConfig.RUNTIME if n != "window")
 
 
 # ----------------------------------------------------------------------------- configs

@@ -304,8 +304,7 @@ def evaluations(spec: dict) -> list[dict]:
 
 
 def _check_evaluations(spec: dict) -> None:
-    from ..models import HybridConfig
-    from ..models.ops.hybrid import MODES
+    from ..models.config import MODES, SWITCHES, parse_variant_mapping
 
     src = spec.get("source", "?")
     raw = spec.get("evaluate")
@@ -347,7 +346,6 @@ def _check_evaluations(spec: dict) -> None:
             if m not in MODES:
                 raise ConfigError(f"{where}.modes: {m!r} is not a mode{_suggest(m, MODES)}; "
                                   f"valid: {', '.join(MODES)}")
-        switches = [k for k in HybridConfig.RUNTIME if k not in ("mode",)]
         variants = ev.get("variants") or {}
         if not isinstance(variants, dict):
             raise ConfigError(f"{where}.variants must be a mapping of names to switches")
@@ -355,17 +353,14 @@ def _check_evaluations(spec: dict) -> None:
             at = f"{where}.variants.{vname}"
             if not isinstance(var, dict):
                 raise ConfigError(f"{at} must be a mapping of switches, got {var!r}")
-            bad = sorted(set(var) - set(switches) - {"modes"})
+            bad = sorted(set(var) - set(SWITCHES) - {"modes"})
             if bad:
-                raise ConfigError(f"{at}: {bad[0]!r} is not a switch{_suggest(bad[0], switches)};"
-                                  f" valid: modes, {', '.join(switches)}")
-            for m in var.get("modes", ("swa_only", "la_only")):
-                if m not in MODES:
-                    raise ConfigError(f"{at}.modes: {m!r} is not a mode{_suggest(m, MODES)}; "
-                                      f"valid: {', '.join(MODES)}")
-            try:
-                HybridConfig(**{k: v for k, v in var.items() if k != "modes"})
-            except (TypeError, ValueError) as err:
+                raise ConfigError(f"{at}: {bad[0]!r} is not a switch"
+                                  f"{_suggest(bad[0], SWITCHES)}; valid: modes, "
+                                  f"{', '.join(SWITCHES)}")
+            try:  # models.config: known modes, valid values, switches that act in those modes
+                parse_variant_mapping(var)
+            except ValueError as err:
                 raise ConfigError(f"{at}: {err}") from err
         bs = ev.get("batch_size", 16)
         if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
