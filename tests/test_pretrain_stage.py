@@ -115,3 +115,23 @@ def test_gated_swa_pipeline_config_builds_each_kind_of_variant(tmp_path):
                           variables={"pattern": None, "window": None, "gate": "none"})
     args = plain["stages"][0]["fit"]["model"]["init_args"]
     assert TeacherPretraining(**args).arch.is_plain
+
+
+def test_teacher_weights_follow_the_run_seed_unless_named(monkeypatch):
+    """Seeds reach every stage: without an ``init_seed`` the teacher's weights come from the
+    run's seed (``seed_everything`` exports ``PL_GLOBAL_SEED``); a named ``init_seed`` wins. The
+    first version always used 0, so ``--seed 0/1/2`` pretrained one teacher three times."""
+    def weights(**kw):
+        m = TeacherPretraining(**TINY, **kw)
+        m.configure_model()
+        return next(m.model.parameters()).detach().clone(), m.hparams.init_seed
+
+    monkeypatch.setenv("PL_GLOBAL_SEED", "1")
+    w1, s1 = weights()
+    monkeypatch.setenv("PL_GLOBAL_SEED", "2")
+    w2, s2 = weights()
+    named, s_named = weights(init_seed=1)
+    assert (s1, s2, s_named) == (1, 2, 1)
+    assert not torch.equal(w1, w2) and torch.equal(w1, named)
+    monkeypatch.delenv("PL_GLOBAL_SEED")
+    assert weights()[1] == 0  # no seed set anywhere: 0, as before

@@ -648,7 +648,9 @@ class TeacherPretraining(_NextTokenLoss, _Stage):
     The learning rate warms up linearly for ``warmup_steps`` and decays by cosine to
     ``min_lr_ratio * lr`` at ``trainer.max_steps`` (which must be set). The vocabulary defaults
     to ``hedgecats.data.byte_level_tokenizer``'s. ``init_seed`` seeds the weights (named apart
-    from the DataModule's ``seed``: Lightning refuses hyperparameters of one name and two values).
+    from the DataModule's ``seed``: Lightning refuses hyperparameters of one name and two values);
+    unset, it is the run's seed (``seed_everything``, so ``hedgecats pipeline --seed S`` reaches
+    the teacher as it reaches the feature maps; before, every seed pretrained the same teacher).
     """
 
     ARCHITECTURE_FILE = "architecture.json"
@@ -658,7 +660,8 @@ class TeacherPretraining(_NextTokenLoss, _Stage):
                  intermediate_size: int | None = None, max_position_embeddings: int = 1024,
                  rope_theta: float = 10000.0, pad_token_id: int | None = BYTE_PAD_ID,
                  eos_token_id: int | None = BYTE_EOS_ID, lr: float = 3e-3, weight_decay: float = 0.1,
-                 warmup_steps: int = 50, min_lr_ratio: float = 0.1, init_seed: int = 0,
+                 warmup_steps: int = 50, min_lr_ratio: float = 0.1,
+                 init_seed: int | None = None,
                  attention_pattern: str | list[int | str | None] | None = None,
                  sliding_window: int | None = None, output_gate: str = "none",
                  gate_rank: int = 16,
@@ -666,6 +669,8 @@ class TeacherPretraining(_NextTokenLoss, _Stage):
         from ..models.pretrain import PretrainConfig
 
         super().__init__()
+        if init_seed is None:
+            init_seed = run_seed()  # recorded resolved in hparams (save_hyperparameters reads it)
         self.save_hyperparameters()
         self.arch = PretrainConfig(
             vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
