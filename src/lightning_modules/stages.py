@@ -102,7 +102,7 @@ def _hybrid_config(hybrid: HybridConfig | dict | None) -> HybridConfig:
 def run_seed() -> int:
     """The seed of this run: ``seed_everything``'s (Lightning exports it as ``PL_GLOBAL_SEED``),
     or 0 when none was set."""
-    return int(os.environ.get("PL_GLOBAL_SEED", 0))
+    return int(os.environ.get("PL_GLOBAL_SEED", "0"))
 
 
 class _Stage(pl.LightningModule):
