@@ -135,3 +135,20 @@ def test_teacher_weights_follow_the_run_seed_unless_named(monkeypatch):
     assert not torch.equal(w1, w2) and torch.equal(w1, named)
     monkeypatch.delenv("PL_GLOBAL_SEED")
     assert weights()[1] == 0  # no seed set anywhere: 0, as before
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_teacher_built_by_lightning_cli_takes_the_seed_everything(seed):
+    """What the pipeline does: LightningCLI seeds, then builds the module with ``init_seed``
+    unset (it passes None explicitly, and its hyperparameters override the constructor's
+    locals); the weights must still come from the run's seed."""
+    from lightning.pytorch.cli import LightningCLI
+
+    cli = LightningCLI(TeacherPretraining, RecallDataModule, run=False, save_config_callback=None,
+                       args=["--seed_everything", str(seed),
+                             *[f"--model.{k}={v}" for k, v in TINY.items()]])
+    cli.model.configure_model()
+    assert cli.model.hparams.init_seed == seed
+    direct = TeacherPretraining(**TINY, init_seed=seed)
+    direct.configure_model()
+    assert torch.equal(next(cli.model.model.parameters()), next(direct.model.parameters()))

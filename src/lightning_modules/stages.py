@@ -669,9 +669,9 @@ class TeacherPretraining(_NextTokenLoss, _Stage):
         from ..models.pretrain import PretrainConfig
 
         super().__init__()
-        if init_seed is None:
-            init_seed = run_seed()  # recorded resolved in hparams (save_hyperparameters reads it)
         self.save_hyperparameters()
+        if self.hparams.init_seed is None:  # resolved and recorded (LightningCLI passes None)
+            self.hparams.init_seed = run_seed()
         self.arch = PretrainConfig(
             vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
             num_heads=num_heads, num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
