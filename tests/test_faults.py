@@ -197,22 +197,22 @@ def test_sigterm_as_a_stage_ends_keeps_it_done_and_exits_143(tmp_path, capsys, f
 
 
 def test_sigterm_during_the_evaluation(tmp_path, capsys, finished, monkeypatch):
-    from hedgecats import cli
+    from hedgecats.pipeline.evaluate import EVALUATORS
 
     out = copy_run(finished, tmp_path / "run", ("teacher", "transfer", "finetune"))
     cfg = make_spec(tmp_path / "p.yaml", evaluate=True)
-    real = cli.EVALUATORS["recall"]
+    real = EVALUATORS["recall"]
 
     def interrupted(*a, **k):
         os.kill(os.getpid(), signal.SIGTERM)
         return real(*a, **k)
 
-    monkeypatch.setitem(cli.EVALUATORS, "recall", interrupted)
+    monkeypatch.setitem(EVALUATORS, "recall", interrupted)
     rc, _, err = run(capsys, cfg, out)
     line = one_line(err)
     assert rc == 143 and "during the evaluation (every stage is done)" in line
     assert not (out / "results.json").exists() and not (out / "pipeline.lock").exists()
-    monkeypatch.setitem(cli.EVALUATORS, "recall", real)
+    monkeypatch.setitem(EVALUATORS, "recall", real)
     rc, _, _ = run(capsys, cfg, out)
     assert rc == 0 and json.loads((out / "results.json").read_text())["results"]
 

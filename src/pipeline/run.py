@@ -1,0 +1,152 @@
+"""``run_pipeline``: a pipeline's stages in order, then its evaluation (``hedgecats pipeline``).
+
+Loads the YAML (``spec``), checks the run directory (``rundir``), validates every stage
+(``validate``), plans each one (done / resume / new / refused) before the first trains, runs them
+(``runner``) under the run's lock and signal guard, then the ``evaluate:`` section
+(``evaluate``), and writes ``results.json``. ``hedgecats.cli`` only parses the command line.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import time
+from pathlib import Path
+
+from .evaluate import EVALUATORS, evaluations
+from .spec import load_pipeline
+
+__all__ = ["run_pipeline"]
+
+
+def _describe(stage: dict) -> str:
+    fit = stage["fit"]
+    model = fit["model"]
+    cls = model.get("class_path", "?").rsplit(".", 1)[-1] if isinstance(model, dict) else model
+    init = model.get("init_args", {}) if isinstance(model, dict) else {}
+    tr = fit.get("trainer", {})
+    budget = ", ".join(f"{k}={tr[k]}" for k in ("max_steps", "max_epochs", "max_time")
+                       if tr.get(k) not in (None, -1))
+    keys = ("model_name_or_path", "init_from", "objective", "hybrid", "mode", "lr")
+    args = "; ".join(f"{k}={init[k]}" for k in keys if k in init)
+    data = fit.get("data", {})
+    dcls = data.get("class_path", "-").rsplit(".", 1)[-1] if isinstance(data, dict) else data
+    return f"{cls} [{budget}] data={dcls} {args}"
+
+
+def run_pipeline(path: str | Path, output: str | Path | None = None, dry_run: bool = False,
+                 console=None, seed: int | None = None, variables: dict | None = None,
+                 overrides: list | None = None, *, restart_changed: bool = False,
+                 resume_changed: bool = False, force: bool = False,
+                 resume_command: str | None = None) -> dict | None:
+    """Run (or, with ``dry_run``, check and describe) a pipeline; returns what went to
+    results.json. Everything is validated, and every stage planned (done / resume / new /
+    refused), before the first stage trains (docs/reliability.md)."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    from ..evaluation.report import RESULTS_SCHEMA
+    from ..models.io import atomic_write_text
+    from . import rundir, runner
+    from .errors import ConfigError, Interrupted
+    from .validate import validate_pipeline
+
+    if restart_changed and resume_changed:
+        raise ConfigError("--restart-changed and --resume-changed exclude each other")
+    console = console or Console()
+
+    def warn(msg: str) -> None:
+        console.print(f"[yellow]{escape(msg)}[/yellow]", soft_wrap=True)
+
+    spec = load_pipeline(path, output, seed=seed, variables=variables, overrides=overrides)
+    out = Path(spec["output"])
+    names = [st["name"] for st in spec["stages"]]
+    rundir.check_output(out, pipeline=spec["name"], stage_names=names, force=force)
+    spec["run_id"] = rundir.run_id(out)
+    validate_pipeline(spec, warn=warn)
+    resume_command = resume_command or shlex.join(
+        ["hedgecats", "pipeline", str(path), "--output", str(out)])
+    flags = {"restart_changed": restart_changed, "resume_changed": resume_changed}
+
+    def plan_all() -> list:
+        plans, runs = [], set()
+        for st in spec["stages"]:
+            plan = runner.plan_stage(spec, st, upstream_runs=runs, check_inputs=not runs, **flags)
+            if plan.status != "done":
+                runs.add(st["name"])
+            plans.append(plan)
+        return plans
+
+    plans = plan_all()  # a changed or damaged stage is refused here, before anything trains
+    n = len(spec["stages"])
+    console.print(f"[bold]pipeline {escape(spec['name'])}[/bold] -> {escape(str(out))} "
+                  f"(seed {spec['seed']})", soft_wrap=True)
+    for i, (st, plan) in enumerate(zip(spec["stages"], plans), 1):
+        console.print(f"  {i}/{n} {st['name']} [{plan.describe()}]: {_describe(st)}",
+                      soft_wrap=True, markup=False)
+        for note in plan.notes:
+            warn(f"    note: {note}")
+    evals = evaluations(spec)
+    for ev in evals:
+        console.print(f"  evaluate: {ev.get('kind', 'recall')} on stage {ev.get('stage')!r}")
+    if dry_run:
+        console.print("dry run: the pipeline is valid; nothing was run", soft_wrap=True)
+        return None
+    rank0 = rundir.is_rank_zero()
+    lock = rundir.acquire_lock(out, resume_command, warn=warn) if rank0 else None
+    phase = "before the first stage"
+    try:
+        with runner.SignalGuard() as signals:
+            if rank0:
+                rundir.write_marker(out, pipeline=spec["name"], source=spec["source"])
+                for tmp in runner.stale_temporaries(out):  # left by a killed write
+                    tmp.unlink(missing_ok=True)
+            spec["run_id"] = rundir.run_id(out)
+            ctx = runner.RunContext(spec, console, signals, resume_command, rank0)
+            t0 = time.time()
+            ran: set[str] = set()
+            for i, st in enumerate(spec["stages"], 1):
+                phase = f"before stage {st['name']!r}"
+                plan = runner.plan_stage(spec, st, upstream_runs=ran, check_inputs=True, **flags)
+                for note in plan.notes:
+                    warn(f"note: {note}")
+                if plan.status == "done":
+                    if plan.restore_config and rank0:
+                        runner.restore_config(plan)
+                    console.print(f"[dim]stage {i}/{n} {st['name']}: done, skipped[/dim]")
+                    continue
+                console.rule(f"stage {i}/{n}: {st['name']} ({plan.describe()})")
+                t = time.time()
+                phase = f"in stage {st['name']!r}"
+                runner.run_stage(ctx, st, plan)
+                ran.add(st["name"])
+                console.print(f"stage {st['name']} finished in {time.time() - t:.0f} s")
+            phase = "during the evaluation (every stage is done)"
+            summary = {"schema": RESULTS_SCHEMA, "pipeline": spec["name"], "output": str(out),
+                       "seed": spec["seed"]}
+            done = []
+            for ev in evals:
+                console.rule(f"evaluation: {ev.get('kind', 'recall')}")
+                kind = ev.get("kind", "recall")
+                if kind not in EVALUATORS:
+                    raise ValueError(f"unknown evaluate kind {kind!r}; valid: {', '.join(EVALUATORS)}")
+                done.append({"kind": kind, **EVALUATORS[kind](spec, ev, console)})
+            if isinstance(spec.get("evaluate"), dict):
+                summary.update({k: v for k, v in done[0].items() if k != "kind"})
+            elif done:
+                summary["evaluations"] = done
+            summary["wall_s"] = round(time.time() - t0, 1)
+            if rank0:
+                atomic_write_text(out / "results.json", json.dumps(summary, indent=2))
+    except Interrupted as err:
+        if str(err):
+            raise
+        raise Interrupted(err.signum, f"interrupted by {err.signal_name} {phase}; what finished "
+                          f"is kept -- resume with: {resume_command}") from None
+    finally:
+        if lock is not None:
+            lock.release()
+    console.print(f"run directory: {out}\n  results.json, <stage>/config.yaml, <stage>/stage.pt, "
+                  "<stage>/done, <stage>/checkpoints/last.ckpt, <stage>/logs/attempt_*/metrics.csv",
+                  soft_wrap=True, markup=False)
+    return summary
