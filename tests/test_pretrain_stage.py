@@ -152,3 +152,25 @@ def test_teacher_built_by_lightning_cli_takes_the_seed_everything(seed):
     direct = TeacherPretraining(**TINY, init_seed=seed)
     direct.configure_model()
     assert torch.equal(next(cli.model.model.parameters()), next(direct.model.parameters()))
+
+
+def test_tied_teacher_is_a_plain_llama_that_saves_reloads_and_converts(tmp_path):
+    """``tie_word_embeddings``: one matrix for input and output, kept tied through training,
+    save and reload (identical logits), and still a plain Llama that converts to a hybrid."""
+    m = TeacherPretraining(**TINY, tie_word_embeddings=True)
+    _fit(m, tmp_path, steps=2)
+    assert m.model.lm_head.weight is m.model.model.embed_tokens.weight
+    teacher = load_pretrained(tmp_path / "model").eval()
+    assert type(teacher) is LlamaForCausalLM and teacher.config.tie_word_embeddings
+    assert teacher.lm_head.weight.data_ptr() == teacher.model.embed_tokens.weight.data_ptr()
+    ids = torch.randint(0, 256, (2, 40))
+    m.model.eval()
+    with torch.no_grad():
+        want = m.model(ids).logits
+        torch.testing.assert_close(teacher(ids).logits, want)
+        convert_to_hybrid(teacher, HybridConfig(window=8))
+        with attention_mode(teacher, "softmax"):
+            torch.testing.assert_close(teacher(ids).logits, want)
+    untied = TeacherPretraining(**TINY)
+    untied.configure_model()
+    assert untied.model.lm_head.weight is not untied.model.model.embed_tokens.weight

@@ -633,6 +633,8 @@ class TeacherPretraining(_NextTokenLoss, _Stage):
       from the layer input; ``gate_rank`` (lowrank), ``gate_init`` (every gate's value at
       initialisation: the gate starts constant and learns to depend on the input).
     - ``rope_fraction``: share of each head's dims that RoPE rotates (0: NoPE).
+    - ``tie_word_embeddings``: output projection = input embedding (Llama's option; still a
+      plain ``LlamaForCausalLM``); a copy task such as the recall corpus is learned much sooner.
 
     The defaults (every layer full, no gate, full RoPE) build exactly the ``LlamaForCausalLM``
     this stage always built, from the same random draws; other settings build a
@@ -665,7 +667,8 @@ class TeacherPretraining(_NextTokenLoss, _Stage):
                  attention_pattern: str | list[int | str | None] | None = None,
                  sliding_window: int | None = None, output_gate: str = "none",
                  gate_rank: int = 16,
-                 gate_init: float = 0.5, rope_fraction: float = 1.0) -> None:
+                 gate_init: float = 0.5, rope_fraction: float = 1.0,
+                 tie_word_embeddings: bool = False) -> None:
         from ..models.pretrain import PretrainConfig
 
         super().__init__()
@@ -679,7 +682,8 @@ class TeacherPretraining(_NextTokenLoss, _Stage):
             pad_token_id=pad_token_id, eos_token_id=eos_token_id,
             attention_pattern=attention_pattern, sliding_window=sliding_window,
             output_gate=output_gate,
-            gate_rank=gate_rank, gate_init=gate_init, rope_fraction=rope_fraction)
+            gate_rank=gate_rank, gate_init=gate_init, rope_fraction=rope_fraction,
+            tie_word_embeddings=tie_word_embeddings)
 
     def configure_model(self) -> None:
         if self.model is not None:

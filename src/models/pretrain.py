@@ -166,6 +166,10 @@ class PretrainConfig:
     4 * hidden), ``max_position_embeddings``, ``rope_theta``, ``pad_token_id``, ``eos_token_id``.
     The second seed's options (module docstring): ``attention_pattern`` with ``sliding_window``,
     ``output_gate`` with ``gate_rank`` (lowrank only) and ``gate_init``, ``rope_fraction``.
+    ``tie_word_embeddings``: the output projection is the input embedding (Llama's own option;
+    the model stays a plain ``LlamaForCausalLM``). A copy task such as the recall corpus is
+    learned much sooner with it: copying a token is then an identity map from the attended
+    token's embedding to its logit (the embedded demo uses it; README).
     """
 
     vocab_size: int
@@ -184,6 +188,7 @@ class PretrainConfig:
     gate_rank: int = 16  # r of the lowrank gate
     gate_init: float = 0.5  # every gate's value at initialisation, in (0, 1)
     rope_fraction: float = 1.0  # share of each head's dims that RoPE rotates; 0 = NoPE
+    tie_word_embeddings: bool = False
     layer_windows: tuple[int | None, ...] = field(init=False)  # resolved pattern, one per layer
 
     def __post_init__(self) -> None:
@@ -247,7 +252,7 @@ class PretrainConfig:
               "max_position_embeddings": self.max_position_embeddings,
               "rope_theta": self.rope_theta, "pad_token_id": self.pad_token_id,
               "eos_token_id": self.eos_token_id, "bos_token_id": None,
-              "tie_word_embeddings": False}
+              "tie_word_embeddings": bool(self.tie_word_embeddings)}
         if self.is_plain:
             return LlamaConfig(**kw)
         return PretrainLlamaConfig(**kw, **{CONFIG_KEY: self.options()})
