@@ -59,16 +59,12 @@ against ``hybrid_attention(backend="reference")`` on the GPU (tests/test_triton_
 
 from __future__ import annotations
 
-import functools
-import logging
-import os
 from dataclasses import dataclass
 
 import torch
 
 from . import reference as ref
-
-log = logging.getLogger(__name__)
+from .triton_common import available, interpret, warn_once
 
 __all__ = ["KernelConfig", "available", "fused_hybrid", "hybrid_kernel", "kernel_reference",
            "unsupported_reason"]
@@ -78,25 +74,6 @@ __all__ = ["KernelConfig", "available", "fused_hybrid", "hybrid_kernel", "kernel
 FALLBACK_ERRORS: list[str] = []
 #: calls that ran the fused kernels (tests check that a path was taken, not only its result)
 CALLS = {"forward": 0}
-
-
-@functools.lru_cache(maxsize=None)
-def _warn_once(msg: str) -> None:
-    log.warning(msg)
-
-
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@functools.lru_cache(maxsize=None)
-def available() -> bool:
-    """Triton importable, and CUDA present (or the interpreter switched on, for CPU tests)."""
-    try:
-        import triton  # noqa: F401
-    except Exception:  # ImportError, or a broken install
-        return False
-    return torch.cuda.is_available() or _interpret()
 
 
 @dataclass(frozen=True)
@@ -924,8 +901,8 @@ def _with_retry(phase: str, key: tuple, cfg: KernelConfig, fn):
                 raise
             _FAILED.add((phase, cfg, key))
             RETRIES.append(f"{phase} {key}: {type(e).__name__}: {str(e)[:300]}")
-            _warn_once(f"fused hybrid {phase}: tiles {cfg} do not compile here "
-                       f"({type(e).__name__}: {str(e)[:200]}); using {SAFE_CONFIG}")
+            warn_once(__name__, f"fused hybrid {phase}: tiles {cfg} do not compile here "
+                      f"({type(e).__name__}: {str(e)[:200]}); using {SAFE_CONFIG}")
     return fn(SAFE_CONFIG)
 
 
@@ -961,8 +938,8 @@ class _HybridFn(torch.autograd.Function):
                           den, cfg=c, **args)))
         except _triton_errors() as e:  # a Triton resource / compile failure: say so, stay right
             FALLBACK_ERRORS.append(f"backward: {type(e).__name__}: {e}"[:500])
-            _warn_once(f"fused hybrid backward failed in Triton ({type(e).__name__}); this call's "
-                       "gradients come from the PyTorch reference")
+            warn_once(__name__, f"fused hybrid backward failed in Triton ({type(e).__name__}); "
+                      "this call's gradients come from the PyTorch reference")
             return _reference_backward(ctx, do, q, k, v, fq, fk, ca, cb, logs, shift, first,
                                        kpm_i8, a)
         if dq is None:
@@ -1071,7 +1048,7 @@ def unsupported_reason(q, k, v, fq, fk, key_padding_mask=None) -> str | None:
     """Why the fused kernels cannot take these tensors (``None``: they can)."""
     if not available():
         return "triton is not installed or there is no CUDA device"
-    if not (q.is_cuda or _interpret()):
+    if not (q.is_cuda or interpret()):
         return "the fused kernels run on CUDA tensors"
     if fq is None or fk is None:
         return "no feature maps"
@@ -1123,7 +1100,8 @@ def fused_hybrid(q, k, v, fq, fk, *, window: int, mode: str, g, shared_norm: boo
     by the caller), or ``None`` (reason logged once) for the caller's piece-by-piece path."""
 
     def no(reason: str):
-        _warn_once(f"fused Triton hybrid not used: {reason}; running the piece-by-piece path")
+        warn_once(__name__, f"fused Triton hybrid not used: {reason}; running the "
+                  "piece-by-piece path")
         return None
 
     if mode not in ("hybrid", "swa_only", "la_only"):
@@ -1195,6 +1173,6 @@ def _launch(q, k, v, fq, fk, ca, cb, logs, shift, window, scale, eps, kpm, has_s
         return out
     except _triton_errors() as e:  # never a crash inside Triton: the caller's path instead
         FALLBACK_ERRORS.append(f"forward: {type(e).__name__}: {e}"[:500])
-        _warn_once(f"fused hybrid forward failed in Triton ({type(e).__name__}: "
-                   f"{str(e)[:200]}); running the piece-by-piece path")
+        warn_once(__name__, f"fused hybrid forward failed in Triton ({type(e).__name__}: "
+                  f"{str(e)[:200]}); running the piece-by-piece path")
         return None

@@ -32,37 +32,15 @@ keep the module's own forward. Wiring (``models.feature_maps.HedgehogFeatureMap.
 
 from __future__ import annotations
 
-import functools
-import logging
-import os
-
 import torch
 
-log = logging.getLogger(__name__)
+from .triton_common import available, interpret, warn_once
 
 __all__ = ["available", "hedgehog_features", "reference_features", "unsupported_reason"]
 
 FALLBACK_ERRORS: list[str] = []
 CALLS = {"forward": 0}
 ACTIVATIONS = ("softmax", "exp")
-
-
-@functools.lru_cache(maxsize=None)
-def _warn_once(msg: str) -> None:
-    log.warning(msg)
-
-
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@functools.lru_cache(maxsize=None)
-def available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except Exception:
-        return False
-    return torch.cuda.is_available() or _interpret()
 
 
 try:
@@ -205,7 +183,7 @@ def unsupported_reason(x, weight, bias, activation: str) -> str | None:
         return f"activation {activation!r} (the kernel takes {', '.join(ACTIVATIONS)})"
     if not available():
         return "triton is not installed or there is no CUDA device"
-    if not (x.is_cuda or _interpret()):
+    if not (x.is_cuda or interpret()):
         return "the kernel runs on CUDA tensors"
     if x.dtype != torch.bfloat16:  # fp32 products spilled heavily; fp32 maps are not hot
         return f"dtype {x.dtype} (the kernel takes bf16)"
@@ -234,7 +212,7 @@ def hedgehog_features(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
     reason = unsupported_reason(x, weight, bias, activation)
     if reason is not None:
         if activation in ACTIVATIONS:
-            _warn_once(f"fused feature map not used: {reason}")
+            warn_once(__name__, f"fused feature map not used: {reason}")
         return None
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -242,7 +220,8 @@ def hedgehog_features(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
         y = _PhiFn.apply(x, weight, bias, activation == "softmax")
     except _triton_errors() as e:
         FALLBACK_ERRORS.append(f"{type(e).__name__}: {e}"[:500])
-        _warn_once(f"fused feature map failed in Triton ({type(e).__name__}); using PyTorch")
+        warn_once(__name__, f"fused feature map failed in Triton ({type(e).__name__}); "
+                  "using PyTorch")
         return None
     CALLS["forward"] += 1
     return y

@@ -33,17 +33,13 @@ blocked one (same arguments, ``eps`` included; ``block`` is accepted and ignored
 
 from __future__ import annotations
 
-import functools
 import inspect
-import logging
-import os
 
 import torch
 
 from . import transfer
 from .reference import DEN_TINY
-
-log = logging.getLogger(__name__)
+from .triton_common import available, interpret, warn_once
 
 __all__ = ["available", "unsupported_reason", "weights_xent", "xent_rows"]
 
@@ -61,24 +57,6 @@ def _default_floor() -> float:
 KERNEL_FLOOR = _default_floor()
 FALLBACK_ERRORS: list[str] = []
 CALLS = {"forward": 0}  # calls that ran the kernel (tests check the path taken)
-
-
-@functools.lru_cache(maxsize=None)
-def _warn_once(msg: str) -> None:
-    log.warning(msg)
-
-
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@functools.lru_cache(maxsize=None)
-def available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except Exception:
-        return False
-    return torch.cuda.is_available() or _interpret()
 
 
 try:
@@ -304,8 +282,8 @@ def _with_retry(phase, key, blocks, fn):
                 raise
             _FAILED.add((phase, blocks, key))
             RETRIES.append(f"{phase} {key}: {type(e).__name__}: {str(e)[:300]}")
-            _warn_once(f"fused weights_xent {phase}: tiles {blocks} do not compile here "
-                       f"({type(e).__name__}); using {SAFE_BLOCKS}")
+            warn_once(__name__, f"fused weights_xent {phase}: tiles {blocks} do not compile here "
+                      f"({type(e).__name__}); using {SAFE_BLOCKS}")
     return fn(SAFE_BLOCKS)
 
 
@@ -379,7 +357,7 @@ def xent_rows(q, k, fq, fk, *, scale: float, key_padding_mask=None, eps: float =
 def unsupported_reason(q, k, fq, fk) -> str | None:
     if not available():
         return "triton is not installed or there is no CUDA device"
-    if not (q.is_cuda or _interpret()):
+    if not (q.is_cuda or interpret()):
         return "the fused kernel runs on CUDA tensors"
     if q.dtype != k.dtype or fq.dtype != fk.dtype:
         return f"q/k dtypes {q.dtype}/{k.dtype} or fq/fk dtypes {fq.dtype}/{fk.dtype} differ"
@@ -415,7 +393,8 @@ def weights_xent(q: torch.Tensor, k: torch.Tensor, fq: torch.Tensor, fk: torch.T
     blocked_kw = {} if eps == KERNEL_FLOOR else {"eps": eps}  # the blocked version's own default
     reason = unsupported_reason(q, k, fq, fk)
     if reason is not None:
-        _warn_once(f"fused weights_xent not used: {reason}; running the blocked PyTorch version")
+        warn_once(__name__, f"fused weights_xent not used: {reason}; running the blocked "
+                  "PyTorch version")
         return transfer.weights_xent(q, k, fq, fk, scale=scale, key_padding_mask=key_padding_mask,
                                      block=block, return_entropy=return_entropy, **blocked_kw)
     B, H, T, D = q.shape
@@ -426,8 +405,8 @@ def weights_xent(q: torch.Tensor, k: torch.Tensor, fq: torch.Tensor, fk: torch.T
         CALLS["forward"] += 1
     except _triton_errors() as e:
         FALLBACK_ERRORS.append(f"{type(e).__name__}: {e}"[:500])
-        _warn_once(f"fused weights_xent failed in Triton ({type(e).__name__}); running the "
-                   "blocked PyTorch version")
+        warn_once(__name__, f"fused weights_xent failed in Triton ({type(e).__name__}); "
+                  "running the blocked PyTorch version")
         return transfer.weights_xent(q, k, fq, fk, scale=scale, key_padding_mask=key_padding_mask,
                                      block=block, return_entropy=return_entropy, **blocked_kw)
     if key_padding_mask is None:

@@ -1,0 +1,33 @@
+"""What the Triton kernel modules (``triton_hybrid``, ``triton_xent``, ``triton_phi``) share:
+whether they can run here, whether Triton's interpreter is on, and a warning logged once."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+__all__ = ["available", "interpret", "warn_once"]
+
+
+def interpret() -> bool:
+    """Triton's CPU interpreter is switched on (``TRITON_INTERPRET=1``: the CPU tests)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.cache
+def available() -> bool:
+    """Triton importable, and CUDA present (or the interpreter switched on, for CPU tests)."""
+    try:
+        import triton  # noqa: F401
+    except Exception:  # ImportError, or a broken install
+        return False
+    return torch.cuda.is_available() or interpret()
+
+
+@functools.cache
+def warn_once(logger: str, msg: str) -> None:
+    """``msg`` at WARNING on ``logger``, once per process."""
+    logging.getLogger(logger).warning(msg)
