@@ -23,7 +23,6 @@ import argparse
 import json
 import logging
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -242,6 +241,7 @@ def export(source: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool
     """
     from .models.checkpoint import load_hybrid
     from .models.hf import hybrid_section, save_hybrid
+    from .models.io import atomic_directory
 
     if lora not in ("merge", "adapter"):
         raise ValueError(f"lora={lora!r}; valid: merge, adapter")
@@ -261,9 +261,7 @@ def export(source: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool
     res = json.loads(res_path.read_text()) if res_path is not None and res_path.is_file() else None
     if results and res is None:
         raise FileNotFoundError(f"--results {results!r} does not exist")
-    tmp = out.with_name(f".{out.name}.export-tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with atomic_directory(out) as tmp:
         save_hybrid(model, tmp, lora=lora_used)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
@@ -274,11 +272,6 @@ def export(source: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool
         (tmp / "README.md").write_text(card)
         if check:
             _check_export(model, tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     if push_to_hub:
         push(out, push_to_hub, private=private)
     return out

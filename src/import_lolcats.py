@@ -25,7 +25,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -189,6 +188,7 @@ def import_lolcats(base: str, distill: str | os.PathLike, out: str | os.PathLike
 
     from .models import convert_to_hybrid
     from .models.hf import save_hybrid
+    from .models.io import atomic_directory
     from .models.lolcats import (
         LolcatsSettings,
         check_weights,
@@ -262,9 +262,7 @@ def import_lolcats(base: str, distill: str | os.PathLike, out: str | os.PathLike
         "hybrid_config": config.to_dict(),
         "sources": {k: {"path": _shown(p), "sha256": _sha256(p)} for k, p in sources.items()},
     }
-    tmp = out.with_name(f".{out.name}.import-tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with atomic_directory(out) as tmp:
         save_hybrid(hybrid, tmp, lora=lora_mode)
         try:
             AutoTokenizer.from_pretrained(base).save_pretrained(tmp)
@@ -278,11 +276,6 @@ def import_lolcats(base: str, distill: str | os.PathLike, out: str | os.PathLike
             from .export import _check_export
 
             _check_export(hybrid, tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

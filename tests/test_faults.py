@@ -731,6 +731,24 @@ def test_evaluate_output_follows_the_umask(tmp_path):
     assert (tmp_path / "results").stat().st_mode & 0o777 == 0o755
 
 
+def test_atomic_directory_replaces_on_success_and_keeps_the_old_one_on_error(tmp_path):
+    """What export, import-lolcats and evaluate write their directories through."""
+    from hedgecats.models.io import atomic_directory
+
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "old").write_text("old")
+    with pytest.raises(RuntimeError), atomic_directory(out) as d:
+        (d / "new").write_text("new")
+        raise RuntimeError("the export failed half-way")
+    assert sorted(p.name for p in out.iterdir()) == ["old"]
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]  # no temporary left
+    with atomic_directory(out) as d:
+        (d / "new").write_text("new")
+    assert sorted(p.name for p in out.iterdir()) == ["new"]
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]
+
+
 def test_parameters_finite_check():
     from hedgecats.lightning_modules.guard import parameters_finite
 

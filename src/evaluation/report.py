@@ -40,11 +40,10 @@ import csv
 import json
 import math
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from ..models.io import atomic_directory
 from . import metrics
 from .lm_eval_bridge import TaskScore
 
@@ -305,25 +304,10 @@ def check_output_dir(path: str | Path, overwrite: bool = False) -> Path:
 
 @contextlib.contextmanager
 def atomic_output_dir(path: str | Path, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary directory; on success it replaces ``path``, on error it is removed."""
-    final = check_output_dir(path, overwrite)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; the results follow the umask
-    try:
+    """Yield a temporary directory; on success it replaces ``path``, on error it is removed
+    (``check_output_dir`` first, then ``models.io.atomic_directory``)."""
+    with atomic_directory(check_output_dir(path, overwrite)) as tmp:
         yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    old = None
-    if final.exists():
-        old = final.parent / f".{final.name}.old-{os.getpid()}"
-        final.rename(old)
-    tmp.rename(final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def _json_default(o):

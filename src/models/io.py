@@ -12,6 +12,8 @@ import contextlib
 import errno
 import hashlib
 import os
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -70,6 +72,31 @@ def atomic_write(path: str | os.PathLike) -> Iterator[BinaryIO]:
             raise failed from err
         raise
     fsync_dir(path.parent)
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield an empty sibling directory to fill; on a clean exit it replaces ``path`` (an existing
+    one is moved aside first, then removed), on an error it is removed and ``path`` is left as it
+    was. The directory follows the umask (``mkdtemp`` alone would make it 0700)."""
+    final = Path(path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = None
+    if final.exists():
+        old = final.parent / f".{final.name}.old-{os.getpid()}"
+        final.rename(old)
+    tmp.rename(final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
