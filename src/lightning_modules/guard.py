@@ -108,7 +108,8 @@ class TrainingGuard(pl.Callback):
             before every checkpoint, so non-finite state is never saved whatever the period.
             Default 4: on an H200 a check after every step cost 2.1% of a full-parameter step
             (the norm 0.97%, its host sync the rest; benchmarks/results/guard_overhead_h200_full.json),
-            so every 4th step costs about 0.5%; a blow-up is named within 4 steps.
+            so every 4th step should cost about 0.5% (derived from that figure, not measured);
+            a blow-up is named within 4 steps.
         divergence_factor: the smoothed loss must stay below this multiple of its best value
             (> 1); ``None`` switches the slow-divergence check off.
         divergence_patience: consecutive optimiser steps above it that stop the stage (>= 1).
