@@ -112,3 +112,16 @@ def test_legacy_wrapper_restores_the_first_formulas(monkeypatch):
         torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-7)
     finally:
         backends._cuda_ops.cache_clear()
+
+
+def test_run_passes_seed_vars_and_overrides_to_every_pipeline():
+    """``testbed.py run --set`` reaches each pipeline as ``hedgecats pipeline --set``; the legacy
+    objective swaps the entry point for ``testbed_legacy.py``."""
+    tb = _load("testbed")
+    cmd = tb._pipeline_cmd(Path("c.yaml"), Path("out"), 2, {"teacher": "t"}, False,
+                           ["stages.transfer.fit.model.init_args.max_den_collapsed=null"])
+    assert cmd[1:] == ["-m", "hedgecats.cli", "pipeline", "c.yaml", "--output", "out",
+                       "--seed", "2", "--var", "teacher=t",
+                       "--set", "stages.transfer.fit.model.init_args.max_den_collapsed=null"]
+    legacy = tb._pipeline_cmd(Path("c.yaml"), Path("out"), None, {}, True)
+    assert legacy[1].endswith("testbed_legacy.py") and "--seed" not in legacy
