@@ -13,7 +13,8 @@
 # attention_speed.{json,md}, stage_speed.{json,md}, summary.json.
 # Limits (seconds, env): TESTS_TIMEOUT 170, ATTN_TIMEOUT 180, STAGES_TIMEOUT 160; WORKERS 8
 # (worst case with the kill grace periods: 580 s, under the 600 s a GPU call may take).
-# SKIP_TESTS=1 / SKIP_ATTN=1 / SKIP_STAGES=1 leave a step out.
+# SKIP_TESTS=1 / SKIP_ATTN=1 / SKIP_STAGES=1 leave a step out; ATTN_TUNE=0 leaves out the tile
+# sweep (its compilations took the whole step on 2026-12-02); ATTN_ARGS / STAGE_ARGS are passed on.
 set -o pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 LOG="$OUT/kernels_gpu.log"
@@ -84,7 +85,8 @@ fi
 # ---------------------------------------------------------------- 2. one layer
 if [ "${SKIP_ATTN:-0}" != 1 ]; then
   say "== 2. benchmarks/attention_speed.py ($(($(date +%s) - start)) s)"
-  timeout -s INT -k 20 "${ATTN_TIMEOUT:-180}" python3 benchmarks/attention_speed.py --tune --out "$OUT" \
+  tune=--tune; [ "${ATTN_TUNE:-1}" = 0 ] && tune=""
+  timeout -s INT -k 20 "${ATTN_TIMEOUT:-180}" python3 benchmarks/attention_speed.py $tune --out "$OUT" \
     ${ATTN_ARGS:-} 2>&1 | tee -a "$LOG"
   say "attention_speed exit status: $?"
 fi

@@ -60,6 +60,7 @@ def main(argv=None):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--window", type=int, default=64)
     p.add_argument("--out", default=None)
+    p.add_argument("--no-denominator", action="store_true", help="kernel tables only")
     a = p.parse_args(argv)
     H, Hkv, D, w, dt = a.heads, a.kv_heads, a.head_dim, a.window, torch.bfloat16
     phi_q, phi_k = HedgehogFeatureMap(H, D).cuda(), HedgehogFeatureMap(Hkv, D).cuda()
@@ -76,15 +77,27 @@ def main(argv=None):
             out = hybrid_attention(q, k, v, phi_q(q), phi_k(k), window=w, backend="auto")
             out.backward(do)
 
-        row = dict(B=B, T=T, layer_ms=round(timed(layer), 3))
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            layer()
-            torch.cuda.synchronize()
-        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
-        print(f"== B={B} T={T}: layer fwd+bwd {row['layer_ms']} ms\n{table}", flush=True)
-        row["kernels"] = [dict(name=e.key[:120], cuda_ms=round(e.device_time_total / 1e3, 3),
-                               calls=e.count)
-                          for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:25]]
+        def forward():
+            with torch.no_grad():
+                hybrid_attention(q, k, v, phi_q(q), phi_k(k), window=w, backend="auto")
+
+        row = dict(B=B, T=T, layer_ms=round(timed(layer), 3), forward_ms=round(timed(forward), 3))
+        for name, fn in (("kernels", layer), ("forward_kernels", forward)):
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                fn()
+                torch.cuda.synchronize()
+            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+            what = "fwd+bwd" if name == "kernels" else "forward (no grad)"
+            print(f"== B={B} T={T}: layer {what} {row['layer_ms' if name == 'kernels' else 'forward_ms']}"
+                  f" ms\n{table}", flush=True)
+            row[name] = [dict(name=e.key[:120], cuda_ms=round(e.device_time_total / 1e3, 3),
+                              calls=e.count)
+                         for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:25]]
+        res["shapes"].append(row)
+        if a.no_denominator:
+            del q, k, v, do
+            torch.cuda.empty_cache()
+            continue
         with torch.no_grad():
             fq, fk = phi_q(q), phi_k(k)
         fq64, fk64 = fq.double(), fk.double()
@@ -103,7 +116,6 @@ def main(argv=None):
             err = ((d - oracle).norm() / oracle.norm()).item()
             row["denominator"][name] = dict(ms=round(ms, 3), rel_err=float(f"{err:.2e}"))
             print(f"   den {name:22s} {ms:8.3f} ms  rel err {err:.1e}", flush=True)
-        res["shapes"].append(row)
         del q, k, v, do, fq, fk, fq64, fk64, oracle
         torch.cuda.empty_cache()
     if a.out:

@@ -33,11 +33,7 @@ left() { echo $(( BUDGET - ($(date +%s) - START) )); }
 LOG=$OUT/testbed_gpu.log
 exec > >(tee -a "$LOG") 2>&1
 
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
-mkdir -p /tmp/pkg && ln -sfn "$PWD/src" /tmp/pkg/hedgecats
-export PYTHONPATH=/tmp/pkg:/tmp/site:$PWD/tests PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source benchmarks/gpu_env.sh || exit 1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton, fla, lightning, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'fla', fla.__version__, 'lightning', lightning.__version__, 'transformers', transformers.__version__)"
 ROOT=/tmp/testbed; mkdir -p $ROOT
@@ -89,7 +85,7 @@ if [ -n "$SEEDS" ] && [ -d "$TEACHER_DIR" ] && [ "$(left)" -gt 120 ]; then
   (cd $ROOT && tar -czf $OUT/report.tgz report 2>/dev/null)
 fi
 # in 15 MB parts (a file over 16 MB would not come back): cat testbed_runs.tgz.part-* | tar -xz
-(cd $ROOT && tar -czf - --exclude='*.ckpt' --exclude='*/finetune/stage.pt' \
+[ -n "$SEEDS" ] && (cd $ROOT && tar -czf - --exclude='*.ckpt' --exclude='*/finetune/stage.pt' \
    --exclude='teacher/teacher/model' --exclude='mc_tasks' . 2>/dev/null \
    | split -b 15M - $OUT/testbed_runs.tgz.part-)
 echo "== done at $(( $(date +%s) - START )) s"; ls -la "$OUT"

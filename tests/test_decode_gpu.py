@@ -31,9 +31,12 @@ BF16 = 2e-2
 
 
 def gpu_hybrid(cfg: HybridConfig, seed: int = 0):
+    # built in bf16 the way from_pretrained(dtype=bf16) builds it: rotary inv_freq stays fp32
+    # (``.to(torch.bfloat16)`` would round that buffer too, and a reloaded model, whose
+    # inv_freq is fp32, would then differ from it in every mode, softmax included)
     torch.manual_seed(seed)
     with torch.device("cuda"):
-        model = LlamaForCausalLM(LlamaConfig(**SHAPE)).to(torch.bfloat16).eval()
+        model = LlamaForCausalLM._from_config(LlamaConfig(**SHAPE), dtype=torch.bfloat16).eval()
     convert_to_hybrid(model, cfg)
     with torch.no_grad():
         for n, p in model.named_parameters():

@@ -92,6 +92,22 @@ def test_round_trip_is_bit_identical_in_every_mode(family, tmp_path):
         assert torch.equal(got[mode], want[mode]), mode
 
 
+def test_bf16_round_trip_is_bit_identical_in_every_mode(tmp_path):
+    """A bf16 hybrid (built as ``from_pretrained(dtype=bf16)`` builds one: feature maps fp32,
+    rotary inv_freq fp32) reloads in bf16 with the same logits in every mode."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM._from_config(LlamaConfig(**SMALL), dtype=torch.bfloat16).eval()
+    convert_to_hybrid(model, HybridConfig(window=4, layer_windows={2: 6}, mixer="learned_head"))
+    x = ids()
+    want = logits_by_mode(model, x)
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert {p.dtype for n, p in loaded.named_parameters() if ".phi_" in n} == {torch.float32}
+    got = logits_by_mode(loaded, x)
+    for mode in MODES:
+        assert torch.equal(got[mode], want[mode]), mode
+
+
 def test_saved_section_is_the_live_state(tmp_path):
     """Switches changed after conversion are what the directory records."""
     model = hybrid()
