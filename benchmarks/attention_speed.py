@@ -37,6 +37,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
+import re
 import statistics
 import sys
 import time
@@ -256,26 +258,30 @@ class Layer:
     def teacher(self):
         return teacher_attention(self.teacher_module, self.q, self.k, self.v, self.scale)
 
-    def features(self, fused: bool):
-        """(fq, fk): the modules' PyTorch forward, or the fused Triton map (ops.triton_phi)."""
-        if fused:
-            from hedgecats.models.ops import triton_phi
+    def features(self, pytorch: bool = False):
+        """(fq, fk): the modules' forward (the fused Triton map, ops.triton_phi, wherever it
+        applies: the default path since 2026-12-02), or with ``pytorch`` their PyTorch path
+        (``HEDGECATS_TRITON=0`` around the two calls only; the attention kernel is unaffected)."""
+        if not pytorch:
+            return self.phi_q(self.q), self.phi_k(self.k)
+        old = os.environ.get("HEDGECATS_TRITON")
+        os.environ["HEDGECATS_TRITON"] = "0"
+        try:
+            return self.phi_q(self.q), self.phi_k(self.k)
+        finally:
+            if old is None:
+                del os.environ["HEDGECATS_TRITON"]
+            else:
+                os.environ["HEDGECATS_TRITON"] = old
 
-            fq = triton_phi.hedgehog_features(self.q, self.phi_q.weight, self.phi_q.bias)
-            fk = triton_phi.hedgehog_features(self.k, self.phi_k.weight, self.phi_k.bias)
-            if fq is not None and fk is not None:
-                return fq, fk
-            raise RuntimeError("the fused feature map declined this call (see the log)")
-        return self.phi_q(self.q), self.phi_k(self.k)
-
-    def feature_maps(self, fused: bool):
+    def feature_maps(self, pytorch: bool = False):
         """Both feature maps alone, as one (B, T, H, F)-shaped output for the timing loop."""
-        fq, fk = self.features(fused)
+        fq, fk = self.features(pytorch)
         return (fq.sum() + fk.sum()).reshape(1, 1, 1, 1).expand(self.do.shape)
 
-    def hybrid(self, mixer="fixed", backend="auto", fq=None, fk=None, fused_phi=False):
+    def hybrid(self, mixer="fixed", backend="auto", fq=None, fk=None, pytorch_phi=False):
         if fq is None:
-            fq, fk = self.features(fused_phi)
+            fq, fk = self.features(pytorch_phi)
         out = hybrid_attention(self.q, self.k, self.v, fq, fk, window=self.w, backend=backend,
                                scale=self.scale, **self.mixer_args(mixer))
         return out.transpose(1, 2).contiguous()
@@ -376,12 +382,12 @@ def run_shape(a, B, T, results, log):
     spec.append(("hybrid fixed fwd", "fwd", lambda: L.hybrid("fixed"), "fixed", "hybrid"))
     spec.append(("hybrid pieces fixed", "fwd+bwd", pieces("fixed"), "fixed", "hybrid"))
     if have_triton:
-        spec.append(("hybrid fixed [fused phi]", "fwd+bwd",
-                     lambda: L.hybrid("fixed", fused_phi=True), "fixed", "hybrid"))
-        spec.append(("hybrid fixed fwd [fused phi]", "fwd",
-                     lambda: L.hybrid("fixed", fused_phi=True), "fixed", "hybrid"))
-        spec.append(("feature maps", "fwd+bwd", lambda: L.feature_maps(False), None, "phi"))
-        spec.append(("feature maps [fused]", "fwd+bwd", lambda: L.feature_maps(True), None,
+        spec.append(("hybrid fixed [pytorch phi]", "fwd+bwd",
+                     lambda: L.hybrid("fixed", pytorch_phi=True), "fixed", "hybrid"))
+        spec.append(("hybrid fixed fwd [pytorch phi]", "fwd",
+                     lambda: L.hybrid("fixed", pytorch_phi=True), "fixed", "hybrid"))
+        spec.append(("feature maps", "fwd+bwd", lambda: L.feature_maps(), None, "phi"))
+        spec.append(("feature maps [pytorch]", "fwd+bwd", lambda: L.feature_maps(True), None,
                      "phi"))
         fq = L.phi_q(L.q).detach().requires_grad_()
         fk = L.phi_k(L.k).detach().requires_grad_()
@@ -394,6 +400,8 @@ def run_shape(a, B, T, results, log):
         for mixer in ("fixed", "shared_norm"):
             spec.append((f"lolcats T x T {mixer}", "fwd+bwd", lambda m=mixer: L.lolcats(m), mixer,
                          "lolcats"))
+    if a.cases:
+        spec = [row for row in spec if re.search(a.cases, row[0])]
     for name, kind, fwd, mixer, floor_key in spec:
         row = {"B": B, "T": T, "case": name, "kind": kind}
         torch.cuda.empty_cache()
@@ -494,8 +502,8 @@ def _find(rows, T, case):
 
 
 def ratios(rows, suffix: str = "") -> dict:
-    """The issue's ratios (ours / theirs), where both rows exist; ``suffix`` " [fused phi]"
-    takes our rows with the fused feature maps instead of the modules' PyTorch forward."""
+    """The issue's ratios (ours / theirs), where both rows exist; ``suffix`` " [pytorch phi]"
+    takes our rows with the feature maps' PyTorch path instead of the default (fused) one."""
     def ratio(T, ours, theirs, key="ms"):
         a, b = _find(rows, T, ours + suffix), _find(rows, T, theirs)
         return None if a is None or b is None else round(a[key] / b[key], 4)
@@ -536,9 +544,9 @@ def markdown(res) -> str:
         lines.append(f"| {r['B']} x {r['T']} | {r['case']} | {r['ms']:.3f} | "
                      f"{r['peak_gib']:.2f} | {r['tokens_per_s']:,.0f} | {r['floor_ms']:.3f} | "
                      f"{r['floor_fraction']:.2f} | {err} |")
-    lines += ["", "| ratio (ours / theirs) | measured (default path) | with the fused feature "
-              "map | target |", "| --- | --- | --- | --- |"]
-    fused = res.get("ratios_with_fused_phi", {})
+    lines += ["", "| ratio (ours / theirs) | measured (default path) | with the feature maps' "
+              "PyTorch path | target |", "| --- | --- | --- | --- |"]
+    fused = res.get("ratios_with_pytorch_phi", {})
     for k, v in res["ratios"].items():
         f = fused.get(k)
         lines.append(f"| {k} | {v if v is not None else '-'} | {f if f is not None else '-'} | "
@@ -580,6 +588,8 @@ def main(argv=None) -> int:
     p.add_argument("--materialised-gib", type=float, default=60.0,
                    help="run the T x T baseline where it needs at most this much")
     p.add_argument("--budget-ms", type=float, default=800.0, help="timing budget per row")
+    p.add_argument("--cases", help="only the rows whose name matches this regular expression "
+                   "(e.g. '^(teacher|swa|hybrid fixed|lolcats T x T fixed)( fwd)?$')")
     p.add_argument("--tune", action="store_true", help="also time tile configs of the kernel")
     p.add_argument("--tune-shapes", default="8x1024,1x65536", help="BxT list for --tune")
     p.add_argument("--out", default="benchmarks/results")
@@ -636,7 +646,7 @@ def main(argv=None) -> int:
             res["kernel_tile_retries"] = list(th.RETRIES)
             res["kernel_fallback_errors"] = list(th.FALLBACK_ERRORS)
         res["ratios"] = ratios(res["rows"])
-        res["ratios_with_fused_phi"] = ratios(res["rows"], " [fused phi]")
+        res["ratios_with_pytorch_phi"] = ratios(res["rows"], " [pytorch phi]")
         res["targets"] = TARGETS
         (out / "attention_speed.json").write_text(json.dumps(res, indent=1) + "\n")
         (out / "attention_speed.md").write_text(markdown(res))

@@ -23,8 +23,9 @@ optimiser step), peak memory over the timed steps.
     finetune/hybrid          stage 2: peft LoRA (r 8 on q, k, v, o), activation checkpointing,
                              next-token loss, the layers in hybrid mode (SSD off)
     finetune/softmax         the same LoRA step with the layers in softmax mode
-    <...> [fused phi]        the same with the feature maps through ops.triton_phi (patched into
-                             HedgehogFeatureMap.forward for the row; not wired by default)
+    <...> [pytorch phi]      the same with the feature maps' PyTorch path (the fused map,
+                             ops.triton_phi, is the modules' default on CUDA since 2026-12-02;
+                             rows measured before then name the fused one "[fused phi]")
 
 Results: ``stage_speed.json`` and ``stage_speed.md`` in ``--out``, and the issue's ratios in
 ``--summary`` (default ``<out>/summary.json``, merged with attention_speed's). ``--profile``
@@ -156,14 +157,9 @@ def finetune_step(peft_model, inner, opt, ids, bench: Bench, mode: str):
     return loss.detach()
 
 
-def fused_phi_forward(self, x):
-    """HedgehogFeatureMap.forward through ops.triton_phi where it applies."""
-    from hedgecats.models.ops import triton_phi
-
-    if getattr(self, "floor", 0.0) > 0:  # a feature floor (LoLCATs imports): the module's own
-        return _MODULE_FORWARD(self, x)
-    out = triton_phi.hedgehog_features(x, self.weight, self.bias, self.activation)
-    return out if out is not None else _MODULE_FORWARD(self, x)
+def pytorch_phi(self, x):
+    """HedgehogFeatureMap._fused declining every call: the module's PyTorch path."""
+    return None
 
 
 def _module_forward():
@@ -172,7 +168,7 @@ def _module_forward():
     return HedgehogFeatureMap, HedgehogFeatureMap.forward
 
 
-_FM_CLASS, _MODULE_FORWARD = _module_forward()
+_FM_CLASS, _ = _module_forward()
 
 
 @contextlib.contextmanager
@@ -295,18 +291,18 @@ def run(a, on_row=None) -> dict:
         if has_triton() and short:
             from hedgecats.models.ops import triton_xent
 
-            # the fused feature map too (ops.triton_phi, not wired into the module yet)
-            variants.append(("transfer/weights_xent [fused, fused phi]", "weights_xent",
+            # the feature maps' PyTorch path too (the fused map is the default)
+            variants.append(("transfer/weights_xent [fused, pytorch phi]", "weights_xent",
                              ("weights_xent", triton_xent.weights_xent), True))
-            variants.append(("transfer/hybrid_output_mse [fused phi]", "hybrid_output_mse",
+            variants.append(("transfer/hybrid_output_mse [pytorch phi]", "hybrid_output_mse",
                              None, True))
-        for name, objective, patch, *with_fused_phi in variants:
-            def fn(objective=objective, patch=patch, fused_phi=bool(with_fused_phi)):
+        for name, objective, patch, *with_pytorch_phi in variants:
+            def fn(objective=objective, patch=patch, torch_phi=bool(with_pytorch_phi)):
                 with contextlib.ExitStack() as stack:
                     if patch:
                         stack.enter_context(patched(transfer, *patch))
-                    if fused_phi:
-                        stack.enter_context(patched(_FM_CLASS, "forward", fused_phi_forward))
+                    if torch_phi:
+                        stack.enter_context(patched(_FM_CLASS, "_fused", pytorch_phi))
                     return bench.measure(lambda: transfer_step(model, opt, ids, bench, objective),
                                          tokens)
             attempt(name, T, fn)
@@ -334,11 +330,11 @@ def run(a, on_row=None) -> dict:
             attempt(f"finetune/{mode}", T, lambda mode=mode: bench.measure(
                 lambda: finetune_step(peft_model, model, opt, ids, bench, mode), B * T))
         if has_triton() and T == min(int(t) for t in a.seq_lens.split(",")):
-            def fused_phi_row():
-                with patched(_FM_CLASS, "forward", fused_phi_forward):
+            def pytorch_phi_row():
+                with patched(_FM_CLASS, "_fused", pytorch_phi):
                     return bench.measure(
                         lambda: finetune_step(peft_model, model, opt, ids, bench, "hybrid"), B * T)
-            attempt("finetune/hybrid [fused phi]", T, fused_phi_row)
+            attempt("finetune/hybrid [pytorch phi]", T, pytorch_phi_row)
     return {"rows": rows, "build_s": round(build_s, 1), "profile": profile,
             "trainable": {"feature_maps": sum(p.numel() for p in phi),
                           "lora": sum(p.numel() for p in lora)}}
@@ -400,8 +396,8 @@ def ratios(rows, short: int = 1024, long: int = 4096) -> dict:
     }
 
 
-def ratios_fused_phi(rows, short: int = 1024) -> dict:
-    """The stage ratios with the fused feature map as well (rows named ``[... fused phi]``)."""
+def ratios_pytorch_phi(rows, short: int = 1024) -> dict:
+    """The stage ratios with the feature maps' PyTorch path (rows named ``[... pytorch phi]``)."""
     def tps(name):
         r = _row(rows, name, short)
         return None if r is None else r["tokens_per_s"]
@@ -410,11 +406,11 @@ def ratios_fused_phi(rows, short: int = 1024) -> dict:
         return None if x is None or y is None else round(x / y, 4)
 
     teacher = tps("teacher_forward")
-    return {"transfer_xent_vs_teacher_forward": div(tps("transfer/weights_xent [fused, fused phi]"),
+    return {"transfer_xent_vs_teacher_forward": div(tps("transfer/weights_xent [fused, pytorch phi]"),
                                                     teacher),
             "transfer_hybrid_mse_vs_teacher_forward": div(
-                tps("transfer/hybrid_output_mse [fused phi]"), teacher),
-            "lora_vs_softmax_lora": div(tps("finetune/hybrid [fused phi]"),
+                tps("transfer/hybrid_output_mse [pytorch phi]"), teacher),
+            "lora_vs_softmax_lora": div(tps("finetune/hybrid [pytorch phi]"),
                                         tps("finetune/softmax"))}
 
 
@@ -454,8 +450,9 @@ def markdown(res) -> str:
     lines += ["", "| ratio | measured | target |", "| --- | --- | --- |"]
     for k, v in res["ratios"].items():
         lines.append(f"| {k} | {'-' if v is None else v} | {TARGETS[k]} |")
-    lines += ["", "With the fused feature map as well (ops.triton_phi, not wired by default): "
-              + ", ".join(f"{k} {v}" for k, v in res.get("ratios_with_fused_phi", {}).items()),
+    lines += ["", "With the feature maps' PyTorch path instead of the fused map (ops.triton_phi, "
+              "the default on CUDA): "
+              + ", ".join(f"{k} {v}" for k, v in res.get("ratios_with_pytorch_phi", {}).items()),
               "", "Two-GPU scaling is not measured by this script (one GPU): `null`."]
     return "\n".join(lines) + "\n"
 
@@ -502,7 +499,7 @@ def main(argv=None) -> int:
         res["rows"] = rows
         res["ratios"] = ratios(rows, min(lens), max(lens))
         res["ratio_lengths"] = {"short": min(lens), "long": max(lens)}
-        res["ratios_with_fused_phi"] = ratios_fused_phi(rows, min(lens))
+        res["ratios_with_pytorch_phi"] = ratios_pytorch_phi(rows, min(lens))
         res["targets"] = TARGETS
         res["seconds"] = round(time.time() - t0, 1)
         (out / "stage_speed.json").write_text(json.dumps(res, indent=1) + "\n")

@@ -3,6 +3,8 @@
     python benchmarks/testbed.py run --root runs/testbed --seeds 0,1,2 --jobs 7
     python benchmarks/testbed.py run --root runs/testbed --legacy-objective \\
         --recipes hedgecats,ssd_dropout,ssd_window,ssd_fixed        # the "before" of issue 20
+    python benchmarks/testbed.py run --root R --no-mc ...    # then, anywhere:
+    python benchmarks/testbed.py mc --root R --jobs 2 --device cpu
     python benchmarks/testbed.py report --root runs/testbed --out docs/testbed
 
 ``run`` writes the multiple-choice tasks (``<root>/mc_tasks``), trains the teacher through
@@ -63,6 +65,39 @@ def _pipeline_cmd(config: Path, output: Path, seed: int | None, variables: dict,
     return cmd
 
 
+def _without_mc(config: Path, out_dir: Path) -> Path:
+    """``config`` without its multiple-choice step (the ``command`` evaluation): a file that
+    ``extends`` it and lists the other evaluations (a list replaces the inherited one whole).
+    ``run --no-mc`` trains and recall-evaluates with it; ``mc`` runs the step afterwards."""
+    import yaml
+    from hedgecats.pipeline.spec import read_pipeline
+
+    spec = read_pipeline(config)
+    kept = [e for e in spec.get("evaluate") or [] if e.get("kind") != "command"]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / config.name
+    path.write_text(f"# {config.name} without its multiple-choice step (benchmarks/testbed.py "
+                    "run --no-mc)\n" + yaml.safe_dump({"extends": str(config.resolve()),
+                                                       "evaluate": kept}, sort_keys=False))
+    return path
+
+
+def mc_command(config: Path, run: Path, variables: dict, seed: int | None,
+               device: str | None) -> list[str]:
+    """The ``hedgecats evaluate`` command of ``config``'s multiple-choice step for ``run``, its
+    ``${...}`` resolved as the pipeline resolves them (``--device`` added when given)."""
+    from hedgecats.pipeline.spec import load_pipeline
+
+    spec = load_pipeline(config, output=run, seed=seed, variables=variables)
+    steps = [e for e in spec.get("evaluate") or [] if e.get("kind") == "command"]
+    if len(steps) != 1:
+        raise SystemExit(f"{config}: expected one multiple-choice (command) evaluation, found "
+                         f"{len(steps)}")
+    argv = [str(x) for x in steps[0]["argv"]]
+    return [sys.executable, "-m", "hedgecats.cli", "evaluate", *argv,
+            *(["--device", device] if device else [])]
+
+
 def _run_jobs(jobs: list[tuple[str, list[str]]], n_parallel: int, logs: Path) -> dict:
     """Run ``(name, command)`` jobs, ``n_parallel`` at once; ``{name: {rc, wall_s}}``."""
     logs.mkdir(parents=True, exist_ok=True)
@@ -113,8 +148,10 @@ def cmd_run(a: argparse.Namespace) -> int:
     base = root / "legacy" if a.legacy_objective else root
     variables = {"teacher": teacher, "tasks": tasks, "transfer_steps": a.transfer_steps,
                  "finetune_steps": a.finetune_steps}
+    configs = {r: _without_mc(CONFIGS / f"{r}.yaml", root / "configs-no-mc") if a.no_mc
+               else CONFIGS / f"{r}.yaml" for r in recipes}
     jobs = [(f"{'legacy-' if a.legacy_objective else ''}{r}-s{s}",
-             _pipeline_cmd(CONFIGS / f"{r}.yaml", base / f"{r}-s{s}", s, variables,
+             _pipeline_cmd(configs[r], base / f"{r}-s{s}", s, variables,
                            a.legacy_objective, a.set or []))
             for s in a.seeds for r in recipes]
     report["jobs"].update(_run_jobs(jobs, a.jobs, root / "logs"))
@@ -123,6 +160,33 @@ def cmd_run(a: argparse.Namespace) -> int:
         json.dumps(report, indent=2))
     failed = [n for n, r in report["jobs"].items() if r["rc"]]
     print(f"{len(report['jobs']) - len(failed)} ok, {len(failed)} failed {failed}")
+    return 1 if failed else 0
+
+
+# ----------------------------------------------------------------------------- mc
+def cmd_mc(a: argparse.Namespace) -> int:
+    """The multiple-choice step of every run whose stage 2 is done and that has no
+    ``mc/results.json`` yet: the recipe's own ``hedgecats evaluate`` command (e.g. after
+    ``run --no-mc`` on the GPU, on another machine, all runs on one device and dtype)."""
+    root = Path(a.root).resolve()
+    teacher = Path(a.teacher).resolve() if a.teacher else root / "teacher" / "teacher" / "model"
+    variables = {"teacher": teacher, "tasks": root / "mc_tasks"}
+    jobs = []
+    for run in sorted(root.glob("*-s[0-9]*")):
+        recipe, _, seed = run.name.rpartition("-s")
+        if recipe not in RECIPES or not seed.isdigit():
+            continue
+        if not (run / "finetune" / "stage.pt").exists() or \
+                ((run / "mc" / "results.json").exists() and not a.again):
+            continue
+        jobs.append((f"mc-{run.name}", mc_command(CONFIGS / f"{recipe}.yaml", run, variables,
+                                                 int(seed), a.device)))
+    if not jobs:
+        print(f"no run under {root} needs its multiple-choice step")
+        return 0
+    done = _run_jobs(jobs, a.jobs, root / "logs")
+    failed = [n for n, r in done.items() if r["rc"]]
+    print(f"{len(done) - len(failed)} ok, {len(failed)} failed {failed}")
     return 1 if failed else 0
 
 
@@ -414,7 +478,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="passed to every pipeline (hedgecats pipeline --set), repeatable")
     r.add_argument("--legacy-objective", action="store_true",
                    help="the first weights_xent (benchmarks/testbed_legacy.py), into <root>/legacy")
+    r.add_argument("--no-mc", action="store_true",
+                   help="leave out the multiple-choice step (run it later with `mc`)")
     r.set_defaults(fn=cmd_run)
+    m = sub.add_parser("mc", help="the multiple-choice step of finished runs that lack it")
+    m.add_argument("--root", default="runs/testbed")
+    m.add_argument("--teacher", help="the teacher directory, if not <root>/teacher/teacher/model")
+    m.add_argument("--jobs", type=int, default=2)
+    m.add_argument("--device", help="passed to hedgecats evaluate (default: its own)")
+    m.add_argument("--again", action="store_true", help="also runs that have mc/results.json")
+    m.set_defaults(fn=cmd_mc)
     q = sub.add_parser("report", help="tables and plots from finished runs")
     q.add_argument("--root", default="runs/testbed")
     q.add_argument("--out", default="runs/testbed/report")

@@ -125,3 +125,27 @@ def test_run_passes_seed_vars_and_overrides_to_every_pipeline():
                        "--set", "stages.transfer.fit.model.init_args.max_den_collapsed=null"]
     legacy = tb._pipeline_cmd(Path("c.yaml"), Path("out"), None, {}, True)
     assert legacy[1].endswith("testbed_legacy.py") and "--seed" not in legacy
+
+
+def test_no_mc_config_and_the_mc_step_split_the_recipe(tmp_path):
+    """``run --no-mc`` runs a recipe without its multiple-choice step (everything else as the
+    recipe has it); ``mc`` later runs exactly that step's command, resolved for the run."""
+    from hedgecats.pipeline.spec import load_pipeline
+
+    tb = _load("testbed")
+    recipe = tb.CONFIGS / "hedgecats.yaml"
+    variables = {"teacher": tmp_path / "teacher", "tasks": tmp_path / "mc_tasks"}
+    run = tmp_path / "hedgecats-s1"
+    full = load_pipeline(recipe, output=run, seed=1, variables=variables)
+    derived = tb._without_mc(recipe, tmp_path / "configs")
+    cut = load_pipeline(derived, output=run, seed=1, variables=variables)
+    assert [e["kind"] for e in full["evaluate"]] == ["recall", "recall", "command"]
+    assert cut["evaluate"] == full["evaluate"][:2]
+    assert cut["stages"] == full["stages"]
+    cmd = tb.mc_command(recipe, run, variables, 1, "cpu")
+    assert cmd[1:4] == ["-m", "hedgecats.cli", "evaluate"]
+    args = cmd[4:]
+    assert args[args.index("--model") + 1] == str(run / "finetune" / "stage.pt")
+    assert args[args.index("--tasks") + 1] == str(tmp_path / "mc_tasks")
+    assert args[args.index("--output") + 1] == str(run / "mc")
+    assert args[-2:] == ["--device", "cpu"]

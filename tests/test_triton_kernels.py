@@ -371,6 +371,52 @@ PHI_SHAPES = {  # B, H, T, D, projection
 PHI_CASES = [(s, a) for s in PHI_SHAPES for a in ("softmax", "exp")]
 
 
+class pytorch_feature_maps:
+    """``HEDGECATS_TRITON=0`` inside: the feature-map modules run their PyTorch path."""
+
+    def __enter__(self):
+        self.old = os.environ.get("HEDGECATS_TRITON")
+        os.environ["HEDGECATS_TRITON"] = "0"
+
+    def __exit__(self, *exc):
+        if self.old is None:
+            os.environ.pop("HEDGECATS_TRITON", None)
+        else:
+            os.environ["HEDGECATS_TRITON"] = self.old
+
+
+@pytest.mark.parametrize("floor", [0.0, 1e-3])
+def test_feature_map_module_takes_the_fused_kernel(floor):
+    """HedgehogFeatureMap on CUDA in bf16 is ops.triton_phi (GQA keys repeated first, the floor
+    applied after), bit for bit, gradients included; with HEDGECATS_TRITON=0 it is not."""
+    from hedgecats.models.ops import triton_phi as tp
+
+    if not tp.available():
+        pytest.skip("triton not available")
+    gen = torch.Generator(device=DEVICE).manual_seed(4)
+    fm = HedgehogFeatureMap(4, 64, seed=5, floor=floor, input_heads=2).to(DEVICE)
+    x0 = torch.randn(2, 2, 40, 64, device=DEVICE, generator=gen).bfloat16()
+
+    def run(fn):
+        x = x0.detach().clone().requires_grad_()
+        fm.zero_grad()
+        y = fn(x)
+        y.float().square().sum().backward()
+        return y.detach(), x.grad, fm.weight.grad.clone()
+
+    calls = tp.CALLS["forward"]
+    got = run(fm)
+    assert tp.CALLS["forward"] == calls + 1, "the module did not take the fused kernel"
+    want = run(lambda x: tp.hedgehog_features(x.repeat_interleave(2, dim=1), fm.weight, fm.bias,
+                                              "softmax").clamp_min(floor))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    with pytorch_feature_maps():
+        calls = tp.CALLS["forward"]
+        run(fm)
+        assert tp.CALLS["forward"] == calls
+
+
 @pytest.mark.parametrize("shape_id,activation", PHI_CASES,
                          ids=[f"{s}-{a}" for s, a in PHI_CASES])
 def test_fused_feature_map(shape_id, activation):
@@ -400,7 +446,8 @@ def test_fused_feature_map(shape_id, activation):
     calls, n_err = tp.CALLS["forward"], len(tp.FALLBACK_ERRORS)
     got = run(lambda x: tp.hedgehog_features(x, fm.weight, fm.bias, activation), torch.bfloat16)
     fused = tp.CALLS["forward"] - calls
-    module = run(fm, torch.bfloat16)
+    with pytorch_feature_maps():  # the module's own PyTorch path (it takes the kernel now)
+        module = run(fm, torch.bfloat16)
     oracle = run(lambda x: tp.reference_features(x, fm.weight, fm.bias, activation),
                  torch.float32)
     vs_oracle, module_vs_oracle = errors(got, oracle), errors(module, oracle)
