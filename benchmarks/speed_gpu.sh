@@ -9,10 +9,10 @@
 #      8x1024,2x4096,1x16384,1x65536), ATTN_CASES (a regular expression on row names; all)
 #   bash benchmarks/speed_gpu.sh          (wheels in .whl/, carried)
 # SKIP_DECODE=1 / SKIP_PROFILE=1 / SKIP_ATTN=1 leave a step out; *_TIMEOUT (seconds) bound them.
-# Writes $OUT/speed_gpu.log and $OUT/speed_results.tgz (every JSON / Markdown the steps wrote).
+# Writes $OUT/speed_gpu.log and $OUT/speed/ (every JSON / Markdown the steps wrote; at most 7).
 set -o pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-R=/tmp/speed_results; rm -rf $R; mkdir -p $R
+R=$OUT/speed; mkdir -p $R  # written as they go: a call cut at its limit still sends them back
 exec > >(tee -a "$OUT/speed_gpu.log") 2>&1
 source benchmarks/gpu_env.sh || exit 1
 start=$(date +%s)
@@ -44,5 +44,4 @@ if [ "${SKIP_ATTN:-0}" != 1 ]; then
     2>&1 | grep -v "^{" | tail -60
 fi
 at "done"
-(cd $R && tar -czf "$OUT/speed_results.tgz" .)
 ls -la $R
