@@ -67,9 +67,9 @@ def test_pipeline_passes_dry_run_validation(path, tmp_path, monkeypatch):
     """What --dry-run checks (every stage's full config against the classes, the evaluate
     section). Local directories a recipe expects from elsewhere (the testbed's teacher and tasks,
     ``vars`` with a path) stand in as empty directories; hub ids are taken on trust."""
-    import yaml
+    from hedgecats.pipeline.spec import read_pipeline
 
-    raw = yaml.safe_load(path.read_text())
+    raw = read_pipeline(path)  # with its extends bases: their vars count too
     variables = {}
     for name, value in (raw.get("vars") or {}).items():
         if isinstance(value, str) and "/" in value and not Path(value).exists():
