@@ -40,7 +40,9 @@ RECIPES = ("lolcats", "lolcats_shared_norm", "lolcats_window_max", "lolcats_gate
 RECALL_ROWS = {"teacher": "teacher", "softmax": "softmax", "hybrid": "hybrid",
                "hybrid (overlap)": "hybrid+overlap", "swa_only": "swa_only",
                "la_only": "la_only", "la_only (la_span_all)": "la_only+all",
-               "sinks_only": "sinks_only", "none": "none"}
+               "sinks_only": "sinks_only", "none": "none",
+               # SSD recipes also at the configured window (they end at their last phase's)
+               "hybrid (window64)": "hybrid@w64", "swa_only (window64)": "swa_only@w64"}
 FAR_TASK = "recall_mc_far"
 
 
@@ -48,7 +50,8 @@ def _short(tasks) -> list[str]:
     """The short multiple-choice tasks present (the whole question inside the window)."""
     return sorted(t for t in tasks if t.startswith("recall_mc_short"))
 MC_MODES = {"hybrid": "hybrid", "swa_only": "swa_only", "la_only": "la_only",
-            "la_only+la_span=all": "la_only+all", "none": "none"}
+            "la_only+la_span=all": "la_only+all", "none": "none",
+            "hybrid+window=64": "hybrid@w64", "swa_only+window=64": "swa_only@w64"}
 
 
 # ----------------------------------------------------------------------------- run
@@ -209,7 +212,8 @@ def tables_from_log(text: str) -> list[dict[str, dict[str, float]]]:
             cells = [c.strip() for c in _CELL.split(line)[1:-1]]
             if cells[0].startswith("(") and all(not c for c in cells[1:]):  # a label's 2nd line
                 variant = cells[0].strip("()…")
-                full = next((v for v in ("la_span_all", "rescale", "overlap", "window_only")
+                full = next((v for v in ("la_span_all", "rescale", "overlap", "window_only",
+                                         "window64")
                              if v.startswith(variant)), variant)
                 rows[-1] = (f"{rows[-1][0]} ({full})", rows[-1][1])
                 continue
