@@ -9,7 +9,8 @@
 #      8x1024,2x4096,1x16384,1x65536), ATTN_CASES (a regular expression on row names; all)
 #   bash benchmarks/speed_gpu.sh          (wheels in .whl/, carried)
 # SKIP_DECODE=1 / SKIP_PROFILE=1 / SKIP_ATTN=1 leave a step out; *_TIMEOUT (seconds) bound them.
-# Writes $OUT/speed_gpu.log and $OUT/speed/ (every JSON / Markdown the steps wrote; at most 7).
+# Writes $OUT/speed_gpu.log and, under $OUT/speed/, decode_speed.{json,md}, profile_hybrid.json,
+# attention_speed.{json,md}, summary.json, kernels_gpu.log: 8 files, a call's limit.
 set -o pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 R=$OUT/speed; mkdir -p $R  # written as they go: a call cut at its limit still sends them back
@@ -23,11 +24,13 @@ timeout -s INT -k 10 "${TESTS_TIMEOUT:-60}" python3 -m pytest -p no:cacheprovide
   --tb=short ${TESTS:-tests/test_decode_gpu.py -k save_load} 2>&1 | grep -v '^{' | tail -30
 if [ "${SKIP_DECODE:-0}" != 1 ]; then
   at "2. decode benchmark"
+  # the two parts in /tmp, combined under $R (a call sends back at most 8 files)
+  rm -f /tmp/decode_latency.json /tmp/decode_batch.json
   timeout -k 10 "${LATENCY_TIMEOUT:-170}" python3 benchmarks/decode_speed.py --parts latency \
-    --out $R/decode_latency.json 2>&1 | grep -v Warning | tail -25
+    --out /tmp/decode_latency.json 2>&1 | grep -v Warning | tail -25
   timeout -k 10 "${BATCH_TIMEOUT:-90}" python3 benchmarks/decode_speed.py --parts batch \
-    --out $R/decode_batch.json 2>&1 | tail -8
-  parts=$(ls $R/decode_latency.json $R/decode_batch.json 2>/dev/null)
+    --out /tmp/decode_batch.json 2>&1 | tail -8
+  parts=$(ls /tmp/decode_latency.json /tmp/decode_batch.json 2>/dev/null)
   [ -n "$parts" ] && python3 benchmarks/decode_speed.py --combine $parts \
     --out $R/decode_speed.json --md $R/decode_speed.md 2>&1 | tail -40
 fi
