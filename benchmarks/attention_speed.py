@@ -408,7 +408,12 @@ def run_shape(a, B, T, results, log):
         try:
             # long sequences are checked against the pieces (fla), except shared_norm, whose
             # pieces need flex_attention's log-sum-exp: a compilation per length, minutes
-            if mixer is not None and kind == "fwd+bwd" and (use_ref or (
+            long_ok = a.check_max_tokens is None or B * T <= a.check_max_tokens
+            if mixer is not None and kind == "fwd+bwd" and not long_ok:
+                row["check"] = None
+                row["check_skipped"] = (f"B*T = {B * T} > --check-max-tokens "
+                                        f"{a.check_max_tokens}")
+            elif mixer is not None and kind == "fwd+bwd" and (use_ref or (
                     "pieces" not in name and mixer != "shared_norm")):
                 row["check"] = check_against(L, fwd, mixer, use_ref,
                                              pieces=None if use_ref else pieces(mixer))
@@ -541,6 +546,8 @@ def markdown(res) -> str:
             continue
         chk = r.get("check")
         err = "" if not chk else f"{max(chk['rel_err'].values()):.1e} ({chk['against']})"
+        if r.get("check_skipped"):
+            err = f"not checked ({r['check_skipped']})"
         lines.append(f"| {r['B']} x {r['T']} | {r['case']} | {r['ms']:.3f} | "
                      f"{r['peak_gib']:.2f} | {r['tokens_per_s']:,.0f} | {r['floor_ms']:.3f} | "
                      f"{r['floor_fraction']:.2f} | {err} |")
@@ -588,6 +595,10 @@ def main(argv=None) -> int:
     p.add_argument("--materialised-gib", type=float, default=60.0,
                    help="run the T x T baseline where it needs at most this much")
     p.add_argument("--budget-ms", type=float, default=800.0, help="timing budget per row")
+    p.add_argument("--check-max-tokens", type=int, default=None,
+                   help="no correctness check above this many tokens (B*T): the check against "
+                        "the pieces at 64k outlasted a 190 s step on the H200; the GPU kernel "
+                        "tests cover correctness (default: check every shape)")
     p.add_argument("--cases", help="only the rows whose name matches this regular expression "
                    "(e.g. '^(teacher|swa|hybrid fixed|lolcats T x T fixed)( fwd)?$')")
     p.add_argument("--tune", action="store_true", help="also time tile configs of the kernel")
