@@ -408,6 +408,9 @@ def plot(agg: dict, out: Path, runs: dict) -> list[Path]:
     import matplotlib.pyplot as plt
 
     recipes = list(agg)
+    # an SSD recipe is evaluated at its last phase's window: say so under its bar
+    labels = [r + ("" if agg[r].get("windows") in (None, [], [64]) else
+                   f" (w {'/'.join(map(str, agg[r]['windows']))})") for r in recipes]
     modes = [m for m in ("softmax", "hybrid", "swa_only", "la_only", "la_only+all", "none")
              if any(m in agg[r]["far_acc"] for r in recipes)]
     fig, ax = plt.subplots(figsize=(max(8, 1.4 * len(recipes)), 4.2))
@@ -421,7 +424,7 @@ def plot(agg: dict, out: Path, runs: dict) -> list[Path]:
         for x, s in zip(xs, st):
             ax.scatter([x] * len(s["values"]), s["values"], s=6, color="k", zorder=3)
     n = sorted({len(agg[r]["seeds"]) for r in recipes})
-    ax.set_xticks(range(len(recipes)), recipes, rotation=20, ha="right")
+    ax.set_xticks(range(len(recipes)), labels, rotation=20, ha="right")
     ax.set_ylabel("far recall accuracy")
     ax.set_title(f"Far recall (150-400 tokens back, window 64) per mode\nmean ± std over "
                  f"{'/'.join(map(str, n))} seeds; dots: seeds", fontsize=10)
@@ -432,18 +435,21 @@ def plot(agg: dict, out: Path, runs: dict) -> list[Path]:
     fig.savefig(p1, dpi=120)
     plt.close(fig)
 
-    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(recipes)), 3.8))
-    for ax, key, title, unit in ((axes[0], "delta_la_near_recall", "near recall (inside the "
-                                  "window)", "accuracy"),
-                                 (axes[1], "delta_la_far_recall", "far recall (beyond the window)",
-                                  "accuracy")):
+    panels = [("delta_la_near_recall", "near recall (inside the window)", "accuracy"),
+              ("delta_la_far_recall", "far recall (beyond the window)", "accuracy")]
+    panels += [(key, title, "points") for key, title in (
+        ("delta_la_mc_short", "short MC task (lm-eval)"), ("delta_la_mc_far", "far MC task (lm-eval)"))
+        if any(agg[r].get(key, {}).get("mean") is not None for r in recipes)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(max(8, 0.8 * len(panels) * len(recipes)),
+                                                      3.8), squeeze=False)
+    for ax, (key, title, unit) in zip(axes[0], panels):
         st = [agg[r][key] for r in recipes]
         ax.bar(range(len(recipes)), [s["mean"] if s["mean"] is not None else float("nan")
                                      for s in st], yerr=[s["std"] or 0 for s in st], capsize=3)
         for i, s in enumerate(st):
             ax.scatter([i] * len(s["values"]), s["values"], s=8, color="k", zorder=3)
         ax.axhline(0, color="grey", lw=0.8)
-        ax.set_xticks(range(len(recipes)), recipes, rotation=20, ha="right")
+        ax.set_xticks(range(len(recipes)), labels, rotation=20, ha="right")
         ax.set_title(f"Delta_LA = hybrid - swa_only: {title}\nmean ± std over seeds; dots: "
                      "seeds", fontsize=9)
         ax.set_ylabel(unit)
