@@ -1,4 +1,5 @@
-"""Shared test settings: GPU tests are skipped without CUDA; threads kept to the 2 CI cores."""
+"""Shared test settings: GPU tests are skipped without CUDA; threads kept to the 2 CI cores;
+every test starts from the same global RNG state, so none depends on the tests before it."""
 
 from __future__ import annotations
 
@@ -15,3 +16,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _same_rng_state_for_every_test():
+    """A test that draws from the global RNG (``torch.randn`` without a generator) sees the same
+    numbers whatever ran before it: one such draw made a tolerance check fail only in some test
+    orders (tests/test_backends_cpu.py, 2026-12-02)."""
+    torch.manual_seed(0)
+    yield

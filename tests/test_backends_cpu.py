@@ -77,12 +77,16 @@ def test_fla_linear_wrapper_matches_reference(fake_fla, shape, shift, padded):
     torch.testing.assert_close(got[2], want[2])  # which queries see keys
     torch.testing.assert_close(got[0].double(), want[0].double(), rtol=1e-5, atol=1e-6)
     has = want[2][..., None]
-    do = torch.randn_like(want[0].double())
+    # a fixed upstream gradient: it was drawn from the global RNG, so the test's outcome depended
+    # on the tests before it (it failed in 8 of 200 draws at the old atol 1e-6, once in CI)
+    do = torch.randn(want[0].shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     gw = torch.autograd.grad((want[0].double() * do).sum(), (fq, fk, v), allow_unused=True)
     gg = torch.autograd.grad((got[0].double() * do * has).sum(), (fq, fk, v), allow_unused=True)
     for a, b, x, name in zip(gg, gw, (fq, fk, v), ("dfq", "dfk", "dv")):
         a, b = (torch.zeros_like(x) if t is None else t for t in (a, b))  # shift >= T: no keys
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
+        # the reference accumulates in fp32 (its output is fp32 for these fp64 inputs), the
+        # wrapper in fp64: the tolerance is fp32's, atol for the elements near zero
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize("T", [1, 100, 128, 129, 1100])
