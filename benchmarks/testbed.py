@@ -344,6 +344,12 @@ def aggregate(runs: dict[str, dict[int, dict]]) -> dict:
         for where in ("far", "near"):
             r[f"delta_la_{where}_recall"] = delta(
                 lambda s, m, w=where: (by_seed[s]["final"].get(m) or {}).get(f"{w}_acc"))
+            # SSD recipes evaluated at the configured window too (recall variant window64)
+            r[f"delta_la_{where}_recall_w64"] = delta(
+                lambda s, m, w=where: (by_seed[s]["final"].get(m) or {}).get(f"{w}_acc"),
+                "hybrid (window64)", "swa_only (window64)")
+        r["delta_la_mc_short_w64"] = delta(mc("short"), "hybrid+window=64", "swa_only+window=64")
+        r["delta_la_mc_far_w64"] = delta(mc("far"), "hybrid+window=64", "swa_only+window=64")
         for metric in ("la_rel_err", "den_collapsed"):
             vals = [statistics.fmean(by_seed[s]["health"][metric].values())
                     for s in seeds if by_seed[s]["health"]]
@@ -362,6 +368,22 @@ def _table(agg: dict, key: str, cols: list[str], scale: float, digits: int) -> s
         lines.append(f"| {recipe} ({len(r['seeds'])}{note}) | " +
                      " | ".join(_fmt(r[key].get(c), scale, digits) for c in present) + " |")
     return "\n".join(lines)
+
+
+def _delta_w64_table(agg: dict) -> list[str]:
+    """Delta_LA at the configured window 64 for the recipes evaluated there as well (SSD);
+    nothing when no run has those rows."""
+    keys = ("delta_la_near_recall_w64", "delta_la_far_recall_w64", "delta_la_mc_short_w64",
+            "delta_la_mc_far_w64")
+    rows = {k: r for k, r in agg.items() if any(r.get(x, {}).get("mean") is not None for x in keys)}
+    if not rows:
+        return []
+    return ["### Delta_LA at window 64 (recipes that end at another window, evaluated at 64 too)",
+            "\n".join(["| recipe (seeds) | near recall | far recall | short MC (points) | far MC "
+                       "(points) |", "|---|---|---|---|---|",
+                       *(f"| {k} ({len(r['seeds'])}) | {_fmt(r[keys[0]], 1, 3)} | "
+                         f"{_fmt(r[keys[1]], 1, 3)} | {_fmt(r[keys[2]], 1, 1)} | "
+                         f"{_fmt(r[keys[3]], 1, 1)} |" for k, r in rows.items())])]
 
 
 def render(agg: dict) -> str:
@@ -389,6 +411,7 @@ def render(agg: dict) -> str:
                      f"{_fmt(r['delta_la_far_recall'], 1, 3)} | "
                      f"{_fmt(r['delta_la_mc_short'], 1, 1)} | "
                      f"{_fmt(r['delta_la_mc_far'], 1, 1)} |" for k, r in agg.items())]),
+        *_delta_w64_table(agg),
         "### Right after stage 1 (no LoRA yet): far recall accuracy",
         _table(agg, "transfer_far_acc", cols, 1.0, 3),
         "### Stage-1 health at its end (mean over layers)",

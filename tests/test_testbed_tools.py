@@ -83,6 +83,33 @@ def test_report_means_and_spreads_over_seeds(tmp_path):
     assert "| hedgecats (2) |" in (tmp_path / "r" / "testbed.md").read_text()
 
 
+def test_report_names_the_ssd_window_and_its_delta_at_window_64(tmp_path):
+    """An SSD run evaluated at its last phase's window (16) is labelled so, and its rows at the
+    configured window 64 give a Delta_LA of their own (recall and multiple choice)."""
+    tb = _load("testbed")
+    run = tmp_path / "ssd_fixed-s0"
+    (run / "mc").mkdir(parents=True)
+    final = {"hybrid": _row(0.30), "swa_only": _row(0.02), "hybrid (window64)": _row(0.31),
+             "swa_only (window64)": _row(0.03)}
+    ev = [{"kind": "recall", "stage": "finetune", "window": 16, "results": final}]
+    (run / "results.json").write_text(json.dumps({"evaluations": ev}))
+    score = {"hybrid": (50.0, 60.0), "swa_only": (40.0, 30.0), "hybrid+window=64": (70.0, 55.0),
+             "swa_only+window=64": (70.0, 28.0)}
+    (run / "mc" / "results.json").write_text(json.dumps({"modes": {
+        m: {"tasks": {"recall_mc_short_1": {"score": a}, "recall_mc_far": {"score": b}}}
+        for m, (a, b) in score.items()}}))
+    assert tb.main(["report", "--root", str(tmp_path), "--out", str(tmp_path / "r"),
+                    "--no-plots"]) == 0
+    agg = json.loads((tmp_path / "r" / "testbed.json").read_text())["aggregate"]["ssd_fixed"]
+    assert agg["windows"] == [16]
+    assert agg["delta_la_mc_short"]["values"] == [10.0]
+    assert agg["delta_la_mc_short_w64"]["values"] == [0.0]
+    assert agg["delta_la_mc_far_w64"]["values"] == [27.0]
+    assert agg["delta_la_far_recall_w64"]["values"] == pytest.approx([0.28])
+    md = (tmp_path / "r" / "testbed.md").read_text()
+    assert "| ssd_fixed (1; window 16) |" in md and "Delta_LA at window 64" in md
+
+
 def test_legacy_wrapper_restores_the_first_formulas(monkeypatch):
     """The before-run tool must compute the first version: the objective's clamps (0 loss for
     a row whose products are all below 1e-6) and LA with no floor, normaliser clamped at 1e-6."""
