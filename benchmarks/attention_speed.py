@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import re
 import statistics
 import sys
@@ -261,18 +260,12 @@ class Layer:
     def features(self, pytorch: bool = False):
         """(fq, fk): the modules' forward (the fused Triton map, ops.triton_phi, wherever it
         applies: the default path since 2026-12-02), or with ``pytorch`` their PyTorch path
-        (``HEDGECATS_TRITON=0`` around the two calls only; the attention kernel is unaffected)."""
+        (``backends.triton_disabled()`` around the two calls only; the attention kernel is
+        unaffected)."""
         if not pytorch:
             return self.phi_q(self.q), self.phi_k(self.k)
-        old = os.environ.get("HEDGECATS_TRITON")
-        os.environ["HEDGECATS_TRITON"] = "0"
-        try:
+        with backends.triton_disabled():
             return self.phi_q(self.q), self.phi_k(self.k)
-        finally:
-            if old is None:
-                del os.environ["HEDGECATS_TRITON"]
-            else:
-                os.environ["HEDGECATS_TRITON"] = old
 
     def feature_maps(self, pytorch: bool = False):
         """Both feature maps alone, as one (B, T, H, F)-shaped output for the timing loop."""

@@ -48,6 +48,7 @@ from pathlib import Path
 
 import torch
 from hedgecats.models import HybridConfig, convert_to_hybrid, hybrid_layers, set_attention_mode
+from hedgecats.models.feature_maps import HedgehogFeatureMap as _FM_CLASS
 from hedgecats.models.ops import transfer
 
 LLAMA3_8B = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -160,15 +161,6 @@ def finetune_step(peft_model, inner, opt, ids, bench: Bench, mode: str):
 def pytorch_phi(self, x):
     """HedgehogFeatureMap._fused declining every call: the module's PyTorch path."""
     return None
-
-
-def _module_forward():
-    from hedgecats.models.feature_maps import HedgehogFeatureMap
-
-    return HedgehogFeatureMap, HedgehogFeatureMap.forward
-
-
-_FM_CLASS, _ = _module_forward()
 
 
 @contextlib.contextmanager

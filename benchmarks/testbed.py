@@ -358,13 +358,20 @@ def aggregate(runs: dict[str, dict[int, dict]]) -> dict:
     return agg
 
 
+def _windows_other_than_64(r: dict) -> str:
+    """The evaluation windows of a recipe's runs when they are not the configured 64 (SSD ends
+    at its last phase's), e.g. ``"16"``; ``""`` otherwise."""
+    w = r.get("windows") or []
+    return "" if w in ([], [64]) else "/".join(map(str, w))
+
+
 def _table(agg: dict, key: str, cols: list[str], scale: float, digits: int) -> str:
     present = [c for c in cols if any(c in r[key] for r in agg.values())]
     lines = ["| recipe (seeds) | " + " | ".join(present) + " |",
              "|---|" + "---|" * len(present)]
     for recipe, r in agg.items():
-        w = r.get("windows") or []
-        note = f"; window {', '.join(map(str, w))}" if w and w != [64] else ""
+        w = _windows_other_than_64(r)
+        note = f"; window {w}" if w else ""
         lines.append(f"| {recipe} ({len(r['seeds'])}{note}) | " +
                      " | ".join(_fmt(r[key].get(c), scale, digits) for c in present) + " |")
     return "\n".join(lines)
@@ -432,8 +439,8 @@ def plot(agg: dict, out: Path, runs: dict) -> list[Path]:
 
     recipes = list(agg)
     # an SSD recipe is evaluated at its last phase's window: say so under its bar
-    labels = [r + ("" if agg[r].get("windows") in (None, [], [64]) else
-                   f" (w {'/'.join(map(str, agg[r]['windows']))})") for r in recipes]
+    labels = [r + (f" (w {w})" if (w := _windows_other_than_64(agg[r])) else "")
+              for r in recipes]
     modes = [m for m in ("softmax", "hybrid", "swa_only", "la_only", "la_only+all", "none")
              if any(m in agg[r]["far_acc"] for r in recipes)]
     fig, ax = plt.subplots(figsize=(max(8, 1.4 * len(recipes)), 4.2))

@@ -7,8 +7,8 @@ An SSD run ends at its last phase's window (16 for ``ssd_fixed``, 32 for ``ssd_d
 is evaluated there, as the paper does; its ``swa_only`` near recall then measures the shorter
 window as much as the training. This evaluates ``swa_only`` and ``hybrid`` of each run's
 ``finetune/stage.pt`` at both windows on the first ``--docs`` held-out documents of the
-testbed's recall data (the recipes' ``RecallDataModule`` settings; the same documents for every
-run and window, so the rows are paired). CPU is fine (~25 s per run and window at 64 documents).
+run's own recall data (its stage's saved ``RecallDataModule`` settings; the same documents for
+every run and window, so the rows are paired). CPU is fine (~25 s per run and window at 64 documents).
 """
 
 from __future__ import annotations
@@ -18,19 +18,18 @@ import json
 import time
 from pathlib import Path
 
-#: the testbed recipes' recall data (configs/testbed/*.yaml, ``data``)
-DATA = dict(seq_len=1024, window=64, far_min=150, far_max=400, task="marker", num_train=8192,
-            num_val=16, batch_size=8, seed=0)
-
-
-def evaluate_run(stage_pt: Path, window: int, n_docs: int, modes=("swa_only", "hybrid")) -> dict:
+def evaluate_run(stage_dir: Path, window: int, n_docs: int, modes=("swa_only", "hybrid")) -> dict:
+    """``stage_dir``: a finished stage (``stage.pt``, and the ``config.yaml`` whose data is the
+    run's own recall data, read from it rather than restated here)."""
+    import yaml
     from hedgecats.data.recall_bytes import RecallDataModule
     from hedgecats.evaluation.recall import evaluate_recall
     from hedgecats.models.checkpoint import load_hybrid
 
-    model, _, info = load_hybrid(stage_pt)
+    model, _, info = load_hybrid(stage_dir / "stage.pt")
     final = info["hybrid_config"]["window"]
-    dm = RecallDataModule(**DATA, num_test=n_docs)
+    data = yaml.safe_load((stage_dir / "config.yaml").read_text())["data"]["init_args"]
+    dm = RecallDataModule(**{**data, "num_test": n_docs})
     dm.setup("test")
     corpus = dm.test_corpus()
     rows = {}
@@ -54,8 +53,7 @@ def main(argv=None) -> int:
            "docs": a.docs, "runs": {}}
     for run in a.runs.split(","):
         t = time.time()
-        out["runs"][run] = evaluate_run(Path(a.root) / run / "finetune" / "stage.pt", a.window,
-                                        a.docs)
+        out["runs"][run] = evaluate_run(Path(a.root) / run / "finetune", a.window, a.docs)
         print(run, f"{time.time() - t:.0f} s", json.dumps(out["runs"][run]["rows"]), flush=True)
         Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
     return 0

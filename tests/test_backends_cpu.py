@@ -157,3 +157,18 @@ def test_fused_triton_switch_is_on_unless_set_to_zero(monkeypatch):
     monkeypatch.delenv("HEDGECATS_TRITON")
     monkeypatch.setattr(backends, "available", lambda name: False)
     assert not backends.triton_enabled()  # no Triton (CPU CI): never
+
+
+def test_triton_disabled_sets_the_switch_and_restores_it(monkeypatch):
+    """``backends.triton_disabled()``: HEDGECATS_TRITON is 0 inside, as it was after (unset or
+    set), also when the block raises."""
+    import os
+
+    monkeypatch.delenv("HEDGECATS_TRITON", raising=False)
+    with backends.triton_disabled():
+        assert os.environ["HEDGECATS_TRITON"] == "0" and not backends.triton_enabled()
+    assert "HEDGECATS_TRITON" not in os.environ
+    monkeypatch.setenv("HEDGECATS_TRITON", "1")
+    with pytest.raises(RuntimeError), backends.triton_disabled():
+        raise RuntimeError
+    assert os.environ["HEDGECATS_TRITON"] == "1"

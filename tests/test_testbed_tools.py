@@ -176,3 +176,34 @@ def test_no_mc_config_and_the_mc_step_split_the_recipe(tmp_path):
     assert args[args.index("--tasks") + 1] == str(tmp_path / "mc_tasks")
     assert args[args.index("--output") + 1] == str(run / "mc")
     assert args[-2:] == ["--device", "cpu"]
+
+
+def test_mc_runs_the_step_for_finished_runs_that_lack_it(tmp_path, monkeypatch):
+    """``testbed.py mc`` picks the runs whose stage 2 is done and whose multiple-choice result is
+    missing (``--again``: those with one too), each with its recipe's own command."""
+    tb = _load("testbed")
+    for name, stage, mc in (("hedgecats-s0", True, False), ("hedgecats-s1", True, True),
+                            ("ssd_fixed-s2", True, False), ("lolcats-s0", False, False),
+                            ("notes-s0", True, False)):
+        run = tmp_path / name
+        (run / "finetune").mkdir(parents=True)
+        if stage:
+            (run / "finetune" / "stage.pt").write_bytes(b"")
+        if mc:
+            (run / "mc").mkdir()
+            (run / "mc" / "results.json").write_text("{}")
+    seen = {}
+
+    def fake_jobs(jobs, n_parallel, logs):
+        seen.update(jobs)
+        return {n: {"rc": 0, "wall_s": 0.0} for n, _ in jobs}
+
+    monkeypatch.setattr(tb, "_run_jobs", fake_jobs)
+    assert tb.main(["mc", "--root", str(tmp_path), "--device", "cpu"]) == 0
+    assert sorted(seen) == ["mc-hedgecats-s0", "mc-ssd_fixed-s2"]
+    args = seen["mc-ssd_fixed-s2"]
+    assert args[args.index("--model") + 1] == str(tmp_path / "ssd_fixed-s2/finetune/stage.pt")
+    assert "hybrid+window=64" in args[args.index("--modes") + 1]  # the SSD recipe's own modes
+    seen.clear()
+    assert tb.main(["mc", "--root", str(tmp_path), "--again"]) == 0
+    assert sorted(seen) == ["mc-hedgecats-s0", "mc-hedgecats-s1", "mc-ssd_fixed-s2"]

@@ -371,20 +371,6 @@ PHI_SHAPES = {  # B, H, T, D, projection
 PHI_CASES = [(s, a) for s in PHI_SHAPES for a in ("softmax", "exp")]
 
 
-class pytorch_feature_maps:
-    """``HEDGECATS_TRITON=0`` inside: the feature-map modules run their PyTorch path."""
-
-    def __enter__(self):
-        self.old = os.environ.get("HEDGECATS_TRITON")
-        os.environ["HEDGECATS_TRITON"] = "0"
-
-    def __exit__(self, *exc):
-        if self.old is None:
-            os.environ.pop("HEDGECATS_TRITON", None)
-        else:
-            os.environ["HEDGECATS_TRITON"] = self.old
-
-
 @pytest.mark.parametrize("floor", [0.0, 1e-3])
 def test_feature_map_module_takes_the_fused_kernel(floor):
     """HedgehogFeatureMap on CUDA in bf16 is ops.triton_phi (GQA keys repeated first, the floor
@@ -411,7 +397,7 @@ def test_feature_map_module_takes_the_fused_kernel(floor):
                                               "softmax").clamp_min(floor))
     for a, b in zip(got, want):
         assert torch.equal(a, b)
-    with pytorch_feature_maps():
+    with backends.triton_disabled():
         calls = tp.CALLS["forward"]
         run(fm)
         assert tp.CALLS["forward"] == calls
@@ -446,7 +432,7 @@ def test_fused_feature_map(shape_id, activation):
     calls, n_err = tp.CALLS["forward"], len(tp.FALLBACK_ERRORS)
     got = run(lambda x: tp.hedgehog_features(x, fm.weight, fm.bias, activation), torch.bfloat16)
     fused = tp.CALLS["forward"] - calls
-    with pytorch_feature_maps():  # the module's own PyTorch path (it takes the kernel now)
+    with backends.triton_disabled():  # the module's own PyTorch path (it takes the kernel now)
         module = run(fm, torch.bfloat16)
     oracle = run(lambda x: tp.reference_features(x, fm.weight, fm.bias, activation),
                  torch.float32)

@@ -35,6 +35,7 @@ fp32; benchmarks/results/kernels_h200/).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import logging
@@ -406,6 +407,21 @@ def triton_enabled() -> bool:
     """Whether ``auto`` uses the fused Triton kernels: Triton present and ``HEDGECATS_TRITON``
     not ``0`` (the switch to measure or run without them)."""
     return os.environ.get("HEDGECATS_TRITON", "1") != "0" and available("triton")
+
+
+@contextlib.contextmanager
+def triton_disabled():
+    """Inside, ``HEDGECATS_TRITON=0``: ``auto`` and the feature maps take their PyTorch paths
+    (to measure or check against them); the previous value is restored on exit."""
+    old = os.environ.get("HEDGECATS_TRITON")
+    os.environ["HEDGECATS_TRITON"] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("HEDGECATS_TRITON", None)
+        else:
+            os.environ["HEDGECATS_TRITON"] = old
 
 
 def _fused_triton(q, k, v, fq, fk, **kw):
