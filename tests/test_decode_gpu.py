@@ -10,6 +10,7 @@ decode steps through the fp32-accumulating reference).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import json
@@ -205,3 +206,72 @@ def test_decode_benchmark_small_shape_on_gpu(tmp_path):
         assert row["graph_ms_per_token"] > 0
     for mode in ("hybrid", "softmax"):
         assert "error" not in res["batch"][mode], res["batch"][mode]
+
+
+# ----------------------------------------------------------------------------- the fused step
+HEADS_8B = dict(SHAPE, hidden_size=1024, num_attention_heads=8, num_key_value_heads=2)
+
+
+def _steps_from(model, cache, x, start, fused: bool):
+    """Logits of single-token steps x[:, start:] from a copy of ``cache``, with the fused
+    decode step (``ops.triton_decode``) or the composed one."""
+    from hedgecats.models.ops import backends, triton_decode
+
+    cache = copy.deepcopy(cache)
+    before = triton_decode.CALLS["step"]
+    outs = []
+    ctx = contextlib.nullcontext() if fused else backends.triton_disabled()
+    with torch.no_grad(), ctx:
+        for t in range(start, x.shape[1]):
+            outs.append(model(x[:, t:t + 1], **{CACHE_KWARG: cache}).logits.float())
+    return torch.cat(outs, 1), cache, triton_decode.CALLS["step"] - before
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("mixer,mode", [("fixed", "hybrid"), ("shared_norm", "hybrid"),
+                                        ("gate_elementwise", "hybrid"), ("fixed", "swa_only"),
+                                        ("learned_head", "la_only")])
+def test_fused_decode_step_equals_the_composed_step_at_8b_heads(mixer, mode, dtype):
+    """Llama-3-8B's head shape (D 128, square maps F 256, 4 query heads per KV head, window 64),
+    one prefill then 90 steps (keys leave the window into the state, sinks fill): the fused
+    step against the composed one from the same prefilled cache. fp32: the kernels' IEEE
+    products (1e-4: GPU summation order); bf16: tf32 products and bf16 rounding (and the
+    composed step's PyTorch feature map, which rounds to bf16 earlier: docs/performance.md)."""
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM._from_config(LlamaConfig(**HEADS_8B), dtype=dtype).eval()
+    convert_to_hybrid(model, HybridConfig(window=64, mixer=mixer, mode=mode, n_sinks=8))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".phi_" in n or ".mixer." in n:
+                p.add_(0.2 * torch.randn_like(p))
+    x = ids(B=2, T=40 + 90)
+    _, cache = cached(model, x, [40])
+    got, c_got, used = _steps_from(model, cache, x, 40, fused=True)
+    want, c_want, unused = _steps_from(model, cache, x, 40, fused=False)
+    assert used == 2 * 90 and unused == 0
+    tol = 1e-4 if dtype == torch.float32 else BF16
+    assert rel(got, want) < tol, rel(got, want)
+    for a, b in zip(c_got.layers, c_want.layers):
+        assert rel(a.S, b.S) < tol and rel(a.z, b.z) < tol and rel(a.vsum, b.vsum) < tol
+        for name in ("real", "n_state", "n_real", "sink_real", "pos"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+def test_graphed_decoder_replays_the_fused_step():
+    from hedgecats.models.ops import triton_decode
+
+    model = gpu_hybrid(HybridConfig(window=16))
+    x = ids(T=60)
+    _, cache = cached(model, x, [60])
+    before = triton_decode.CALLS["step"]
+    dec = GraphedDecoder(model, cache, warmup=1)
+    assert triton_decode.CALLS["step"] > before  # warm-up and capture took the fused step
+    tokens = ids(T=30, seed=7)[0]
+    got = torch.cat([dec(t.view(1, 1), torch.tensor([[61 + i]], device="cuda")).clone()
+                     for i, t in enumerate(tokens)], 1)
+    with torch.no_grad():
+        full = model(torch.cat([x[0], torch.zeros(1, dtype=torch.long, device="cuda"),
+                                tokens])[None]).logits[:, 61:]
+    assert rel(got, full) < BF16
+    assert cache.get_seq_length() == int(cache.layers[0].pos) == 91

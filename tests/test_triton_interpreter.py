@@ -1,5 +1,6 @@
-"""The fused Triton kernels (ops.triton_hybrid, ops.triton_xent, ops.triton_phi) on CPU under Triton's
-interpreter, against the PyTorch references: outputs and every gradient, fp32 and bf16.
+"""The fused Triton kernels (ops.triton_hybrid, ops.triton_xent, ops.triton_phi,
+ops.triton_decode) on CPU under Triton's interpreter, against the PyTorch references: outputs
+and every gradient, fp32 and bf16; the decode step's logits and cache against the composed step.
 
 Needs triton (not installed on CI: skipped there). The kernels run in a subprocess with
 ``TRITON_INTERPRET=1`` (tests/triton_interpreter_check.py), so that the interpreter is never
@@ -45,7 +46,7 @@ def _failures(rows: list[dict]) -> list[str]:
 
 def test_kernels_match_references_quick():
     rows = _run("--quick")
-    assert len(rows) == 6
+    assert len(rows) == 8
     bad = _failures(rows)
     assert not bad, "\n".join(bad)
 

@@ -15,6 +15,7 @@ which NumPy 2 refuses.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -287,6 +288,70 @@ def phi_case(cid, *, B=2, H=3, T=45, D=16, proj="square", activation="softmax",
     return errors(got, want)
 
 
+def decode_case(cid, *, mode="hybrid", mixer="fixed", rescale=False, pad=False, H=4, Hkv=2,
+                window=8, n_sinks=4, steps=13, dtype=torch.bfloat16):
+    """The fused decode step (ops.triton_decode) against the composed one (models.cache._step):
+    a 2-layer converted Llama prefilled with 6 tokens, then ``steps`` single-token steps (past
+    the window: keys leave it into the state; the sinks fill): every step's logits, and the
+    cache's tensors at the end. ``pad``: the first sequence left-padded (mask passed)."""
+    from hedgecats.models import HybridConfig, convert_to_hybrid, set_attention_mode
+    from hedgecats.models.cache import HybridCache
+    from hedgecats.models.decode import CACHE_KWARG
+    from hedgecats.models.ops import backends, triton_decode
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=61, hidden_size=16 * H, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=H, num_key_value_heads=Hkv, max_position_embeddings=512))
+    convert_to_hybrid(model.eval(), HybridConfig(window=window, n_sinks=n_sinks, mixer=mixer,
+                                                 seed=0))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".phi_" in n or ".mixer." in n:
+                p.add_(0.3 * torch.randn_like(p))
+    model.to(dtype)
+    set_attention_mode(model, mode, rescale=rescale)
+    g = torch.Generator().manual_seed(3)
+    B, P = 2, 6
+    x = torch.randint(0, 61, (B, P + steps), generator=g)
+    mask = torch.ones(B, P + steps, dtype=torch.long)
+    if pad:
+        mask[0, :3] = 0
+
+    def run(fused: bool):
+        cache = HybridCache(model)
+        before = triton_decode.CALLS["step"]
+        logits = []
+        ctx = contextlib.nullcontext() if fused else backends.triton_disabled()
+        with torch.no_grad(), ctx:
+            t0 = 0
+            for n in [P] + [1] * steps:
+                kw = {"attention_mask": mask[:, :t0 + n]} if pad else {}
+                out = model(x[:, t0:t0 + n], **{CACHE_KWARG: cache}, use_cache=True, **kw)
+                logits.append(out.logits.float())
+                t0 += n
+        used = triton_decode.CALLS["step"] - before
+        return torch.cat(logits, 1), cache, used
+
+    got, c_got, used = run(True)
+    want, c_want, unused = run(False)
+    assert used == 2 * steps and unused == 0, (used, unused)
+    errs = {"logits": rel(got, want)}
+    for name in ("keys", "values", "S", "z", "vsum"):
+        errs[name] = max(rel(getattr(a, name).float(), getattr(b, name).float())
+                         for a, b in zip(c_got.layers, c_want.layers))
+    for name in ("real", "n_state", "n_real", "sink_real", "pos"):
+        same = all(torch.equal(getattr(a, name), getattr(b, name))
+                   for a, b in zip(c_got.layers, c_want.layers))
+        errs[name] = 0.0 if same else float("inf")
+    if n_sinks:  # the scratch slot n_sinks holds whatever came last: not compared
+        errs["sink_keys"] = max(rel(a.sink_keys[:, :, :n_sinks].float(),
+                                    b.sink_keys[:, :, :n_sinks].float())
+                                for a, b in zip(c_got.layers, c_want.layers))
+    return errs
+
+
 def cases(quick: bool = False):
     bf16 = torch.bfloat16
     k = kernel_case
@@ -348,10 +413,30 @@ def cases(quick: bool = False):
                                                     proj="rectangular", D=32)),
         ("phi-exp", phi_case, dict(dtype=bf16, activation="exp")),
         ("phi-D32-T70", phi_case, dict(dtype=bf16, T=70, D=32)),
+        ("decode-hybrid", decode_case, dict(dtype=torch.float32)),
+        ("decode-pad-learned-head", decode_case, dict(dtype=torch.float32, pad=True,
+                                                      mixer="learned_head")),
+        ("decode-shared-norm-pad", decode_case, dict(dtype=torch.float32, mixer="shared_norm",
+                                                     pad=True)),
+        ("decode-gate-elementwise-pad", decode_case, dict(dtype=torch.float32,
+                                                          mixer="gate_elementwise", pad=True)),
+        ("decode-gate-lowrank-MHA", decode_case, dict(dtype=torch.float32, mixer="gate_lowrank",
+                                                      Hkv=4)),
+        ("decode-swa-only", decode_case, dict(dtype=torch.float32, mode="swa_only")),
+        ("decode-swa-only-rescale-shared", decode_case, dict(dtype=torch.float32,
+                                                             mode="swa_only", rescale=True,
+                                                             mixer="shared_norm")),
+        ("decode-la-only", decode_case, dict(dtype=torch.float32, mode="la_only")),
+        ("decode-la-only-rescale-gqa4", decode_case, dict(dtype=torch.float32, mode="la_only",
+                                                          rescale=True, H=8, Hkv=2)),
+        ("decode-w5-sinks0-group3", decode_case, dict(dtype=torch.float32, window=5, n_sinks=0,
+                                                      H=6, Hkv=2)),
+        ("decode-bf16-pad-gate", decode_case, dict(dtype=bf16, pad=True,
+                                                   mixer="gate_elementwise")),
     ]
     if quick:
         keep = {"kernel-hybrid", "kernel-pad-shared", "kernel-tall-bwd-tiles", "layer-ssd-head-all", "xent-pad",
-                "xent-entry", "phi-softmax"}
+                "xent-entry", "phi-softmax", "decode-pad-learned-head"}
         out = [c for c in out if c[0] in keep]
     return [(cid, fn, kw, "bfloat16" if kw and kw.get("dtype") == bf16 else "float32")
             for cid, fn, kw in out]

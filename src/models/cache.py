@@ -424,7 +424,8 @@ def cached_attention(layer: HybridLayerCache, module: nn.Module, query: torch.Te
     rt = module.hedgecats
     layer.bound = False
     B, T = query.shape[0], query.shape[2]
-    real = _new_key_flags(attention_mask, B, T, query.device)  # (B, T)
+    real = (_new_key_flags(attention_mask, B, T, query.device)  # (B, T)
+            if T > 1 or layer.seen == 0 or attention_mask is not None else None)
     needs_la = rt.mode in ("hybrid", "swa_only", "la_only")
     common = dict(window=rt.window, mode=rt.mode, g=g, shared_norm=module.mixer.shared_norm,
                   overlap=rt.overlap, rescale=rt.rescale, la_span=rt.la_span,
@@ -437,7 +438,9 @@ def cached_attention(layer: HybridLayerCache, module: nn.Module, query: torch.Te
         out = hybrid_attention(query, key, value, fq, fk, key_padding_mask=kpm, **common)
         _commit(layer, module, key, value, real, n_old=0, new=(key, value, real))
     elif T == 1:
-        out = _step(layer, module, query, key, value, real, fq, common)
+        out = _fused_step(layer, module, query, key, value, real, fq, common)
+        if out is None:
+            out = _step(layer, module, query, key, value, real, fq, common)
     else:
         wk, wv, wreal = layer.window_in_order()
         k_loc, v_loc = torch.cat([wk, key.to(wk.dtype)], 2), torch.cat([wv, value.to(wv.dtype)], 2)
@@ -468,6 +471,36 @@ def _commit(layer: HybridLayerCache, module, k_loc, v_loc, r_loc, *, n_old: int,
     layer.pos += T
 
 
+def _fused_step(layer: HybridLayerCache, module, query, key, value, real, fq,
+                common) -> torch.Tensor | None:
+    """``_step`` in two Triton kernels (``ops.triton_decode``) where they cover the call and
+    ``backends.triton_enabled()``, else ``None`` (the reason logged once). The key leaving the
+    window gets its feature map here (the layer's own ``phi_k``, whatever its kind). ``real``:
+    (B, 1) flags of the new keys, or ``None`` when the call has no mask (all real)."""
+    if not backends.triton_switched_on() or not layer.is_initialized:
+        return None
+    from .ops import triton_decode
+
+    rt = module.hedgecats
+    g = common["g"]
+    why = triton_decode.unsupported_reason(
+        layer, query, key, fq, mode=rt.mode, shared_norm=common["shared_norm"],
+        overlap=rt.overlap, la_span=rt.la_span, swa_drop=common["swa_drop"], g=g)
+    if why is not None:
+        if query.is_cuda:
+            triton_decode.note_fallback(why)
+        return None
+    slot = (layer.pos % layer.window).reshape(1)
+    fk_old = module.phi_k(layer.keys.index_select(2, slot))  # (B, Hkv, 1, F)
+    scale = query.shape[-1] ** -0.5 if common["scale"] is None else common["scale"]
+    out = triton_decode.decode_step(
+        layer, query, key, value, fq, fk_old, None if real is None else real[:, 0],
+        mode=rt.mode, g=g, shared_norm=bool(common["shared_norm"]), rescale=rt.rescale,
+        scale=scale, eps=common["eps"])
+    layer.seen += 1  # the device counters moved in the kernels
+    return out
+
+
 def _step(layer: HybridLayerCache, module, query, key, value, real, fq, common) -> torch.Tensor:
     """One new token (T = 1), in place and without host synchronisation: the key in slot
     ``pos % w`` (position ``pos - w``) leaves the window into the state, the new key takes the
@@ -475,6 +508,8 @@ def _step(layer: HybridLayerCache, module, query, key, value, real, fq, common) 
     set: with ``shift = w`` the reference LA sees none of the ring's keys, with ``shift = 0`` all
     of them, exactly the keys outside / inside the window of this query."""
     rt = module.hedgecats
+    if real is None:
+        real = torch.ones(query.shape[0], 1, dtype=torch.bool, device=query.device)
     slot = (layer.pos % layer.window).reshape(1)
     old_k, old_v = layer.keys.index_select(2, slot), layer.values.index_select(2, slot)
     layer.absorb(module.phi_k(old_k), old_v, layer.real.index_select(1, slot))

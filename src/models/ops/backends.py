@@ -403,10 +403,15 @@ def select(backend: str, q: torch.Tensor, key_padding_mask: torch.Tensor | None 
     return _cuda_ops(backend, triton_enabled())
 
 
+def triton_switched_on() -> bool:
+    """``HEDGECATS_TRITON`` is not ``0`` (the switch to measure or run without the kernels)."""
+    return os.environ.get("HEDGECATS_TRITON", "1") != "0"
+
+
 def triton_enabled() -> bool:
-    """Whether ``auto`` uses the fused Triton kernels: Triton present and ``HEDGECATS_TRITON``
-    not ``0`` (the switch to measure or run without them)."""
-    return os.environ.get("HEDGECATS_TRITON", "1") != "0" and available("triton")
+    """Whether ``auto`` uses the fused Triton kernels: Triton present (with CUDA) and
+    ``triton_switched_on()``."""
+    return triton_switched_on() and available("triton")
 
 
 @contextlib.contextmanager
