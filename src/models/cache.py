@@ -497,7 +497,8 @@ def _fused_step(layer: HybridLayerCache, module, query, key, value, real, fq,
         layer, query, key, value, fq, fk_old, None if real is None else real[:, 0],
         mode=rt.mode, g=g, shared_norm=bool(common["shared_norm"]), rescale=rt.rescale,
         scale=scale, eps=common["eps"])
-    layer.seen += 1  # the device counters moved in the kernels
+    if out is not None:
+        layer.seen += 1  # the device counters moved in the kernels
     return out
 
 

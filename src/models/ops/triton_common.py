@@ -1,5 +1,6 @@
-"""What the Triton kernel modules (``triton_hybrid``, ``triton_xent``, ``triton_phi``) share:
-whether they can run here, whether Triton's interpreter is on, and a warning logged once."""
+"""What the Triton kernel modules (``triton_hybrid``, ``triton_xent``, ``triton_phi``,
+``triton_decode``) share: whether they can run here, whether Triton's interpreter is on, the
+errors after which a caller takes its PyTorch path, and a warning logged once."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import os
 
 import torch
 
-__all__ = ["available", "interpret", "warn_once"]
+__all__ = ["available", "errors", "interpret", "warn_once"]
 
 
 def interpret() -> bool:
@@ -31,3 +32,21 @@ def available() -> bool:
 def warn_once(logger: str, msg: str) -> None:
     """``msg`` at WARNING on ``logger``, once per process."""
     logging.getLogger(logger).warning(msg)
+
+
+@functools.cache
+def errors() -> tuple[type[BaseException], ...]:
+    """Triton's resource and compilation errors (a kernel that does not fit or build here):
+    callers catch these and take their PyTorch path, never other errors."""
+    errs: list[type[BaseException]] = []
+    try:
+        from triton.runtime.errors import OutOfResources
+        errs.append(OutOfResources)
+    except Exception:  # pragma: no cover - no triton
+        pass
+    try:
+        from triton.compiler.errors import CompilationError
+        errs.append(CompilationError)
+    except Exception:  # pragma: no cover - no triton
+        pass
+    return tuple(errs)

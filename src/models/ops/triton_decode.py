@@ -36,11 +36,12 @@ from __future__ import annotations
 
 import torch
 
-from .triton_common import available, interpret, warn_once
+from .triton_common import available, errors, interpret, warn_once
 
 __all__ = ["decode_step", "unsupported_reason"]
 
 CALLS = {"step": 0}
+FALLBACK_ERRORS: list[str] = []
 MODES = {"hybrid": 0, "swa_only": 1, "la_only": 2}
 
 try:
@@ -246,13 +247,13 @@ def unsupported_reason(layer, query, key, fq, *, mode: str, shared_norm, overlap
 def decode_step(layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 fq: torch.Tensor, fk_old: torch.Tensor, real: torch.Tensor | None, *,
                 mode: str, g, shared_norm: bool, rescale: bool, scale: float,
-                eps: float) -> torch.Tensor:
+                eps: float) -> torch.Tensor | None:
     """The fused step (module docstring). ``query`` (B, H, 1, D), ``key`` / ``value`` (B, Hkv,
     1, D) of the new token, ``fq`` (B, H, 1, F) = phi_q(query), ``fk_old`` (B, Hkv, 1, F) =
     phi_k of the key in ring slot ``pos % w``; ``real`` (B,) bool for the new keys or None (all
     real). Advances the cache's device tensors (not ``layer.seen``). Returns (B, H, 1, D) in
-    query's dtype, a view of a (B, 1, H, D) contiguous tensor. Check ``unsupported_reason``
-    first."""
+    query's dtype, a view of a (B, 1, H, D) contiguous tensor; ``None`` (cache untouched) if
+    the main kernel does not compile or fit here. Check ``unsupported_reason`` first."""
     B, H, _, D = query.shape
     Hkv, W, NS, F = key.shape[1], layer.window, layer.n_sinks, fq.shape[-1]
     GROUP = H // Hkv
@@ -268,15 +269,22 @@ def decode_step(layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         gt, sg, g_scalar = q, (0, 0, 0), float(g)  # G unused
     real_new = real if real is not None else layer.real  # a pointer, unused without the flag
     BF = min(F, 32 if D >= 128 else 64)
-    _step_main[(B * Hkv,)](
-        q, fq, k, v, fk_old, layer.keys, layer.values, layer.real, real_new, layer.S, layer.z,
-        layer.vsum, layer.n_state, layer.n_real, layer.sink_keys, layer.sink_values, layer.pos,
-        gt, out, q.stride(0), q.stride(1), fq.stride(0), fq.stride(1), k.stride(0), k.stride(1),
-        v.stride(0), v.stride(1), *sg, g_scalar, float(scale), float(eps), Hkv, W, NS,
-        GROUP=GROUP, GP=max(16, triton.next_power_of_2(GROUP)), D=D, F=F,
-        BW=max(16, triton.next_power_of_2(W)), BF=BF, MODE=MODES[mode], SHARED=bool(shared_norm),
-        RESCALE=bool(rescale), G_TENSOR=torch.is_tensor(g), HAS_REAL_NEW=real is not None,
-        PREC="ieee" if query.dtype == torch.float32 else "tf32", num_warps=4 if D <= 64 else 8)
+    try:
+        _step_main[(B * Hkv,)](
+            q, fq, k, v, fk_old, layer.keys, layer.values, layer.real, real_new, layer.S,
+            layer.z, layer.vsum, layer.n_state, layer.n_real, layer.sink_keys, layer.sink_values,
+            layer.pos, gt, out, q.stride(0), q.stride(1), fq.stride(0), fq.stride(1),
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1), *sg, g_scalar, float(scale),
+            float(eps), Hkv, W, NS, GROUP=GROUP, GP=max(16, triton.next_power_of_2(GROUP)), D=D,
+            F=F, BW=max(16, triton.next_power_of_2(W)), BF=BF, MODE=MODES[mode],
+            SHARED=bool(shared_norm), RESCALE=bool(rescale), G_TENSOR=torch.is_tensor(g),
+            HAS_REAL_NEW=real is not None,
+            PREC="ieee" if query.dtype == torch.float32 else "tf32",
+            num_warps=4 if D <= 64 else 8)
+    except errors() as e:  # compiled before it runs: the cache is untouched
+        FALLBACK_ERRORS.append(f"{type(e).__name__}: {e}"[:500])
+        note_fallback(f"{type(e).__name__} in Triton")
+        return None
     _step_post[(1,)](layer.real, real_new, layer.n_state, layer.n_real, layer.sink_real,
                      layer.pos, B, W, NS, BB=min(1024, triton.next_power_of_2(B)),
                      HAS_REAL_NEW=real is not None, num_warps=4)

@@ -64,7 +64,7 @@ from dataclasses import dataclass
 import torch
 
 from . import reference as ref
-from .triton_common import available, interpret, warn_once
+from .triton_common import available, errors, interpret, warn_once
 
 __all__ = ["KernelConfig", "available", "fused_hybrid", "hybrid_kernel", "kernel_reference",
            "unsupported_reason"]
@@ -864,21 +864,6 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
     return dq, dk, dv, dfq, dfk, dpa, dpb
 
 
-def _triton_errors() -> tuple[type[BaseException], ...]:
-    errs: list[type[BaseException]] = []
-    try:
-        from triton.runtime.errors import OutOfResources
-        errs.append(OutOfResources)
-    except Exception:  # pragma: no cover
-        pass
-    try:
-        from triton.compiler.errors import CompilationError
-        errs.append(CompilationError)
-    except Exception:  # pragma: no cover
-        pass
-    return tuple(errs)
-
-
 #: tiles that fit any Hopper / Ampere part, tried when the configured ones fail to compile
 #: (out of shared memory or registers)
 SAFE_CONFIG = KernelConfig(block_m=32, block_n=32, state_chunk=64, warps=4, stages=1,
@@ -892,7 +877,7 @@ RETRIES: list[str] = []
 def _with_retry(phase: str, key: tuple, cfg: KernelConfig, fn):
     """``fn(cfg)``, or ``fn(SAFE_CONFIG)`` when ``cfg``'s kernels do not compile here (once per
     problem key; the failure is logged once and recorded in ``RETRIES``)."""
-    errs = _triton_errors()
+    errs = errors()
     if (phase, cfg, key) not in _FAILED:
         try:
             return fn(cfg)
@@ -936,7 +921,7 @@ class _HybridFn(torch.autograd.Function):
             dq, dk, dv, dfq, dfk, dpa, dpb = _with_retry("backward", key, a["cfg"], lambda c: (
                 _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
                           den, cfg=c, **args)))
-        except _triton_errors() as e:  # a Triton resource / compile failure: say so, stay right
+        except errors() as e:  # a Triton resource / compile failure: say so, stay right
             FALLBACK_ERRORS.append(f"backward: {type(e).__name__}: {e}"[:500])
             warn_once(__name__, f"fused hybrid backward failed in Triton ({type(e).__name__}); "
                       "this call's gradients come from the PyTorch reference")
@@ -1171,7 +1156,7 @@ def _launch(q, k, v, fq, fk, ca, cb, logs, shift, window, scale, eps, kpm, has_s
                             shared=shared, config=config)
         CALLS["forward"] += 1
         return out
-    except _triton_errors() as e:  # never a crash inside Triton: the caller's path instead
+    except errors() as e:  # never a crash inside Triton: the caller's path instead
         FALLBACK_ERRORS.append(f"forward: {type(e).__name__}: {e}"[:500])
         warn_once(__name__, f"fused hybrid forward failed in Triton ({type(e).__name__}: "
                   f"{str(e)[:200]}); running the piece-by-piece path")

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from .triton_common import available, interpret, warn_once
+from .triton_common import available, errors, interpret, warn_once
 
 __all__ = ["available", "hedgehog_features", "reference_features", "unsupported_reason"]
 
@@ -218,7 +218,7 @@ def hedgehog_features(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
         x = x.contiguous()
     try:
         y = _PhiFn.apply(x, weight, bias, activation == "softmax")
-    except _triton_errors() as e:
+    except errors() as e:
         FALLBACK_ERRORS.append(f"{type(e).__name__}: {e}"[:500])
         warn_once(__name__, f"fused feature map failed in Triton ({type(e).__name__}); "
                   "using PyTorch")
@@ -234,18 +234,3 @@ def reference_features(x, weight, bias, activation="softmax") -> torch.Tensor:
     if activation == "softmax":
         return torch.cat([torch.softmax(u, -1), torch.softmax(-u, -1)], dim=-1)
     return torch.cat([torch.exp(u), torch.exp(-u)], dim=-1)
-
-
-def _triton_errors():
-    errs = []
-    try:
-        from triton.runtime.errors import OutOfResources
-        errs.append(OutOfResources)
-    except Exception:  # pragma: no cover
-        pass
-    try:
-        from triton.compiler.errors import CompilationError
-        errs.append(CompilationError)
-    except Exception:  # pragma: no cover
-        pass
-    return tuple(errs)

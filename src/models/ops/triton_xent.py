@@ -39,7 +39,7 @@ import torch
 
 from . import transfer
 from .reference import DEN_TINY
-from .triton_common import available, interpret, warn_once
+from .triton_common import available, errors, interpret, warn_once
 
 __all__ = ["available", "unsupported_reason", "weights_xent", "xent_rows"]
 
@@ -277,7 +277,7 @@ def _with_retry(phase, key, blocks, fn):
     if (phase, blocks, key) not in _FAILED:
         try:
             return fn(blocks)
-        except _triton_errors() as e:
+        except errors() as e:
             if blocks == SAFE_BLOCKS:
                 raise
             _FAILED.add((phase, blocks, key))
@@ -403,7 +403,7 @@ def weights_xent(q: torch.Tensor, k: torch.Tensor, fq: torch.Tensor, fk: torch.T
         xe, ent = xent_rows(q, k, fq, fk, scale=scale, key_padding_mask=key_padding_mask,
                             eps=eps)
         CALLS["forward"] += 1
-    except _triton_errors() as e:
+    except errors() as e:
         FALLBACK_ERRORS.append(f"{type(e).__name__}: {e}"[:500])
         warn_once(__name__, f"fused weights_xent failed in Triton ({type(e).__name__}); "
                   "running the blocked PyTorch version")
@@ -419,18 +419,3 @@ def weights_xent(q: torch.Tensor, k: torch.Tensor, fq: torch.Tensor, fk: torch.T
     if return_entropy:
         return total / norm, (total_ent / norm).detach()
     return total / norm
-
-
-def _triton_errors():
-    errs = []
-    try:
-        from triton.runtime.errors import OutOfResources
-        errs.append(OutOfResources)
-    except Exception:  # pragma: no cover
-        pass
-    try:
-        from triton.compiler.errors import CompilationError
-        errs.append(CompilationError)
-    except Exception:  # pragma: no cover
-        pass
-    return tuple(errs)
