@@ -49,6 +49,7 @@ import platform
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -289,7 +290,9 @@ def run_batch(model, L: int, args, device) -> dict:
                    "tried": {str(k): v for k, v in sorted(tried.items())}}
             del base
         except Exception as err:  # noqa: BLE001
-            res = {"error": f"{type(err).__name__}: {err}"[:500]}
+            res = {"error": f"{type(err).__name__}: {err}"[:500],
+                   "where": traceback.format_exc(limit=-4)[-1500:]}
+            print(res["where"], file=sys.stderr, flush=True)
         free()
         out[mode] = res
     set_attention_mode(model, "hybrid")

@@ -120,6 +120,18 @@ def test_gate_starts_at_fixed_g():
         torch.testing.assert_close(o, outs[0], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("mixer", ["learned_head", "shared_norm", "gate_elementwise",
+                                   "gate_lowrank"])
+def test_every_mixer_runs_a_bf16_model_without_autocast(mixer):
+    """A bf16 model converted in place (its new weights fp32 masters) runs in bf16 without
+    autocast, as generation right after conversion does (the output gates' Linear refused
+    bf16 inputs against fp32 weights: found by the GPU decode tests)."""
+    model = convert_to_hybrid(tiny().to(torch.bfloat16), HybridConfig(window=4, mixer=mixer))
+    with torch.no_grad():
+        out = model(ids(T=12)).logits
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+
+
 @pytest.mark.parametrize("mode", ["hybrid", "swa_only", "la_only", "sinks_only", "softmax"])
 def test_left_padding_respected(mode):
     """A left-padded sequence gives the same logits at its real tokens as the sequence alone,

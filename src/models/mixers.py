@@ -22,6 +22,7 @@ import math
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 __all__ = ["MIXERS", "build_mixer", "logit"]
 
@@ -127,8 +128,12 @@ class OutputGateMixer(nn.Module):
         if hidden_states is None:
             raise RuntimeError("an output-gate mixer needs the layer input; convert_to_hybrid "
                                "installs a hook that provides it")
-        x = hidden_states if self.down is None else self.down(hidden_states)
-        g = torch.sigmoid(self.up(x))  # (B, T, H * D)
+        # in the input's dtype, as the feature maps compute (fp32 master weights, a bf16 model
+        # run without autocast: e.g. generation right after conversion)
+        x = hidden_states
+        if self.down is not None:
+            x = F.linear(x, self.down.weight.to(x.dtype))
+        g = torch.sigmoid(F.linear(x, self.up.weight.to(x.dtype), self.up.bias.to(x.dtype)))
         B, T, _ = g.shape
         return g.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
 

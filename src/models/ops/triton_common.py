@@ -10,7 +10,10 @@ import os
 
 import torch
 
-__all__ = ["available", "errors", "interpret", "warn_once"]
+__all__ = ["GRID_AXIS_MAX", "available", "errors", "interpret", "warn_once"]
+
+#: CUDA's limit on a launch grid's second and third axes (the first takes up to 2^31 - 1)
+GRID_AXIS_MAX = 65535
 
 
 def interpret() -> bool:

@@ -64,7 +64,7 @@ from dataclasses import dataclass
 import torch
 
 from . import reference as ref
-from .triton_common import available, errors, interpret, warn_once
+from .triton_common import GRID_AXIS_MAX, available, errors, interpret, warn_once
 
 __all__ = ["KernelConfig", "available", "fused_hybrid", "hybrid_kernel", "kernel_reference",
            "unsupported_reason"]
@@ -1060,6 +1060,9 @@ def unsupported_reason(q, k, v, fq, fk, key_padding_mask=None) -> str | None:
         return f"head dim {D} (the fused kernels take powers of two in [16, 128])"
     if not (pow2(F) and 16 <= F <= 256):
         return f"feature dim {F} (the fused kernels take powers of two in [16, 256])"
+    if B * H > GRID_AXIS_MAX:
+        return (f"batch x heads = {B * H} (the kernels' second grid axis holds at most "
+                f"{GRID_AXIS_MAX})")
     if Tq == 0:
         return "empty sequence"
     return None

@@ -71,8 +71,8 @@ if _HAVE_TRITON:
     def _phi_fwd(X, W, BIAS, Y, sx_b, sx_h, sx_t, T, H,
                  D: tl.constexpr, FH: tl.constexpr, BM: tl.constexpr, SOFTMAX: tl.constexpr,
                  PREC: tl.constexpr):
-        pid_m = tl.program_id(0)
-        pid_bh = tl.program_id(1)
+        pid_bh = tl.program_id(0)  # axis 0: up to 2^31 - 1 (B * H of a large decode batch)
+        pid_m = tl.program_id(1)
         b = pid_bh // H
         h = pid_bh % H
         offs_m = pid_m * BM + tl.arange(0, BM)
@@ -92,8 +92,8 @@ if _HAVE_TRITON:
     def _phi_bwd(X, W, BIAS, DY, DX, DU, sx_b, sx_h, sx_t, sdy_b, sdy_h, sdy_t, T, H,
                  D: tl.constexpr, FH: tl.constexpr, BM: tl.constexpr, SOFTMAX: tl.constexpr,
                  PREC: tl.constexpr):
-        pid_m = tl.program_id(0)
-        pid_bh = tl.program_id(1)
+        pid_bh = tl.program_id(0)  # axis 0: up to 2^31 - 1 (B * H of a large decode batch)
+        pid_m = tl.program_id(1)
         b = pid_bh // H
         h = pid_bh % H
         offs_m = pid_m * BM + tl.arange(0, BM)
@@ -144,7 +144,7 @@ class _PhiFn(torch.autograd.Function):
         bc = bias.to(x.dtype).contiguous()
         y = torch.empty(B, H, T, 2 * FH, device=x.device, dtype=x.dtype)
         BM, warps = _tiles(D, FH, backward=False)
-        _phi_fwd[(triton.cdiv(T, BM), B * H)](
+        _phi_fwd[(B * H, triton.cdiv(T, BM))](
             x, wc, bc, y, x.stride(0), x.stride(1), x.stride(2), T, H, D=D, FH=FH, BM=BM,
             SOFTMAX=softmax, PREC=_prec(x.dtype), num_warps=warps)
         ctx.save_for_backward(x, wc, bc)
@@ -163,7 +163,7 @@ class _PhiFn(torch.autograd.Function):
         dx = torch.empty(B, H, T, D, device=x.device, dtype=x.dtype)
         du = torch.empty(B, H, T, FH, device=x.device, dtype=x.dtype)
         BM, warps = _tiles(D, FH, backward=True)
-        _phi_bwd[(triton.cdiv(T, BM), B * H)](
+        _phi_bwd[(B * H, triton.cdiv(T, BM))](
             x, wc, bc, dy, dx, du, x.stride(0), x.stride(1), x.stride(2), dy.stride(0),
             dy.stride(1), dy.stride(2), T, H, D=D, FH=FH, BM=BM, SOFTMAX=softmax,
             PREC=_prec(x.dtype), num_warps=warps)

@@ -39,7 +39,7 @@ import torch
 
 from . import transfer
 from .reference import DEN_TINY
-from .triton_common import available, errors, interpret, warn_once
+from .triton_common import GRID_AXIS_MAX, available, errors, interpret, warn_once
 
 __all__ = ["available", "unsupported_reason", "weights_xent", "xent_rows"]
 
@@ -376,6 +376,9 @@ def unsupported_reason(q, k, fq, fk) -> str | None:
         return f"head dim {D} (powers of two in [16, 128])"
     if not (pow2(F) and 16 <= F <= 256):
         return f"feature dim {F} (powers of two in [16, 256])"
+    if B * H > GRID_AXIS_MAX:
+        return (f"batch x heads = {B * H} (the kernels' second grid axis holds at most "
+                f"{GRID_AXIS_MAX})")
     if T == 0:
         return "empty sequence"
     return None
