@@ -36,7 +36,10 @@ modes and mixing, ``ops.reference``'s kernels, fed the cached state through ``_C
                                         takes its slot, then SWA over the ring and LA from the
                                         state: fixed shapes, no host synchronisation, in place, so
                                         a decode step can be captured in a CUDA graph
-                                        (``models.decode``)
+                                        (``models.decode``). On CUDA it runs as two Triton kernels
+                                        (``ops.triton_decode``; ``_step`` composed of the pieces
+                                        is its reference and the path for the calls they do not
+                                        cover, e.g. ``overlap``)
 
 Token-by-token decoding and one prefill end in the same state up to fp32 summation order, and
 cached logits equal a full forward of the whole sequence (tests/test_cache.py).

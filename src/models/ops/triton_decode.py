@@ -22,6 +22,10 @@ docs/performance.md). Here the same step is:
            only after it: the ring's real flag of the slot, the state's key count, the sink
            flag and count, and the position counter.
 
+Products: IEEE fp32 in fp32 models; tf32 in bf16 / fp16 models (its 10-bit mantissa holds their
+inputs exactly; the fp32 state and softmax weights round at 2^-11, below the bf16 output's
+2^-8 rounding). Accumulation, softmax and mixing in fp32.
+
 Both read the position from the device (no host synchronisation), so a step can be captured in
 a CUDA graph (``models.decode``). Programs never read what another program writes: the only
 values several programs read and one changes (the counters) are changed by ``post``.
