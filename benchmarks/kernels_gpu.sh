@@ -55,30 +55,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
     --tb=line $par tests/test_triton_kernels.py 2>&1 | grep -v '^{' | tee -a "$LOG"
   say "pytest exit status: $?"
   cat "$HEDGECATS_GPU_REPORT"/*.jsonl > "$OUT/kernel_tests.jsonl" 2>/dev/null
-  python3 - "$OUT/kernel_tests.jsonl" > "$OUT/kernel_tests.md" <<'EOF'
-import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
-print("| test | case | shape | dtype | fused | worst vs same-dtype ref | worst vs fp32 oracle | "
-      "triton errors | s |")
-print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-def worst(d):
-    if not d:
-        return ""
-    n, e = max(d.items(), key=lambda kv: kv[1])
-    return f"{e:.1e} ({n})"
-for r in sorted(rows, key=lambda r: (r["test"], r["case"], str(r["shape"]), r["dtype"])):
-    same = r.get("vs_reference_same_dtype") or r.get("vs_blocked_same_dtype")
-    print(f"| {r['test']} | {r['case']}{'-pad' if r.get('pad') else ''} | {r['shape']} | "
-          f"{r['dtype'].replace('torch.', '')} | {r.get('fused_calls')} | {worst(same)} | "
-          f"{worst(r.get('vs_fp32_oracle'))} | {len(r.get('triton_errors') or [])}"
-          f"{' +%d tile retries' % len(r['tile_retries']) if r.get('tile_retries') else ''} | "
-          f"{r.get('seconds')} |")
-msgs = sorted({m for r in rows for m in (r.get("triton_errors") or []) + (r.get("tile_retries") or [])})
-if msgs:
-    print("\nTriton errors and tile retries seen:\n")
-    for m in msgs:
-        print("- " + m.replace("\n", " ")[:400])
-EOF
+  python3 benchmarks/gpu_tests_report.py "$OUT/kernel_tests.jsonl" > "$OUT/kernel_tests.md"
   say "$(wc -l < "$OUT/kernel_tests.jsonl" 2>/dev/null) case reports in kernel_tests.md"
 fi
 
