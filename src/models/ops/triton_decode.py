@@ -22,9 +22,11 @@ docs/performance.md). Here the same step is:
            only after it: the ring's real flag of the slot, the state's key count, the sink
            flag and count, and the position counter.
 
-Products: IEEE fp32 in fp32 models; tf32 in bf16 / fp16 models (its 10-bit mantissa holds their
-inputs exactly; the fp32 state and softmax weights round at 2^-11, below the bf16 output's
-2^-8 rounding). Accumulation, softmax and mixing in fp32.
+Products: tf32 in bf16 / fp16 models (its 10-bit mantissa holds their inputs exactly; the fp32
+state and softmax weights round at 2^-11, below the bf16 output's 2^-8 rounding); accumulation,
+softmax and mixing in fp32. fp32 models: IEEE products are asked for, but on an H200 the step
+measured 4e-4 from the fp32 reference (TF32's size), so on CUDA they keep the composed step
+(``unsupported_reason``); under Triton's interpreter the fp32 kernels match it to 2e-7.
 
 Both read the position from the device (no host synchronisation), so a step can be captured in
 a CUDA graph (``models.decode``). Programs never read what another program writes: the only
@@ -227,6 +229,12 @@ def unsupported_reason(layer, query, key, fq, *, mode: str, shared_norm, overlap
         return "no query features"
     if query.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"dtype {query.dtype} (the kernels take bf16, fp16, fp32)"
+    if query.dtype == torch.float32 and not interpret():
+        # measured on an H200 (2026-12-02): 4e-4 from the fp32 reference in LA-heavy cases, the
+        # size of TF32 rounding, although every product asks for IEEE; not yet explained, so
+        # fp32 models keep the composed step there. The interpreter (exact fp32) checks the
+        # algorithm to 2e-7 (tests/triton_interpreter_check.py).
+        return "fp32 on CUDA (the kernels' fp32 products were measured at TF32 accuracy)"
     B, H, T, D = query.shape
     Hkv = key.shape[1]
     F = fq.shape[-1]
