@@ -10,7 +10,17 @@ import os
 
 import torch
 
-__all__ = ["GRID_AXIS_MAX", "available", "errors", "interpret", "warn_once"]
+__all__ = ["GRID_AXIS_MAX", "HAVE_TRITON", "available", "errors", "interpret", "tl", "triton",
+           "warn_once"]
+
+try:  # the kernel modules define their kernels only where triton imports (never on CPU CI)
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except Exception:  # pragma: no cover - CPU CI has no triton; a broken install counts as none
+    triton = tl = None
+    HAVE_TRITON = False
 
 #: CUDA's limit on a launch grid's second and third axes (the first takes up to 2^31 - 1)
 GRID_AXIS_MAX = 65535
@@ -24,11 +34,7 @@ def interpret() -> bool:
 @functools.cache
 def available() -> bool:
     """Triton importable, and CUDA present (or the interpreter switched on, for CPU tests)."""
-    try:
-        import triton  # noqa: F401
-    except Exception:  # ImportError, or a broken install
-        return False
-    return torch.cuda.is_available() or interpret()
+    return HAVE_TRITON and (torch.cuda.is_available() or interpret())
 
 
 @functools.cache

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import torch
 
-from .triton_common import available, errors, interpret, warn_once
+from .triton_common import HAVE_TRITON, available, errors, interpret, tl, triton, warn_once
 
 __all__ = ["decode_step", "unsupported_reason"]
 
@@ -50,15 +50,7 @@ CALLS = {"step": 0}
 FALLBACK_ERRORS: list[str] = []
 MODES = {"hybrid": 0, "swa_only": 1, "la_only": 2}
 
-try:
-    import triton
-    import triton.language as tl
-
-    _HAVE_TRITON = True
-except Exception:  # pragma: no cover - CPU CI has no triton
-    _HAVE_TRITON = False
-
-if _HAVE_TRITON:
+if HAVE_TRITON:
 
     @triton.jit
     def _step_main(Q, FQ, K_NEW, V_NEW, FK_OLD, RING_K, RING_V, REAL, REAL_NEW, S, Z, VSUM,

@@ -64,7 +64,8 @@ from dataclasses import dataclass
 import torch
 
 from . import reference as ref
-from .triton_common import GRID_AXIS_MAX, available, errors, interpret, warn_once
+from .triton_common import (GRID_AXIS_MAX, HAVE_TRITON, available, errors, interpret, tl,
+                            triton, warn_once)
 
 __all__ = ["KernelConfig", "available", "fused_hybrid", "hybrid_kernel", "kernel_reference",
            "unsupported_reason"]
@@ -115,15 +116,7 @@ def default_config(D: int, F: int, dtype: torch.dtype) -> KernelConfig:
 
 
 # ============================================================================= the kernels
-try:  # the kernels are defined only where triton imports (never on CPU CI)
-    import triton
-    import triton.language as tl
-
-    _HAVE_TRITON = True
-except Exception:  # pragma: no cover - CPU CI has no triton
-    _HAVE_TRITON = False
-
-if _HAVE_TRITON:
+if HAVE_TRITON:
 
     @triton.jit
     def _state_fwd(FK, V, KPM, SST, ZST, VST,

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from .triton_common import available, errors, interpret, warn_once
+from .triton_common import HAVE_TRITON, available, errors, interpret, tl, triton, warn_once
 
 __all__ = ["available", "hedgehog_features", "reference_features", "unsupported_reason"]
 
@@ -43,15 +43,7 @@ CALLS = {"forward": 0}
 ACTIVATIONS = ("softmax", "exp")
 
 
-try:
-    import triton
-    import triton.language as tl
-
-    _HAVE_TRITON = True
-except Exception:  # pragma: no cover - CPU CI has no triton
-    _HAVE_TRITON = False
-
-if _HAVE_TRITON:
+if HAVE_TRITON:
 
     @triton.jit
     def _acts(x, W, bias, SOFTMAX: tl.constexpr, PREC: tl.constexpr):

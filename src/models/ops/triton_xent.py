@@ -39,7 +39,8 @@ import torch
 
 from . import transfer
 from .reference import DEN_TINY
-from .triton_common import GRID_AXIS_MAX, available, errors, interpret, warn_once
+from .triton_common import (GRID_AXIS_MAX, HAVE_TRITON, available, errors, interpret, tl,
+                            triton, warn_once)
 
 __all__ = ["available", "unsupported_reason", "weights_xent", "xent_rows"]
 
@@ -59,15 +60,7 @@ FALLBACK_ERRORS: list[str] = []
 CALLS = {"forward": 0}  # calls that ran the kernel (tests check the path taken)
 
 
-try:
-    import triton
-    import triton.language as tl
-
-    _HAVE_TRITON = True
-except Exception:  # pragma: no cover - CPU CI has no triton
-    _HAVE_TRITON = False
-
-if _HAVE_TRITON:
+if HAVE_TRITON:
 
     @triton.jit
     def _xent_fwd(Q, K, FQ, FK, KPM, XE, ENT, LSE, LZ,
