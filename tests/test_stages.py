@@ -212,14 +212,12 @@ def test_transfer_logs_kl_and_health_and_records_it(base, tmp_path):
     assert "final/la_rel_err" in csv and "final/transfer/layer_01/den_collapsed" in csv
 
 
-@pytest.mark.parametrize("objective", ["weights_xent", "hybrid_output_mse"])
-def test_collapsed_transfer_stops_with_a_clear_error_and_no_stage_file(base, tmp_path, objective):
+def _collapsed_transfer(base, objective, **kw) -> AttentionTransfer:
     """Feature maps pushed onto disjoint coordinates (the collapse the first weights_xent found)
-    and lr 0 so training cannot repair them: the end-of-stage check must refuse the result."""
-    from hedgecats.lightning_modules.stages import TransferCollapseError
-
-    m = AttentionTransfer(base, hybrid={**HYB, "feature_activation": "relu"}, objective=objective,
-                          lr=1e-30)  # lr must be > 0; 1e-30 leaves the maps as initialised
+    and lr ~0 so training cannot repair them: every feature product is 0."""
+    hybrid = {**HYB, "feature_activation": "relu", **kw.pop("hybrid", {})}
+    m = AttentionTransfer(base, hybrid=hybrid, objective=objective,
+                          lr=1e-30, **kw)  # lr must be > 0; 1e-30 leaves the maps as initialised
     m.configure_model()
     with torch.no_grad():  # relu features: queries on coordinate 0, keys on 1: every product 0
         for _, attn in hybrid_layers(unwrap(m.model)):
@@ -227,10 +225,39 @@ def test_collapsed_transfer_stops_with_a_clear_error_and_no_stage_file(base, tmp
                 fm.weight.zero_()
                 fm.bias.zero_()
                 fm.bias[:, coord] = 1.0
+    return m
+
+
+@pytest.mark.parametrize("objective", ["weights_xent", "hybrid_output_mse"])
+def test_collapsed_transfer_stops_with_a_clear_error_and_no_stage_file(base, tmp_path, objective):
+    """The end-of-stage check refuses a collapsed student (normalised LA: fixed mixer)."""
+    from hedgecats.lightning_modules.stages import TransferCollapseError
+
+    m = _collapsed_transfer(base, objective)
+    assert m.den_collapsed_limit() == 0.5
     tr = _trainer(tmp_path, steps=2, val_check_interval=2)
     with pytest.raises(TransferCollapseError, match="den_collapsed|rel_err"):
         tr.fit(m, datamodule=_dm())
     assert not (tmp_path / "stage.pt").exists()
+
+
+def test_collapse_check_is_off_by_default_for_shared_norm_mixers(base, tmp_path):
+    """Under a shared normaliser a row below the floor is routed to the window by design (the
+    testbed's LoLCATs max-shifted runs: 52% of rows below it, LA used as much as with g = 0.5):
+    'auto' does not stop such a stage; an explicit limit still does; other strings are refused."""
+    from hedgecats.lightning_modules.stages import TransferCollapseError
+
+    shared = {"mixer": "shared_norm", "shared_norm_shift": "window_max"}
+    m = _collapsed_transfer(base, "hybrid_output_mse", hybrid=shared)
+    assert m.den_collapsed_limit() is None
+    _trainer(tmp_path / "auto", steps=2, val_check_interval=2).fit(m, datamodule=_dm())
+    assert (tmp_path / "auto" / "stage.pt").exists()
+    assert m.final_health()["den_collapsed"]  # measured and logged all the same
+    m = _collapsed_transfer(base, "hybrid_output_mse", hybrid=shared, max_den_collapsed=0.5)
+    with pytest.raises(TransferCollapseError, match="den_collapsed"):
+        _trainer(tmp_path / "explicit", steps=2, val_check_interval=2).fit(m, datamodule=_dm())
+    with pytest.raises(ValueError, match="max_den_collapsed='sometimes'"):
+        AttentionTransfer(base, hybrid=HYB, max_den_collapsed="sometimes")
 
 
 @pytest.mark.parametrize("mixer", ["gate_elementwise", "gate_lowrank"])
