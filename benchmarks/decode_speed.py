@@ -197,6 +197,12 @@ def static_cache_like(model, dyn_cache, batch: int, length: int, capacity: int):
     return cache
 
 
+def _fused_steps() -> int:
+    from hedgecats.models.ops import triton_decode
+
+    return triton_decode.CALLS["step"]
+
+
 def run_latency(model, contexts, args, device) -> list[dict]:
     from hedgecats.models import set_attention_mode
 
@@ -209,6 +215,7 @@ def run_latency(model, contexts, args, device) -> list[dict]:
             row = {"mode": mode, "context": L}
             set_attention_mode(model, mode)
             cache = snapshot = None
+            fused_before = _fused_steps()
             try:
                 dt, cache = timed_prefill(model, mode, ids, device, args.prefill_repeats)
                 row.update(prefill_tokens_per_s=L / dt, cache_bytes=cache_bytes(cache))
@@ -226,6 +233,9 @@ def run_latency(model, contexts, args, device) -> list[dict]:
                                                                   args.steps, args.warmup, device)
             except Exception as err:  # noqa: BLE001 - recorded, the run goes on
                 row["error"] = f"{type(err).__name__}: {err}"[:500]
+            # layer steps that took the fused kernels (ops.triton_decode), eager and captured:
+            # 0 for a hybrid row means every step was the composed one
+            row["fused_layer_steps"] = _fused_steps() - fused_before
             cache = snapshot = None
             free()
             rows.append(row)

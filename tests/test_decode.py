@@ -43,6 +43,7 @@ def test_decode_benchmark_tiny_mode(tmp_path):
     for r in rows.values():
         assert "error" not in r, r
         assert r["prefill_tokens_per_s"] > 0 and r["eager_ms_per_token"] > 0
+        assert r["fused_layer_steps"] == 0  # the fused decode step is a CUDA path
         assert "graph_ms_per_token" not in r  # no CUDA graphs on the CPU
     # the hybrid's cache does not grow with the context, transformers' does
     assert rows["hybrid", 32]["cache_bytes"] == rows["hybrid", 96]["cache_bytes"]

@@ -204,6 +204,7 @@ def test_decode_benchmark_small_shape_on_gpu(tmp_path):
     for row in res["latency"]:
         assert "error" not in row, row
         assert row["graph_ms_per_token"] > 0
+        assert (row["fused_layer_steps"] > 0) == (row["mode"] == "hybrid"), row
     for mode in ("hybrid", "softmax"):
         assert "error" not in res["batch"][mode], res["batch"][mode]
 
