@@ -57,3 +57,17 @@ def test_kernels_match_references_all_cases():
     assert len(rows) >= 45
     bad = _failures(rows)
     assert not bad, "\n".join(bad)
+
+
+def test_decode_precision_script_matches_its_float64_oracle():
+    """benchmarks/decode_precision.py (the GPU diagnostic of the fused decode step's fp32
+    accuracy) on CPU under the interpreter: its float64 oracle and the kernels agree to fp32
+    rounding, so on a GPU a larger error is the compiled kernel's, not the script's."""
+    script = SCRIPT.parents[1] / "benchmarks" / "decode_precision.py"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, str(script), "--small"], env=env, capture_output=True,
+                          text=True, timeout=600, check=False)
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"dtype"')]
+    assert proc.returncode == 0 and len(rows) == 6, proc.stderr[-3000:]
+    for r in rows:
+        assert r["rel_err_vs_float64"] < (1e-5 if r["dtype"] == "float32" else 1e-2), r
