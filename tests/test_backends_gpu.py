@@ -16,12 +16,11 @@ kernel's error. With ``HEDGECATS_GPU_REPORT=DIR`` every case's errors are writte
 
 from __future__ import annotations
 
-import json
-import os
 import warnings
 
 import pytest
 import torch
+from gpu_report import write_report
 from hedgecats.models import HedgehogFeatureMap, hybrid_attention
 from hedgecats.models.ops import backends
 
@@ -67,13 +66,7 @@ def errors(got: dict, want: dict) -> dict:
 
 
 def report(**row) -> None:
-    folder = os.environ.get("HEDGECATS_GPU_REPORT")
-    if not folder:
-        return
-    os.makedirs(folder, exist_ok=True)
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-    with open(os.path.join(folder, f"{worker}.jsonl"), "a") as f:
-        f.write(json.dumps(row) + "\n")
+    write_report(row)
 
 
 CASES = [("hybrid", {}), ("swa_only", {}), ("la_only", {}), ("la_only", {"la_span": "all"}),

@@ -29,6 +29,7 @@ import time
 
 import pytest
 import torch
+from gpu_report import write_report
 from hedgecats.models import HedgehogFeatureMap, hybrid_attention
 from hedgecats.models.ops import backends, transfer
 
@@ -84,13 +85,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def report(**row) -> None:
     print(json.dumps(row), flush=True)
-    folder = os.environ.get("HEDGECATS_GPU_REPORT")
-    if not folder:
-        return
-    os.makedirs(folder, exist_ok=True)
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-    with open(os.path.join(folder, f"{worker}.jsonl"), "a") as f:
-        f.write(json.dumps(row) + "\n")
+    write_report(row)
 
 
 def _kernels():
