@@ -76,3 +76,23 @@ def test_gpu_tests_report_renders_both_row_formats(tmp_path):
     assert "## Backend matrix (tests/test_backends_gpu.py): 1 cases" in out
     assert "## Fused kernels (tests/test_triton_kernels.py): 1 cases" in out
     assert "| fla | bfloat16 | 1.0e-03 |" in out and "| hybrid | shared_norm |" in out
+
+
+def test_paper_budget_from_the_committed_measurements(tmp_path):
+    """benchmarks/paper_budget.py on the committed stage throughputs: every recipe, hours that
+    follow from tokens / (tokens/s), and the eight-GPU extrapolation from the 2-GPU efficiency."""
+    out = tmp_path / "budget"
+    _run("paper_budget.py", "--out", str(out), cwd=ROOT)
+    res = json.loads(Path(f"{out}.json").read_text())
+    rows = {r["recipe"]: r for r in res["rows"]}
+    assert set(rows) == {"lolcats", "inference_hybrid", "hedgecats", "ssd_dropout", "ssd_window",
+                         "ssd_fixed"}
+    xent = res["throughputs"]["weights_xent"][1]
+    lora = res["throughputs"]["hybrid"][1]
+    h = rows["hedgecats"]
+    assert abs(h["stage1_h_1gpu"] - 25e6 / xent / 3600) < 1e-9
+    assert abs(h["total_h_1gpu"][0] - (25e6 / xent + 25e6 / lora) / 3600) < 1e-9
+    eff = res["scaling_2gpu"]
+    assert abs(h["total_h_8gpu"][0] - (25e6 / xent / (8 * eff["transfer"])
+                                       + 25e6 / lora / (8 * eff["finetune"])) / 3600) < 1e-9
+    assert rows["ssd_dropout"]["stage2_epochs"] == [5, 5]
