@@ -24,9 +24,12 @@ docs/performance.md). Here the same step is:
 
 Products: tf32 in bf16 / fp16 models (its 10-bit mantissa holds their inputs exactly; the fp32
 state and softmax weights round at 2^-11, below the bf16 output's 2^-8 rounding); accumulation,
-softmax and mixing in fp32. fp32 models: IEEE products are asked for, but on an H200 the step
-measured 4e-4 from the fp32 reference (TF32's size), so on CUDA they keep the composed step
-(``unsupported_reason``); under Triton's interpreter the fp32 kernels match it to 2e-7.
+softmax and mixing in fp32. fp32 models: IEEE products (compiled for sm_90a they are FMA, no
+tensor-core or tf32 instruction: tests/test_triton_compile.py), but on an H200 the step measured
+4e-4 from the fp32 references in LA-heavy cases, unexplained, so on CUDA they keep the composed
+step (``unsupported_reason``) until ``benchmarks/decode_precision.py`` has settled it; under
+Triton's interpreter the fp32 kernels match the composed step to 2e-7 and a float64 oracle to
+1e-7.
 
 Both read the position from the device (no host synchronisation), so a step can be captured in
 a CUDA graph (``models.decode``). Programs never read what another program writes: the only
@@ -222,11 +225,11 @@ def unsupported_reason(layer, query, key, fq, *, mode: str, shared_norm, overlap
     if query.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"dtype {query.dtype} (the kernels take bf16, fp16, fp32)"
     if query.dtype == torch.float32 and not interpret():
-        # measured on an H200 (2026-12-02): 4e-4 from the fp32 reference in LA-heavy cases, the
-        # size of TF32 rounding, although every product asks for IEEE; not yet explained, so
-        # fp32 models keep the composed step there. The interpreter (exact fp32) checks the
+        # measured on an H200 (2026-12-02): 4e-4 from the fp32 references in LA-heavy cases,
+        # although the compiled kernel multiplies in IEEE fp32 (FMA only); not yet explained,
+        # so fp32 models keep the composed step there. The interpreter (exact fp32) checks the
         # algorithm to 2e-7 (tests/triton_interpreter_check.py).
-        return "fp32 on CUDA (the kernels' fp32 products were measured at TF32 accuracy)"
+        return "fp32 on CUDA (an unexplained 4e-4 from the fp32 reference, measured on an H200)"
     B, H, T, D = query.shape
     Hkv = key.shape[1]
     F = fq.shape[-1]
