@@ -126,7 +126,7 @@ def markdown(rows: list[dict], tp: dict, eff: dict, sources: dict, lightning: di
             "one (an upper bound); SSD's and the LA-only LoRA's steps as the hybrid LoRA's; "
             "evaluation not counted. The throughputs are `stage_speed.py`'s, which runs each "
             "stage's computation outside Lightning; the last column uses the one-GPU tokens/s "
-            "of the stages through Lightning in `multigpu.json` (transfer "
+            "of the stages through Lightning with the FSDP2 strategy in `multigpu.json` (transfer "
             f"{lightning['transfer']} (weights_xent, for every recipe), fine-tune "
             f"{lightning['finetune']}), measured on 2026-12-01 before the fused kernels. The gap "
             "between the two paths (5-6x in stage 1) is an open question of issue 12 until the "
