@@ -441,37 +441,26 @@ def plot(agg: dict, out: Path, runs: dict) -> list[Path]:
     # an SSD recipe is evaluated at its last phase's window: say so under its bar
     labels = [r + (f" (w {w})" if (w := _windows_other_than_64(agg[r])) else "")
               for r in recipes]
-    modes = [m for m in ("softmax", "hybrid", "swa_only", "la_only", "la_only+all", "none")
-             if any(m in agg[r]["far_acc"] for r in recipes)]
-    fig, ax = plt.subplots(figsize=(max(8, 1.4 * len(recipes)), 4.2))
-    width = 0.8 / max(1, len(modes))
-    for j, m in enumerate(modes):
-        xs = [i + (j - (len(modes) - 1) / 2) * width for i in range(len(recipes))]
-        st = [agg[r]["far_acc"].get(m) or {"mean": float("nan"), "std": 0, "values": []}
-              for r in recipes]
-        ax.bar(xs, [s["mean"] for s in st], width, yerr=[s["std"] for s in st], capsize=2,
-               label=m)
-        for x, s in zip(xs, st):
-            ax.scatter([x] * len(s["values"]), s["values"], s=6, color="k", zorder=3)
     n = sorted({len(agg[r]["seeds"]) for r in recipes})
-    ax.set_xticks(range(len(recipes)), labels, rotation=20, ha="right")
-    ax.set_ylabel("far recall accuracy")
-    ax.set_title(f"Far recall (150-400 tokens back, window 64) per mode\nmean ± std over "
-                 f"{'/'.join(map(str, n))} seeds; dots: seeds", fontsize=10)
-    ax.set_ylim(0, 1.05)
-    ax.legend(fontsize=7, ncol=3)
-    fig.tight_layout()
-    p1 = out / "far_recall.png"
-    fig.savefig(p1, dpi=120)
-    plt.close(fig)
+    seeds = f"mean ± std over {'/'.join(map(str, n))} seeds; dots: seeds"
+    p1 = _per_mode_bars(plt, agg, recipes, labels, "far_acc", out / "far_recall.png",
+                        "far recall accuracy", 1.05,
+                        f"Far recall (150-400 tokens back, window 64) per mode\n{seeds}")
+    written = [p1]
+    if any(agg[r].get("mc_short") for r in recipes):
+        written.append(_per_mode_bars(
+            plt, agg, recipes, labels, "mc_short", out / "short_mc.png", "accuracy, %", 100,
+            f"Short multiple-choice tasks (the prompt inside the window; chance 25) per mode\n"
+            f"{seeds}"))
 
     panels = [("delta_la_near_recall", "near recall (inside the window)", "accuracy"),
               ("delta_la_far_recall", "far recall (beyond the window)", "accuracy")]
     panels += [(key, title, "points") for key, title in (
         ("delta_la_mc_short", "short MC task (lm-eval)"), ("delta_la_mc_far", "far MC task (lm-eval)"))
         if any(agg[r].get(key, {}).get("mean") is not None for r in recipes)]
-    fig, axes = plt.subplots(1, len(panels), figsize=(max(8, 0.8 * len(panels) * len(recipes)),
-                                                      3.8), squeeze=False)
+    # at least 3.6 inches a panel, so that few recipes still leave room for the titles
+    fig, axes = plt.subplots(1, len(panels), figsize=(
+        max(8, 3.6 * len(panels), 0.8 * len(panels) * len(recipes)), 4.0), squeeze=False)
     for ax, (key, title, unit) in zip(axes[0], panels):
         st = [agg[r][key] for r in recipes]
         ax.bar(range(len(recipes)), [s["mean"] if s["mean"] is not None else float("nan")
@@ -480,14 +469,41 @@ def plot(agg: dict, out: Path, runs: dict) -> list[Path]:
             ax.scatter([i] * len(s["values"]), s["values"], s=8, color="k", zorder=3)
         ax.axhline(0, color="grey", lw=0.8)
         ax.set_xticks(range(len(recipes)), labels, rotation=20, ha="right")
-        ax.set_title(f"Delta_LA = hybrid - swa_only: {title}\nmean ± std over seeds; dots: "
-                     "seeds", fontsize=9)
+        ax.set_title(title, fontsize=9)
         ax.set_ylabel(unit)
+    fig.suptitle(f"Delta_LA = hybrid - swa_only; mean ± std over {'/'.join(map(str, n))} seeds, "
+                 "dots: seeds", fontsize=10)
     fig.tight_layout()
     p2 = out / "delta_la.png"
     fig.savefig(p2, dpi=120)
     plt.close(fig)
-    return [p1, p2]
+    return [*written, p2]
+
+
+def _per_mode_bars(plt, agg: dict, recipes: list, labels: list, key: str, path: Path,
+                   ylabel: str, ymax: float, title: str) -> Path:
+    """Grouped bars: metric ``key`` per recipe and mode, mean ± std, the seeds as dots."""
+    modes = [m for m in ("softmax", "hybrid", "swa_only", "la_only", "la_only+all", "none")
+             if any(m in agg[r].get(key, {}) for r in recipes)]
+    fig, ax = plt.subplots(figsize=(max(8, 1.4 * len(recipes)), 4.2))
+    width = 0.8 / max(1, len(modes))
+    for j, m in enumerate(modes):
+        xs = [i + (j - (len(modes) - 1) / 2) * width for i in range(len(recipes))]
+        st = [agg[r].get(key, {}).get(m) or {"mean": float("nan"), "std": 0, "values": []}
+              for r in recipes]
+        ax.bar(xs, [s["mean"] for s in st], width, yerr=[s["std"] or 0 for s in st], capsize=2,
+               label=m)
+        for x, s in zip(xs, st):
+            ax.scatter([x] * len(s["values"]), s["values"], s=6, color="k", zorder=3)
+    ax.set_xticks(range(len(recipes)), labels, rotation=20, ha="right")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.set_ylim(0, ymax)
+    ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def cmd_report(a: argparse.Namespace) -> int:

@@ -207,3 +207,23 @@ def test_mc_runs_the_step_for_finished_runs_that_lack_it(tmp_path, monkeypatch):
     seen.clear()
     assert tb.main(["mc", "--root", str(tmp_path), "--again"]) == 0
     assert sorted(seen) == ["mc-hedgecats-s0", "mc-hedgecats-s1", "mc-ssd_fixed-s2"]
+
+
+def test_report_plots_every_figure_with_few_recipes(tmp_path):
+    """With plots: far recall and short multiple choice per mode, and the Delta_LA panels
+    (the multiple-choice ones when the runs have them); valid PNGs even for one recipe."""
+    tb = _load("testbed")
+    for seed in (0, 1):
+        run = tmp_path / f"lolcats_gate_lowrank-s{seed}"
+        (run / "mc").mkdir(parents=True)
+        ev = [{"kind": "recall", "stage": "finetune",
+               "results": {"hybrid": _row(0.4), "swa_only": _row(0.03), "softmax": _row(0.45)}}]
+        (run / "results.json").write_text(json.dumps({"evaluations": ev}))
+        (run / "mc" / "results.json").write_text(json.dumps({"modes": {
+            m: {"tasks": {"recall_mc_short_1": {"score": 60.0 + seed},
+                          "recall_mc_far": {"score": a}}}
+            for m, a in (("hybrid", 60.0), ("swa_only", 30.0), ("softmax", 59.0))}}))
+    assert tb.main(["report", "--root", str(tmp_path), "--out", str(tmp_path / "r")]) == 0
+    for name in ("far_recall.png", "short_mc.png", "delta_la.png"):
+        data = (tmp_path / "r" / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
