@@ -96,3 +96,39 @@ def test_paper_budget_from_the_committed_measurements(tmp_path):
     assert abs(h["total_h_8gpu"][0] - (25e6 / xent / (8 * eff["transfer"])
                                        + 25e6 / lora / (8 * eff["finetune"])) / 3600) < 1e-9
     assert rows["ssd_dropout"]["stage2_epochs"] == [5, 5]
+
+
+def test_gate_usage_reads_the_gates_of_a_converted_model():
+    """benchmarks/gate_usage.py's measurement on a fresh gated conversion (gates start at the
+    fixed g = 0.5 exactly) and its refusal of a mixer without a gate."""
+    import importlib.util
+
+    import pytest
+    import torch
+    from hedgecats.models import HybridConfig, convert_to_hybrid
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    spec = importlib.util.spec_from_file_location("gate_usage", ROOT / "benchmarks" /
+                                                  "gate_usage.py")
+    gu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gu)
+
+    class Tok:  # bytes as ids, as the testbed's byte-level tokenizer
+        def __call__(self, text, return_tensors=None):
+            return type("Enc", (), {"input_ids": torch.tensor([list(text.encode())])})()
+
+    def model(mixer):
+        torch.manual_seed(0)
+        m = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=48,
+                                         num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2))
+        return convert_to_hybrid(m.eval(), HybridConfig(window=4, mixer=mixer))
+
+    stats = gu.gate_stats(model("gate_lowrank"), Tok(), ["abc", "a longer prompt"], window=4)
+    assert set(stats) == {0, 1}
+    for s in stats.values():
+        assert s["mean_g_first_window"] == pytest.approx(0.5)
+        assert s["mean_g_beyond_window"] == pytest.approx(0.5)
+        assert s["share_below_0.25"] == 0.0
+    with pytest.raises(SystemExit, match="not an output gate"):
+        gu.gate_stats(model("fixed"), Tok(), ["abc"], window=4)
