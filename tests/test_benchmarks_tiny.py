@@ -132,3 +132,18 @@ def test_gate_usage_reads_the_gates_of_a_converted_model():
         assert s["share_below_0.25"] == 0.0
     with pytest.raises(SystemExit, match="not an output gate"):
         gu.gate_stats(model("fixed"), Tok(), ["abc"], window=4)
+
+
+def test_testbed_branch_usage_table_aggregates_seeds():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "tbu", ROOT / "benchmarks" / "testbed_branch_usage.py")
+    tbu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tbu)
+    measured = {f"/x/lolcats-s{s}": {"layers": [{"layer": 0, "la_share": [0.4 + s / 5] * 2},
+                                                {"layer": 1, "la_share": [0.2, 0.2]}]}
+                for s in (0, 1)}
+    md = tbu.table(measured)
+    assert "| recipe (seeds) | layer 0 | layer 1 | mean |" in md
+    assert "| lolcats (2) | 0.50 ± 0.14 | 0.20 ± 0.00 | 0.35 ± 0.07 |" in md
