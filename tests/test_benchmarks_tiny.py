@@ -147,3 +147,32 @@ def test_testbed_branch_usage_table_aggregates_seeds():
     md = tbu.table(measured)
     assert "| recipe (seeds) | layer 0 | layer 1 | mean |" in md
     assert "| lolcats (2) | 0.50 ± 0.14 | 0.20 ± 0.00 | 0.35 ± 0.07 |" in md
+
+
+def test_gate_intervention_swaps_one_layers_mixer_and_restores_it():
+    import importlib.util
+
+    import torch
+    from hedgecats.models import HybridConfig, convert_to_hybrid, hybrid_layers
+    from hedgecats.models.mixers import FixedMixer, OutputGateMixer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    spec = importlib.util.spec_from_file_location("gi", ROOT / "benchmarks" /
+                                                  "gate_intervention.py")
+    gi = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gi)
+    torch.manual_seed(0)
+    model = convert_to_hybrid(LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2)).eval(),
+        HybridConfig(window=4, mixer="gate_elementwise"))
+    layers = dict(hybrid_layers(model))
+    x = torch.randint(0, 64, (1, 12))
+    with torch.no_grad():
+        before = model(x).logits
+        with gi.constant_gate(model, 0, 0.5):
+            assert isinstance(layers[0].mixer, FixedMixer) and layers[0].mixer.g == 0.5
+            assert isinstance(layers[1].mixer, OutputGateMixer)
+            during = model(x).logits  # a fresh gate is 0.5 everywhere: the same function
+        assert isinstance(layers[0].mixer, OutputGateMixer)
+        torch.testing.assert_close(during, before, rtol=1e-5, atol=1e-5)
