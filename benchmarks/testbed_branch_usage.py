@@ -20,6 +20,8 @@ import statistics
 import sys
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
@@ -46,28 +48,86 @@ def table(measured: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def query_table(at_query: dict[str, dict]) -> str:
+    """Markdown: per recipe, LA's share at the question position / elsewhere, mean over layers
+    (mean ± std over seeds)."""
+    per = collections.defaultdict(lambda: {"last": [], "other": []})
+    for run, layers in at_query.items():
+        recipe = Path(run).name.rsplit("-s", 1)[0]
+        per[recipe]["last"].append(statistics.fmean(v["la_share_last"] for v in layers.values()))
+        per[recipe]["other"].append(statistics.fmean(v["la_share_other"]
+                                                     for v in layers.values()))
+    lines = ["| recipe (seeds) | LA share at the question (last position) | LA share at the "
+             "other positions beyond the window |", "|---|---|---|"]
+    lines += [f"| {r} ({len(v['last'])}) | {_spread(v['last'])} | {_spread(v['other'])} |"
+              for r, v in per.items()]
+    return "\n".join(lines)
+
+
+def query_shares(model, tokenizer, prompts: list[str]) -> dict[int, dict[str, float]]:
+    """Per converted layer: LA's share of the output at each prompt's last position (where a
+    multiple-choice prompt asks for the fact) against its mean share over the prompt's other
+    positions beyond the window, averaged over prompts (the same share as ``branch_usage``)."""
+    from hedgecats.models import attention_mode, hybrid_attention
+
+    acc: dict[int, dict[str, list[float]]] = {}
+
+    def observer(module, query, key, value, key_padding_mask, hidden_states):
+        rt = module.hedgecats
+        fq, fk = module.phi_q(query), module.phi_k(key)
+        common = {"window": rt.window, "g": module.mixer(hidden_states),
+                  "shared_norm": module.mixer.shared_norm, "overlap": rt.overlap,
+                  "n_sinks": rt.n_sinks, "key_padding_mask": key_padding_mask,
+                  "scale": getattr(module, "scaling", None), "eps": rt.eps,
+                  "backend": rt.backend}
+        n = [hybrid_attention(query, key, value, fq, fk, mode=m, rescale=False, **common)
+             .float().norm(dim=-1)[0].sum(0) for m in ("swa_only", "la_only")]  # (T,)
+        share = n[1] / (n[0] + n[1]).clamp_min(1e-30)
+        if share.shape[0] > rt.window + 1:
+            a = acc.setdefault(rt.layer_idx, {"last": [], "other": []})
+            a["last"].append(float(share[-1]))
+            a["other"].append(float(share[rt.window:-1].mean()))
+
+    with attention_mode(model, "hybrid", observer=observer), torch.no_grad():
+        for text in prompts:
+            model(input_ids=tokenizer(text, return_tensors="pt")["input_ids"])
+    return {i: {"la_share_last": statistics.fmean(a["last"]),
+                "la_share_other": statistics.fmean(a["other"]), "prompts": len(a["last"])}
+            for i, a in sorted(acc.items())}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="+")
     ap.add_argument("--text", required=True)
     ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--prompts", default=None, metavar="JSONL",
+                    help="also: LA's share at each prompt's last position (the question) against "
+                         "its other positions beyond the window; a jsonl with a 'context' field "
+                         "per line (the testbed's recall_mc_far.jsonl)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     from hedgecats.evaluation.branch_usage import branch_usage
     from hedgecats.evaluation.loading import load_for_eval
 
     text = Path(a.text).read_text()
-    measured = {}
+    prompts = ([json.loads(line)["context"] for line in Path(a.prompts).read_text().splitlines()
+                if line.strip()] if a.prompts else [])
+    measured, at_query = {}, {}
     for run in a.runs:
         loaded = load_for_eval(str(Path(run) / "finetune" / "stage.pt"))
         measured[run] = branch_usage(loaded.model, loaded.tokenizer, text=text,
                                      max_tokens=a.tokens, text_source=a.text)
+        if prompts:
+            at_query[run] = query_shares(loaded.model, loaded.tokenizer, prompts)
     md = table(measured)
+    if at_query:
+        md += "\n\n" + query_table(at_query)
     print(md)
     if a.out:
         Path(a.out).write_text(json.dumps({
             "command": "python benchmarks/testbed_branch_usage.py " + " ".join(argv or sys.argv[1:]),
-            "table": md, "runs": measured}, indent=1))
+            "table": md, "runs": measured, "at_query": at_query}, indent=1))
     return 0
 
 

@@ -147,6 +147,10 @@ def test_testbed_branch_usage_table_aggregates_seeds():
     md = tbu.table(measured)
     assert "| recipe (seeds) | layer 0 | layer 1 | mean |" in md
     assert "| lolcats (2) | 0.50 ± 0.14 | 0.20 ± 0.00 | 0.35 ± 0.07 |" in md
+    at_query = {f"/x/lolcats-s{s}": {0: {"la_share_last": 0.6, "la_share_other": 0.2 + s / 5},
+                                     1: {"la_share_last": 0.4, "la_share_other": 0.2}}
+                for s in (0, 1)}
+    assert "| lolcats (2) | 0.50 ± 0.00 | 0.25 ± 0.07 |" in tbu.query_table(at_query)
 
 
 def test_gate_intervention_swaps_one_layers_mixer_and_restores_it():
