@@ -68,20 +68,15 @@ def query_shares(model, tokenizer, prompts: list[str]) -> dict[int, dict[str, fl
     """Per converted layer: LA's share of the output at each prompt's last position (where a
     multiple-choice prompt asks for the fact) against its mean share over the prompt's other
     positions beyond the window, averaged over prompts (the same share as ``branch_usage``)."""
-    from hedgecats.models import attention_mode, hybrid_attention
+    from hedgecats.evaluation.branch_usage import branch_norms
+    from hedgecats.models import attention_mode
 
     acc: dict[int, dict[str, list[float]]] = {}
 
     def observer(module, query, key, value, key_padding_mask, hidden_states):
         rt = module.hedgecats
-        fq, fk = module.phi_q(query), module.phi_k(key)
-        common = {"window": rt.window, "g": module.mixer(hidden_states),
-                  "shared_norm": module.mixer.shared_norm, "overlap": rt.overlap,
-                  "n_sinks": rt.n_sinks, "key_padding_mask": key_padding_mask,
-                  "scale": getattr(module, "scaling", None), "eps": rt.eps,
-                  "backend": rt.backend}
-        n = [hybrid_attention(query, key, value, fq, fk, mode=m, rescale=False, **common)
-             .float().norm(dim=-1)[0].sum(0) for m in ("swa_only", "la_only")]  # (T,)
+        n = [x[0].sum(0) for x in branch_norms(module, query, key, value, key_padding_mask,
+                                                hidden_states)]  # (T,) summed over heads
         share = n[1] / (n[0] + n[1]).clamp_min(1e-30)
         if share.shape[0] > rt.window + 1:
             a = acc.setdefault(rt.layer_idx, {"last": [], "other": []})

@@ -29,7 +29,8 @@ from hedgecats.models.ops.windows import outside_limit
 
 log = logging.getLogger(__name__)
 
-__all__ = ["branch_usage", "default_text", "format_branch_usage_markdown", "plot_branch_usage"]
+__all__ = ["branch_norms", "branch_usage", "default_text", "format_branch_usage_markdown",
+           "plot_branch_usage"]
 
 
 def default_text(tokenizer, n_tokens: int, window: int, seed: int = 0) -> str:
@@ -40,6 +41,22 @@ def default_text(tokenizer, n_tokens: int, window: int, seed: int = 0) -> str:
     doc = generate_recall_document(0, seed=seed, distances=(2 * window, 4 * window),
                                    facts_per_doc=facts, tokenizer=tokenizer)
     return doc.text
+
+
+def branch_norms(module, query, key, value, key_padding_mask, hidden_states
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The norms over the head dimension of a converted layer's two weighted branches,
+    ``||w_swa SWA_t||`` and ``||w_la LA_t||``, each (B, H, T) fp32, recomputed from the layer's
+    own q, k, v (the arguments of a layer observer, ``LayerRuntime.observer``)."""
+    rt = module.hedgecats
+    fq, fk = module.phi_q(query), module.phi_k(key)
+    common = {"window": rt.window, "g": module.mixer(hidden_states),
+              "shared_norm": module.mixer.shared_norm, "overlap": rt.overlap,
+              "la_span": "outside", "n_sinks": rt.n_sinks, "key_padding_mask": key_padding_mask,
+              "scale": getattr(module, "scaling", None), "eps": rt.eps, "backend": rt.backend,
+              "window_shape": getattr(rt, "window_shape", "sliding")}
+    return tuple(hybrid_attention(query, key, value, fq, fk, mode=mode, rescale=False, **common)
+                 .float().norm(dim=-1) for mode in ("swa_only", "la_only"))
 
 
 def branch_usage(model, tokenizer, *, text: str | None = None, max_tokens: int = 1024,
@@ -66,16 +83,8 @@ def branch_usage(model, tokenizer, *, text: str | None = None, max_tokens: int =
 
     def observer(module, query, key, value, key_padding_mask, hidden_states):
         rt = module.hedgecats
-        fq, fk = module.phi_q(query), module.phi_k(key)
-        common = {"window": rt.window, "g": module.mixer(hidden_states),
-                  "shared_norm": module.mixer.shared_norm, "overlap": rt.overlap,
-                  "la_span": "outside", "n_sinks": rt.n_sinks, "key_padding_mask": key_padding_mask,
-                  "scale": getattr(module, "scaling", None), "eps": rt.eps, "backend": rt.backend,
-                  "window_shape": getattr(rt, "window_shape", "sliding")}
-        c_swa = hybrid_attention(query, key, value, fq, fk, mode="swa_only", rescale=False, **common)
-        c_la = hybrid_attention(query, key, value, fq, fk, mode="la_only", rescale=False, **common)
-        n_swa_BHT = c_swa.float().norm(dim=-1)
-        n_la_BHT = c_la.float().norm(dim=-1)
+        n_swa_BHT, n_la_BHT = branch_norms(module, query, key, value, key_padding_mask,
+                                           hidden_states)
         T = n_swa_BHT.shape[-1]
         far_T = torch.arange(T, device=n_swa_BHT.device) >= (0 if rt.overlap else rt.window)
         if not rt.overlap and getattr(rt, "window_shape", "sliding") != "sliding":
