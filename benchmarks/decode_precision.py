@@ -18,6 +18,7 @@ with fp32, then bf16 inputs (the cache's state is fp32 in both, as in ``HybridCa
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
@@ -28,35 +29,32 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-class _Slot:
-    """The tensors of one ``HybridLayerCache`` (``decode_step`` reads only these)."""
+def random_slot(B, Hkv, W, D, F, n_sinks, dtype, device, gen):
+    """A ``HybridLayerCache`` slot (the real class, its own tensor layout) holding a random ring
+    and the LA state of 1,000 random earlier keys, in the middle of a sequence."""
+    from hedgecats.models.cache import HybridLayerCache
 
-    def __init__(self, B, Hkv, W, D, F, n_sinks, dtype, device, gen):
-        def rnd(*shape, scale=1.0):
-            return (scale * torch.randn(*shape, generator=gen, dtype=torch.float64)).to(device)
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(device)
 
-        self.window, self.n_sinks = W, n_sinks
-        self.keys = rnd(B, Hkv, W, D).to(dtype)
-        self.values = rnd(B, Hkv, W, D).to(dtype)
-        self.real = torch.ones(B, W, dtype=torch.bool, device=device)
-        n_old = 1000
-        fk = torch.rand(B, Hkv, n_old, F, generator=gen, dtype=torch.float64).to(device) / F
-        v = rnd(B, Hkv, n_old, D)
-        self.S = torch.einsum("bhnf,bhnd->bhfd", fk, v).float()
-        self.z = fk.sum(2).float()
-        self.vsum = v.sum(2).float()
-        self.n_state = torch.full((B,), n_old, dtype=torch.long, device=device)
-        self.sink_keys = torch.zeros(B, Hkv, n_sinks + 1, D, dtype=dtype, device=device)
-        self.sink_values = torch.zeros_like(self.sink_keys)
-        self.sink_real = torch.ones(B, n_sinks + 1, dtype=torch.bool, device=device)
-        self.n_real = torch.full((B,), n_old + W, dtype=torch.long, device=device)
-        self.pos = torch.tensor(n_old + W + 5, dtype=torch.long, device=device)
-
-    def clone(self):
-        new = object.__new__(_Slot)
-        for k, v in vars(self).items():
-            setattr(new, k, v.clone() if torch.is_tensor(v) else v)
-        return new
+    owner = torch.nn.Module()
+    slot = HybridLayerCache(0, W, n_sinks, F, owner)
+    slot.owner_ref = owner  # keep the weakly referenced owner alive beside the slot
+    slot.lazy_initialization(rnd(B, Hkv, 1, D).to(dtype), rnd(B, Hkv, 1, D).to(dtype))
+    n_old = 1000
+    fk = torch.rand(B, Hkv, n_old, F, generator=gen, dtype=torch.float64).to(device) / F
+    v = rnd(B, Hkv, n_old, D)
+    slot.keys.copy_(rnd(B, Hkv, W, D))
+    slot.values.copy_(rnd(B, Hkv, W, D))
+    slot.real.fill_(True)
+    slot.S.copy_(torch.einsum("bhnf,bhnd->bhfd", fk, v))
+    slot.z.copy_(fk.sum(2))
+    slot.vsum.copy_(v.sum(2))
+    slot.n_state.fill_(n_old)
+    slot.sink_real.fill_(True)
+    slot.n_real.fill_(n_old + W)
+    slot.pos.fill_(n_old + W + 5)
+    return slot
 
 
 def oracle(slot, q, k, v, fq, fk_old, g, scale, eps):
@@ -116,7 +114,7 @@ def main(argv=None) -> int:
     for dtype in (torch.float32, torch.bfloat16):
         for g in (0.5, 1.0, 0.0):
             gen = torch.Generator().manual_seed(0)
-            slot = _Slot(B, Hkv, W, D, F, 4, dtype, device, gen)
+            slot = random_slot(B, Hkv, W, D, F, 4, dtype, device, gen)
             q = torch.randn(B, H, D, generator=gen, dtype=torch.float64).to(device)
             k = torch.randn(B, Hkv, D, generator=gen, dtype=torch.float64).to(device)
             v = torch.randn(B, Hkv, D, generator=gen, dtype=torch.float64).to(device)
@@ -124,7 +122,7 @@ def main(argv=None) -> int:
             fk_old = (torch.rand(B, Hkv, F, generator=gen, dtype=torch.float64) / F).to(device)
             q, k, v, fq, fk_old = (t.to(dtype) for t in (q, k, v, fq, fk_old))
             scale = D ** -0.5
-            want = oracle(slot.clone(), q, k, v, fq, fk_old, g, scale, LA_EPS)
+            want = oracle(copy.deepcopy(slot), q, k, v, fq, fk_old, g, scale, LA_EPS)
             got = triton_decode.decode_step(
                 slot, q[:, :, None], k[:, :, None], v[:, :, None], fq[:, :, None],
                 fk_old[:, :, None], None, mode="hybrid", g=g, shared_norm=False, rescale=False,
