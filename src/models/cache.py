@@ -476,8 +476,9 @@ def _commit(layer: HybridLayerCache, module, k_loc, v_loc, r_loc, *, n_old: int,
 
 def _fused_step(layer: HybridLayerCache, module, query, key, value, real, fq,
                 common) -> torch.Tensor | None:
-    """``_step`` in two Triton kernels (``ops.triton_decode``) where they cover the call and
-    ``backends.triton_enabled()``, else ``None`` (the reason logged once). The key leaving the
+    """``_step`` in two Triton kernels (``ops.triton_decode``) where they cover the call (Triton
+    present, on CUDA or its interpreter) and ``HEDGECATS_TRITON`` is not ``0``, else ``None``
+    (on CUDA the reason logged once). The key leaving the
     window gets its feature map here (the layer's own ``phi_k``, whatever its kind). ``real``:
     (B, 1) flags of the new keys, or ``None`` when the call has no mask (all real)."""
     if not backends.triton_switched_on() or not layer.is_initialized:
