@@ -11,8 +11,9 @@ Seven teachers pretrained from scratch on the testbed teacher's recall corpus an
 learned far recall, 0.459, in 185 s alone on an H200; the key-value task of the first version
 of this study learned no recall in that budget, docs/testbed.md), one process each, the
 variants of one call at once (processes share the GPU by time slicing), the same token budget
-each. Seven at once would need about 7 x 185 s of GPU time, more than one 10-minute call: run
-them in two or three calls with ``--variants`` and merge the reports (``--deadline`` stops
+each. Seven at once ran at 1.35M tokens/s together on an H200 (2026-12-02: 3,000 steps each in
+508 s, evaluations included), so 6,000 steps of all seven need two or three 10-minute calls:
+run them with ``--variants`` and merge the reports (``--deadline`` stops
 unfinished runs and reports them as stopped early):
 
     full                      every layer full attention, no gate (today's teacher)
@@ -244,6 +245,21 @@ def _fmt(vals, digits=3) -> str:
     return f"{m:.{digits}f}" + (f" ± {s:.{digits}f}" if s is not None else "")
 
 
+#: recall accuracy at which a bucket counts as learned (chance is ~0.04: 26 letters)
+LEARNED = 0.5
+
+
+def learned_at(result: dict, bucket: str) -> int | None:
+    """The first evaluated step at which ``bucket``'s recall accuracy reached ``LEARNED`` (the
+    recall is learned in a jump, an induction-head-like transition, so its step says more than
+    the final loss), or None if it never did."""
+    for h in result["history"]:
+        acc = h.get(f"downstream/recall/{bucket}/acc")
+        if acc is not None and acc >= LEARNED:
+            return h["step"]
+    return None
+
+
 def summarize(results: list[dict], buckets: list[str]) -> dict:
     """Per-variant means over seeds, and the paired differences the seed asks about;
     ``buckets``: the recall probe's bucket names (``d<lo>-<hi>``)."""
@@ -269,6 +285,7 @@ def summarize(results: list[dict], buckets: list[str]) -> dict:
             "tokens_per_s": [r["tokens_per_s"] for r in rs],
             "stopped_early": any(r["stopped_early"] for r in rs),
             "steps": [r["steps"] for r in rs],
+            "learned_at": {b: [learned_at(r, b) for r in rs] for b in (buckets[0], buckets[-1])},
         }
     pairs = [("swa_small", "swa_large", "smaller window (no gate)"),
              ("swa_small_gate", "swa_large_gate", "smaller window (elementwise gate)"),
@@ -297,8 +314,23 @@ def summarize(results: list[dict], buckets: list[str]) -> dict:
                         - ry[s]["final"]["downstream/mc_near/acc"])
         deltas.append({"a": x, "b": y, "what": what, "seeds": seeds, "d_loss": d_loss,
                        "d_loss_paired_se": d_se, "d_far_recall": d_far, "d_mc_near": d_mc,
-                       "far_bucket": buckets[-1]})
+                       "far_bucket": buckets[-1], "near_bucket": buckets[0]})
     return {"rows": rows, "deltas": deltas, "buckets": buckets}
+
+
+def _seeds(vals, digits=3, signed=False) -> str:
+    """The mean, then every seed's value in brackets when there are several."""
+    vals = [v for v in vals if v is not None]
+    if not vals:
+        return "n/a"
+    f = (lambda v: f"{v:+.{digits}f}") if signed else (lambda v: f"{v:.{digits}f}")
+    if len(vals) == 1:
+        return f(vals[0])
+    return f"{f(statistics.fmean(vals))} ({', '.join(f(v) for v in vals)})"
+
+
+def _step(v: int | None) -> str:
+    return "never" if v is None else str(v)
 
 
 def markdown(summary: dict, results: list[dict], meta: dict) -> str:
@@ -313,33 +345,61 @@ def markdown(summary: dict, results: list[dict], meta: dict) -> str:
              "100% of the planned steps. Recall: argmax accuracy of the recalled value by "
              "distance bucket. MC: 4-way multiple choice by log-likelihood (chance 0.25): "
              f"near recalls with a {meta['near_window'] + 1}-token context, far recalls with "
-             "the whole prefix. Mean ± std over seeds when there are several. Tokens/s: each "
-             "run's training throughput while all runs share the GPU. Training-loss means at "
-             "both points are in the JSON (train_loss_windows)."), "",
-             "| variant | windows | gate | RoPE dims | params (gates) | loss 50% | loss 100% | "
-             + " | ".join(f"recall {x}" for x in b) + " | MC near | MC far | tokens/s per run |",
-             "| --- | --- | --- | --- | --- | ---: | ---: | "
-             + " | ".join("---:" for _ in b) + " | ---: | ---: | ---: |"]
+             "the whole prefix. With several seeds: the mean, then each seed's value in "
+             f"brackets (column 'seeds' says how many). 'Learned': runs whose {b[0]} / {b[-1]} "
+             f"recall reached {LEARNED} at some evaluation (the step of each run in the per-run "
+             "table). Tokens/s: each run's training throughput while all runs of its call share "
+             "the GPU. Training-loss means at both points are in the JSON "
+             "(train_loss_windows)."), "",
+             "| variant | windows | gate | RoPE dims | params (gates) | seeds | loss 50% | "
+             "loss 100% | " + " | ".join(f"recall {x}" for x in b)
+             + " | MC near | MC far | learned near / far | tokens/s per run |",
+             "| --- | --- | --- | --- | --- | ---: | ---: | ---: | "
+             + " | ".join("---:" for _ in b) + " | ---: | ---: | ---: | ---: |"]
     for name, r in summary["rows"].items():
         windows = ",".join("F" if w is None else str(w) for w in r["windows"])
         flag = " (stopped by time)" if r["stopped_early"] else ""
+        n = len(r["seeds"])
+        learned = " / ".join(f"{sum(x is not None for x in r['learned_at'][k])} of {n}"
+                             for k in (b[0], b[-1]))
         lines.append(
             f"| {name}{flag} | {windows} | {r['gate']} | {r['rotary_dim']} | "
-            f"{r['params']['total'] / 1e6:.2f}M ({r['params']['gates'] / 1e3:.0f}k) | "
-            f"{_fmt(r['loss_50'])} | {_fmt(r['loss_100'])} | "
-            + " | ".join(_fmt(r["recall"][x], 2) for x in b)
-            + f" | {_fmt(r['mc_near'], 2)} | {_fmt(r['mc_far'], 2)} | "
-            f"{_fmt(r['tokens_per_s'], 0)} |")
+            f"{r['params']['total'] / 1e6:.2f}M ({r['params']['gates'] / 1e3:.0f}k) | {n} | "
+            f"{_seeds(r['loss_50'])} | {_seeds(r['loss_100'])} | "
+            + " | ".join(_seeds(r["recall"][x], 2) for x in b)
+            + f" | {_seeds(r['mc_near'], 2)} | {_seeds(r['mc_far'], 2)} | {learned} | "
+            f"{_seeds(r['tokens_per_s'], 0)} |")
     lines += ["", "## Differences (first minus second, same seeds)", "",
-              ("Held-out loss difference with its paired standard error over the probe "
-              "documents (evaluation noise only; training-seed noise needs several seeds)."), "",
-              f"| comparison | Δ loss (± paired SE) | Δ recall {b[-1]} | Δ MC near |",
-              "| --- | ---: | ---: | ---: |"]
+              ("Mean over the seeds both variants ran, each seed's value in brackets. Paired SE: "
+              "the held-out loss difference's standard error over the probe documents, the "
+              "mean over seeds (evaluation noise only; the spread between seeds is the training "
+              "noise)."), "",
+              f"| comparison | seeds | Δ loss | paired SE | Δ recall {b[-1]} | Δ MC near |",
+              "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for d in summary["deltas"]:
         se = [s for s in d["d_loss_paired_se"] if s is not None]
-        se_txt = f" ± {statistics.fmean(se):.4f}" if se else ""
-        lines.append(f"| {d['what']}: {d['a']} - {d['b']} | {_fmt(d['d_loss'], 4)}{se_txt} | "
-                     f"{_fmt(d['d_far_recall'], 2)} | {_fmt(d['d_mc_near'], 2)} |")
+        se_txt = f"{statistics.fmean(se):.4f}" if se else "n/a"
+        lines.append(f"| {d['what']}: {d['a']} - {d['b']} | {len(d['seeds'])} | "
+                     f"{_seeds(d['d_loss'], 4, signed=True)} | {se_txt} | "
+                     f"{_seeds(d['d_far_recall'], 2, signed=True)} | "
+                     f"{_seeds(d['d_mc_near'], 2, signed=True)} |")
+    ok = [r for r in results if "error" not in r]
+    if ok:
+        lines += ["", "## Every run", "",
+                  f"| variant | seed | loss 50% | loss 100% | recall {b[0]} | recall {b[-1]} | "
+                  f"MC near | MC far | {b[0]} learned at step | {b[-1]} learned at step |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for r in sorted(ok, key=lambda r: (list(VARIANTS).index(r["variant"]), r["seed"])):
+            fin = r["final"] or {}
+            lines.append(
+                f"| {r['variant']} | {r['seed']} | "
+                f"{_fmt([_at(r, 0.5, 'downstream/recall/lm_loss')])} | "
+                f"{_fmt([fin.get('downstream/recall/lm_loss')])} | "
+                f"{_fmt([fin.get(f'downstream/recall/{b[0]}/acc')], 2)} | "
+                f"{_fmt([fin.get(f'downstream/recall/{b[-1]}/acc')], 2)} | "
+                f"{_fmt([fin.get('downstream/mc_near/acc')], 2)} | "
+                f"{_fmt([fin.get('downstream/mc_far/acc')], 2)} | "
+                f"{_step(learned_at(r, b[0]))} | {_step(learned_at(r, b[-1]))} |")
     failed = [r for r in results if "error" in r]
     if failed:
         lines += ["", "## Failed runs", ""]
@@ -349,6 +409,46 @@ def markdown(summary: dict, results: list[dict], meta: dict) -> str:
         lines += ["", (f"Saved models reloaded with `load_pretrained`: largest logit difference "
                       f"{max(reload):.3g}.")]
     return "\n".join(lines) + "\n"
+
+
+def plot_curves(results: list[dict], buckets: list[str], path: Path) -> Path | None:
+    """Near and far recall and the held-out loss against the step, one line per run (every
+    seed drawn, so the figure shows the spread); None without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in results if "error" not in r and r["history"]]
+    names = [v for v in VARIANTS if any(r["variant"] == v for r in ok)]
+    colors = {v: plt.get_cmap("tab10")(i) for i, v in enumerate(names)}
+    seeds = sorted({r["seed"] for r in ok})
+    styles = ["-", "--", ":", "-."]
+    keys = [(f"downstream/recall/{buckets[0]}/acc", f"recall {buckets[0]}"),
+            (f"downstream/recall/{buckets[-1]}/acc", f"recall {buckets[-1]}"),
+            ("downstream/recall/lm_loss", "held-out loss (nats/byte)")]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for ax, (key, label) in zip(axes, keys):
+        for r in ok:
+            xs = [h["step"] for h in r["history"] if h.get(key) is not None]
+            ys = [h[key] for h in r["history"] if h.get(key) is not None]
+            ax.plot(xs, ys, styles[seeds.index(r["seed"]) % len(styles)],
+                    color=colors[r["variant"]], lw=1.4,
+                    label=r["variant"] if r["seed"] == min(
+                        x["seed"] for x in ok if x["variant"] == r["variant"]) else None)
+        ax.set_xlabel("step")
+        ax.set_title(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7, loc="upper left")
+    fig.suptitle(f"Gated SWA pretraining: one line per run ({len(seeds)} seed(s): "
+                 + ", ".join(f"seed {s} '{styles[i % len(styles)]}'" for i, s in enumerate(seeds))
+                 + ")", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 # ----------------------------------------------------------------------------- driver
@@ -473,10 +573,12 @@ def _write(out: Path, meta: dict, results: list[dict], logs: list[str]) -> None:
     (out / "gated_swa.json").write_text(json.dumps(
         {"meta": meta, "summary": summary, "runs": results}, indent=1) + "\n")
     (out / "gated_swa.md").write_text(markdown(summary, results, meta))
+    png = plot_curves(results, names, out / "gated_swa_curves.png")
     if logs:
         (out / "gated_swa.log").write_text("\n".join(logs) + "\n")
     print((out / "gated_swa.md").read_text())
-    print(f"wrote {out / 'gated_swa.json'}, gated_swa.md" + (", gated_swa.log" if logs else ""))
+    print(f"wrote {out / 'gated_swa.json'}, gated_swa.md" + (", gated_swa.log" if logs else "")
+          + (f", {png.name}" if png else ""))
 
 
 def _merge(paths: list[str], out: Path) -> int:

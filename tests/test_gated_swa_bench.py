@@ -42,7 +42,9 @@ def test_every_variant_trains_and_is_reported(tmp_path):
                 "downstream/mc_far/acc"} <= set(r["final"])
         assert len(r["doc_loss"]) == 16  # one per probe document (--tiny: 16, marker task)
     md = (tmp_path / "a" / "gated_swa.md").read_text()
-    assert md.count("\n| swa_") == 6 and "| smaller window (no gate): swa_small - swa_large |" in md
+    summary_table, per_run = md.split("## Every run")
+    assert summary_table.count("\n| swa_") == 6 and per_run.count("\n| swa_") == 6
+    assert "| smaller window (no gate): swa_small - swa_large |" in md
     assert len(res["summary"]["deltas"]) == 7
 
 
@@ -69,5 +71,23 @@ def test_runs_as_processes_and_reports_merge(tmp_path):
                 str(tmp_path / "c" / "gated_swa.json"), "--out", str(tmp_path / "m")])
     merged = json.loads((tmp_path / "m" / "gated_swa.json").read_text())
     assert merged["summary"]["rows"]["swa_large_prope_lowrank"]["seeds"] == [0, 1]
-    row = (tmp_path / "m" / "gated_swa.md").read_text().split("| swa_large_prope_lowrank |")[1]
-    assert " ± " in row.split("\n")[0]
+    md = (tmp_path / "m" / "gated_swa.md").read_text()
+    row = md.split("| swa_large_prope_lowrank |")[1].split("\n")[0]
+    # seeds column 2, the loss as "mean (seed 0, seed 1)", learned counts out of 2
+    cells = [c.strip() for c in row.split("|")]
+    assert cells[4] == "2" and "(" in cells[5] and cells[-3].endswith("of 2")
+    per_run = md.split("## Every run")[1]
+    assert per_run.count("| swa_large_prope_lowrank |") == 2
+    assert (tmp_path / "m" / "gated_swa_curves.png").stat().st_size > 10_000
+
+
+def test_learned_at_is_the_first_evaluation_at_the_threshold():
+    bench = _bench()
+    run = {"history": [{"step": 10, "downstream/recall/d3-63/acc": 0.1},
+                       {"step": 20, "downstream/recall/d3-63/acc": bench.LEARNED},
+                       {"step": 30, "downstream/recall/d3-63/acc": 0.2},
+                       {"step": 40, "downstream/recall/d3-63/acc": 0.9}]}
+    assert bench.learned_at(run, "d3-63") == 20  # the first crossing, even if it falls back
+    assert bench.learned_at(run, "d256-400") is None  # never evaluated: never learned
+    run["history"][1]["downstream/recall/d3-63/acc"] = bench.LEARNED - 1e-6
+    assert bench.learned_at(run, "d3-63") == 40
