@@ -386,8 +386,8 @@ def markdown(summary: dict, results: list[dict], meta: dict) -> str:
     ok = [r for r in results if "error" not in r]
     if ok:
         lines += ["", "## Every run", "",
-                  f"| variant | seed | loss 50% | loss 100% | recall {b[0]} | recall {b[-1]} | "
-                  f"MC near | MC far | {b[0]} learned at step | {b[-1]} learned at step |",
+                  (f"| variant | seed | loss 50% | loss 100% | recall {b[0]} | recall {b[-1]} | "
+                   f"MC near | MC far | {b[0]} learned at step | {b[-1]} learned at step |"),
                   "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for r in sorted(ok, key=lambda r: (list(VARIANTS).index(r["variant"]), r["seed"])):
             fin = r["final"] or {}
