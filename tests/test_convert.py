@@ -318,7 +318,7 @@ def test_qwen2_sliding_layers_refused():
                                          max_window_layers=1)).eval()
     with pytest.raises(ValueError, match="sliding-window layers"):
         convert_to_hybrid(model, HybridConfig(window=4))
-    assert not any(hasattr(l.self_attn, "phi_q") for l in model.model.layers)
+    assert not any(hasattr(layer.self_attn, "phi_q") for layer in model.model.layers)
 
 
 def test_mixed_dtypes_reach_the_kernels_as_one_dtype(monkeypatch):

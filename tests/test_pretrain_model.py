@@ -346,9 +346,9 @@ def test_saved_model_reloads_with_identical_logits(tmp_path):
 
 
 def test_parameter_counts_by_hand():
-    C, H, Hkv, D, I, L = 32, 4, 2, 8, 48, 2
+    C, H, Hkv, D, M, L = 32, 4, 2, 8, 48, 2  # M: the MLP's width
     attn = C * H * D * 2 + C * Hkv * D * 2  # q, o and k, v
-    base = {"embeddings": V * C, "attention": L * attn, "mlp": L * 3 * C * I,
+    base = {"embeddings": V * C, "attention": L * attn, "mlp": L * 3 * C * M,
             "norms": (2 * L + 1) * C, "lm_head": V * C}
     for gate, per_layer in (("none", 0), ("elementwise", C * H * D + H * D),
                             ("lowrank", C * 3 + 3 * H * D + H * D)):

@@ -54,7 +54,9 @@ def compile_report(fn, pointers: dict, constexprs: dict, floats=(), warps=4, sta
                              capture_output=True, text=True, check=True).stderr
     finally:
         os.unlink(f.name)
-    num = lambda pat: int(m.group(1)) if (m := re.search(pat, out)) else 0
+    def num(pat: str) -> int:
+        return int(m.group(1)) if (m := re.search(pat, out)) else 0
+
     return {"registers": num(r"Used (\d+) registers"), "spill": num(r"(\d+) bytes spill stores"),
             "smem": kernel.metadata.shared, "wgmma": "wgmma" in ptx,
             "mma": ptx.count("mma.sync"), "tf32": ptx.count(".tf32")}
