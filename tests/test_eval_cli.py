@@ -227,6 +227,44 @@ def test_branch_usage_in_report(run_dir):
     assert "## Branch usage" in (run_dir / "results.md").read_text()
 
 
+def test_tasks_none_runs_the_probes_only(workspace, run_dir, tmp_path, capsys):
+    """``--tasks none``: no lm-eval task (no task data needed), the same probes as with tasks."""
+    out = tmp_path / "probes"
+    rc = main(["--model", str(workspace / "model"), "--hybrid", str(workspace / "hybrid.yaml"),
+               "--tasks", "none", "--modes", MODES, "--retrieval", "--retrieval-docs", "2",
+               "--branch-usage", "--branch-usage-tokens", "200", "-q", "--output", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    res = json.loads((out / "results.json").read_text())
+    full = json.loads((run_dir / "results.json").read_text())
+    assert res["tasks"] == [] and res["baseline"] is None and res["delta_la"] is None
+    assert list(res["modes"]) == MODES.split(",")
+    assert all(row["avg"] is None and row["tasks"] == {} for row in res["modes"].values())
+    assert res["retrieval"] == full["retrieval"]  # the same probe as beside the tasks
+    assert res["branch_usage"]["layers"] == full["branch_usage"]["layers"]
+    md = (out / "results.md").read_text()
+    assert "No lm-eval tasks (`--tasks none`)" in md and "## Retrieval beyond the window" in md
+    assert "Rec. Perf" not in md and "Delta_LA" not in md  # no empty task table
+    from hedgecats.evaluation.report import read_results
+
+    assert read_results(out)["modes"].keys() == res["modes"].keys()
+    rows = list(csv.reader((out / "results.csv").open()))
+    assert rows[0][:2] == ["row", "kind"] and len(rows) == 1 + len(MODES.split(","))
+
+
+@pytest.mark.parametrize("extra, message", [
+    ([], "nothing to evaluate"),
+    (["--retrieval", "--tasks", "toy"], "cannot be combined"),
+    (["--retrieval", "--baseline", "x"], "--baseline applies to lm-eval's scores"),
+    (["--retrieval", "--metric", "toy=acc"], "--metric applies"),
+])
+def test_tasks_none_refuses_what_it_cannot_do(workspace, tmp_path, capsys, extra, message):
+    rc = main(["--model", str(workspace / "model"), "--hybrid", str(workspace / "hybrid.yaml"),
+               "--tasks", "none", "--modes", "hybrid", *extra, "--output", str(tmp_path / "o")])
+    assert rc == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()  # refused before anything was written
+
+
 def test_paper_metric_on_a_copy_of_lm_evals_hellaswag(workspace, tmp_path):
     """lm-eval's own hellaswag task code on local data: scored by acc_norm without --metric."""
     hs = write_hellaswag_copy(tmp_path / "hellaswag")

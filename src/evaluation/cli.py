@@ -139,7 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("lm-eval")
     g.add_argument("--tasks", action="append", metavar="TASKS",
                    help="comma-separated lm-eval task names, directories of task YAMLs, or task "
-                        f"YAML files; repeatable (default: {','.join(PAPER_TASKS)})")
+                        f"YAML files; repeatable (default: {','.join(PAPER_TASKS)}); 'none': "
+                        "no lm-eval task, the probes only (--retrieval, --branch-usage; needs no "
+                        "task data)")
     g.add_argument("--modes", default=",".join(DEFAULT_MODES), help=_MODES_HELP)
     g.add_argument("--metric", action="append", metavar="TASK=METRIC",
                    help="score TASK by METRIC (default: acc_norm for arc_challenge and hellaswag, "
@@ -205,6 +207,24 @@ def _probe_specs(model, specs: list[ModeSpec]) -> list[ModeSpec]:
     if is_converted(model) and not any(s.label == "softmax" for s in specs):
         return specs + [ModeSpec.parse("softmax")]
     return specs
+
+
+def _probes_only(args, task_specs: list[str]) -> bool:
+    """``--tasks none``: no lm-eval task, only the probes (``--retrieval``, ``--branch-usage``);
+    checked here, before any model is loaded."""
+    if "none" not in task_specs:
+        return False
+    if task_specs != ["none"]:
+        raise ValueError(f"--tasks none means no lm-eval task; it cannot be combined with "
+                         f"others (got {task_specs})")
+    if not (args.retrieval or args.branch_usage):
+        raise ValueError("--tasks none runs no lm-eval task, so there would be nothing to "
+                         "evaluate: add --retrieval and/or --branch-usage, or name tasks")
+    for flag, given in (("--baseline", args.baseline), ("--metric", args.metric),
+                        ("--seeds", args.seeds)):
+        if given:
+            raise ValueError(f"{flag} applies to lm-eval's scores; --tasks none has none")
+    return True
 
 
 def _probes(args, loaded, specs, device, say) -> dict:
@@ -299,9 +319,14 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     device = _device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     task_specs = [t for item in (args.tasks or [",".join(PAPER_TASKS)]) for t in _csv(item)]
-    say(f"resolving tasks: {', '.join(task_specs)}")
-    selection = resolve_tasks(task_specs)
-    check_metric_overrides(selection, overrides)
+    probes_only = _probes_only(args, task_specs)
+    if probes_only:
+        selection = None
+        say("no lm-eval tasks (--tasks none): the probes only")
+    else:
+        say(f"resolving tasks: {', '.join(task_specs)}")
+        selection = resolve_tasks(task_specs)
+        check_metric_overrides(selection, overrides)
     limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
     common = {"metric_overrides": overrides, "limit": limit, "batch_size": args.batch_size,
               "max_length": args.max_length, "device": device,
@@ -325,8 +350,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         if k == 0:
             source, base_model = loaded.source, loaded.base_model
             check_modes_supported(loaded.model, specs)
-        runs.append(run_modes(loaded.model, loaded.tokenizer, specs, selection, seed=seed, **common))
-        if k == 0 and args.baseline is None:
+        if probes_only:
+            runs.append({s.label: {} for s in specs})
+        else:
+            runs.append(run_modes(loaded.model, loaded.tokenizer, specs, selection, seed=seed,
+                                  **common))
+        if k == 0 and args.baseline is None and not probes_only:
             if is_converted(loaded.model):
                 baseline_source = "same model in mode 'softmax' (the original attention)"
                 say("baseline: " + baseline_source)
@@ -369,7 +398,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         meta["seed_kind"] = seed_kind
         if extra:
             meta["probes_run"] = str(seed_labels[0])  # retrieval / branch usage: first run only
-    results = build_results(runs, selection.names, specs=specs_map, baseline=baseline,
+    results = build_results(runs, [] if probes_only else selection.names, specs=specs_map, baseline=baseline,
                             baseline_source=baseline_source, seeds=seed_labels, meta=meta,
                             retrieval=extra.get("retrieval"), branch_usage=extra.get("branch_usage"))
     with atomic_output_dir(out_dir, args.overwrite) as tmp:

@@ -65,6 +65,8 @@ RESULTS_SCHEMA = "hedgecats.results/1"
 
 # ----------------------------------------------------------------------------- building
 def _table_row(scores: dict[str, TaskScore | dict], tasks: list[str]) -> dict:
+    if not tasks:  # ``hedgecats evaluate --tasks none``: the probes only, no AVG
+        return {"tasks": {}, "avg": None, "avg_stderr": None}
     rows = {t: (scores[t].to_dict() if isinstance(scores[t], TaskScore) else dict(scores[t]))
             for t in tasks}
     vals = [rows[t]["score"] for t in tasks]
@@ -123,7 +125,7 @@ def build_results(mode_runs: list[dict[str, dict[str, TaskScore]]], tasks: list[
     else:
         out["baseline"] = None
     h, s = DELTA_MODES
-    if h in out["modes"] and s in out["modes"]:
+    if tasks and h in out["modes"] and s in out["modes"]:
         d, se = metrics.delta(out["modes"][h]["avg"], out["modes"][s]["avg"],
                               out["modes"][h]["avg_stderr"], out["modes"][s]["avg_stderr"])
         out["delta_la"], out["delta_la_stderr"] = d, se
@@ -207,10 +209,14 @@ def format_markdown(results: dict) -> str:
     """The paper's table (rows = modes; columns = tasks + AVG + Rec. Perf) and the sections
     for Delta_LA, retrieval and branch usage."""
     tasks = results["tasks"]
-    first = next(iter(results["modes"].values()))
-    metric = {t: first["tasks"][t]["metric"] for t in tasks}
     meta = results.get("meta", {})
     lines = [f"# Component ablation: {meta.get('model', '?')}", ""]
+    if not tasks:
+        lines += [f"No lm-eval tasks (`--tasks none`): the probes below only, in the modes "
+                  f"{', '.join(results['modes'])}.", ""]
+        return "\n".join(lines + _probe_sections(results, meta))
+    first = next(iter(results["modes"].values()))
+    metric = {t: first["tasks"][t]["metric"] for t in tasks}
     header = ["mode"] + [f"{t} ({metric[t]})" for t in tasks] + ["AVG", "Rec. Perf"]
     lines += ["| " + " | ".join(header) + " |",
               "| --- |" + " ---: |" * (len(header) - 1)]
@@ -250,6 +256,12 @@ def format_markdown(results: dict) -> str:
             lines.append(f"Over {ds['n']} runs (seeds): Delta_LA mean {ds['mean']:+.2f}, sd {ds['std']:.2f},"
                          f" 95% CI [{lo:+.2f}, {hi:+.2f}].")
     lines.append("")
+    return "\n".join(lines + _probe_sections(results, meta))
+
+
+def _probe_sections(results: dict, meta: dict) -> list[str]:
+    """The retrieval and branch-usage sections and the run's metadata."""
+    lines: list[str] = []
     if results.get("retrieval"):
         from .retrieval import format_retrieval_markdown
 
@@ -261,7 +273,7 @@ def format_markdown(results: dict) -> str:
     if meta:
         lines += ["## Run", ""] + [f"- {k}: `{v}`" for k, v in meta.items()
                                    if isinstance(v, (str, int, float, bool)) or v is None] + [""]
-    return "\n".join(lines)
+    return lines
 
 
 def write_csv(results: dict, path: Path) -> None:
