@@ -128,9 +128,11 @@ def markdown(rows: list[dict], tp: dict, eff: dict, sources: dict, lightning: di
             "stage's computation outside Lightning; the last column uses the one-GPU tokens/s "
             "of the stages through Lightning with the FSDP2 strategy in `multigpu.json` (transfer "
             f"{lightning['transfer']} (weights_xent, for every recipe), fine-tune "
-            f"{lightning['finetune']}), measured on 2026-12-01 before the fused kernels. The gap "
-            "between the two paths (5-6x in stage 1) is an open question of issue 12 until the "
-            "Lightning path is measured again."]
+            f"{lightning['finetune']}), measured on 2026-11-29, before the fused kernels: that "
+            "stage-1 run computed the blocked cross-entropy in fp32, which the Lightning path no "
+            "longer takes on a GPU, so the 5-6x gap to the first columns is mostly that code "
+            "path, not Lightning (read from the code, not yet measured: "
+            "`benchmarks/lightning_gap.py` is the measurement); an upper bound until then."]
     return "\n".join(out)
 
 

@@ -173,6 +173,17 @@ def patched(obj, name, value):
         setattr(obj, name, old)
 
 
+@contextlib.contextmanager
+def blocked_xent():
+    """Inside, ``transfer_loss`` runs the blocked PyTorch ``weights_xent`` even where it would
+    take the fused kernel (CUDA with Triton): the ``[blocked]`` row. Until 2026-12-02 that row
+    patched nothing, so on the GPU it measured the fused kernel a second time."""
+    from hedgecats.models.ops import triton_xent
+
+    with patched(triton_xent, "weights_xent", transfer.weights_xent):
+        yield
+
+
 def la_mse_fused(q, k, v, fq, fk, *, scale=None, key_padding_mask=None, eps=None,
                  backend="auto"):
     """``la_output_mse`` with LA over every causal key through the fused hybrid kernel
@@ -264,7 +275,7 @@ def run(a, on_row=None) -> dict:
                                                              tokens))
         variants = []
         if T <= a.blocked_xent_max_t:
-            variants.append(("transfer/weights_xent [blocked]", "weights_xent", None))
+            variants.append(("transfer/weights_xent [blocked]", "weights_xent", blocked_xent))
         if has_triton():
             from hedgecats.models.ops import triton_xent
 
@@ -291,7 +302,9 @@ def run(a, on_row=None) -> dict:
         for name, objective, patch, *with_pytorch_phi in variants:
             def fn(objective=objective, patch=patch, torch_phi=bool(with_pytorch_phi)):
                 with contextlib.ExitStack() as stack:
-                    if patch:
+                    if callable(patch):  # a context of its own (blocked_xent)
+                        stack.enter_context(patch())
+                    elif patch:
                         stack.enter_context(patched(transfer, *patch))
                     if torch_phi:
                         stack.enter_context(patched(_FM_CLASS, "_fused", pytorch_phi))

@@ -18,6 +18,23 @@ def _run(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
     return proc
 
 
+def test_stage_speed_blocked_row_runs_the_blocked_xent():
+    """The ``[blocked]`` row must not take the fused kernel that ``transfer_loss`` picks by
+    itself on CUDA (it did until 2026-12-02: the row measured the fused kernel twice)."""
+    import importlib.util
+
+    from hedgecats.models.ops import transfer, triton_xent
+
+    spec = importlib.util.spec_from_file_location("stage_speed", ROOT / "benchmarks" / "stage_speed.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    fused = triton_xent.weights_xent
+    assert fused is not transfer.weights_xent
+    with bench.blocked_xent():
+        assert triton_xent.weights_xent is transfer.weights_xent
+    assert triton_xent.weights_xent is fused
+
+
 def test_stage_speed_tiny(tmp_path):
     _run("stage_speed.py", "--tiny", "--out", str(tmp_path), cwd=tmp_path)
     res = json.loads((tmp_path / "stage_speed.json").read_text())

@@ -176,6 +176,37 @@ def test_non_finite_loss_stops_before_a_bad_checkpoint(base, tmp_path):
     assert not (tmp_path / "stage.pt").exists()
 
 
+def test_non_finite_layer_loss_stops_transfer_before_the_optimiser(base, tmp_path, monkeypatch):
+    """A NaN in one layer's loss (backpropagated like the others: no per-layer host sync) stops
+    stage 1 before the optimiser step: the feature maps keep the previous step's values."""
+    from hedgecats.lightning_modules import stages
+
+    m = AttentionTransfer(base, hybrid=HYB, lr=1e-2)
+    snapshots = []
+
+    def poisoned(objective, module, *args, **kw):
+        loss, extras = transfer_loss(objective, module, *args, **kw)
+        if m.global_step >= 2 and module.hedgecats.layer_idx == LAYERS[-1]:
+            return loss * float("nan"), extras
+        return loss, extras
+
+    class Snapshot(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            snapshots.append({k: v.detach().clone() for k, v in
+                              unwrap(pl_module.model).named_parameters() if v.requires_grad})
+
+    monkeypatch.setattr(stages, "transfer_loss", poisoned)
+    with pytest.raises(NonFiniteLossError, match="non-finite loss .* global step 2"):
+        _trainer(tmp_path, steps=5, callbacks=[Snapshot()]).fit(m, datamodule=_dm())
+    assert len(snapshots) == 3  # steps 0 and 1 applied, step 2 stopped
+    after = {k: v for k, v in unwrap(m.model).named_parameters() if v.requires_grad}
+    assert after.keys() == snapshots[2].keys()
+    for k, v in after.items():
+        assert torch.isfinite(v).all(), k
+        assert torch.equal(v, snapshots[2][k]), f"{k} changed by the non-finite step"
+    assert not any(torch.equal(v, snapshots[0][k]) for k, v in after.items())  # it did learn
+
+
 def test_transfer_accumulation_follows_the_datamodule():
     """Stage 1 optimises by hand: with accumulate_grad_batches=None it takes the DataModule's
     derived value (global batch / (micro batch x world size)); an explicit value wins."""

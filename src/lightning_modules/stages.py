@@ -405,9 +405,9 @@ class AttentionTransfer(HybridStage):
                 loss, extras[i] = transfer_loss(objective, module, query, key, value,
                                                 key_padding_mask, hidden_states, xent_block=block)
                 if backward_scale is not None:
-                    if not torch.isfinite(loss.detach()):
-                        losses[i] = loss.detach()
-                        return  # reported by _check_finite before any optimiser step
+                    # backpropagated even if it is not finite: no host sync per layer (it kept
+                    # the CPU from running ahead, 32 per step on an 8B model); a non-finite loss
+                    # stops the step in _check_finite before the optimiser sees its gradients
                     loss_scaled = loss * (backward_scale / n_layers)
                     if self._ddp_model() is not None or self.device_mesh is not None:
                         loss_scaled.backward()  # grads averaged by hand, not by DDP/FSDP hooks
