@@ -35,6 +35,20 @@ def test_stage_speed_blocked_row_runs_the_blocked_xent():
     assert triton_xent.weights_xent is fused
 
 
+def test_lightning_gap_tiny(tmp_path):
+    """benchmarks/lightning_gap.py (stage 1 through Lightning against the stage harness) on CPU:
+    a Lightning row, a harness row with the kernels off, and a reading that needs both."""
+    _run("lightning_gap.py", "--tiny", "--only", "L0,L3,S2", "--out", str(tmp_path), cwd=tmp_path)
+    res = json.loads((tmp_path / "lightning_gap.json").read_text())
+    assert list(res["rows"]) == ["L0", "S2", "L3"]
+    for r in res["rows"].values():
+        assert "error" not in r, r.get("traceback")
+        assert r["tokens_per_s"] > 0 and len(r["steps_s"]) == res["steps"]
+    assert res["rows"]["L0"]["strategy"] == "ModelParallelStrategy"
+    md = (tmp_path / "lightning_gap.md").read_text()
+    assert "| L0 |" in md and "Lightning's cost at HEAD (L0 - S2)" in md
+
+
 def test_stage_speed_tiny(tmp_path):
     _run("stage_speed.py", "--tiny", "--out", str(tmp_path), cwd=tmp_path)
     res = json.loads((tmp_path / "stage_speed.json").read_text())
