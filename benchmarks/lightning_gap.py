@@ -17,7 +17,8 @@ checks each layer's loss on the host.)
   L6  the recipes' precision: bf16-mixed, fp32 maps (configs/pipelines/base/hedgecats.yaml)
 stage_speed.transfer_step on one unsharded model (no Lightning):
   S0  bf16 autocast, fp32 maps (the 2026-12-02 stage_speed.md row)
-  S1  S0 under HEDGECATS_TRITON=0 (the true blocked row; stage_speed's '[blocked]' took the kernel)
+  S1  S0 with the blocked xent (stage_speed.blocked_xent; the fused feature map stays, as in
+      stage_speed's fixed '[blocked]' row)
   S2  no autocast, bf16 maps (Lightning L0's numerics without Lightning)
   S3  S2 under HEDGECATS_TRITON=0 (L1 without Lightning)
 Profiles (--profile, default on): one step of L0 and of S0 under torch.profiler (top kernels,
@@ -53,6 +54,43 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- Lightning variants
+class LoopMeter(pl.Callback):
+    """Step time from one batch's start to the next's (synchronised), so the whole loop is
+    timed: data fetch, the batch's move to the device and Lightning's end-of-batch logging
+    (which reads the progress-bar loss on the host) included, not only the training step as
+    ``multigpu.Meter`` times it. The last step ends at ``on_train_end``."""
+
+    def __init__(self):
+        self.starts: list[float] = []
+        self.end: float | None = None
+        self._losses: list[torch.Tensor] = []
+
+    @staticmethod
+    def _now() -> float:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.starts.append(self._now())
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self._losses.append(loss.detach())  # read at the end: no host sync of ours per step
+
+    def on_train_end(self, trainer, pl_module):
+        self.end = self._now()
+
+    @property
+    def losses(self) -> list[float]:
+        return [float(x) for x in self._losses]
+
+    @property
+    def times(self) -> list[float]:
+        marks = self.starts + ([self.end] if self.end is not None else [])
+        return [b - a for a, b in zip(marks, marks[1:])]
+
+
 class NoLog(multigpu.Transfer):
     """``AttentionTransfer`` without its per-step ``self.log`` calls (the mean loss only)."""
 
@@ -70,31 +108,45 @@ class Fp32Maps(multigpu.Transfer):
 
 
 class Probe(pl.Callback):
-    """Profiles one step (``at``) and records the synchronising calls of the next one."""
+    """Profiles one loop iteration (``at``: from its batch start to the next one's, so
+    Lightning's end-of-batch work is inside) and records the synchronising calls of the next
+    iteration over the same span. Registered before the step timer, so its own work at a batch
+    start lands before the timer's mark, in the two iterations that are not timed."""
 
     def __init__(self, at: int, cuda: bool):
         self.at, self.cuda, self.prof, self.result = at, cuda, None, {}
         self._w = None
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if batch_idx == self.at:
-            self.t0 = time.perf_counter()
-            self.prof = profile_start(self.cuda)
-        elif batch_idx == self.at + 1 and self.cuda:
-            torch.cuda.set_sync_debug_mode("warn")
-            self._w = warnings.catch_warnings(record=True)
-            self.records = self._w.__enter__()
-            warnings.simplefilter("always")
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if batch_idx == self.at:
+    def _stop_profile(self):
+        if self.prof is not None:
             self.result["profile"] = profile_stop(self.prof, self.cuda,
                                                   time.perf_counter() - self.t0)
-        elif batch_idx == self.at + 1 and self._w is not None:
+            self.prof = None
+
+    def _stop_sync_debug(self):
+        if self._w is not None:
             torch.cuda.set_sync_debug_mode(0)
             self._w.__exit__(None, None, None)
             self.result["sync_calls"] = sync_sites(self.records)
             self._w = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == self.at:
+            self.t0 = time.perf_counter()
+            self.prof = profile_start(self.cuda)
+        elif batch_idx == self.at + 1:
+            self._stop_profile()
+            if self.cuda:
+                torch.cuda.set_sync_debug_mode("warn")
+                self._w = warnings.catch_warnings(record=True)
+                self.records = self._w.__enter__()
+                warnings.simplefilter("always")
+        elif batch_idx == self.at + 2:
+            self._stop_sync_debug()
+
+    def on_train_end(self, trainer, pl_module):
+        self._stop_profile()
+        self._stop_sync_debug()
 
 
 def lightning_variant(cls, a, *, strategy="fsdp2", precision="32-true", probe=False):
@@ -105,11 +157,9 @@ def lightning_variant(cls, a, *, strategy="fsdp2", precision="32-true", probe=Fa
                                       **({} if cuda else {"process_group_backend": "gloo"}))
     else:
         strat = "auto"
-    meter = multigpu.Meter()
-    callbacks = [meter]
+    meter = LoopMeter()
     pr = Probe(a.warmup, cuda) if probe else None
-    if pr:
-        callbacks.append(pr)
+    callbacks = ([pr] if pr else []) + [meter]  # the probe first: its work before the marks
     steps = a.warmup + a.steps + (2 if probe else 0)
     trainer = pl.Trainer(accelerator=accel, devices=1, max_steps=steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False,
@@ -279,7 +329,7 @@ VARIANTS = {
 }
 S_VARIANTS = {
     "S0": "stage_speed: autocast bf16, fp32 maps (stage_speed.md's row)",
-    "S1": "S0 with HEDGECATS_TRITON=0 (blocked xent under autocast)",
+    "S1": "S0 with the blocked xent (fused maps kept)",
     "S2": "stage_speed: no autocast, bf16 maps (L0's numerics)",
     "S3": "S2 with HEDGECATS_TRITON=0 (blocked xent, fp32 GEMMs, no Lightning)",
 }
@@ -403,7 +453,8 @@ def main(argv=None):
         if name in ("S2", "S3") and phi[0].dtype != torch.bfloat16:
             for p_ in phi:
                 p_.data = p_.data.to(torch.bfloat16)
-        ctx = backends.triton_disabled if name in ("S1", "S3") else contextlib.nullcontext
+        ctx = {"S1": stage_speed.blocked_xent, "S3": backends.triton_disabled}.get(
+            name, contextlib.nullcontext)
         with ctx():
             attempt(name, S_VARIANTS[name], lambda n=name: stage_speed_variant(
                 model, phi, ids, a, autocast=n in ("S0", "S1"), probe=a.profile and n == "S0"))

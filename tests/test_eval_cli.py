@@ -256,6 +256,7 @@ def test_tasks_none_runs_the_probes_only(workspace, run_dir, tmp_path, capsys):
     (["--retrieval", "--tasks", "toy"], "cannot be combined"),
     (["--retrieval", "--baseline", "x"], "--baseline applies to lm-eval's scores"),
     (["--retrieval", "--metric", "toy=acc"], "--metric applies"),
+    (["--retrieval", "--model", "second"], "several --model checkpoints"),
 ])
 def test_tasks_none_refuses_what_it_cannot_do(workspace, tmp_path, capsys, extra, message):
     rc = main(["--model", str(workspace / "model"), "--hybrid", str(workspace / "hybrid.yaml"),

@@ -167,6 +167,16 @@ def test_results_table_formats():
     assert "| mode | piqa | AVG | Rec. Perf |" in table and "| hybrid | 70.10 |" in table
     assert "Delta_LA" in table
     assert results_table({"something": 1}) is None
+    # hedgecats evaluate --tasks none: no task columns, the probes' tables instead
+    cell = {"n": 2, "accuracy": 50.0, "token_accuracy": 75.0, "distance_min": 1,
+            "distance_max": 9}
+    probes = {"tasks": [], "modes": {"hybrid": {"tasks": {}, "avg": None}},
+              "retrieval": {"window_note": "window 8", "distance_unit": "tokens",
+                            "scoring": "greedy", "modes": {"hybrid": {
+                                b: dict(cell) for b in ("inside", "1-4x", "4-16x", "beyond")}}}}
+    table = results_table(probes)
+    assert "AVG" not in table and "| hybrid | 50.0 (75.0, n=2) |" in table
+    assert results_table({"tasks": [], "modes": {"hybrid": {"tasks": {}}}}) is None
 
 
 # ----------------------------------------------------------------------------- generate

@@ -53,3 +53,24 @@ def test_notebook_runs_on_the_fixture(kernel_env, tmp_path, monkeypatch):
         "avg_by_run.png", "delta_la.png", "retrieval_by_distance.png"]
     assert all(not c.outputs for c in nbformat.read(NOTEBOOK, as_version=4).cells
                if c.cell_type == "code")
+
+
+def test_notebook_runs_on_results_without_tasks(kernel_env, tmp_path, monkeypatch):
+    """A probes-only results.json (``hedgecats evaluate --tasks none``: tasks [], AVG null) and
+    no Delta_LA anywhere: the notebook still runs to the end and says what is missing."""
+    from nbclient import NotebookClient
+
+    res = json.loads((RESULTS / "stage2_ssd" / "results.json").read_text())
+    probes = {"schema": res.get("schema"), "tasks": [], "baseline": None, "delta_la": None,
+              "delta_la_stderr": None, "retrieval": res.get("retrieval"), "branch_usage": None,
+              "modes": {m: {"mode": r.get("mode", m), "switches": r.get("switches", {}),
+                            "tasks": {}, "avg": None, "avg_stderr": None}
+                        for m, r in res["modes"].items()}, "meta": {}}
+    (tmp_path / "probes").mkdir()
+    (tmp_path / "probes" / "results.json").write_text(json.dumps(probes))
+    monkeypatch.setenv("HEDGECATS_RESULTS", str(tmp_path / "probes" / "results.json"))
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    NotebookClient(nb, kernel_name=kernel_env, timeout=120,
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    assert "no tasks" in text and "no run has Delta_LA" in text

@@ -176,7 +176,9 @@ def test_non_finite_loss_stops_before_a_bad_checkpoint(base, tmp_path):
     assert not (tmp_path / "stage.pt").exists()
 
 
-def test_non_finite_layer_loss_stops_transfer_before_the_optimiser(base, tmp_path, monkeypatch):
+@pytest.mark.parametrize("anomaly", [False, True])
+def test_non_finite_layer_loss_stops_transfer_before_the_optimiser(base, tmp_path, monkeypatch,
+                                                                    anomaly):
     """A NaN in one layer's loss (backpropagated like the others: no per-layer host sync) stops
     stage 1 before the optimiser step: the feature maps keep the previous step's values."""
     from hedgecats.lightning_modules import stages
@@ -197,7 +199,8 @@ def test_non_finite_layer_loss_stops_transfer_before_the_optimiser(base, tmp_pat
 
     monkeypatch.setattr(stages, "transfer_loss", poisoned)
     with pytest.raises(NonFiniteLossError, match="non-finite loss .* global step 2"):
-        _trainer(tmp_path, steps=5, callbacks=[Snapshot()]).fit(m, datamodule=_dm())
+        _trainer(tmp_path, steps=5, callbacks=[Snapshot()],
+                 detect_anomaly=anomaly).fit(m, datamodule=_dm())
     assert len(snapshots) == 3  # steps 0 and 1 applied, step 2 stopped
     after = {k: v for k, v in unwrap(m.model).named_parameters() if v.requires_grad}
     assert after.keys() == snapshots[2].keys()

@@ -224,6 +224,9 @@ def _probes_only(args, task_specs: list[str]) -> bool:
                         ("--seeds", args.seeds)):
         if given:
             raise ValueError(f"{flag} applies to lm-eval's scores; --tasks none has none")
+    if len(args.models) > 1:
+        raise ValueError("--tasks none with several --model checkpoints: the probes run on one "
+                         "model; evaluate each checkpoint on its own")
     return True
 
 
@@ -270,6 +273,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     overrides = parse_metric_overrides(args.metric)
     out_dir = check_output_dir(args.output, args.overwrite)
     hybrid = read_hybrid_config(args.hybrid) if args.hybrid else None
+    task_specs = [t for item in (args.tasks or [",".join(PAPER_TASKS)]) for t in _csv(item)]
+    probes_only = _probes_only(args, task_specs)
     args.model = args.models[0]
     if len(args.models) > 1:
         if len(set(args.models)) != len(args.models):
@@ -318,8 +323,6 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
                          "instead)")
     device = _device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    task_specs = [t for item in (args.tasks or [",".join(PAPER_TASKS)]) for t in _csv(item)]
-    probes_only = _probes_only(args, task_specs)
     if probes_only:
         selection = None
         say("no lm-eval tasks (--tasks none): the probes only")

@@ -407,7 +407,12 @@ class AttentionTransfer(HybridStage):
                 if backward_scale is not None:
                     # backpropagated even if it is not finite: no host sync per layer (it kept
                     # the CPU from running ahead, 32 per step on an 8B model); a non-finite loss
-                    # stops the step in _check_finite before the optimiser sees its gradients
+                    # stops the step in _check_finite before the optimiser sees its gradients.
+                    # Under anomaly detection (debugging, speed aside) the backward of a NaN
+                    # would raise first, so there it is checked and skipped as before.
+                    if torch.is_anomaly_enabled() and not torch.isfinite(loss.detach()):
+                        losses[i] = loss.detach()
+                        return
                     loss_scaled = loss * (backward_scale / n_layers)
                     if self._ddp_model() is not None or self.device_mesh is not None:
                         loss_scaled.backward()  # grads averaged by hand, not by DDP/FSDP hooks
