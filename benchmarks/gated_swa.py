@@ -11,8 +11,8 @@ Seven teachers pretrained from scratch on the testbed teacher's recall corpus an
 learned far recall, 0.459, in 185 s alone on an H200; the key-value task of the first version
 of this study learned no recall in that budget, docs/testbed.md), one process each, the
 variants of one call at once (processes share the GPU by time slicing), the same token budget
-each. Seven at once ran at 1.35M tokens/s together on an H200 (2026-12-02: 3,000 steps each in
-508 s, evaluations included), so 6,000 steps of all seven need two or three 10-minute calls:
+each. Seven at once ran at 1.34M tokens/s together on an H200 (2026-12-02: 3,000 steps each in
+513 s, evaluations included), so 6,000 steps of all seven need two or three 10-minute calls:
 run them with ``--variants`` and merge the reports (``--deadline`` stops
 unfinished runs and reports them as stopped early):
 

@@ -28,7 +28,8 @@ softmax and mixing in fp32. fp32 models: IEEE products (compiled for sm_90a they
 tensor-core or tf32 instruction: tests/test_triton_compile.py). On an H200 one fused fp32 step
 is 3.7e-7 from a float64 oracle (benchmarks/decode_precision.py, 2026-12-02), but a decode run
 measured 4e-4 from the fp32 references (the composed step on CUDA, the CPU's) in LA-heavy cases:
-the other side of that comparison, not yet explained, so on CUDA fp32 models keep the composed
+not one step's arithmetic, so the references, the prefill or error building up over a run, not
+yet explained; on CUDA fp32 models keep the composed
 step (``unsupported_reason``; speed only). Under Triton's interpreter the fp32 kernels match the
 composed step to 2e-7 and a float64 oracle to 1e-7.
 
@@ -227,9 +228,10 @@ def unsupported_reason(layer, query, key, fq, *, mode: str, shared_norm, overlap
         return f"dtype {query.dtype} (the kernels take bf16, fp16, fp32)"
     if query.dtype == torch.float32 and not interpret():
         # measured on an H200 (2026-12-02): 4e-4 from the fp32 references in LA-heavy cases,
-        # while one fused step is 3.7e-7 from a float64 oracle there (decode_precision.py):
-        # the difference is on the reference side, not yet explained, so fp32 models keep the
-        # composed step there. The interpreter (exact fp32) checks the
+        # while one fused step from a random state is 3.7e-7 from a float64 oracle there
+        # (decode_precision.py): not the step's arithmetic, so the reference side, the prefill
+        # or error building up over a run; not yet explained, so fp32 models keep the composed
+        # step there. The interpreter (exact fp32) checks the
         # algorithm to 2e-7 (tests/triton_interpreter_check.py).
         return "fp32 on CUDA (an unexplained 4e-4 from the fp32 reference, measured on an H200)"
     B, H, T, D = query.shape
