@@ -573,6 +573,61 @@ def update_summary(path: Path, values: dict, env: dict) -> None:
     path.write_text(json.dumps(summary, indent=1) + "\n")
 
 
+#: the paths drawn (row names without " fwd"), in the legend's order
+PLOT_CASES = ("teacher", "swa", "hybrid fixed", "hybrid fixed [pytorch phi]",
+              "lolcats T x T fixed")
+
+
+def plot(res: dict, path: Path) -> Path | None:
+    """Time per token (forward + backward solid, forward dashed) and peak memory against T for
+    each path of ``PLOT_CASES`` measured in ``res`` (``rows`` of attention_speed.json); None
+    without matplotlib or without rows to draw."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in res["rows"] if "error" not in r and "ms" in r]
+    drawn = [c for c in PLOT_CASES if any(r["case"] == c for r in rows)]
+    if not drawn:
+        return None
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.3))
+    for i, case in enumerate(drawn):
+        color = plt.get_cmap("tab10")(i)
+        base, bracket, tag = case.partition(" [")
+        fwd_name = f"{base} fwd{bracket}{tag}"  # "hybrid fixed fwd [pytorch phi]"
+        for name, style, fwd in ((case, "-o", False), (fwd_name, "--s", True)):
+            pts = sorted((r["T"], 1e3 * r["ms"] / (r["B"] * r["T"]), r["peak_gib"])
+                         for r in rows if r["case"] == name)
+            if not pts:
+                continue
+            ax_t.plot([p[0] for p in pts], [p[1] for p in pts], style, color=color, ms=4,
+                      label=case + (" (fwd)" if fwd else " (fwd+bwd)"))
+            if not fwd:
+                ax_m.plot([p[0] for p in pts], [p[2] for p in pts], "-o", color=color, ms=4,
+                          label=case)
+    for ax in (ax_t, ax_m):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("T (tokens per sequence; B x T as measured)")
+        ax.grid(alpha=0.3, which="both")
+    ax_t.set_ylabel("microseconds per token")
+    ax_t.set_title("one attention layer: time per token")
+    ax_m.set_ylabel("peak GiB (inputs included)")
+    ax_m.set_title("peak memory (fwd+bwd)")
+    ax_t.legend(fontsize=7)
+    env = res.get("environment", {})
+    fig.suptitle(f"{env.get('gpu', '?')} ({env.get('date', '?')}): H {res['heads']}, Hkv {res['kv_heads']}, "
+                 f"D {res['head_dim']}, window {res['window']}, {res['dtype']}; medians of "
+                 "CUDA-event timings", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="8x1024,2x4096,1x65536,1x16384,1x131072",
@@ -601,7 +656,15 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true",
                    help="CPU smoke run of this script: tiny shapes, host clock (numbers mean "
                    "nothing)")
+    p.add_argument("--plot", metavar="JSON", default=None,
+                   help="only draw attention_speed.png in --out from an attention_speed.json")
     a = p.parse_args(argv)
+    if a.plot:
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        png = plot(json.loads(Path(a.plot).read_text()), out / "attention_speed.png")
+        print(f"wrote {png}" if png else "nothing to draw (no rows, or no matplotlib)")
+        return 0 if png else 1
     global DEVICE
     if a.tiny:
         DEVICE = "cpu"
@@ -654,6 +717,7 @@ def main(argv=None) -> int:
         res["targets"] = TARGETS
         (out / "attention_speed.json").write_text(json.dumps(res, indent=1) + "\n")
         (out / "attention_speed.md").write_text(markdown(res))
+        plot(res, out / "attention_speed.png")
         update_summary(Path(a.summary) if a.summary else out / "summary.json", res["ratios"],
                        res["environment"])
 

@@ -89,6 +89,36 @@ def test_attention_speed_tiny(tmp_path):
     for key in ("layer_vs_teacher_T1k", "layer_vs_teacher_T64k", "layer_fwd_vs_teacher_T1k",
                 "layer_mem_vs_swa_T64k", "layer_vs_lolcats_T4k", "gpu", "date"):
         assert key in summary
+    assert (tmp_path / "attention_speed.png").stat().st_size > 10_000  # drawn with every report
+
+
+def test_attention_speed_plot_from_the_committed_measurement(tmp_path):
+    """--plot redraws the figure of docs/performance.md from a results JSON, fwd rows of the
+    bracketed cases ("hybrid fixed fwd [pytorch phi]") included."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("attention_speed",
+                                                  ROOT / "benchmarks" / "attention_speed.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    src = ROOT / "benchmarks" / "results" / "speed_h200" / "attention_speed.json"
+    assert bench.main(["--plot", str(src), "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "attention_speed.png").stat().st_size > 10_000
+    lines = []
+    import matplotlib.axes
+
+    orig = matplotlib.axes.Axes.plot
+
+    def spy(self, *args, **kw):
+        lines.append(kw.get("label"))
+        return orig(self, *args, **kw)
+
+    matplotlib.axes.Axes.plot = spy
+    try:
+        bench.plot(json.loads(src.read_text()), tmp_path / "again.png")
+    finally:
+        matplotlib.axes.Axes.plot = orig
+    assert "hybrid fixed [pytorch phi] (fwd)" in lines and "teacher (fwd+bwd)" in lines
 
 
 def test_gpu_tests_report_renders_both_row_formats(tmp_path):
