@@ -12,9 +12,9 @@ Lightning (benchmarks/multigpu.py's Transfer, as multigpu_ws1.json measured it):
   L3  L0 without the 65 self.log calls per step (AttentionTransfer._log_losses)
   L4  L0 without FSDP2 (strategy 'auto': one device, manual_backward)
   L5  L3 + L4 (what is left: Lightning's loop)
-(L2, stage 1 without its per-layer host sync, is L0 since 2026-12-02: AttentionTransfer no longer
-checks each layer's loss on the host.)
   L6  the recipes' precision: bf16-mixed, fp32 maps (configs/pipelines/base/hedgecats.yaml)
+  (L2, stage 1 without its per-layer host sync, is L0 since 2026-12-02: AttentionTransfer no
+  longer checks each layer's loss on the host.)
 stage_speed.transfer_step on one unsharded model (no Lightning):
   S0  bf16 autocast, fp32 maps (the 2026-12-02 stage_speed.md row)
   S1  S0 with the blocked xent (stage_speed.blocked_xent; the fused feature map stays, as in

@@ -120,19 +120,6 @@ def _fmt(x) -> str:
     return "-" if x is None else str(x)
 
 
-def _probe_tables(results: dict) -> str | None:
-    """The retrieval and branch-usage tables of a probes-only ``results.json``."""
-    from .evaluation.branch_usage import format_branch_usage_markdown
-    from .evaluation.retrieval import format_retrieval_markdown
-
-    lines: list[str] = []
-    if results.get("retrieval"):
-        lines += format_retrieval_markdown(results["retrieval"])
-    if results.get("branch_usage"):
-        lines += ([""] if lines else []) + format_branch_usage_markdown(results["branch_usage"])
-    return "\n".join(lines) if lines else None
-
-
 def results_table(results: dict) -> str | None:
     """Markdown table of a ``results.json``: ``hedgecats evaluate``'s (rows = modes, columns =
     tasks, AVG, Rec. Perf) or a pipeline's recall evaluation (rows = modes, columns = metrics).
@@ -141,7 +128,9 @@ def results_table(results: dict) -> str | None:
         modes = results["modes"]
         tasks = sorted({t for row in modes.values() for t in row.get("tasks", {})})
         if not tasks:  # ``hedgecats evaluate --tasks none``: the probes are the results
-            return _probe_tables(results)
+            from .evaluation.report import probe_sections
+
+            return "\n".join(probe_sections(results)).strip() or None
         lines = ["| mode | " + " | ".join(tasks) + " | AVG | Rec. Perf |",
                  "|---" * (len(tasks) + 3) + "|"]
         for label, row in modes.items():

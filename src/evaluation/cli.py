@@ -401,7 +401,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         meta["seed_kind"] = seed_kind
         if extra:
             meta["probes_run"] = str(seed_labels[0])  # retrieval / branch usage: first run only
-    results = build_results(runs, [] if probes_only else selection.names, specs=specs_map, baseline=baseline,
+    task_names = [] if probes_only else selection.names
+    results = build_results(runs, task_names, specs=specs_map, baseline=baseline,
                             baseline_source=baseline_source, seeds=seed_labels, meta=meta,
                             retrieval=extra.get("retrieval"), branch_usage=extra.get("branch_usage"))
     with atomic_output_dir(out_dir, args.overwrite) as tmp:

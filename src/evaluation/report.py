@@ -53,6 +53,7 @@ __all__ = [
     "build_results",
     "check_output_dir",
     "format_markdown",
+    "probe_sections",
     "read_results",
     "write_csv",
     "write_results",
@@ -214,7 +215,7 @@ def format_markdown(results: dict) -> str:
     if not tasks:
         lines += [f"No lm-eval tasks (`--tasks none`): the probes below only, in the modes "
                   f"{', '.join(results['modes'])}.", ""]
-        return "\n".join(lines + _probe_sections(results, meta))
+        return "\n".join(lines + probe_sections(results) + _run_section(meta))
     first = next(iter(results["modes"].values()))
     metric = {t: first["tasks"][t]["metric"] for t in tasks}
     header = ["mode"] + [f"{t} ({metric[t]})" for t in tasks] + ["AVG", "Rec. Perf"]
@@ -256,11 +257,12 @@ def format_markdown(results: dict) -> str:
             lines.append(f"Over {ds['n']} runs (seeds): Delta_LA mean {ds['mean']:+.2f}, sd {ds['std']:.2f},"
                          f" 95% CI [{lo:+.2f}, {hi:+.2f}].")
     lines.append("")
-    return "\n".join(lines + _probe_sections(results, meta))
+    return "\n".join(lines + probe_sections(results) + _run_section(meta))
 
 
-def _probe_sections(results: dict, meta: dict) -> list[str]:
-    """The retrieval and branch-usage sections and the run's metadata."""
+def probe_sections(results: dict) -> list[str]:
+    """The retrieval and branch-usage sections of a ``results.json`` (markdown lines; none
+    when it has neither): the report's, and the model card's for a probes-only run."""
     lines: list[str] = []
     if results.get("retrieval"):
         from .retrieval import format_retrieval_markdown
@@ -270,10 +272,14 @@ def _probe_sections(results: dict, meta: dict) -> list[str]:
         from .branch_usage import format_branch_usage_markdown
 
         lines += format_branch_usage_markdown(results["branch_usage"]) + [""]
-    if meta:
-        lines += ["## Run", ""] + [f"- {k}: `{v}`" for k, v in meta.items()
-                                   if isinstance(v, (str, int, float, bool)) or v is None] + [""]
     return lines
+
+
+def _run_section(meta: dict) -> list[str]:
+    if not meta:
+        return []
+    return ["## Run", ""] + [f"- {k}: `{v}`" for k, v in meta.items()
+                             if isinstance(v, (str, int, float, bool)) or v is None] + [""]
 
 
 def write_csv(results: dict, path: Path) -> None:

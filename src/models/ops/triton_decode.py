@@ -29,9 +29,9 @@ tensor-core or tf32 instruction: tests/test_triton_compile.py). On an H200 one f
 is 3.7e-7 from a float64 oracle (benchmarks/decode_precision.py, 2026-12-02), but a decode run
 measured 4e-4 from the fp32 references (the composed step on CUDA, the CPU's) in LA-heavy cases:
 not one step's arithmetic, so the references, the prefill or error building up over a run, not
-yet explained; on CUDA fp32 models keep the composed
-step (``unsupported_reason``; speed only). Under Triton's interpreter the fp32 kernels match the
-composed step to 2e-7 and a float64 oracle to 1e-7.
+yet explained; on CUDA fp32 models keep the composed step (``unsupported_reason``; speed only).
+Under Triton's interpreter the fp32 kernels match the composed step to 2e-7 and a float64
+oracle to 1e-7.
 
 Both read the position from the device (no host synchronisation), so a step can be captured in
 a CUDA graph (``models.decode``). Programs never read what another program writes: the only
@@ -231,8 +231,8 @@ def unsupported_reason(layer, query, key, fq, *, mode: str, shared_norm, overlap
         # while one fused step from a random state is 3.7e-7 from a float64 oracle there
         # (decode_precision.py): not the step's arithmetic, so the reference side, the prefill
         # or error building up over a run; not yet explained, so fp32 models keep the composed
-        # step there. The interpreter (exact fp32) checks the
-        # algorithm to 2e-7 (tests/triton_interpreter_check.py).
+        # step there. The interpreter (exact fp32) checks the algorithm to 2e-7
+        # (tests/triton_interpreter_check.py).
         return "fp32 on CUDA (an unexplained 4e-4 from the fp32 reference, measured on an H200)"
     B, H, T, D = query.shape
     Hkv = key.shape[1]
