@@ -14,6 +14,8 @@ says ``fwd``:
                      included: phi_q(q), phi_k(k), hybrid_attention, for the fixed g, a learned
                      per-head g and shared_norm mixers
     hybrid pieces    the same through the piece-by-piece path (fla SWA + fla LA, no fused kernel)
+    hybrid fixed [stage 1]  the layer as stage 1 trains it: q, k, v detached (the teacher's),
+                     gradients for the feature maps only
     kernel only      the fused Triton kernel with precomputed feature maps (no phi)
     lolcats T x T    the hybrid materialised as T x T scores (LoLCATs-style; fixed g and
                      shared_norm), where it fits in memory
@@ -279,6 +281,14 @@ class Layer:
                                scale=self.scale, **self.mixer_args(mixer))
         return out.transpose(1, 2).contiguous()
 
+    def hybrid_stage1(self):
+        """The layer as stage 1 trains it: the teacher's q, k, v detached, gradients for the
+        feature maps only (the kernels skip the dq / dk / dv passes)."""
+        q, k, v = (x.detach() for x in (self.q, self.k, self.v))
+        out = hybrid_attention(q, k, v, self.phi_q(q), self.phi_k(k), window=self.w,
+                               scale=self.scale, **self.mixer_args("fixed"))
+        return out.transpose(1, 2).contiguous()
+
     def swa(self):
         ops = backends.select("auto", self.q)
         out, _ = ops.swa(self.q, self.k, self.v, scale=self.scale, window=self.w, need_lse=False,
@@ -373,6 +383,7 @@ def run_shape(a, B, T, results, log):
     for mixer in ("fixed", "learned_head", "shared_norm"):
         spec.append((f"hybrid {mixer}", "fwd+bwd", lambda m=mixer: L.hybrid(m), mixer, "hybrid"))
     spec.append(("hybrid fixed fwd", "fwd", lambda: L.hybrid("fixed"), "fixed", "hybrid"))
+    spec.append(("hybrid fixed [stage 1]", "fwd+bwd", L.hybrid_stage1, None, "hybrid"))
     spec.append(("hybrid pieces fixed", "fwd+bwd", pieces("fixed"), "fixed", "hybrid"))
     if have_triton:
         spec.append(("hybrid fixed [pytorch phi]", "fwd+bwd",
@@ -435,9 +446,10 @@ TUNE_CONFIGS = {  # None: default_config (D=128: fwd 64x64 w8, bwd 64x32 w8, f_c
     # smaller tiles: no spills at all in ptxas's report, but mma.sync instead of wgmma
     "fwd32-bwd32": dict(block_m=32, block_n=64, state_chunk=64, warps=8, stages=2,
                         bwd_block_m=32, bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8),
-    # half the stored states (memory at long T), twice the keys between state and block
-    "chunk128": dict(block_m=64, block_n=64, state_chunk=128, warps=8, stages=2,
-                     bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8),
+    # the default before 2026-12-02 (states every 64 positions; the default is 128 since:
+    # half the stored states, twice the keys between a state and its block)
+    "chunk64": dict(block_m=64, block_n=64, state_chunk=64, warps=8, stages=2,
+                    bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8),
 }
 
 

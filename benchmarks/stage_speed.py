@@ -17,8 +17,9 @@ optimiser step), peak memory over the timed steps.
                              transfer_loss``) and backpropagates it at once, then AdamW on the
                              feature maps. ``weights_xent`` runs the blocked PyTorch version
                              (``[blocked]``) and the fused kernel (``[fused]``, ops.triton_xent,
-                             patched in for this row); ``la_output_mse [fused]`` computes LA
-                             through the fused hybrid kernel in la_only mode, ``la_span="all"``
+                             patched in for this row); ``la_output_mse`` takes the fused hybrid
+                             kernel (la_only, every causal key) since 2026-12-02 (before: fla's
+                             pieces, and a ``[fused]`` row patched it in)
     transfer/lolcats_tt      hybrid_output_mse with a LoLCATs-style materialised T x T student
     finetune/hybrid          stage 2: peft LoRA (r 8 on q, k, v, o), activation checkpointing,
                              next-token loss, the layers in hybrid mode (SSD off)
@@ -184,21 +185,6 @@ def blocked_xent():
         yield
 
 
-def la_mse_fused(q, k, v, fq, fk, *, scale=None, key_padding_mask=None, eps=None,
-                 backend="auto"):
-    """``la_output_mse`` with LA over every causal key through the fused hybrid kernel
-    (``la_only``, ``la_span="all"``, ``rescale=True`` is exactly that LA)."""
-    from hedgecats.models.ops.hybrid import hybrid_attention
-
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    o_soft = transfer._teacher_output(q, k, v, scale, key_padding_mask, backend)
-    kw = {} if eps is None else {"eps": eps}
-    o_la = hybrid_attention(q.detach(), k.detach(), v.detach(), fq, fk, window=1, mode="la_only",
-                            la_span="all", rescale=True, key_padding_mask=key_padding_mask,
-                            scale=scale, backend=backend, **kw)
-    return transfer._masked_mse(o_la, o_soft, key_padding_mask)
-
-
 def materialised_student(q, k, v, fq, fk, *, window, mode="hybrid", g=0.5, shared_norm=False,
                          overlap=False, key_padding_mask=None, scale=None, eps=None,
                          backend="auto", **_):
@@ -284,9 +270,6 @@ def run(a, on_row=None) -> dict:
         short = T == min(int(t) for t in a.seq_lens.split(","))
         if short or a.all_rows:  # the long length needs only what transfer_vs_lolcats_T4k reads
             variants.append(("transfer/la_output_mse", "la_output_mse", None))
-            if has_triton():
-                variants.append(("transfer/la_output_mse [fused]", "la_output_mse",
-                                 ("la_output_mse", la_mse_fused)))
         variants.append(("transfer/hybrid_output_mse", "hybrid_output_mse", None))
         if T <= a.lolcats_max_t:
             variants.append(("transfer/lolcats_tt", "hybrid_output_mse",
@@ -382,8 +365,7 @@ def ratios(rows, short: int = 1024, long: int = 4096) -> dict:
     teacher = tps("teacher_forward", short)
     xent = tps("transfer/weights_xent [fused]", short) or \
         tps("transfer/weights_xent [blocked]", short)
-    mse = [v for v in (tps("transfer/la_output_mse [fused]", short) or
-                       tps("transfer/la_output_mse", short),
+    mse = [v for v in (tps("transfer/la_output_mse", short),
                        tps("transfer/hybrid_output_mse", short)) if v is not None]
     peaks = [r["peak_gib"] for r in rows if r["name"].startswith("transfer/")
              and "lolcats" not in r["name"] and r.get("peak_gib") is not None]

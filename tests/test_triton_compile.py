@@ -76,8 +76,10 @@ def hybrid_kernels(dtype: torch.dtype, D: int, F: int, has_swa=True, has_la=True
                                             HAS_KPM=kpm, PREC=prec), (), cfg.state_warps, 3
     yield "fwd", th._fwd, dict(**lo, **flags, **fwd_tiles, SHARED=shared), \
         ("scale_log2", "eps"), cfg.warps, cfg.stages
-    yield "bwd_dq", th._bwd_dq, dict(**lo, **flags, **bwd_tiles, SHARED=shared), \
-        ("scale", "scale_log2", "eps"), cfg.bwd_warps, cfg.stages
+    for need_dq in (True, False):  # False: stage 1 (q takes no gradient)
+        yield f"bwd_dq{'' if need_dq else '-no-dq'}", th._bwd_dq, dict(
+            **lo, **flags, **bwd_tiles, SHARED=shared, NEED_DQ=need_dq), \
+            ("scale", "scale_log2", "eps"), cfg.bwd_warps, cfg.stages
     if has_la:
         yield "bwd_dfq", th._bwd_dfq, dict(**lo, **bwd_tiles), (), cfg.bwd_warps, cfg.stages
         yield "state_rev", th._state_rev, dict(F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD,
@@ -150,8 +152,10 @@ def test_feature_map_kernels_compile_for_sm90(D, FH):
     ptrs = _pointers(torch.bfloat16)
     for name, fn, backward in (("phi_fwd", tp._phi_fwd, False), ("phi_bwd", tp._phi_bwd, True)):
         BM, warps = tp._tiles(D, FH, backward)
-        r = compile_report(fn, ptrs, dict(D=D, FH=FH, BM=BM, SOFTMAX=True, PREC="tf32"), (),
-                           warps, 2)
+        constexprs = dict(D=D, FH=FH, BM=BM, SOFTMAX=True, PREC="tf32")
+        if backward:
+            constexprs["NEED_DX"] = True
+        r = compile_report(fn, ptrs, constexprs, (), warps, 2)
         print(f"{name:8s} D{D} F/2={FH} {BM} w{warps}: {r}")
         assert r["spill"] <= MAX_SPILL, (name, r)
 

@@ -96,9 +96,10 @@ def _kernels():
     return triton_hybrid
 
 
-def run(backend, shape, dtype, mode, *, pad=None, strided=False, seed=0, **kw):
+def run(backend, shape, dtype, mode, *, pad=None, strided=False, seed=0, frozen=False, **kw):
     """Output and gradients (q, k, v, both feature-map weights, and g when it is a tensor) of
-    one ``hybrid_attention`` call with real feature maps, on bf16-representable inputs."""
+    one ``hybrid_attention`` call with real feature maps, on bf16-representable inputs
+    (``frozen``: q, k, v take no gradient, as stage 1's teacher projections)."""
     B, H, Hkv, T, D, w, proj = shape
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
 
@@ -106,12 +107,12 @@ def run(backend, shape, dtype, mode, *, pad=None, strided=False, seed=0, **kw):
         return torch.randn(*s, device=DEVICE, generator=gen).bfloat16().to(dtype)
 
     if strided:  # the layout transformers hands attention: (B, T, H, D) transposed
-        q = mk(B, T, H, D).transpose(1, 2).requires_grad_()
-        k = mk(B, T, Hkv, D).transpose(1, 2).requires_grad_()
-        v = mk(B, T, Hkv, D).transpose(1, 2).requires_grad_()
+        q = mk(B, T, H, D).transpose(1, 2).requires_grad_(not frozen)
+        k = mk(B, T, Hkv, D).transpose(1, 2).requires_grad_(not frozen)
+        v = mk(B, T, Hkv, D).transpose(1, 2).requires_grad_(not frozen)
         leaves = [q, k, v]
     else:
-        q, k, v = (mk(B, h, T, D).requires_grad_() for h in (H, Hkv, Hkv))
+        q, k, v = (mk(B, h, T, D).requires_grad_(not frozen) for h in (H, Hkv, Hkv))
         leaves = [q, k, v]
     phi_q = HedgehogFeatureMap(H, D, projection=proj, seed=1).to(DEVICE)
     phi_k = HedgehogFeatureMap(Hkv, D, projection=proj, seed=2).to(DEVICE)
@@ -204,6 +205,23 @@ def test_fused_padding(dtype, case_id):
     kpm[1, 90:95] = False
     mode, kw = _switches(case_id)
     check(f"{case_id}-padding", shape, dtype, mode, pad=kpm, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("case_id", ["hybrid", "shared_norm", "la_only-all-rescale"])
+def test_fused_stage1_call_skips_the_unneeded_passes(dtype, case_id):
+    """Stage 1 trains the feature maps on the teacher's detached q, k, v: dWq, dWk (and the
+    mixer's) as the reference's, while the backward passes that only serve dq, dk, dv (the dq
+    pass, the window's dk / dv kernel, LA's dv programs) and the feature map's dx do not run."""
+    th = _kernels()
+    from hedgecats.models.ops import triton_phi
+
+    before, dx_before = dict(th.CALLS), triton_phi.CALLS["backward_dx"]
+    mode, kw = _switches(case_id)
+    check(f"stage1-{case_id}", "B2-H8-Hkv2-T300-D128-w64-F256", dtype, mode, frozen=True, **kw)
+    ran = {n: th.CALLS[n] - before[n] for n in ("dq_pass", "dkv_swa", "dv_la")}
+    assert ran == {"dq_pass": 0, "dkv_swa": 0, "dv_la": 0}, ran
+    assert triton_phi.CALLS["backward_dx"] == dx_before
 
 
 def test_fused_transformers_layout():

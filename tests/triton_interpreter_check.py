@@ -96,6 +96,11 @@ MIXED = dict(block_m=32, block_n=16, state_chunk=32, bwd_block_m=16, bwd_block_n
 TALL_BWD = dict(block_m=16, block_n=16, state_chunk=32, bwd_block_m=32, bwd_block_n=16,
                 state_f=16, state_d=16, f_chunk=16)
 
+#: the GPU's bf16 D >= 128 tiles since 2026-12-02 in miniature: LA states every 4 key tiles of the
+#: backward and 2 query tiles of the forward (state_chunk 128 over 64 x 64 / 64 x 32 tiles)
+LONG_CHUNK = dict(block_m=32, block_n=32, state_chunk=64, bwd_block_m=32, bwd_block_n=16,
+                  state_f=16, state_d=16, f_chunk=16)
+
 
 def _inputs(B, H, Hkv, T, D, dtype, seed, features):
     from hedgecats.models import HedgehogFeatureMap
@@ -126,8 +131,10 @@ def _kpm(B, T):
 
 def kernel_case(cid, *, B=2, H=4, Hkv=2, T=50, D=16, window=8, shift=None, shared=False,
                 has_swa=True, has_la=True, pad=False, dtype=torch.float32, cfg=SMALL,
-                per_bh_shift=False, features="rand", seed=0, eps=None):
-    """hybrid_kernel vs kernel_reference: outputs and gradients of all 8 inputs."""
+                per_bh_shift=False, features="rand", seed=0, eps=None, frozen=()):
+    """hybrid_kernel vs kernel_reference: outputs and gradients of all 8 inputs; those named
+    in ``frozen`` (of q, k, v) take no gradient (stage 1: the teacher's q, k, v), so the
+    kernels skip their passes: their grads must stay None and the others unchanged."""
     from hedgecats.models.ops import triton_hybrid as th
 
     q, k, v, fq, fk, do, g = _inputs(B, H, Hkv, T, D, dtype, seed, features)
@@ -142,15 +149,29 @@ def kernel_case(cid, *, B=2, H=4, Hkv=2, T=50, D=16, window=8, shift=None, share
     kw = dict(window=window, scale=D ** -0.5, eps=eps, key_padding_mask=kpm,
               has_swa=has_swa, has_la=has_la, shared=shared)
     names = ["out", "dq", "dk", "dv", "dfq", "dfk", "dca", "dcb", "dlogs"]
-    ins = [t.clone().requires_grad_() for t in (q, k, v, fq, fk, ca, cb, logs)]
+    ins = [t.clone().requires_grad_(name[1:] not in frozen)
+           for name, t in zip(names[1:], (q, k, v, fq, fk, ca, cb, logs))]
+    calls = dict(th.CALLS)
     out = th.hybrid_kernel(*ins, sh, config=th.KernelConfig(**cfg), **kw)
     out.float().backward(do)
+    ran = {n: th.CALLS[n] - calls[n] for n in ("dq_pass", "dkv_swa", "dv_la")}
     got = dict(zip(names, [out.detach()] + [x.grad for x in ins]))
+    # the passes that only serve frozen inputs must not run
+    skipped = {"dq_pass": "q" in frozen, "dkv_swa": {"k", "v"} <= set(frozen),
+               "dv_la": "v" in frozen}
+    for n, must_skip in skipped.items():
+        if must_skip:
+            got[f"{n}_skipped_is_none"] = ran[n] == 0
+    for name in frozen:  # a gradient where none was asked for: a wasted pass, or a wrong one
+        got[f"{name}_grad_is_none"] = got.pop(f"d{name}") is None
     ins2 = [t.detach().float().clone().requires_grad_() for t in (q, k, v, fq, fk, ca, cb, logs)]
     ref = th.kernel_reference(*ins2, sh, **kw)
     ref.backward(do)
     want = dict(zip(names, [ref.detach()] + [x.grad for x in ins2]))
-    return errors(got, want)
+    flags = {n: 0.0 if got.pop(n) else float("inf") for n in list(got) if n.endswith("_is_none")}
+    for name in frozen:
+        del want[f"d{name}"]
+    return {**errors(got, want), **flags}
 
 
 def layer_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=45, D=16, window=8, dtype=torch.float32,
@@ -261,8 +282,9 @@ def xent_entry_case(cid):
 
 
 def phi_case(cid, *, B=2, H=3, T=45, D=16, proj="square", activation="softmax",
-             dtype=torch.float32, strided=False):
-    """triton_phi.hedgehog_features vs the fp32 map: values and gradients of x, W, b."""
+             dtype=torch.float32, strided=False, frozen_x=False):
+    """triton_phi.hedgehog_features vs the fp32 map: values and gradients of x, W, b
+    (``frozen_x``: x takes no gradient, as stage 1's teacher q, k; dW, db unchanged)."""
     from hedgecats.models import HedgehogFeatureMap
     from hedgecats.models.ops import triton_phi as tp
 
@@ -275,17 +297,20 @@ def phi_case(cid, *, B=2, H=3, T=45, D=16, proj="square", activation="softmax",
     dy = torch.randn(B, H, T, fm.feature_dim, generator=g).to(dtype).float()
 
     def run(fn, cast):
-        x = x0.detach().to(cast).requires_grad_()
+        x = x0.detach().to(cast).requires_grad_(not frozen_x)
         fm.zero_grad()
         y = fn(x)
         y.float().backward(dy)
         return {"y": y.detach(), "dx": x.grad, "dW": fm.weight.grad.clone(),
                 "db": fm.bias.grad.clone()}
 
+    before = tp.CALLS["backward_dx"]
     got = run(lambda x: tp.hedgehog_features(x, fm.weight, fm.bias, activation), dtype)
+    dx_passes = tp.CALLS["backward_dx"] - before
     want = run(lambda x: tp.reference_features(x, fm.weight, fm.bias, activation),
                torch.float32)
-    return errors(got, want)
+    # dx computed only when x takes a gradient
+    return {**errors(got, want), "dx_pass": 0.0 if dx_passes == (not frozen_x) else float("inf")}
 
 
 def decode_case(cid, *, mode="hybrid", mixer="fixed", rescale=False, pad=False, H=4, Hkv=2,
@@ -376,8 +401,19 @@ def cases(quick: bool = False):
         ("kernel-tall-bwd-tiles", k, dict(T=70, window=10, cfg=TALL_BWD)),
         ("kernel-tall-bwd-tiles-pad-shifts", k, dict(T=70, window=40, per_bh_shift=True, pad=True,
                                                      cfg=TALL_BWD)),
+        ("kernel-long-chunk", k, dict(T=150, window=10, cfg=LONG_CHUNK)),
+        ("kernel-long-chunk-pad-shifts-shared", k, dict(T=150, window=40, per_bh_shift=True,
+                                                        pad=True, shared=True, cfg=LONG_CHUNK)),
         ("kernel-wide-fwd-tiles", k, dict(T=70, window=10, cfg=dict(
             TALL_BWD, block_m=16, block_n=32, bwd_block_m=16, bwd_block_n=32))),
+        ("kernel-frozen-qkv", k, dict(frozen=("q", "k", "v"))),
+        ("kernel-frozen-qkv-pad-shared-tall", k, dict(T=70, window=10, pad=True, shared=True,
+                                                      cfg=TALL_BWD, frozen=("q", "k", "v"))),
+        ("kernel-frozen-q", k, dict(frozen=("q",))),
+        ("kernel-frozen-v", k, dict(frozen=("v",))),
+        ("kernel-frozen-k-swa-only", k, dict(has_la=False, frozen=("k",))),
+        ("kernel-frozen-v-swa-only", k, dict(has_la=False, frozen=("v",))),
+        ("kernel-frozen-dk-la-only", k, dict(has_swa=False, frozen=("k",))),
         ("kernel-bf16", k, dict(dtype=bf16)),
         ("kernel-bf16-shared-pad", k, dict(dtype=bf16, shared=True, pad=True)),
         ("kernel-bf16-hedgehog-D32", k, dict(dtype=bf16, D=32, T=70, window=10,
@@ -412,6 +448,7 @@ def cases(quick: bool = False):
         ("phi-softmax-strided-rect", phi_case, dict(dtype=bf16, strided=True,
                                                     proj="rectangular", D=32)),
         ("phi-exp", phi_case, dict(dtype=bf16, activation="exp")),
+        ("phi-frozen-x", phi_case, dict(dtype=bf16, frozen_x=True)),
         ("phi-D32-T70", phi_case, dict(dtype=bf16, T=70, D=32)),
         ("decode-hybrid", decode_case, dict(dtype=torch.float32)),
         ("decode-pad-learned-head", decode_case, dict(dtype=torch.float32, pad=True,
@@ -436,7 +473,7 @@ def cases(quick: bool = False):
     ]
     if quick:
         keep = {"kernel-hybrid", "kernel-pad-shared", "kernel-tall-bwd-tiles", "layer-ssd-head-all", "xent-pad",
-                "xent-entry", "phi-softmax", "decode-pad-learned-head"}
+                "xent-entry", "phi-softmax", "decode-pad-learned-head", "kernel-frozen-qkv"}
         out = [c for c in out if c[0] in keep]
     return [(cid, fn, kw, "bfloat16" if kw and kw.get("dtype") == bf16 else "float32")
             for cid, fn, kw in out]

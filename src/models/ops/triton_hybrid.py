@@ -73,8 +73,10 @@ __all__ = ["KernelConfig", "available", "fused_hybrid", "hybrid_kernel", "kernel
 #: errors from Triton (compilation, resources) that sent a call to the fallback; the GPU tests
 #: assert it stays empty
 FALLBACK_ERRORS: list[str] = []
-#: calls that ran the fused kernels (tests check that a path was taken, not only its result)
-CALLS = {"forward": 0}
+#: calls that ran the fused kernels (tests check that a path was taken, not only its result),
+#: and the backward passes launched for dq, the window's dk / dv and the LA's dv (skipped when
+#: autograd does not ask for those gradients)
+CALLS = {"forward": 0, "dq_pass": 0, "dkv_swa": 0, "dv_la": 0}
 
 
 @dataclass(frozen=True)
@@ -107,10 +109,14 @@ def default_config(D: int, F: int, dtype: torch.dtype) -> KernelConfig:
     # chosen from ptxas's register report for sm_90a (no GPU needed to read it): with D = 128
     # the fp32 accumulators of 64 x 128 tiles need 8 warps, the key-side backward 32-key tiles
     # and the feature dimension in slices of 64 (then at most 16 bytes spill per thread; a
-    # 64 x 64 backward spilled 128-388 bytes); with D <= 64 nothing spills at 64 x 64
+    # 64 x 64 backward spilled 128-388 bytes); with D <= 64 nothing spills at 64 x 64.
+    # LA states every 128 positions for D = 128: half the state traffic; on an H200 at B 8 x
+    # T 1024 (H 32 / 8, F 256) the kernel's forward 0.70 ms vs 0.93 with 64, forward +
+    # backward 3.62 vs 3.86 ms (attention_speed.py --tune, benchmarks/results/h200_2026-12-02)
     if D >= 128:
-        return KernelConfig(block_m=64, block_n=64, warps=8, stages=2, bwd_block_m=64,
-                            bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8)
+        return KernelConfig(block_m=64, block_n=64, state_chunk=128, warps=8, stages=2,
+                            bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64,
+                            state_warps=8)
     return KernelConfig(block_m=64, block_n=64, warps=4, stages=2, bwd_block_m=64,
                         bwd_block_n=64, bwd_warps=8, f_chunk=128)
 
@@ -313,8 +319,9 @@ if HAVE_TRITON:
                 T, H, G, NC, NMB, window, scale, scale_log2, eps,
                 D: tl.constexpr, F: tl.constexpr, FC: tl.constexpr, BM: tl.constexpr,
                 BN: tl.constexpr, CS: tl.constexpr, HAS_SWA: tl.constexpr, HAS_LA: tl.constexpr,
-                SHARED: tl.constexpr, HAS_KPM: tl.constexpr, PREC: tl.constexpr):
-        """dq of one query block, and the per-query factors the other kernels need: DELTA (the
+                SHARED: tl.constexpr, HAS_KPM: tl.constexpr, PREC: tl.constexpr,
+                NEED_DQ: tl.constexpr):
+        """dq of one query block (when NEED_DQ), and the per-query factors the other kernels need: DELTA (the
         softmax row term, incl. the shared-norm lse gradient), WS (SWA weight), GF (dnum =
         GF dO), DDEN (gradient of the LA denominator); PA, PB: this block's partial mixer
         gradients (d c_A, d c_B; or d log s and 0 with SHARED). SWA_t . dO_t and LA_t . dO_t
@@ -407,8 +414,8 @@ if HAVE_TRITON:
         tl.store(GF + row_base + offs_m, gf, mask=rows)
         tl.store(DDEN + row_base + offs_m, dden, mask=rows)
 
-        # ---- second pass: dq
-        if HAS_SWA:
+        # ---- second pass: dq (not when q takes no gradient: stage 1's teacher q)
+        if HAS_SWA and NEED_DQ:
             dq = tl.zeros([BM, D], dtype=tl.float32)
             for start in range(lo, hi, BN):
                 offs_n = start + tl.arange(0, BN)
@@ -785,7 +792,13 @@ def _forward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, *, window
 
 
 def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse, den, *, window,
-              scale, eps, has_swa, has_la, shared, cfg: KernelConfig):
+              scale, eps, has_swa, has_la, shared, cfg: KernelConfig,
+              need: tuple[bool, bool, bool] = (True, True, True)):
+    """The gradients; ``need`` says which of dq, dk, dv autograd asks for: the passes that
+    only serve the others are skipped (stage 1 trains the feature maps on the teacher's
+    detached q, k, v: no dq pass, no window dk / dv kernel, no dv programs) and those come
+    back ``None``."""
+    need_dq, need_dk, need_dv = need
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     G = H // Hkv
@@ -804,7 +817,7 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
         vs = z
     BM, BN = cfg.bwd_block_m, cfg.bwd_block_n
     NMB = triton.cdiv(T, BM)
-    dq = torch.empty(B, H, T, D, device=dev, dtype=q.dtype) if has_swa else None
+    dq = torch.empty(B, H, T, D, device=dev, dtype=q.dtype) if has_swa and need_dq else None
     delta, ws, gf, dden = (torch.empty(B * H, T, **f32) for _ in range(4))
     pa, pb = torch.empty(B * H, NMB, **f32), torch.empty(B * H, NMB, **f32)
     _bwd_dq[(NMB, B * H)](
@@ -813,8 +826,9 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
         *_strides(q), *_strides(k), *_strides(v), *_strides(fq), *_strides(fk), *_strides(do),
         T, H, G, NC, NMB, window, scale, scale * LOG2E, eps,
         D=D, F=F, FC=FC, BM=BM, BN=BN, CS=cfg.state_chunk, HAS_SWA=has_swa, HAS_LA=has_la,
-        SHARED=shared, HAS_KPM=has_kpm, PREC=prec, num_warps=cfg.bwd_warps,
-        num_stages=cfg.stages)
+        SHARED=shared, HAS_KPM=has_kpm, PREC=prec, NEED_DQ=dq is not None,
+        num_warps=cfg.bwd_warps, num_stages=cfg.stages)
+    CALLS["dq_pass"] += dq is not None
     dfq = None
     if has_la:
         dfq = torch.empty(B, H, T, F, device=dev, dtype=fq.dtype)
@@ -824,19 +838,23 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
             D=D, F=F, FC=FC, BM=BM, BN=BN, CS=cfg.state_chunk, HAS_KPM=has_kpm, PREC=prec,
             num_warps=cfg.bwd_warps, num_stages=cfg.stages)
     del S, z, vs
-    dk = torch.empty(B, Hkv, T, D, device=dev, dtype=k.dtype)
-    dv = torch.empty(B, Hkv, T, D, device=dev, dtype=v.dtype)
+    dk = dv = dvs = None
     NNB = triton.cdiv(T, BN)
-    dvs = None
-    if has_swa:
-        dvs = torch.empty(B, Hkv, T, D, **f32) if has_la else dv
+    if need_dk or (need_dv and has_swa):  # (the window kernel writes dk with its dv)
+        dk = torch.empty(B, Hkv, T, D, device=dev, dtype=k.dtype)
+    if need_dv and (has_la or has_swa):
+        dv = torch.empty(B, Hkv, T, D, device=dev, dtype=v.dtype)
+    if has_swa and dk is not None:  # the window's dk and dv come from one kernel
+        dvs = (torch.empty(B, Hkv, T, D, **f32) if has_la or dv is None else dv)
         _bwd_dkv_swa[(NNB, B * Hkv)](
             q, k, v, do, lse, delta, ws, kpm, dk, dvs,
             *_strides(q), *_strides(k), *_strides(v), *_strides(do),
             T, H, G, window, scale, scale * LOG2E,
             D=D, BM=BM, BN=BN, HAS_KPM=has_kpm, PREC=prec, num_warps=cfg.bwd_warps,
             num_stages=cfg.stages)
-    else:
+        CALLS["dkv_swa"] += 1
+        dvs = dvs if dv is not None and has_la else None  # only dv's share is kept
+    elif dk is not None:
         dk.zero_()
     dfk = None
     if has_la:
@@ -848,13 +866,14 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
             fq, do, gf, dden, shift, R, U, W, *_strides(fq), *_strides(do), T, H, G, NC,
             F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD, PREC=prec, num_warps=cfg.state_warps)
         dfk = torch.empty(B, Hkv, T, F, device=dev, dtype=fk.dtype)
-        _bwd_dkv_la[(NNB, B * Hkv, F // FC + 1)](
-            fq, fk, v, do, gf, dden, R, U, W, shift, kpm, _ptr(dvs, dv), dv, dfk,
+        _bwd_dkv_la[(NNB, B * Hkv, F // FC + (dv is not None))](  # the last program: dv
+            fq, fk, v, do, gf, dden, R, U, W, shift, kpm, _ptr(dvs, dfk), _ptr(dv, dfk), dfk,
             *_strides(fq), *_strides(fk), *_strides(v), *_strides(do), T, H, G, NC, eps,
-            D=D, F=F, FC=FC, BM=BM, BN=BN, CS=cfg.state_chunk, ADD_DVS=has_swa,
+            D=D, F=F, FC=FC, BM=BM, BN=BN, CS=cfg.state_chunk, ADD_DVS=dvs is not None,
             HAS_KPM=has_kpm, PREC=prec, num_warps=cfg.bwd_warps, num_stages=cfg.stages)
+        CALLS["dv_la"] += dv is not None
     dpa, dpb = pa.sum(-1), pb.sum(-1)  # (B * H,)
-    return dq, dk, dv, dfq, dfk, dpa, dpb
+    return dq, dk if need_dk else None, dv, dfq, dfk, dpa, dpb
 
 
 #: tiles that fit any Hopper / Ampere part, tried when the configured ones fail to compile
@@ -910,17 +929,18 @@ class _HybridFn(torch.autograd.Function):
         key = (q.dtype, q.shape[-1], fq.shape[-1], a["has_swa"], a["has_la"], a["shared"],
                kpm_i8 is not None)
         args = {n: x for n, x in a.items() if n != "cfg"}
+        need = tuple(ctx.needs_input_grad[:3])  # dq, dk, dv
         try:
             dq, dk, dv, dfq, dfk, dpa, dpb = _with_retry("backward", key, a["cfg"], lambda c: (
                 _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
-                          den, cfg=c, **args)))
+                          den, cfg=c, need=need, **args)))
         except errors() as e:  # a Triton resource / compile failure: say so, stay right
             FALLBACK_ERRORS.append(f"backward: {type(e).__name__}: {e}"[:500])
             warn_once(__name__, f"fused hybrid backward failed in Triton ({type(e).__name__}); "
                       "this call's gradients come from the PyTorch reference")
             return _reference_backward(ctx, do, q, k, v, fq, fk, ca, cb, logs, shift, first,
                                        kpm_i8, a)
-        if dq is None:
+        if dq is None and need[0]:  # no window (la_only): q has no other path
             dq = torch.zeros_like(q)
         if dfq is None:
             dfq, dfk = torch.zeros_like(fq), torch.zeros_like(fk)

@@ -13,7 +13,7 @@ about 3 GiB for phi_q). Here:
                 activations, one (rows, F) store; nothing else is kept for the backward
     backward    per (b, h, block of rows): u and both activations recomputed from x,
                 du = s1 (dy1 - <dy1, s1>) - s2 (dy2 - <dy2, s2>) (softmax; exp: dy1 e1 - dy2 e2),
-                dx = du W^T in the kernel; du is written once (input dtype) and torch reduces
+                dx = du W^T in the kernel (when x takes a gradient); du is written once (input dtype) and torch reduces
                 dW = sum_(b,t) x^T du (one batched GEMM over heads) and db = sum du (fp32)
 
 Numerics: u stays fp32 until the activations (the PyTorch module rounds it to the input dtype
@@ -39,7 +39,7 @@ from .triton_common import HAVE_TRITON, available, errors, interpret, tl, triton
 __all__ = ["available", "hedgehog_features", "reference_features", "unsupported_reason"]
 
 FALLBACK_ERRORS: list[str] = []
-CALLS = {"forward": 0}
+CALLS = {"forward": 0, "backward_dx": 0}  # dx: only when x takes a gradient
 ACTIVATIONS = ("softmax", "exp")
 
 
@@ -83,7 +83,7 @@ if HAVE_TRITON:
     @triton.jit
     def _phi_bwd(X, W, BIAS, DY, DX, DU, sx_b, sx_h, sx_t, sdy_b, sdy_h, sdy_t, T, H,
                  D: tl.constexpr, FH: tl.constexpr, BM: tl.constexpr, SOFTMAX: tl.constexpr,
-                 PREC: tl.constexpr):
+                 PREC: tl.constexpr, NEED_DX: tl.constexpr):
         pid_bh = tl.program_id(0)  # axis 0: up to 2^31 - 1 (B * H of a large decode batch)
         pid_m = tl.program_id(1)
         b = pid_bh // H
@@ -107,9 +107,10 @@ if HAVE_TRITON:
         else:
             du = dy1 * a1 - dy2 * a2
         du = tl.where(rows[:, None], du, 0.0).to(x.dtype)
-        dx = tl.dot(du, tl.trans(w), input_precision=PREC)
-        tl.store(DX + (pid_bh.to(tl.int64) * T + offs_m[:, None]) * D + offs_d[None, :],
-                 dx.to(DX.dtype.element_ty), mask=rows[:, None])
+        if NEED_DX:  # not for stage 1's detached teacher q, k
+            dx = tl.dot(du, tl.trans(w), input_precision=PREC)
+            tl.store(DX + (pid_bh.to(tl.int64) * T + offs_m[:, None]) * D + offs_d[None, :],
+                     dx.to(DX.dtype.element_ty), mask=rows[:, None])
         tl.store(DU + (pid_bh.to(tl.int64) * T + offs_m[:, None]) * FH + offs_f[None, :], du,
                  mask=rows[:, None])
 
@@ -152,13 +153,15 @@ class _PhiFn(torch.autograd.Function):
         if dy.stride(-1) != 1:
             dy = dy.contiguous()
         dy = dy.to(x.dtype)
-        dx = torch.empty(B, H, T, D, device=x.device, dtype=x.dtype)
+        need_dx = ctx.needs_input_grad[0]
+        dx = torch.empty(B, H, T, D, device=x.device, dtype=x.dtype) if need_dx else None
         du = torch.empty(B, H, T, FH, device=x.device, dtype=x.dtype)
         BM, warps = _tiles(D, FH, backward=True)
         _phi_bwd[(B * H, triton.cdiv(T, BM))](
-            x, wc, bc, dy, dx, du, x.stride(0), x.stride(1), x.stride(2), dy.stride(0),
+            x, wc, bc, dy, du if dx is None else dx, du, x.stride(0), x.stride(1), x.stride(2), dy.stride(0),
             dy.stride(1), dy.stride(2), T, H, D=D, FH=FH, BM=BM, SOFTMAX=softmax,
-            PREC=_prec(x.dtype), num_warps=warps)
+            PREC=_prec(x.dtype), NEED_DX=need_dx, num_warps=warps)
+        CALLS["backward_dx"] += need_dx
         dw = dbias = None
         if ctx.needs_input_grad[1]:
             # sum over (b, t) of x^T du: one GEMM per head over all B T rows
