@@ -54,7 +54,8 @@ def test_attention_transfer_trains_only_feature_maps(base, tmp_path):
     assert m.trainable_parameter_names() == _phi_names(mixer=True)
     frozen = {n: p.clone() for n, p in m.model.named_parameters() if not p.requires_grad}
     before = {n: p.clone() for n, p in m.model.named_parameters() if p.requires_grad}
-    tr = _trainer(tmp_path, steps=3, val_check_interval=2)
+    # per-layer values are logged on the steps whose logs Lightning writes: step 3 is one
+    tr = _trainer(tmp_path, steps=3, val_check_interval=2, log_every_n_steps=3)
     tr.fit(m, datamodule=_dm())
     assert all(torch.equal(p, frozen[n]) for n, p in m.model.named_parameters() if n in frozen)
     assert all(not torch.equal(p, before[n]) for n, p in m.model.named_parameters()
@@ -231,7 +232,7 @@ def test_transfer_logs_kl_and_health_and_records_it(base, tmp_path):
     from lightning.pytorch.loggers import CSVLogger
 
     m = AttentionTransfer(base, hybrid=HYB, objective="weights_xent")
-    tr = _trainer(tmp_path, steps=3, val_check_interval=3,
+    tr = _trainer(tmp_path, steps=3, val_check_interval=3, log_every_n_steps=3,
                   logger=CSVLogger(str(tmp_path), name="logs", version="v"))
     tr.fit(m, datamodule=_dm())
     logged = set(tr.callback_metrics)
@@ -244,6 +245,7 @@ def test_transfer_logs_kl_and_health_and_records_it(base, tmp_path):
     assert set(health["la_rel_err"]) == set(LAYERS)
     csv = (tmp_path / "logs" / "v" / "metrics.csv").read_text()
     assert "final/la_rel_err" in csv and "final/transfer/layer_01/den_collapsed" in csv
+    assert "transfer/layer_00/kl" in csv.splitlines()[0].split(",")
 
 
 def _collapsed_transfer(base, objective, **kw) -> AttentionTransfer:
@@ -305,3 +307,120 @@ def test_output_mse_transfer_trains_output_gates(base, tmp_path, mixer):
     _trainer(tmp_path, steps=2).fit(m, datamodule=_dm())
     after = dict(m.model.named_parameters())
     assert any(not torch.equal(after[n], p) for n, p in before.items() if ".up." in n)
+
+
+class _MemoryLogger(pl.loggers.Logger):
+    """Every ``log_metrics`` call: ``(step, metrics)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows: list[tuple[int, dict]] = []
+
+    @property
+    def name(self):
+        return "memory"
+
+    @property
+    def version(self):
+        return 0
+
+    def log_hyperparams(self, *args, **kw):
+        pass
+
+    def log_metrics(self, metrics, step=None):
+        self.rows.append((step, dict(metrics)))
+
+
+def _recorded_transfer(base):
+    """An ``AttentionTransfer`` that records, per training step (0-based batch), the per-layer
+    losses and extras it computed and the names it passed to ``self.log``."""
+    m = AttentionTransfer(base, hybrid=HYB, objective="weights_xent", health_batches=0)
+    m.steps, m.calls = [], []
+    orig_losses, orig_log = m._layer_losses, m.log
+
+    def layer_losses(batch, backward_scale):
+        losses, extras = orig_losses(batch, backward_scale)
+        m.steps.append(({i: float(v) for i, v in losses.items()},
+                        {i: {k: float(x) for k, x in e.items()} for i, e in extras.items()}))
+        return losses, extras
+
+    def log(name, value, *args, **kw):
+        m.calls.append((len(m.steps) - 1, name))
+        return orig_log(name, value, *args, **kw)
+
+    m._layer_losses, m.log = layer_losses, log
+    return m
+
+
+def _layer_keys():
+    return {f"transfer/layer_{i:02d}/{k}" for i in LAYERS for k in ("weights_xent", "kl")}
+
+
+def test_per_layer_training_metrics_are_logged_only_on_logging_steps(base, tmp_path):
+    """With log_every_n_steps=2, 4 steps: Lightning writes the step logs of steps 1 and 3
+    (0-based); the per-layer values reach the logger there, with those steps' values, and
+    ``self.log`` is not called for them on the other steps (65 calls a step on an 8B model,
+    never written); ``train/loss`` is logged on every step."""
+    m = _recorded_transfer(base)
+    logger = _MemoryLogger()
+    seen = []
+
+    class TrainLoss(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen.append(float(trainer.callback_metrics["train/loss"]))
+
+    _trainer(tmp_path, steps=4, log_every_n_steps=2, logger=logger, limit_val_batches=0,
+             callbacks=[TrainLoss()]).fit(m, datamodule=_dm())
+    assert len(m.steps) == 4
+    # self.log: per-layer names only on steps 1 and 3, all of them; train/loss on every step
+    layer_calls = [(s, n) for s, n in m.calls if n.startswith("transfer/layer_")]
+    assert sorted({s for s, _ in layer_calls}) == [1, 3]
+    assert sorted(n for s, n in layer_calls if s == 1) == sorted(_layer_keys())
+    assert len(layer_calls) == 2 * len(_layer_keys())
+    assert [s for s, n in m.calls if n == "train/loss"] == [0, 1, 2, 3]
+    mean = [sum(losses.values()) / len(losses) for losses, _ in m.steps]
+    assert seen == pytest.approx(mean, rel=1e-6)
+    # what the logger received: the per-layer values of steps 1 and 3, at those steps
+    rows = [(step, r) for step, r in logger.rows if any(k in _layer_keys() for k in r)]
+    assert [step for step, _ in rows] == [1, 3]
+    for step, r in rows:
+        losses, extras = m.steps[step]
+        assert _layer_keys() <= set(r)
+        for i in LAYERS:
+            assert r[f"transfer/layer_{i:02d}/weights_xent"] == pytest.approx(losses[i], rel=1e-6)
+            assert r[f"transfer/layer_{i:02d}/kl"] == pytest.approx(extras[i]["kl"], rel=1e-6)
+        assert r["train/loss"] == pytest.approx(mean[step], rel=1e-6)
+
+
+def test_per_layer_metrics_follow_a_stop_decided_after_the_step(base, tmp_path):
+    """A callback (e.g. Timer's max_time) that sets ``should_stop`` after the training step
+    makes Lightning write that step's logs: the per-layer values are logged there too, those
+    of that step (not the last logging step's)."""
+    m = _recorded_transfer(base)
+    logger = _MemoryLogger()
+
+    class StopAfterFirst(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            trainer.should_stop = True
+
+    _trainer(tmp_path, steps=4, log_every_n_steps=2, logger=logger, limit_val_batches=0,
+             callbacks=[StopAfterFirst()]).fit(m, datamodule=_dm())
+    assert len(m.steps) == 1
+    rows = [(step, r) for step, r in logger.rows if any(k in _layer_keys() for k in r)]
+    assert [step for step, _ in rows] == [0]
+    losses, _ = m.steps[0]
+    assert rows[0][1]["transfer/layer_01/weights_xent"] == pytest.approx(losses[1], rel=1e-6)
+
+
+def test_per_layer_logging_without_lightnings_rule_logs_every_step():
+    """Where ``trainer._logger_connector.should_update_logs`` is missing (another Lightning)
+    every step logs, as before: only slower."""
+    from types import SimpleNamespace
+
+    stage = AttentionTransfer("unused-path", hybrid={"window": 4})
+    assert stage._step_logs_written()  # no trainer
+    stage._trainer = SimpleNamespace(fast_dev_run=False)
+    assert stage._step_logs_written()
+    stage._trainer = SimpleNamespace(fast_dev_run=False,
+                                     _logger_connector=SimpleNamespace(should_update_logs=False))
+    assert not stage._step_logs_written()
