@@ -110,9 +110,10 @@ def default_config(D: int, F: int, dtype: torch.dtype) -> KernelConfig:
     # the fp32 accumulators of 64 x 128 tiles need 8 warps, the key-side backward 32-key tiles
     # and the feature dimension in slices of 64 (then at most 16 bytes spill per thread; a
     # 64 x 64 backward spilled 128-388 bytes); with D <= 64 nothing spills at 64 x 64.
-    # LA states every 128 positions for D = 128: half the state traffic; on an H200 at B 8 x
-    # T 1024 (H 32 / 8, F 256) the kernel's forward 0.70 ms vs 0.93 with 64, forward +
-    # backward 3.62 vs 3.86 ms (attention_speed.py --tune, benchmarks/results/h200_2026-12-02)
+    # LA states every 128 positions for D = 128: half the stored states (peak at T 64k 6.95 vs
+    # 7.13 GiB). Speed at B 8 x T 1024 is not settled: two H200 runs of attention_speed.py
+    # --tune gave the kernel's forward 0.70 vs 0.93 ms and 0.83 vs 0.74 ms (128 vs 64), fwd +
+    # bwd within 1-6% (benchmarks/results/h200_2026-12-02/README.md)
     if D >= 128:
         return KernelConfig(block_m=64, block_n=64, state_chunk=128, warps=8, stages=2,
                             bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64,
