@@ -1,8 +1,10 @@
 """The paper's training budget in wall time and GPU-hours per recipe (issue 12, item 4), from the
 measured stage throughputs, on one H200 and extrapolated to eight.
 
-    python benchmarks/paper_budget.py [--stage-speed benchmarks/results/kernels_h200/stage_speed.json]
-        [--multigpu benchmarks/results/multigpu.json] [--out benchmarks/results/paper_budget]
+    python benchmarks/paper_budget.py [--stage-speed STAGE_SPEED_JSON] [--multigpu MULTIGPU_JSON]
+        [--lightning-gap LIGHTNING_GAP_JSON] [--out benchmarks/results/paper_budget]
+
+(defaults: the latest committed measurements, ``DEFAULTS``)
 
 The paper's budget (docs/method.md, PAPER.md section 5-6): stage 1 one epoch, stage 2 1-5 epochs
 of ~25M tokens (FineWeb-Edu, 1,024-token sequences); per recipe:
@@ -32,6 +34,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 EPOCH_TOKENS = 25_000_000
+#: the latest committed measurements
+DEFAULTS = {
+    "stage_speed": "benchmarks/results/h200_2026-12-02/after/stage_speed.json",
+    "multigpu": "benchmarks/results/multigpu.json",
+    "lightning_gap": "benchmarks/results/h200_2026-12-02/after/lightning_gap.json",
+}
 
 #: recipe -> (stage-1 objective row, stage-2 epochs (min, max), stage-2 row)
 RECIPES = {
@@ -71,12 +79,20 @@ def scaling(multigpu: dict | None) -> dict[str, float | None]:
             "finetune": two.get("hybrid_finetune", {}).get("scaling_efficiency")}
 
 
-def lightning_one_gpu(multigpu: dict | None) -> dict[str, float | None]:
-    """One-GPU tokens/s of the stages through Lightning (``multigpu.py``: the path
-    ``hedgecats pipeline`` runs), or None."""
+def lightning_one_gpu(multigpu: dict | None, gap: dict | None = None) -> dict:
+    """One-GPU tokens/s of the stages through Lightning (the path ``hedgecats pipeline``
+    runs), each with where it comes from: stage 1 from ``lightning_gap.py``'s ``L0`` row where
+    given (``multigpu.py``'s Transfer as it runs, at HEAD of that measurement), else from
+    ``multigpu.json``; stage 2 from ``multigpu.json`` (None where not measured)."""
     one = (multigpu or {}).get("world_sizes", {}).get("1", {})
-    return {"transfer": one.get("attention_transfer", {}).get("tokens_per_s"),
-            "finetune": one.get("hybrid_finetune", {}).get("tokens_per_s")}
+    out = {"transfer": one.get("attention_transfer", {}).get("tokens_per_s"),
+           "finetune": one.get("hybrid_finetune", {}).get("tokens_per_s"),
+           "transfer_source": "multigpu.json", "finetune_source": "multigpu.json"}
+    l0 = ((gap or {}).get("rows") or {}).get("L0") or {}
+    if l0.get("tokens_per_s"):
+        out["transfer"] = l0["tokens_per_s"]
+        out["transfer_source"] = "lightning_gap.json L0"
+    return out
 
 
 def budget(tp: dict, eff: dict, lightning: dict | None = None) -> list[dict]:
@@ -105,10 +121,14 @@ def _span(pair, fmt="{:.2f}") -> str:
     return fmt.format(a) if abs(a - b) < 1e-9 else f"{fmt.format(a)}-{fmt.format(b)}"
 
 
+def _num(x) -> str:
+    return "not measured" if x is None else f"{x:,.0f}"
+
+
 def markdown(rows: list[dict], tp: dict, eff: dict, sources: dict, lightning: dict) -> str:
     out = ["| recipe | stage 1 (1 epoch) h | stage-2 epochs | stage 2 h | total h, 1 H200 (= GPU-hours) "
-           "| total h, 8 H200 (extrapolated) | GPU-hours, 8 H200 | total h, 1 H200, Lightning "
-           "path as last measured |",
+           "| total h, 8 H200 (extrapolated) | GPU-hours, 8 H200 | total h, 1 H200, through "
+           "Lightning |",
            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         eight = (_span(r["total_h_8gpu"]), _span(r["gpu_hours_8gpu"], "{:.1f}")) \
@@ -121,33 +141,41 @@ def markdown(rows: list[dict], tp: dict, eff: dict, sources: dict, lightning: di
             "Throughputs (tokens/s, one H200): "
             + "; ".join(f"{k} {v[1]:,.0f} (`{v[0]}`)" for k, v in tp.items())
             + f" (`{sources['stage_speed']}`). Eight GPUs: the two-GPU scaling efficiency "
-            f"(transfer {eff['transfer']}, fine-tune {eff['finetune']}; `{sources['multigpu']}`) "
-            "assumed to hold at eight. Assumptions: LoLCATs' rectangular map timed as the square "
+            f"(transfer {eff['transfer']}, fine-tune {eff['finetune']}; `{sources['multigpu']}`, "
+            "measured on 2026-11-29 on the code of then, when stage 1 was bound by its blocked "
+            "cross-entropy's launches; no two-GPU machine has been lent since) assumed to hold at "
+            "eight. Assumptions: LoLCATs' rectangular map timed as the square "
             "one (an upper bound); SSD's and the LA-only LoRA's steps as the hybrid LoRA's; "
             "evaluation not counted. The throughputs are `stage_speed.py`'s, which runs each "
             "stage's computation outside Lightning; the last column uses the one-GPU tokens/s "
-            "of the stages through Lightning with the FSDP2 strategy in `multigpu.json` (transfer "
-            f"{lightning['transfer']} (weights_xent, for every recipe), fine-tune "
-            f"{lightning['finetune']}), measured on 2026-11-29, before the fused kernels: that "
-            "stage-1 run computed the blocked cross-entropy in fp32, which the Lightning path no "
-            "longer takes on a GPU, so the 5-6x gap to the first columns is mostly that code "
-            "path, not Lightning (read from the code, not yet measured: "
-            "`benchmarks/lightning_gap.py` is the measurement); an upper bound until then."]
+            "of the stages through Lightning with the FSDP2 strategy: stage 1 "
+            f"{_num(lightning['transfer'])} (weights_xent, for every recipe; "
+            f"`{sources.get('transfer_lightning', '-')}`), stage 2 "
+            f"{_num(lightning['finetune'])} (`{sources.get('finetune_lightning', '-')}`"
+            + (", measured on 2026-11-29, before the fused kernels: an upper bound on its time"
+               if lightning.get("finetune_source") == "multigpu.json" else "") + ")."]
     return "\n".join(out)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--stage-speed", default="benchmarks/results/kernels_h200/stage_speed.json")
-    ap.add_argument("--multigpu", default="benchmarks/results/multigpu.json")
+    ap.add_argument("--stage-speed", default=DEFAULTS["stage_speed"])
+    ap.add_argument("--multigpu", default=DEFAULTS["multigpu"])
+    ap.add_argument("--lightning-gap", default=DEFAULTS["lightning_gap"],
+                    help="lightning_gap.py's JSON: stage 1 through Lightning (its L0 row)")
     ap.add_argument("--out", default=None, help="write <out>.json and <out>.md")
     a = ap.parse_args(argv)
     stage = json.loads(Path(a.stage_speed).read_text())
-    mg_path = Path(a.multigpu)
+    mg_path, gap_path = Path(a.multigpu), Path(a.lightning_gap)
     multigpu = json.loads(mg_path.read_text()) if mg_path.exists() else None
-    tp, eff, lightning = throughputs(stage), scaling(multigpu), lightning_one_gpu(multigpu)
+    gap = json.loads(gap_path.read_text()) if gap_path.exists() else None
+    tp, eff = throughputs(stage), scaling(multigpu)
+    lightning = lightning_one_gpu(multigpu, gap)
     rows = budget(tp, eff, lightning)
-    sources = {"stage_speed": a.stage_speed, "multigpu": a.multigpu if multigpu else "none"}
+    src = {"multigpu.json": a.multigpu, "lightning_gap.json L0": f"{a.lightning_gap}, row L0"}
+    sources = {"stage_speed": a.stage_speed, "multigpu": a.multigpu if multigpu else "none",
+               "transfer_lightning": src[lightning["transfer_source"]],
+               "finetune_lightning": src[lightning["finetune_source"]]}
     md = markdown(rows, tp, eff, sources, lightning)
     print(md)
     if a.out:
