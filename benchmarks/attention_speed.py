@@ -450,6 +450,12 @@ TUNE_CONFIGS = {  # None: default_config (D=128: fwd 64x64 w8, bwd 64x32 w8, f_c
     # half the stored states, twice the keys between a state and its block)
     "chunk64": dict(block_m=64, block_n=64, state_chunk=64, warps=8, stages=2,
                     bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8),
+    # the default's tiles, the backward's per-query factors from the forward's stored branches
+    # (KernelConfig.save_branches; prediction, benchmarks/README.md: the stage-1 call ~0.6 ms
+    # faster at 8 x 1k, the full backward ~0.3 ms)
+    "saved": dict(block_m=64, block_n=64, state_chunk=128, warps=8, stages=2,
+                  bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8,
+                  save_branches=True),
 }
 
 
@@ -484,6 +490,13 @@ def tune(L: Layer, B, T, log) -> list[dict]:
                 fwd().backward(L.do.transpose(1, 2))
                 L.q.grad = L.k.grad = L.v.grad = fq.grad = fk.grad = None
             row["fwd_bwd"] = bench_adaptive(fb, 600)["ms"]
+
+            def fb_stage1():  # q, k, v the teacher's: gradients of fq, fk only
+                th.hybrid_kernel(L.q.detach(), L.k.detach(), L.v.detach(), fq, fk, ones,
+                                 1 - ones, ones, shift, window=L.w, scale=L.scale,
+                                 eps=ref.DEN_TINY, config=conf).backward(L.do.transpose(1, 2))
+                fq.grad = fk.grad = None
+            row["stage1_fwd_bwd"] = bench_adaptive(fb_stage1, 600)["ms"]
         except Exception as e:
             row["error"] = f"{type(e).__name__}: {e}"[:400]
         out_rows.append(row)
@@ -565,15 +578,18 @@ def markdown(res) -> str:
                      f"<= {TARGETS[k]} |")
     if res.get("tuning"):
         lines += ["", "Fused kernel alone under tile configurations (fixed g, feature maps "
-                  "precomputed):", "", "| B x T | config | fwd ms | fwd+bwd ms | rel err |",
-                  "| --- | --- | --- | --- | --- |"]
+                  "precomputed; stage 1: q, k, v detached):", "",
+                  "| B x T | config | fwd ms | fwd+bwd ms | stage-1 fwd+bwd ms | rel err |",
+                  "| --- | --- | --- | --- | --- | --- |"]
         for r in res["tuning"]:
             if "error" in r:
                 lines.append(f"| {r['B']} x {r['T']} | {r['config']} | error: "
-                             f"{r['error'][:100]} | | |")
+                             f"{r['error'][:100]} | | | |")
             else:
+                s1 = r.get("stage1_fwd_bwd")  # (absent from results before 2026-12-02)
                 lines.append(f"| {r['B']} x {r['T']} | {r['config']} | {r['fwd']:.3f} | "
-                             f"{r['fwd_bwd']:.3f} | {r['rel_err_vs_default']:.1e} |")
+                             f"{r['fwd_bwd']:.3f} | {'-' if s1 is None else f'{s1:.3f}'} | "
+                             f"{r['rel_err_vs_default']:.1e} |")
     return "\n".join(lines) + "\n"
 
 
@@ -700,7 +716,7 @@ def main(argv=None) -> int:
         if "config" in row:
             msg = (f"error {row['error']}" if "error" in row else
                    f"fwd {row['fwd']:.3f} ms  fwd+bwd {row['fwd_bwd']:.3f} ms  "
-                   f"err {row['rel_err_vs_default']:.1e}")
+                   f"stage-1 {row['stage1_fwd_bwd']:.3f} ms  err {row['rel_err_vs_default']:.1e}")
             print(f"  tune B={row['B']} T={row['T']} {row['config']:12s} {msg}", flush=True)
             return
         if "error" in row:

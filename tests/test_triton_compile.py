@@ -74,12 +74,15 @@ def hybrid_kernels(dtype: torch.dtype, D: int, F: int, has_swa=True, has_la=True
     bwd_tiles = dict(BM=cfg.bwd_block_m, BN=cfg.bwd_block_n)
     yield "state_fwd", th._state_fwd, dict(F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD,
                                             HAS_KPM=kpm, PREC=prec), (), cfg.state_warps, 3
-    yield "fwd", th._fwd, dict(**lo, **flags, **fwd_tiles, SHARED=shared), \
-        ("scale_log2", "eps"), cfg.warps, cfg.stages
-    for need_dq in (True, False):  # False: stage 1 (q takes no gradient)
-        yield f"bwd_dq{'' if need_dq else '-no-dq'}", th._bwd_dq, dict(
-            **lo, **flags, **bwd_tiles, SHARED=shared, NEED_DQ=need_dq), \
-            ("scale", "scale_log2", "eps"), cfg.bwd_warps, cfg.stages
+    for save in (False, True):  # True: the branches stored for the backward (save_branches)
+        yield f"fwd{'-save' if save else ''}", th._fwd, dict(
+            **lo, **flags, **fwd_tiles, SHARED=shared, SAVE=save), \
+            ("scale_log2", "eps"), cfg.warps, cfg.stages
+    # NEED_DQ False: stage 1 (q takes no gradient); FROM_SAVED: factors from the saved branches
+    for need_dq, saved in ((True, False), (False, False), (True, True), (False, True)):
+        yield f"bwd_dq{'' if need_dq else '-no-dq'}{'-saved' if saved else ''}", th._bwd_dq, \
+            dict(**lo, **flags, **bwd_tiles, SHARED=shared, NEED_DQ=need_dq,
+                 FROM_SAVED=saved), ("scale", "scale_log2", "eps"), cfg.bwd_warps, cfg.stages
     if has_la:
         yield "bwd_dfq", th._bwd_dfq, dict(**lo, **bwd_tiles), (), cfg.bwd_warps, cfg.stages
         yield "state_rev", th._state_rev, dict(F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD,
@@ -94,7 +97,8 @@ def hybrid_kernels(dtype: torch.dtype, D: int, F: int, has_swa=True, has_la=True
 def _pointers(dtype):
     dt = "*bf16" if dtype == torch.bfloat16 else F32
     types = {n: dt for n in ("Q", "K", "V", "FQ", "FK", "DO", "SST", "OUT", "DQ", "DFQ", "RST",
-                             "DK", "DFK", "X", "W", "BIAS", "Y", "DY", "DX", "DU")}
+                             "DK", "DFK", "X", "W", "BIAS", "Y", "DY", "DX", "DU", "SWA_O",
+                             "LA_O")}
     types.update({n: F32 for n in ("ZST", "VST", "LSE", "DEN", "CA", "CB", "LOGS", "DELTA",
                                    "WS", "GF", "DDEN", "PA", "PB", "UST", "WST", "DVS", "XE",
                                    "ENT", "LZ")})
@@ -154,7 +158,7 @@ def test_feature_map_kernels_compile_for_sm90(D, FH):
         BM, warps = tp._tiles(D, FH, backward)
         constexprs = dict(D=D, FH=FH, BM=BM, SOFTMAX=True, PREC="tf32")
         if backward:
-            constexprs["NEED_DX"] = True
+            constexprs.update(NEED_DX=True, DU_HEADS_FIRST=True)
         r = compile_report(fn, ptrs, constexprs, (), warps, 2)
         print(f"{name:8s} D{D} F/2={FH} {BM} w{warps}: {r}")
         assert r["spill"] <= MAX_SPILL, (name, r)

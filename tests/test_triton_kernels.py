@@ -235,6 +235,63 @@ def test_fused_long_sequence_matches_reference():
     check("hybrid-T8192", (1, 8, 2, 8192, 128, 64, "square"), torch.bfloat16, "hybrid")
 
 
+SAVED_SHAPE = (2, 8, 2, 300, 128, 256, 64)  # B, H, Hkv, T, D, F, window
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["all-grads", "stage1"])
+@pytest.mark.parametrize("shared", [False, True], ids=["fixed", "shared"])
+def test_saved_branches_match_recomputed(shared, frozen):
+    """``KernelConfig.save_branches`` (the backward's per-query factors from the forward's
+    stored SWA_t and LA_t) at the 8B head shape in bf16, GQA, padding, T not a multiple of the
+    tiles: output and every gradient against the fp32 ``kernel_reference`` within the same
+    tolerance as the recomputing default, and the saved path actually taken."""
+    import dataclasses
+
+    th = _kernels()
+    B, H, Hkv, T, D, F, w = SAVED_SHAPE
+    gen = torch.Generator(device=DEVICE).manual_seed(7)
+
+    def mk(*s):
+        return torch.randn(*s, device=DEVICE, generator=gen)
+    q, k, v = mk(B, H, T, D), mk(B, Hkv, T, D), mk(B, Hkv, T, D)
+    fq, fk = torch.rand(B, H, T, F, device=DEVICE, generator=gen), \
+        torch.rand(B, Hkv, T, F, device=DEVICE, generator=gen)
+    ca, cb, logs = mk(B, H).sigmoid(), mk(B, H).sigmoid(), mk(B, H)
+    shift = torch.full((B, H), w, dtype=torch.int32, device=DEVICE)
+    kpm = torch.ones(B, T, dtype=torch.bool, device=DEVICE)
+    kpm[0, :9] = False
+    do = mk(B, H, T, D).bfloat16().float()
+    kw = dict(window=w, scale=D ** -0.5, eps=1e-3, key_padding_mask=kpm, shared=shared)
+    names = ["q", "k", "v", "fq", "fk", "ca", "cb", "logs"]
+    trained = [n for n in names if not (frozen and n in ("q", "k", "v"))]
+
+    def grads(fn, cast):
+        ins = [x.to(cast).clone().requires_grad_(n in trained)
+               for n, x in zip(names, (q, k, v, fq, fk, ca, cb, logs))]
+        out = fn(*ins)
+        out.float().backward(do)
+        return {"out": out.detach().float(), **{n: x.grad.float() for n, x in zip(names, ins)
+                                                if n in trained and x.grad is not None}}
+
+    cfg = th.default_config(D, F, torch.bfloat16)
+    before = th.CALLS["factors_from_saved"]
+    got = grads(lambda *x: th.hybrid_kernel(*x[:5], *(t.float() for t in x[5:]), shift,
+                                            config=dataclasses.replace(cfg, save_branches=True),
+                                            **kw), torch.bfloat16)
+    assert th.CALLS["factors_from_saved"] == before + 1
+    plain = grads(lambda *x: th.hybrid_kernel(*x[:5], *(t.float() for t in x[5:]), shift,
+                                              config=cfg, **kw), torch.bfloat16)
+    want = grads(lambda *x: th.kernel_reference(*x, shift, **kw), torch.float32)
+    errs = {n: rel_err(got[n], want[n]) for n in want if want[n].abs().max() > 0}
+    errs_plain = {n: rel_err(plain[n], want[n]) for n in errs}
+    report(test="saved_branches", shared=shared, frozen=frozen,
+           saved_vs_fp32={n: float(f"{e:.2e}") for n, e in errs.items()},
+           recomputed_vs_fp32={n: float(f"{e:.2e}") for n, e in errs_plain.items()})
+    bad = {n: f"{e:.2e} (recomputed: {errs_plain[n]:.2e})" for n, e in errs.items()
+           if not (e < BF16_VS_ORACLE)}
+    assert not bad, f"saved branches vs the fp32 reference (tolerance {BF16_VS_ORACLE}): {bad}"
+
+
 # ----------------------------------------------------------------------------- routing
 def _route(cid, shape, dtype, mode, **kw):
     """A call the kernel does not cover: the pieces run and agree with the reference."""

@@ -154,21 +154,25 @@ def kernel_case(cid, *, B=2, H=4, Hkv=2, T=50, D=16, window=8, shift=None, share
     calls = dict(th.CALLS)
     out = th.hybrid_kernel(*ins, sh, config=th.KernelConfig(**cfg), **kw)
     out.float().backward(do)
-    ran = {n: th.CALLS[n] - calls[n] for n in ("dq_pass", "dkv_swa", "dv_la")}
+    ran = {n: th.CALLS[n] - calls[n]
+           for n in ("dq_pass", "dkv_swa", "dv_la", "factors_from_saved")}
     got = dict(zip(names, [out.detach()] + [x.grad for x in ins]))
     # the passes that only serve frozen inputs must not run
     skipped = {"dq_pass": "q" in frozen, "dkv_swa": {"k", "v"} <= set(frozen),
                "dv_la": "v" in frozen}
     for n, must_skip in skipped.items():
         if must_skip:
-            got[f"{n}_skipped_is_none"] = ran[n] == 0
+            got[f"{n}_skipped_ok"] = ran[n] == 0
+    # the saved branches were read (not silently recomputed), and only when configured
+    got["factors_from_saved_ok"] = ran["factors_from_saved"] == int(
+        bool(cfg.get("save_branches")))
     for name in frozen:  # a gradient where none was asked for: a wasted pass, or a wrong one
-        got[f"{name}_grad_is_none"] = got.pop(f"d{name}") is None
+        got[f"{name}_grad_none_ok"] = got.pop(f"d{name}") is None
     ins2 = [t.detach().float().clone().requires_grad_() for t in (q, k, v, fq, fk, ca, cb, logs)]
     ref = th.kernel_reference(*ins2, sh, **kw)
     ref.backward(do)
     want = dict(zip(names, [ref.detach()] + [x.grad for x in ins2]))
-    flags = {n: 0.0 if got.pop(n) else float("inf") for n in list(got) if n.endswith("_is_none")}
+    flags = {n: 0.0 if got.pop(n) else float("inf") for n in list(got) if n.endswith("_ok")}
     for name in frozen:
         del want[f"d{name}"]
     return {**errors(got, want), **flags}
@@ -282,7 +286,7 @@ def xent_entry_case(cid):
 
 
 def phi_case(cid, *, B=2, H=3, T=45, D=16, proj="square", activation="softmax",
-             dtype=torch.float32, strided=False, frozen_x=False):
+             dtype=torch.float32, strided=False, frozen_x=False, heads_first=False):
     """triton_phi.hedgehog_features vs the fp32 map: values and gradients of x, W, b
     (``frozen_x``: x takes no gradient, as stage 1's teacher q, k; dW, db unchanged)."""
     from hedgecats.models import HedgehogFeatureMap
@@ -292,8 +296,13 @@ def phi_case(cid, *, B=2, H=3, T=45, D=16, proj="square", activation="softmax",
     fm = HedgehogFeatureMap(H, D, activation, proj, seed=4)
     with torch.no_grad():
         fm.bias.normal_(0, 0.5, generator=g)
-    x0 = (torch.randn(B, T, H, D, generator=g).transpose(1, 2) if strided
-          else torch.randn(B, H, T, D, generator=g)).to(dtype)
+    if strided:  # (B, T, H, D) memory, as transformers hands attention q and k
+        x0 = torch.randn(B, T, H, D, generator=g).transpose(1, 2)
+    elif heads_first:  # (H, B, T, D) memory: neither layout the weight gradient reads in place
+        x0 = torch.randn(H, B, T, D, generator=g).transpose(0, 1)
+    else:
+        x0 = torch.randn(B, H, T, D, generator=g)
+    x0 = x0.to(dtype)
     dy = torch.randn(B, H, T, fm.feature_dim, generator=g).to(dtype).float()
 
     def run(fn, cast):
@@ -414,6 +423,20 @@ def cases(quick: bool = False):
         ("kernel-frozen-k-swa-only", k, dict(has_la=False, frozen=("k",))),
         ("kernel-frozen-v-swa-only", k, dict(has_la=False, frozen=("v",))),
         ("kernel-frozen-dk-la-only", k, dict(has_swa=False, frozen=("k",))),
+        # the forward's saved branches feed the backward's per-query factors
+        ("kernel-saved", k, dict(cfg=dict(SMALL, save_branches=True))),
+        ("kernel-saved-frozen-qkv", k, dict(cfg=dict(SMALL, save_branches=True),
+                                            frozen=("q", "k", "v"))),
+        ("kernel-saved-pad-shared-shifts", k, dict(T=70, window=10, pad=True, shared=True,
+                                                   per_bh_shift=True,
+                                                   cfg=dict(TALL_BWD, save_branches=True))),
+        ("kernel-saved-swa-only", k, dict(has_la=False, cfg=dict(SMALL, save_branches=True))),
+        ("kernel-saved-la-only-frozen", k, dict(has_swa=False, frozen=("q", "k", "v"),
+                                                cfg=dict(SMALL, save_branches=True))),
+        ("kernel-saved-D64-two-channel-slices", k, dict(D=64, H=2, Hkv=1, T=40, window=8,
+                                                        cfg=dict(SMALL, save_branches=True))),
+        ("kernel-saved-bf16-shared-pad", k, dict(dtype=bf16, shared=True, pad=True,
+                                                 cfg=dict(SMALL, save_branches=True))),
         ("kernel-bf16", k, dict(dtype=bf16)),
         ("kernel-bf16-shared-pad", k, dict(dtype=bf16, shared=True, pad=True)),
         ("kernel-bf16-hedgehog-D32", k, dict(dtype=bf16, D=32, T=70, window=10,
@@ -449,6 +472,10 @@ def cases(quick: bool = False):
                                                     proj="rectangular", D=32)),
         ("phi-exp", phi_case, dict(dtype=bf16, activation="exp")),
         ("phi-frozen-x", phi_case, dict(dtype=bf16, frozen_x=True)),
+        ("phi-heads-first-layout", phi_case, dict(dtype=bf16, heads_first=True)),
+        ("phi-strided-B1", phi_case, dict(dtype=bf16, strided=True, B=1)),
+        ("phi-strided-H1", phi_case, dict(dtype=bf16, strided=True, H=1)),
+        ("phi-strided-frozen-x", phi_case, dict(dtype=bf16, strided=True, frozen_x=True)),
         ("phi-D32-T70", phi_case, dict(dtype=bf16, T=70, D=32)),
         ("decode-hybrid", decode_case, dict(dtype=torch.float32)),
         ("decode-pad-learned-head", decode_case, dict(dtype=torch.float32, pad=True,

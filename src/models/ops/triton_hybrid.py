@@ -31,13 +31,16 @@ How (all kernels take strided (B, H, T, X) tensors, no copies of q, k, v):
                   t0 - shift + 1 plus the keys between it and the block (masked), the window keys
                   (online softmax, exp2), the mixer, the output; keeps lse_t and den_t (fp32).
     backward      _state_fwd again; _bwd_dq per query block recomputes LA_t . dO_t and
-                  SWA_t . dO_t (first pass), forms the mixer's per-query factors, then dq (second
-                  pass); _bwd_dfq per query block and feature slice: dfq; _state_rev walks T
+                  SWA_t . dO_t (first pass; with ``KernelConfig.save_branches`` it reads them
+                  from the branch outputs the forward stored instead), forms the mixer's
+                  per-query factors, then dq (second pass, skipped when q takes no gradient); _bwd_dfq per query block and feature slice: dfq; _state_rev walks T
                   backwards summing fq_t dnum_t^T over the query heads of each kv head (GQA) into
                   reverse states; per key block and kv head, _bwd_dkv_swa gets dk and the window's
                   dv from the window queries, and _bwd_dkv_la dfk (per feature slice) and the
                   rest of dv from the queries between the block and the next reverse state, and
-                  that state. Mixer gradients (c_A, c_B or log s_h) come back as per-block
+                  that state. Passes that only serve gradients autograd does not ask for (dq,
+                  the window's dk / dv, LA's dv: stage 1's teacher q, k, v) are not launched.
+                  Mixer gradients (c_A, c_B or log s_h) come back as per-block
                   partial sums, reduced in torch (deterministic).
 
 The feature dimension is taken ``f_chunk`` at a time in every product over it, so no program
@@ -74,9 +77,10 @@ __all__ = ["KernelConfig", "available", "fused_hybrid", "hybrid_kernel", "kernel
 #: assert it stays empty
 FALLBACK_ERRORS: list[str] = []
 #: calls that ran the fused kernels (tests check that a path was taken, not only its result),
-#: and the backward passes launched for dq, the window's dk / dv and the LA's dv (skipped when
-#: autograd does not ask for those gradients)
-CALLS = {"forward": 0, "dq_pass": 0, "dkv_swa": 0, "dv_la": 0}
+#: the backward passes launched for dq, the window's dk / dv and the LA's dv (skipped when
+#: autograd does not ask for those gradients), and the backwards whose per-query factors came
+#: from the forward's saved branches (``KernelConfig.save_branches``)
+CALLS = {"forward": 0, "dq_pass": 0, "dkv_swa": 0, "dv_la": 0, "factors_from_saved": 0}
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,12 @@ class KernelConfig:
     state_d: int = 64
     state_warps: int = 4
     f_chunk: int = 128  # feature-dimension slice of the LA products (registers)
+    #: the forward stores both branches' outputs (SWA_t and LA_t, (B H, T, D) each, in the input
+    #: dtype) when a backward will follow, and the backward's per-query factors read
+    #: SWA_t . dO_t and LA_t . dO_t from them instead of recomputing both branches (as flash
+    #: attention's rowsum(dO o O)): without dq (stage 1) the dq kernel then does no matrix
+    #: products at all. Costs two outputs' memory until the backward. Off until measured.
+    save_branches: bool = False
 
 
 def default_config(D: int, F: int, dtype: torch.dtype) -> KernelConfig:
@@ -170,6 +180,24 @@ if HAVE_TRITON:
                 vs += tl.sum(v.to(tl.float32), axis=0)
 
     @triton.jit
+    def _saved_dot(SAVED, DO, b, h, row_base, offs_m, rows, sdo_b, sdo_h, sdo_t,
+                   D: tl.constexpr, BM: tl.constexpr):
+        """X_t . dO_t (fp32) for the block's rows, X the (B H, T, D) branch output the forward
+        saved; taken 32 channels at a time (dO re-read from cache) so that no (BM, D) fp32 tile
+        is live: a whole-tile version spilled 232-632 bytes per thread in the dq kernel."""
+        DC: tl.constexpr = 32 if D > 32 else D
+        acc = tl.zeros([BM], dtype=tl.float32)
+        for c in tl.static_range(D // DC):
+            offs_c = c * DC + tl.arange(0, DC)
+            x = tl.load(SAVED + (row_base + offs_m[:, None]) * D + offs_c[None, :],
+                        mask=rows[:, None], other=0.0)
+            do = tl.load(DO + b.to(tl.int64) * sdo_b + h.to(tl.int64) * sdo_h
+                         + offs_m[:, None] * sdo_t + offs_c[None, :], mask=rows[:, None],
+                         other=0.0)
+            acc += tl.sum(x.to(tl.float32) * do.to(tl.float32), axis=1)
+        return acc
+
+    @triton.jit
     def _la_num(FQ, FK, V, SST, ZST, VST, CNT, KPM, b, h, hk, Hkv, t0, shift, T, NC, eps,
                 sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sv_b, sv_h, sv_t,
                 D: tl.constexpr, F: tl.constexpr, FC: tl.constexpr, BM: tl.constexpr,
@@ -225,12 +253,14 @@ if HAVE_TRITON:
 
     @triton.jit
     def _fwd(Q, K, V, FQ, FK, SST, ZST, VST, CNT, OUT, LSE, DEN, CA, CB, LOGS, SHIFT, FIRST, KPM,
+             SWA_O, LA_O,
              sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
              sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, so_b, so_h, so_t,
              T, H, G, NC, window, scale_log2, eps,
              D: tl.constexpr, F: tl.constexpr, FC: tl.constexpr, BM: tl.constexpr,
              BN: tl.constexpr, CS: tl.constexpr, HAS_SWA: tl.constexpr, HAS_LA: tl.constexpr,
-             SHARED: tl.constexpr, HAS_KPM: tl.constexpr, PREC: tl.constexpr):
+             SHARED: tl.constexpr, HAS_KPM: tl.constexpr, PREC: tl.constexpr,
+             SAVE: tl.constexpr):
         LN2: tl.constexpr = 0.6931471805599453
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
@@ -310,10 +340,16 @@ if HAVE_TRITON:
                  + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=rows[:, None])
         tl.store(LSE + pid_bh.to(tl.int64) * T + offs_m, lse2, mask=rows)
         tl.store(DEN + pid_bh.to(tl.int64) * T + offs_m, den, mask=rows)
+        if SAVE:  # both branches, for the backward's per-query factors
+            o_rows = (pid_bh.to(tl.int64) * T + offs_m[:, None]) * D + offs_d[None, :]
+            if HAS_SWA:
+                tl.store(SWA_O + o_rows, swa.to(SWA_O.dtype.element_ty), mask=rows[:, None])
+            if HAS_LA:
+                tl.store(LA_O + o_rows, la.to(LA_O.dtype.element_ty), mask=rows[:, None])
 
     @triton.jit
     def _bwd_dq(Q, K, V, FQ, FK, DO, SST, ZST, VST, CNT, LSE, DEN, CA, CB, LOGS, SHIFT, FIRST,
-                KPM,
+                KPM, SWA_O, LA_O,
                 DQ, DELTA, WS, GF, DDEN, PA, PB,
                 sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
                 sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sdo_b, sdo_h, sdo_t,
@@ -321,12 +357,13 @@ if HAVE_TRITON:
                 D: tl.constexpr, F: tl.constexpr, FC: tl.constexpr, BM: tl.constexpr,
                 BN: tl.constexpr, CS: tl.constexpr, HAS_SWA: tl.constexpr, HAS_LA: tl.constexpr,
                 SHARED: tl.constexpr, HAS_KPM: tl.constexpr, PREC: tl.constexpr,
-                NEED_DQ: tl.constexpr):
+                NEED_DQ: tl.constexpr, FROM_SAVED: tl.constexpr):
         """dq of one query block (when NEED_DQ), and the per-query factors the other kernels need: DELTA (the
         softmax row term, incl. the shared-norm lse gradient), WS (SWA weight), GF (dnum =
         GF dO), DDEN (gradient of the LA denominator); PA, PB: this block's partial mixer
         gradients (d c_A, d c_B; or d log s and 0 with SHARED). SWA_t . dO_t and LA_t . dO_t
-        come from recomputing both branches (first pass)."""
+        come from recomputing both branches (first pass), or with FROM_SAVED from the branches'
+        outputs the forward stored (SWA_O, LA_O: (B H, T, D))."""
         LN2: tl.constexpr = 0.6931471805599453
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
@@ -358,12 +395,19 @@ if HAVE_TRITON:
         # ---- first pass: LA_t . dO_t, then SWA_t . dO_t
         dot_la = tl.zeros([BM], dtype=tl.float32)
         if HAS_LA:
-            num, _ = _la_num(FQ, FK, V, SST, ZST, VST, CNT, KPM, b, h, hk, Hkv, t0, shift, T, NC,
-                             eps, sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sv_b, sv_h, sv_t,
-                             D, F, FC, BM, BN, CS, HAS_KPM, PREC)
-            dot_la = tl.sum(num * do.to(tl.float32), axis=1) * r
+            if FROM_SAVED:
+                dot_la = _saved_dot(LA_O, DO, b, h, row_base, offs_m, rows, sdo_b, sdo_h, sdo_t,
+                                    D, BM)
+            else:
+                num, _ = _la_num(FQ, FK, V, SST, ZST, VST, CNT, KPM, b, h, hk, Hkv, t0, shift, T,
+                                 NC, eps, sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sv_b, sv_h,
+                                 sv_t, D, F, FC, BM, BN, CS, HAS_KPM, PREC)
+                dot_la = tl.sum(num * do.to(tl.float32), axis=1) * r
         dot_swa = tl.zeros([BM], dtype=tl.float32)
-        if HAS_SWA:
+        if HAS_SWA and FROM_SAVED:
+            dot_swa = _saved_dot(SWA_O, DO, b, h, row_base, offs_m, rows, sdo_b, sdo_h, sdo_t,
+                                 D, BM)
+        if HAS_SWA and not FROM_SAVED:
             q = tl.load(Q + b.to(tl.int64) * sq_b + h.to(tl.int64) * sq_h
                         + offs_m[:, None] * sq_t + offs_d[None, :], mask=rows[:, None], other=0.0)
             for start in range(lo, hi, BN):
@@ -417,6 +461,10 @@ if HAVE_TRITON:
 
         # ---- second pass: dq (not when q takes no gradient: stage 1's teacher q)
         if HAS_SWA and NEED_DQ:
+            if FROM_SAVED:  # (loaded only now: the saved branches' tiles are dead by here)
+                q = tl.load(Q + b.to(tl.int64) * sq_b + h.to(tl.int64) * sq_h
+                            + offs_m[:, None] * sq_t + offs_d[None, :], mask=rows[:, None],
+                            other=0.0)
             dq = tl.zeros([BM, D], dtype=tl.float32)
             for start in range(lo, hi, BN):
                 offs_n = start + tl.arange(0, BN)
@@ -768,7 +816,9 @@ def _fc(cfg: KernelConfig, F: int) -> int:
 
 
 def _forward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, *, window, scale, eps,
-             has_swa, has_la, shared, cfg: KernelConfig):
+             has_swa, has_la, shared, cfg: KernelConfig, save: bool = False):
+    """(out, lse, den, swa_o, la_o): the branches' outputs (B H, T, D) only with ``save``
+    (else ``None``)."""
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     F = fq.shape[-1]
@@ -781,25 +831,30 @@ def _forward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, *, window
     o = torch.empty(B, H, T, D, device=q.device, dtype=q.dtype)
     lse = torch.empty(B * H, T, device=q.device, dtype=torch.float32)
     den = torch.empty(B * H, T, device=q.device, dtype=torch.float32)
+    swa_o = torch.empty(B * H, T, D, device=q.device, dtype=q.dtype) if save and has_swa else None
+    la_o = torch.empty(B * H, T, D, device=q.device, dtype=q.dtype) if save and has_la else None
     grid = (triton.cdiv(T, cfg.block_m), B * H)
     _fwd[grid](q, k, v, fq, fk, S, z, vs, cnt, o, lse, den, ca, cb, logs, shift, first,
-               _ptr(kpm_i8, lse),
+               _ptr(kpm_i8, lse), _ptr(swa_o, o), _ptr(la_o, o),
                *_strides(q), *_strides(k), *_strides(v), *_strides(fq), *_strides(fk),
                *_strides(o), T, H, H // Hkv, NC, window, scale * LOG2E, eps,
                D=D, F=F, FC=_fc(cfg, F), BM=cfg.block_m, BN=cfg.block_n, CS=cfg.state_chunk,
                HAS_SWA=has_swa, HAS_LA=has_la, SHARED=shared, HAS_KPM=kpm_i8 is not None,
-               PREC=_prec(q.dtype), num_warps=cfg.warps, num_stages=cfg.stages)
-    return o, lse, den
+               PREC=_prec(q.dtype), SAVE=save, num_warps=cfg.warps, num_stages=cfg.stages)
+    return o, lse, den, swa_o, la_o
 
 
 def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse, den, *, window,
               scale, eps, has_swa, has_la, shared, cfg: KernelConfig,
-              need: tuple[bool, bool, bool] = (True, True, True)):
+              need: tuple[bool, bool, bool] = (True, True, True), swa_o=None, la_o=None):
     """The gradients; ``need`` says which of dq, dk, dv autograd asks for: the passes that
     only serve the others are skipped (stage 1 trains the feature maps on the teacher's
     detached q, k, v: no dq pass, no window dk / dv kernel, no dv programs) and those come
-    back ``None``."""
+    back ``None``. ``swa_o`` / ``la_o``: the branches' outputs the forward saved
+    (``KernelConfig.save_branches``), read instead of recomputing the branches for the
+    per-query factors."""
     need_dq, need_dk, need_dv = need
+    from_saved = (swa_o is not None or not has_swa) and (la_o is not None or not has_la)
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     G = H // Hkv
@@ -823,13 +878,14 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
     pa, pb = torch.empty(B * H, NMB, **f32), torch.empty(B * H, NMB, **f32)
     _bwd_dq[(NMB, B * H)](
         q, k, v, fq, fk, do, S, z, vs, cnt, lse, den, ca, cb, logs, shift, first, kpm,
-        _ptr(dq, dummy), delta, ws, gf, dden, pa, pb,
+        _ptr(swa_o, dummy), _ptr(la_o, dummy), _ptr(dq, dummy), delta, ws, gf, dden, pa, pb,
         *_strides(q), *_strides(k), *_strides(v), *_strides(fq), *_strides(fk), *_strides(do),
         T, H, G, NC, NMB, window, scale, scale * LOG2E, eps,
         D=D, F=F, FC=FC, BM=BM, BN=BN, CS=cfg.state_chunk, HAS_SWA=has_swa, HAS_LA=has_la,
         SHARED=shared, HAS_KPM=has_kpm, PREC=prec, NEED_DQ=dq is not None,
-        num_warps=cfg.bwd_warps, num_stages=cfg.stages)
+        FROM_SAVED=from_saved, num_warps=cfg.bwd_warps, num_stages=cfg.stages)
     CALLS["dq_pass"] += dq is not None
+    CALLS["factors_from_saved"] += from_saved
     dfq = None
     if has_la:
         dfq = torch.empty(B, H, T, F, device=dev, dtype=fq.dtype)
@@ -907,12 +963,16 @@ def _with_retry(phase: str, key: tuple, cfg: KernelConfig, fn):
 class _HybridFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, window, scale,
-                eps, has_swa, has_la, shared, cfg):
-        key = (q.dtype, q.shape[-1], fq.shape[-1], has_swa, has_la, shared, kpm_i8 is not None)
-        o, lse, den = _with_retry("forward", key, cfg, lambda c: _forward(
+                eps, has_swa, has_la, shared, cfg, save):
+        key = (q.dtype, q.shape[-1], fq.shape[-1], has_swa, has_la, shared, kpm_i8 is not None,
+               save)
+        o, lse, den, swa_o, la_o = _with_retry("forward", key, cfg, lambda c: _forward(
             q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, window=window, scale=scale,
-            eps=eps, has_swa=has_swa, has_la=has_la, shared=shared, cfg=c))
+            eps=eps, has_swa=has_swa, has_la=has_la, shared=shared, cfg=c,
+            save=save and c.save_branches))  # (the retry's SAFE_CONFIG saves nothing)
+        ctx.saved_branches = (swa_o is not None, la_o is not None)
         ctx.save_for_backward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, lse, den,
+                              *(x for x in (swa_o, la_o) if x is not None),
                               *(() if kpm_i8 is None else (kpm_i8,)))
         ctx.args = dict(window=window, scale=scale, eps=eps, has_swa=has_swa, has_la=has_la,
                         shared=shared, cfg=cfg)
@@ -922,19 +982,21 @@ class _HybridFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, lse, den, *rest = ctx.saved_tensors
+        swa_o = rest.pop(0) if ctx.saved_branches[0] else None
+        la_o = rest.pop(0) if ctx.saved_branches[1] else None
         kpm_i8 = rest[0] if ctx.has_kpm else None
         a = ctx.args
         do = do if do.stride(-1) == 1 else do.contiguous()
         if do.dtype != q.dtype:
             do = do.to(q.dtype)
         key = (q.dtype, q.shape[-1], fq.shape[-1], a["has_swa"], a["has_la"], a["shared"],
-               kpm_i8 is not None)
+               kpm_i8 is not None, swa_o is not None or la_o is not None)
         args = {n: x for n, x in a.items() if n != "cfg"}
         need = tuple(ctx.needs_input_grad[:3])  # dq, dk, dv
         try:
             dq, dk, dv, dfq, dfk, dpa, dpb = _with_retry("backward", key, a["cfg"], lambda c: (
                 _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
-                          den, cfg=c, need=need, **args)))
+                          den, cfg=c, need=need, swa_o=swa_o, la_o=la_o, **args)))
         except errors() as e:  # a Triton resource / compile failure: say so, stay right
             FALLBACK_ERRORS.append(f"backward: {type(e).__name__}: {e}"[:500])
             warn_once(__name__, f"fused hybrid backward failed in Triton ({type(e).__name__}); "
@@ -949,7 +1011,7 @@ class _HybridFn(torch.autograd.Function):
             dca, dcb, dlogs = None, None, dpa
         else:
             dca, dcb, dlogs = dpa, dpb, None
-        return (dq, dk, dv, dfq, dfk, dca, dcb, dlogs) + (None,) * 11
+        return (dq, dk, dv, dfq, dfk, dca, dcb, dlogs) + (None,) * 12
 
 
 def _reference_backward(ctx, do, q, k, v, fq, fk, ca, cb, logs, shift, first, kpm_i8, a):
@@ -966,7 +1028,7 @@ def _reference_backward(ctx, do, q, k, v, fq, fk, ca, cb, logs, shift, first, kp
         dca = dcb = None
     else:
         dlogs = None
-    return (dq, dk, dv, dfq, dfk, dca, dcb, dlogs) + (None,) * 11
+    return (dq, dk, dv, dfq, dfk, dca, dcb, dlogs) + (None,) * 12
 
 
 # ============================================================================= entry points
@@ -1004,9 +1066,12 @@ def hybrid_kernel(q, k, v, fq, fk, ca, cb, logs, shift, *, window: int, scale: f
     cb = cb.float().reshape(B * H).contiguous()
     logs = logs.float().reshape(B * H).contiguous()
     shift = shift.to(device=dev, dtype=torch.int32).reshape(B * H).contiguous()
+    # store the branches for the backward only where one will run
+    save = cfg.save_branches and torch.is_grad_enabled() and any(
+        x.requires_grad for x in (q, k, v, fq, fk, ca, cb, logs))
     return _HybridFn.apply(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8,
                            int(window), float(scale), float(eps), bool(has_swa), bool(has_la),
-                           bool(shared), cfg)
+                           bool(shared), cfg, save)
 
 
 def kernel_reference(q, k, v, fq, fk, ca, cb, logs, shift, *, window: int, scale: float,

@@ -14,7 +14,8 @@ about 3 GiB for phi_q). Here:
     backward    per (b, h, block of rows): u and both activations recomputed from x,
                 du = s1 (dy1 - <dy1, s1>) - s2 (dy2 - <dy2, s2>) (softmax; exp: dy1 e1 - dy2 e2),
                 dx = du W^T in the kernel (when x takes a gradient); du is written once (input dtype) and torch reduces
-                dW = sum_(b,t) x^T du (one batched GEMM over heads) and db = sum du (fp32)
+                dW = sum_(b,t) x^T du (one batched GEMM, x read where it lies: ``_du_buffer``)
+                and db = sum du (fp32)
 
 Numerics: u stays fp32 until the activations (the PyTorch module rounds it to the input dtype
 first), so the kernel is at least as close to the fp32 map as the module is. Gradients of the
@@ -81,9 +82,9 @@ if HAVE_TRITON:
         tl.store(y + FH, a2.to(Y.dtype.element_ty), mask=rows[:, None])
 
     @triton.jit
-    def _phi_bwd(X, W, BIAS, DY, DX, DU, sx_b, sx_h, sx_t, sdy_b, sdy_h, sdy_t, T, H,
+    def _phi_bwd(X, W, BIAS, DY, DX, DU, sx_b, sx_h, sx_t, sdy_b, sdy_h, sdy_t, T, H, B,
                  D: tl.constexpr, FH: tl.constexpr, BM: tl.constexpr, SOFTMAX: tl.constexpr,
-                 PREC: tl.constexpr, NEED_DX: tl.constexpr):
+                 PREC: tl.constexpr, NEED_DX: tl.constexpr, DU_HEADS_FIRST: tl.constexpr):
         pid_bh = tl.program_id(0)  # axis 0: up to 2^31 - 1 (B * H of a large decode batch)
         pid_m = tl.program_id(1)
         b = pid_bh // H
@@ -111,7 +112,9 @@ if HAVE_TRITON:
             dx = tl.dot(du, tl.trans(w), input_precision=PREC)
             tl.store(DX + (pid_bh.to(tl.int64) * T + offs_m[:, None]) * D + offs_d[None, :],
                      dx.to(DX.dtype.element_ty), mask=rows[:, None])
-        tl.store(DU + (pid_bh.to(tl.int64) * T + offs_m[:, None]) * FH + offs_f[None, :], du,
+        # du (H, B, T, F/2) or (B, H, T, F/2), contiguous (``_du_buffer``)
+        du_row = (h * B + b).to(tl.int64) if DU_HEADS_FIRST else pid_bh.to(tl.int64)
+        tl.store(DU + (du_row * T + offs_m[:, None]) * FH + offs_f[None, :], du,
                  mask=rows[:, None])
 
 
@@ -122,10 +125,45 @@ def _prec(dtype):
 def _tiles(D: int, FH: int, backward: bool) -> tuple[int, int]:
     """(rows per program, warps), from ptxas's register report for sm_90a: no spills in either
     direction for D = 64 / 128 and F/2 = D / D/2 (the backward holds x, dy and du: 32 rows
-    when they are wide; 64 spilled 368 bytes per thread)."""
+    when they are wide; 64 spilled 368 bytes per thread; at D = F/2 = 64 the backward takes 8
+    warps: with 4 it sat at 232 registers and the (H, B, T, F/2) du address tipped it into a
+    120-byte spill)."""
     if backward and D * FH >= 64 * 128:
         return 32, 8
+    if backward:
+        return 64, 8
     return 64, 4 if D * FH <= 64 * 64 else 8
+
+
+def _du_buffer(x: torch.Tensor, FH: int):
+    """The backward's du (B, H, T, F/2), laid out so that dW = sum over (b, t) of x^T du is one
+    batched GEMM that reads x where it lies, and the function computing dW from (x, du).
+
+    x laid out as (B, T, H, D) (transformers hands attention q and k so, transposed): row (b, t)
+    of head h sits at a fixed stride, so x is an (H, D, B T) view; du is written as (H, B, T,
+    F/2), an (H, B T, F/2) view: dW = bmm over H. x contiguous (B, H, T, D): dW = bmm over B H
+    of (D, T) x (T, F/2), summed over B (du written (B, H, T, F/2)). Other layouts: du (B, H, T,
+    F/2) and both copied into (H, ., B T) first (what every layout did until 2026-12-02: the copy
+    of x was a strided transpose, the largest PyTorch kernel of the layer's backward)."""
+    B, H, T, D = x.shape
+    if x.transpose(1, 2).is_contiguous():
+        du = torch.empty(H, B, T, FH, device=x.device, dtype=x.dtype).permute(1, 0, 2, 3)
+
+        def reduce_dw(x, du):
+            xs = x.transpose(1, 2).reshape(B * T, H, D).permute(1, 2, 0)  # (H, D, B T), a view
+            return torch.bmm(xs, du.permute(1, 0, 2, 3).reshape(H, B * T, FH))
+        return du, reduce_dw
+    du = torch.empty(B, H, T, FH, device=x.device, dtype=x.dtype)
+    if x.is_contiguous():
+        def reduce_dw(x, du):
+            per_bh = torch.bmm(x.view(B * H, T, D).transpose(1, 2), du.view(B * H, T, FH))
+            return per_bh.view(B, H, D, FH).sum(0, dtype=torch.float32)
+        return du, reduce_dw
+
+    def reduce_dw(x, du):
+        xs = x.permute(1, 3, 0, 2).reshape(H, D, B * T)
+        return torch.bmm(xs, du.permute(1, 0, 2, 3).reshape(H, B * T, FH))
+    return du, reduce_dw
 
 
 class _PhiFn(torch.autograd.Function):
@@ -155,19 +193,17 @@ class _PhiFn(torch.autograd.Function):
         dy = dy.to(x.dtype)
         need_dx = ctx.needs_input_grad[0]
         dx = torch.empty(B, H, T, D, device=x.device, dtype=x.dtype) if need_dx else None
-        du = torch.empty(B, H, T, FH, device=x.device, dtype=x.dtype)
+        du, reduce_dw = _du_buffer(x, FH)
         BM, warps = _tiles(D, FH, backward=True)
         _phi_bwd[(B * H, triton.cdiv(T, BM))](
-            x, wc, bc, dy, du if dx is None else dx, du, x.stride(0), x.stride(1), x.stride(2), dy.stride(0),
-            dy.stride(1), dy.stride(2), T, H, D=D, FH=FH, BM=BM, SOFTMAX=softmax,
-            PREC=_prec(x.dtype), NEED_DX=need_dx, num_warps=warps)
+            x, wc, bc, dy, du if dx is None else dx, du, x.stride(0), x.stride(1), x.stride(2),
+            dy.stride(0), dy.stride(1), dy.stride(2), T, H, B, D=D, FH=FH, BM=BM,
+            SOFTMAX=softmax, PREC=_prec(x.dtype), NEED_DX=need_dx,
+            DU_HEADS_FIRST=du.stride(1) > du.stride(0), num_warps=warps)  # (H, B, T, F/2)
         CALLS["backward_dx"] += need_dx
         dw = dbias = None
         if ctx.needs_input_grad[1]:
-            # sum over (b, t) of x^T du: one GEMM per head over all B T rows
-            xs = x.permute(1, 3, 0, 2).reshape(H, D, B * T)
-            dus = du.permute(1, 0, 2, 3).reshape(H, B * T, FH)
-            dw = torch.bmm(xs, dus).to(w_dtype)
+            dw = reduce_dw(x, du).to(w_dtype)
         if ctx.needs_input_grad[2]:
             dbias = du.float().sum(dim=(0, 2)).to(b_dtype)
         return dx, dw, dbias, None
