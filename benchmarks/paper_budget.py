@@ -52,6 +52,11 @@ RECIPES = {
 }
 
 
+def _path(p: str) -> Path:
+    """A results path as given, else relative to the project root (the defaults are)."""
+    return Path(p) if Path(p).exists() or Path(p).is_absolute() else ROOT / p
+
+
 def _pick(rows: list[dict], T: int, *names: str) -> tuple[str, float]:
     """The first of ``names`` measured at length T: (row name, tokens/s)."""
     by_name = {r["name"]: r for r in rows if r.get("T") == T and r.get("tokens_per_s")}
@@ -165,8 +170,8 @@ def main(argv=None) -> int:
                     help="lightning_gap.py's JSON: stage 1 through Lightning (its L0 row)")
     ap.add_argument("--out", default=None, help="write <out>.json and <out>.md")
     a = ap.parse_args(argv)
-    stage = json.loads(Path(a.stage_speed).read_text())
-    mg_path, gap_path = Path(a.multigpu), Path(a.lightning_gap)
+    stage = json.loads(_path(a.stage_speed).read_text())
+    mg_path, gap_path = _path(a.multigpu), _path(a.lightning_gap)
     multigpu = json.loads(mg_path.read_text()) if mg_path.exists() else None
     gap = json.loads(gap_path.read_text()) if gap_path.exists() else None
     tp, eff = throughputs(stage), scaling(multigpu)

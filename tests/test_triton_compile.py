@@ -154,11 +154,13 @@ def test_xent_kernels_compile_for_sm90(D, F):
 @pytest.mark.parametrize("D,FH", [(128, 128), (128, 64), (64, 64)])
 def test_feature_map_kernels_compile_for_sm90(D, FH):
     ptrs = _pointers(torch.bfloat16)
-    for name, fn, backward in (("phi_fwd", tp._phi_fwd, False), ("phi_bwd", tp._phi_bwd, True)):
+    # the backward with dx or without (stage 1), du in either layout (triton_phi._du_buffer)
+    variants = [("phi_fwd", tp._phi_fwd, False, {})] + [
+        (f"phi_bwd{'' if dx else '-no-dx'}{'-hf' if hf else ''}", tp._phi_bwd, True,
+         dict(NEED_DX=dx, DU_HEADS_FIRST=hf)) for dx in (True, False) for hf in (True, False)]
+    for name, fn, backward, flags in variants:
         BM, warps = tp._tiles(D, FH, backward)
-        constexprs = dict(D=D, FH=FH, BM=BM, SOFTMAX=True, PREC="tf32")
-        if backward:
-            constexprs.update(NEED_DX=True, DU_HEADS_FIRST=True)
+        constexprs = dict(D=D, FH=FH, BM=BM, SOFTMAX=True, PREC="tf32", **flags)
         r = compile_report(fn, ptrs, constexprs, (), warps, 2)
         print(f"{name:8s} D{D} F/2={FH} {BM} w{warps}: {r}")
         assert r["spill"] <= MAX_SPILL, (name, r)

@@ -219,9 +219,11 @@ def test_fused_stage1_call_skips_the_unneeded_passes(dtype, case_id):
     before, dx_before = dict(th.CALLS), triton_phi.CALLS["backward_dx"]
     mode, kw = _switches(case_id)
     check(f"stage1-{case_id}", "B2-H8-Hkv2-T300-D128-w64-F256", dtype, mode, frozen=True, **kw)
+    # (la_only has no window: its dq pass and window kernel never run; dv_la is what it tests)
     ran = {n: th.CALLS[n] - before[n] for n in ("dq_pass", "dkv_swa", "dv_la")}
     assert ran == {"dq_pass": 0, "dkv_swa": 0, "dv_la": 0}, ran
-    assert triton_phi.CALLS["backward_dx"] == dx_before
+    if dtype == torch.bfloat16:  # (the fused feature map takes bf16 only)
+        assert triton_phi.CALLS["backward_dx"] == dx_before
 
 
 def test_fused_transformers_layout():

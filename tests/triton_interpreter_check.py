@@ -178,6 +178,42 @@ def kernel_case(cid, *, B=2, H=4, Hkv=2, T=50, D=16, window=8, shift=None, share
     return {**errors(got, want), **flags}
 
 
+def saved_branches_read_case(cid):
+    """The backward with ``save_branches`` reads the forward's stored branches (the launch
+    counters only say which path was chosen): halving the stored SWA_t and LA_t must move every
+    gradient that depends on SWA_t . dO_t or LA_t . dO_t (dq, dk, dfq, dfk, the mixer's; not dv)."""
+    from hedgecats.models.ops import triton_hybrid as th
+
+    q, k, v, fq, fk, do, g = _inputs(2, 4, 2, 50, 16, torch.float32, 0, "rand")
+    ca, cb, logs = torch.rand(2, 4, generator=g), torch.rand(2, 4, generator=g), \
+        torch.randn(2, 4, generator=g)
+    sh = torch.full((2, 4), 8, dtype=torch.int32)
+    cfg = th.KernelConfig(**SMALL, save_branches=True)
+    names = ["dq", "dk", "dv", "dfq", "dfk", "dca", "dcb"]
+
+    def grads():
+        ins = [t.clone().requires_grad_() for t in (q, k, v, fq, fk, ca, cb, logs)]
+        out = th.hybrid_kernel(*ins, sh, window=8, scale=16 ** -0.5, eps=0.3, config=cfg)
+        out.backward(do)
+        return dict(zip(names, (x.grad for x in ins)))
+
+    clean = grads()
+    forward = th._forward
+
+    def poisoned(*a, **kw):
+        o, lse, den, swa_o, la_o = forward(*a, **kw)
+        return o, lse, den, swa_o * 0.5, la_o * 0.5
+
+    th._forward = poisoned
+    try:
+        bad = grads()
+    finally:
+        th._forward = forward
+    out = {f"{n}_moved_ok": rel(bad[n], clean[n]) > 1e-2 for n in names if n != "dv"}
+    out["dv_unmoved_ok"] = rel(bad["dv"], clean["dv"]) < 1e-6
+    return {n: 0.0 if ok else float("inf") for n, ok in out.items()}
+
+
 def layer_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=45, D=16, window=8, dtype=torch.float32,
                pad=False, g_kind="float", ssd=None, **switches):
     """fused_hybrid (the kernel behind hybrid_attention's modes) vs
@@ -433,6 +469,7 @@ def cases(quick: bool = False):
         ("kernel-saved-swa-only", k, dict(has_la=False, cfg=dict(SMALL, save_branches=True))),
         ("kernel-saved-la-only-frozen", k, dict(has_swa=False, frozen=("q", "k", "v"),
                                                 cfg=dict(SMALL, save_branches=True))),
+        ("kernel-saved-branches-are-read", saved_branches_read_case, None),
         ("kernel-saved-D64-two-channel-slices", k, dict(D=64, H=2, Hkv=1, T=40, window=8,
                                                         cfg=dict(SMALL, save_branches=True))),
         ("kernel-saved-bf16-shared-pad", k, dict(dtype=bf16, shared=True, pad=True,

@@ -158,7 +158,9 @@ def la_output_mse(q, k, v, fq, fk, *, scale: float | None = None,
     LA is ``hybrid_attention``'s ``la_only`` mode over every causal key at weight 1 (``la_span
     "all"``, ``overlap``: one LA pass, shift 0; ``rescale``), so it takes the layer's dispatch:
     the fused kernel on CUDA (1.3x the fla pieces' stage-1 step on an 8B model, 2026-12-02),
-    ``ops.linear`` elsewhere; the window is not computed in this mode."""
+    ``ops.linear`` elsewhere; the window is not computed in this mode. LA comes back in q's
+    dtype, as the layer computes it (before 2026-12-02 the backends that compute LA in fp32 kept
+    it so: a bf16 loss then differed by ~5e-5 relative between backends)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     o_soft = _teacher_output(q, k, v, scale, key_padding_mask, backend)
     o_la = hybrid_attention(q.detach(), k.detach(), v.detach(), fq, fk, window=1,

@@ -62,6 +62,7 @@ against ``hybrid_attention(backend="reference")`` on the GPU (tests/test_triton_
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -105,7 +106,9 @@ class KernelConfig:
     #: dtype) when a backward will follow, and the backward's per-query factors read
     #: SWA_t . dO_t and LA_t . dO_t from them instead of recomputing both branches (as flash
     #: attention's rowsum(dO o O)): without dq (stage 1) the dq kernel then does no matrix
-    #: products at all. Costs two outputs' memory until the backward. Off until measured.
+    #: products at all. Costs two outputs' memory until the backward, and under activation
+    #: checkpointing (stage 2) two more writes per layer (the discarded first forward runs with
+    #: grad on and stores them too). Off until measured (benchmarks/README.md).
     save_branches: bool = False
 
 
@@ -897,7 +900,10 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
     del S, z, vs
     dk = dv = dvs = None
     NNB = triton.cdiv(T, BN)
-    if need_dk or (need_dv and has_swa):  # (the window kernel writes dk with its dv)
+    # the window kernel writes dk and its dv together: when only one of them is asked for, the
+    # other is computed into scratch (no stage takes this path: stage 1 needs neither, stage 2
+    # both)
+    if need_dk or (need_dv and has_swa):
         dk = torch.empty(B, Hkv, T, D, device=dev, dtype=k.dtype)
     if need_dv and (has_la or has_swa):
         dv = torch.empty(B, Hkv, T, D, device=dev, dtype=v.dtype)
@@ -944,19 +950,26 @@ RETRIES: list[str] = []
 
 
 def _with_retry(phase: str, key: tuple, cfg: KernelConfig, fn):
-    """``fn(cfg)``, or ``fn(SAFE_CONFIG)`` when ``cfg``'s kernels do not compile here (once per
-    problem key; the failure is logged once and recorded in ``RETRIES``)."""
+    """``fn(cfg)``; where ``cfg``'s kernels do not compile here (once per problem key; logged
+    once, recorded in ``RETRIES``), the same tiles without ``save_branches`` (when it was on),
+    then ``SAFE_CONFIG``. Every config computes the same function: a forward retried without
+    saved branches leaves its backward to recompute them."""
+    chain = [cfg]
+    if cfg.save_branches:
+        chain.append(dataclasses.replace(cfg, save_branches=False))
+    chain = [c for c in chain if c != SAFE_CONFIG]
     errs = errors()
-    if (phase, cfg, key) not in _FAILED:
+    for i, c in enumerate(chain):
+        if (phase, c, key) in _FAILED:
+            continue
         try:
-            return fn(cfg)
+            return fn(c)
         except errs as e:
-            if cfg == SAFE_CONFIG:
-                raise
-            _FAILED.add((phase, cfg, key))
+            _FAILED.add((phase, c, key))
+            nxt = chain[i + 1] if i + 1 < len(chain) else SAFE_CONFIG
             RETRIES.append(f"{phase} {key}: {type(e).__name__}: {str(e)[:300]}")
-            warn_once(__name__, f"fused hybrid {phase}: tiles {cfg} do not compile here "
-                      f"({type(e).__name__}: {str(e)[:200]}); using {SAFE_CONFIG}")
+            warn_once(__name__, f"fused hybrid {phase}: tiles {c} do not compile here "
+                      f"({type(e).__name__}: {str(e)[:200]}); using {nxt}")
     return fn(SAFE_CONFIG)
 
 
@@ -989,10 +1002,10 @@ class _HybridFn(torch.autograd.Function):
         do = do if do.stride(-1) == 1 else do.contiguous()
         if do.dtype != q.dtype:
             do = do.to(q.dtype)
-        key = (q.dtype, q.shape[-1], fq.shape[-1], a["has_swa"], a["has_la"], a["shared"],
-               kpm_i8 is not None, swa_o is not None or la_o is not None)
-        args = {n: x for n, x in a.items() if n != "cfg"}
         need = tuple(ctx.needs_input_grad[:3])  # dq, dk, dv
+        key = (q.dtype, q.shape[-1], fq.shape[-1], a["has_swa"], a["has_la"], a["shared"],
+               kpm_i8 is not None, swa_o is not None or la_o is not None, need)
+        args = {n: x for n, x in a.items() if n != "cfg"}
         try:
             dq, dk, dv, dfq, dfk, dpa, dpb = _with_retry("backward", key, a["cfg"], lambda c: (
                 _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,

@@ -1,0 +1,61 @@
+"""The fused hybrid kernels' compile-failure retries (``triton_hybrid._with_retry``), on CPU:
+pure Python, no Triton needed (Triton's error types are stood in for)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hedgecats.models.ops import triton_hybrid as th
+
+
+class Boom(Exception):
+    """Stands in for Triton's OutOfResources / CompilationError."""
+
+
+@pytest.fixture
+def retries(monkeypatch):
+    monkeypatch.setattr(th, "errors", lambda: (Boom,))
+    monkeypatch.setattr(th, "_FAILED", set())
+    monkeypatch.setattr(th, "RETRIES", [])
+    return th
+
+
+def _fn(failing, tried):
+    def fn(cfg):
+        tried.append(cfg)
+        if cfg in failing:
+            raise Boom(f"does not fit: {cfg}")
+        return cfg
+    return fn
+
+
+def test_saved_branches_failing_retries_the_same_tiles_without_them(retries):
+    cfg = dataclasses.replace(th.KernelConfig(), save_branches=True)
+    plain = dataclasses.replace(cfg, save_branches=False)
+    tried = []
+    assert th._with_retry("forward", ("k",), cfg, _fn({cfg}, tried)) == plain
+    assert tried == [cfg, plain] and len(th.RETRIES) == 1
+    tried.clear()  # once failed, never tried again for this problem
+    assert th._with_retry("forward", ("k",), cfg, _fn({cfg}, tried)) == plain
+    assert tried == [plain]
+
+
+def test_both_failing_fall_back_to_the_safe_tiles_once(retries):
+    cfg = dataclasses.replace(th.KernelConfig(), save_branches=True)
+    plain = dataclasses.replace(cfg, save_branches=False)
+    tried = []
+    assert th._with_retry("backward", ("k",), cfg, _fn({cfg, plain}, tried)) == th.SAFE_CONFIG
+    assert tried == [cfg, plain, th.SAFE_CONFIG] and len(th.RETRIES) == 2
+    tried.clear()
+    th._with_retry("backward", ("k",), cfg, _fn({cfg, plain}, tried))
+    assert tried == [th.SAFE_CONFIG]
+    # another problem key (e.g. the backward without dq) tries its own tiles again
+    tried.clear()
+    th._with_retry("backward", ("other",), cfg, _fn(set(), tried))
+    assert tried == [cfg]
+
+
+def test_the_safe_tiles_failing_raise(retries):
+    with pytest.raises(Boom):
+        th._with_retry("forward", ("k",), th.SAFE_CONFIG, _fn({th.SAFE_CONFIG}, []))
