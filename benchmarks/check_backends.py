@@ -35,7 +35,9 @@ def inputs(shape, seed=0):
     """bf16-representable inputs, so every dtype sees the same numbers."""
     B, H, Hkv, T, D, _ = shape
     g = torch.Generator(device="cuda").manual_seed(seed)
-    mk = lambda *s: torch.randn(*s, device="cuda", generator=g).bfloat16().float()
+
+    def mk(*s):
+        return torch.randn(*s, device="cuda", generator=g).bfloat16().float()
     return mk(B, H, T, D), mk(B, Hkv, T, D), mk(B, Hkv, T, D), mk(B, H, T, D)
 
 

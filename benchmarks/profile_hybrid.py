@@ -95,7 +95,7 @@ def main(argv=None):
                          for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:25]]
         res["shapes"].append(row)
         if a.no_denominator:
-            del q, k, v, do
+            q = k = v = do = None  # (freed before the next shape; the closures read these names)
             torch.cuda.empty_cache()
             continue
         with torch.no_grad():
@@ -116,7 +116,7 @@ def main(argv=None):
             err = ((d - oracle).norm() / oracle.norm()).item()
             row["denominator"][name] = dict(ms=round(ms, 3), rel_err=float(f"{err:.2e}"))
             print(f"   den {name:22s} {ms:8.3f} ms  rel err {err:.1e}", flush=True)
-        del q, k, v, do, fq, fk, fq64, fk64, oracle
+        q = k = v = do = fq = fk = fq64 = fk64 = oracle = None
         torch.cuda.empty_cache()
     if a.out:
         with open(a.out, "w") as f:
