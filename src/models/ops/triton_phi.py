@@ -13,9 +13,9 @@ about 3 GiB for phi_q). Here:
                 activations, one (rows, F) store; nothing else is kept for the backward
     backward    per (b, h, block of rows): u and both activations recomputed from x,
                 du = s1 (dy1 - <dy1, s1>) - s2 (dy2 - <dy2, s2>) (softmax; exp: dy1 e1 - dy2 e2),
-                dx = du W^T in the kernel (when x takes a gradient); du is written once (input dtype) and torch reduces
-                dW = sum_(b,t) x^T du (one batched GEMM, x read where it lies: ``_du_buffer``)
-                and db = sum du (fp32)
+                dx = du W^T in the kernel (when x takes a gradient); du is written once (input
+                dtype) and torch reduces dW = sum_(b,t) x^T du (one batched GEMM, x read where
+                it lies: ``_du_buffer``) and db = sum du (fp32)
 
 Numerics: u stays fp32 until the activations (the PyTorch module rounds it to the input dtype
 first), so the kernel is at least as close to the fp32 map as the module is. Gradients of the
