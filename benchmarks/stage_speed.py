@@ -24,6 +24,8 @@ optimiser step), peak memory over the timed steps.
     finetune/hybrid          stage 2: peft LoRA (r 8 on q, k, v, o), activation checkpointing,
                              next-token loss, the layers in hybrid mode (SSD off)
     finetune/softmax         the same LoRA step with the layers in softmax mode
+    <...> [saved branches]   the same with ``KernelConfig.save_branches`` on (off by default
+                             until these rows say it pays)
     <...> [pytorch phi]      the same with the feature maps' PyTorch path (the fused map,
                              ops.triton_phi, is the modules' default on CUDA since 2026-12-02;
                              rows measured before then name the fused one "[fused phi]")
@@ -185,6 +187,23 @@ def blocked_xent():
         yield
 
 
+@contextlib.contextmanager
+def saved_branches():
+    """The fused hybrid kernel's default tiles with ``save_branches`` (the backward's per-query
+    factors from the forward's stored branches; off by default until measured): the
+    ``[saved branches]`` rows, set against the default rows of the same run."""
+    import dataclasses
+
+    from hedgecats.models.ops import triton_hybrid
+
+    default = triton_hybrid.default_config
+
+    def with_saved(*args, **kw):
+        return dataclasses.replace(default(*args, **kw), save_branches=True)
+    with patched(triton_hybrid, "default_config", with_saved):
+        yield
+
+
 def materialised_student(q, k, v, fq, fk, *, window, mode="hybrid", g=0.5, shared_norm=False,
                          overlap=False, key_padding_mask=None, scale=None, eps=None,
                          backend="auto", **_):
@@ -282,6 +301,8 @@ def run(a, on_row=None) -> dict:
                              ("weights_xent", triton_xent.weights_xent), True))
             variants.append(("transfer/hybrid_output_mse [pytorch phi]", "hybrid_output_mse",
                              None, True))
+            variants.append(("transfer/hybrid_output_mse [saved branches]", "hybrid_output_mse",
+                             saved_branches))
         for name, objective, patch, *with_pytorch_phi in variants:
             def fn(objective=objective, patch=patch, torch_phi=bool(with_pytorch_phi)):
                 with contextlib.ExitStack() as stack:
@@ -323,6 +344,12 @@ def run(a, on_row=None) -> dict:
                     return bench.measure(
                         lambda: finetune_step(peft_model, model, opt, ids, bench, "hybrid"), B * T)
             attempt("finetune/hybrid [pytorch phi]", T, pytorch_phi_row)
+
+            def saved_branches_row():
+                with saved_branches():
+                    return bench.measure(
+                        lambda: finetune_step(peft_model, model, opt, ids, bench, "hybrid"), B * T)
+            attempt("finetune/hybrid [saved branches]", T, saved_branches_row)
     return {"rows": rows, "build_s": round(build_s, 1), "profile": profile,
             "trainable": {"feature_maps": sum(p.numel() for p in phi),
                           "lora": sum(p.numel() for p in lora)}}

@@ -35,6 +35,26 @@ def test_stage_speed_blocked_row_runs_the_blocked_xent():
     assert triton_xent.weights_xent is fused
 
 
+def test_stage_speed_saved_branches_rows_switch_the_kernel_config():
+    """The ``[saved branches]`` rows run the fused kernel's default tiles with save_branches on
+    (a kernel call takes ``default_config`` at call time), and only inside the row."""
+    import importlib.util
+
+    import torch
+    from hedgecats.models.ops import triton_hybrid
+
+    spec = importlib.util.spec_from_file_location("stage_speed", ROOT / "benchmarks" / "stage_speed.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    plain = triton_hybrid.default_config(128, 256, torch.bfloat16)
+    assert not plain.save_branches
+    with bench.saved_branches():
+        cfg = triton_hybrid.default_config(128, 256, torch.bfloat16)
+        assert cfg.save_branches and cfg == plain.__class__(**{**plain.__dict__,
+                                                               "save_branches": True})
+    assert triton_hybrid.default_config(128, 256, torch.bfloat16) == plain
+
+
 def test_lightning_gap_tiny(tmp_path):
     """benchmarks/lightning_gap.py (stage 1 through Lightning against the stage harness) on CPU:
     a Lightning row, a harness row with the kernels off, and a reading that needs both."""
