@@ -478,8 +478,8 @@ def tune(L: Layer, B, T, log) -> list[dict]:
             conf = th.default_config(D, L.F, L.q.dtype) if cfg is None else th.KernelConfig(**cfg)
             row["tiles"] = conf.__dict__
 
-            def fwd():
-                return th.hybrid_kernel(L.q, L.k, L.v, fq, fk, ones, 1 - ones, ones, shift,
+            def fwd(q=L.q, k=L.k, v=L.v):
+                return th.hybrid_kernel(q, k, v, fq, fk, ones, 1 - ones, ones, shift,
                                         window=L.w, scale=L.scale, eps=ref.DEN_TINY, config=conf)
             with torch.no_grad():
                 out = fwd().float()
@@ -500,9 +500,7 @@ def tune(L: Layer, B, T, log) -> list[dict]:
             row["fwd_bwd"] = bench_adaptive(fb, 600)["ms"]
 
             def fb_stage1():  # q, k, v the teacher's: gradients of fq, fk only
-                th.hybrid_kernel(L.q.detach(), L.k.detach(), L.v.detach(), fq, fk, ones,
-                                 1 - ones, ones, shift, window=L.w, scale=L.scale,
-                                 eps=ref.DEN_TINY, config=conf).backward(L.do.transpose(1, 2))
+                fwd(L.q.detach(), L.k.detach(), L.v.detach()).backward(L.do.transpose(1, 2))
                 fq.grad = fk.grad = None
             row["stage1_fwd_bwd"] = bench_adaptive(fb_stage1, 600)["ms"]
         except Exception as e:
@@ -603,9 +601,8 @@ def markdown(res) -> str:
                 lines.append(f"| {r['B']} x {r['T']} | {r['config']} | error: "
                              f"{r['error'][:100]} | | | |")
             else:
-                s1 = r.get("stage1_fwd_bwd")  # (absent from results before 2026-12-02)
                 lines.append(f"| {r['B']} x {r['T']} | {r['config']} | {r['fwd']:.3f} | "
-                             f"{r['fwd_bwd']:.3f} | {'-' if s1 is None else f'{s1:.3f}'} | "
+                             f"{r['fwd_bwd']:.3f} | {_f3(r.get('stage1_fwd_bwd'))} | "
                              f"{r['rel_err_vs_default']:.1e} / "
                              f"{r.get('rel_err_grads_vs_default', float('nan')):.1e} |")
     return "\n".join(lines) + "\n"

@@ -88,11 +88,12 @@ def lightning_one_gpu(multigpu: dict | None, gap: dict | None = None) -> dict:
     """One-GPU tokens/s of the stages through Lightning (the path ``hedgecats pipeline``
     runs), each with where it comes from: stage 1 from ``lightning_gap.py``'s ``L0`` row where
     given (``multigpu.py``'s Transfer as it runs, at HEAD of that measurement), else from
-    ``multigpu.json``; stage 2 from ``multigpu.json`` (None where not measured)."""
+    ``multigpu.json`` (``transfer_source`` says which); stage 2 from ``multigpu.json`` (None
+    where not measured)."""
     one = (multigpu or {}).get("world_sizes", {}).get("1", {})
     out = {"transfer": one.get("attention_transfer", {}).get("tokens_per_s"),
            "finetune": one.get("hybrid_finetune", {}).get("tokens_per_s"),
-           "transfer_source": "multigpu.json", "finetune_source": "multigpu.json"}
+           "transfer_source": "multigpu.json"}
     l0 = ((gap or {}).get("rows") or {}).get("L0") or {}
     if l0.get("tokens_per_s"):
         out["transfer"] = l0["tokens_per_s"]
@@ -156,9 +157,8 @@ def markdown(rows: list[dict], tp: dict, eff: dict, sources: dict, lightning: di
             "of the stages through Lightning with the FSDP2 strategy: stage 1 "
             f"{_num(lightning['transfer'])} (weights_xent, for every recipe; "
             f"`{sources.get('transfer_lightning', '-')}`), stage 2 "
-            f"{_num(lightning['finetune'])} (`{sources.get('finetune_lightning', '-')}`"
-            + (", measured on 2026-11-29, before the fused kernels: an upper bound on its time"
-               if lightning.get("finetune_source") == "multigpu.json" else "") + ")."]
+            f"{_num(lightning['finetune'])} (`{sources['multigpu']}`, measured on 2026-11-29, "
+            "before the fused kernels: an upper bound on its time)."]
     return "\n".join(out)
 
 
@@ -177,10 +177,9 @@ def main(argv=None) -> int:
     tp, eff = throughputs(stage), scaling(multigpu)
     lightning = lightning_one_gpu(multigpu, gap)
     rows = budget(tp, eff, lightning)
-    src = {"multigpu.json": a.multigpu, "lightning_gap.json L0": f"{a.lightning_gap}, row L0"}
     sources = {"stage_speed": a.stage_speed, "multigpu": a.multigpu if multigpu else "none",
-               "transfer_lightning": src[lightning["transfer_source"]],
-               "finetune_lightning": src[lightning["finetune_source"]]}
+               "transfer_lightning": f"{a.lightning_gap}, row L0"
+               if lightning["transfer_source"] != "multigpu.json" else a.multigpu}
     md = markdown(rows, tp, eff, sources, lightning)
     print(md)
     if a.out:

@@ -339,17 +339,13 @@ def run(a, on_row=None) -> dict:
             attempt(f"finetune/{mode}", T, lambda mode=mode: bench.measure(
                 lambda: finetune_step(peft_model, model, opt, ids, bench, mode), B * T))
         if has_triton() and T == min(int(t) for t in a.seq_lens.split(",")):
-            def pytorch_phi_row():
-                with patched(_FM_CLASS, "_fused", pytorch_phi):
-                    return bench.measure(
-                        lambda: finetune_step(peft_model, model, opt, ids, bench, "hybrid"), B * T)
-            attempt("finetune/hybrid [pytorch phi]", T, pytorch_phi_row)
-
-            def saved_branches_row():
-                with saved_branches():
-                    return bench.measure(
-                        lambda: finetune_step(peft_model, model, opt, ids, bench, "hybrid"), B * T)
-            attempt("finetune/hybrid [saved branches]", T, saved_branches_row)
+            for tag, variant in (("pytorch phi", lambda: patched(_FM_CLASS, "_fused", pytorch_phi)),
+                                 ("saved branches", saved_branches)):
+                def row(variant=variant):
+                    with variant():
+                        return bench.measure(lambda: finetune_step(
+                            peft_model, model, opt, ids, bench, "hybrid"), B * T)
+                attempt(f"finetune/hybrid [{tag}]", T, row)
     return {"rows": rows, "build_s": round(build_s, 1), "profile": profile,
             "trainable": {"feature_maps": sum(p.numel() for p in phi),
                           "lora": sum(p.numel() for p in lora)}}

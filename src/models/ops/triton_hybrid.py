@@ -33,15 +33,16 @@ How (all kernels take strided (B, H, T, X) tensors, no copies of q, k, v):
     backward      _state_fwd again; _bwd_dq per query block recomputes LA_t . dO_t and
                   SWA_t . dO_t (first pass; with ``KernelConfig.save_branches`` it reads them
                   from the branch outputs the forward stored instead), forms the mixer's
-                  per-query factors, then dq (second pass, skipped when q takes no gradient); _bwd_dfq per query block and feature slice: dfq; _state_rev walks T
+                  per-query factors, then dq (second pass, skipped when q takes no gradient);
+                  _bwd_dfq per query block and feature slice: dfq; _state_rev walks T
                   backwards summing fq_t dnum_t^T over the query heads of each kv head (GQA) into
                   reverse states; per key block and kv head, _bwd_dkv_swa gets dk and the window's
                   dv from the window queries, and _bwd_dkv_la dfk (per feature slice) and the
                   rest of dv from the queries between the block and the next reverse state, and
                   that state. Passes that only serve gradients autograd does not ask for (dq,
                   the window's dk / dv, LA's dv: stage 1's teacher q, k, v) are not launched.
-                  Mixer gradients (c_A, c_B or log s_h) come back as per-block
-                  partial sums, reduced in torch (deterministic).
+                  Mixer gradients (c_A, c_B or log s_h) come back as per-block partial sums,
+                  reduced in torch (deterministic).
 
 The feature dimension is taken ``f_chunk`` at a time in every product over it, so no program
 holds an F-wide operand and an F-wide accumulator at once (tile sizes were chosen from ptxas's
@@ -361,8 +362,8 @@ if HAVE_TRITON:
                 BN: tl.constexpr, CS: tl.constexpr, HAS_SWA: tl.constexpr, HAS_LA: tl.constexpr,
                 SHARED: tl.constexpr, HAS_KPM: tl.constexpr, PREC: tl.constexpr,
                 NEED_DQ: tl.constexpr, FROM_SAVED: tl.constexpr):
-        """dq of one query block (when NEED_DQ), and the per-query factors the other kernels need: DELTA (the
-        softmax row term, incl. the shared-norm lse gradient), WS (SWA weight), GF (dnum =
+        """dq of one query block (when NEED_DQ), and the per-query factors the other kernels
+        need: DELTA (the softmax row term, incl. the shared-norm lse gradient), WS (SWA weight), GF (dnum =
         GF dO), DDEN (gradient of the LA denominator); PA, PB: this block's partial mixer
         gradients (d c_A, d c_B; or d log s and 0 with SHARED). SWA_t . dO_t and LA_t . dO_t
         come from recomputing both branches (first pass), or with FROM_SAVED from the branches'
