@@ -5,7 +5,7 @@
 # those (the matrix alone takes most of a call: benchmarks/results/gpu_matrix/README.md).
 # Installs the carried wheels into /tmp/site, links src/ as the hedgecats package and runs the
 # gpu-marked tests in parallel workers (first Triton / inductor compilation is CPU-bound), writing
-# the log to $OUT/gpu_tests.log and every case's errors to $OUT/gpu_tests.md.
+# the log to $OUT/gpu_tests.log, each case's errors to gpu_tests.md, the rows to gpu_tests.jsonl.
 set -o pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -21,5 +21,6 @@ timeout "${GPU_TESTS_TIMEOUT:-520}" python3 -m pytest -p no:cacheprovider -m gpu
   --tb=short --log-level=WARNING -n "${GPU_TESTS_WORKERS:-6}" "${targets[@]}" 2>&1 | tee -a "$OUT/gpu_tests.log"
 rc=$?
 python3 benchmarks/gpu_tests_report.py /tmp/gpu_report > "$OUT/gpu_tests.md"
+cat /tmp/gpu_report/*.jsonl > "$OUT/gpu_tests.jsonl" 2>/dev/null  # the rows, to re-render here
 ls -la "$OUT"
 exit $rc

@@ -65,7 +65,9 @@ def backend_tables(rows: list[dict]) -> list[str]:
 
 
 def kernel_tables(rows: list[dict]) -> list[str]:
-    rows = sorted(rows, key=lambda r: (r["test"], r["case"], str(r["shape"]), r["dtype"]))
+    # every kernel test reports test / case / shape / dtype; a row without one still renders
+    rows = sorted(rows, key=lambda r: (r["test"], str(r.get("case")), str(r.get("shape")),
+                                       str(r.get("dtype"))))
     out = [f"## Fused kernels (tests/test_triton_kernels.py): {len(rows)} cases", "",
            "| test | case | shape | dtype | fused | worst vs same-dtype ref | "
            "worst vs fp32 oracle | triton errors | s |",
@@ -73,8 +75,8 @@ def kernel_tables(rows: list[dict]) -> list[str]:
     for r in rows:
         same = r.get("vs_reference_same_dtype") or r.get("vs_blocked_same_dtype")
         retries = f" +{len(r['tile_retries'])} tile retries" if r.get("tile_retries") else ""
-        out.append(f"| {r['test']} | {r['case']}{'-pad' if r.get('pad') else ''} | {r['shape']} | "
-                   f"{r['dtype'].replace('torch.', '')} | {r.get('fused_calls')} | {_worst(same)} | "
+        out.append(f"| {r['test']} | {r.get('case')}{'-pad' if r.get('pad') else ''} | {r.get('shape')} | "
+                   f"{str(r.get('dtype')).replace('torch.', '')} | {r.get('fused_calls')} | {_worst(same)} | "
                    f"{_worst(r.get('vs_fp32_oracle'))} | {len(r.get('triton_errors') or [])}"
                    f"{retries} | {r.get('seconds')} |")
     msgs = sorted({m for r in rows

@@ -143,19 +143,24 @@ def test_attention_speed_plot_from_the_committed_measurement(tmp_path):
 
 def test_gpu_tests_report_renders_both_row_formats(tmp_path):
     """One report folder gets rows from the backend matrix and from the fused-kernel tests
-    (the GPU call of 2026-12-02 crashed on a kernel row's missing 'backend'): both tables."""
+    (the GPU call of 2026-12-02 crashed on a kernel row's missing 'backend', a later one on a
+    row's missing 'case'): both tables."""
     errs = {n: 1e-3 for n in ("out", "dq", "dk", "dv", "dWq", "dWk")}
     rows = [{"case": "hybrid", "dtype": "torch.bfloat16", "shape": [2, 8, 2, 300, 128, 64],
              "backend": "fla", "vs_reference_same_dtype": errs, "vs_fp32_oracle": errs,
              "reference_same_dtype_vs_oracle": errs},
             {"test": "hybrid", "case": "shared_norm", "shape": "B2-H8-Hkv2-T300-D128-w64-F256",
              "dtype": "torch.bfloat16", "fused_calls": 1, "vs_reference_same_dtype": errs,
-             "vs_fp32_oracle": errs, "triton_errors": [], "tile_retries": [], "seconds": 1.0}]
+             "vs_fp32_oracle": errs, "triton_errors": [], "tile_retries": [], "seconds": 1.0},
+            # the saved-branches rows of 2026-12-02's sixth session had no case / shape / dtype
+            # (KeyError 'case'): such a row still renders
+            {"test": "saved_branches", "shared": False, "frozen": True,
+             "saved_vs_fp32": errs}]
     (tmp_path / "gw0.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_tests_report.py"),
                           str(tmp_path)], capture_output=True, text=True, check=True).stdout
     assert "## Backend matrix (tests/test_backends_gpu.py): 1 cases" in out
-    assert "## Fused kernels (tests/test_triton_kernels.py): 1 cases" in out
+    assert "## Fused kernels (tests/test_triton_kernels.py): 2 cases" in out
     assert "| fla | bfloat16 | 1.0e-03 |" in out and "| hybrid | shared_norm |" in out
 
 

@@ -286,8 +286,9 @@ def test_saved_branches_match_recomputed(shared, frozen):
     want = grads(lambda *x: th.kernel_reference(*x, shift, **kw), torch.float32)
     errs = {n: rel_err(got[n], want[n]) for n in want if want[n].abs().max() > 0}
     errs_plain = {n: rel_err(plain[n], want[n]) for n in errs}
-    report(test="saved_branches", shared=shared, frozen=frozen,
-           saved_vs_fp32={n: float(f"{e:.2e}") for n, e in errs.items()},
+    case = f"{'shared' if shared else 'fixed'}-{'stage1' if frozen else 'all-grads'}"
+    report(test="saved_branches", case=case, shape=str(SAVED_SHAPE), dtype=str(torch.bfloat16),
+           vs_fp32_oracle={n: float(f"{e:.2e}") for n, e in errs.items()},
            recomputed_vs_fp32={n: float(f"{e:.2e}") for n, e in errs_plain.items()})
     bad = {n: f"{e:.2e} (recomputed: {errs_plain[n]:.2e})" for n, e in errs.items()
            if not (e < BF16_VS_ORACLE)}
