@@ -452,12 +452,17 @@ TUNE_CONFIGS = {  # None: default_config (D=128: fwd 64x64 w8, bwd 64x32 w8, f_c
     # half the stored states, twice the keys between a state and its block)
     "chunk64": dict(block_m=64, block_n=64, state_chunk=64, warps=8, stages=2,
                     bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8),
-    # the default's tiles, the backward's per-query factors from the forward's stored branches
-    # (KernelConfig.save_branches; prediction, benchmarks/README.md: the stage-1 call ~0.6 ms
-    # faster at 8 x 1k, the full backward ~0.3 ms)
-    "saved": dict(block_m=64, block_n=64, state_chunk=128, warps=8, stages=2,
-                  bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8,
-                  save_branches=True),
+    # the default's tiles, the backward recomputing both branches' per-query factors instead of
+    # reading the forward's stored SWA_t / LA_t (save_branches off: the default until
+    # 2026-12-02's sixth session; tables before then have a "saved" row, the option on)
+    "recomputed": dict(block_m=64, block_n=64, state_chunk=128, warps=8, stages=2,
+                       bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8,
+                       save_branches=False),
+    # the default's tiles, the LA states walked over T per state tile (split_states off: the
+    # default until 2026-12-02's sixth session)
+    "sequential-states": dict(block_m=64, block_n=64, state_chunk=128, warps=8, stages=2,
+                              bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64,
+                              state_warps=8, split_states=False),
 }
 
 

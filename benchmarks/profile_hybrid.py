@@ -24,6 +24,51 @@ from hedgecats.models.ops import backends
 from hedgecats.models.ops import reference as ref
 
 
+def host_and_device_ms(fn, n: int = 20, sleep_ms: float = 200.0) -> dict:
+    """``fn``'s host (Python + launch) time and its device time apart, per call: a sleep kernel
+    holds the GPU while the host enqueues ``n`` calls (host time: the CPU clock over them, no
+    sync), so the GPU then runs them back to back (device time: CUDA events around them). When
+    host > device, an isolated call is launch-bound and a timing of it with events measures the
+    host; inside a model the host runs ahead while the GPU does the layer's other work."""
+    import time
+    fn()
+    torch.cuda.synchronize()
+    cycles = int(sleep_ms * 1e-3 * torch.cuda.get_device_properties(0).clock_rate * 1e3)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(cycles)
+    start.record()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host = (time.perf_counter() - t0) * 1e3 / n
+    end.record()
+    busy = not end.query()  # the sleep still ran when the host finished: no launch gaps
+    torch.cuda.synchronize()
+    return dict(host_ms=round(host, 3), device_ms=round(start.elapsed_time(end) / n, 3),
+                host_ahead=bool(busy))
+
+
+def host_profile(fn, n: int = 20, rows: int = 30) -> str:
+    """cProfile of ``n`` calls of ``fn`` on the host (the autograd backward on this thread)."""
+    import cProfile
+    import io
+    import pstats
+    torch.autograd.set_multithreading_enabled(False)
+    try:
+        fn()
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(n):
+            fn()
+        pr.disable()
+    finally:
+        torch.autograd.set_multithreading_enabled(True)
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(rows)
+    return buf.getvalue()
+
+
 def timed(fn) -> float:
     """Median milliseconds of ``fn`` (``attention_speed.bench``: 3 warm-up runs, median of 10)."""
     return bench(fn, warmup=3, iters=10)[0]
@@ -61,6 +106,8 @@ def main(argv=None):
     p.add_argument("--window", type=int, default=64)
     p.add_argument("--out", default=None)
     p.add_argument("--no-denominator", action="store_true", help="kernel tables only")
+    p.add_argument("--host", action="store_true",
+                   help="host vs device time per call (launch-bound?) and a cProfile of the host")
     a = p.parse_args(argv)
     H, Hkv, D, w, dt = a.heads, a.kv_heads, a.head_dim, a.window, torch.bfloat16
     phi_q, phi_k = HedgehogFeatureMap(H, D).cuda(), HedgehogFeatureMap(Hkv, D).cuda()
@@ -82,6 +129,20 @@ def main(argv=None):
                 hybrid_attention(q, k, v, phi_q(q), phi_k(k), window=w, backend="auto")
 
         row = dict(B=B, T=T, layer_ms=round(timed(layer), 3), forward_ms=round(timed(forward), 3))
+        if a.host:
+            qd, kd, vd = (x.detach() for x in (q, k, v))
+
+            def teacher():
+                qg = qd.requires_grad_()
+                torch.nn.functional.scaled_dot_product_attention(
+                    qg, kd, vd, is_causal=True, enable_gqa=True).backward(do)
+
+            for name, fn in (("layer", layer), ("forward", forward), ("teacher", teacher)):
+                row[f"host_{name}"] = host_and_device_ms(fn)
+                print(f"== B={B} T={T} {name}: {row[f'host_{name}']}", flush=True)
+            for name, fn in (("layer", layer), ("forward", forward)):
+                print(f"== B={B} T={T} {name}: host profile of 20 calls\n{host_profile(fn)}",
+                      flush=True)
         for name, fn in (("kernels", layer), ("forward_kernels", forward)):
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 fn()

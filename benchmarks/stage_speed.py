@@ -24,8 +24,10 @@ optimiser step), peak memory over the timed steps.
     finetune/hybrid          stage 2: peft LoRA (r 8 on q, k, v, o), activation checkpointing,
                              next-token loss, the layers in hybrid mode (SSD off)
     finetune/softmax         the same LoRA step with the layers in softmax mode
-    <...> [saved branches]   the same with ``KernelConfig.save_branches`` on (off by default
-                             until these rows say it pays)
+    <...> [recomputed]       the same with ``KernelConfig.save_branches`` off (the backward
+                             recomputes both branches: the default until 2026-12-02's sixth
+                             session; rows measured before then name the option on "[saved
+                             branches]")
     <...> [pytorch phi]      the same with the feature maps' PyTorch path (the fused map,
                              ops.triton_phi, is the modules' default on CUDA since 2026-12-02;
                              rows measured before then name the fused one "[fused phi]")
@@ -188,19 +190,19 @@ def blocked_xent():
 
 
 @contextlib.contextmanager
-def saved_branches():
-    """The fused hybrid kernel's default tiles with ``save_branches`` (the backward's per-query
-    factors from the forward's stored branches; off by default until measured): the
-    ``[saved branches]`` rows, set against the default rows of the same run."""
+def recomputed_branches():
+    """The fused hybrid kernel's default tiles without ``save_branches`` (the backward
+    recomputes both branches instead of reading the forward's stored ones): the
+    ``[recomputed]`` rows, set against the default rows of the same run."""
     import dataclasses
 
     from hedgecats.models.ops import triton_hybrid
 
     default = triton_hybrid.default_config
 
-    def with_saved(*args, **kw):
-        return dataclasses.replace(default(*args, **kw), save_branches=True)
-    with patched(triton_hybrid, "default_config", with_saved):
+    def recomputing(*args, **kw):
+        return dataclasses.replace(default(*args, **kw), save_branches=False)
+    with patched(triton_hybrid, "default_config", recomputing):
         yield
 
 
@@ -301,8 +303,8 @@ def run(a, on_row=None) -> dict:
                              ("weights_xent", triton_xent.weights_xent), True))
             variants.append(("transfer/hybrid_output_mse [pytorch phi]", "hybrid_output_mse",
                              None, True))
-            variants.append(("transfer/hybrid_output_mse [saved branches]", "hybrid_output_mse",
-                             saved_branches))
+            variants.append(("transfer/hybrid_output_mse [recomputed]", "hybrid_output_mse",
+                             recomputed_branches))
         for name, objective, patch, *with_pytorch_phi in variants:
             def fn(objective=objective, patch=patch, torch_phi=bool(with_pytorch_phi)):
                 with contextlib.ExitStack() as stack:
@@ -340,7 +342,7 @@ def run(a, on_row=None) -> dict:
                 lambda: finetune_step(peft_model, model, opt, ids, bench, mode), B * T))
         if has_triton() and T == min(int(t) for t in a.seq_lens.split(",")):
             for tag, variant in (("pytorch phi", lambda: patched(_FM_CLASS, "_fused", pytorch_phi)),
-                                 ("saved branches", saved_branches)):
+                                 ("recomputed", recomputed_branches)):
                 def row(variant=variant):
                     with variant():
                         return bench.measure(lambda: finetune_step(

@@ -35,8 +35,8 @@ def test_stage_speed_blocked_row_runs_the_blocked_xent():
     assert triton_xent.weights_xent is fused
 
 
-def test_stage_speed_saved_branches_rows_switch_the_kernel_config():
-    """The ``[saved branches]`` rows run the fused kernel's default tiles with save_branches on
+def test_stage_speed_recomputed_rows_switch_the_kernel_config():
+    """The ``[recomputed]`` rows run the fused kernel's default tiles with save_branches off
     (a kernel call takes ``default_config`` at call time), and only inside the row."""
     import importlib.util
 
@@ -46,13 +46,13 @@ def test_stage_speed_saved_branches_rows_switch_the_kernel_config():
     spec = importlib.util.spec_from_file_location("stage_speed", ROOT / "benchmarks" / "stage_speed.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    plain = triton_hybrid.default_config(128, 256, torch.bfloat16)
-    assert not plain.save_branches
-    with bench.saved_branches():
+    default = triton_hybrid.default_config(128, 256, torch.bfloat16)
+    assert default.save_branches
+    with bench.recomputed_branches():
         cfg = triton_hybrid.default_config(128, 256, torch.bfloat16)
-        assert cfg.save_branches and cfg == plain.__class__(**{**plain.__dict__,
-                                                               "save_branches": True})
-    assert triton_hybrid.default_config(128, 256, torch.bfloat16) == plain
+        assert not cfg.save_branches and cfg == default.__class__(**{**default.__dict__,
+                                                                     "save_branches": False})
+    assert triton_hybrid.default_config(128, 256, torch.bfloat16) == default
 
 
 def test_lightning_gap_tiny(tmp_path):

@@ -74,6 +74,13 @@ def hybrid_kernels(dtype: torch.dtype, D: int, F: int, has_swa=True, has_la=True
     bwd_tiles = dict(BM=cfg.bwd_block_m, BN=cfg.bwd_block_n)
     yield "state_fwd", th._state_fwd, dict(F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD,
                                             HAS_KPM=kpm, PREC=prec), (), cfg.state_warps, 3
+    # split_states (the default): every chunk's share at once, then the running sums
+    SF, SD = min(cfg.state_f, F), min(cfg.state_d, D)
+    for reverse in (False, True):
+        yield f"state_local{'-rev' if reverse else ''}", th._state_local, dict(
+            F=F, D=D, CS=cfg.state_chunk, BF=SF, BD=SD, REVERSE=reverse, HAS_KPM=kpm,
+            PREC=prec), (), cfg.state_warps, 3
+    yield "state_scan", th._state_scan, dict(F=F, D=D, BF=BF, BD=BD, REVERSE=False), (), 4, 3
     for save in (False, True):  # True: the branches stored for the backward (save_branches)
         yield f"fwd{'-save' if save else ''}", th._fwd, dict(
             **lo, **flags, **fwd_tiles, SHARED=shared, SAVE=save), \
@@ -101,7 +108,7 @@ def _pointers(dtype):
                              "LA_O")}
     types.update({n: F32 for n in ("ZST", "VST", "LSE", "DEN", "CA", "CB", "LOGS", "DELTA",
                                    "WS", "GF", "DDEN", "PA", "PB", "UST", "WST", "DVS", "XE",
-                                   "ENT", "LZ")})
+                                   "ENT", "LZ", "LST", "XL", "YL", "XS", "YS")})
     types.update({"CNT": "*i32", "SHIFT": "*i32", "FIRST": "*i32", "KPM": "*i8"})
     return types
 

@@ -165,7 +165,7 @@ def kernel_case(cid, *, B=2, H=4, Hkv=2, T=50, D=16, window=8, shift=None, share
             got[f"{n}_skipped_ok"] = ran[n] == 0
     # the saved branches were read (not silently recomputed), and only when configured
     got["factors_from_saved_ok"] = ran["factors_from_saved"] == int(
-        bool(cfg.get("save_branches")))
+        th.KernelConfig(**cfg).save_branches)
     for name in frozen:  # a gradient where none was asked for: a wasted pass, or a wrong one
         got[f"{name}_grad_none_ok"] = got.pop(f"d{name}") is None
     ins2 = [t.detach().float().clone().requires_grad_() for t in (q, k, v, fq, fk, ca, cb, logs)]
@@ -474,6 +474,19 @@ def cases(quick: bool = False):
                                                         cfg=dict(SMALL, save_branches=True))),
         ("kernel-saved-bf16-shared-pad", k, dict(dtype=bf16, shared=True, pad=True,
                                                  cfg=dict(SMALL, save_branches=True))),
+        # the defaults since 2026-12-02's sixth session are save_branches and split_states:
+        # the recomputing backward and the sequential state walks keep their own cases
+        ("kernel-recomputed", k, dict(cfg=dict(SMALL, save_branches=False))),
+        ("kernel-recomputed-pad-shared-shifts", k, dict(T=70, window=10, pad=True, shared=True,
+                                                        per_bh_shift=True,
+                                                        cfg=dict(TALL_BWD, save_branches=False))),
+        ("kernel-sequential-states", k, dict(cfg=dict(SMALL, split_states=False))),
+        ("kernel-sequential-states-pad-shifts-shared", k, dict(
+            T=150, window=40, per_bh_shift=True, pad=True, shared=True,
+            cfg=dict(LONG_CHUNK, split_states=False))),
+        ("kernel-split-states-overlap-T-lt-chunk", k, dict(T=11, window=4, shift=0)),
+        ("kernel-split-states-Hkv1-long-chunk-frozen", k, dict(
+            T=150, window=10, Hkv=1, pad=True, cfg=LONG_CHUNK, frozen=("q", "k", "v"))),
         ("kernel-bf16", k, dict(dtype=bf16)),
         ("kernel-bf16-shared-pad", k, dict(dtype=bf16, shared=True, pad=True)),
         ("kernel-bf16-hedgehog-D32", k, dict(dtype=bf16, D=32, T=70, window=10,

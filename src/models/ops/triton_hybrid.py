@@ -30,9 +30,9 @@ How (all kernels take strided (B, H, T, X) tensors, no copies of q, k, v):
     _fwd          per (b, h, block of BM queries): LA from the nearest state at or before
                   t0 - shift + 1 plus the keys between it and the block (masked), the window keys
                   (online softmax, exp2), the mixer, the output; keeps lse_t and den_t (fp32).
-    backward      _state_fwd again; _bwd_dq per query block recomputes LA_t . dO_t and
-                  SWA_t . dO_t (first pass; with ``KernelConfig.save_branches`` it reads them
-                  from the branch outputs the forward stored instead), forms the mixer's
+    backward      _state_fwd again; _bwd_dq per query block reads LA_t . dO_t and SWA_t . dO_t
+                  from the branch outputs the forward stored (``KernelConfig.save_branches``,
+                  the default; without it, a first pass recomputes both), forms the mixer's
                   per-query factors, then dq (second pass, skipped when q takes no gradient);
                   _bwd_dfq per query block and feature slice: dfq; _state_rev walks T
                   backwards summing fq_t dnum_t^T over the query heads of each kv head (GQA) into
@@ -109,8 +109,17 @@ class KernelConfig:
     #: attention's rowsum(dO o O)): without dq (stage 1) the dq kernel then does no matrix
     #: products at all. Costs two outputs' memory until the backward, and under activation
     #: checkpointing (stage 2) two more writes per layer (the discarded first forward runs with
-    #: grad on and stores them too). Off until measured (benchmarks/README.md).
-    save_branches: bool = False
+    #: grad on and stores them too). On since measured (2026-12-02, one H200, 8 x 1k, one run):
+    #: the kernel's fwd + bwd 3.41 vs 3.86 ms, the stage-1 call 2.60 vs 2.77, the
+    #: ``hybrid_output_mse`` step 346 vs 355 ms; stage 2's LoRA step 982 vs 966 ms (within the
+    #: run-to-run spread of that row); benchmarks/results/h200_2026-12-02b/README.md.
+    save_branches: bool = True
+    #: the LA states in two steps (``_state_local``: every chunk's share at once, in fp32;
+    #: ``_state_scan``: their running sums) instead of one walk over T per state tile
+    #: (``_state_fwd`` / ``_state_rev``, whose parallelism is only B x Hkv x tiles: at batch 1
+    #: a 64k sequence is 512 chunks in a row). Costs an fp32 buffer of the states
+    #: ((B, Hkv, T / state_chunk, F, D)) while they are built.
+    split_states: bool = True
 
 
 def default_config(D: int, F: int, dtype: torch.dtype) -> KernelConfig:
@@ -182,6 +191,105 @@ if HAVE_TRITON:
             z += tl.sum(fk.to(tl.float32), axis=0)
             if pid_f == 0:
                 vs += tl.sum(v.to(tl.float32), axis=0)
+
+    @triton.jit
+    def _state_local(X, Y, KPM, SHIFT, GF, DDEN, LST, XL, YL,
+                     sx_b, sx_h, sx_t, sy_b, sy_h, sy_t,
+                     T, Hkv, G, NC,
+                     F: tl.constexpr, D: tl.constexpr, CS: tl.constexpr, BF: tl.constexpr,
+                     BD: tl.constexpr, REVERSE: tl.constexpr, HAS_KPM: tl.constexpr,
+                     PREC: tl.constexpr):
+        """One chunk's share of the LA states (``split_states``; fp32, summed by
+        ``_state_scan``), all chunks in parallel. Forward (X = fk, Y = v, G = 1): chunk j holds
+        L_j = sum fk_i v_i^T, sum fk_i and sum v_i over its real keys i in [j CS, (j+1) CS).
+        Reverse (X = fq, Y = dO, summed over the G query heads h of the kv head): positions
+        t with t - shift_h in [j CS, (j+1) CS) give L_j = sum fq_t (GF_t dO_t)^T,
+        sum DDEN_t fq_t and sum GF_t dO_t."""
+        j = tl.program_id(0)
+        pid_t = tl.program_id(1)
+        pid_bh = tl.program_id(2)  # b * Hkv + hk
+        pid_f = pid_t // (D // BD)
+        pid_d = pid_t % (D // BD)
+        b = pid_bh // Hkv
+        hk = pid_bh % Hkv
+        offs_f = pid_f * BF + tl.arange(0, BF)
+        offs_d = pid_d * BD + tl.arange(0, BD)
+        offs_c = tl.arange(0, CS)
+        acc = tl.zeros([BF, BD], dtype=tl.float32)
+        xs = tl.zeros([BF], dtype=tl.float32)
+        ys = tl.zeros([BD], dtype=tl.float32)
+        if REVERSE:
+            for g in range(0, G):
+                h = hk * G + g
+                bh = b * (Hkv * G) + h  # the query head's row of SHIFT, GF, DDEN
+                offs_t = j * CS + tl.load(SHIFT + bh) + offs_c
+                keep = offs_t < T
+                x = tl.load(X + b.to(tl.int64) * sx_b + h.to(tl.int64) * sx_h
+                            + offs_t[:, None] * sx_t + offs_f[None, :], mask=keep[:, None],
+                            other=0.0)
+                y = tl.load(Y + b.to(tl.int64) * sy_b + h.to(tl.int64) * sy_h
+                            + offs_t[:, None] * sy_t + offs_d[None, :], mask=keep[:, None],
+                            other=0.0)
+                gf = tl.load(GF + bh.to(tl.int64) * T + offs_t, mask=keep, other=0.0)
+                # gf scales fq's rows (fp32, then one rounding) rather than dO's
+                acc += tl.dot(tl.trans((x.to(tl.float32) * gf[:, None]).to(x.dtype)), y,
+                              input_precision=PREC)
+                if pid_d == 0:
+                    dd = tl.load(DDEN + bh.to(tl.int64) * T + offs_t, mask=keep, other=0.0)
+                    xs += tl.sum(x.to(tl.float32) * dd[:, None], axis=0)
+                if pid_f == 0:
+                    ys += tl.sum(y.to(tl.float32) * gf[:, None], axis=0)
+        else:  # one kv head's keys (G = 1), as _state_fwd takes them
+            offs_t = j * CS + offs_c
+            keep = offs_t < T
+            if HAS_KPM:
+                keep = keep & (tl.load(KPM + b * T + offs_t, mask=keep, other=0) != 0)
+            x = tl.load(X + b.to(tl.int64) * sx_b + hk.to(tl.int64) * sx_h
+                        + offs_t[:, None] * sx_t + offs_f[None, :], mask=keep[:, None], other=0.0)
+            y = tl.load(Y + b.to(tl.int64) * sy_b + hk.to(tl.int64) * sy_h
+                        + offs_t[:, None] * sy_t + offs_d[None, :], mask=keep[:, None], other=0.0)
+            acc = tl.dot(tl.trans(x), y, input_precision=PREC)
+            xs = tl.sum(x.to(tl.float32), axis=0)
+            if pid_f == 0:
+                ys = tl.sum(y.to(tl.float32), axis=0)
+        base = pid_bh.to(tl.int64) * NC + j
+        tl.store(LST + base * F * D + offs_f[:, None] * D + offs_d[None, :], acc)
+        if pid_d == 0:
+            tl.store(XL + base * F + offs_f, xs)
+        if pid_f == 0:
+            tl.store(YL + base * D + offs_d, ys)
+
+    @triton.jit
+    def _state_scan(LST, XL, YL, SST, XS, YS, NC,
+                    F: tl.constexpr, D: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr,
+                    REVERSE: tl.constexpr):
+        """The exclusive running sums of ``_state_local``'s chunk shares, in chunk order
+        (forward: entry j sums the chunks before j) or reversed (entry j sums those after j);
+        the states in SST's dtype, the vector sums in fp32. No dot products: its loads do not
+        wait on each other."""
+        pid_bh = tl.program_id(0)
+        pid_f = tl.program_id(1)
+        pid_d = tl.program_id(2)
+        offs_f = pid_f * BF + tl.arange(0, BF)
+        offs_d = pid_d * BD + tl.arange(0, BD)
+        acc = tl.zeros([BF, BD], dtype=tl.float32)
+        xs = tl.zeros([BF], dtype=tl.float32)
+        ys = tl.zeros([BD], dtype=tl.float32)
+        for jj in range(0, NC):
+            j = NC - 1 - jj if REVERSE else jj
+            base = pid_bh.to(tl.int64) * NC + j
+            tile = base * F * D + offs_f[:, None] * D + offs_d[None, :]
+            share = tl.load(LST + tile)
+            tl.store(SST + tile, acc.to(SST.dtype.element_ty))
+            acc += share
+            if pid_d == 0:
+                x = tl.load(XL + base * F + offs_f)
+                tl.store(XS + base * F + offs_f, xs)
+                xs += x
+            if pid_f == 0:
+                y = tl.load(YL + base * D + offs_d)
+                tl.store(YS + base * D + offs_d, ys)
+                ys += y
 
     @triton.jit
     def _saved_dot(SAVED, DO, b, h, row_base, offs_m, rows, sdo_b, sdo_h, sdo_t,
@@ -798,6 +906,27 @@ def _state_tile(cfg: KernelConfig, heads: int, F: int, D: int) -> tuple[int, int
     return bf, bd
 
 
+def _split_states(x, y, S, xs, ys, NC, cfg: KernelConfig, *, reverse: bool, kpm_i8=None,
+                  shift=None, gf=None, dden=None):
+    """``KernelConfig.split_states``: every chunk's share (``_state_local``) into fp32
+    scratch, then their exclusive running sums (``_state_scan``) into S, xs, ys."""
+    B, Hkv, F, D = S.shape[0], S.shape[1], S.shape[-2], S.shape[-1]
+    G = x.shape[1] // Hkv
+    f32 = dict(device=S.device, dtype=torch.float32)
+    L = torch.empty(S.shape, **f32)
+    xl, yl = torch.empty(xs.shape, **f32), torch.empty(ys.shape, **f32)
+    BF, BD = min(cfg.state_f, F), min(cfg.state_d, D)
+    dummy = xl
+    _state_local[(NC, (F // BF) * (D // BD), B * Hkv)](
+        x, y, _ptr(kpm_i8, dummy), _ptr(shift, dummy), _ptr(gf, dummy), _ptr(dden, dummy),
+        L, xl, yl, *_strides(x), *_strides(y), x.shape[2], Hkv, G, NC,
+        F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD, REVERSE=reverse,
+        HAS_KPM=kpm_i8 is not None, PREC=_prec(x.dtype), num_warps=cfg.state_warps)
+    BF, BD = _state_tile(cfg, B * Hkv, F, D)
+    _state_scan[(B * Hkv, F // BF, D // BD)](L, xl, yl, S, xs, ys, NC, F=F, D=D, BF=BF, BD=BD,
+                                            REVERSE=reverse, num_warps=4)
+
+
 def _la_states(fk, v, kpm_i8, cfg: KernelConfig):
     """Forward LA states (S, z) at every ``state_chunk`` positions."""
     B, Hkv, T, F = fk.shape
@@ -807,6 +936,9 @@ def _la_states(fk, v, kpm_i8, cfg: KernelConfig):
     S = torch.empty(B, Hkv, NC, F, D, device=fk.device, dtype=fk.dtype)
     z = torch.empty(B, Hkv, NC, F, device=fk.device, dtype=torch.float32)
     vs = torch.empty(B, Hkv, NC, D, device=fk.device, dtype=torch.float32)
+    if cfg.split_states:
+        _split_states(fk, v, S, z, vs, NC, cfg, reverse=False, kpm_i8=kpm_i8)
+        return S, z, vs, NC
     BF, BD = _state_tile(cfg, B * Hkv, F, D)
     grid = (B * Hkv, F // BF, D // BD)
     _state_fwd[grid](fk, v, _ptr(kpm_i8, z), S, z, vs, *_strides(fk), *_strides(v), T, Hkv, NC,
@@ -925,10 +1057,15 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
         R = torch.empty(B, Hkv, NC, F, D, device=dev, dtype=fq.dtype)
         U = torch.empty(B, Hkv, NC, F, **f32)
         W = torch.empty(B, Hkv, NC, D, **f32)
-        BF, BD = _state_tile(cfg, B * Hkv, F, D)
-        _state_rev[(B * Hkv, F // BF, D // BD)](
-            fq, do, gf, dden, shift, R, U, W, *_strides(fq), *_strides(do), T, H, G, NC,
-            F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD, PREC=prec, num_warps=cfg.state_warps)
+        if cfg.split_states:
+            _split_states(fq, do, R, U, W, NC, cfg, reverse=True, shift=shift, gf=gf,
+                          dden=dden)
+        else:
+            BF, BD = _state_tile(cfg, B * Hkv, F, D)
+            _state_rev[(B * Hkv, F // BF, D // BD)](
+                fq, do, gf, dden, shift, R, U, W, *_strides(fq), *_strides(do), T, H, G, NC,
+                F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD, PREC=prec,
+                num_warps=cfg.state_warps)
         dfk = torch.empty(B, Hkv, T, F, device=dev, dtype=fk.dtype)
         _bwd_dkv_la[(NNB, B * Hkv, F // FC + (dv is not None))](  # the last program: dv
             fq, fk, v, do, gf, dden, R, U, W, shift, kpm, _ptr(dvs, dfk), _ptr(dv, dfk), dfk,
@@ -944,7 +1081,7 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
 #: (out of shared memory or registers)
 SAFE_CONFIG = KernelConfig(block_m=32, block_n=32, state_chunk=64, warps=4, stages=1,
                            bwd_block_m=32, bwd_block_n=32, bwd_warps=4, state_f=32, state_d=32,
-                           state_warps=4, f_chunk=64)
+                           state_warps=4, f_chunk=64, save_branches=False, split_states=False)
 #: (phase, config, problem key) combinations that failed to compile, and the retries made
 _FAILED: set = set()
 RETRIES: list[str] = []

@@ -205,7 +205,9 @@ class _PhiFn(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             dw = reduce_dw(x, du).to(w_dtype)
         if ctx.needs_input_grad[2]:
-            dbias = du.float().sum(dim=(0, 2)).to(b_dtype)
+            # summed in fp32 straight from du (CUDA reduces bf16 into fp32 without a copy; the
+            # old du.float() was a strided fp32 copy of du: 2 x ~90 us at 8 x 1k, 2026-12-02)
+            dbias = du.sum(dim=(0, 2), dtype=torch.float32).to(b_dtype)
         return dx, dw, dbias, None
 
 
