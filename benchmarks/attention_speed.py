@@ -458,11 +458,11 @@ TUNE_CONFIGS = {  # None: default_config (D=128: fwd 64x64 w8, bwd 64x32 w8, f_c
     "recomputed": dict(block_m=64, block_n=64, state_chunk=128, warps=8, stages=2,
                        bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8,
                        save_branches=False),
-    # the default's tiles, the LA states walked over T per state tile (split_states off: the
-    # default until 2026-12-02's sixth session)
-    "sequential-states": dict(block_m=64, block_n=64, state_chunk=128, warps=8, stages=2,
-                              bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64,
-                              state_warps=8, split_states=False),
+    # the default's tiles, the LA states built split at any length (split_states True; the
+    # default splits past SPLIT_STATES_MIN_CHUNKS chunks only, so at 8 x 1k it walks)
+    "split-states": dict(block_m=64, block_n=64, state_chunk=128, warps=8, stages=2,
+                         bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64,
+                         state_warps=8, split_states=True),
 }
 
 

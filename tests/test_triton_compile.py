@@ -74,7 +74,7 @@ def hybrid_kernels(dtype: torch.dtype, D: int, F: int, has_swa=True, has_la=True
     bwd_tiles = dict(BM=cfg.bwd_block_m, BN=cfg.bwd_block_n)
     yield "state_fwd", th._state_fwd, dict(F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD,
                                             HAS_KPM=kpm, PREC=prec), (), cfg.state_warps, 3
-    # split_states (the default): every chunk's share at once, then the running sums
+    # split_states (past SPLIT_STATES_MIN_CHUNKS chunks): every chunk's share at once, then the sums
     SF, SD = min(cfg.state_f, F), min(cfg.state_d, D)
     for reverse in (False, True):
         yield f"state_local{'-rev' if reverse else ''}", th._state_local, dict(

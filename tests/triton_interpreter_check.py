@@ -131,10 +131,12 @@ def _kpm(B, T):
 
 def kernel_case(cid, *, B=2, H=4, Hkv=2, T=50, D=16, window=8, shift=None, shared=False,
                 has_swa=True, has_la=True, pad=False, dtype=torch.float32, cfg=SMALL,
-                per_bh_shift=False, features="rand", seed=0, eps=None, frozen=()):
+                per_bh_shift=False, features="rand", seed=0, eps=None, frozen=(),
+                expect_split=None):
     """hybrid_kernel vs kernel_reference: outputs and gradients of all 8 inputs; those named
     in ``frozen`` (of q, k, v) take no gradient (stage 1: the teacher's q, k, v), so the
-    kernels skip their passes: their grads must stay None and the others unchanged."""
+    kernels skip their passes: their grads must stay None and the others unchanged.
+    ``expect_split``: whether the LA states must have been built split (None: as configured)."""
     from hedgecats.models.ops import triton_hybrid as th
 
     q, k, v, fq, fk, do, g = _inputs(B, H, Hkv, T, D, dtype, seed, features)
@@ -155,7 +157,7 @@ def kernel_case(cid, *, B=2, H=4, Hkv=2, T=50, D=16, window=8, shift=None, share
     out = th.hybrid_kernel(*ins, sh, config=th.KernelConfig(**cfg), **kw)
     out.float().backward(do)
     ran = {n: th.CALLS[n] - calls[n]
-           for n in ("dq_pass", "dkv_swa", "dv_la", "factors_from_saved")}
+           for n in ("dq_pass", "dkv_swa", "dv_la", "factors_from_saved", "split_states")}
     got = dict(zip(names, [out.detach()] + [x.grad for x in ins]))
     # the passes that only serve frozen inputs must not run
     skipped = {"dq_pass": "q" in frozen, "dkv_swa": {"k", "v"} <= set(frozen),
@@ -166,6 +168,12 @@ def kernel_case(cid, *, B=2, H=4, Hkv=2, T=50, D=16, window=8, shift=None, share
     # the saved branches were read (not silently recomputed), and only when configured
     got["factors_from_saved_ok"] = ran["factors_from_saved"] == int(
         th.KernelConfig(**cfg).save_branches)
+    # the LA states split (forward, the backward's recomputed ones and its reverse ones: 3
+    # builds) exactly where configured or, by default, past SPLIT_STATES_MIN_CHUNKS chunks
+    conf = th.KernelConfig(**cfg)
+    split = has_la and th.use_split_states(conf, -(-T // conf.state_chunk))
+    got["split_states_ok"] = ran["split_states"] == (3 if split else 0) and (
+        expect_split is None or split == expect_split)
     for name in frozen:  # a gradient where none was asked for: a wasted pass, or a wrong one
         got[f"{name}_grad_none_ok"] = got.pop(f"d{name}") is None
     ins2 = [t.detach().float().clone().requires_grad_() for t in (q, k, v, fq, fk, ca, cb, logs)]
@@ -474,8 +482,9 @@ def cases(quick: bool = False):
                                                         cfg=dict(SMALL, save_branches=True))),
         ("kernel-saved-bf16-shared-pad", k, dict(dtype=bf16, shared=True, pad=True,
                                                  cfg=dict(SMALL, save_branches=True))),
-        # the defaults since 2026-12-02's sixth session are save_branches and split_states:
-        # the recomputing backward and the sequential state walks keep their own cases
+        # save_branches is the default since 2026-12-02's sixth session, split_states from 17
+        # chunks on (shorter cases walk): the recomputing backward and both state paths keep
+        # cases of their own
         ("kernel-recomputed", k, dict(cfg=dict(SMALL, save_branches=False))),
         ("kernel-recomputed-pad-shared-shifts", k, dict(T=70, window=10, pad=True, shared=True,
                                                         per_bh_shift=True,
@@ -484,9 +493,18 @@ def cases(quick: bool = False):
         ("kernel-sequential-states-pad-shifts-shared", k, dict(
             T=150, window=40, per_bh_shift=True, pad=True, shared=True,
             cfg=dict(LONG_CHUNK, split_states=False))),
-        ("kernel-split-states-overlap-T-lt-chunk", k, dict(T=11, window=4, shift=0)),
+        ("kernel-split-states", k, dict(cfg=dict(SMALL, split_states=True))),
+        ("kernel-split-states-overlap-T-lt-chunk", k, dict(T=11, window=4, shift=0,
+                                                           cfg=dict(SMALL, split_states=True))),
         ("kernel-split-states-Hkv1-long-chunk-frozen", k, dict(
-            T=150, window=10, Hkv=1, pad=True, cfg=LONG_CHUNK, frozen=("q", "k", "v"))),
+            T=150, window=10, Hkv=1, pad=True, frozen=("q", "k", "v"),
+            cfg=dict(LONG_CHUNK, split_states=True))),
+        ("kernel-split-states-pad-shifts-shared", k, dict(
+            T=150, window=40, per_bh_shift=True, pad=True, shared=True,
+            cfg=dict(LONG_CHUNK, split_states=True))),
+        # the default (split_states None) past SPLIT_STATES_MIN_CHUNKS: 19 chunks of 16
+        ("kernel-auto-split-19-chunks-pad-shared", k, dict(T=300, window=20, pad=True,
+                                                           shared=True, expect_split=True)),
         ("kernel-bf16", k, dict(dtype=bf16)),
         ("kernel-bf16-shared-pad", k, dict(dtype=bf16, shared=True, pad=True)),
         ("kernel-bf16-hedgehog-D32", k, dict(dtype=bf16, D=32, T=70, window=10,

@@ -26,7 +26,10 @@ How (all kernels take strided (B, H, T, X) tensors, no copies of q, k, v):
     _state_fwd    per (b, kv head, F-block, D-block), walking T: the LA state
                   S_j = sum_{i < j C} fk_i v_i^T, z_j = sum fk_i and u_j = sum v_i (the floor's
                   share) at every C-th position (C = ``state_chunk``), masked keys left out.
-                  (B, Hkv, T/C, F, D) in the input dtype; z, u in fp32.
+                  (B, Hkv, T/C, F, D) in the input dtype; z, u in fp32. Past
+                  ``SPLIT_STATES_MIN_CHUNKS`` chunks (``KernelConfig.split_states``) instead
+                  _state_local, per (chunk, tile, b, kv head): each chunk's share in fp32, and
+                  _state_scan their running sums (a long walk at batch 1 had too few programs).
     _fwd          per (b, h, block of BM queries): LA from the nearest state at or before
                   t0 - shift + 1 plus the keys between it and the block (masked), the window keys
                   (online softmax, exp2), the mixer, the output; keeps lse_t and den_t (fp32).
@@ -36,7 +39,8 @@ How (all kernels take strided (B, H, T, X) tensors, no copies of q, k, v):
                   per-query factors, then dq (second pass, skipped when q takes no gradient);
                   _bwd_dfq per query block and feature slice: dfq; _state_rev walks T
                   backwards summing fq_t dnum_t^T over the query heads of each kv head (GQA) into
-                  reverse states; per key block and kv head, _bwd_dkv_swa gets dk and the window's
+                  reverse states (split as the forward's, reversed, past the threshold); per key
+                  block and kv head, _bwd_dkv_swa gets dk and the window's
                   dv from the window queries, and _bwd_dkv_la dfk (per feature slice) and the
                   rest of dv from the queries between the block and the next reverse state, and
                   that state. Passes that only serve gradients autograd does not ask for (dq,
@@ -80,9 +84,11 @@ __all__ = ["KernelConfig", "available", "fused_hybrid", "hybrid_kernel", "kernel
 FALLBACK_ERRORS: list[str] = []
 #: calls that ran the fused kernels (tests check that a path was taken, not only its result),
 #: the backward passes launched for dq, the window's dk / dv and the LA's dv (skipped when
-#: autograd does not ask for those gradients), and the backwards whose per-query factors came
-#: from the forward's saved branches (``KernelConfig.save_branches``)
-CALLS = {"forward": 0, "dq_pass": 0, "dkv_swa": 0, "dv_la": 0, "factors_from_saved": 0}
+#: autograd does not ask for those gradients), the backwards whose per-query factors came
+#: from the forward's saved branches (``KernelConfig.save_branches``), and the LA state builds
+#: that went split (``KernelConfig.split_states``)
+CALLS = {"forward": 0, "dq_pass": 0, "dkv_swa": 0, "dv_la": 0, "factors_from_saved": 0,
+         "split_states": 0}
 
 
 @dataclass(frozen=True)
@@ -118,8 +124,9 @@ class KernelConfig:
     #: ``_state_scan``: their running sums) instead of one walk over T per state tile
     #: (``_state_fwd`` / ``_state_rev``, whose parallelism is only B x Hkv x tiles: at batch 1
     #: a 64k sequence is 512 chunks in a row). Costs an fp32 buffer of the states
-    #: ((B, Hkv, T / state_chunk, F, D)) while they are built.
-    split_states: bool = True
+    #: ((B, Hkv, T / state_chunk, F, D)) while they are built. ``None``: split when the
+    #: sequence has more than ``SPLIT_STATES_MIN_CHUNKS`` chunks (``use_split_states``).
+    split_states: bool | None = None
 
 
 def default_config(D: int, F: int, dtype: torch.dtype) -> KernelConfig:
@@ -906,6 +913,21 @@ def _state_tile(cfg: KernelConfig, heads: int, F: int, D: int) -> tuple[int, int
     return bf, bd
 
 
+#: measured on one H200 (2026-12-02, sixth session, profile_hybrid.py; Llama-3-8B heads, bf16):
+#: at 8 x 1k (8 chunks) the walks took 0.56 ms and the split 0.63 per fwd + bwd; at 1 x 64k (512
+#: chunks) the split took the layer from 38.6 to 30.1 ms. Where between them the split starts to
+#: pay was not measured: 16 chunks (T 2k at state_chunk 128) is a guess
+SPLIT_STATES_MIN_CHUNKS = 16
+
+
+def use_split_states(cfg: KernelConfig, NC: int) -> bool:
+    """Whether the LA states of a sequence of ``NC`` chunks are built split
+    (``KernelConfig.split_states``; ``None``: more than ``SPLIT_STATES_MIN_CHUNKS`` chunks)."""
+    if cfg.split_states is None:
+        return NC > SPLIT_STATES_MIN_CHUNKS
+    return cfg.split_states
+
+
 def _split_states(x, y, S, xs, ys, NC, cfg: KernelConfig, *, reverse: bool, kpm_i8=None,
                   shift=None, gf=None, dden=None):
     """``KernelConfig.split_states``: every chunk's share (``_state_local``) into fp32
@@ -925,6 +947,7 @@ def _split_states(x, y, S, xs, ys, NC, cfg: KernelConfig, *, reverse: bool, kpm_
     BF, BD = _state_tile(cfg, B * Hkv, F, D)
     _state_scan[(B * Hkv, F // BF, D // BD)](L, xl, yl, S, xs, ys, NC, F=F, D=D, BF=BF, BD=BD,
                                             REVERSE=reverse, num_warps=4)
+    CALLS["split_states"] += 1
 
 
 def _la_states(fk, v, kpm_i8, cfg: KernelConfig):
@@ -936,7 +959,7 @@ def _la_states(fk, v, kpm_i8, cfg: KernelConfig):
     S = torch.empty(B, Hkv, NC, F, D, device=fk.device, dtype=fk.dtype)
     z = torch.empty(B, Hkv, NC, F, device=fk.device, dtype=torch.float32)
     vs = torch.empty(B, Hkv, NC, D, device=fk.device, dtype=torch.float32)
-    if cfg.split_states:
+    if use_split_states(cfg, NC):
         _split_states(fk, v, S, z, vs, NC, cfg, reverse=False, kpm_i8=kpm_i8)
         return S, z, vs, NC
     BF, BD = _state_tile(cfg, B * Hkv, F, D)
@@ -1057,7 +1080,7 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
         R = torch.empty(B, Hkv, NC, F, D, device=dev, dtype=fq.dtype)
         U = torch.empty(B, Hkv, NC, F, **f32)
         W = torch.empty(B, Hkv, NC, D, **f32)
-        if cfg.split_states:
+        if use_split_states(cfg, NC):
             _split_states(fq, do, R, U, W, NC, cfg, reverse=True, shift=shift, gf=gf,
                           dden=dden)
         else:

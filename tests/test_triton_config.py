@@ -1,0 +1,34 @@
+"""The fused hybrid kernel's configuration choices, on CPU (pure Python, no Triton needed):
+which tiles and options a call gets, and where the LA states are built split."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from hedgecats.models.ops import triton_hybrid as th
+
+
+def test_defaults_save_the_branches_and_choose_the_state_path_by_length():
+    for D, F, dt in ((128, 256, torch.bfloat16), (64, 128, torch.bfloat16),
+                     (64, 64, torch.float32)):
+        cfg = th.default_config(D, F, dt)
+        assert cfg.save_branches and cfg.split_states is None, cfg
+
+
+def test_states_split_past_the_threshold_only_by_default():
+    cfg = th.default_config(128, 256, torch.bfloat16)
+    n = th.SPLIT_STATES_MIN_CHUNKS
+    assert not th.use_split_states(cfg, 8)  # 8 x 1k at state_chunk 128: the walk measured faster
+    assert not th.use_split_states(cfg, n)
+    assert th.use_split_states(cfg, n + 1)
+    assert th.use_split_states(cfg, 512)  # 64k: the split measured 22% faster per layer
+    forced = {b: dataclasses.replace(cfg, split_states=b) for b in (True, False)}
+    assert all(th.use_split_states(forced[True], nc) for nc in (1, 8, 512))
+    assert not any(th.use_split_states(forced[False], nc) for nc in (1, 8, 512))
+
+
+def test_the_safe_tiles_save_nothing_and_walk():
+    """SAFE_CONFIG is the last retry after a compile failure: the plainest kernels."""
+    assert not th.SAFE_CONFIG.save_branches
+    assert th.SAFE_CONFIG.split_states is False
