@@ -75,8 +75,10 @@ def kernel_tables(rows: list[dict]) -> list[str]:
     for r in rows:
         same = r.get("vs_reference_same_dtype") or r.get("vs_blocked_same_dtype")
         retries = f" +{len(r['tile_retries'])} tile retries" if r.get("tile_retries") else ""
-        out.append(f"| {r['test']} | {r.get('case')}{'-pad' if r.get('pad') else ''} | {r.get('shape')} | "
-                   f"{str(r.get('dtype')).replace('torch.', '')} | {r.get('fused_calls')} | {_worst(same)} | "
+        case = f"{r.get('case')}{'-pad' if r.get('pad') else ''}"
+        dtype = str(r.get("dtype")).replace("torch.", "")
+        out.append(f"| {r['test']} | {case} | {r.get('shape')} | {dtype} | "
+                   f"{r.get('fused_calls')} | {_worst(same)} | "
                    f"{_worst(r.get('vs_fp32_oracle'))} | {len(r.get('triton_errors') or [])}"
                    f"{retries} | {r.get('seconds')} |")
     msgs = sorted({m for r in rows

@@ -39,11 +39,11 @@ How (all kernels take strided (B, H, T, X) tensors, no copies of q, k, v):
                   per-query factors, then dq (second pass, skipped when q takes no gradient);
                   _bwd_dfq per query block and feature slice: dfq; _state_rev walks T
                   backwards summing fq_t dnum_t^T over the query heads of each kv head (GQA) into
-                  reverse states (split as the forward's, reversed, past the threshold); per key
-                  block and kv head, _bwd_dkv_swa gets dk and the window's
-                  dv from the window queries, and _bwd_dkv_la dfk (per feature slice) and the
-                  rest of dv from the queries between the block and the next reverse state, and
-                  that state. Passes that only serve gradients autograd does not ask for (dq,
+                  reverse states (split as the forward's, reversed, past the threshold); per
+                  key block and kv head, _bwd_dkv_swa gets dk and the window's dv from the
+                  window queries, and _bwd_dkv_la dfk (per feature slice) and the rest of dv
+                  from the queries between the block and the next reverse state, and that
+                  state. Passes that only serve gradients autograd does not ask for (dq,
                   the window's dk / dv, LA's dv: stage 1's teacher q, k, v) are not launched.
                   Mixer gradients (c_A, c_B or log s_h) come back as per-block partial sums,
                   reduced in torch (deterministic).

@@ -206,7 +206,8 @@ class _PhiFn(torch.autograd.Function):
             dw = reduce_dw(x, du).to(w_dtype)
         if ctx.needs_input_grad[2]:
             # summed in fp32 straight from du (CUDA reduces bf16 into fp32 without a copy; the
-            # old du.float() was a strided fp32 copy of du: 2 x ~90 us at 8 x 1k, 2026-12-02)
+            # old du.float() made a strided fp32 copy of du: ~60 us per map at 8 x 1k and a
+            # 1 GiB transient at 64k, benchmarks/results/h200_2026-12-02b)
             dbias = du.sum(dim=(0, 2), dtype=torch.float32).to(b_dtype)
         return dx, dw, dbias, None
 
