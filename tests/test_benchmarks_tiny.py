@@ -141,6 +141,37 @@ def test_attention_speed_plot_from_the_committed_measurement(tmp_path):
     assert "hybrid fixed [pytorch phi] (fwd)" in lines and "teacher (fwd+bwd)" in lines
 
 
+def test_attention_speed_rows_collect_garbage_before_their_peak(monkeypatch):
+    """bench_adaptive runs the cyclic garbage collector before it takes a row's memory base and
+    peak: the 2026-12-02 64k rows checked against the pieces read 21.59 GiB, the unchecked row of
+    the same layer 8.09 (the check's tensors, held in a reference cycle until collected)."""
+    import gc
+    import importlib.util
+    import weakref
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("attention_speed",
+                                                  ROOT / "benchmarks" / "attention_speed.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+
+    class Holder:  # a cycle holding a tensor, as a frame / traceback pair would
+        pass
+    h = Holder()
+    h.self, h.t = h, torch.zeros(4)
+    alive = weakref.ref(h.t)
+    del h
+    gc.disable()  # so that only an explicit collection frees it
+    try:
+        assert alive() is not None
+        bench.bench_adaptive(lambda: None, budget_ms=1.0)
+        assert alive() is None
+    finally:
+        gc.enable()
+
+
 def test_gpu_tests_report_renders_both_row_formats(tmp_path):
     """One report folder gets rows from the backend matrix and from the fused-kernel tests
     (the GPU call of 2026-12-02 crashed on a kernel row's missing 'backend', a later one on a
