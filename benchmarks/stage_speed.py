@@ -28,6 +28,8 @@ optimiser step), peak memory over the timed steps.
                              recomputes both branches: the default until 2026-12-02's sixth
                              session; rows measured before then name the option on "[saved
                              branches]")
+    <...> [overlap]          the same with each layer's student on a side stream beside the
+                             teacher forward (``AttentionTransfer(overlap_student=True)``)
     <...> [pytorch phi]      the same with the feature maps' PyTorch path (the fused map,
                              ops.triton_phi, is the modules' default on CUDA since 2026-12-02;
                              rows measured before then name the fused one "[fused phi]")
@@ -52,6 +54,7 @@ import traceback
 from pathlib import Path
 
 import torch
+from hedgecats.lightning_modules.student_stream import StudentStream
 from hedgecats.models import HybridConfig, convert_to_hybrid, hybrid_layers, set_attention_mode
 from hedgecats.models.feature_maps import HedgehogFeatureMap as _FM_CLASS
 from hedgecats.models.ops import transfer
@@ -121,15 +124,19 @@ def _loss_of(res):
     return res[0] if isinstance(res, tuple) else res
 
 
-def transfer_step(model, opt, ids, bench: Bench, objective: str):
-    """One AttentionTransfer step: teacher forward, per-layer loss backpropagated at once."""
+def transfer_step(model, opt, ids, bench: Bench, objective: str, students=None):
+    """One AttentionTransfer step: teacher forward, per-layer loss backpropagated at once;
+    with ``students`` (a ``StudentStream``) each layer's student on its side stream, as
+    ``AttentionTransfer(overlap_student=True)`` runs it."""
     layers = list(hybrid_layers(model))
     n = len(layers)
     takes_hidden = "hidden_states" in inspect.signature(transfer.transfer_loss).parameters
     losses = []
 
     def observer(module, query, key, value, key_padding_mask, *rest):
-        with torch.enable_grad():
+        side = contextlib.nullcontext() if students is None else students.layer(
+            query, key, value, key_padding_mask, *rest)
+        with side, torch.enable_grad():
             extra = {"hidden_states": rest[0] if rest else None} if takes_hidden else {}
             loss = _loss_of(transfer.transfer_loss(objective, module, query, key, value,
                                                    key_padding_mask, **extra))
@@ -142,6 +149,8 @@ def transfer_step(model, opt, ids, bench: Bench, objective: str):
             model(input_ids=ids, logits_to_keep=1)
     finally:
         set_attention_mode(model, observer=None)
+    if students is not None:
+        students.join()
     opt.step()
     opt.zero_grad(set_to_none=True)
     return torch.stack(losses).mean()
@@ -305,8 +314,15 @@ def run(a, on_row=None) -> dict:
                              None, True))
             variants.append(("transfer/hybrid_output_mse [recomputed]", "hybrid_output_mse",
                              recomputed_branches))
-        for name, objective, patch, *with_pytorch_phi in variants:
-            def fn(objective=objective, patch=patch, torch_phi=bool(with_pytorch_phi)):
+            # each layer's student on a side stream beside the teacher (overlap_student)
+            variants.append(("transfer/weights_xent [fused, overlap]", "weights_xent",
+                             ("weights_xent", triton_xent.weights_xent), False, True))
+            variants.append(("transfer/hybrid_output_mse [overlap]", "hybrid_output_mse",
+                             None, False, True))
+        for name, objective, patch, *flags in variants:
+            torch_phi, overlap = (list(flags) + [False, False])[:2]
+
+            def fn(objective=objective, patch=patch, torch_phi=torch_phi, overlap=overlap):
                 with contextlib.ExitStack() as stack:
                     if callable(patch):  # a context of its own (blocked_xent)
                         stack.enter_context(patch())
@@ -314,8 +330,9 @@ def run(a, on_row=None) -> dict:
                         stack.enter_context(patched(transfer, *patch))
                     if torch_phi:
                         stack.enter_context(patched(_FM_CLASS, "_fused", pytorch_phi))
-                    return bench.measure(lambda: transfer_step(model, opt, ids, bench, objective),
-                                         tokens)
+                    students = StudentStream(dev) if overlap else None
+                    return bench.measure(lambda: transfer_step(model, opt, ids, bench, objective,
+                                                               students), tokens)
             attempt(name, T, fn)
         if a.profile and profile is None and has_triton():
             from hedgecats.models.ops import triton_xent

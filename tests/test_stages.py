@@ -95,6 +95,42 @@ def test_per_layer_backward_equals_one_joint_backward(base):
                 torch.testing.assert_close(p.grad, per_layer[n], rtol=1e-4, atol=1e-7)
 
 
+def _layer_losses_and_grads(m, batch):
+    tr = _trainer("/tmp", steps=1)
+    tr.strategy.connect(m)  # manual_backward needs a trainer
+    m.trainer = tr
+    losses, _ = m._layer_losses(batch, backward_scale=1.0)
+    grads = {n: p.grad.clone() for n, p in m.model.named_parameters() if p.requires_grad}
+    return losses, grads
+
+
+def test_overlap_student_off_the_gpu_runs_in_order_with_the_same_numbers(base, caplog):
+    """``overlap_student`` is a speed option: on CPU it says so once and changes nothing."""
+    import logging
+
+    from hedgecats.lightning_modules import student_stream
+
+    batch = next(iter(_dm(batch_size=2).val_dataloader()))
+    results = []
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        m = AttentionTransfer(base, hybrid=HYB, objective="hybrid_output_mse",
+                              overlap_student=overlap)
+        m.configure_model()
+        results.append(_layer_losses_and_grads(m, batch))
+    (l0, g0), (l1, g1) = results
+    assert all(torch.equal(l0[i], l1[i]) for i in LAYERS)
+    assert all(torch.equal(g0[n], g1[n]) for n in g0)
+    student_stream._WARNED.discard("cpu")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=student_stream.__name__):
+        student_stream.StudentStream("cpu")
+        student_stream.StudentStream("cpu")
+    assert sum("needs a CUDA device" in r.getMessage() for r in caplog.records) == 1
+    with pytest.raises(ValueError, match="overlap_max_lag"):
+        AttentionTransfer(base, overlap_student=True, overlap_max_lag=0)
+
+
 def test_hand_off_and_finetune_trainable_set(base, tmp_path):
     s1 = AttentionTransfer(base, hybrid=HYB)
     _trainer(tmp_path / "s1", steps=2).fit(s1, datamodule=_dm())

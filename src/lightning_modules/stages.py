@@ -13,6 +13,7 @@ tensors; the frozen base is reloaded from its id. At the end of ``fit`` the stag
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -38,6 +39,7 @@ from ..models.checkpoint import (
 )
 from ..models.lora import LoraSettings
 from ..models.ops.transfer import OBJECTIVES, transfer_health, transfer_loss
+from .student_stream import StudentStream
 
 log = logging.getLogger(__name__)
 
@@ -308,6 +310,11 @@ class AttentionTransfer(HybridStage):
             batch and the world size), or 1 when the datamodule has none.
         lr: AdamW learning rate (paper: 1e-2).
         health_batches, max_rel_err, max_den_collapsed: the end-of-stage check (above).
+        overlap_student: run each layer's student (loss and backward) on a CUDA side stream
+            beside the teacher forward (``StudentStream``; at most ``overlap_max_lag`` layers
+            behind): the same kernels on the same inputs, so the same numbers; off the GPU it
+            runs in order and says so once. Off by default until measured on a GPU (its
+            prediction: benchmarks/README.md, session 6).
         activation_checkpointing: must stay ``False``: stage 1 has nothing to checkpoint
             (only the feature maps train, and the teacher forward runs without gradients, one
             layer's student graph at a time). ``True`` raises ``ValueError``; the argument is
@@ -324,7 +331,8 @@ class AttentionTransfer(HybridStage):
                  accumulate_grad_batches: int | None = None,
                  activation_checkpointing: bool = False, health_batches: int = 2,
                  max_rel_err: float | None = 1.0,
-                 max_den_collapsed: float | str | None = "auto") -> None:
+                 max_den_collapsed: float | str | None = "auto", overlap_student: bool = False,
+                 overlap_max_lag: int = 4) -> None:
         if objective not in OBJECTIVES:
             raise ValueError(f"objective={objective!r} is not valid; choose one of "
                              f"{', '.join(OBJECTIVES)}")
@@ -332,6 +340,9 @@ class AttentionTransfer(HybridStage):
             raise ValueError(f"accumulate_grad_batches={accumulate_grad_batches!r} must be >= 1")
         if health_batches < 0:
             raise ValueError(f"health_batches={health_batches!r} must be >= 0 (0: no final check)")
+        if overlap_max_lag < 1:
+            raise ValueError(f"overlap_max_lag={overlap_max_lag!r} must be >= 1 (layers the "
+                             f"student may trail the teacher)")
         if isinstance(max_den_collapsed, str) and max_den_collapsed != "auto":
             raise ValueError(f"max_den_collapsed={max_den_collapsed!r}: a fraction in [0, 1], "
                              f"null (no check) or 'auto' (0.5, off for shared-norm mixers)")
@@ -348,6 +359,16 @@ class AttentionTransfer(HybridStage):
         self.automatic_optimization = False
         #: this step's per-layer values, logged in on_train_batch_end when Lightning writes them
         self._pending_layer_logs: tuple | None = None
+        self._student_stream: StudentStream | None = None
+
+    def _students(self) -> StudentStream | None:
+        """The side stream of ``overlap_student`` (made on first use, on this module's device),
+        or None when the option is off."""
+        if not self.hparams.overlap_student:
+            return None
+        if self._student_stream is None:
+            self._student_stream = StudentStream(self.device, self.hparams.overlap_max_lag)
+        return self._student_stream
 
     def _prepare(self, model: nn.Module) -> nn.Module:
         model.requires_grad_(False)
@@ -402,10 +423,13 @@ class AttentionTransfer(HybridStage):
         losses: dict[int, torch.Tensor] = {}
         extras: dict[int, dict[str, torch.Tensor]] = {}
         objective, block = self.hparams.objective, self.hparams.xent_block
+        students = self._students()
 
         def observer(module, query, key, value, key_padding_mask, hidden_states):
             i = module.hedgecats.layer_idx
-            with torch.enable_grad():
+            side = contextlib.nullcontext() if students is None else students.layer(
+                query, key, value, key_padding_mask, hidden_states)
+            with side, torch.enable_grad():
                 loss, extras[i] = transfer_loss(objective, module, query, key, value,
                                                 key_padding_mask, hidden_states, xent_block=block)
                 if backward_scale is not None:
@@ -425,6 +449,8 @@ class AttentionTransfer(HybridStage):
             losses[i] = loss.detach()
 
         self._observe(batch, observer)
+        if students is not None:
+            students.join()  # the losses and gradients are read / stepped on this stream
         return losses, extras
 
     def _layer_health(self, batch: dict) -> dict[int, dict[str, torch.Tensor]]:

@@ -1,0 +1,53 @@
+"""Stage 1 with ``overlap_student`` on a GPU: each layer's student on the side stream gives the
+same losses and gradients as in order (the same kernels on the same inputs, bitwise), and the
+side stream is really taken (lag 2 of 6 layers: the throttle is exercised). Marked ``gpu``; on
+the GPU machine: ``python -m pytest -q -m gpu tests/test_stage1_overlap_gpu.py``."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from hedgecats.lightning_modules import AttentionTransfer
+from hedgecats.lightning_modules.tiny import save_tiny_llama
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (run on the GPU machine)")
+    # head dim 32, 6 layers: several students in flight behind the teacher
+    return str(save_tiny_llama(tmp_path_factory.mktemp("base") / "tiny", hidden_size=128,
+                               num_layers=6, num_heads=4, num_kv_heads=2, intermediate_size=256))
+
+
+def _losses_and_grads(base, objective, overlap, max_lag=2):
+    torch.manual_seed(0)
+    m = AttentionTransfer(base, hybrid={"window": 16}, objective=objective, torch_dtype="bfloat16",
+                          overlap_student=overlap, overlap_max_lag=max_lag)
+    m.configure_model()
+    m.to("cuda")
+    tr = pl.Trainer(accelerator="gpu", devices=1, max_steps=1, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False)
+    tr.strategy.connect(m)
+    m.trainer = tr
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 256, (4, 512), generator=gen).cuda()
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    losses, _ = m._layer_losses(batch, backward_scale=1.0)
+    grads = {n: p.grad.clone() for n, p in m.model.named_parameters() if p.requires_grad}
+    return m, losses, grads
+
+
+@pytest.mark.parametrize("objective", ["weights_xent", "hybrid_output_mse"])
+def test_overlapped_students_give_the_in_order_numbers(base, objective):
+    _, want_l, want_g = _losses_and_grads(base, objective, overlap=False)
+    m, got_l, got_g = _losses_and_grads(base, objective, overlap=True)
+    assert m._student_stream is not None and m._student_stream.stream is not None
+    assert m._student_stream.stream != torch.cuda.current_stream()
+    assert sorted(got_l) == sorted(want_l) and len(got_l) == 6
+    bad = [i for i in want_l if not torch.equal(got_l[i], want_l[i])]
+    bad += [n for n in want_g if not torch.equal(got_g[n], want_g[n])]
+    assert not bad, f"overlap changed these losses / gradients: {bad}"
