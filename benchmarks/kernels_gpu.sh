@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The fused Triton kernels on the GPU machine, in one call (issues 11 and 12):
-#   1. tests/test_triton_kernels.py (gpu-marked): every case's errors against the references
+#   1. tests/test_triton_kernels.py and tests/test_stage1_overlap_gpu.py (gpu-marked): every
+#      case's errors against the references, stage 1's side-stream students against in order
 #   2. benchmarks/attention_speed.py --tune: one layer, all baselines, T = 1k .. 128k
 #   3. benchmarks/stage_speed.py --profile: stage throughput on the 8B shape, T = 1k and 4k
 # Each step has its own time limit and the next one runs whatever the last one did; the
@@ -46,13 +47,13 @@ EOF
 
 # ---------------------------------------------------------------- 1. kernel tests
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  say "== 1. tests/test_triton_kernels.py ($(($(date +%s) - start)) s)"
+  say "== 1. tests/test_triton_kernels.py tests/test_stage1_overlap_gpu.py ($(($(date +%s) - start)) s)"
   export HEDGECATS_GPU_REPORT=/tmp/kernel_report
   rm -rf "$HEDGECATS_GPU_REPORT"
   par=""
   python3 -c "import xdist" 2>/dev/null && par="-n ${WORKERS:-8}"
   timeout -s INT -k 30 "${TESTS_TIMEOUT:-170}" python3 -m pytest -p no:cacheprovider -m gpu -q -rfEs \
-    --tb=line $par tests/test_triton_kernels.py 2>&1 | grep -v '^{' | tee -a "$LOG"
+    --tb=line $par tests/test_triton_kernels.py tests/test_stage1_overlap_gpu.py 2>&1 | grep -v '^{' | tee -a "$LOG"
   say "pytest exit status: $?"
   cat "$HEDGECATS_GPU_REPORT"/*.jsonl > "$OUT/kernel_tests.jsonl" 2>/dev/null
   python3 benchmarks/gpu_tests_report.py "$OUT/kernel_tests.jsonl" > "$OUT/kernel_tests.md"
