@@ -157,7 +157,8 @@ def kernel_case(cid, *, B=2, H=4, Hkv=2, T=50, D=16, window=8, shift=None, share
     out = th.hybrid_kernel(*ins, sh, config=th.KernelConfig(**cfg), **kw)
     out.float().backward(do)
     ran = {n: th.CALLS[n] - calls[n]
-           for n in ("dq_pass", "dkv_swa", "dv_la", "factors_from_saved", "split_states")}
+           for n in ("dq_pass", "dkv_swa", "dv_la", "factors_from_saved", "split_states",
+                     "states_from_forward")}
     got = dict(zip(names, [out.detach()] + [x.grad for x in ins]))
     # the passes that only serve frozen inputs must not run
     skipped = {"dq_pass": "q" in frozen, "dkv_swa": {"k", "v"} <= set(frozen),
@@ -168,11 +169,14 @@ def kernel_case(cid, *, B=2, H=4, Hkv=2, T=50, D=16, window=8, shift=None, share
     # the saved branches were read (not silently recomputed), and only when configured
     got["factors_from_saved_ok"] = ran["factors_from_saved"] == int(
         th.KernelConfig(**cfg).save_branches)
-    # the LA states split (forward, the backward's recomputed ones and its reverse ones: 3
-    # builds) exactly where configured or, by default, past SPLIT_STATES_MIN_CHUNKS chunks
+    # the backward takes the forward's LA states when they were saved (with the branches)
     conf = th.KernelConfig(**cfg)
+    reused = has_la and conf.save_branches
+    got["states_from_forward_ok"] = ran["states_from_forward"] == int(reused)
+    # the LA states split (the forward's, the backward's own unless reused, the reverse ones)
+    # exactly where configured or, by default, past SPLIT_STATES_MIN_CHUNKS chunks
     split = has_la and th.use_split_states(conf, -(-T // conf.state_chunk))
-    got["split_states_ok"] = ran["split_states"] == (3 if split else 0) and (
+    got["split_states_ok"] = ran["split_states"] == ((2 if reused else 3) if split else 0) and (
         expect_split is None or split == expect_split)
     for name in frozen:  # a gradient where none was asked for: a wasted pass, or a wrong one
         got[f"{name}_grad_none_ok"] = got.pop(f"d{name}") is None
@@ -209,8 +213,8 @@ def saved_branches_read_case(cid):
     forward = th._forward
 
     def poisoned(*a, **kw):
-        o, lse, den, swa_o, la_o = forward(*a, **kw)
-        return o, lse, den, swa_o * 0.5, la_o * 0.5
+        o, lse, den, swa_o, la_o, states = forward(*a, **kw)
+        return o, lse, den, swa_o * 0.5, la_o * 0.5, states
 
     th._forward = poisoned
     try:
@@ -219,6 +223,43 @@ def saved_branches_read_case(cid):
         th._forward = forward
     out = {f"{n}_moved_ok": rel(bad[n], clean[n]) > 1e-2 for n in names if n != "dv"}
     out["dv_unmoved_ok"] = rel(bad["dv"], clean["dv"]) < 1e-6
+    return {n: 0.0 if ok else float("inf") for n, ok in out.items()}
+
+
+def saved_states_read_case(cid):
+    """The backward reads the forward's saved LA states (not only the counter): halving them
+    must move dfq, the one gradient that reads them (with the saved branches the per-query
+    factors come from LA_t itself, and dq, dk, dv, dfk from the window, the keys near their
+    block and the reverse states), and leave dq alone."""
+    from hedgecats.models.ops import triton_hybrid as th
+
+    q, k, v, fq, fk, do, g = _inputs(2, 4, 2, 70, 16, torch.float32, 0, "rand")
+    ca, cb, logs = torch.rand(2, 4, generator=g), torch.rand(2, 4, generator=g), \
+        torch.randn(2, 4, generator=g)
+    sh = torch.full((2, 4), 8, dtype=torch.int32)
+    cfg = th.KernelConfig(**SMALL, save_branches=True)
+    names = ["dq", "dk", "dv", "dfq", "dfk", "dca", "dcb"]
+
+    def grads():
+        ins = [t.clone().requires_grad_() for t in (q, k, v, fq, fk, ca, cb, logs)]
+        out = th.hybrid_kernel(*ins, sh, window=8, scale=16 ** -0.5, eps=0.3, config=cfg)
+        out.backward(do)
+        return dict(zip(names, (x.grad for x in ins)))
+
+    clean = grads()
+    forward = th._forward
+
+    def poisoned(*a, **kw):
+        o, lse, den, swa_o, la_o, (S, z, u, cs) = forward(*a, **kw)
+        return o, lse, den, swa_o, la_o, (S * 0.5, z, u, cs)
+
+    th._forward = poisoned
+    try:
+        bad = grads()
+    finally:
+        th._forward = forward
+    out = {"dfq_moved_ok": rel(bad["dfq"], clean["dfq"]) > 1e-2,
+           "dq_unmoved_ok": rel(bad["dq"], clean["dq"]) < 1e-6}
     return {n: 0.0 if ok else float("inf") for n, ok in out.items()}
 
 
@@ -478,6 +519,7 @@ def cases(quick: bool = False):
         ("kernel-saved-la-only-frozen", k, dict(has_swa=False, frozen=("q", "k", "v"),
                                                 cfg=dict(SMALL, save_branches=True))),
         ("kernel-saved-branches-are-read", saved_branches_read_case, None),
+        ("kernel-saved-states-are-read", saved_states_read_case, None),
         ("kernel-saved-D64-two-channel-slices", k, dict(D=64, H=2, Hkv=1, T=40, window=8,
                                                         cfg=dict(SMALL, save_branches=True))),
         ("kernel-saved-bf16-shared-pad", k, dict(dtype=bf16, shared=True, pad=True,

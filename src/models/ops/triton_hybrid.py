@@ -85,10 +85,11 @@ FALLBACK_ERRORS: list[str] = []
 #: calls that ran the fused kernels (tests check that a path was taken, not only its result),
 #: the backward passes launched for dq, the window's dk / dv and the LA's dv (skipped when
 #: autograd does not ask for those gradients), the backwards whose per-query factors came
-#: from the forward's saved branches (``KernelConfig.save_branches``), and the LA state builds
-#: that went split (``KernelConfig.split_states``)
+#: from the forward's saved branches (``KernelConfig.save_branches``), the LA state builds
+#: that went split (``KernelConfig.split_states``), and the backwards that took the forward's
+#: LA states instead of building them again (saved with the branches)
 CALLS = {"forward": 0, "dq_pass": 0, "dkv_swa": 0, "dv_la": 0, "factors_from_saved": 0,
-         "split_states": 0}
+         "split_states": 0, "states_from_forward": 0}
 
 
 @dataclass(frozen=True)
@@ -113,9 +114,12 @@ class KernelConfig:
     #: dtype) when a backward will follow, and the backward's per-query factors read
     #: SWA_t . dO_t and LA_t . dO_t from them instead of recomputing both branches (as flash
     #: attention's rowsum(dO o O)): without dq (stage 1) the dq kernel then does no matrix
-    #: products at all. Costs two outputs' memory until the backward, and under activation
-    #: checkpointing (stage 2) two more writes per layer (the discarded first forward runs with
-    #: grad on and stores them too). On since measured (2026-12-02, one H200, 8 x 1k, one run):
+    #: products at all. The forward's LA states are kept too (since 2026-12-02's sixth session,
+    #: not yet timed: the backward then does not build them again; (B, Hkv, T / state_chunk,
+    #: F, D) in the input dtype, 34 MB a layer at 8 x 1k on the 8B shape). Costs that memory
+    #: until the backward, and under activation checkpointing (stage 2) more writes per layer
+    #: (the discarded first forward runs with grad on and stores them too). On since measured
+    #: (2026-12-02, one H200, 8 x 1k, one run):
     #: the kernel's fwd + bwd 3.41 vs 3.86 ms, the stage-1 call 2.60 vs 2.77, the
     #: ``hybrid_output_mse`` step 346 vs 355 ms; stage 2's LoRA step 982 vs 966 ms (within the
     #: run-to-run spread of that row); benchmarks/results/h200_2026-12-02b/README.md.
@@ -976,8 +980,8 @@ def _fc(cfg: KernelConfig, F: int) -> int:
 
 def _forward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, *, window, scale, eps,
              has_swa, has_la, shared, cfg: KernelConfig, save: bool = False):
-    """(out, lse, den, swa_o, la_o): the branches' outputs (B H, T, D) only with ``save``
-    (else ``None``)."""
+    """(out, lse, den, swa_o, la_o, states): the branches' outputs (B H, T, D) and the LA
+    states ``(S, z, u, state_chunk)`` only with ``save`` (else ``None``), for the backward."""
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     F = fq.shape[-1]
@@ -1000,18 +1004,21 @@ def _forward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, *, window
                D=D, F=F, FC=_fc(cfg, F), BM=cfg.block_m, BN=cfg.block_n, CS=cfg.state_chunk,
                HAS_SWA=has_swa, HAS_LA=has_la, SHARED=shared, HAS_KPM=kpm_i8 is not None,
                PREC=_prec(q.dtype), SAVE=save, num_warps=cfg.warps, num_stages=cfg.stages)
-    return o, lse, den, swa_o, la_o
+    states = (S, z, vs, cfg.state_chunk) if save and has_la else None
+    return o, lse, den, swa_o, la_o, states
 
 
 def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse, den, *, window,
               scale, eps, has_swa, has_la, shared, cfg: KernelConfig,
-              need: tuple[bool, bool, bool] = (True, True, True), swa_o=None, la_o=None):
+              need: tuple[bool, bool, bool] = (True, True, True), swa_o=None, la_o=None,
+              states=None):
     """The gradients; ``need`` says which of dq, dk, dv autograd asks for: the passes that
     only serve the others are skipped (stage 1 trains the feature maps on the teacher's
     detached q, k, v: no dq pass, no window dk / dv kernel, no dv programs) and those come
     back ``None``. ``swa_o`` / ``la_o``: the branches' outputs the forward saved
     (``KernelConfig.save_branches``), read instead of recomputing the branches for the
-    per-query factors."""
+    per-query factors. ``states``: the forward's LA states ``(S, z, u, state_chunk)``, used
+    when this config's state chunk is theirs (a retry with other tiles builds its own)."""
     need_dq, need_dk, need_dv = need
     from_saved = (swa_o is not None or not has_swa) and (la_o is not None or not has_la)
     B, H, T, D = q.shape
@@ -1025,7 +1032,11 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
     kpm = _ptr(kpm_i8, lse)
     has_kpm = kpm_i8 is not None
     prec = _prec(q.dtype)
-    if has_la:
+    if has_la and states is not None and states[3] == cfg.state_chunk:
+        S, z, vs = states[:3]
+        NC = S.shape[2]
+        CALLS["states_from_forward"] += 1
+    elif has_la:
         S, z, vs, NC = _la_states(fk, v, kpm_i8, cfg)
     else:
         S, z, NC = dummy, torch.empty(1, **f32), 1
@@ -1140,13 +1151,15 @@ class _HybridFn(torch.autograd.Function):
                 eps, has_swa, has_la, shared, cfg, save):
         key = (q.dtype, q.shape[-1], fq.shape[-1], has_swa, has_la, shared, kpm_i8 is not None,
                save)
-        o, lse, den, swa_o, la_o = _with_retry("forward", key, cfg, lambda c: _forward(
+        o, lse, den, swa_o, la_o, states = _with_retry("forward", key, cfg, lambda c: _forward(
             q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, window=window, scale=scale,
             eps=eps, has_swa=has_swa, has_la=has_la, shared=shared, cfg=c,
             save=save and c.save_branches))  # (the retry's SAFE_CONFIG saves nothing)
         ctx.saved_branches = (swa_o is not None, la_o is not None)
+        ctx.states_chunk = None if states is None else states[3]
         ctx.save_for_backward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, lse, den,
                               *(x for x in (swa_o, la_o) if x is not None),
+                              *(() if states is None else states[:3]),
                               *(() if kpm_i8 is None else (kpm_i8,)))
         ctx.args = dict(window=window, scale=scale, eps=eps, has_swa=has_swa, has_la=has_la,
                         shared=shared, cfg=cfg)
@@ -1158,6 +1171,9 @@ class _HybridFn(torch.autograd.Function):
         q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, lse, den, *rest = ctx.saved_tensors
         swa_o = rest.pop(0) if ctx.saved_branches[0] else None
         la_o = rest.pop(0) if ctx.saved_branches[1] else None
+        states = None
+        if ctx.states_chunk is not None:
+            states = (rest.pop(0), rest.pop(0), rest.pop(0), ctx.states_chunk)
         kpm_i8 = rest[0] if ctx.has_kpm else None
         a = ctx.args
         do = do if do.stride(-1) == 1 else do.contiguous()
@@ -1170,7 +1186,8 @@ class _HybridFn(torch.autograd.Function):
         try:
             dq, dk, dv, dfq, dfk, dpa, dpb = _with_retry("backward", key, a["cfg"], lambda c: (
                 _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
-                          den, cfg=c, need=need, swa_o=swa_o, la_o=la_o, **args)))
+                          den, cfg=c, need=need, swa_o=swa_o, la_o=la_o, states=states,
+                          **args)))
         except errors() as e:  # a Triton resource / compile failure: say so, stay right
             FALLBACK_ERRORS.append(f"backward: {type(e).__name__}: {e}"[:500])
             warn_once(__name__, f"fused hybrid backward failed in Triton ({type(e).__name__}); "
