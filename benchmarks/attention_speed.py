@@ -471,7 +471,7 @@ TUNE_CONFIGS = {  # None: default_config (D=128: fwd 64x64 w8, bwd 64x32 w8, f_c
 }
 
 
-def tune(L: Layer, B, T, log) -> list[dict]:
+def tune(L: Layer, B, T, log, names: list[str] | None = None) -> list[dict]:
     """The fused kernel alone (precomputed feature maps, fixed g) under a few tile configs."""
     from hedgecats.models.ops import triton_hybrid as th
 
@@ -483,6 +483,8 @@ def tune(L: Layer, B, T, log) -> list[dict]:
     out_rows = []
     want = want_grads = None
     for name, cfg in TUNE_CONFIGS.items():
+        if names is not None and name not in names:
+            continue
         row = {"B": B, "T": T, "config": name, "tiles": cfg}
         try:
             conf = th.default_config(D, L.F, L.q.dtype) if cfg is None else th.KernelConfig(**cfg)
@@ -704,6 +706,9 @@ def main(argv=None) -> int:
                    "(e.g. '^(teacher|swa|hybrid fixed|lolcats T x T fixed)( fwd)?$')")
     p.add_argument("--tune", action="store_true", help="also time tile configs of the kernel")
     p.add_argument("--tune-shapes", default="8x1024,1x65536", help="BxT list for --tune")
+    p.add_argument("--tune-configs", default=None,
+                   help="comma-separated names of TUNE_CONFIGS for --tune (default: all; each "
+                        "compiles its kernels anew: the whole sweep outlasted 200 s at 8 x 1k)")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--summary", default=None, help="default <out>/summary.json")
     p.add_argument("--tiny", action="store_true",
@@ -712,6 +717,10 @@ def main(argv=None) -> int:
     p.add_argument("--plot", metavar="JSON", default=None,
                    help="only draw attention_speed.png in --out from an attention_speed.json")
     a = p.parse_args(argv)
+    unknown = set((a.tune_configs or "").split(",")) - set(TUNE_CONFIGS) - {""}
+    if unknown:
+        p.error(f"--tune-configs: no such config {', '.join(sorted(unknown))}; choose from "
+                f"{', '.join(TUNE_CONFIGS)}")
     if a.plot:
         out = Path(a.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -786,11 +795,12 @@ def main(argv=None) -> int:
     # tile configurations last: each compiles its kernels anew, and the rows above come first
     if a.tune and backends.available("triton"):
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[a.dtype]
+        names = None if a.tune_configs is None else a.tune_configs.split(",")
         for shape in a.tune_shapes.split(","):
             B, T = map(int, shape.split("x"))
             try:
                 L = Layer(B, T, a.heads, a.kv_heads, a.head_dim, a.window, dtype, a.projection)
-                res["tuning"].extend(tune(L, B, T, log))
+                res["tuning"].extend(tune(L, B, T, log, names))
                 del L
             except Exception as e:
                 res["tuning"].append({"B": B, "T": T, "config": "(shape)", "error": f"{e}"[:400]})
