@@ -42,7 +42,7 @@ def host_and_device_ms(fn, n: int = 20, sleep_ms: float = 200.0) -> dict:
         fn()
     host = (time.perf_counter() - t0) * 1e3 / n
     end.record()
-    busy = not end.query()  # the sleep still ran when the host finished: no launch gaps
+    busy = not start.query()  # the sleep still ran when the host finished: no launch gaps
     torch.cuda.synchronize()
     return dict(host_ms=round(host, 3), device_ms=round(start.elapsed_time(end) / n, 3),
                 host_ahead=bool(busy))

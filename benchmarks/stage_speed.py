@@ -149,8 +149,8 @@ def transfer_step(model, opt, ids, bench: Bench, objective: str, students=None):
             model(input_ids=ids, logits_to_keep=1)
     finally:
         set_attention_mode(model, observer=None)
-    if students is not None:
-        students.join()
+        if students is not None:
+            students.join()
     opt.step()
     opt.zero_grad(set_to_none=True)
     return torch.stack(losses).mean()

@@ -408,3 +408,35 @@ def test_one_vocabulary_of_modes_and_switches():
     ]:
         with pytest.raises(ValueError, match=match):
             call()
+
+
+def test_key_padding_mask_reduced_once_per_mask():
+    """Every layer of one forward gets the same 4D mask: it is reduced (and synced on) once;
+    the same tensor changed in place, another kv_len or an inference tensor is reduced again."""
+    from hedgecats.models import layer as L
+
+    calls = []
+    real_any = torch.Tensor.any
+
+    def counting_any(self, *a, **kw):
+        calls.append(1)
+        return real_any(self, *a, **kw)
+    mask = torch.zeros(2, 1, 5, 5)
+    mask[0, ..., :2] = torch.finfo(mask.dtype).min  # row 0: two padded keys
+    torch.Tensor.any = counting_any
+    try:
+        first = L._key_padding_mask(mask, 5)
+        assert first.tolist() == [[False, False, True, True, True], [True] * 5]
+        assert L._key_padding_mask(mask, 5) is first and len(calls) == 1
+        assert L._key_padding_mask(mask, 4).shape == (2, 4) and len(calls) == 2
+        mask[1, ..., 0] = torch.finfo(mask.dtype).min  # in place: the version moves
+        assert L._key_padding_mask(mask, 4)[1].tolist() == [False, True, True, True]
+        assert len(calls) == 3
+        with torch.inference_mode():
+            inf = torch.zeros(1, 1, 3, 3)
+            inf[..., 0] = torch.finfo(inf.dtype).min
+            for _ in range(2):
+                assert L._key_padding_mask(inf, 3).tolist() == [[False, True, True]]
+        assert len(calls) == 5
+    finally:
+        torch.Tensor.any = real_any

@@ -1,7 +1,11 @@
 """Stage 1 with ``overlap_student`` on a GPU: each layer's student on the side stream gives the
-same losses and gradients as in order (the same kernels on the same inputs, bitwise), and the
-side stream is really taken (lag 2 of 6 layers: the throttle is exercised). Marked ``gpu``; on
-the GPU machine: ``python -m pytest -q -m gpu tests/test_stage1_overlap_gpu.py``."""
+same losses and gradients as in order (the same kernels on the same inputs, bitwise), the side
+stream is really taken, and the throttle fires (lag 2 of 6 layers). Sleep kernels make the
+orderings matter: each student starts with ~10 ms of sleep on its stream (a missing ``join``
+would let the gradients be read unfinished) and each teacher attention with ~5 ms on the main
+stream before its q, k, v (a missing ``wait_stream`` would let the student read them unwritten).
+Marked ``gpu``; on the GPU machine: ``python -m pytest -q -m gpu
+tests/test_stage1_overlap_gpu.py``."""
 
 from __future__ import annotations
 
@@ -10,6 +14,8 @@ import pytest
 import torch
 from hedgecats.lightning_modules import AttentionTransfer
 from hedgecats.lightning_modules.tiny import save_tiny_llama
+from hedgecats.models.checkpoint import unwrap
+from hedgecats.models.ops.transfer import transfer_loss
 
 pytestmark = pytest.mark.gpu
 
@@ -23,12 +29,24 @@ def base(tmp_path_factory):
                                num_layers=6, num_heads=4, num_kv_heads=2, intermediate_size=256))
 
 
-def _losses_and_grads(base, objective, overlap, max_lag=2):
+def _cycles(ms: float) -> int:
+    return int(ms * 1e-3 * torch.cuda.get_device_properties(0).clock_rate * 1e3)
+
+
+def _losses_and_grads(base, objective, overlap, monkeypatch, max_lag=2):
+    from hedgecats.lightning_modules import stages
+
+    def slow_student(*a, **kw):
+        torch.cuda._sleep(_cycles(10))  # on the student's stream
+        return transfer_loss(*a, **kw)
+    monkeypatch.setattr(stages, "transfer_loss", slow_student)
     torch.manual_seed(0)
     m = AttentionTransfer(base, hybrid={"window": 16}, objective=objective, torch_dtype="bfloat16",
                           overlap_student=overlap, overlap_max_lag=max_lag)
     m.configure_model()
     m.to("cuda")
+    for layer in unwrap(m.model).model.layers:  # the teacher's stream sleeps before each q, k, v
+        layer.self_attn.register_forward_pre_hook(lambda *_: torch.cuda._sleep(_cycles(5)))
     tr = pl.Trainer(accelerator="gpu", devices=1, max_steps=1, logger=False,
                     enable_checkpointing=False, enable_progress_bar=False)
     tr.strategy.connect(m)
@@ -42,11 +60,12 @@ def _losses_and_grads(base, objective, overlap, max_lag=2):
 
 
 @pytest.mark.parametrize("objective", ["weights_xent", "hybrid_output_mse"])
-def test_overlapped_students_give_the_in_order_numbers(base, objective):
-    _, want_l, want_g = _losses_and_grads(base, objective, overlap=False)
-    m, got_l, got_g = _losses_and_grads(base, objective, overlap=True)
+def test_overlapped_students_give_the_in_order_numbers(base, objective, monkeypatch):
+    _, want_l, want_g = _losses_and_grads(base, objective, False, monkeypatch)
+    m, got_l, got_g = _losses_and_grads(base, objective, True, monkeypatch)
     assert m._student_stream is not None and m._student_stream.stream is not None
     assert m._student_stream.stream != torch.cuda.current_stream()
+    assert m._student_stream.throttled == 6 - 2
     assert sorted(got_l) == sorted(want_l) and len(got_l) == 6
     bad = [i for i in want_l if not torch.equal(got_l[i], want_l[i])]
     bad += [n for n in want_g if not torch.equal(got_g[n], want_g[n])]

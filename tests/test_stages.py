@@ -118,6 +118,8 @@ def test_overlap_student_off_the_gpu_runs_in_order_with_the_same_numbers(base, c
                               overlap_student=overlap)
         m.configure_model()
         results.append(_layer_losses_and_grads(m, batch))
+        # the option took its path (on CPU: a StudentStream without a stream)
+        assert (m._student_stream is not None) == overlap
     (l0, g0), (l1, g1) = results
     assert all(torch.equal(l0[i], l1[i]) for i in LAYERS)
     assert all(torch.equal(g0[n], g1[n]) for n in g0)
@@ -129,6 +131,19 @@ def test_overlap_student_off_the_gpu_runs_in_order_with_the_same_numbers(base, c
     assert sum("needs a CUDA device" in r.getMessage() for r in caplog.records) == 1
     with pytest.raises(ValueError, match="overlap_max_lag"):
         AttentionTransfer(base, overlap_student=True, overlap_max_lag=0)
+
+
+def test_overlap_student_keeps_every_student_parameter_out_of_fsdp(base):
+    """FSDP2 frees a layer's gathered parameters after its forward; a student on the side stream
+    reads its layer's maps and mixer later, frozen ones too (train_mixer=False)."""
+    hyb = {**HYB, "mixer": "learned_head"}
+    for overlap in (False, True):
+        m = AttentionTransfer(base, hybrid=hyb, train_mixer=False, overlap_student=overlap)
+        m.configure_model()
+        names = {n for n, p in m.model.named_parameters() if p in m._fsdp_ignored()}
+        mixer = {n for n in _phi_names(mixer=True) if "logit_g" in n}
+        assert set(_phi_names()) <= names  # trained: always replicated
+        assert (mixer <= names) == overlap, names
 
 
 def test_hand_off_and_finetune_trainable_set(base, tmp_path):

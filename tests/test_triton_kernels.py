@@ -240,13 +240,22 @@ def test_fused_long_sequence_matches_reference():
 SAVED_SHAPE = (2, 8, 2, 300, 128, 256, 64)  # B, H, Hkv, T, D, F, window
 
 
+#: (option under test, its counter in triton_hybrid.CALLS and how much one call adds to it)
+OPTIONS = {"saved_branches": ("factors_from_saved", 1),
+           # the forward's states and the reverse ones (the backward reuses the forward's)
+           "split_states": ("split_states", 2)}
+
+
 @pytest.mark.parametrize("frozen", [False, True], ids=["all-grads", "stage1"])
 @pytest.mark.parametrize("shared", [False, True], ids=["fixed", "shared"])
-def test_saved_branches_match_recomputed(shared, frozen):
-    """``KernelConfig.save_branches`` (the backward's per-query factors from the forward's
-    stored SWA_t and LA_t) at the 8B head shape in bf16, GQA, padding, T not a multiple of the
-    tiles: output and every gradient against the fp32 ``kernel_reference`` within the same
-    tolerance as the recomputing default, and the saved path actually taken."""
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_kernel_options_match_the_reference(option, shared, frozen):
+    """The kernel's options at the 8B head shape in bf16, GQA, padding, T not a multiple of
+    the tiles, each on against off: ``save_branches`` (the backward's per-query factors from
+    the forward's stored SWA_t and LA_t) and ``split_states`` (the LA states from every
+    chunk's share and a running sum, forced on at this length, where the default walks):
+    output and every gradient against the fp32 ``kernel_reference`` within the tolerance the
+    option-off call meets, and the option's path actually taken."""
     import dataclasses
 
     th = _kernels()
@@ -275,24 +284,26 @@ def test_saved_branches_match_recomputed(shared, frozen):
         return {"out": out.detach().float(), **{n: x.grad.float() for n, x in zip(names, ins)
                                                 if n in trained and x.grad is not None}}
 
-    cfg = th.default_config(D, F, torch.bfloat16)
-    before = th.CALLS["factors_from_saved"]
+    base = dataclasses.replace(th.default_config(D, F, torch.bfloat16), save_branches=True,
+                               split_states=False)
+    on, off = (dataclasses.replace(base, **{option: flag}) for flag in (True, False))
+    counter, adds = OPTIONS[option]
+    before = th.CALLS[counter]
     got = grads(lambda *x: th.hybrid_kernel(*x[:5], *(t.float() for t in x[5:]), shift,
-                                            config=dataclasses.replace(cfg, save_branches=True),
-                                            **kw), torch.bfloat16)
-    assert th.CALLS["factors_from_saved"] == before + 1
+                                            config=on, **kw), torch.bfloat16)
+    assert th.CALLS[counter] == before + adds, (counter, th.CALLS[counter] - before)
     plain = grads(lambda *x: th.hybrid_kernel(*x[:5], *(t.float() for t in x[5:]), shift,
-                                              config=cfg, **kw), torch.bfloat16)
+                                              config=off, **kw), torch.bfloat16)
     want = grads(lambda *x: th.kernel_reference(*x, shift, **kw), torch.float32)
     errs = {n: rel_err(got[n], want[n]) for n in want if want[n].abs().max() > 0}
     errs_plain = {n: rel_err(plain[n], want[n]) for n in errs}
     case = f"{'shared' if shared else 'fixed'}-{'stage1' if frozen else 'all-grads'}"
-    report(test="saved_branches", case=case, shape=str(SAVED_SHAPE), dtype=str(torch.bfloat16),
+    report(test=option, case=case, shape=str(SAVED_SHAPE), dtype=str(torch.bfloat16),
            vs_fp32_oracle={n: float(f"{e:.2e}") for n, e in errs.items()},
-           recomputed_vs_fp32={n: float(f"{e:.2e}") for n, e in errs_plain.items()})
-    bad = {n: f"{e:.2e} (recomputed: {errs_plain[n]:.2e})" for n, e in errs.items()
+           option_off_vs_fp32={n: float(f"{e:.2e}") for n, e in errs_plain.items()})
+    bad = {n: f"{e:.2e} (option off: {errs_plain[n]:.2e})" for n, e in errs.items()
            if not (e < BF16_VS_ORACLE)}
-    assert not bad, f"saved branches vs the fp32 reference (tolerance {BF16_VS_ORACLE}): {bad}"
+    assert not bad, f"{option} vs the fp32 reference (tolerance {BF16_VS_ORACLE}): {bad}"
 
 
 # ----------------------------------------------------------------------------- routing

@@ -544,6 +544,10 @@ def cases(quick: bool = False):
         ("kernel-split-states-pad-shifts-shared", k, dict(
             T=150, window=40, per_bh_shift=True, pad=True, shared=True,
             cfg=dict(LONG_CHUNK, split_states=True))),
+        # D 32 over 16-wide state tiles: the programs with pid_d > 0 run
+        ("kernel-split-states-D32-two-tiles-pad-shifts", k, dict(
+            D=32, T=90, window=10, Hkv=1, pad=True, per_bh_shift=True, shared=True,
+            cfg=dict(SMALL, split_states=True))),
         # the default (split_states None) past SPLIT_STATES_MIN_CHUNKS: 19 chunks of 16
         ("kernel-auto-split-19-chunks-pad-shared", k, dict(T=300, window=20, pad=True,
                                                            shared=True, expect_split=True)),
@@ -610,7 +614,8 @@ def cases(quick: bool = False):
     ]
     if quick:
         keep = {"kernel-hybrid", "kernel-pad-shared", "kernel-tall-bwd-tiles", "layer-ssd-head-all", "xent-pad",
-                "xent-entry", "phi-softmax", "decode-pad-learned-head", "kernel-frozen-qkv"}
+                "xent-entry", "phi-softmax", "decode-pad-learned-head", "kernel-frozen-qkv",
+                "kernel-split-states-D32-two-tiles-pad-shifts"}
         out = [c for c in out if c[0] in keep]
     return [(cid, fn, kw, "bfloat16" if kw and kw.get("dtype") == bf16 else "float32")
             for cid, fn, kw in out]

@@ -379,8 +379,13 @@ class AttentionTransfer(HybridStage):
 
     def _fsdp_ignored(self) -> set[nn.Parameter]:
         # kept replicated: their gradients come from per-layer backward calls outside FSDP's
-        # hooks (the forward runs without grad), and are averaged by hand
-        return {p for p in self.model.parameters() if p.requires_grad}
+        # hooks (the forward runs without grad), and are averaged by hand. With overlap_student
+        # every parameter the student reads is, frozen ones too (a frozen mixer): FSDP2 frees a
+        # layer's gathered parameters when its forward ends, while the side stream may still
+        # read them up to overlap_max_lag layers later
+        student = (".phi_q.", ".phi_k.", ".mixer.") if self.hparams.overlap_student else ()
+        return {p for n, p in self.model.named_parameters()
+                if p.requires_grad or any(part in n for part in student)}
 
     def _ddp_model(self):
         strategy = self.trainer.strategy
@@ -448,9 +453,11 @@ class AttentionTransfer(HybridStage):
                         self.manual_backward(loss_scaled)
             losses[i] = loss.detach()
 
-        self._observe(batch, observer)
-        if students is not None:
-            students.join()  # the losses and gradients are read / stepped on this stream
+        try:
+            self._observe(batch, observer)
+        finally:  # also when a student raised: nothing of it may run on unordered
+            if students is not None:
+                students.join()  # the losses and gradients are read / stepped on this stream
         return losses, extras
 
     def _layer_health(self, batch: dict) -> dict[int, dict[str, torch.Tensor]]:

@@ -11,7 +11,8 @@ What it guarantees:
 - the side stream starts each layer after everything the current stream has queued (the
   layer's inputs, the last optimiser step's parameter update);
 - the inputs, allocated on the current stream, are not reused by it until the side stream is
-  done with them (``record_stream``);
+  done with them (``record_stream``); parameters the student reads must not be freed under it
+  either (``AttentionTransfer`` keeps them out of FSDP2's sharding when the option is on);
 - the side stream is at most ``max_lag`` layers behind: the current stream's next work waits
   for the layer ``max_lag`` back, which bounds the inputs held for it;
 - the same kernels run on the same inputs in the same order per layer: the results do not
@@ -42,6 +43,8 @@ class StudentStream:
         self.max_lag = max_lag
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._done: collections.deque = collections.deque()
+        #: layers whose launch made the current stream wait for a student max_lag back
+        self.throttled = 0
         if self.stream is None and "cpu" not in _WARNED:
             _WARNED.add("cpu")
             log.warning("overlap_student needs a CUDA device (here: %s): the students run in "
@@ -56,6 +59,7 @@ class StudentStream:
         main = torch.cuda.current_stream(self.stream.device)
         if len(self._done) >= self.max_lag:
             main.wait_event(self._done.popleft())
+            self.throttled += 1
         self.stream.wait_stream(main)
         for t in inputs:
             if isinstance(t, torch.Tensor) and t.is_cuda:

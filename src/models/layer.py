@@ -22,6 +22,7 @@ here is in the state dict, so checkpoints hold only the weights of ``phi_q`` / `
 from __future__ import annotations
 
 import functools
+import weakref
 import logging
 from dataclasses import field, fields, make_dataclass
 
@@ -79,16 +80,33 @@ LayerRuntime.__doc__ = ("The switches of one converted layer: ``layer_idx``, Hyb
 
 
 # ----------------------------------------------------------------------------- attention function
+#: the last mask ``_key_padding_mask`` reduced: (weak reference, version, kv_len, result). Every
+#: layer of one forward gets the same 4D mask; reducing it once spares the other layers the
+#: T x T reduction and a host sync each (``bool(kpm.all())``), which kept the host from running
+#: ahead of the GPU (and would hold stage 1's side-stream students back)
+_KPM_LAST: list = [None]
+
+
 def _key_padding_mask(attention_mask: torch.Tensor | None, kv_len: int) -> torch.Tensor | None:
     """(B, Tk) bool from transformers' 4D mask: a key is real if some query may attend to it
-    (each real key is visible at least to itself). ``None`` when there is no mask."""
+    (each real key is visible at least to itself). ``None`` when there is no mask. The same
+    mask tensor (unchanged since: its version) at the same ``kv_len`` is reduced once
+    (inference-mode tensors have no version: theirs are reduced every time)."""
     if attention_mask is None or attention_mask.dim() != 4:
         return None
+    version = None if attention_mask.is_inference() else attention_mask._version
+    last = _KPM_LAST[0]
+    if version is not None and last is not None and last[0]() is attention_mask and \
+            last[1] == version and last[2] == kv_len:
+        return last[3]
     m = attention_mask[..., :kv_len]
     if m.dtype != torch.bool:
         m = m > torch.finfo(m.dtype).min / 2
     kpm = m.any(dim=-2)[:, 0]  # (B, Tk)
-    return None if bool(kpm.all()) else kpm
+    result = None if bool(kpm.all()) else kpm
+    _KPM_LAST[0] = None if version is None else (weakref.ref(attention_mask), version, kv_len,
+                                                  result)
+    return result
 
 
 def _with_window(attention_mask, query, key, window: int | None):
