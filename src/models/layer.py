@@ -22,8 +22,8 @@ here is in the state dict, so checkpoints hold only the weights of ``phi_q`` / `
 from __future__ import annotations
 
 import functools
-import weakref
 import logging
+import weakref
 from dataclasses import field, fields, make_dataclass
 
 import torch
