@@ -190,13 +190,13 @@ def kernel_case(cid, *, B=2, H=4, Hkv=2, T=50, D=16, window=8, shift=None, share
     return {**errors(got, want), **flags}
 
 
-def saved_branches_read_case(cid):
-    """The backward with ``save_branches`` reads the forward's stored branches (the launch
-    counters only say which path was chosen): halving the stored SWA_t and LA_t must move every
-    gradient that depends on SWA_t . dO_t or LA_t . dO_t (dq, dk, dfq, dfk, the mixer's; not dv)."""
+def _grads_with_forward_poisoned(poison, T: int):
+    """The fused kernel's gradients (q, k, v, fq, fk, ca, cb) at a small shape with the saved
+    branches on, clean and with ``poison`` applied to what the forward hands the backward
+    (``_forward``'s result tuple in, a changed tuple out)."""
     from hedgecats.models.ops import triton_hybrid as th
 
-    q, k, v, fq, fk, do, g = _inputs(2, 4, 2, 50, 16, torch.float32, 0, "rand")
+    q, k, v, fq, fk, do, g = _inputs(2, 4, 2, T, 16, torch.float32, 0, "rand")
     ca, cb, logs = torch.rand(2, 4, generator=g), torch.rand(2, 4, generator=g), \
         torch.randn(2, 4, generator=g)
     sh = torch.full((2, 4), 8, dtype=torch.int32)
@@ -211,19 +211,29 @@ def saved_branches_read_case(cid):
 
     clean = grads()
     forward = th._forward
-
-    def poisoned(*a, **kw):
-        o, lse, den, swa_o, la_o, states = forward(*a, **kw)
-        return o, lse, den, swa_o * 0.5, la_o * 0.5, states
-
-    th._forward = poisoned
+    th._forward = lambda *a, **kw: poison(forward(*a, **kw))
     try:
         bad = grads()
     finally:
         th._forward = forward
-    out = {f"{n}_moved_ok": rel(bad[n], clean[n]) > 1e-2 for n in names if n != "dv"}
-    out["dv_unmoved_ok"] = rel(bad["dv"], clean["dv"]) < 1e-6
-    return {n: 0.0 if ok else float("inf") for n, ok in out.items()}
+    return clean, bad
+
+
+def _flags(ok: dict) -> dict:
+    return {n: 0.0 if good else float("inf") for n, good in ok.items()}
+
+
+def saved_branches_read_case(cid):
+    """The backward with ``save_branches`` reads the forward's stored branches (the launch
+    counters only say which path was chosen): halving the stored SWA_t and LA_t must move every
+    gradient that depends on SWA_t . dO_t or LA_t . dO_t (dq, dk, dfq, dfk, the mixer's; not dv)."""
+    def halve_branches(res):
+        o, lse, den, swa_o, la_o, states = res
+        return o, lse, den, swa_o * 0.5, la_o * 0.5, states
+    clean, bad = _grads_with_forward_poisoned(halve_branches, T=50)
+    ok = {f"{n}_moved_ok": rel(bad[n], clean[n]) > 1e-2 for n in clean if n != "dv"}
+    ok["dv_unmoved_ok"] = rel(bad["dv"], clean["dv"]) < 1e-6
+    return _flags(ok)
 
 
 def saved_states_read_case(cid):
@@ -231,36 +241,12 @@ def saved_states_read_case(cid):
     must move dfq, the one gradient that reads them (with the saved branches the per-query
     factors come from LA_t itself, and dq, dk, dv, dfk from the window, the keys near their
     block and the reverse states), and leave dq alone."""
-    from hedgecats.models.ops import triton_hybrid as th
-
-    q, k, v, fq, fk, do, g = _inputs(2, 4, 2, 70, 16, torch.float32, 0, "rand")
-    ca, cb, logs = torch.rand(2, 4, generator=g), torch.rand(2, 4, generator=g), \
-        torch.randn(2, 4, generator=g)
-    sh = torch.full((2, 4), 8, dtype=torch.int32)
-    cfg = th.KernelConfig(**SMALL, save_branches=True)
-    names = ["dq", "dk", "dv", "dfq", "dfk", "dca", "dcb"]
-
-    def grads():
-        ins = [t.clone().requires_grad_() for t in (q, k, v, fq, fk, ca, cb, logs)]
-        out = th.hybrid_kernel(*ins, sh, window=8, scale=16 ** -0.5, eps=0.3, config=cfg)
-        out.backward(do)
-        return dict(zip(names, (x.grad for x in ins)))
-
-    clean = grads()
-    forward = th._forward
-
-    def poisoned(*a, **kw):
-        o, lse, den, swa_o, la_o, (S, z, u, cs) = forward(*a, **kw)
+    def halve_states(res):
+        o, lse, den, swa_o, la_o, (S, z, u, cs) = res
         return o, lse, den, swa_o, la_o, (S * 0.5, z, u, cs)
-
-    th._forward = poisoned
-    try:
-        bad = grads()
-    finally:
-        th._forward = forward
-    out = {"dfq_moved_ok": rel(bad["dfq"], clean["dfq"]) > 1e-2,
-           "dq_unmoved_ok": rel(bad["dq"], clean["dq"]) < 1e-6}
-    return {n: 0.0 if ok else float("inf") for n, ok in out.items()}
+    clean, bad = _grads_with_forward_poisoned(halve_states, T=70)
+    return _flags({"dfq_moved_ok": rel(bad["dfq"], clean["dfq"]) > 1e-2,
+                   "dq_unmoved_ok": rel(bad["dq"], clean["dq"]) < 1e-6})
 
 
 def layer_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=45, D=16, window=8, dtype=torch.float32,
