@@ -1149,8 +1149,10 @@ class _HybridFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, window, scale,
                 eps, has_swa, has_la, shared, cfg, save):
+        # the state path is part of the problem: a split build that fails to compile at long T
+        # must not send short calls (which walk) down the retry chain
         key = (q.dtype, q.shape[-1], fq.shape[-1], has_swa, has_la, shared, kpm_i8 is not None,
-               save)
+               save, use_split_states(cfg, triton.cdiv(q.shape[2], cfg.state_chunk)))
         o, lse, den, swa_o, la_o, states = _with_retry("forward", key, cfg, lambda c: _forward(
             q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, window=window, scale=scale,
             eps=eps, has_swa=has_swa, has_la=has_la, shared=shared, cfg=c,
@@ -1181,7 +1183,8 @@ class _HybridFn(torch.autograd.Function):
             do = do.to(q.dtype)
         need = tuple(ctx.needs_input_grad[:3])  # dq, dk, dv
         key = (q.dtype, q.shape[-1], fq.shape[-1], a["has_swa"], a["has_la"], a["shared"],
-               kpm_i8 is not None, swa_o is not None or la_o is not None, need)
+               kpm_i8 is not None, swa_o is not None or la_o is not None, need,
+               use_split_states(a["cfg"], triton.cdiv(q.shape[2], a["cfg"].state_chunk)))
         args = {n: x for n, x in a.items() if n != "cfg"}
         try:
             dq, dk, dv, dfq, dfk, dpa, dpb = _with_retry("backward", key, a["cfg"], lambda c: (
