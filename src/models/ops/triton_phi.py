@@ -146,24 +146,20 @@ def _du_buffer(x: torch.Tensor, FH: int):
     F/2) and both copied into (H, ., B T) first (what every layout did until 2026-12-02: the copy
     of x was a strided transpose, the largest PyTorch kernel of the layer's backward)."""
     B, H, T, D = x.shape
-    if x.transpose(1, 2).is_contiguous():
-        du = torch.empty(H, B, T, FH, device=x.device, dtype=x.dtype).permute(1, 0, 2, 3)
 
-        def reduce_dw(x, du):
-            xs = x.transpose(1, 2).reshape(B * T, H, D).permute(1, 2, 0)  # (H, D, B T), a view
-            return torch.bmm(xs, du.permute(1, 0, 2, 3).reshape(H, B * T, FH))
-        return du, reduce_dw
-    du = torch.empty(B, H, T, FH, device=x.device, dtype=x.dtype)
-    if x.is_contiguous():
-        def reduce_dw(x, du):
-            per_bh = torch.bmm(x.view(B * H, T, D).transpose(1, 2), du.view(B * H, T, FH))
-            return per_bh.view(B, H, D, FH).sum(0, dtype=torch.float32)
-        return du, reduce_dw
-
-    def reduce_dw(x, du):
+    def heads_first(x, du):  # (H, D, B T) x (H, B T, F/2): views where the layouts allow
         xs = x.permute(1, 3, 0, 2).reshape(H, D, B * T)
         return torch.bmm(xs, du.permute(1, 0, 2, 3).reshape(H, B * T, FH))
-    return du, reduce_dw
+    if x.transpose(1, 2).is_contiguous():
+        du = torch.empty(H, B, T, FH, device=x.device, dtype=x.dtype).permute(1, 0, 2, 3)
+        return du, heads_first
+    du = torch.empty(B, H, T, FH, device=x.device, dtype=x.dtype)
+    if x.is_contiguous():
+        def per_head_row(x, du):
+            per_bh = torch.bmm(x.view(B * H, T, D).transpose(1, 2), du.view(B * H, T, FH))
+            return per_bh.view(B, H, D, FH).sum(0, dtype=torch.float32)
+        return du, per_head_row
+    return du, heads_first
 
 
 class _PhiFn(torch.autograd.Function):
