@@ -70,3 +70,31 @@ def test_overlapped_students_give_the_in_order_numbers(base, objective, monkeypa
     bad = [i for i in want_l if not torch.equal(got_l[i], want_l[i])]
     bad += [n for n in want_g if not torch.equal(got_g[n], want_g[n])]
     assert not bad, f"overlap changed these losses / gradients: {bad}"
+
+
+def test_overlap_through_fit_trains_what_in_order_trains(base, monkeypatch, tmp_path):
+    """The recipes' path: ``Trainer.fit`` on the GPU, two steps, the feature maps trained with
+    the students on the side stream bitwise as in order (slow students: see the module doc)."""
+    from hedgecats.lightning_modules import RecallDataModule, stages
+
+    def slow_student(*a, **kw):
+        torch.cuda._sleep(_cycles(10))
+        return transfer_loss(*a, **kw)
+    monkeypatch.setattr(stages, "transfer_loss", slow_student)
+    trained = []
+    for overlap in (False, True):
+        pl.seed_everything(0)
+        m = AttentionTransfer(base, hybrid={"window": 16}, torch_dtype="bfloat16",
+                              overlap_student=overlap, overlap_max_lag=2)
+        dm = RecallDataModule(seq_len=256, window=16, far_min=40, far_max=200, num_train=16,
+                              num_val=4, num_test=4, batch_size=4)
+        pl.Trainer(accelerator="gpu", devices=1, max_steps=2, default_root_dir=str(tmp_path),
+                   logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                   enable_model_summary=False, limit_val_batches=0,
+                   num_sanity_val_steps=0).fit(m, datamodule=dm)
+        trained.append({n: p.detach().clone() for n, p in m.model.named_parameters()
+                        if p.requires_grad})
+        if overlap:
+            assert m._student_stream is not None and m._student_stream.stream is not None
+    bad = [n for n in trained[0] if not torch.equal(trained[0][n], trained[1][n])]
+    assert not bad, f"overlap changed these trained parameters: {bad}"

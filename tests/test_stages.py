@@ -133,6 +133,21 @@ def test_overlap_student_off_the_gpu_runs_in_order_with_the_same_numbers(base, c
         AttentionTransfer(base, overlap_student=True, overlap_max_lag=0)
 
 
+def test_overlap_student_through_fit_trains_what_in_order_trains(base, tmp_path):
+    """The path a recipe takes (``Trainer.fit`` with ``overlap_student: true``): two steps give
+    the feature maps the in-order run gives (on CPU the students run in order; the GPU test
+    tests/test_stage1_overlap_gpu.py does the same with the side stream)."""
+    trained = []
+    for overlap in (False, True):
+        pl.seed_everything(0)
+        m = AttentionTransfer(base, hybrid=HYB, overlap_student=overlap)
+        _trainer(tmp_path / str(overlap), steps=2).fit(m, datamodule=_dm())
+        trained.append({n: p.detach().clone() for n, p in m.model.named_parameters()
+                        if p.requires_grad})
+    assert trained[0].keys() == trained[1].keys()
+    assert all(torch.equal(trained[0][n], trained[1][n]) for n in trained[0])
+
+
 def test_overlap_student_keeps_every_student_parameter_out_of_fsdp(base):
     """FSDP2 frees a layer's gathered parameters after its forward; a student on the side stream
     reads its layer's maps and mixer later, frozen ones too (train_mixer=False)."""

@@ -312,7 +312,8 @@ class AttentionTransfer(HybridStage):
         health_batches, max_rel_err, max_den_collapsed: the end-of-stage check (above).
         overlap_student: run each layer's student (loss and backward) on a CUDA side stream
             beside the teacher forward (``StudentStream``; at most ``overlap_max_lag`` layers
-            behind): the same kernels on the same inputs, so the same numbers; off the GPU it
+            behind): the same kernels on the same inputs (the GPU test comparing the numbers
+            bitwise, tests/test_stage1_overlap_gpu.py, has not run yet); off the GPU it
             runs in order and says so once. Off by default until measured on a GPU (its
             prediction: benchmarks/README.md, session 6).
         activation_checkpointing: must stay ``False``: stage 1 has nothing to checkpoint

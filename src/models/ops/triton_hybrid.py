@@ -482,11 +482,11 @@ if HAVE_TRITON:
                 SHARED: tl.constexpr, HAS_KPM: tl.constexpr, PREC: tl.constexpr,
                 NEED_DQ: tl.constexpr, FROM_SAVED: tl.constexpr):
         """dq of one query block (when NEED_DQ), and the per-query factors the other kernels
-        need: DELTA (the softmax row term, incl. the shared-norm lse gradient), WS (SWA weight), GF (dnum =
-        GF dO), DDEN (gradient of the LA denominator); PA, PB: this block's partial mixer
-        gradients (d c_A, d c_B; or d log s and 0 with SHARED). SWA_t . dO_t and LA_t . dO_t
-        come from recomputing both branches (first pass), or with FROM_SAVED from the branches'
-        outputs the forward stored (SWA_O, LA_O: (B H, T, D))."""
+        need: DELTA (the softmax row term, incl. the shared-norm lse gradient), WS (SWA
+        weight), GF (dnum = GF dO), DDEN (gradient of the LA denominator); PA, PB: this
+        block's partial mixer gradients (d c_A, d c_B; or d log s and 0 with SHARED). SWA_t .
+        dO_t and LA_t . dO_t come from recomputing both branches (first pass), or with
+        FROM_SAVED from the branches' outputs the forward stored (SWA_O, LA_O: (B H, T, D))."""
         LN2: tl.constexpr = 0.6931471805599453
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
@@ -919,7 +919,8 @@ def _state_tile(cfg: KernelConfig, heads: int, F: int, D: int) -> tuple[int, int
 
 #: measured on one H200 (2026-12-02, sixth session, profile_hybrid.py; Llama-3-8B heads, bf16):
 #: at 8 x 1k (8 chunks) the walks took 0.56 ms and the split 0.63 per fwd + bwd; at 1 x 64k (512
-#: chunks) the split took the layer from 38.6 to 30.1 ms. Where between them the split starts to
+#: chunks) the split took the layer from 38.6 to 30.1 ms (each pair from two calls, not one
+#: run; the teacher's rows agreed within 1%). Where between them the split starts to
 #: pay was not measured: 16 chunks (T 2k at state_chunk 128) is a guess
 SPLIT_STATES_MIN_CHUNKS = 16
 
