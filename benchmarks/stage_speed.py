@@ -36,7 +36,8 @@ optimiser step), peak memory over the timed steps.
 
 Results: ``stage_speed.json`` and ``stage_speed.md`` in ``--out``, and the issue's ratios in
 ``--summary`` (default ``<out>/summary.json``, merged with attention_speed's). ``--profile``
-adds a torch.profiler table of one fused-xent stage-1 step. Every row runs in its own try
+adds torch.profiler tables (top CUDA kernels) of one step each: the fused-xent stage 1 and, at
+the shortest length, stage 2 in hybrid and in softmax mode (where the LoRA gap goes). Every row runs in its own try
 block: a failure is a row with an ``error``.
 """
 
@@ -130,19 +131,24 @@ def transfer_step(model, opt, ids, bench: Bench, objective: str, students=None):
     ``AttentionTransfer(overlap_student=True)`` runs it."""
     layers = list(hybrid_layers(model))
     n = len(layers)
-    takes_hidden = "hidden_states" in inspect.signature(transfer.transfer_loss).parameters
+    params = inspect.signature(transfer.transfer_loss).parameters
+    takes_hidden = "hidden_states" in params
     losses = []
 
-    def observer(module, query, key, value, key_padding_mask, *rest):
+    def observer(module, query, key, value, key_padding_mask, *rest, teacher_output=None):
         side = contextlib.nullcontext() if students is None else students.layer(
-            query, key, value, key_padding_mask, *rest)
+            query, key, value, key_padding_mask, *rest, teacher_output)
         with side, torch.enable_grad():
             extra = {"hidden_states": rest[0] if rest else None} if takes_hidden else {}
+            if teacher_output is not None:
+                extra["teacher_output"] = teacher_output
             loss = _loss_of(transfer.transfer_loss(objective, module, query, key, value,
                                                    key_padding_mask, **extra))
             (loss / n).backward()
         losses.append(loss.detach())
 
+    # as AttentionTransfer: the output-MSE objectives take the teacher forward's own output
+    observer.wants_teacher_output = "teacher_output" in params and objective != "weights_xent"
     set_attention_mode(model, "softmax", observer=observer)
     try:
         with torch.no_grad(), bench.autocast():
@@ -279,7 +285,7 @@ def run(a, on_row=None) -> dict:
 
         return backends.available("triton")
 
-    profile = None
+    profile = []
     for T in (int(t) for t in a.seq_lens.split(",")):
         B = max(1, a.tokens // T)
         tokens = B * T
@@ -334,12 +340,13 @@ def run(a, on_row=None) -> dict:
                     return bench.measure(lambda: transfer_step(model, opt, ids, bench, objective,
                                                                students), tokens)
             attempt(name, T, fn)
-        if a.profile and profile is None and has_triton():
+        if a.profile and not profile and has_triton():
             from hedgecats.models.ops import triton_xent
 
             with patched(transfer, "weights_xent", triton_xent.weights_xent):
-                profile = profile_step(lambda: transfer_step(model, opt, ids, bench,
-                                                             "weights_xent"), T, bench)
+                profile.append(profile_step(lambda: transfer_step(model, opt, ids, bench,
+                                                                  "weights_xent"), T, bench,
+                                            "transfer/weights_xent [fused]"))
     # stage 2 on the same model: LoRA added once (it cannot be taken off)
     from hedgecats.models.checkpoint import add_lora
 
@@ -365,13 +372,18 @@ def run(a, on_row=None) -> dict:
                         return bench.measure(lambda: finetune_step(
                             peft_model, model, opt, ids, bench, "hybrid"), B * T)
                 attempt(f"finetune/hybrid [{tag}]", T, row)
+        if a.profile and T == min(int(t) for t in a.seq_lens.split(",")):
+            # where stage 2's gap to the softmax LoRA step goes, kernel by kernel
+            for mode in ("hybrid", "softmax"):
+                profile.append(profile_step(lambda mode=mode: finetune_step(
+                    peft_model, model, opt, ids, bench, mode), T, bench, f"finetune/{mode}"))
     return {"rows": rows, "build_s": round(build_s, 1), "profile": profile,
             "trainable": {"feature_maps": sum(p.numel() for p in phi),
                           "lora": sum(p.numel() for p in lora)}}
 
 
-def profile_step(step, T, bench: Bench):
-    """Where one stage-1 step's time goes (CUDA kernels, top 25)."""
+def profile_step(step, T, bench: Bench, name: str):
+    """Where one step's time goes (CUDA kernels, top 25)."""
     if not bench.cuda:
         return None
     step()
@@ -381,9 +393,9 @@ def profile_step(step, T, bench: Bench):
         step()
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
-    print(f"== profile of one fused weights_xent stage-1 step, T={T}\n{table}", flush=True)
+    print(f"== profile of one {name} step, T={T}\n{table}", flush=True)
     ev = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:25]
-    return {"T": T, "kernels": [{"name": e.key[:120], "cuda_ms": round(e.device_time_total / 1e3,
+    return {"name": name, "T": T, "kernels": [{"name": e.key[:120], "cuda_ms": round(e.device_time_total / 1e3,
                                                                        3), "calls": e.count}
                                 for e in ev]}
 
@@ -502,7 +514,8 @@ def main(argv=None) -> int:
     p.add_argument("--all-rows", action="store_true",
                    help="every stage-1 objective at every length (default: the MSE objectives "
                    "at the shortest only, hybrid_output_mse and the T x T student at all)")
-    p.add_argument("--profile", action="store_true", help="profile one fused-xent stage-1 step")
+    p.add_argument("--profile", action="store_true",
+                   help="profile one step each of: fused-xent stage 1, stage 2 hybrid, softmax")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--summary", default=None, help="default <out>/summary.json")
     a = p.parse_args(argv)

@@ -213,6 +213,32 @@ def test_observer_sees_qkv():
     assert seen == [(i, (2, 4, 11, 16), (2, 2, 11, 16)) for i in range(3)]
 
 
+def test_observer_that_wants_it_gets_the_teachers_output():
+    """An observer marked ``wants_teacher_output`` is called in softmax mode after the
+    attention, with its output (B, H, T, D): causal softmax of the q, k, v it sees; the model's
+    output is the same as without any observer."""
+    from hedgecats.models.ops.reference import repeat_kv
+
+    model = convert_to_hybrid(tiny(), HybridConfig(window=4))
+    x = ids(T=11)
+    set_attention_mode(model, "softmax")
+    with torch.no_grad():
+        plain = model(x).logits
+    seen = []
+
+    def observer(m, q, k, v, kpm, hidden, teacher_output=None):
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q, repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1]), is_causal=True)
+        seen.append((m.hedgecats.layer_idx, (teacher_output - want).abs().max().item()))
+
+    observer.wants_teacher_output = True
+    set_attention_mode(model, observer=observer)
+    with torch.no_grad():
+        observed = model(x).logits
+    assert [i for i, _ in seen] == [0, 1, 2] and max(e for _, e in seen) < 1e-5
+    torch.testing.assert_close(observed, plain, rtol=0, atol=0)
+
+
 # ----------------------------------------------------------------------------- errors
 def test_other_family_raises_before_building():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))

@@ -95,6 +95,26 @@ def test_per_layer_backward_equals_one_joint_backward(base):
                 torch.testing.assert_close(p.grad, per_layer[n], rtol=1e-4, atol=1e-7)
 
 
+def test_output_mse_objectives_take_the_teachers_own_output(base, monkeypatch):
+    """The output-MSE objectives compare with the attention output of the teacher's forward,
+    handed over by the layer, and never run softmax attention a second time per layer
+    (``weights_xent`` does not need it); the loss is the one computed from scratch (checked by
+    test_per_layer_backward_equals_one_joint_backward)."""
+    from hedgecats.models.ops import transfer
+
+    def second_softmax(*args, **kwargs):
+        raise AssertionError("the teacher's attention output was computed again")
+
+    for objective in ("la_output_mse", "hybrid_output_mse"):
+        m = AttentionTransfer(base, hybrid=HYB, objective=objective)
+        m.configure_model()
+        batch = next(iter(_dm(batch_size=2).val_dataloader()))
+        with monkeypatch.context() as mp:
+            mp.setattr(transfer, "_teacher_output", second_softmax)
+            losses, _ = _layer_losses_and_grads(m, batch)
+        assert sorted(losses) == list(LAYERS) and all(torch.isfinite(v) for v in losses.values())
+
+
 def _layer_losses_and_grads(m, batch):
     tr = _trainer("/tmp", steps=1)
     tr.strategy.connect(m)  # manual_backward needs a trainer

@@ -315,3 +315,29 @@ def test_transfer_loss_takes_the_fused_xent_only_when_enabled_on_cuda(monkeypatc
     want = weights_xent(q, k, phi_q(q), phi_k(k), eps=1e-6)
     torch.testing.assert_close(loss, want)
     assert extras["kl"] >= 0
+
+
+def test_masked_mse_reference_counts_real_rows_only_and_never_sees_their_nan():
+    """The output-MSE loss over real queries only: a padded teacher row holding NaN (what a
+    fully masked SDPA row may hold) reaches neither the loss nor the student's gradient, and
+    the value is the plain mean over the real rows."""
+    from hedgecats.models.ops.transfer import masked_mse_reference
+
+    g = torch.Generator().manual_seed(0)
+    B, H, T, D = 2, 3, 9, 4
+    s = torch.randn(B, H, T, D, generator=g, requires_grad=True)
+    t = torch.randn(B, H, T, D, generator=g)
+    kpm = torch.ones(B, T, dtype=torch.bool)
+    kpm[0, :3] = False
+    t_nan = t.masked_fill(~kpm[:, None, :, None], float("nan"))
+    loss = masked_mse_reference(s, t_nan, kpm)
+    loss.backward()
+    real = kpm[:, None, :, None].expand(B, H, T, D)
+    want = (s.detach() - t)[real].pow(2).mean()
+    torch.testing.assert_close(loss, want)
+    assert torch.isfinite(s.grad).all() and (s.grad[~real] == 0).all()
+    torch.testing.assert_close(s.grad[real], 2 * (s.detach() - t)[real] / real.sum())
+    # all padding: 0, not 0 / 0
+    assert masked_mse_reference(s, t_nan, torch.zeros(B, T, dtype=torch.bool)).item() == 0.0
+    # no mask: the plain mean
+    torch.testing.assert_close(masked_mse_reference(s, t, None), (s - t).pow(2).mean())

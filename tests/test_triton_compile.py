@@ -197,3 +197,14 @@ def test_decode_kernels_compile_for_sm90(dtype):
     else:
         assert r["spill"] <= MAX_SPILL, r
 
+
+
+def test_output_mse_kernels_compile_for_sm90():
+    """ops.triton_mse at the 8B head dim: both kernels compile without spills."""
+    from hedgecats.models.ops import triton_mse as tm
+
+    ptrs = {"S": "*bf16", "TT": "*bf16", "KPM": "*i8", "PART": F32, "C": F32, "DS": "*bf16"}
+    for name, fn in (("mse_fwd", tm._mse_fwd), ("mse_bwd", tm._mse_bwd)):
+        r = compile_report(fn, ptrs, dict(D=128, BD=128, BT=tm.ROWS, HAS_KPM=True), (), 4, 1)
+        print(f"{name} D128: {r}")
+        assert r["spill"] == 0, (name, r)

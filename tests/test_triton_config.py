@@ -22,6 +22,7 @@ def test_states_split_past_the_threshold_only_by_default():
     assert not th.use_split_states(cfg, 8)  # 8 x 1k at state_chunk 128: the walk measured faster
     assert not th.use_split_states(cfg, n)
     assert th.use_split_states(cfg, n + 1)
+    assert th.use_split_states(cfg, 16)  # 4 x 2k: the split measured 13% faster (fwd + bwd)
     assert th.use_split_states(cfg, 512)  # 64k: the split measured 22% faster per layer
     forced = {b: dataclasses.replace(cfg, split_states=b) for b in (True, False)}
     assert all(th.use_split_states(forced[True], nc) for nc in (1, 8, 512))

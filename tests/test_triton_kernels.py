@@ -241,7 +241,7 @@ SAVED_SHAPE = (2, 8, 2, 300, 128, 256, 64)  # B, H, Hkv, T, D, F, window
 
 
 #: (option under test, its counter in triton_hybrid.CALLS and how much one call adds to it)
-OPTIONS = {"saved_branches": ("factors_from_saved", 1),
+OPTIONS = {"save_branches": ("factors_from_saved", 1),
            # the forward's states and the reverse ones (the backward reuses the forward's)
            "split_states": ("split_states", 2)}
 
@@ -531,3 +531,59 @@ def test_fused_feature_map(shape_id, activation):
     bad = {n: f"{e:.2e} (module {module_vs_oracle[n]:.2e})" for n, e in vs_oracle.items()
            if not (e < 1e-2 or e <= 1.25 * module_vs_oracle[n])}
     assert not bad, f"fused feature map vs the fp32 map: {bad}"
+
+
+# ----------------------------------------------------------------------------- output MSE
+MSE_CASES = {  # B, H, T, D, padding, teacher in SDPA's (B, T, H, D) memory layout
+    "8b-heads-T1024-pad-sdpa-layout": (2, 32, 1024, 128, True, True),
+    "T300-D64": (2, 8, 300, 64, False, False),
+    "T37-D96-pad": (3, 4, 37, 96, True, False),
+}
+
+
+@pytest.mark.parametrize("case", list(MSE_CASES))
+@pytest.mark.parametrize("dt", ["bf16", "fp32"])
+def test_output_mse_matches_reference(case, dt):
+    """ops.triton_mse.masked_mse (the output-MSE objectives' loss) against
+    transfer.masked_mse_reference in fp32 on the same inputs: loss and both tensors'
+    gradients; padded teacher rows NaN (what a fully masked SDPA row may hold) reach neither."""
+    from hedgecats.models.ops import triton_mse as tm
+
+    if not backends.available("triton"):
+        pytest.skip("triton not available")
+    B, H, T, D, pad, sdpa_layout = MSE_CASES[case]
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dt]
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    s0 = torch.randn(B, H, T, D, device=DEVICE, generator=gen).to(dtype)
+    t0 = (s0.float() + 0.2 * torch.randn(B, H, T, D, device=DEVICE, generator=gen)).to(dtype)
+    if sdpa_layout:
+        t0 = t0.transpose(1, 2).contiguous().transpose(1, 2)
+    kpm = None
+    if pad:
+        kpm = torch.ones(B, T, dtype=torch.bool, device=DEVICE)
+        kpm[0, : T // 5] = False
+        kpm[-1, T - T // 7:] = False
+        t0 = t0.masked_fill(~kpm[:, None, :, None], float("nan"))
+
+    def run(fn, cast):
+        s = s0.to(cast).requires_grad_()
+        t = t0.to(cast).requires_grad_()
+        loss = fn(s, t, kpm)
+        (2.0 * loss).backward()
+        return {"loss": loss.detach().reshape(1), "ds": s.grad, "dt": t.grad}
+
+    t_start = time.time()
+    calls, n_err = tm.CALLS["backward"], len(tm.FALLBACK_ERRORS)
+    got = run(tm.masked_mse, dtype)
+    fused = tm.CALLS["backward"] - calls
+    want = run(transfer.masked_mse_reference, torch.float32)
+    err = errors(got, want)
+    new_errors = tm.FALLBACK_ERRORS[n_err:]
+    report(test="output_mse", case=case, dtype=str(dtype), fused_calls=fused,
+           vs_fp32_oracle={n: float(f"{e:.2e}") for n, e in err.items()},
+           triton_errors=new_errors, seconds=round(time.time() - t_start, 2))
+    assert not new_errors and fused == 1
+    tol = {"loss": 1e-5, "ds": 1e-5 if dtype == torch.float32 else 8e-3}
+    tol["dt"] = tol["ds"]
+    bad = {n: f"{e:.2e}" for n, e in err.items() if not e < tol[n]}
+    assert not bad, f"fused output MSE vs the fp32 reference in {dtype}: {bad}"

@@ -356,6 +356,43 @@ def xent_entry_case(cid):
             "entropy": rel(got[1].reshape(1), want[1].reshape(1))}
 
 
+def mse_case(cid, *, B=2, H=3, T=70, D=16, pad=False, dtype=torch.float32, sdpa_layout=False,
+             nan_in_padding=False, teacher_grad=False):
+    """triton_mse.masked_mse vs transfer.masked_mse_reference (fp32, same inputs): loss and
+    the gradients; ``sdpa_layout``: the teacher as SDPA returns it ((B, T, H, D) memory);
+    ``nan_in_padding``: the teacher's padded rows NaN (neither loss nor gradient may see it)."""
+    from hedgecats.models.ops import transfer
+    from hedgecats.models.ops import triton_mse as tm
+
+    g = torch.Generator().manual_seed(11)
+    s0 = torch.randn(B, H, T, D, generator=g)
+    t0 = (s0 + 0.3 * torch.randn(B, H, T, D, generator=g))
+    if sdpa_layout:
+        t0 = t0.transpose(1, 2).contiguous().transpose(1, 2)
+    kpm = _kpm(B, T) if pad else None
+    if nan_in_padding:
+        t0 = t0.clone()
+        t0[~kpm[:, None, :, None].expand_as(t0)] = float("nan")
+
+    def run(fn, dt):
+        s = s0.to(dt).requires_grad_()
+        t = t0.to(dt).requires_grad_(teacher_grad)
+        loss = fn(s, t, kpm)
+        (loss * 3.0).backward()
+        out = {"loss": loss.detach().float().reshape(1), "ds": s.grad.float()}
+        if teacher_grad:
+            out["dt"] = t.grad.float()
+        return out
+
+    before = tm.CALLS["backward"]
+    got = run(tm.masked_mse, dtype)
+    ran = tm.CALLS["backward"] == before + 1
+    want = run(transfer.masked_mse_reference, torch.float32)
+    errs = errors(got, want)
+    errs["kernel_ran_ok"] = 0.0 if ran else float("inf")
+    return errs
+
+
 def phi_case(cid, *, B=2, H=3, T=45, D=16, proj="square", activation="softmax",
              dtype=torch.float32, strided=False, frozen_x=False, heads_first=False):
     """triton_phi.hedgehog_features vs the fp32 map: values and gradients of x, W, b
@@ -554,6 +591,12 @@ def cases(quick: bool = False):
         ("layer-ssd-sample", layer_case, dict(ssd="sample", g_kind="head")),
         ("layer-ssd-head-all", layer_case, dict(ssd="head", la_span="all", pad=True)),
         ("layer-bf16-pad", layer_case, dict(dtype=bf16, pad=True, g_kind="head")),
+        ("mse", mse_case, {}),
+        ("mse-pad-teacher-grad", mse_case, dict(pad=True, teacher_grad=True)),
+        ("mse-bf16-pad-sdpa-layout", mse_case, dict(pad=True, dtype=bf16, sdpa_layout=True)),
+        ("mse-D48-T130-nan-in-padding", mse_case, dict(D=48, T=130, pad=True,
+                                                        nan_in_padding=True)),
+        ("mse-T1", mse_case, dict(T=1, B=1, H=1)),
         ("xent", xent_case, {}),
         ("xent-pad", xent_case, dict(pad=True)),
         ("xent-blocks-16x32-T37", xent_case, dict(T=37, bn=32)),
@@ -601,7 +644,7 @@ def cases(quick: bool = False):
     if quick:
         keep = {"kernel-hybrid", "kernel-pad-shared", "kernel-tall-bwd-tiles", "layer-ssd-head-all", "xent-pad",
                 "xent-entry", "phi-softmax", "decode-pad-learned-head", "kernel-frozen-qkv",
-                "kernel-split-states-D32-two-tiles-pad-shifts"}
+                "kernel-split-states-D32-two-tiles-pad-shifts", "mse-bf16-pad-sdpa-layout"}
         out = [c for c in out if c[0] in keep]
     return [(cid, fn, kw, "bfloat16" if kw and kw.get("dtype") == bf16 else "float32")
             for cid, fn, kw in out]

@@ -431,13 +431,15 @@ class AttentionTransfer(HybridStage):
         objective, block = self.hparams.objective, self.hparams.xent_block
         students = self._students()
 
-        def observer(module, query, key, value, key_padding_mask, hidden_states):
+        def observer(module, query, key, value, key_padding_mask, hidden_states,
+                     teacher_output=None):
             i = module.hedgecats.layer_idx
             side = contextlib.nullcontext() if students is None else students.layer(
-                query, key, value, key_padding_mask, hidden_states)
+                query, key, value, key_padding_mask, hidden_states, teacher_output)
             with side, torch.enable_grad():
                 loss, extras[i] = transfer_loss(objective, module, query, key, value,
-                                                key_padding_mask, hidden_states, xent_block=block)
+                                                key_padding_mask, hidden_states, xent_block=block,
+                                                teacher_output=teacher_output)
                 if backward_scale is not None:
                     # backpropagated even if it is not finite: no host sync per layer (it kept
                     # the CPU from running ahead, 32 per step on an 8B model); a non-finite loss
@@ -454,6 +456,9 @@ class AttentionTransfer(HybridStage):
                         self.manual_backward(loss_scaled)
             losses[i] = loss.detach()
 
+        # the output-MSE objectives compare with the teacher's attention output: the layer
+        # hands it over (computed once, by the teacher's forward itself)
+        observer.wants_teacher_output = objective != "weights_xent"
         try:
             self._observe(batch, observer)
         finally:  # also when a student raised: nothing of it may run on unordered

@@ -65,7 +65,9 @@ def _from_config(cls, config: HybridConfig, layer_idx: int):
 #: ``HybridConfig``'s, so they are declared once), and ``observer``: an optional
 #: ``fn(module, query, key, value, key_padding_mask, hidden_states)`` called before the layer's
 #: attention (attention transfer, branch-usage probes); ``hidden_states`` is the layer input
-#: for gated mixers, else None; the return is ignored. Build it with
+#: for gated mixers, else None; the return is ignored. An observer with a true attribute
+#: ``wants_teacher_output`` is called, in ``softmax`` mode, after the attention instead, with
+#: the keyword ``teacher_output``: the layer's softmax output (B, H, T, D). Build it with
 #: ``LayerRuntime.from_config(config, layer_idx)``.
 LayerRuntime = make_dataclass(
     "LayerRuntime",
@@ -195,6 +197,16 @@ def hedgecats_attention_forward(module: nn.Module, query, key, value, attention_
     kpm = (_key_padding_mask(attention_mask, key.shape[2])
            if rt.mode != "softmax" or rt.observer is not None else None)
     if rt.observer is not None:
+        if rt.mode == "softmax" and getattr(rt.observer, "wants_teacher_output", False):
+            # the teacher's output first, handed over: the output-MSE objectives compare with
+            # it instead of computing it again (and it is the model's own, windowed as the
+            # model windows it)
+            out, weights = sdpa_attention_forward(
+                module, query, key, value, _with_window(attention_mask, query, key, base_window),
+                dropout=dropout, scaling=scaling, **kwargs)
+            rt.observer(module, query, key, value, kpm, hidden,
+                        teacher_output=out.transpose(1, 2))  # (B, H, T, D)
+            return out, weights
         rt.observer(module, query, key, value, kpm, hidden)
     if rt.mode == "softmax":  # exactly the original model's attention
         return sdpa_attention_forward(module, query, key, value,

@@ -134,13 +134,31 @@ def _n_queries(kpm, B: int, T: int, device) -> torch.Tensor:
     return kpm.sum().float().clamp_min(1.0)
 
 
-def _masked_mse(student: torch.Tensor, teacher: torch.Tensor, kpm) -> torch.Tensor:
-    err = (student.float() - teacher.float()).pow(2)  # (B, H, T, D)
+def masked_mse_reference(student: torch.Tensor, teacher: torch.Tensor, kpm) -> torch.Tensor:
+    """``sum (student - teacher)^2`` over real queries (``kpm`` (B, T), True for real; None:
+    all) / (real queries x H x D), in fp32, for (B, H, T, D) tensors: the output-MSE
+    objectives' loss in PyTorch (the CPU path and ``ops.triton_mse``'s oracle). Padded rows
+    are selected away before the difference, so a teacher row left undefined there (NaN)
+    reaches neither the loss nor a gradient (a product with 0 would pass a NaN on)."""
+    diff = student.float() - teacher.float()  # (B, H, T, D)
     if kpm is None:
-        return err.mean()
-    w = kpm[:, None, :, None].float()
+        return diff.pow(2).mean()
+    diff = torch.where(kpm.bool()[:, None, :, None], diff, 0.0)
+    H, D = diff.shape[1], diff.shape[3]
     # the floor only acts for a batch of padding alone (loss 0 then, rather than 0/0)
-    return (err * w).sum() / (w.sum() * err.shape[1] * err.shape[3]).clamp_min(1.0)
+    return diff.pow(2).sum() / (kpm.sum(dtype=torch.float32) * (H * D)).clamp_min(1.0)
+
+
+def _masked_mse(student: torch.Tensor, teacher: torch.Tensor, kpm) -> torch.Tensor:
+    """``masked_mse_reference``, through ``ops.triton_mse`` on CUDA where it applies (and
+    ``backends.triton_enabled()``: ``HEDGECATS_TRITON=0`` turns it off)."""
+    if student.is_cuda and backends.triton_enabled():
+        from . import triton_mse
+
+        loss = triton_mse.masked_mse(student, teacher, kpm)
+        if loss is not None:
+            return loss
+    return masked_mse_reference(student, teacher, kpm)
 
 
 def _teacher_output(q, k, v, scale, kpm, backend):
@@ -151,7 +169,8 @@ def _teacher_output(q, k, v, scale, kpm, backend):
 
 def la_output_mse(q, k, v, fq, fk, *, scale: float | None = None,
                   key_padding_mask: torch.Tensor | None = None, eps: float = LA_EPS,
-                  backend: str = "auto") -> torch.Tensor:
+                  backend: str = "auto", teacher_output: torch.Tensor | None = None
+                  ) -> torch.Tensor:
     """``mean ||O_soft - O_LA||^2`` with LA over all causal keys. Shapes as ``weights_xent``,
     v (B, Hkv, T, D).
 
@@ -160,9 +179,12 @@ def la_output_mse(q, k, v, fq, fk, *, scale: float | None = None,
     the fused kernel on CUDA (1.3x the fla pieces' stage-1 step on an 8B model, 2026-12-02),
     ``ops.linear`` elsewhere; the window is not computed in this mode. LA comes back in q's
     dtype, as the layer computes it (before 2026-12-02 the backends that compute LA in fp32 kept
-    it so: a bf16 loss then differed by ~5e-5 relative between backends)."""
+    it so: a bf16 loss then differed by ~5e-5 relative between backends).
+    ``teacher_output``: O_soft (B, H, T, D) as the teacher computed it (stage 1 hands it over
+    from the teacher's forward); None: computed here by SDPA."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    o_soft = _teacher_output(q, k, v, scale, key_padding_mask, backend)
+    o_soft = (_teacher_output(q, k, v, scale, key_padding_mask, backend)
+              if teacher_output is None else teacher_output.detach())
     o_la = hybrid_attention(q.detach(), k.detach(), v.detach(), fq, fk, window=1,
                             mode="la_only", la_span="all", overlap=True, rescale=True,
                             key_padding_mask=key_padding_mask, scale=scale, eps=eps,
@@ -173,11 +195,13 @@ def la_output_mse(q, k, v, fq, fk, *, scale: float | None = None,
 def hybrid_output_mse(q, k, v, fq, fk, *, window: int, g=0.5, shared_norm: bool | str = False,
                       overlap: bool = False, scale: float | None = None,
                       key_padding_mask: torch.Tensor | None = None, eps: float = LA_EPS,
-                      backend: str = "auto", window_shape: str = "sliding") -> torch.Tensor:
+                      backend: str = "auto", window_shape: str = "sliding",
+                      teacher_output: torch.Tensor | None = None) -> torch.Tensor:
     """``mean ||O_soft - hybrid||^2``, the hybrid as ``ops.hybrid_attention(mode="hybrid")``
-    (``window_shape``: ``ops.windows``)."""
+    (``window_shape``: ``ops.windows``); ``teacher_output`` as in ``la_output_mse``."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    o_soft = _teacher_output(q, k, v, scale, key_padding_mask, backend)
+    o_soft = (_teacher_output(q, k, v, scale, key_padding_mask, backend)
+              if teacher_output is None else teacher_output.detach())
     o_hyb = hybrid_attention(q.detach(), k.detach(), v.detach(), fq, fk, window=window,
                              mode="hybrid", g=g, shared_norm=shared_norm, overlap=overlap,
                              key_padding_mask=key_padding_mask, scale=scale, eps=eps,
@@ -195,11 +219,14 @@ def _gate(module, hidden_states):
 
 
 def transfer_loss(objective: str, module, query, key, value, key_padding_mask=None,
-                  hidden_states=None, *, xent_block: int = 64
+                  hidden_states=None, *, xent_block: int = 64,
+                  teacher_output: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One converted layer's loss: ``module`` is its ``self_attn`` (``phi_q``, ``phi_k``,
     ``mixer``, ``hedgecats`` runtime), q/k/v as the attention function receives them,
-    ``hidden_states`` the layer input (needed by output-gate mixers).
+    ``hidden_states`` the layer input (needed by output-gate mixers), ``teacher_output`` the
+    teacher's attention output (B, H, T, D) where the caller has it (the output-MSE
+    objectives then do not compute it again; ``weights_xent`` does not read it).
 
     Returns ``(loss, extras)``: ``extras`` holds detached values worth logging; for
     ``weights_xent`` ``{"kl": loss - teacher entropy}`` (>= 0, 0 = the LA weights match)."""
@@ -220,12 +247,12 @@ def transfer_loss(objective: str, module, query, key, value, key_padding_mask=No
         return loss, {"kl": loss.detach() - entropy}
     if objective == "la_output_mse":
         return la_output_mse(q, k, v, fq, fk, scale=scale, key_padding_mask=key_padding_mask,
-                             eps=rt.eps, backend=rt.backend), {}
+                             eps=rt.eps, backend=rt.backend, teacher_output=teacher_output), {}
     return hybrid_output_mse(q, k, v, fq, fk, window=rt.window, g=_gate(module, hidden_states),
                              shared_norm=module.mixer.shared_norm, overlap=rt.overlap, scale=scale,
                              key_padding_mask=key_padding_mask, eps=rt.eps,
-                             backend=rt.backend,
-                             window_shape=rt.window_shape), {}
+                             backend=rt.backend, window_shape=rt.window_shape,
+                             teacher_output=teacher_output), {}
 
 
 @torch.no_grad()

@@ -917,12 +917,15 @@ def _state_tile(cfg: KernelConfig, heads: int, F: int, D: int) -> tuple[int, int
     return bf, bd
 
 
-#: measured on one H200 (2026-12-02, sixth session, profile_hybrid.py; Llama-3-8B heads, bf16):
-#: at 8 x 1k (8 chunks) the walks took 0.56 ms and the split 0.63 per fwd + bwd; at 1 x 64k (512
-#: chunks) the split took the layer from 38.6 to 30.1 ms (each pair from two calls, not one
-#: run; the teacher's rows agreed within 1%). Where between them the split starts to
-#: pay was not measured: 16 chunks (T 2k at state_chunk 128) is a guess
-SPLIT_STATES_MIN_CHUNKS = 16
+#: measured on one H200 (Llama-3-8B heads, bf16, 8,192 tokens a call). The kernel's fwd + bwd,
+#: split against walked, in one run (2026-12-02, seventh session, attention_speed.py --tune,
+#: configs "split-states" / "walk-states"): 8 x 1k (8 chunks) 3.50 against 3.28 ms (walks
+#: faster; the sixth session's profiles agreed, 0.63 against 0.56 ms for the states alone),
+#: 4 x 2k (16 chunks) 3.27 against 3.78 (split 13% faster), 2 x 4k (32 chunks) 3.38 against
+#: 3.82 (12%); at 1 x 64k (512 chunks) the split took the layer from 38.6 to 30.1 ms (two
+#: calls). So split past 8 chunks; 9-15 chunks were not measured
+#: (benchmarks/results/h200_2026-12-02c/README.md)
+SPLIT_STATES_MIN_CHUNKS = 8
 
 
 def use_split_states(cfg: KernelConfig, NC: int) -> bool:

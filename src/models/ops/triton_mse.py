@@ -1,0 +1,174 @@
+"""The output-MSE objectives' loss in one Triton pass per direction (issue 12).
+
+``la_output_mse`` and ``hybrid_output_mse`` (``ops.transfer``) end in
+
+    loss = sum_{b, h, t real, d} (student - teacher)^2 / (real queries x H x D)
+
+over (B, H, T, D) outputs in the model's dtype. In PyTorch (``transfer.masked_mse_reference``,
+the CPU path and the tests' oracle) that is a chain of fp32 copies (two casts, a difference, a
+square, a masked sum; the backward as many again): on the 8B shape at 8 x 1k about ten passes of
+134 MB, ~0.4 ms a layer, 32 layers a step. Here the forward reads both tensors once and writes
+one fp32 partial sum per (b, h, tile of rows); the backward reads them once more and writes the
+student's gradient ``2 (student - teacher) w_t g / N`` in its dtype (``w_t`` 0 for a padded
+query), each difference taken in fp32 as the reference takes it. Padded query rows are never
+read, so whatever the teacher put there (transformers' SDPA may leave a fully masked row
+undefined) cannot reach the loss; the reference selects them away (``torch.where``) for the same
+reason.
+
+The partial sums are added in a fixed order (``torch.sum`` over a buffer, no atomics): the
+loss is the same bitwise from run to run.
+
+Unsupported calls (no Triton or CUDA, not 4-D, shapes that differ, head dims above 256, more than
+65,535 batch x heads) return ``None``, the reason logged once: the caller runs the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .triton_common import GRID_AXIS_MAX, HAVE_TRITON, available, errors, interpret, tl, \
+    triton, warn_once
+
+__all__ = ["CALLS", "masked_mse", "unsupported_reason"]
+
+CALLS = {"forward": 0, "backward": 0}  # calls that ran the kernels (tests check the path taken)
+FALLBACK_ERRORS: list[str] = []
+ROWS = 32  # query rows of one program (D 128, 4 warps: 96 / 147 registers, no spill; ptxas)
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _mse_fwd(S, TT, KPM, PART, ss_b, ss_h, ss_t, st_b, st_h, st_t, T, H, NTB,
+                 D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, HAS_KPM: tl.constexpr):
+        pid_t = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        b = pid_bh // H
+        h = pid_bh % H
+        offs_t = pid_t * BT + tl.arange(0, BT)
+        offs_d = tl.arange(0, BD)
+        rows = offs_t < T
+        if HAS_KPM:
+            rows = rows & (tl.load(KPM + b * T + offs_t, mask=offs_t < T, other=0) != 0)
+        m = rows[:, None] & (offs_d[None, :] < D)
+        s = tl.load(S + b.to(tl.int64) * ss_b + h.to(tl.int64) * ss_h + offs_t[:, None] * ss_t
+                    + offs_d[None, :], mask=m, other=0.0).to(tl.float32)
+        t = tl.load(TT + b.to(tl.int64) * st_b + h.to(tl.int64) * st_h + offs_t[:, None] * st_t
+                    + offs_d[None, :], mask=m, other=0.0).to(tl.float32)
+        e = s - t
+        tl.store(PART + pid_bh.to(tl.int64) * NTB + pid_t, tl.sum(tl.sum(e * e, axis=1), axis=0))
+
+    @triton.jit
+    def _mse_bwd(S, TT, KPM, C, DS, ss_b, ss_h, ss_t, st_b, st_h, st_t, sd_b, sd_h, sd_t, T, H,
+                 D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, HAS_KPM: tl.constexpr):
+        pid_t = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        b = pid_bh // H
+        h = pid_bh % H
+        offs_t = pid_t * BT + tl.arange(0, BT)
+        offs_d = tl.arange(0, BD)
+        inside = (offs_t[:, None] < T) & (offs_d[None, :] < D)
+        rows = offs_t < T
+        if HAS_KPM:
+            rows = rows & (tl.load(KPM + b * T + offs_t, mask=offs_t < T, other=0) != 0)
+        m = rows[:, None] & (offs_d[None, :] < D)
+        s = tl.load(S + b.to(tl.int64) * ss_b + h.to(tl.int64) * ss_h + offs_t[:, None] * ss_t
+                    + offs_d[None, :], mask=m, other=0.0).to(tl.float32)
+        t = tl.load(TT + b.to(tl.int64) * st_b + h.to(tl.int64) * st_h + offs_t[:, None] * st_t
+                    + offs_d[None, :], mask=m, other=0.0).to(tl.float32)
+        c = tl.load(C)  # 2 g / N, fp32
+        ds = tl.where(m, (s - t) * c, 0.0)  # padded rows: exactly 0
+        tl.store(DS + b.to(tl.int64) * sd_b + h.to(tl.int64) * sd_h + offs_t[:, None] * sd_t
+                 + offs_d[None, :], ds.to(DS.dtype.element_ty), mask=inside)
+
+
+def unsupported_reason(student: torch.Tensor, teacher: torch.Tensor, kpm) -> str | None:
+    """Why the kernels cannot take these tensors (``None``: they can)."""
+    if not available():
+        return "triton is not installed or there is no CUDA device"
+    if not ((student.is_cuda and teacher.is_cuda) or interpret()):
+        return "the kernels run on CUDA tensors"
+    if student.dim() != 4 or student.shape != teacher.shape:
+        return (f"shapes {tuple(student.shape)} and {tuple(teacher.shape)} (the kernels take two "
+                "(B, H, T, D) tensors of one shape)")
+    if not (student.is_floating_point() and teacher.is_floating_point()):
+        return f"dtypes {student.dtype}, {teacher.dtype}"
+    B, H, T, D = student.shape
+    if D > 256 or D == 0 or T == 0:
+        return f"head dim {D}, length {T} (the kernels take 1 <= D <= 256, T >= 1)"
+    if B * H > GRID_AXIS_MAX:
+        return f"batch x heads = {B * H} (at most {GRID_AXIS_MAX})"
+    if kpm is not None and tuple(kpm.shape) != (B, T):
+        return f"a key padding mask of shape {tuple(kpm.shape)} (want {(B, T)})"
+    return None
+
+
+def _rows_last(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+class _MSEFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, student, teacher, kpm_i8, denom):
+        B, H, T, D = student.shape
+        ntb = triton.cdiv(T, ROWS)
+        part = torch.empty(B * H, ntb, device=student.device, dtype=torch.float32)
+        kpm_arg = part if kpm_i8 is None else kpm_i8
+        _mse_fwd[(ntb, B * H)](
+            student, teacher, kpm_arg, part, *student.stride()[:3], *teacher.stride()[:3], T, H,
+            ntb, D=D, BD=triton.next_power_of_2(D), BT=ROWS, HAS_KPM=kpm_i8 is not None,
+            num_warps=4)
+        ctx.save_for_backward(student, teacher, denom, *(() if kpm_i8 is None else (kpm_i8,)))
+        return part.sum() / denom
+
+    @staticmethod
+    def backward(ctx, g):
+        student, teacher, denom, *kpm = ctx.saved_tensors
+        kpm_i8 = kpm[0] if kpm else None
+        B, H, T, D = student.shape
+        c = (2.0 * g.float() / denom).reshape(1).contiguous()
+        ds = torch.empty(B, H, T, D, device=student.device, dtype=student.dtype)
+        try:
+            _mse_bwd[(triton.cdiv(T, ROWS), B * H)](
+                student, teacher, c if kpm_i8 is None else kpm_i8, c, ds, *student.stride()[:3],
+                *teacher.stride()[:3], *ds.stride()[:3], T, H, D=D,
+                BD=triton.next_power_of_2(D), BT=ROWS, HAS_KPM=kpm_i8 is not None, num_warps=4)
+            CALLS["backward"] += 1
+        except errors() as e:  # the same gradient in PyTorch
+            FALLBACK_ERRORS.append(f"backward: {type(e).__name__}: {e}"[:500])
+            warn_once(__name__, f"fused output MSE backward failed in Triton "
+                      f"({type(e).__name__}); this call's gradient comes from PyTorch")
+            diff = student.float() - teacher.float()
+            if kpm_i8 is not None:
+                diff = torch.where(kpm_i8.bool()[:, None, :, None], diff, 0.0)
+            ds = (diff * c).to(student.dtype)
+        dt = (-ds).to(teacher.dtype) if ctx.needs_input_grad[1] else None
+        return ds, dt, None, None
+
+
+def masked_mse(student: torch.Tensor, teacher: torch.Tensor,
+               key_padding_mask: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``transfer.masked_mse_reference`` (same arguments and value, fp32 scalar) through the
+    kernels, differentiable in both tensors; ``None`` where they do not apply (reason logged
+    once), and the caller runs the reference."""
+    reason = unsupported_reason(student, teacher, key_padding_mask)
+    if reason is not None:
+        warn_once(__name__, f"fused output MSE not used: {reason}; running PyTorch")
+        return None
+    B, H, T, D = student.shape
+    student, teacher = _rows_last(student), _rows_last(teacher)
+    if key_padding_mask is None:
+        kpm_i8 = None
+        denom = torch.full((), float(B * H * T * D), device=student.device)
+    else:
+        kpm_i8 = key_padding_mask.to(torch.int8).contiguous()
+        # (a batch of padding alone: loss 0, rather than 0 / 0, as the reference)
+        denom = (key_padding_mask.sum(dtype=torch.float32) * (H * D)).clamp_min(1.0)
+    try:
+        loss = _MSEFn.apply(student, teacher, kpm_i8, denom)
+    except errors() as e:
+        FALLBACK_ERRORS.append(f"{type(e).__name__}: {e}"[:500])
+        warn_once(__name__, f"fused output MSE failed in Triton ({type(e).__name__}); running "
+                  "PyTorch")
+        return None
+    CALLS["forward"] += 1
+    return loss
