@@ -36,7 +36,8 @@ optimiser step), peak memory over the timed steps.
 
 Results: ``stage_speed.json`` and ``stage_speed.md`` in ``--out``, and the issue's ratios in
 ``--summary`` (default ``<out>/summary.json``, merged with attention_speed's). ``--profile``
-adds torch.profiler tables (top CUDA kernels) of one step each: the fused-xent stage 1 and, at
+adds torch.profiler tables (top CUDA kernels) of one step each: stage 1 (fused xent, output
+MSE) and, at
 the shortest length, stage 2 in hybrid and in softmax mode (where the LoRA gap goes). Every row runs in its own try
 block: a failure is a row with an ``error``.
 """
@@ -347,6 +348,9 @@ def run(a, on_row=None) -> dict:
                 profile.append(profile_step(lambda: transfer_step(model, opt, ids, bench,
                                                                   "weights_xent"), T, bench,
                                             "transfer/weights_xent [fused]"))
+            profile.append(profile_step(lambda: transfer_step(model, opt, ids, bench,
+                                                              "hybrid_output_mse"), T, bench,
+                                        "transfer/hybrid_output_mse"))
     # stage 2 on the same model: LoRA added once (it cannot be taken off)
     from hedgecats.models.checkpoint import add_lora
 
