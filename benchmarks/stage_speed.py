@@ -37,9 +37,8 @@ optimiser step), peak memory over the timed steps.
 Results: ``stage_speed.json`` and ``stage_speed.md`` in ``--out``, and the issue's ratios in
 ``--summary`` (default ``<out>/summary.json``, merged with attention_speed's). ``--profile``
 adds torch.profiler tables (top CUDA kernels) of one step each: stage 1 (fused xent, output
-MSE) and, at
-the shortest length, stage 2 in hybrid and in softmax mode (where the LoRA gap goes). Every row runs in its own try
-block: a failure is a row with an ``error``.
+MSE) and, at the shortest length, stage 2 in hybrid and in softmax mode (where the LoRA gap
+goes). Every row runs in its own try block: a failure is a row with an ``error``.
 """
 
 from __future__ import annotations
