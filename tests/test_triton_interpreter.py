@@ -46,7 +46,7 @@ def _failures(rows: list[dict]) -> list[str]:
 
 def test_kernels_match_references_quick():
     rows = _run("--quick")
-    assert len(rows) == 10
+    assert len(rows) == 11
     bad = _failures(rows)
     assert not bad, "\n".join(bad)
 

@@ -565,9 +565,9 @@ def test_output_mse_matches_reference(case, dt):
         kpm[-1, T - T // 7:] = False
         t0 = t0.masked_fill(~kpm[:, None, :, None], float("nan"))
 
-    def run(fn, cast):
-        s = s0.to(cast).requires_grad_()
-        t = t0.to(cast).requires_grad_()
+    def run(fn, cast):  # (detached first: .to() of the same dtype is the tensor itself)
+        s = s0.detach().to(cast).requires_grad_()
+        t = t0.detach().to(cast).requires_grad_()
         loss = fn(s, t, kpm)
         (2.0 * loss).backward()
         return {"loss": loss.detach().reshape(1), "ds": s.grad, "dt": t.grad}
