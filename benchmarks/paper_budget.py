@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EPOCH_TOKENS = 25_000_000
 #: the latest committed measurements
 DEFAULTS = {
-    "stage_speed": "benchmarks/results/h200_2026-12-02b/call2/stage/stage_speed.json",
+    "stage_speed": "benchmarks/results/h200_2026-12-02c/call3/stage/stage_speed.json",
     "multigpu": "benchmarks/results/multigpu.json",
     "lightning_gap": "benchmarks/results/h200_2026-12-02/after/lightning_gap.json",
 }

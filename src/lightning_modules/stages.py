@@ -312,10 +312,10 @@ class AttentionTransfer(HybridStage):
         health_batches, max_rel_err, max_den_collapsed: the end-of-stage check (above).
         overlap_student: run each layer's student (loss and backward) on a CUDA side stream
             beside the teacher forward (``StudentStream``; at most ``overlap_max_lag`` layers
-            behind): the same kernels on the same inputs (the GPU test comparing the numbers
-            bitwise, tests/test_stage1_overlap_gpu.py, has not run yet); off the GPU it
-            runs in order and says so once. Off by default until measured on a GPU (its
-            prediction: benchmarks/README.md, session 6).
+            behind): the same kernels on the same inputs (bitwise the in-order numbers on an
+            H200, tests/test_stage1_overlap_gpu.py); off the GPU it runs in order and says so
+            once. Off by default: on an 8B model it measured 0-1.4% faster (predicted 10-16%;
+            the teacher's GEMMs leave no SMs free; benchmarks/README.md, session 7).
         activation_checkpointing: must stay ``False``: stage 1 has nothing to checkpoint
             (only the feature maps train, and the teacher forward runs without gradients, one
             layer's student graph at a time). ``True`` raises ``ValueError``; the argument is
