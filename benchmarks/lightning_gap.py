@@ -1,5 +1,5 @@
 """Where stage 1's Lightning time goes: one GPU, Llama-3-8B shape (random bf16), B 8 x T 1024,
-weights_xent; every variant in one process, median of --steps after --warmup, a JSON row written
+weights_xent (``--objective`` another); every variant in one process, median of --steps after --warmup, a JSON row written
 after each variant (a run cut short keeps what it measured).
 
     source benchmarks/gpu_env.sh && python benchmarks/lightning_gap.py --out $OUT     (~4-6 min)
@@ -167,7 +167,7 @@ def lightning_variant(cls, a, *, strategy="fsdp2", precision="32-true", probe=Fa
                          default_root_dir=str(Path(a.out) / "lt"), num_sanity_val_steps=0,
                          limit_val_batches=0, callbacks=callbacks)
     module = cls(model_name_or_path="random-llama3-8b-shape", hybrid=dict(window=a.window),
-                 torch_dtype="bfloat16" if cuda else None, objective="weights_xent", lr=1e-2)
+                 torch_dtype="bfloat16" if cuda else None, objective=a.objective, lr=1e-2)
     vocab = multigpu._RandomBase.shape["vocab_size"]
     loader = DataLoader(multigpu.Tokens(a.batch * (steps + 2), a.seq_len, vocab),
                         batch_size=a.batch, shuffle=False)
@@ -229,7 +229,7 @@ def stage_speed_variant(model, phi, ids, a, *, autocast: bool, probe=False):
     opt = torch.optim.AdamW(phi, lr=1e-3)
 
     def step():
-        return stage_speed.transfer_step(model, opt, ids, bench, "weights_xent")
+        return stage_speed.transfer_step(model, opt, ids, bench, a.objective)
 
     row = {}
     if probe:
@@ -363,7 +363,9 @@ def markdown(res: dict) -> str:
     """The rows and the differences that read them, as a table."""
     rows = res["rows"]
     lines = ["# Stage 1 through Lightning against the stage harness", "",
-             f"`{res['command']}`  ", f"{res['env']}; B {res['batch']} x T {res['seq_len']}, "
+             f"`{res['command']}`  ",
+             f"{res['env']}; {res.get('objective', 'weights_xent')}, B {res['batch']} x "
+             f"T {res['seq_len']}, "
              f"median of {res['steps']} steps after {res['warmup']}.", "",
              "| row | what | tokens/s | step ms | peak GiB | GPU busy share |",
              "| --- | --- | ---: | ---: | ---: | ---: |"]
@@ -395,6 +397,9 @@ def main(argv=None):
     p.add_argument("--window", type=int, default=None)
     p.add_argument("--only", default=None, help="comma list of variant names (default: all)")
     p.add_argument("--no-profile", dest="profile", action="store_false")
+    p.add_argument("--objective", default="weights_xent",
+                   choices=("weights_xent", "la_output_mse", "hybrid_output_mse"),
+                   help="stage 1's objective, in every variant (default weights_xent)")
     a = p.parse_args(argv)
     a.steps = a.steps or (2 if a.tiny else 6)
     a.seq_len = a.seq_len or (64 if a.tiny else 1024)
@@ -410,7 +415,7 @@ def main(argv=None):
            "triton_enabled": backends.triton_enabled(),
            "fp32_matmul_precision": torch.get_float32_matmul_precision()}
     res = {"command": " ".join(["python", "benchmarks/lightning_gap.py", *(argv or sys.argv[1:])]),
-           "env": env, "batch": a.batch, "seq_len": a.seq_len, "steps": a.steps,
+           "env": env, "objective": a.objective, "batch": a.batch, "seq_len": a.seq_len, "steps": a.steps,
            "warmup": a.warmup, "rows": {}}
 
     def save():
