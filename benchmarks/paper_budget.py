@@ -2,7 +2,8 @@
 measured stage throughputs, on one H200 and extrapolated to eight.
 
     python benchmarks/paper_budget.py [--stage-speed STAGE_SPEED_JSON] [--multigpu MULTIGPU_JSON]
-        [--lightning-gap LIGHTNING_GAP_JSON] [--out benchmarks/results/paper_budget]
+        [--lightning-gap LIGHTNING_GAP_JSON ...] [--lightning-run MULTIGPU_RUN_WS1_JSON]
+        [--out benchmarks/results/paper_budget]
 
 (defaults: the latest committed measurements, ``DEFAULTS``)
 
@@ -38,7 +39,13 @@ EPOCH_TOKENS = 25_000_000
 DEFAULTS = {
     "stage_speed": "benchmarks/results/h200_2026-12-02c/call3/stage/stage_speed.json",
     "multigpu": "benchmarks/results/multigpu.json",
-    "lightning_gap": "benchmarks/results/h200_2026-12-02/after/lightning_gap.json",
+    # stage 1 through Lightning, one JSON per objective (each names its own; older ones, without
+    # the key, measured weights_xent)
+    "lightning_gap": ["benchmarks/results/h200_2026-12-02/after/lightning_gap.json",
+                      "benchmarks/results/h200_2026-12-02c/call5/lightning_gap.json"],
+    # both stages through Lightning at one GPU (multigpu.py run --devices 1; stage 1 with
+    # weights_xent), the newest measurement: it wins over the two above for what it measured
+    "lightning_run": "benchmarks/results/h200_2026-12-02c/call5/multigpu_ws1.json",
 }
 
 #: recipe -> (stage-1 objective row, stage-2 epochs (min, max), stage-2 row)
@@ -84,20 +91,35 @@ def scaling(multigpu: dict | None) -> dict[str, float | None]:
             "finetune": two.get("hybrid_finetune", {}).get("scaling_efficiency")}
 
 
-def lightning_one_gpu(multigpu: dict | None, gap: dict | None = None) -> dict:
+def lightning_one_gpu(multigpu: dict | None, gaps: list[dict] = (),
+                      run: dict | None = None) -> dict:
     """One-GPU tokens/s of the stages through Lightning (the path ``hedgecats pipeline``
-    runs), each with where it comes from: stage 1 from ``lightning_gap.py``'s ``L0`` row where
-    given (``multigpu.py``'s Transfer as it runs, at HEAD of that measurement), else from
-    ``multigpu.json`` (``transfer_source`` says which); stage 2 from ``multigpu.json`` (None
-    where not measured)."""
+    runs), each with where it comes from. Stage 1 per objective (``transfer``: objective ->
+    tokens/s): ``lightning_gap.py``'s ``L0`` row of each JSON (``multigpu.py``'s Transfer as it
+    runs; a JSON without ``objective`` measured ``weights_xent``; a later JSON of the same
+    objective wins), else ``weights_xent`` from ``multigpu.json``; ``run`` (a ``multigpu.py
+    run --devices 1`` JSON, the newest) overrides stage 1's ``weights_xent`` and stage 2, which
+    otherwise come from ``multigpu.json`` (None where not measured)."""
     one = (multigpu or {}).get("world_sizes", {}).get("1", {})
-    out = {"transfer": one.get("attention_transfer", {}).get("tokens_per_s"),
+    out = {"transfer": {}, "transfer_source": {},
            "finetune": one.get("hybrid_finetune", {}).get("tokens_per_s"),
-           "transfer_source": "multigpu.json"}
-    l0 = ((gap or {}).get("rows") or {}).get("L0") or {}
-    if l0.get("tokens_per_s"):
-        out["transfer"] = l0["tokens_per_s"]
-        out["transfer_source"] = "lightning_gap.json L0"
+           "finetune_source": "multigpu.json"}
+    if one.get("attention_transfer", {}).get("tokens_per_s"):
+        out["transfer"]["weights_xent"] = one["attention_transfer"]["tokens_per_s"]
+        out["transfer_source"]["weights_xent"] = "multigpu.json"
+    for i, gap in enumerate(gaps):
+        l0 = ((gap or {}).get("rows") or {}).get("L0") or {}
+        if l0.get("tokens_per_s"):
+            objective = gap.get("objective", "weights_xent")
+            out["transfer"][objective] = l0["tokens_per_s"]
+            out["transfer_source"][objective] = f"lightning_gap #{i + 1}, row L0"
+    stages = (run or {}).get("stages") or {}
+    if (stages.get("attention_transfer") or {}).get("tokens_per_s"):
+        out["transfer"]["weights_xent"] = stages["attention_transfer"]["tokens_per_s"]
+        out["transfer_source"]["weights_xent"] = "lightning_run"
+    if (stages.get("hybrid_finetune") or {}).get("tokens_per_s"):
+        out["finetune"] = stages["hybrid_finetune"]["tokens_per_s"]
+        out["finetune_source"] = "lightning_run"
     return out
 
 
@@ -109,10 +131,15 @@ def budget(tp: dict, eff: dict, lightning: dict | None = None) -> list[dict]:
         row = {"recipe": recipe, "stage1_objective": objective, "stage2_epochs": [lo, hi],
                "stage1_h_1gpu": s1 / 3600, "stage2_h_1gpu": [lo * s2 / 3600, hi * s2 / 3600]}
         row["total_h_1gpu"] = [row["stage1_h_1gpu"] + x for x in row["stage2_h_1gpu"]]
-        if lightning and lightning.get("transfer") and lightning.get("finetune"):
-            l1 = EPOCH_TOKENS / lightning["transfer"]
+        # through Lightning: this objective's stage 1 where measured, else weights_xent's
+        l_tp = (lightning or {}).get("transfer") or {}
+        l_s1 = l_tp.get(objective) or l_tp.get("weights_xent")
+        if l_s1 and (lightning or {}).get("finetune"):
+            l1 = EPOCH_TOKENS / l_s1
             l2 = EPOCH_TOKENS / lightning["finetune"]
             row["total_h_1gpu_lightning"] = [(l1 + n * l2) / 3600 for n in (lo, hi)]
+            row["stage1_lightning_objective"] = objective if objective in l_tp else \
+                "weights_xent"
         if eff["transfer"] and eff["finetune"]:
             s1_8 = s1 / (8 * eff["transfer"])
             s2_8 = s2 / (8 * eff["finetune"])
@@ -155,10 +182,10 @@ def markdown(rows: list[dict], tp: dict, eff: dict, sources: dict, lightning: di
             "evaluation not counted. The throughputs are `stage_speed.py`'s, which runs each "
             "stage's computation outside Lightning; the last column uses the one-GPU tokens/s "
             "of the stages through Lightning with the FSDP2 strategy: stage 1 "
-            f"{_num(lightning['transfer'])} (weights_xent, for every recipe; "
-            f"`{sources.get('transfer_lightning', '-')}`), stage 2 "
-            f"{_num(lightning['finetune'])} (`{sources['multigpu']}`, measured on 2026-11-29, "
-            "before the fused kernels: an upper bound on its time)."]
+            + ", ".join(f"{_num(v)} ({k}; `{sources['transfer_lightning'][k]}`)"
+                        for k, v in lightning["transfer"].items())
+            + " (a recipe whose objective was not measured so uses weights_xent's), stage 2 "
+            f"{_num(lightning['finetune'])} (`{sources['finetune_lightning']}`)."]
     return "\n".join(out)
 
 
@@ -166,20 +193,34 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--stage-speed", default=DEFAULTS["stage_speed"])
     ap.add_argument("--multigpu", default=DEFAULTS["multigpu"])
-    ap.add_argument("--lightning-gap", default=DEFAULTS["lightning_gap"],
-                    help="lightning_gap.py's JSON: stage 1 through Lightning (its L0 row)")
+    ap.add_argument("--lightning-gap", nargs="*", default=DEFAULTS["lightning_gap"],
+                    help="lightning_gap.py's JSONs: stage 1 through Lightning (their L0 rows; "
+                    "one per objective)")
+    ap.add_argument("--lightning-run", default=DEFAULTS["lightning_run"],
+                    help="multigpu.py run --devices 1's JSON: both stages through Lightning "
+                    "(stage 1 with weights_xent)")
     ap.add_argument("--out", default=None, help="write <out>.json and <out>.md")
     a = ap.parse_args(argv)
     stage = json.loads(_path(a.stage_speed).read_text())
-    mg_path, gap_path = _path(a.multigpu), _path(a.lightning_gap)
+    mg_path, run_path = _path(a.multigpu), _path(a.lightning_run)
     multigpu = json.loads(mg_path.read_text()) if mg_path.exists() else None
-    gap = json.loads(gap_path.read_text()) if gap_path.exists() else None
+    gap_paths = [p for p in a.lightning_gap if _path(p).exists()]
+    gaps = [json.loads(_path(p).read_text()) for p in gap_paths]
+    run = json.loads(run_path.read_text()) if run_path.exists() else None
     tp, eff = throughputs(stage), scaling(multigpu)
-    lightning = lightning_one_gpu(multigpu, gap)
+    lightning = lightning_one_gpu(multigpu, gaps, run)
     rows = budget(tp, eff, lightning)
+
+    def where(src: str) -> str:
+        if src.startswith("lightning_gap #"):
+            n, rest = src[len("lightning_gap #"):].split(",", 1)
+            return f"{gap_paths[int(n) - 1]},{rest}"
+        return {"multigpu.json": a.multigpu, "lightning_run": a.lightning_run}.get(src, src)
+
     sources = {"stage_speed": a.stage_speed, "multigpu": a.multigpu if multigpu else "none",
-               "transfer_lightning": f"{a.lightning_gap}, row L0"
-               if lightning["transfer_source"] != "multigpu.json" else a.multigpu}
+               "transfer_lightning": {k: where(v)
+                                      for k, v in lightning["transfer_source"].items()},
+               "finetune_lightning": where(lightning["finetune_source"])}
     md = markdown(rows, tp, eff, sources, lightning)
     print(md)
     if a.out:

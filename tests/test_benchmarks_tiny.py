@@ -213,6 +213,15 @@ def test_paper_budget_from_the_committed_measurements(tmp_path):
     assert abs(h["total_h_8gpu"][0] - (25e6 / xent / (8 * eff["transfer"])
                                        + 25e6 / lora / (8 * eff["finetune"])) / 3600) < 1e-9
     assert rows["ssd_dropout"]["stage2_epochs"] == [5, 5]
+    # through Lightning: each recipe's own stage-1 objective where it was measured (lolcats:
+    # the output MSE), the newest stage 2
+    light = res["lightning_1gpu_tokens_per_s"]
+    assert rows["lolcats"]["stage1_lightning_objective"] == "hybrid_output_mse"
+    assert rows["hedgecats"]["stage1_lightning_objective"] == "weights_xent"
+    for recipe, objective in (("lolcats", "hybrid_output_mse"), ("hedgecats", "weights_xent")):
+        lo = rows[recipe]["stage2_epochs"][0]
+        want = (25e6 / light["transfer"][objective] + lo * 25e6 / light["finetune"]) / 3600
+        assert abs(rows[recipe]["total_h_1gpu_lightning"][0] - want) < 1e-9
 
 
 def test_gate_usage_reads_the_gates_of_a_converted_model():
