@@ -24,6 +24,7 @@ optimiser step), peak memory over the timed steps.
     finetune/hybrid          stage 2: peft LoRA (r 8 on q, k, v, o), activation checkpointing,
                              next-token loss, the layers in hybrid mode (SSD off)
     finetune/softmax         the same LoRA step with the layers in softmax mode
+    finetune/<mode> [no checkpointing]   both without activation checkpointing (shortest T)
     <...> [recomputed]       the same with ``KernelConfig.save_branches`` off (the backward
                              recomputes both branches: the default until 2026-12-02's sixth
                              session; rows measured before then name the option on "[saved
@@ -375,6 +376,17 @@ def run(a, on_row=None) -> dict:
                         return bench.measure(lambda: finetune_step(
                             peft_model, model, opt, ids, bench, "hybrid"), B * T)
                 attempt(f"finetune/hybrid [{tag}]", T, row)
+        if T == min(int(t) for t in a.seq_lens.split(",")):
+            # both modes without activation checkpointing (the recipes keep it on: memory)
+            model.gradient_checkpointing_disable()
+            try:
+                for mode in ("hybrid", "softmax"):
+                    attempt(f"finetune/{mode} [no checkpointing]", T,
+                            lambda mode=mode: bench.measure(lambda: finetune_step(
+                                peft_model, model, opt, ids, bench, mode), B * T))
+            finally:
+                model.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={"use_reentrant": False})
         if a.profile and T == min(int(t) for t in a.seq_lens.split(",")):
             # where stage 2's gap to the softmax LoRA step goes, kernel by kernel
             for mode in ("hybrid", "softmax"):
