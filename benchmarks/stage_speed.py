@@ -24,7 +24,9 @@ optimiser step), peak memory over the timed steps.
     finetune/hybrid          stage 2: peft LoRA (r 8 on q, k, v, o), activation checkpointing,
                              next-token loss, the layers in hybrid mode (SSD off)
     finetune/softmax         the same LoRA step with the layers in softmax mode
-    finetune/<mode> [no checkpointing]   both without activation checkpointing (shortest T)
+    finetune/<mode> [no checkpointing], [mlp checkpointing]   both modes without activation
+                             checkpointing, and with only the MLP blocks checkpointed
+                             (``activation_checkpointing="mlp"``; shortest T)
     <...> [recomputed]       the same with ``KernelConfig.save_branches`` off (the backward
                              recomputes both branches: the default until 2026-12-02's sixth
                              session; rows measured before then name the option on "[saved
@@ -377,14 +379,21 @@ def run(a, on_row=None) -> dict:
                             peft_model, model, opt, ids, bench, "hybrid"), B * T)
                 attempt(f"finetune/hybrid [{tag}]", T, row)
         if T == min(int(t) for t in a.seq_lens.split(",")):
-            # both modes without activation checkpointing (the recipes keep it on: memory)
+            # both modes without activation checkpointing, and with only the MLP blocks
+            # checkpointed (HybridFinetune(activation_checkpointing="mlp"))
+            from hedgecats.models.checkpointing import checkpoint_mlps, uncheckpoint_mlps
+
             model.gradient_checkpointing_disable()
             try:
-                for mode in ("hybrid", "softmax"):
-                    attempt(f"finetune/{mode} [no checkpointing]", T,
-                            lambda mode=mode: bench.measure(lambda: finetune_step(
-                                peft_model, model, opt, ids, bench, mode), B * T))
+                for tag, mlps in (("no checkpointing", False), ("mlp checkpointing", True)):
+                    if mlps:
+                        checkpoint_mlps(model)
+                    for mode in ("hybrid", "softmax"):
+                        attempt(f"finetune/{mode} [{tag}]", T,
+                                lambda mode=mode: bench.measure(lambda: finetune_step(
+                                    peft_model, model, opt, ids, bench, mode), B * T))
             finally:
+                uncheckpoint_mlps(model)
                 model.gradient_checkpointing_enable(
                     gradient_checkpointing_kwargs={"use_reentrant": False})
         if a.profile and T == min(int(t) for t in a.seq_lens.split(",")):

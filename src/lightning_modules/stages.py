@@ -37,6 +37,7 @@ from ..models.checkpoint import (
     stage_tensors,
     unwrap,
 )
+from ..models.checkpointing import checkpointing_mode, enable_checkpointing
 from ..models.lora import LoraSettings
 from ..models.ops.transfer import OBJECTIVES, transfer_health, transfer_loss
 from .student_stream import StudentStream
@@ -172,7 +173,7 @@ class HybridStage(_Stage):
     def __init__(self, model_name_or_path: str, hybrid: HybridConfig | None = None,
                  revision: str | None = None, init_from: str | None = None,
                  torch_dtype: str | None = None, lr: float = 1e-2, weight_decay: float = 0.0,
-                 activation_checkpointing: bool = False) -> None:
+                 activation_checkpointing: bool | str = False) -> None:
         super().__init__()
         _check_lr(lr)
         if weight_decay < 0:
@@ -670,6 +671,10 @@ class HybridFinetune(_NextTokenLoss, HybridStage):
         la_span: ``outside | all`` for ``la_only``.
         lr: AdamW learning rate (paper: 1e-4); ``ReduceLROnPlateau`` on ``val/loss`` with
             ``plateau_factor`` and ``plateau_patience`` (epochs).
+        activation_checkpointing: ``false``; ``true`` (= ``"layer"``: whole decoder layers run
+            again in the backward, transformers' own); ``"mlp"``: only their MLP blocks, the
+            attention's activations kept (the hybrid attention then runs once a step; more
+            memory than ``true``, less than none: ``models.checkpointing``).
     Other arguments: see ``HybridStage``.
     """
 
@@ -680,7 +685,8 @@ class HybridFinetune(_NextTokenLoss, HybridStage):
                  torch_dtype: str | None = None, lora: LoraSettings | None = None,
                  train_feature_maps: bool = False, mode: str = "hybrid", la_span: str = "outside",
                  lr: float = 1e-4, weight_decay: float = 0.0, plateau_factor: float = 0.1,
-                 plateau_patience: int = 0, activation_checkpointing: bool = False) -> None:
+                 plateau_patience: int = 0, activation_checkpointing: bool | str = False) -> None:
+        checkpointing_mode(activation_checkpointing)  # a ValueError before anything is built
         if mode not in self.MODES:
             raise ValueError(f"mode={mode!r} is not valid for fine-tuning; choose one of "
                              f"{', '.join(self.MODES)}")
@@ -704,8 +710,7 @@ class HybridFinetune(_NextTokenLoss, HybridStage):
     def _prepare(self, model: nn.Module) -> nn.Module:
         h = self.hparams
         set_attention_mode(model, h.mode, la_span=h.la_span)
-        if h.activation_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model, h.activation_checkpointing)
         model = add_lora(model, self.lora)  # freezes everything but LoRA
         if h.train_feature_maps:
             for name, p in unwrap(model).named_parameters():
