@@ -143,12 +143,14 @@ def cmd_run(a):
     hybrid = dict(window=16 if a.tiny else 64)
     out = Path(a.out)
     res = {"devices": a.devices, "global_batch": a.global_batch, "seq_len": T,
+           "activation_checkpointing": a.activation_checkpointing,
            "micro_batch": micro, "shape": shape, "stages": {}}
     common = dict(model_name_or_path="random-llama3-8b-shape", hybrid=hybrid,
                   torch_dtype="bfloat16" if not a.tiny else None)
     stages = {
         "attention_transfer": (Transfer, dict(common, objective="weights_xent", lr=1e-2)),
-        "hybrid_finetune": (Finetune, dict(common, lr=1e-4, activation_checkpointing=True)),
+        "hybrid_finetune": (Finetune, dict(common, lr=1e-4,
+                                           activation_checkpointing=a.activation_checkpointing)),
     }
     for name, (cls, kw) in stages.items():
         root = out / f"ws{a.devices}" / name
@@ -231,6 +233,9 @@ def main(argv=None):
     r.add_argument("--steps", type=int, default=8)
     r.add_argument("--warmup", type=int, default=2)
     r.add_argument("--tiny", action="store_true", help="CPU, gloo, tiny model (smoke test)")
+    r.add_argument("--activation-checkpointing", default="layer", choices=("layer", "mlp"),
+                   help="stage 2's (HybridFinetune): whole decoder layers (true in YAML) or "
+                   "only their MLP blocks")
     r.add_argument("--out", required=True)
     s = sub.add_parser("summarize")
     s.add_argument("--out", required=True)
