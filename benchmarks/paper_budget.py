@@ -182,10 +182,12 @@ def markdown(rows: list[dict], tp: dict, eff: dict, sources: dict, lightning: di
             "evaluation not counted. The throughputs are `stage_speed.py`'s, which runs each "
             "stage's computation outside Lightning; the last column uses the one-GPU tokens/s "
             "of the stages through Lightning with the FSDP2 strategy: stage 1 "
-            + ", ".join(f"{_num(v)} ({k}; `{sources['transfer_lightning'][k]}`)"
-                        for k, v in lightning["transfer"].items())
-            + " (a recipe whose objective was not measured so uses weights_xent's), stage 2 "
-            f"{_num(lightning['finetune'])} (`{sources['finetune_lightning']}`)."]
+            + (", ".join(f"{_num(v)} ({k}; `{sources['transfer_lightning'][k]}`)"
+                         for k, v in lightning["transfer"].items())
+               + " (a recipe whose objective was not measured so uses weights_xent's)"
+               if lightning["transfer"] else "not measured")
+            + f", stage 2 {_num(lightning['finetune'])}"
+            + (f" (`{sources['finetune_lightning']}`)." if lightning["finetune"] else ".")]
     return "\n".join(out)
 
 
@@ -196,17 +198,21 @@ def main(argv=None) -> int:
     ap.add_argument("--lightning-gap", nargs="*", default=DEFAULTS["lightning_gap"],
                     help="lightning_gap.py's JSONs: stage 1 through Lightning (their L0 rows; "
                     "one per objective)")
-    ap.add_argument("--lightning-run", default=DEFAULTS["lightning_run"],
+    ap.add_argument("--lightning-run", default=None,
                     help="multigpu.py run --devices 1's JSON: both stages through Lightning "
-                    "(stage 1 with weights_xent)")
+                    "(stage 1 with weights_xent); default: the committed one, unless --multigpu "
+                    "names another file (then only that file's one-GPU rows)")
     ap.add_argument("--out", default=None, help="write <out>.json and <out>.md")
     a = ap.parse_args(argv)
     stage = json.loads(_path(a.stage_speed).read_text())
-    mg_path, run_path = _path(a.multigpu), _path(a.lightning_run)
+    if a.lightning_run is None:
+        a.lightning_run = DEFAULTS["lightning_run"] if a.multigpu == DEFAULTS["multigpu"] else ""
+    mg_path = _path(a.multigpu)
+    run_path = _path(a.lightning_run) if a.lightning_run else None
     multigpu = json.loads(mg_path.read_text()) if mg_path.exists() else None
     gap_paths = [p for p in a.lightning_gap if _path(p).exists()]
     gaps = [json.loads(_path(p).read_text()) for p in gap_paths]
-    run = json.loads(run_path.read_text()) if run_path.exists() else None
+    run = json.loads(run_path.read_text()) if run_path and run_path.exists() else None
     tp, eff = throughputs(stage), scaling(multigpu)
     lightning = lightning_one_gpu(multigpu, gaps, run)
     rows = budget(tp, eff, lightning)

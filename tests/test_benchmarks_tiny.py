@@ -306,3 +306,20 @@ def test_gate_intervention_swaps_one_layers_mixer_and_restores_it():
             during = model(x).logits  # a fresh gate is 0.5 everywhere: the same function
         assert isinstance(layers[0].mixer, OutputGateMixer)
         torch.testing.assert_close(during, before, rtol=1e-5, atol=1e-5)
+
+
+def test_paper_budget_takes_the_lightning_figures_of_the_files_named(tmp_path):
+    """A --multigpu file of one's own gives the Lightning column its one-GPU figures (the
+    committed newer run does not override a file the user named)."""
+    mg = {"world_sizes": {"1": {"attention_transfer": {"tokens_per_s": 10_000},
+                                "hybrid_finetune": {"tokens_per_s": 5_000}},
+                          "2": {"attention_transfer": {"scaling_efficiency": 0.9},
+                                "hybrid_finetune": {"scaling_efficiency": 0.9}}}}
+    (tmp_path / "mg.json").write_text(json.dumps(mg))
+    out = tmp_path / "budget"
+    _run("paper_budget.py", "--multigpu", str(tmp_path / "mg.json"), "--lightning-gap",
+         "--out", str(out), cwd=ROOT)
+    res = json.loads(Path(f"{out}.json").read_text())
+    assert res["lightning_1gpu_tokens_per_s"]["transfer"] == {"weights_xent": 10_000}
+    assert res["lightning_1gpu_tokens_per_s"]["finetune"] == 5_000
+    assert res["scaling_2gpu"] == {"transfer": 0.9, "finetune": 0.9}

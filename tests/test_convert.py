@@ -239,6 +239,30 @@ def test_observer_that_wants_it_gets_the_teachers_output():
     torch.testing.assert_close(observed, plain, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("case", ["base-window-acting", "base-window-idle", "dropout"])
+def test_teacher_output_is_handed_over_only_where_it_is_plain_causal_softmax(case):
+    """The hand-over is for plain causal softmax only: where a base model's own window acts on
+    the sequence, or its attention dropout is on (train mode), the observer is called before
+    the attention without it (the objectives then compute full causal softmax themselves)."""
+    torch.manual_seed(0)
+    if case == "dropout":
+        base = LlamaForCausalLM(LlamaConfig(**SMALL, attention_dropout=0.5))
+    else:
+        base = MistralForCausalLM(MistralConfig(**SMALL, sliding_window=4))
+    model = convert_to_hybrid(base, HybridConfig(window=4))
+    model.train(case == "dropout")
+    got = []
+
+    def observer(m, q, k, v, kpm, hidden, teacher_output=None):
+        got.append(teacher_output is not None)
+
+    observer.wants_teacher_output = True
+    set_attention_mode(model, "softmax", observer=observer)
+    with torch.no_grad():
+        model(ids(T=4 if case == "base-window-idle" else 11))
+    assert got == [case == "base-window-idle"] * 3
+
+
 # ----------------------------------------------------------------------------- errors
 def test_other_family_raises_before_building():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))

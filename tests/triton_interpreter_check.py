@@ -374,9 +374,9 @@ def mse_case(cid, *, B=2, H=3, T=70, D=16, pad=False, dtype=torch.float32, sdpa_
         t0 = t0.clone()
         t0[~kpm[:, None, :, None].expand_as(t0)] = float("nan")
 
-    def run(fn, dt):
-        s = s0.to(dt).requires_grad_()
-        t = t0.to(dt).requires_grad_(teacher_grad)
+    def run(fn, dt):  # (copies: a same-dtype .to() is the tensor itself, and .grad would be
+        s = s0.detach().clone().to(dt).requires_grad_()  # shared between the two runs)
+        t = t0.detach().clone().to(dt).requires_grad_(teacher_grad)
         loss = fn(s, t, kpm)
         (loss * 3.0).backward()
         out = {"loss": loss.detach().float().reshape(1), "ds": s.grad.float()}

@@ -67,7 +67,9 @@ def _from_config(cls, config: HybridConfig, layer_idx: int):
 #: attention (attention transfer, branch-usage probes); ``hidden_states`` is the layer input
 #: for gated mixers, else None; the return is ignored. An observer with a true attribute
 #: ``wants_teacher_output`` is called, in ``softmax`` mode, after the attention instead, with
-#: the keyword ``teacher_output``: the layer's softmax output (B, H, T, D). Build it with
+#: the keyword ``teacher_output``: the layer's softmax output (B, H, T, D), where that is plain
+#: causal softmax (no attention dropout, no base window acting; else as above, without it).
+#: Build it with
 #: ``LayerRuntime.from_config(config, layer_idx)``.
 LayerRuntime = make_dataclass(
     "LayerRuntime",
@@ -197,10 +199,10 @@ def hedgecats_attention_forward(module: nn.Module, query, key, value, attention_
     kpm = (_key_padding_mask(attention_mask, key.shape[2])
            if rt.mode != "softmax" or rt.observer is not None else None)
     if rt.observer is not None:
-        if rt.mode == "softmax" and getattr(rt.observer, "wants_teacher_output", False):
+        if rt.mode == "softmax" and getattr(rt.observer, "wants_teacher_output", False) and \
+                _teacher_output_is_plain(dropout, key.shape[2], base_window):
             # the teacher's output first, handed over: the output-MSE objectives compare with
-            # it instead of computing it again (and it is the model's own, windowed as the
-            # model windows it)
+            # it instead of computing it again
             out, weights = sdpa_attention_forward(
                 module, query, key, value, _with_window(attention_mask, query, key, base_window),
                 dropout=dropout, scaling=scaling, **kwargs)
@@ -231,6 +233,15 @@ def hedgecats_attention_forward(module: nn.Module, query, key, value, attention_
         scale=scaling, eps=rt.eps, backend=rt.backend, window_shape=rt.window_shape,
     )  # (B, H, T, D)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _teacher_output_is_plain(dropout: float, n_keys: int, base_window: int | None) -> bool:
+    """Whether the model's own softmax output here is plain causal softmax attention, the
+    target the output-MSE objectives define: no attention dropout (a base with it, in train
+    mode, would hand over a random target) and no base window that acts (Mistral-7B-v0.1's 4096
+    does past 4,096 keys; the objectives, the health check and ``weights_xent`` use full causal
+    attention). Elsewhere the observer is called before the attention, without it."""
+    return not dropout and (base_window is None or n_keys <= base_window)
 
 
 @functools.cache

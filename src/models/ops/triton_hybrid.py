@@ -923,9 +923,10 @@ def _state_tile(cfg: KernelConfig, heads: int, F: int, D: int) -> tuple[int, int
 #: configs "split-states" / "walk-states"): 8 x 1k (8 chunks) 3.50 against 3.28 ms (walks
 #: faster; the sixth session's profiles agreed, 0.63 against 0.56 ms for the states alone),
 #: 4 x 2k (16 chunks) 3.27 against 3.78 (split 13% faster), 2 x 4k (32 chunks) 3.38 against
-#: 3.82 (12%); at 1 x 64k (512 chunks) the split took the layer from 38.6 to 30.1 ms (two
-#: calls). So split past 8 chunks; 9-15 chunks were not measured
-#: (benchmarks/results/h200_2026-12-02c/README.md)
+#: 3.82 (11%); at 1 x 64k (512 chunks) the split took the layer from 38.6 to 30.1 ms (two
+#: calls). Repeated configs in that sweep differed by 3.5-4.4%, so the 8-chunk difference (6%)
+#: is under twice the noise, the 16- and 32-chunk ones about three times it. So split past 8
+#: chunks; 9-15 chunks were not measured (benchmarks/results/h200_2026-12-02c/README.md)
 SPLIT_STATES_MIN_CHUNKS = 8
 
 

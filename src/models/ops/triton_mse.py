@@ -38,8 +38,11 @@ ROWS = 32  # query rows of one program (D 128, 4 warps: 96 / 147 registers, no s
 if HAVE_TRITON:
 
     @triton.jit
-    def _mse_fwd(S, TT, KPM, PART, ss_b, ss_h, ss_t, st_b, st_h, st_t, T, H, NTB,
-                 D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, HAS_KPM: tl.constexpr):
+    def _tile(S, TT, KPM, ss_b, ss_h, ss_t, st_b, st_h, st_t, T, H,
+              D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, HAS_KPM: tl.constexpr):
+        """This program's (b, h, rows) of both tensors in fp32, padded rows and columns past D
+        never read (0); and the row offsets (int64: T x H x D passes 2^31 in SDPA's layout at
+        512k positions), the tile's mask, b, h."""
         pid_t = tl.program_id(0)
         pid_bh = tl.program_id(1)
         b = pid_bh // H
@@ -50,34 +53,32 @@ if HAVE_TRITON:
         if HAS_KPM:
             rows = rows & (tl.load(KPM + b * T + offs_t, mask=offs_t < T, other=0) != 0)
         m = rows[:, None] & (offs_d[None, :] < D)
-        s = tl.load(S + b.to(tl.int64) * ss_b + h.to(tl.int64) * ss_h + offs_t[:, None] * ss_t
+        rows64 = offs_t.to(tl.int64)[:, None]
+        s = tl.load(S + b.to(tl.int64) * ss_b + h.to(tl.int64) * ss_h + rows64 * ss_t
                     + offs_d[None, :], mask=m, other=0.0).to(tl.float32)
-        t = tl.load(TT + b.to(tl.int64) * st_b + h.to(tl.int64) * st_h + offs_t[:, None] * st_t
+        t = tl.load(TT + b.to(tl.int64) * st_b + h.to(tl.int64) * st_h + rows64 * st_t
                     + offs_d[None, :], mask=m, other=0.0).to(tl.float32)
+        return s, t, rows64, m, b, h
+
+    @triton.jit
+    def _mse_fwd(S, TT, KPM, PART, ss_b, ss_h, ss_t, st_b, st_h, st_t, T, H, NTB,
+                 D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, HAS_KPM: tl.constexpr):
+        s, t, _, _, _, _ = _tile(S, TT, KPM, ss_b, ss_h, ss_t, st_b, st_h, st_t, T, H, D, BD, BT,
+                                 HAS_KPM)
         e = s - t
-        tl.store(PART + pid_bh.to(tl.int64) * NTB + pid_t, tl.sum(tl.sum(e * e, axis=1), axis=0))
+        tl.store(PART + tl.program_id(1).to(tl.int64) * NTB + tl.program_id(0),
+                 tl.sum(tl.sum(e * e, axis=1), axis=0))
 
     @triton.jit
     def _mse_bwd(S, TT, KPM, C, DS, ss_b, ss_h, ss_t, st_b, st_h, st_t, sd_b, sd_h, sd_t, T, H,
                  D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, HAS_KPM: tl.constexpr):
-        pid_t = tl.program_id(0)
-        pid_bh = tl.program_id(1)
-        b = pid_bh // H
-        h = pid_bh % H
-        offs_t = pid_t * BT + tl.arange(0, BT)
+        s, t, rows64, m, b, h = _tile(S, TT, KPM, ss_b, ss_h, ss_t, st_b, st_h, st_t, T, H, D,
+                                      BD, BT, HAS_KPM)
         offs_d = tl.arange(0, BD)
-        inside = (offs_t[:, None] < T) & (offs_d[None, :] < D)
-        rows = offs_t < T
-        if HAS_KPM:
-            rows = rows & (tl.load(KPM + b * T + offs_t, mask=offs_t < T, other=0) != 0)
-        m = rows[:, None] & (offs_d[None, :] < D)
-        s = tl.load(S + b.to(tl.int64) * ss_b + h.to(tl.int64) * ss_h + offs_t[:, None] * ss_t
-                    + offs_d[None, :], mask=m, other=0.0).to(tl.float32)
-        t = tl.load(TT + b.to(tl.int64) * st_b + h.to(tl.int64) * st_h + offs_t[:, None] * st_t
-                    + offs_d[None, :], mask=m, other=0.0).to(tl.float32)
+        inside = (rows64 < T) & (offs_d[None, :] < D)
         c = tl.load(C)  # 2 g / N, fp32
         ds = tl.where(m, (s - t) * c, 0.0)  # padded rows: exactly 0
-        tl.store(DS + b.to(tl.int64) * sd_b + h.to(tl.int64) * sd_h + offs_t[:, None] * sd_t
+        tl.store(DS + b.to(tl.int64) * sd_b + h.to(tl.int64) * sd_h + rows64 * sd_t
                  + offs_d[None, :], ds.to(DS.dtype.element_ty), mask=inside)
 
 
