@@ -1,6 +1,7 @@
 """The fused Triton kernels (ops.triton_hybrid, ops.triton_xent, ops.triton_phi,
-ops.triton_decode) on CPU under Triton's interpreter, against the PyTorch references: outputs
-and every gradient, fp32 and bf16; the decode step's logits and cache against the composed step.
+ops.triton_mse, ops.triton_decode) on CPU under Triton's interpreter, against the PyTorch
+references: outputs and every gradient, fp32 and bf16; the decode step's logits and cache
+against the composed step.
 
 Needs triton (not installed on CI: skipped there). The kernels run in a subprocess with
 ``TRITON_INTERPRET=1`` (tests/triton_interpreter_check.py), so that the interpreter is never

@@ -1,6 +1,7 @@
 """What the Triton kernel modules (``triton_hybrid``, ``triton_xent``, ``triton_phi``,
-``triton_decode``) share: whether they can run here, whether Triton's interpreter is on, the
-errors after which a caller takes its PyTorch path, and a warning logged once."""
+``triton_mse``, ``triton_decode``) share: whether they can run here, whether Triton's
+interpreter is on, the errors after which a caller takes its PyTorch path, and a warning logged
+once."""
 
 from __future__ import annotations
 
