@@ -13,9 +13,10 @@ speed and peak of the three on an H200: docs/performance.md.
 
 The MLP of each decoder layer (a module with both ``self_attn`` and ``mlp``) gets a subclass of
 its own class whose forward is checkpointed (non-reentrant) while gradients are enabled: its
-parameter names, ``isinstance`` checks and the state dict stay as they were. The subclass is
-made at run time, so a model pickled whole (``torch.save(model)``) would not load elsewhere;
-stage checkpoints store tensors only.
+parameter names, ``isinstance`` checks and the state dict stay as they were, and a deep copy
+works. The subclass is made at run time, so such a model cannot be pickled whole
+(``torch.save(model)`` raises PicklingError; ``uncheckpoint_mlps`` first); stage checkpoints
+store tensors only.
 """
 
 from __future__ import annotations
