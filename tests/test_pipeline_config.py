@@ -195,3 +195,18 @@ def test_plain_fit_resume_keeps_the_earlier_metrics(tmp_path):
     assert first.read_text() == text  # the first attempt's metrics are untouched
     assert (tmp_path / "run" / "lightning_logs" / "version_1" / "metrics.csv").exists()
     assert json.loads(json.dumps(text.splitlines()[0].split(",")))  # a CSV header
+
+
+@pytest.mark.parametrize("value,ok", [("mlp", True), ("true", True), ("attention", False)])
+def test_finetune_activation_checkpointing_through_the_pipeline_yaml(tmp_path, capsys, value, ok):
+    """``activation_checkpointing: mlp`` (or true) as a recipe sets it passes the pipeline's
+    validation; an unknown value is named with the valid ones before anything runs."""
+    rc = main(["pipeline", str(TINY), "--output", str(tmp_path / "out"), "--dry-run", "--set",
+               f"stages.finetune.fit.model.init_args.activation_checkpointing={value}"])
+    captured = capsys.readouterr()
+    if ok:
+        assert rc == 0 and "the pipeline is valid" in captured.out
+    else:
+        assert rc != 0
+        assert "activation_checkpointing='attention' is not valid" in captured.err + captured.out
+        assert "'mlp'" in captured.err + captured.out

@@ -393,6 +393,37 @@ def mse_case(cid, *, B=2, H=3, T=70, D=16, pad=False, dtype=torch.float32, sdpa_
     return errs
 
 
+def mse_backward_fallback_case(cid):
+    """A backward kernel that fails in Triton (OutOfResources): the gradient comes from the
+    reference instead, the same one, with padded teacher rows NaN."""
+    from hedgecats.models.ops import transfer
+    from hedgecats.models.ops import triton_mse as tm
+    from triton.runtime.errors import OutOfResources
+
+    class Failing:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise OutOfResources(1, 0, "shared memory")
+            return launch
+
+    g = torch.Generator().manual_seed(12)
+    s0, t0 = torch.randn(2, 3, 40, 16, generator=g), torch.randn(2, 3, 40, 16, generator=g)
+    kpm = _kpm(2, 40)
+    t0 = t0.masked_fill(~kpm[:, None, :, None], float("nan"))
+    kernel, tm._mse_bwd = tm._mse_bwd, Failing()
+    n_err = len(tm.FALLBACK_ERRORS)
+    try:
+        s = s0.clone().requires_grad_()
+        (3.0 * tm.masked_mse(s, t0, kpm)).backward()
+    finally:
+        tm._mse_bwd = kernel
+    r = s0.clone().requires_grad_()
+    (3.0 * transfer.masked_mse_reference(r, t0, kpm)).backward()
+    errs = errors({"ds": s.grad}, {"ds": r.grad})
+    errs["fallback_taken_ok"] = 0.0 if len(tm.FALLBACK_ERRORS) == n_err + 1 else float("inf")
+    return errs
+
+
 def phi_case(cid, *, B=2, H=3, T=45, D=16, proj="square", activation="softmax",
              dtype=torch.float32, strided=False, frozen_x=False, heads_first=False):
     """triton_phi.hedgehog_features vs the fp32 map: values and gradients of x, W, b
@@ -597,6 +628,7 @@ def cases(quick: bool = False):
         ("mse-D48-T130-nan-in-padding", mse_case, dict(D=48, T=130, pad=True,
                                                         nan_in_padding=True)),
         ("mse-T1", mse_case, dict(T=1, B=1, H=1)),
+        ("mse-backward-fallback", mse_backward_fallback_case, {}),
         ("xent", xent_case, {}),
         ("xent-pad", xent_case, dict(pad=True)),
         ("xent-blocks-16x32-T37", xent_case, dict(T=37, bn=32)),

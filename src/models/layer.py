@@ -198,22 +198,21 @@ def hedgecats_attention_forward(module: nn.Module, query, key, value, attention_
     # would break the capture of a decode step in a CUDA graph)
     kpm = (_key_padding_mask(attention_mask, key.shape[2])
            if rt.mode != "softmax" or rt.observer is not None else None)
-    if rt.observer is not None:
-        if rt.mode == "softmax" and getattr(rt.observer, "wants_teacher_output", False) and \
-                _teacher_output_is_plain(dropout, key.shape[2], base_window):
-            # the teacher's output first, handed over: the output-MSE objectives compare with
-            # it instead of computing it again
-            out, weights = sdpa_attention_forward(
-                module, query, key, value, _with_window(attention_mask, query, key, base_window),
-                dropout=dropout, scaling=scaling, **kwargs)
-            rt.observer(module, query, key, value, kpm, hidden,
-                        teacher_output=out.transpose(1, 2))  # (B, H, T, D)
-            return out, weights
+    # the output-MSE objectives compare with the teacher's output: handed over after the
+    # attention where it is the plain causal softmax they define, instead of computed again
+    hand_over = rt.observer is not None and rt.mode == "softmax" and \
+        getattr(rt.observer, "wants_teacher_output", False) and \
+        _teacher_output_is_plain(dropout, key.shape[2], base_window)
+    if rt.observer is not None and not hand_over:
         rt.observer(module, query, key, value, kpm, hidden)
     if rt.mode == "softmax":  # exactly the original model's attention
-        return sdpa_attention_forward(module, query, key, value,
-                                      _with_window(attention_mask, query, key, base_window),
-                                      dropout=dropout, scaling=scaling, **kwargs)
+        out, weights = sdpa_attention_forward(
+            module, query, key, value, _with_window(attention_mask, query, key, base_window),
+            dropout=dropout, scaling=scaling, **kwargs)
+        if hand_over:
+            rt.observer(module, query, key, value, kpm, hidden,
+                        teacher_output=out.transpose(1, 2))  # (B, H, T, D)
+        return out, weights
     query, key, value = _common_dtype(query, key, value)
     if rt.window_shape == "terraced_end" and kpm is None and query.shape[0] > 1:
         _warn_once("a 'terraced_end' window (LoLCATs' blocks, ending at each sequence's last "

@@ -7,7 +7,8 @@
 over (B, H, T, D) outputs in the model's dtype. In PyTorch (``transfer.masked_mse_reference``,
 the CPU path and the tests' oracle) that is a chain of fp32 copies (two casts, a difference, a
 square, a masked sum; the backward as many again): on the 8B shape at 8 x 1k about ten passes of
-134 MB, ~0.4 ms a layer, 32 layers a step. Here the forward reads both tensors once and writes
+134 MB a layer. With the teacher's output handed over as well, the ``hybrid_output_mse`` step
+went from 341 to 303 ms (one H200, benchmarks/results/h200_2026-12-02c). Here the forward reads both tensors once and writes
 one fp32 partial sum per (b, h, tile of rows); the backward reads them once more and writes the
 student's gradient ``2 (student - teacher) w_t g / N`` in its dtype (``w_t`` 0 for a padded
 query), each difference taken in fp32 as the reference takes it. Padded query rows are never
@@ -15,8 +16,8 @@ read, so whatever the teacher put there (transformers' SDPA may leave a fully ma
 undefined) cannot reach the loss; the reference selects them away (``torch.where``) for the same
 reason.
 
-The partial sums are added in a fixed order (``torch.sum`` over a buffer, no atomics): the
-loss is the same bitwise from run to run.
+The partial sums are added in a fixed order (``torch.sum`` over a buffer, no atomics), so the
+kernels add nothing nondeterministic.
 
 Unsupported calls (no Triton or CUDA, not 4-D, shapes that differ, head dims above 256, more than
 65,535 batch x heads) return ``None``, the reason logged once: the caller runs the reference.
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from . import transfer
 from .triton_common import GRID_AXIS_MAX, HAVE_TRITON, available, errors, interpret, tl, \
     triton, warn_once
 
@@ -138,10 +140,11 @@ class _MSEFn(torch.autograd.Function):
             FALLBACK_ERRORS.append(f"backward: {type(e).__name__}: {e}"[:500])
             warn_once(__name__, f"fused output MSE backward failed in Triton "
                       f"({type(e).__name__}); this call's gradient comes from PyTorch")
-            diff = student.float() - teacher.float()
-            if kpm_i8 is not None:
-                diff = torch.where(kpm_i8.bool()[:, None, :, None], diff, 0.0)
-            ds = (diff * c).to(student.dtype)
+            with torch.enable_grad():
+                s = student.detach().requires_grad_()
+                loss = transfer.masked_mse_reference(
+                    s, teacher.detach(), None if kpm_i8 is None else kpm_i8.bool())
+                ds = torch.autograd.grad(loss, s, g)[0].to(student.dtype)
         dt = (-ds).to(teacher.dtype) if ctx.needs_input_grad[1] else None
         return ds, dt, None, None
 
