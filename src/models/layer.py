@@ -84,33 +84,51 @@ LayerRuntime.__doc__ = ("The switches of one converted layer: ``layer_idx``, Hyb
 
 
 # ----------------------------------------------------------------------------- attention function
-#: the last mask ``_key_padding_mask`` reduced: (weak reference, version, kv_len, result). Every
-#: layer of one forward gets the same 4D mask; reducing it once spares the other layers the
-#: T x T reduction and a host sync each (``bool(kpm.all())``), which kept the host from running
-#: ahead of the GPU (and would hold stage 1's side-stream students back)
-_KPM_LAST: list = [None]
+class _ReducedOnce:
+    """The last host-side reduction of one tensor, kept while that tensor is unchanged.
+
+    Every layer of one forward gets the same 4D mask and the same position ids, and activation
+    checkpointing's recomputation gets them again: reducing each once spares the other layers
+    a reduction and a host synchronisation each (``bool(...)`` / ``int(...)`` of a CUDA tensor),
+    which drained the GPU's queue once per layer (32 a forward on an 8B model, twice per step
+    under checkpointing: measured as idle GPU time in stage 2's step, issue 12) and would hold
+    stage 1's side-stream students back. A tensor is the same if it is the same object at the
+    same version (an in-place change bumps it); inference-mode tensors have no version, so
+    theirs are reduced every time."""
+
+    def __init__(self) -> None:
+        self.last = None  # (weak reference, version, key, result)
+
+    def __call__(self, tensor: torch.Tensor, key, reduce):
+        version = None if tensor.is_inference() else tensor._version
+        last = self.last
+        if version is not None and last is not None and last[0]() is tensor and \
+                last[1] == version and last[2] == key:
+            return last[3]
+        result = reduce()
+        self.last = None if version is None else (weakref.ref(tensor), version, key, result)
+        return result
+
+
+_KPM_ONCE = _ReducedOnce()
+_POSITIONS_ONCE = _ReducedOnce()
 
 
 def _key_padding_mask(attention_mask: torch.Tensor | None, kv_len: int) -> torch.Tensor | None:
     """(B, Tk) bool from transformers' 4D mask: a key is real if some query may attend to it
-    (each real key is visible at least to itself). ``None`` when there is no mask. The same
-    mask tensor (unchanged since: its version) at the same ``kv_len`` is reduced once
-    (inference-mode tensors have no version: theirs are reduced every time)."""
+    (each real key is visible at least to itself). ``None`` when there is no mask. Reduced
+    once per mask and ``kv_len`` (``_ReducedOnce``)."""
     if attention_mask is None or attention_mask.dim() != 4:
         return None
-    version = None if attention_mask.is_inference() else attention_mask._version
-    last = _KPM_LAST[0]
-    if version is not None and last is not None and last[0]() is attention_mask and \
-            last[1] == version and last[2] == kv_len:
-        return last[3]
-    m = attention_mask[..., :kv_len]
-    if m.dtype != torch.bool:
-        m = m > torch.finfo(m.dtype).min / 2
-    kpm = m.any(dim=-2)[:, 0]  # (B, Tk)
-    result = None if bool(kpm.all()) else kpm
-    _KPM_LAST[0] = None if version is None else (weakref.ref(attention_mask), version, kv_len,
-                                                  result)
-    return result
+
+    def reduce():
+        m = attention_mask[..., :kv_len]
+        if m.dtype != torch.bool:
+            m = m > torch.finfo(m.dtype).min / 2
+        kpm = m.any(dim=-2)[:, 0]  # (B, Tk)
+        return None if bool(kpm.all()) else kpm
+
+    return _KPM_ONCE(attention_mask, kv_len, reduce)
 
 
 def _with_window(attention_mask, query, key, window: int | None):
@@ -137,7 +155,8 @@ def _check_no_evicted_keys(key, position_ids, rt: LayerRuntime) -> None:
     so fewer keys than the largest position + 1 means keys were dropped."""
     if position_ids is None or rt.mode not in ("hybrid", "la_only", "swa_only"):
         return
-    seen = int(position_ids.max()) + 1
+    # one host sync per position tensor, not per layer (``_ReducedOnce``)
+    seen = _POSITIONS_ONCE(position_ids, None, lambda: int(position_ids.max())) + 1
     if key.shape[2] < seen:
         raise RuntimeError(
             f"layer {rt.layer_idx}: the KV cache holds {key.shape[2]} keys but the sequence is at "
