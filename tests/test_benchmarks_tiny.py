@@ -55,6 +55,23 @@ def test_stage_speed_recomputed_rows_switch_the_kernel_config():
     assert triton_hybrid.default_config(128, 256, torch.bfloat16) == default
 
 
+def test_stage_speed_t4k_ratio_only_from_a_4k_run():
+    """``transfer_vs_lolcats_T4k`` is the ratio at 4k or None: a run of ``--seq-lens 1024``
+    wrote its 1k ratio under the key (2.30 where 4k gives ~5.9, 2026-12-02)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("stage_speed", ROOT / "benchmarks" / "stage_speed.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = [{"name": n, "T": T, "tokens_per_s": tps, "peak_gib": 1.0}
+            for n, T, tps in [("transfer/hybrid_output_mse", 1024, 2.0),
+                              ("transfer/lolcats_tt", 1024, 1.0),
+                              ("transfer/hybrid_output_mse", 4096, 6.0),
+                              ("transfer/lolcats_tt", 4096, 1.0)]]
+    assert bench.ratios(rows, 1024, 4096)["transfer_vs_lolcats_T4k"] == 6.0
+    assert bench.ratios(rows[:2], 1024, None)["transfer_vs_lolcats_T4k"] is None
+
+
 def test_lightning_gap_tiny(tmp_path):
     """benchmarks/lightning_gap.py (stage 1 through Lightning against the stage harness) on CPU:
     a Lightning row, a harness row with the kernels off, and a reading that needs both."""

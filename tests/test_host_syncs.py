@@ -112,21 +112,28 @@ def test_gpu_training_step_syncs_do_not_grow_with_depth(checkpointing):
     x, mask = (t.cuda() for t in _batch())
 
     def step(layers):
+        """The fewest syncs of two steps after a warm-up: a one-time sync (seen once on the
+        first measured step of a process, 2026-12-02) is not a per-layer one."""
         model = _model(layers).cuda().to(torch.bfloat16).train()
         enable_checkpointing(model, checkpointing)
         model(input_ids=x, attention_mask=mask, labels=x).loss.backward()  # warm-up, compile
         torch.cuda.synchronize()
-        before = triton_hybrid.CALLS["forward"]
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                model(input_ids=x, attention_mask=mask, labels=x).loss.backward()
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-        assert triton_hybrid.CALLS["forward"] > before  # the fused kernels ran
-        syncs = [w for w in seen if "synchroniz" in str(w.message)]
-        return len(syncs), [str(w.filename) + ":" + str(w.lineno) for w in syncs]
+        counts = []
+        for _ in range(2):
+            before = triton_hybrid.CALLS["forward"]
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    model(input_ids=x, attention_mask=mask, labels=x).loss.backward()
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+            assert triton_hybrid.CALLS["forward"] > before  # the fused kernels ran
+            syncs = [w for w in seen if "synchroniz" in str(w.message)]
+            counts.append((len(syncs), [f"{w.filename}:{w.lineno}" for w in syncs]))
+        return min(counts)
 
-    (shallow, _), (deep, where_deep) = step(2), step(5)
-    assert shallow == deep, f"{deep - shallow} more syncs with 3 more layers: {where_deep}"
+    (shallow, where_shallow), (deep, where_deep) = step(2), step(5)
+    assert shallow == deep, (f"{deep - shallow} more syncs with 3 more layers: 2 layers "
+                             f"{where_shallow}, 5 layers {where_deep}")
+    assert deep <= 6
