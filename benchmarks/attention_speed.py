@@ -448,7 +448,8 @@ def run_shape(a, B, T, results, log):
     results["rows"].extend(rows)
 
 
-TUNE_CONFIGS = {  # None: default_config (D=128: fwd 64x64 w8, bwd 64x32 w8, f_chunk 64)
+TUNE_CONFIGS = {  # None: default_config (D=128: fwd 64x64 w8, bwd 64x32 w8, f_chunk 64,
+    # grad_f_chunk 256); the named ones leave grad_f_chunk at None (= f_chunk 64)
     "default": None,
     # smaller tiles: no spills at all in ptxas's report, but mma.sync instead of wgmma
     "fwd32-bwd32": dict(block_m=32, block_n=64, state_chunk=64, warps=8, stages=2,
@@ -468,6 +469,11 @@ TUNE_CONFIGS = {  # None: default_config (D=128: fwd 64x64 w8, bwd 64x32 w8, f_c
     "split-states": dict(block_m=64, block_n=64, state_chunk=128, warps=8, stages=2,
                          bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64,
                          state_warps=8, split_states=True),
+    # the default before 2026-12-02's eighth session: dfq and dfk in 64-wide feature slices,
+    # one program each (the dO . v product computed once per slice; the default since takes
+    # the whole F per program, grad_f_chunk 256)
+    "grad-f64": dict(block_m=64, block_n=64, state_chunk=128, warps=8, stages=2,
+                     bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8),
     # the same, the states walked at any length (split_states False): with "split-states",
     # where between 8 and 512 chunks the split starts to pay (SPLIT_STATES_MIN_CHUNKS)
     "walk-states": dict(block_m=64, block_n=64, state_chunk=128, warps=8, stages=2,

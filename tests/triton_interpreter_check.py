@@ -605,6 +605,17 @@ def cases(quick: bool = False):
         # the default (split_states None) past SPLIT_STATES_MIN_CHUNKS: 19 chunks of 16
         ("kernel-auto-split-19-chunks-pad-shared", k, dict(T=300, window=20, pad=True,
                                                            shared=True, expect_split=True)),
+        # the gradient kernels' whole-F programs (grad_f_chunk = F: one dfq / dfk program per
+        # block, the dO . v product once), with the tiles that cross states and padding
+        ("kernel-grad-whole-f-pad-shared", k, dict(
+            T=150, window=10, pad=True, shared=True, cfg=dict(LONG_CHUNK, grad_f_chunk=32))),
+        ("kernel-grad-whole-f-tall-shifts-split", k, dict(
+            T=90, window=20, per_bh_shift=True, cfg=dict(TALL_BWD, grad_f_chunk=32,
+                                                         split_states=True))),
+        # a state chunk of 128 walked: _state_rev reads it 64 positions at a time (_rev_rows)
+        ("kernel-walked-reverse-chunk128-pad-shifts", k, dict(
+            T=300, window=20, pad=True, per_bh_shift=True,
+            cfg=dict(SMALL, state_chunk=128, split_states=False))),
         ("kernel-bf16", k, dict(dtype=bf16)),
         ("kernel-bf16-shared-pad", k, dict(dtype=bf16, shared=True, pad=True)),
         ("kernel-bf16-hedgehog-D32", k, dict(dtype=bf16, D=32, T=70, window=10,

@@ -110,6 +110,13 @@ class KernelConfig:
     state_d: int = 64
     state_warps: int = 4
     f_chunk: int = 128  # feature-dimension slice of the LA products (registers)
+    #: the feature slice of one ``_bwd_dfq`` / ``_bwd_dkv_la`` program (their grid's third
+    #: axis; None: ``f_chunk``). Each program of those kernels computes the D-wide product
+    #: (dO_t . v_i, the same for every slice) before its slice's share, so F / slice programs
+    #: compute it F / slice times; a whole F computes it once, with an (BN or BM, F) fp32
+    #: accumulator (ptxas, sm_90a, D 128, F 256: 254-255 registers, no spill, at the default
+    #: backward tiles)
+    grad_f_chunk: int | None = None
     #: the forward stores both branches' outputs (SWA_t and LA_t, (B H, T, D) each, in the input
     #: dtype) when a backward will follow, and the backward's per-query factors read
     #: SWA_t . dO_t and LA_t . dO_t from them instead of recomputing both branches (as flash
@@ -152,7 +159,7 @@ def default_config(D: int, F: int, dtype: torch.dtype) -> KernelConfig:
     if D >= 128:
         return KernelConfig(block_m=64, block_n=64, state_chunk=128, warps=8, stages=2,
                             bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64,
-                            state_warps=8)
+                            state_warps=8, grad_f_chunk=256)
     return KernelConfig(block_m=64, block_n=64, warps=4, stages=2, bwd_block_m=64,
                         bwd_block_n=64, bwd_warps=8, f_chunk=128)
 
@@ -669,10 +676,11 @@ if HAVE_TRITON:
                    sfq_b, sfq_h, sfq_t, sdo_b, sdo_h, sdo_t,
                    T, H, G, NC,
                    F: tl.constexpr, D: tl.constexpr, CS: tl.constexpr, BF: tl.constexpr,
-                   BD: tl.constexpr, PREC: tl.constexpr):
+                   BD: tl.constexpr, SUB: tl.constexpr, PREC: tl.constexpr):
         """Reverse states, summed over the G query heads of a kv head: entry j holds
         R = sum_{t - shift_h >= (j+1) CS} fq_t (GF_t dO_t)^T (F x D), u = sum DDEN_t fq_t and
-        w = sum GF_t dO_t (the kernel floor's share of dv)."""
+        w = sum GF_t dO_t (the kernel floor's share of dv). A chunk's positions are read SUB
+        at a time (the loaded tiles and their fp32 copies are what fills the registers)."""
         pid_bh = tl.program_id(0)  # b * Hkv + hk
         pid_f = tl.program_id(1)
         pid_d = tl.program_id(2)
@@ -681,7 +689,7 @@ if HAVE_TRITON:
         hk = pid_bh % Hkv
         offs_f = pid_f * BF + tl.arange(0, BF)
         offs_d = pid_d * BD + tl.arange(0, BD)
-        offs_c = tl.arange(0, CS)
+        offs_c = tl.arange(0, SUB)
         st_base = RST + pid_bh.to(tl.int64) * NC * F * D
         u_base = UST + pid_bh.to(tl.int64) * NC * F
         w_base = WST + pid_bh.to(tl.int64) * NC * D
@@ -700,23 +708,24 @@ if HAVE_TRITON:
                 h = hk * G + g
                 bh = b * H + h
                 shift = tl.load(SHIFT + bh)
-                offs_t = j * CS + shift + offs_c
-                tin = offs_t < T
-                fq = tl.load(FQ + b.to(tl.int64) * sfq_b + h.to(tl.int64) * sfq_h
-                             + offs_t[:, None] * sfq_t + offs_f[None, :], mask=tin[:, None],
-                             other=0.0)
-                gf = tl.load(GF + bh.to(tl.int64) * T + offs_t, mask=tin, other=0.0)
-                do = tl.load(DO + b.to(tl.int64) * sdo_b + h.to(tl.int64) * sdo_h
-                             + offs_t[:, None] * sdo_t + offs_d[None, :], mask=tin[:, None],
-                             other=0.0)
-                # gf scales fq's rows (fp32, then one rounding) rather than dO's
-                fqg = (fq.to(tl.float32) * gf[:, None]).to(fq.dtype)
-                R += tl.dot(tl.trans(fqg), do, input_precision=PREC)
-                if pid_d == 0:
-                    dd = tl.load(DDEN + bh.to(tl.int64) * T + offs_t, mask=tin, other=0.0)
-                    u += tl.sum(fq.to(tl.float32) * dd[:, None], axis=0)
-                if pid_f == 0:
-                    w += tl.sum(do.to(tl.float32) * gf[:, None], axis=0)
+                for s in tl.static_range(CS // SUB):
+                    offs_t = j * CS + s * SUB + shift + offs_c
+                    tin = offs_t < T
+                    fq = tl.load(FQ + b.to(tl.int64) * sfq_b + h.to(tl.int64) * sfq_h
+                                 + offs_t[:, None] * sfq_t + offs_f[None, :], mask=tin[:, None],
+                                 other=0.0)
+                    gf = tl.load(GF + bh.to(tl.int64) * T + offs_t, mask=tin, other=0.0)
+                    do = tl.load(DO + b.to(tl.int64) * sdo_b + h.to(tl.int64) * sdo_h
+                                 + offs_t[:, None] * sdo_t + offs_d[None, :], mask=tin[:, None],
+                                 other=0.0)
+                    # gf scales fq's rows (fp32, then one rounding) rather than dO's
+                    fqg = (fq.to(tl.float32) * gf[:, None]).to(fq.dtype)
+                    R += tl.dot(tl.trans(fqg), do, input_precision=PREC)
+                    if pid_d == 0:
+                        dd = tl.load(DDEN + bh.to(tl.int64) * T + offs_t, mask=tin, other=0.0)
+                        u += tl.sum(fq.to(tl.float32) * dd[:, None], axis=0)
+                    if pid_f == 0:
+                        w += tl.sum(do.to(tl.float32) * gf[:, None], axis=0)
 
     @triton.jit
     def _bwd_dkv_swa(Q, K, V, DO, LSE, DELTA, WS, KPM, DK, DV,
@@ -984,6 +993,17 @@ def _fc(cfg: KernelConfig, F: int) -> int:
     return min(cfg.f_chunk, F)
 
 
+def _rev_rows(cfg: KernelConfig) -> int:
+    """Positions ``_state_rev`` reads at a time: 64 (a 128-position chunk read whole spilled 44
+    bytes per thread in ptxas's report for sm_90a at D 128, F 256; 64 spills none)."""
+    return min(64, cfg.state_chunk)
+
+
+def _grad_fc(cfg: KernelConfig, F: int) -> int:
+    """The feature slice of a ``_bwd_dfq`` / ``_bwd_dkv_la`` program (``grad_f_chunk``)."""
+    return min(cfg.grad_f_chunk or cfg.f_chunk, F)
+
+
 def _forward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, *, window, scale, eps,
              has_swa, has_la, shared, cfg: KernelConfig, save: bool = False):
     """(out, lse, den, swa_o, la_o, states): the branches' outputs (B H, T, D) and the LA
@@ -1031,7 +1051,7 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
     Hkv = k.shape[1]
     G = H // Hkv
     F = fq.shape[-1]
-    FC = _fc(cfg, F)
+    FC, GFC = _fc(cfg, F), _grad_fc(cfg, F)
     dev = q.device
     f32 = dict(device=dev, dtype=torch.float32)
     dummy = torch.empty(1, device=dev, dtype=q.dtype)
@@ -1065,10 +1085,10 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
     dfq = None
     if has_la:
         dfq = torch.empty(B, H, T, F, device=dev, dtype=fq.dtype)
-        _bwd_dfq[(NMB, B * H, F // FC)](
+        _bwd_dfq[(NMB, B * H, F // GFC)](
             fk, v, do, S, z, gf, dden, shift, kpm, dfq,
             *_strides(fk), *_strides(v), *_strides(do), T, H, G, NC,
-            D=D, F=F, FC=FC, BM=BM, BN=BN, CS=cfg.state_chunk, HAS_KPM=has_kpm, PREC=prec,
+            D=D, F=F, FC=GFC, BM=BM, BN=BN, CS=cfg.state_chunk, HAS_KPM=has_kpm, PREC=prec,
             num_warps=cfg.bwd_warps, num_stages=cfg.stages)
     del S, z, vs
     dk = dv = dvs = None
@@ -1104,13 +1124,13 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
             BF, BD = _state_tile(cfg, B * Hkv, F, D)
             _state_rev[(B * Hkv, F // BF, D // BD)](
                 fq, do, gf, dden, shift, R, U, W, *_strides(fq), *_strides(do), T, H, G, NC,
-                F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD, PREC=prec,
+                F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD, SUB=_rev_rows(cfg), PREC=prec,
                 num_warps=cfg.state_warps)
         dfk = torch.empty(B, Hkv, T, F, device=dev, dtype=fk.dtype)
-        _bwd_dkv_la[(NNB, B * Hkv, F // FC + (dv is not None))](  # the last program: dv
+        _bwd_dkv_la[(NNB, B * Hkv, F // GFC + (dv is not None))](  # the last program: dv
             fq, fk, v, do, gf, dden, R, U, W, shift, kpm, _ptr(dvs, dfk), _ptr(dv, dfk), dfk,
             *_strides(fq), *_strides(fk), *_strides(v), *_strides(do), T, H, G, NC, eps,
-            D=D, F=F, FC=FC, BM=BM, BN=BN, CS=cfg.state_chunk, ADD_DVS=dvs is not None,
+            D=D, F=F, FC=GFC, BM=BM, BN=BN, CS=cfg.state_chunk, ADD_DVS=dvs is not None,
             HAS_KPM=has_kpm, PREC=prec, num_warps=cfg.bwd_warps, num_stages=cfg.stages)
         CALLS["dv_la"] += dv is not None
     dpa, dpb = pa.sum(-1), pb.sum(-1)  # (B * H,)
