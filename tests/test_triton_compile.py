@@ -94,8 +94,7 @@ def hybrid_kernels(dtype: torch.dtype, D: int, F: int, has_swa=True, has_la=True
         grad = dict(lo, FC=th._grad_fc(cfg, F))  # the dfq / dfk programs' feature slice
         yield "bwd_dfq", th._bwd_dfq, dict(**grad, **bwd_tiles), (), cfg.bwd_warps, cfg.stages
         yield "state_rev", th._state_rev, dict(F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD,
-                                                SUB=th._rev_rows(cfg), PREC=prec), (), \
-            cfg.state_warps, 3
+                                                PREC=prec), (), cfg.state_warps, 3
         yield "bwd_dkv_la", th._bwd_dkv_la, dict(**grad, **bwd_tiles, ADD_DVS=has_swa), \
             ("eps",), cfg.bwd_warps, cfg.stages
     if has_swa:

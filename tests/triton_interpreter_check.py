@@ -612,7 +612,7 @@ def cases(quick: bool = False):
         ("kernel-grad-whole-f-tall-shifts-split", k, dict(
             T=90, window=20, per_bh_shift=True, cfg=dict(TALL_BWD, grad_f_chunk=32,
                                                          split_states=True))),
-        # a state chunk of 128 walked: _state_rev reads it 64 positions at a time (_rev_rows)
+        # a state chunk of 128 walked (the GPU's D 128 chunk), per-head shifts and padding
         ("kernel-walked-reverse-chunk128-pad-shifts", k, dict(
             T=300, window=20, pad=True, per_bh_shift=True,
             cfg=dict(SMALL, state_chunk=128, split_states=False))),

@@ -115,7 +115,11 @@ class KernelConfig:
     #: (dO_t . v_i, the same for every slice) before its slice's share, so F / slice programs
     #: compute it F / slice times; a whole F computes it once, with an (BN or BM, F) fp32
     #: accumulator (ptxas, sm_90a, D 128, F 256: 254-255 registers, no spill, at the default
-    #: backward tiles)
+    #: backward tiles). Measured on one H200 (2026-12-02, eighth session, attention_speed.py
+    #: --tune, configs default / grad-f64, one run): the kernel's fwd + bwd at 8 x 1k 2.96 vs
+    #: 3.36 ms, the stage-1 call 2.11 vs 2.57, at 2 x 4k 2.96 vs 3.18; profile at 8 x 1k:
+    #: ``_bwd_dkv_la`` 0.66 to 0.51 ms, ``_bwd_dfq`` 0.39 to 0.28
+    #: (benchmarks/results/h200_2026-12-02d/README.md)
     grad_f_chunk: int | None = None
     #: the forward stores both branches' outputs (SWA_t and LA_t, (B H, T, D) each, in the input
     #: dtype) when a backward will follow, and the backward's per-query factors read
@@ -676,11 +680,10 @@ if HAVE_TRITON:
                    sfq_b, sfq_h, sfq_t, sdo_b, sdo_h, sdo_t,
                    T, H, G, NC,
                    F: tl.constexpr, D: tl.constexpr, CS: tl.constexpr, BF: tl.constexpr,
-                   BD: tl.constexpr, SUB: tl.constexpr, PREC: tl.constexpr):
+                   BD: tl.constexpr, PREC: tl.constexpr):
         """Reverse states, summed over the G query heads of a kv head: entry j holds
         R = sum_{t - shift_h >= (j+1) CS} fq_t (GF_t dO_t)^T (F x D), u = sum DDEN_t fq_t and
-        w = sum GF_t dO_t (the kernel floor's share of dv). A chunk's positions are read SUB
-        at a time (the loaded tiles and their fp32 copies are what fills the registers)."""
+        w = sum GF_t dO_t (the kernel floor's share of dv)."""
         pid_bh = tl.program_id(0)  # b * Hkv + hk
         pid_f = tl.program_id(1)
         pid_d = tl.program_id(2)
@@ -689,7 +692,7 @@ if HAVE_TRITON:
         hk = pid_bh % Hkv
         offs_f = pid_f * BF + tl.arange(0, BF)
         offs_d = pid_d * BD + tl.arange(0, BD)
-        offs_c = tl.arange(0, SUB)
+        offs_c = tl.arange(0, CS)
         st_base = RST + pid_bh.to(tl.int64) * NC * F * D
         u_base = UST + pid_bh.to(tl.int64) * NC * F
         w_base = WST + pid_bh.to(tl.int64) * NC * D
@@ -708,24 +711,23 @@ if HAVE_TRITON:
                 h = hk * G + g
                 bh = b * H + h
                 shift = tl.load(SHIFT + bh)
-                for s in tl.static_range(CS // SUB):
-                    offs_t = j * CS + s * SUB + shift + offs_c
-                    tin = offs_t < T
-                    fq = tl.load(FQ + b.to(tl.int64) * sfq_b + h.to(tl.int64) * sfq_h
-                                 + offs_t[:, None] * sfq_t + offs_f[None, :], mask=tin[:, None],
-                                 other=0.0)
-                    gf = tl.load(GF + bh.to(tl.int64) * T + offs_t, mask=tin, other=0.0)
-                    do = tl.load(DO + b.to(tl.int64) * sdo_b + h.to(tl.int64) * sdo_h
-                                 + offs_t[:, None] * sdo_t + offs_d[None, :], mask=tin[:, None],
-                                 other=0.0)
-                    # gf scales fq's rows (fp32, then one rounding) rather than dO's
-                    fqg = (fq.to(tl.float32) * gf[:, None]).to(fq.dtype)
-                    R += tl.dot(tl.trans(fqg), do, input_precision=PREC)
-                    if pid_d == 0:
-                        dd = tl.load(DDEN + bh.to(tl.int64) * T + offs_t, mask=tin, other=0.0)
-                        u += tl.sum(fq.to(tl.float32) * dd[:, None], axis=0)
-                    if pid_f == 0:
-                        w += tl.sum(do.to(tl.float32) * gf[:, None], axis=0)
+                offs_t = j * CS + shift + offs_c
+                tin = offs_t < T
+                fq = tl.load(FQ + b.to(tl.int64) * sfq_b + h.to(tl.int64) * sfq_h
+                             + offs_t[:, None] * sfq_t + offs_f[None, :], mask=tin[:, None],
+                             other=0.0)
+                gf = tl.load(GF + bh.to(tl.int64) * T + offs_t, mask=tin, other=0.0)
+                do = tl.load(DO + b.to(tl.int64) * sdo_b + h.to(tl.int64) * sdo_h
+                             + offs_t[:, None] * sdo_t + offs_d[None, :], mask=tin[:, None],
+                             other=0.0)
+                # gf scales fq's rows (fp32, then one rounding) rather than dO's
+                fqg = (fq.to(tl.float32) * gf[:, None]).to(fq.dtype)
+                R += tl.dot(tl.trans(fqg), do, input_precision=PREC)
+                if pid_d == 0:
+                    dd = tl.load(DDEN + bh.to(tl.int64) * T + offs_t, mask=tin, other=0.0)
+                    u += tl.sum(fq.to(tl.float32) * dd[:, None], axis=0)
+                if pid_f == 0:
+                    w += tl.sum(do.to(tl.float32) * gf[:, None], axis=0)
 
     @triton.jit
     def _bwd_dkv_swa(Q, K, V, DO, LSE, DELTA, WS, KPM, DK, DV,
@@ -993,12 +995,6 @@ def _fc(cfg: KernelConfig, F: int) -> int:
     return min(cfg.f_chunk, F)
 
 
-def _rev_rows(cfg: KernelConfig) -> int:
-    """Positions ``_state_rev`` reads at a time: 64 (a 128-position chunk read whole spilled 44
-    bytes per thread in ptxas's report for sm_90a at D 128, F 256; 64 spills none)."""
-    return min(64, cfg.state_chunk)
-
-
 def _grad_fc(cfg: KernelConfig, F: int) -> int:
     """The feature slice of a ``_bwd_dfq`` / ``_bwd_dkv_la`` program (``grad_f_chunk``)."""
     return min(cfg.grad_f_chunk or cfg.f_chunk, F)
@@ -1124,7 +1120,7 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
             BF, BD = _state_tile(cfg, B * Hkv, F, D)
             _state_rev[(B * Hkv, F // BF, D // BD)](
                 fq, do, gf, dden, shift, R, U, W, *_strides(fq), *_strides(do), T, H, G, NC,
-                F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD, SUB=_rev_rows(cfg), PREC=prec,
+                F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD, PREC=prec,
                 num_warps=cfg.state_warps)
         dfk = torch.empty(B, Hkv, T, F, device=dev, dtype=fk.dtype)
         _bwd_dkv_la[(NNB, B * Hkv, F // GFC + (dv is not None))](  # the last program: dv
