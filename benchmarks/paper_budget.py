@@ -37,7 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 EPOCH_TOKENS = 25_000_000
 #: the latest committed measurements
 DEFAULTS = {
-    "stage_speed": "benchmarks/results/h200_2026-12-02c/call3/stage/stage_speed.json",
+    # (rebuilt from the run's log: the device left the JSON out; its README says so)
+    "stage_speed": "benchmarks/results/h200_2026-12-02d/call3/stage/stage_speed_from_log.json",
     "multigpu": "benchmarks/results/multigpu.json",
     # stage 1 through Lightning, one JSON per objective (each names its own; older ones, without
     # the key, measured weights_xent)
@@ -45,7 +46,7 @@ DEFAULTS = {
                       "benchmarks/results/h200_2026-12-02c/call5/lightning_gap.json"],
     # both stages through Lightning at one GPU (multigpu.py run --devices 1; stage 1 with
     # weights_xent), the newest measurement: it wins over the two above for what it measured
-    "lightning_run": "benchmarks/results/h200_2026-12-02c/call5/multigpu_ws1.json",
+    "lightning_run": "benchmarks/results/h200_2026-12-02d/call3/mg/ws1.json",
 }
 
 #: recipe -> (stage-1 objective row, stage-2 epochs (min, max), stage-2 row)
