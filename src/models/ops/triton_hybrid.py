@@ -48,9 +48,10 @@ How (all kernels take strided (B, H, T, X) tensors, no copies of q, k, v):
                   Mixer gradients (c_A, c_B or log s_h) come back as per-block partial sums,
                   reduced in torch (deterministic).
 
-The feature dimension is taken ``f_chunk`` at a time in every product over it, so no program
-holds an F-wide operand and an F-wide accumulator at once (tile sizes were chosen from ptxas's
-register report for sm_90a: ``default_config``). Tiles that do not compile on a device are
+The feature dimension is taken ``f_chunk`` at a time in the forward's and dq's products over
+it, so no program holds an F-wide operand and an F-wide accumulator at once; the dfq / dfk
+programs take ``grad_f_chunk`` (the whole F at D 128 bf16: one D-wide dO . v product per
+block). Tile sizes were chosen from ptxas's register report for sm_90a (``default_config``). Tiles that do not compile on a device are
 replaced once by ``SAFE_CONFIG`` (``RETRIES``); any other Triton failure sends the call to the
 piece-by-piece path (``FALLBACK_ERRORS``).
 
