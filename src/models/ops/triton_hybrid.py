@@ -51,9 +51,9 @@ How (all kernels take strided (B, H, T, X) tensors, no copies of q, k, v):
 The feature dimension is taken ``f_chunk`` at a time in the forward's and dq's products over
 it, so no program holds an F-wide operand and an F-wide accumulator at once; the dfq / dfk
 programs take ``grad_f_chunk`` (the whole F at D 128 bf16: one D-wide dO . v product per
-block). Tile sizes were chosen from ptxas's register report for sm_90a (``default_config``). Tiles that do not compile on a device are
-replaced once by ``SAFE_CONFIG`` (``RETRIES``); any other Triton failure sends the call to the
-piece-by-piece path (``FALLBACK_ERRORS``).
+block). Tile sizes were chosen from ptxas's register report for sm_90a (``default_config``).
+Tiles that do not compile on a device are replaced once by ``SAFE_CONFIG`` (``RETRIES``); any
+other Triton failure sends the call to the piece-by-piece path (``FALLBACK_ERRORS``).
 
 Numerics: matrix products in the input dtype with fp32 accumulation (fp32 inputs: ``tf32x3``,
 three tf32 products, about fp32 accuracy); the stored LA states are in the input dtype (they are
