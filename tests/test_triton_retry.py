@@ -59,3 +59,21 @@ def test_both_failing_fall_back_to_the_safe_tiles_once(retries):
 def test_the_safe_tiles_failing_raise(retries):
     with pytest.raises(Boom):
         th._with_retry("forward", ("k",), th.SAFE_CONFIG, _fn({th.SAFE_CONFIG}, []))
+
+
+def test_record_fallback_logs_the_error_and_warns_once(caplog):
+    """A kernel's Triton failure is kept in its module's list (which the GPU tests keep empty)
+    and said once per process, naming the error and the path taken instead."""
+    from hedgecats.models.ops.triton_common import record_fallback
+
+    log: list[str] = []
+    with caplog.at_level("WARNING", logger="hedgecats.test_fallback"):
+        for _ in range(2):
+            record_fallback(log, "hedgecats.test_fallback", "thing", Boom("out of smem " * 60),
+                            "using PyTorch", phase="backward")
+    assert len(log) == 2 and log[0].startswith("backward: Boom: out of smem")
+    assert len(log[0]) == 500
+    warned = [r.getMessage() for r in caplog.records if r.name == "hedgecats.test_fallback"]
+    assert len(warned) == 1
+    assert warned[0].startswith("fused thing failed in Triton (Boom: out of smem")
+    assert warned[0].endswith("); using PyTorch")

@@ -74,8 +74,8 @@ from dataclasses import dataclass
 import torch
 
 from . import reference as ref
-from .triton_common import (GRID_AXIS_MAX, HAVE_TRITON, available, errors, interpret, tl,
-                            triton, warn_once)
+from .triton_common import (GRID_AXIS_MAX, HAVE_TRITON, available, errors, interpret,
+                            record_fallback, tl, triton, warn_once)
 
 __all__ = ["KernelConfig", "available", "fused_hybrid", "hybrid_kernel", "kernel_reference",
            "unsupported_reason"]
@@ -1215,9 +1215,8 @@ class _HybridFn(torch.autograd.Function):
                           den, cfg=c, need=need, swa_o=swa_o, la_o=la_o, states=states,
                           **args)))
         except errors() as e:  # a Triton resource / compile failure: say so, stay right
-            FALLBACK_ERRORS.append(f"backward: {type(e).__name__}: {e}"[:500])
-            warn_once(__name__, f"fused hybrid backward failed in Triton ({type(e).__name__}); "
-                      "this call's gradients come from the PyTorch reference")
+            record_fallback(FALLBACK_ERRORS, __name__, "hybrid backward", e, "this call's "
+                            "gradients come from the PyTorch reference", phase="backward")
             return _reference_backward(ctx, do, q, k, v, fq, fk, ca, cb, logs, shift, first,
                                        kpm_i8, a)
         if dq is None and need[0]:  # no window (la_only): q has no other path
@@ -1456,7 +1455,6 @@ def _launch(q, k, v, fq, fk, ca, cb, logs, shift, window, scale, eps, kpm, has_s
         CALLS["forward"] += 1
         return out
     except errors() as e:  # never a crash inside Triton: the caller's path instead
-        FALLBACK_ERRORS.append(f"forward: {type(e).__name__}: {e}"[:500])
-        warn_once(__name__, f"fused hybrid forward failed in Triton ({type(e).__name__}: "
-                  f"{str(e)[:200]}); running the piece-by-piece path")
+        record_fallback(FALLBACK_ERRORS, __name__, "hybrid forward", e,
+                        "running the piece-by-piece path", phase="forward")
         return None

@@ -28,8 +28,8 @@ from __future__ import annotations
 import torch
 
 from . import transfer
-from .triton_common import GRID_AXIS_MAX, HAVE_TRITON, available, errors, interpret, tl, \
-    triton, warn_once
+from .triton_common import (GRID_AXIS_MAX, HAVE_TRITON, available, errors, interpret,
+                            record_fallback, tl, triton, warn_once)
 
 __all__ = ["CALLS", "masked_mse", "unsupported_reason"]
 
@@ -137,9 +137,8 @@ class _MSEFn(torch.autograd.Function):
                 BD=triton.next_power_of_2(D), BT=ROWS, HAS_KPM=kpm_i8 is not None, num_warps=4)
             CALLS["backward"] += 1
         except errors() as e:  # the same gradient in PyTorch
-            FALLBACK_ERRORS.append(f"backward: {type(e).__name__}: {e}"[:500])
-            warn_once(__name__, f"fused output MSE backward failed in Triton "
-                      f"({type(e).__name__}); this call's gradient comes from PyTorch")
+            record_fallback(FALLBACK_ERRORS, __name__, "output MSE backward", e,
+                            "this call's gradient comes from PyTorch", phase="backward")
             with torch.enable_grad():
                 s = student.detach().requires_grad_()
                 loss = transfer.masked_mse_reference(
@@ -170,9 +169,7 @@ def masked_mse(student: torch.Tensor, teacher: torch.Tensor,
     try:
         loss = _MSEFn.apply(student, teacher, kpm_i8, denom)
     except errors() as e:
-        FALLBACK_ERRORS.append(f"{type(e).__name__}: {e}"[:500])
-        warn_once(__name__, f"fused output MSE failed in Triton ({type(e).__name__}); running "
-                  "PyTorch")
+        record_fallback(FALLBACK_ERRORS, __name__, "output MSE", e, "running PyTorch")
         return None
     CALLS["forward"] += 1
     return loss

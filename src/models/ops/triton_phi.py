@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import torch
 
-from .triton_common import HAVE_TRITON, available, errors, interpret, tl, triton, warn_once
+from .triton_common import (HAVE_TRITON, available, errors, interpret, record_fallback, tl,
+                            triton, warn_once)
 
 __all__ = ["available", "hedgehog_features", "reference_features", "unsupported_reason"]
 
@@ -249,9 +250,7 @@ def hedgehog_features(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
     try:
         y = _PhiFn.apply(x, weight, bias, activation == "softmax")
     except errors() as e:
-        FALLBACK_ERRORS.append(f"{type(e).__name__}: {e}"[:500])
-        warn_once(__name__, f"fused feature map failed in Triton ({type(e).__name__}); "
-                  "using PyTorch")
+        record_fallback(FALLBACK_ERRORS, __name__, "feature map", e, "using PyTorch")
         return None
     CALLS["forward"] += 1
     return y

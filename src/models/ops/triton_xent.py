@@ -39,8 +39,8 @@ import torch
 
 from . import transfer
 from .reference import DEN_TINY
-from .triton_common import (GRID_AXIS_MAX, HAVE_TRITON, available, errors, interpret, tl,
-                            triton, warn_once)
+from .triton_common import (GRID_AXIS_MAX, HAVE_TRITON, available, errors, interpret,
+                            record_fallback, tl, triton, warn_once)
 
 __all__ = ["available", "unsupported_reason", "weights_xent", "xent_rows"]
 
@@ -400,9 +400,8 @@ def weights_xent(q: torch.Tensor, k: torch.Tensor, fq: torch.Tensor, fk: torch.T
                             eps=eps)
         CALLS["forward"] += 1
     except errors() as e:
-        FALLBACK_ERRORS.append(f"{type(e).__name__}: {e}"[:500])
-        warn_once(__name__, f"fused weights_xent failed in Triton ({type(e).__name__}); "
-                  "running the blocked PyTorch version")
+        record_fallback(FALLBACK_ERRORS, __name__, "weights_xent", e,
+                        "running the blocked PyTorch version")
         return transfer.weights_xent(q, k, fq, fk, scale=scale, key_padding_mask=key_padding_mask,
                                      block=block, return_entropy=return_entropy, **blocked_kw)
     if key_padding_mask is None:
