@@ -27,11 +27,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["CHECKPOINTING", "checkpoint_mlps", "checkpointing_mode", "enable_checkpointing",
-           "uncheckpoint_mlps"]
-
-#: ``activation_checkpointing`` values of ``HybridFinetune`` (``True`` means ``"layer"``)
-CHECKPOINTING = (False, True, "layer", "mlp")
+__all__ = ["checkpoint_mlps", "checkpointing_mode", "enable_checkpointing", "uncheckpoint_mlps"]
 
 
 def checkpointing_mode(value) -> str | None:

@@ -8,13 +8,13 @@ over (B, H, T, D) outputs in the model's dtype. In PyTorch (``transfer.masked_ms
 the CPU path and the tests' oracle) that is a chain of fp32 copies (two casts, a difference, a
 square, a masked sum; the backward as many again): on the 8B shape at 8 x 1k about ten passes of
 134 MB a layer. With the teacher's output handed over as well, the ``hybrid_output_mse`` step
-went from 341 to 303 ms (one H200, benchmarks/results/h200_2026-12-02c). Here the forward reads both tensors once and writes
-one fp32 partial sum per (b, h, tile of rows); the backward reads them once more and writes the
-student's gradient ``2 (student - teacher) w_t g / N`` in its dtype (``w_t`` 0 for a padded
-query), each difference taken in fp32 as the reference takes it. Padded query rows are never
-read, so whatever the teacher put there (transformers' SDPA may leave a fully masked row
-undefined) cannot reach the loss; the reference selects them away (``torch.where``) for the same
-reason.
+went from 341 to 303 ms (one H200, benchmarks/results/h200_2026-12-02c). Here the forward
+reads both tensors once and writes one fp32 partial sum per (b, h, tile of rows); the backward
+reads them once more and writes the student's gradient ``2 (student - teacher) w_t g / N`` in
+its dtype (``w_t`` 0 for a padded query), each difference taken in fp32 as the reference
+takes it. Padded query rows are never read, so whatever the teacher put there (transformers'
+SDPA may leave a fully masked row undefined) cannot reach the loss; the reference selects them
+away (``torch.where``) for the same reason.
 
 The partial sums are added in a fixed order (``torch.sum`` over a buffer, no atomics), so the
 kernels add nothing nondeterministic.
