@@ -284,36 +284,37 @@ if HAVE_TRITON:
             tl.store(YL + base * D + offs_d, ys)
 
     @triton.jit
-    def _state_scan(LST, XL, YL, SST, XS, YS, NC,
-                    F: tl.constexpr, D: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr,
+    def _state_scan(LST, SST, NC, N, BLK: tl.constexpr, U: tl.constexpr,
                     REVERSE: tl.constexpr):
-        """The exclusive running sums of ``_state_local``'s chunk shares, in chunk order
-        (forward: entry j sums the chunks before j) or reversed (entry j sums those after j);
-        the states in SST's dtype, the vector sums in fp32. No dot products: its loads do not
-        wait on each other."""
-        pid_bh = tl.program_id(0)
-        pid_f = tl.program_id(1)
-        pid_d = tl.program_id(2)
-        offs_f = pid_f * BF + tl.arange(0, BF)
-        offs_d = pid_d * BD + tl.arange(0, BD)
-        acc = tl.zeros([BF, BD], dtype=tl.float32)
-        xs = tl.zeros([BF], dtype=tl.float32)
-        ys = tl.zeros([BD], dtype=tl.float32)
-        for jj in range(0, NC):
-            j = NC - 1 - jj if REVERSE else jj
-            base = pid_bh.to(tl.int64) * NC + j
-            tile = base * F * D + offs_f[:, None] * D + offs_d[None, :]
-            share = tl.load(LST + tile)
-            tl.store(SST + tile, acc.to(SST.dtype.element_ty))
-            acc += share
-            if pid_d == 0:
-                x = tl.load(XL + base * F + offs_f)
-                tl.store(XS + base * F + offs_f, xs)
-                xs += x
-            if pid_f == 0:
-                y = tl.load(YL + base * D + offs_d)
-                tl.store(YS + base * D + offs_d, ys)
-                ys += y
+        """The exclusive running sums of ``_state_local``'s chunk shares (LST, (rows, NC, N)
+        fp32) in chunk order (forward: entry j sums the chunks before j) or reversed (entry j
+        sums those after j), into SST (same shape, any dtype). One program per (row, BLK
+        elements); U chunks per step, loaded at once (their loads do not wait on each other:
+        one chunk a step, each load waiting for the last, held a 64k call's scan at 0.68 ms
+        for 0.8 GB, benchmarks/results/h200_2026-12-02b). Entry j is the carry plus an inclusive
+        scan of the step's chunks shifted by one, so no entry is a difference of two sums."""
+        row = tl.program_id(0)
+        offs_e = tl.program_id(1) * BLK + tl.arange(0, BLK)
+        offs_u = tl.arange(0, U)
+        cols = offs_e < N
+        base = row.to(tl.int64) * NC * N
+        carry = tl.zeros([BLK], dtype=tl.float32)
+        for step in range(0, tl.cdiv(NC, U)):
+            j0 = step * U
+            jj = j0 + offs_u  # the step's chunks in scan order
+            prev = jj - 1  # the chunk before each in scan order
+            if REVERSE:
+                jj = NC - 1 - jj
+                prev = NC - 1 - prev
+            ok = (j0 + offs_u) < NC
+            share = tl.load(LST + base + jj[:, None].to(tl.int64) * N + offs_e[None, :],
+                            mask=ok[:, None] & cols[None, :], other=0.0)
+            before = tl.load(LST + base + prev[:, None].to(tl.int64) * N + offs_e[None, :],
+                             mask=(ok & (offs_u > 0))[:, None] & cols[None, :], other=0.0)
+            out = carry[None, :] + tl.cumsum(before, axis=0)
+            tl.store(SST + base + jj[:, None].to(tl.int64) * N + offs_e[None, :],
+                     out.to(SST.dtype.element_ty), mask=ok[:, None] & cols[None, :])
+            carry += tl.sum(share, axis=0)
 
     @triton.jit
     def _saved_dot(SAVED, DO, b, h, row_base, offs_m, rows, sdo_b, sdo_h, sdo_t,
@@ -966,10 +967,23 @@ def _split_states(x, y, S, xs, ys, NC, cfg: KernelConfig, *, reverse: bool, kpm_
         L, xl, yl, *_strides(x), *_strides(y), x.shape[2], Hkv, G, NC,
         F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD, REVERSE=reverse,
         HAS_KPM=kpm_i8 is not None, PREC=_prec(x.dtype), num_warps=cfg.state_warps)
-    BF, BD = _state_tile(cfg, B * Hkv, F, D)
-    _state_scan[(B * Hkv, F // BF, D // BD)](L, xl, yl, S, xs, ys, NC, F=F, D=D, BF=BF, BD=BD,
-                                            REVERSE=reverse, num_warps=4)
+    for share, total in ((L, S), (xl, xs), (yl, ys)):
+        _scan_chunks(share, total, NC, reverse)
     CALLS["split_states"] += 1
+
+
+#: ``_state_scan``'s chunks per step and elements per program
+SCAN_STEP, SCAN_BLOCK = 8, 512
+
+
+def _scan_chunks(share: torch.Tensor, total: torch.Tensor, NC: int, reverse: bool) -> None:
+    """``total`` (B, Hkv, NC, ...) = the exclusive running sums of ``share`` (same shape,
+    fp32) over the chunk axis (``_state_scan``)."""
+    rows = share.shape[0] * share.shape[1]
+    N = share[0, 0, 0].numel()
+    blk = min(SCAN_BLOCK, triton.next_power_of_2(N))
+    _state_scan[(rows, triton.cdiv(N, blk))](share, total, NC, N, BLK=blk, U=SCAN_STEP,
+                                             REVERSE=reverse, num_warps=4)
 
 
 def _la_states(fk, v, kpm_i8, cfg: KernelConfig):
