@@ -425,10 +425,9 @@ def mse_backward_fallback_case(cid):
 
 
 def phi_case(cid, *, B=2, H=3, T=45, D=16, proj="square", activation="softmax",
-             dtype=torch.float32, strided=False, frozen_x=False, heads_first=False, blocks=None):
+             dtype=torch.float32, strided=False, frozen_x=False, heads_first=False):
     """triton_phi.hedgehog_features vs the fp32 map: values and gradients of x, W, b
-    (``frozen_x``: x takes no gradient, as stage 1's teacher q, k; dW, db unchanged;
-    ``blocks``: row blocks per backward program, ``triton_phi.BWD_BLOCKS``)."""
+    (``frozen_x``: x takes no gradient, as stage 1's teacher q, k; dW, db unchanged)."""
     from hedgecats.models import HedgehogFeatureMap
     from hedgecats.models.ops import triton_phi as tp
 
@@ -454,11 +453,7 @@ def phi_case(cid, *, B=2, H=3, T=45, D=16, proj="square", activation="softmax",
                 "db": fm.bias.grad.clone()}
 
     before = tp.CALLS["backward_dx"]
-    tp.BWD_BLOCKS = blocks
-    try:
-        got = run(lambda x: tp.hedgehog_features(x, fm.weight, fm.bias, activation), dtype)
-    finally:
-        tp.BWD_BLOCKS = None
+    got = run(lambda x: tp.hedgehog_features(x, fm.weight, fm.bias, activation), dtype)
     dx_passes = tp.CALLS["backward_dx"] - before
     want = run(lambda x: tp.reference_features(x, fm.weight, fm.bias, activation),
                torch.float32)
@@ -668,10 +663,6 @@ def cases(quick: bool = False):
         ("phi-strided-H1", phi_case, dict(dtype=bf16, strided=True, H=1)),
         ("phi-strided-frozen-x", phi_case, dict(dtype=bf16, strided=True, frozen_x=True)),
         ("phi-D32-T70", phi_case, dict(dtype=bf16, T=70, D=32)),
-        # several row blocks per backward program, the last program's partly past T
-        ("phi-blocks-per-program", phi_case, dict(dtype=bf16, T=150, D=32, blocks=4)),
-        ("phi-blocks-per-program-frozen-strided", phi_case, dict(
-            dtype=bf16, T=100, D=32, blocks=2, strided=True, frozen_x=True)),
         ("decode-hybrid", decode_case, dict(dtype=torch.float32)),
         ("decode-pad-learned-head", decode_case, dict(dtype=torch.float32, pad=True,
                                                       mixer="learned_head")),

@@ -84,59 +84,39 @@ if HAVE_TRITON:
 
     @triton.jit
     def _phi_bwd(X, W, BIAS, DY, DX, DU, sx_b, sx_h, sx_t, sdy_b, sdy_h, sdy_t, T, H, B,
-                 D: tl.constexpr, FH: tl.constexpr, BM: tl.constexpr, NB: tl.constexpr,
-                 SOFTMAX: tl.constexpr, PREC: tl.constexpr, NEED_DX: tl.constexpr,
-                 DU_HEADS_FIRST: tl.constexpr):
-        """NB blocks of BM rows per program, W and the bias loaded once, the next block's x
-        and dy loaded while this one computes: at one program per multiprocessor (ptxas:
-        ~200 registers at 8 warps), a program of one 32-row block waited on each of its loads
-        (both maps' backward 2.45 ms at 1 x 64k, about 4x their bytes' time at 4.8 TB/s,
-        benchmarks/results/h200_2026-12-02b)."""
+                 D: tl.constexpr, FH: tl.constexpr, BM: tl.constexpr, SOFTMAX: tl.constexpr,
+                 PREC: tl.constexpr, NEED_DX: tl.constexpr, DU_HEADS_FIRST: tl.constexpr):
         pid_bh = tl.program_id(0)  # axis 0: up to 2^31 - 1 (B * H of a large decode batch)
         pid_m = tl.program_id(1)
         b = pid_bh // H
         h = pid_bh % H
+        offs_m = pid_m * BM + tl.arange(0, BM)
         offs_d = tl.arange(0, D)
         offs_f = tl.arange(0, FH)
+        rows = offs_m < T
+        x = tl.load(X + b.to(tl.int64) * sx_b + h.to(tl.int64) * sx_h + offs_m[:, None] * sx_t
+                    + offs_d[None, :], mask=rows[:, None], other=0.0)
         w = tl.load(W + h.to(tl.int64) * D * FH + offs_d[:, None] * FH + offs_f[None, :])
         bias = tl.load(BIAS + h * FH + offs_f).to(tl.float32)
-        x_base = X + b.to(tl.int64) * sx_b + h.to(tl.int64) * sx_h
-        dy_base = DY + b.to(tl.int64) * sdy_b + h.to(tl.int64) * sdy_h
+        a1, a2 = _acts(x, w, bias, SOFTMAX, PREC)
+        dy = DY + b.to(tl.int64) * sdy_b + h.to(tl.int64) * sdy_h + offs_m[:, None] * sdy_t \
+            + offs_f[None, :]
+        dy1 = tl.load(dy, mask=rows[:, None], other=0.0).to(tl.float32)
+        dy2 = tl.load(dy + FH, mask=rows[:, None], other=0.0).to(tl.float32)
+        if SOFTMAX:
+            du = a1 * (dy1 - tl.sum(dy1 * a1, axis=1)[:, None]) - \
+                a2 * (dy2 - tl.sum(dy2 * a2, axis=1)[:, None])
+        else:
+            du = dy1 * a1 - dy2 * a2
+        du = tl.where(rows[:, None], du, 0.0).to(x.dtype)
+        if NEED_DX:  # not for stage 1's detached teacher q, k
+            dx = tl.dot(du, tl.trans(w), input_precision=PREC)
+            tl.store(DX + (pid_bh.to(tl.int64) * T + offs_m[:, None]) * D + offs_d[None, :],
+                     dx.to(DX.dtype.element_ty), mask=rows[:, None])
         # du (H, B, T, F/2) or (B, H, T, F/2), contiguous (``_du_buffer``)
         du_row = (h * B + b).to(tl.int64) if DU_HEADS_FIRST else pid_bh.to(tl.int64)
-        # the next block's loads are issued before this block's products (prefetched into
-        # registers: Triton's pipeliner leaves this loop alone, no dot reads a loaded tile)
-        offs_m = pid_m * NB * BM + tl.arange(0, BM)
-        rows = offs_m < T
-        x = tl.load(x_base + offs_m[:, None] * sx_t + offs_d[None, :], mask=rows[:, None],
-                    other=0.0)
-        dy = dy_base + offs_m[:, None] * sdy_t + offs_f[None, :]
-        dy1 = tl.load(dy, mask=rows[:, None], other=0.0)
-        dy2 = tl.load(dy + FH, mask=rows[:, None], other=0.0)
-        for i in range(0, NB):
-            offs_n = offs_m + BM
-            nxt = (offs_n < T) & (i + 1 < NB)
-            x_n = tl.load(x_base + offs_n[:, None] * sx_t + offs_d[None, :],
-                          mask=nxt[:, None], other=0.0)
-            dy = dy_base + offs_n[:, None] * sdy_t + offs_f[None, :]
-            dy1_n = tl.load(dy, mask=nxt[:, None], other=0.0)
-            dy2_n = tl.load(dy + FH, mask=nxt[:, None], other=0.0)
-            a1, a2 = _acts(x, w, bias, SOFTMAX, PREC)
-            g1 = dy1.to(tl.float32)
-            g2 = dy2.to(tl.float32)
-            if SOFTMAX:
-                du = a1 * (g1 - tl.sum(g1 * a1, axis=1)[:, None]) - \
-                    a2 * (g2 - tl.sum(g2 * a2, axis=1)[:, None])
-            else:
-                du = g1 * a1 - g2 * a2
-            du = tl.where(rows[:, None], du, 0.0).to(x.dtype)
-            if NEED_DX:  # not for stage 1's detached teacher q, k
-                dx = tl.dot(du, tl.trans(w), input_precision=PREC)
-                tl.store(DX + (pid_bh.to(tl.int64) * T + offs_m[:, None]) * D + offs_d[None, :],
-                         dx.to(DX.dtype.element_ty), mask=rows[:, None])
-            tl.store(DU + (du_row * T + offs_m[:, None]) * FH + offs_f[None, :], du,
-                     mask=rows[:, None])
-            x, dy1, dy2, offs_m, rows = x_n, dy1_n, dy2_n, offs_n, offs_n < T
+        tl.store(DU + (du_row * T + offs_m[:, None]) * FH + offs_f[None, :], du,
+                 mask=rows[:, None])
 
 
 def _prec(dtype):
@@ -144,30 +124,16 @@ def _prec(dtype):
 
 
 def _tiles(D: int, FH: int, backward: bool) -> tuple[int, int]:
-    """(rows per block, warps), from ptxas's register report for sm_90a: at most 20 bytes of
-    spill for D = 64 / 128 and F/2 = D / D/2. The backward holds x, dy and du and the next
-    block's x and dy (``_phi_bwd``): 32-row blocks (64 spilled 228 bytes per thread at
-    D = F/2 = 64, and 826 at D = F/2 = 128)."""
-    if backward:
+    """(rows per program, warps), from ptxas's register report for sm_90a: no spills in either
+    direction for D = 64 / 128 and F/2 = D / D/2 (the backward holds x, dy and du: 32 rows
+    when they are wide; 64 spilled 368 bytes per thread; at D = F/2 = 64 the backward takes 8
+    warps: with 4 it sat at 232 registers and the (H, B, T, F/2) du address tipped it into a
+    120-byte spill)."""
+    if backward and D * FH >= 64 * 128:
         return 32, 8
+    if backward:
+        return 64, 8
     return 64, 4 if D * FH <= 64 * 64 else 8
-
-
-#: row blocks per program of the backward (``_phi_bwd``'s NB), None: ``_bwd_blocks``. A knob
-#: for benchmarks/phi_speed.py's sweep; the default comes from its measurements
-BWD_BLOCKS: int | None = None
-
-
-def _bwd_blocks(T: int, BM: int, programs_other_axes: int) -> int:
-    """Row blocks per backward program: up to 8 (each program's next block loads while this
-    one computes), fewer while the grid would have fewer than ~4 programs per multiprocessor
-    of an H100 / H200 (132)."""
-    if BWD_BLOCKS is not None:
-        return BWD_BLOCKS
-    nb = 8
-    while nb > 1 and programs_other_axes * triton.cdiv(T, BM * nb) < 528:
-        nb //= 2
-    return nb
 
 
 def _du_buffer(x: torch.Tensor, FH: int):
@@ -226,10 +192,9 @@ class _PhiFn(torch.autograd.Function):
         dx = torch.empty(B, H, T, D, device=x.device, dtype=x.dtype) if need_dx else None
         du, reduce_dw = _du_buffer(x, FH)
         BM, warps = _tiles(D, FH, backward=True)
-        NB = _bwd_blocks(T, BM, B * H)
-        _phi_bwd[(B * H, triton.cdiv(T, BM * NB))](
+        _phi_bwd[(B * H, triton.cdiv(T, BM))](
             x, wc, bc, dy, du if dx is None else dx, du, x.stride(0), x.stride(1), x.stride(2),
-            dy.stride(0), dy.stride(1), dy.stride(2), T, H, B, D=D, FH=FH, BM=BM, NB=NB,
+            dy.stride(0), dy.stride(1), dy.stride(2), T, H, B, D=D, FH=FH, BM=BM,
             SOFTMAX=softmax, PREC=_prec(x.dtype), NEED_DX=need_dx,
             DU_HEADS_FIRST=du.stride(1) > du.stride(0), num_warps=warps)  # (H, B, T, F/2)
         CALLS["backward_dx"] += need_dx
