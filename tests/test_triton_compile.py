@@ -50,7 +50,7 @@ def compile_report(fn, pointers: dict, constexprs: dict, floats=(), warps=4, sta
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
     try:
-        out = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
+        out = subprocess.run([PTXAS, "-v", "--gpu-name", f"sm_{TARGET.arch}{'a' if TARGET.arch == 90 else ''}", f.name, "-o", os.devnull],
                              capture_output=True, text=True, check=True).stderr
     finally:
         os.unlink(f.name)
@@ -78,9 +78,11 @@ def hybrid_kernels(dtype: torch.dtype, D: int, F: int, has_swa=True, has_la=True
     # split_states (past SPLIT_STATES_MIN_CHUNKS chunks): every chunk's share at once, then the sums
     SF, SD = min(cfg.state_f, F), min(cfg.state_d, D)
     for reverse in (False, True):
-        yield f"state_local{'-rev' if reverse else ''}", th._state_local, dict(
-            F=F, D=D, CS=cfg.state_chunk, BF=SF, BD=SD, REVERSE=reverse, HAS_KPM=kpm,
-            PREC=prec), (), cfg.state_warps, 3
+        for tma in (True, False):  # TMA: tensor descriptors (sm_90+); else pointer tensors
+            yield f"state_local{'-rev' if reverse else ''}{'-tma' if tma else ''}", \
+                th._state_local, dict(F=F, D=D, CS=cfg.state_chunk, BF=SF, BD=SD,
+                                      REVERSE=reverse, HAS_KPM=kpm, PREC=prec, TMA=tma), \
+                (), cfg.state_warps, 3
     for reverse in (False, True):
         yield f"state_scan{'-rev' if reverse else ''}", th._state_scan, dict(
             BLK=th.SCAN_BLOCK, U=th.SCAN_STEP, REVERSE=reverse), (), 4, 3
@@ -92,12 +94,14 @@ def hybrid_kernels(dtype: torch.dtype, D: int, F: int, has_swa=True, has_la=True
     for need_dq, saved in ((True, False), (False, False), (True, True), (False, True)):
         yield f"bwd_dq{'' if need_dq else '-no-dq'}{'-saved' if saved else ''}", th._bwd_dq, \
             dict(**lo, **flags, **bwd_tiles, SHARED=shared, NEED_DQ=need_dq,
-                 FROM_SAVED=saved), ("scale", "scale_log2", "eps"), cfg.bwd_warps, cfg.stages
+                 FROM_SAVED=saved, STORE_DNUM=has_la), ("scale", "scale_log2", "eps"), cfg.bwd_warps, cfg.stages
     if has_la:
         grad = dict(lo, FC=th._grad_fc(cfg, F))  # the dfq / dfk programs' feature slice
         yield "bwd_dfq", th._bwd_dfq, dict(**grad, **bwd_tiles), (), cfg.bwd_warps, cfg.stages
-        yield "state_rev", th._state_rev, dict(F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD,
-                                                PREC=prec), (), cfg.state_warps, 3
+        for tma in (True, False):
+            yield f"state_rev{'-tma' if tma else ''}", th._state_rev, dict(
+                F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD, PREC=prec, TMA=tma), (), \
+                cfg.state_warps, 3
         yield "bwd_dkv_la", th._bwd_dkv_la, dict(**grad, **bwd_tiles, ADD_DVS=has_swa), \
             ("eps",), cfg.bwd_warps, cfg.stages
     if has_swa:
@@ -109,7 +113,7 @@ def _pointers(dtype):
     dt = "*bf16" if dtype == torch.bfloat16 else F32
     types = {n: dt for n in ("Q", "K", "V", "FQ", "FK", "DO", "SST", "OUT", "DQ", "DFQ", "RST",
                              "DK", "DFK", "X", "W", "BIAS", "Y", "DY", "DX", "DU", "SWA_O",
-                             "LA_O")}
+                             "LA_O", "DNUM")}
     types.update({n: F32 for n in ("ZST", "VST", "LSE", "DEN", "CA", "CB", "LOGS", "DELTA",
                                    "WS", "GF", "DDEN", "PA", "PB", "UST", "WST", "DVS", "XE",
                                    "ENT", "LZ", "LST", "XL", "YL", "XS", "YS")})

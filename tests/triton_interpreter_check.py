@@ -598,6 +598,16 @@ def cases(quick: bool = False):
         ("kernel-split-states-pad-shifts-shared", k, dict(
             T=150, window=40, per_bh_shift=True, pad=True, shared=True,
             cfg=dict(LONG_CHUNK, split_states=True))),
+        # the kernels' pointer path (tma False: what a GPU before sm_90 or an unaligned
+        # tensor takes; the cases above read through tensor descriptors)
+        ("kernel-sequential-states-pointer-path-pad-shifts", k, dict(
+            T=150, window=40, per_bh_shift=True, pad=True,
+            cfg=dict(LONG_CHUNK, split_states=False, tma=False))),
+        ("kernel-split-states-pointer-path", k, dict(cfg=dict(SMALL, split_states=True,
+                                                             tma=False))),
+        ("kernel-split-states-pointer-path-pad-shifts-shared", k, dict(
+            T=150, window=40, per_bh_shift=True, pad=True, shared=True,
+            cfg=dict(LONG_CHUNK, split_states=True, tma=False))),
         # D 32 over 16-wide state tiles: the programs with pid_d > 0 run
         ("kernel-split-states-D32-two-tiles-pad-shifts", k, dict(
             D=32, T=90, window=10, Hkv=1, pad=True, per_bh_shift=True, shared=True,

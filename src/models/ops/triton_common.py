@@ -11,8 +11,8 @@ import os
 
 import torch
 
-__all__ = ["GRID_AXIS_MAX", "HAVE_TRITON", "available", "errors", "interpret", "tl", "triton",
-           "warn_once"]
+__all__ = ["GRID_AXIS_MAX", "HAVE_TRITON", "available", "errors", "interpret", "tl", "tma_ok",
+           "triton", "warn_once"]
 
 try:  # the kernel modules define their kernels only where triton imports (never on CPU CI)
     import triton
@@ -71,3 +71,35 @@ def errors() -> tuple[type[BaseException], ...]:
     except Exception:  # pragma: no cover - no triton
         pass
     return tuple(errs)
+
+
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Triton's global scratch (the tensor-memory-accelerator descriptors the kernels build on
+    the device), from torch's allocator on the current device."""
+    return torch.empty(size, dtype=torch.int8, device="cpu" if interpret() else "cuda")
+
+
+def tma_ok(*tensors: torch.Tensor) -> bool:
+    """Whether kernels may read ``tensors`` through device-side tensor descriptors (TMA): an
+    sm_90+ GPU (or the interpreter), each base address and every stride but the last (which
+    must be 1) multiples of 16 bytes. Installs the scratch allocator such descriptors need
+    (``triton.set_allocator``: torch memory; a process-wide setting of Triton's, which fla sets
+    the same way). Where this is False the kernels take their pointer path: the same values,
+    slower (ptxas: a loop over pointer tensors keeps them in registers, 255 per thread)."""
+    if not HAVE_TRITON:
+        return False
+    if not interpret():
+        if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+            return False
+    for t in tensors:
+        size = t.element_size()
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or \
+                any(s * size % 16 for s in t.stride()[:-1]):
+            return False
+    _install_allocator()
+    return True
+
+
+@functools.cache
+def _install_allocator() -> None:
+    triton.set_allocator(_scratch)

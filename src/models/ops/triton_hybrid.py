@@ -75,7 +75,7 @@ import torch
 
 from . import reference as ref
 from .triton_common import (GRID_AXIS_MAX, HAVE_TRITON, available, errors, interpret,
-                            record_fallback, tl, triton, warn_once)
+                            record_fallback, tl, tma_ok, triton, warn_once)
 
 __all__ = ["KernelConfig", "available", "fused_hybrid", "hybrid_kernel", "kernel_reference",
            "unsupported_reason"]
@@ -144,6 +144,10 @@ class KernelConfig:
     #: ((B, Hkv, T / state_chunk, F, D)) while they are built. ``None``: split when the
     #: sequence has more than ``SPLIT_STATES_MIN_CHUNKS`` chunks (``use_split_states``).
     split_states: bool | None = None
+    #: read tiles through device-side tensor descriptors (TMA, ``triton_common.tma_ok``: sm_90+,
+    #: 16-byte aligned) in the kernels that have both paths; ``None``: wherever allowed; False:
+    #: the pointer path everywhere (the same values)
+    tma: bool | None = None
 
 
 def default_config(D: int, F: int, dtype: torch.dtype) -> KernelConfig:
@@ -171,6 +175,33 @@ def default_config(D: int, F: int, dtype: torch.dtype) -> KernelConfig:
 
 # ============================================================================= the kernels
 if HAVE_TRITON:
+
+    @triton.jit
+    def _tiles_of(X, s0, s1, s2, N0, N1, T, C, BR: tl.constexpr, BC: tl.constexpr,
+                  TMA: tl.constexpr):
+        """Where ``_tile`` reads (BR, BC) tiles of the strided (N0, N1, T, C) tensor X from: a
+        tensor descriptor (TMA: the loads go through the tensor memory accelerator, into
+        shared memory, pipelined, no pointer tensors in registers), or X itself. Build it
+        outside loops (the pipeliner cannot predicate a descriptor's creation)."""
+        if TMA:
+            return tl.make_tensor_descriptor(X, shape=[N0, N1, T, C], strides=[s0, s1, s2, 1],
+                                             block_shape=[1, 1, BR, BC])
+        else:
+            return X
+
+    @triton.jit
+    def _tile(src, i0, i1, r0, c0, s0, s1, s2, T, BR: tl.constexpr, BC: tl.constexpr,
+              TMA: tl.constexpr):
+        """Rows r0 .. r0 + BR - 1 (zeros at rows past T; r0 >= 0), columns c0 .. c0 + BC - 1
+        of entry (i0, i1) of the tensor ``_tiles_of`` gave ``src`` for."""
+        if TMA:
+            return src.load([i0, i1, r0, c0]).reshape(BR, BC)
+        else:
+            offs_r = r0 + tl.arange(0, BR)
+            offs_c = c0 + tl.arange(0, BC)
+            return tl.load(src + i0.to(tl.int64) * s0 + i1.to(tl.int64) * s1
+                           + offs_r[:, None] * s2 + offs_c[None, :], mask=(offs_r < T)[:, None],
+                           other=0.0)
 
     @triton.jit
     def _state_fwd(FK, V, KPM, SST, ZST, VST,
@@ -217,18 +248,19 @@ if HAVE_TRITON:
                 vs += tl.sum(v.to(tl.float32), axis=0)
 
     @triton.jit
-    def _state_local(X, Y, KPM, SHIFT, GF, DDEN, LST, XL, YL,
+    def _state_local(X, Y, KPM, SHIFT, DDEN, LST, XL, YL,
                      sx_b, sx_h, sx_t, sy_b, sy_h, sy_t,
                      T, Hkv, G, NC,
                      F: tl.constexpr, D: tl.constexpr, CS: tl.constexpr, BF: tl.constexpr,
                      BD: tl.constexpr, REVERSE: tl.constexpr, HAS_KPM: tl.constexpr,
-                     PREC: tl.constexpr):
+                     PREC: tl.constexpr, TMA: tl.constexpr):
         """One chunk's share of the LA states (``split_states``; fp32, summed by
         ``_state_scan``), all chunks in parallel. Forward (X = fk, Y = v, G = 1): chunk j holds
         L_j = sum fk_i v_i^T, sum fk_i and sum v_i over its real keys i in [j CS, (j+1) CS).
-        Reverse (X = fq, Y = dO, summed over the G query heads h of the kv head): positions
-        t with t - shift_h in [j CS, (j+1) CS) give L_j = sum fq_t (GF_t dO_t)^T,
-        sum DDEN_t fq_t and sum GF_t dO_t."""
+        Reverse (X = fq, Y = dnum = GF dO as ``_bwd_dq`` stored it, summed over the G query
+        heads h of the kv head): positions t with t - shift_h in [j CS, (j+1) CS) give
+        L_j = sum fq_t dnum_t^T, sum DDEN_t fq_t and sum dnum_t. X and Y are read through
+        ``_tile`` (TMA: ptxas 73 registers for the reverse loop, 251 with pointer tensors)."""
         j = tl.program_id(0)
         pid_t = tl.program_id(1)
         pid_bh = tl.program_id(2)  # b * Hkv + hk
@@ -236,42 +268,40 @@ if HAVE_TRITON:
         pid_d = pid_t % (D // BD)
         b = pid_bh // Hkv
         hk = pid_bh % Hkv
+        H = Hkv * G
         offs_f = pid_f * BF + tl.arange(0, BF)
         offs_d = pid_d * BD + tl.arange(0, BD)
         offs_c = tl.arange(0, CS)
+        B = tl.num_programs(2) // Hkv
+        NH = H if REVERSE else Hkv  # X, Y: (B, H, T, .) query-side, (B, Hkv, T, .) key-side
+        xsrc = _tiles_of(X, sx_b, sx_h, sx_t, B, NH, T, F, CS, BF, TMA)
+        ysrc = _tiles_of(Y, sy_b, sy_h, sy_t, B, NH, T, D, CS, BD, TMA)
         acc = tl.zeros([BF, BD], dtype=tl.float32)
         xs = tl.zeros([BF], dtype=tl.float32)
         ys = tl.zeros([BD], dtype=tl.float32)
         if REVERSE:
             for g in range(0, G):
                 h = hk * G + g
-                bh = b * (Hkv * G) + h  # the query head's row of SHIFT, GF, DDEN
-                offs_t = j * CS + tl.load(SHIFT + bh) + offs_c
-                keep = offs_t < T
-                x = tl.load(X + b.to(tl.int64) * sx_b + h.to(tl.int64) * sx_h
-                            + offs_t[:, None] * sx_t + offs_f[None, :], mask=keep[:, None],
-                            other=0.0)
-                y = tl.load(Y + b.to(tl.int64) * sy_b + h.to(tl.int64) * sy_h
-                            + offs_t[:, None] * sy_t + offs_d[None, :], mask=keep[:, None],
-                            other=0.0)
-                gf = tl.load(GF + bh.to(tl.int64) * T + offs_t, mask=keep, other=0.0)
-                # gf scales fq's rows (fp32, then one rounding) rather than dO's
-                acc += tl.dot(tl.trans((x.to(tl.float32) * gf[:, None]).to(x.dtype)), y,
-                              input_precision=PREC)
+                bh = b * H + h  # the query head's row of SHIFT, DDEN
+                t0 = j * CS + tl.load(SHIFT + bh)
+                x = _tile(xsrc, b, h, t0, pid_f * BF, sx_b, sx_h, sx_t, T, CS, BF, TMA)
+                y = _tile(ysrc, b, h, t0, pid_d * BD, sy_b, sy_h, sy_t, T, CS, BD, TMA)
+                acc += tl.dot(tl.trans(x), y, input_precision=PREC)
                 if pid_d == 0:
-                    dd = tl.load(DDEN + bh.to(tl.int64) * T + offs_t, mask=keep, other=0.0)
+                    offs_t = t0 + offs_c
+                    dd = tl.load(DDEN + bh.to(tl.int64) * T + offs_t, mask=offs_t < T,
+                                 other=0.0)
                     xs += tl.sum(x.to(tl.float32) * dd[:, None], axis=0)
                 if pid_f == 0:
-                    ys += tl.sum(y.to(tl.float32) * gf[:, None], axis=0)
+                    ys += tl.sum(y.to(tl.float32), axis=0)
         else:  # one kv head's keys (G = 1), as _state_fwd takes them
             offs_t = j * CS + offs_c
-            keep = offs_t < T
+            x = _tile(xsrc, b, hk, j * CS, pid_f * BF, sx_b, sx_h, sx_t, T, CS, BF, TMA)
+            y = _tile(ysrc, b, hk, j * CS, pid_d * BD, sy_b, sy_h, sy_t, T, CS, BD, TMA)
             if HAS_KPM:
-                keep = keep & (tl.load(KPM + b * T + offs_t, mask=keep, other=0) != 0)
-            x = tl.load(X + b.to(tl.int64) * sx_b + hk.to(tl.int64) * sx_h
-                        + offs_t[:, None] * sx_t + offs_f[None, :], mask=keep[:, None], other=0.0)
-            y = tl.load(Y + b.to(tl.int64) * sy_b + hk.to(tl.int64) * sy_h
-                        + offs_t[:, None] * sy_t + offs_d[None, :], mask=keep[:, None], other=0.0)
+                keep = tl.load(KPM + b * T + offs_t, mask=offs_t < T, other=0) != 0
+                x = tl.where(keep[:, None], x, 0.0).to(x.dtype)
+                y = tl.where(keep[:, None], y, 0.0).to(y.dtype)
             acc = tl.dot(tl.trans(x), y, input_precision=PREC)
             xs = tl.sum(x.to(tl.float32), axis=0)
             if pid_f == 0:
@@ -487,17 +517,18 @@ if HAVE_TRITON:
     @triton.jit
     def _bwd_dq(Q, K, V, FQ, FK, DO, SST, ZST, VST, CNT, LSE, DEN, CA, CB, LOGS, SHIFT, FIRST,
                 KPM, SWA_O, LA_O,
-                DQ, DELTA, WS, GF, DDEN, PA, PB,
+                DQ, DELTA, WS, GF, DDEN, PA, PB, DNUM,
                 sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
                 sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sdo_b, sdo_h, sdo_t,
                 T, H, G, NC, NMB, window, scale, scale_log2, eps,
                 D: tl.constexpr, F: tl.constexpr, FC: tl.constexpr, BM: tl.constexpr,
                 BN: tl.constexpr, CS: tl.constexpr, HAS_SWA: tl.constexpr, HAS_LA: tl.constexpr,
                 SHARED: tl.constexpr, HAS_KPM: tl.constexpr, PREC: tl.constexpr,
-                NEED_DQ: tl.constexpr, FROM_SAVED: tl.constexpr):
+                NEED_DQ: tl.constexpr, FROM_SAVED: tl.constexpr, STORE_DNUM: tl.constexpr):
         """dq of one query block (when NEED_DQ), and the per-query factors the other kernels
         need: DELTA (the softmax row term, incl. the shared-norm lse gradient), WS (SWA
-        weight), GF (dnum = GF dO), DDEN (gradient of the LA denominator); PA, PB: this
+        weight), GF (dnum = GF dO), DDEN (gradient of the LA denominator), with STORE_DNUM
+        dnum itself ((B H, T, D), the input dtype: the reverse states' matrix operand); PA, PB: this
         block's partial mixer gradients (d c_A, d c_B; or d log s and 0 with SHARED). SWA_t .
         dO_t and LA_t . dO_t come from recomputing both branches (first pass), or with
         FROM_SAVED from the branches' outputs the forward stored (SWA_O, LA_O: (B H, T, D))."""
@@ -595,6 +626,16 @@ if HAVE_TRITON:
         tl.store(WS + row_base + offs_m, ws, mask=rows)
         tl.store(GF + row_base + offs_m, gf, mask=rows)
         tl.store(DDEN + row_base + offs_m, dden, mask=rows)
+        if STORE_DNUM:  # 32 channels at a time (dO re-read from cache), as _saved_dot
+            DC: tl.constexpr = 32 if D > 32 else D
+            for c in tl.static_range(D // DC):
+                offs_c = c * DC + tl.arange(0, DC)
+                doc = tl.load(DO + b.to(tl.int64) * sdo_b + h.to(tl.int64) * sdo_h
+                              + offs_m[:, None] * sdo_t + offs_c[None, :], mask=rows[:, None],
+                              other=0.0)
+                tl.store(DNUM + (row_base + offs_m[:, None]) * D + offs_c[None, :],
+                         (doc.to(tl.float32) * gf[:, None]).to(DNUM.dtype.element_ty),
+                         mask=rows[:, None])
 
         # ---- second pass: dq (not when q takes no gradient: stage 1's teacher q)
         if HAS_SWA and NEED_DQ:
@@ -678,23 +719,27 @@ if HAVE_TRITON:
                  dfq.to(DFQ.dtype.element_ty), mask=rows[:, None])
 
     @triton.jit
-    def _state_rev(FQ, DO, GF, DDEN, SHIFT, RST, UST, WST,
-                   sfq_b, sfq_h, sfq_t, sdo_b, sdo_h, sdo_t,
+    def _state_rev(FQ, DNUM, DDEN, SHIFT, RST, UST, WST,
+                   sfq_b, sfq_h, sfq_t,
                    T, H, G, NC,
                    F: tl.constexpr, D: tl.constexpr, CS: tl.constexpr, BF: tl.constexpr,
-                   BD: tl.constexpr, PREC: tl.constexpr):
+                   BD: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr):
         """Reverse states, summed over the G query heads of a kv head: entry j holds
-        R = sum_{t - shift_h >= (j+1) CS} fq_t (GF_t dO_t)^T (F x D), u = sum DDEN_t fq_t and
-        w = sum GF_t dO_t (the kernel floor's share of dv)."""
+        R = sum_{t - shift_h >= (j+1) CS} fq_t dnum_t^T (F x D), u = sum DDEN_t fq_t and
+        w = sum dnum_t (the kernel floor's share of dv); dnum_t = GF_t dO_t as ``_bwd_dq``
+        stored it ((B, H, T, D)). fq and dnum read through ``_tile``."""
         pid_bh = tl.program_id(0)  # b * Hkv + hk
         pid_f = tl.program_id(1)
         pid_d = tl.program_id(2)
         Hkv = H // G
         b = pid_bh // Hkv
         hk = pid_bh % Hkv
+        B = tl.num_programs(0) // Hkv
         offs_f = pid_f * BF + tl.arange(0, BF)
         offs_d = pid_d * BD + tl.arange(0, BD)
         offs_c = tl.arange(0, CS)
+        fq_src = _tiles_of(FQ, sfq_b, sfq_h, sfq_t, B, H, T, F, CS, BF, TMA)
+        dn_src = _tiles_of(DNUM, H * T * D, T * D, D, B, H, T, D, CS, BD, TMA)
         st_base = RST + pid_bh.to(tl.int64) * NC * F * D
         u_base = UST + pid_bh.to(tl.int64) * NC * F
         w_base = WST + pid_bh.to(tl.int64) * NC * D
@@ -712,24 +757,17 @@ if HAVE_TRITON:
             for g in range(0, G):
                 h = hk * G + g
                 bh = b * H + h
-                shift = tl.load(SHIFT + bh)
-                offs_t = j * CS + shift + offs_c
-                tin = offs_t < T
-                fq = tl.load(FQ + b.to(tl.int64) * sfq_b + h.to(tl.int64) * sfq_h
-                             + offs_t[:, None] * sfq_t + offs_f[None, :], mask=tin[:, None],
-                             other=0.0)
-                gf = tl.load(GF + bh.to(tl.int64) * T + offs_t, mask=tin, other=0.0)
-                do = tl.load(DO + b.to(tl.int64) * sdo_b + h.to(tl.int64) * sdo_h
-                             + offs_t[:, None] * sdo_t + offs_d[None, :], mask=tin[:, None],
-                             other=0.0)
-                # gf scales fq's rows (fp32, then one rounding) rather than dO's
-                fqg = (fq.to(tl.float32) * gf[:, None]).to(fq.dtype)
-                R += tl.dot(tl.trans(fqg), do, input_precision=PREC)
+                t0 = j * CS + tl.load(SHIFT + bh)
+                fq = _tile(fq_src, b, h, t0, pid_f * BF, sfq_b, sfq_h, sfq_t, T, CS, BF, TMA)
+                dn = _tile(dn_src, b, h, t0, pid_d * BD, H * T * D, T * D, D, T, CS, BD, TMA)
+                R += tl.dot(tl.trans(fq), dn, input_precision=PREC)
                 if pid_d == 0:
-                    dd = tl.load(DDEN + bh.to(tl.int64) * T + offs_t, mask=tin, other=0.0)
+                    offs_t = t0 + offs_c
+                    dd = tl.load(DDEN + bh.to(tl.int64) * T + offs_t, mask=offs_t < T,
+                                 other=0.0)
                     u += tl.sum(fq.to(tl.float32) * dd[:, None], axis=0)
                 if pid_f == 0:
-                    w += tl.sum(do.to(tl.float32) * gf[:, None], axis=0)
+                    w += tl.sum(dn.to(tl.float32), axis=0)
 
     @triton.jit
     def _bwd_dkv_swa(Q, K, V, DO, LSE, DELTA, WS, KPM, DK, DV,
@@ -951,8 +989,13 @@ def use_split_states(cfg: KernelConfig, NC: int) -> bool:
     return cfg.split_states
 
 
+def _use_tma(cfg: KernelConfig, *tensors) -> bool:
+    """TMA reads for these tensors (``KernelConfig.tma``, ``triton_common.tma_ok``)."""
+    return cfg.tma is not False and tma_ok(*tensors)
+
+
 def _split_states(x, y, S, xs, ys, NC, cfg: KernelConfig, *, reverse: bool, kpm_i8=None,
-                  shift=None, gf=None, dden=None):
+                  shift=None, dden=None):
     """``KernelConfig.split_states``: every chunk's share (``_state_local``) into fp32
     scratch, then their exclusive running sums (``_state_scan``) into S, xs, ys."""
     B, Hkv, F, D = S.shape[0], S.shape[1], S.shape[-2], S.shape[-1]
@@ -963,10 +1006,11 @@ def _split_states(x, y, S, xs, ys, NC, cfg: KernelConfig, *, reverse: bool, kpm_
     BF, BD = min(cfg.state_f, F), min(cfg.state_d, D)
     dummy = xl
     _state_local[(NC, (F // BF) * (D // BD), B * Hkv)](
-        x, y, _ptr(kpm_i8, dummy), _ptr(shift, dummy), _ptr(gf, dummy), _ptr(dden, dummy),
+        x, y, _ptr(kpm_i8, dummy), _ptr(shift, dummy), _ptr(dden, dummy),
         L, xl, yl, *_strides(x), *_strides(y), x.shape[2], Hkv, G, NC,
         F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD, REVERSE=reverse,
-        HAS_KPM=kpm_i8 is not None, PREC=_prec(x.dtype), num_warps=cfg.state_warps)
+        HAS_KPM=kpm_i8 is not None, PREC=_prec(x.dtype), TMA=_use_tma(cfg, x, y),
+        num_warps=cfg.state_warps)
     for share, total in ((L, S), (xl, xs), (yl, ys)):
         _scan_chunks(share, total, NC, reverse)
     CALLS["split_states"] += 1
@@ -1083,14 +1127,19 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
     dq = torch.empty(B, H, T, D, device=dev, dtype=q.dtype) if has_swa and need_dq else None
     delta, ws, gf, dden = (torch.empty(B * H, T, **f32) for _ in range(4))
     pa, pb = torch.empty(B * H, NMB, **f32), torch.empty(B * H, NMB, **f32)
+    # dnum = GF dO, the reverse states' matrix operand (rounded once to the input dtype, as
+    # the GF-scaled fq they multiplied before 2026-12-03 was)
+    dnum = torch.empty(B, H, T, D, device=dev, dtype=q.dtype) if has_la else None
     _bwd_dq[(NMB, B * H)](
         q, k, v, fq, fk, do, S, z, vs, cnt, lse, den, ca, cb, logs, shift, first, kpm,
         _ptr(swa_o, dummy), _ptr(la_o, dummy), _ptr(dq, dummy), delta, ws, gf, dden, pa, pb,
+        _ptr(dnum, dummy),
         *_strides(q), *_strides(k), *_strides(v), *_strides(fq), *_strides(fk), *_strides(do),
         T, H, G, NC, NMB, window, scale, scale * LOG2E, eps,
         D=D, F=F, FC=FC, BM=BM, BN=BN, CS=cfg.state_chunk, HAS_SWA=has_swa, HAS_LA=has_la,
         SHARED=shared, HAS_KPM=has_kpm, PREC=prec, NEED_DQ=dq is not None,
-        FROM_SAVED=from_saved, num_warps=cfg.bwd_warps, num_stages=cfg.stages)
+        FROM_SAVED=from_saved, STORE_DNUM=dnum is not None, num_warps=cfg.bwd_warps,
+        num_stages=cfg.stages)
     CALLS["dq_pass"] += dq is not None
     CALLS["factors_from_saved"] += from_saved
     dfq = None
@@ -1129,14 +1178,14 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
         U = torch.empty(B, Hkv, NC, F, **f32)
         W = torch.empty(B, Hkv, NC, D, **f32)
         if use_split_states(cfg, NC):
-            _split_states(fq, do, R, U, W, NC, cfg, reverse=True, shift=shift, gf=gf,
-                          dden=dden)
+            _split_states(fq, dnum, R, U, W, NC, cfg, reverse=True, shift=shift, dden=dden)
         else:
             BF, BD = _state_tile(cfg, B * Hkv, F, D)
             _state_rev[(B * Hkv, F // BF, D // BD)](
-                fq, do, gf, dden, shift, R, U, W, *_strides(fq), *_strides(do), T, H, G, NC,
+                fq, dnum, dden, shift, R, U, W, *_strides(fq), T, H, G, NC,
                 F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD, PREC=prec,
-                num_warps=cfg.state_warps)
+                TMA=_use_tma(cfg, fq, dnum), num_warps=cfg.state_warps)
+        dnum = None  # (read by the reverse states only)
         dfk = torch.empty(B, Hkv, T, F, device=dev, dtype=fk.dtype)
         _bwd_dkv_la[(NNB, B * Hkv, F // GFC + (dv is not None))](  # the last program: dv
             fq, fk, v, do, gf, dden, R, U, W, shift, kpm, _ptr(dvs, dfk), _ptr(dv, dfk), dfk,
