@@ -11,8 +11,8 @@ import os
 
 import torch
 
-__all__ = ["GRID_AXIS_MAX", "HAVE_TRITON", "available", "errors", "interpret", "tl", "tma_ok",
-           "triton", "warn_once"]
+__all__ = ["GRID_AXIS_MAX", "HAVE_TRITON", "available", "ensure_allocator", "errors",
+           "interpret", "tl", "tma_ok", "triton", "warn_once"]
 
 try:  # the kernel modules define their kernels only where triton imports (never on CPU CI)
     import triton
@@ -96,10 +96,19 @@ def tma_ok(*tensors: torch.Tensor) -> bool:
         if t.stride(-1) != 1 or t.data_ptr() % 16 or \
                 any(s * size % 16 for s in t.stride()[:-1]):
             return False
-    _install_allocator()
+    ensure_allocator()
     return True
 
 
-@functools.cache
-def _install_allocator() -> None:
+def ensure_allocator() -> None:
+    """Triton's scratch allocator in this thread's context, where none is set: Triton keeps it
+    in a ContextVar, so one set on the main thread is not set in autograd's backward threads
+    (found on an H200 on 2026-12-03: "no allocator was set" in the backward). One that a
+    caller or another library set is kept."""
+    try:
+        from triton.runtime import _allocation
+        if not isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+            return
+    except (ImportError, AttributeError):  # pragma: no cover - another Triton's internals
+        pass
     triton.set_allocator(_scratch)
