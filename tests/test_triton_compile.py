@@ -86,10 +86,9 @@ def hybrid_kernels(dtype: torch.dtype, D: int, F: int, has_swa=True, has_la=True
     for reverse in (False, True):
         yield f"state_scan{'-rev' if reverse else ''}", th._state_scan, dict(
             BLK=th.SCAN_BLOCK, U=th.SCAN_STEP, REVERSE=reverse), (), 4, 3
-    for save, tma in ((False, True), (True, True), (True, False)):
-        # save: the branches stored for the backward (save_branches); tma: tensor descriptors
-        yield f"fwd{'-save' if save else ''}{'-tma' if tma else ''}", th._fwd, dict(
-            **lo, **flags, **fwd_tiles, SHARED=shared, SAVE=save, TMA=tma), \
+    for save in (False, True):  # True: the branches stored for the backward (save_branches)
+        yield f"fwd{'-save' if save else ''}", th._fwd, dict(
+            **lo, **flags, **fwd_tiles, SHARED=shared, SAVE=save), \
             ("scale_log2", "eps"), cfg.warps, cfg.stages
     # NEED_DQ False: stage 1 (q takes no gradient); FROM_SAVED: factors from the saved branches
     for need_dq, saved in ((True, False), (False, False), (True, True), (False, True)):

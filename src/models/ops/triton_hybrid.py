@@ -366,22 +366,22 @@ if HAVE_TRITON:
 
     @triton.jit
     def _la_num(FQ, FK, V, SST, ZST, VST, CNT, KPM, b, h, hk, Hkv, t0, shift, T, NC, eps,
-                sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sv_b, sv_h, sv_t, B, H,
+                sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sv_b, sv_h, sv_t,
                 D: tl.constexpr, F: tl.constexpr, FC: tl.constexpr, BM: tl.constexpr,
-                BN: tl.constexpr, CS: tl.constexpr, HAS_KPM: tl.constexpr, PREC: tl.constexpr,
-                TMA: tl.constexpr):
+                BN: tl.constexpr, CS: tl.constexpr, HAS_KPM: tl.constexpr, PREC: tl.constexpr):
         """Numerator (BM, D) and denominator (BM) of LA over keys i <= t - shift for the queries
         t0 .. t0 + BM - 1, kernel values fq.fk + eps: the nearest stored state at or before
         t0 - shift + 1 (with the floor's share, eps times its value sum and its count of real
         keys), plus the keys between it and the block. The feature dimension is taken FC at a
-        time. Tiles read through ``_tile`` (not inside a loop: descriptors are built here)."""
+        time."""
         offs_m = t0 + tl.arange(0, BM)
         offs_d = tl.arange(0, D)
-        fq_src = _tiles_of(FQ, sfq_b, sfq_h, sfq_t, B, H, T, F, BM, FC, TMA)
-        fk_src = _tiles_of(FK, sfk_b, sfk_h, sfk_t, B, Hkv, T, F, BN, FC, TMA)
-        v_src = _tiles_of(V, sv_b, sv_h, sv_t, B, Hkv, T, D, BN, D, TMA)
-        s_src = _tiles_of(SST, NC * F * D, F * D, D, B * Hkv, NC, F, D, FC, D, TMA)
+        rows = offs_m < T
+        fq_base = FQ + b.to(tl.int64) * sfq_b + h.to(tl.int64) * sfq_h
+        fk_base = FK + b.to(tl.int64) * sfk_b + hk.to(tl.int64) * sfk_h
+        v_base = V + b.to(tl.int64) * sv_b + hk.to(tl.int64) * sv_h
         jst = tl.minimum(tl.maximum(t0 - shift + 1, 0) // CS, NC - 1)
+        st = SST + (b * Hkv + hk).to(tl.int64) * NC * F * D + jst.to(tl.int64) * F * D
         zt = ZST + (b * Hkv + hk).to(tl.int64) * NC * F + jst * F
         vsum = tl.load(VST + (b * Hkv + hk).to(tl.int64) * NC * D + jst * D + offs_d)
         n_state = tl.load(CNT + b * (T + 1) + jst * CS).to(tl.float32)  # real keys < jst CS
@@ -389,8 +389,9 @@ if HAVE_TRITON:
         den = tl.zeros([BM], dtype=tl.float32) + eps * n_state
         for c in tl.static_range(F // FC):
             offs_f = c * FC + tl.arange(0, FC)
-            fq = _tile(fq_src, b, h, t0, c * FC, sfq_b, sfq_h, sfq_t, T, BM, FC, TMA)
-            S = _tile(s_src, b * Hkv + hk, jst, c * FC, 0, NC * F * D, F * D, D, F, FC, D, TMA)
+            fq = tl.load(fq_base + offs_m[:, None] * sfq_t + offs_f[None, :], mask=rows[:, None],
+                         other=0.0)
+            S = tl.load(st + offs_f[:, None] * D + offs_d[None, :])
             z = tl.load(zt + offs_f)
             num += tl.dot(fq, S, input_precision=PREC)
             den += tl.sum(fq.to(tl.float32) * z[None, :], axis=1)
@@ -400,8 +401,11 @@ if HAVE_TRITON:
             kin = offs_n < T
             a = tl.zeros([BM, BN], dtype=tl.float32)
             for c in tl.static_range(F // FC):
-                fq = _tile(fq_src, b, h, t0, c * FC, sfq_b, sfq_h, sfq_t, T, BM, FC, TMA)
-                fkb = _tile(fk_src, b, hk, start, c * FC, sfk_b, sfk_h, sfk_t, T, BN, FC, TMA)
+                offs_f = c * FC + tl.arange(0, FC)
+                fq = tl.load(fq_base + offs_m[:, None] * sfq_t + offs_f[None, :],
+                             mask=rows[:, None], other=0.0)
+                fkb = tl.load(fk_base + offs_n[:, None] * sfk_t + offs_f[None, :],
+                              mask=kin[:, None], other=0.0)
                 a += tl.dot(fq, tl.trans(fkb), input_precision=PREC)
             ok = (offs_n[None, :] <= offs_m[:, None] - shift) & kin[None, :]
             if HAS_KPM:
@@ -409,7 +413,8 @@ if HAVE_TRITON:
                 ok = ok & real[None, :]
             a = tl.where(ok, a + eps, 0.0)
             den += tl.sum(a, axis=1)
-            vb = _tile(v_src, b, hk, start, 0, sv_b, sv_h, sv_t, T, BN, D, TMA)
+            vb = tl.load(v_base + offs_n[:, None] * sv_t + offs_d[None, :], mask=kin[:, None],
+                         other=0.0)
             num += tl.dot(a.to(vb.dtype), vb, input_precision=PREC)
         return num, den
 
@@ -422,7 +427,7 @@ if HAVE_TRITON:
              D: tl.constexpr, F: tl.constexpr, FC: tl.constexpr, BM: tl.constexpr,
              BN: tl.constexpr, CS: tl.constexpr, HAS_SWA: tl.constexpr, HAS_LA: tl.constexpr,
              SHARED: tl.constexpr, HAS_KPM: tl.constexpr, PREC: tl.constexpr,
-             SAVE: tl.constexpr, TMA: tl.constexpr):
+             SAVE: tl.constexpr):
         LN2: tl.constexpr = 0.6931471805599453
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
@@ -430,11 +435,12 @@ if HAVE_TRITON:
         h = pid_bh % H
         hk = h // G
         Hkv = H // G
-        B = tl.num_programs(1) // H
         t0 = pid_m * BM
         offs_m = t0 + tl.arange(0, BM)
         offs_d = tl.arange(0, D)
         rows = offs_m < T
+        k_base = K + b.to(tl.int64) * sk_b + hk.to(tl.int64) * sk_h
+        v_base = V + b.to(tl.int64) * sv_b + hk.to(tl.int64) * sv_h
         first = tl.load(FIRST + b)
         shift = tl.load(SHIFT + pid_bh)
 
@@ -445,7 +451,7 @@ if HAVE_TRITON:
         if HAS_LA:
             num, den = _la_num(FQ, FK, V, SST, ZST, VST, CNT, KPM, b, h, hk, Hkv, t0, shift, T,
                                NC, eps, sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sv_b, sv_h,
-                               sv_t, B, H, D, F, FC, BM, BN, CS, HAS_KPM, PREC, TMA)
+                               sv_t, D, F, FC, BM, BN, CS, HAS_KPM, PREC)
         has_far = (offs_m - shift) >= first
         r = tl.where(has_far, 1.0 / tl.maximum(den, eps), 0.0)
         la = num * r[:, None]
@@ -460,12 +466,11 @@ if HAVE_TRITON:
             lo = tl.maximum(t0 - window + 1, 0)
             lo = (lo // BN) * BN
             hi = tl.minimum(t0 + BM, T)
-            k_src = _tiles_of(K, sk_b, sk_h, sk_t, B, Hkv, T, D, BN, D, TMA)
-            v_src = _tiles_of(V, sv_b, sv_h, sv_t, B, Hkv, T, D, BN, D, TMA)
             for start in range(lo, hi, BN):
                 offs_n = start + tl.arange(0, BN)
                 kin = offs_n < T
-                kb = _tile(k_src, b, hk, start, 0, sk_b, sk_h, sk_t, T, BN, D, TMA)
+                kb = tl.load(k_base + offs_n[:, None] * sk_t + offs_d[None, :], mask=kin[:, None],
+                             other=0.0)
                 s = tl.dot(q, tl.trans(kb), input_precision=PREC) * scale_log2
                 ok = (offs_n[None, :] <= offs_m[:, None]) & \
                      (offs_n[None, :] > offs_m[:, None] - window) & kin[None, :]
@@ -478,7 +483,8 @@ if HAVE_TRITON:
                 alpha = tl.exp2(m_i - m_safe)
                 p = tl.exp2(s - m_safe[:, None])
                 l_i = l_i * alpha + tl.sum(p, axis=1)
-                vb = _tile(v_src, b, hk, start, 0, sv_b, sv_h, sv_t, T, BN, D, TMA)
+                vb = tl.load(v_base + offs_n[:, None] * sv_t + offs_d[None, :], mask=kin[:, None],
+                             other=0.0)
                 acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision=PREC)
                 m_i = m_new
         has_win = l_i > 0
@@ -563,8 +569,7 @@ if HAVE_TRITON:
             else:
                 num, _ = _la_num(FQ, FK, V, SST, ZST, VST, CNT, KPM, b, h, hk, Hkv, t0, shift, T,
                                  NC, eps, sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sv_b, sv_h,
-                                 sv_t, tl.num_programs(1) // H, H, D, F, FC, BM, BN, CS, HAS_KPM,
-                                 PREC, False)  # (TMA: 88 bytes of spill here, ptxas)
+                                 sv_t, D, F, FC, BM, BN, CS, HAS_KPM, PREC)
                 dot_la = tl.sum(num * do.to(tl.float32), axis=1) * r
         dot_swa = tl.zeros([BM], dtype=tl.float32)
         if HAS_SWA and FROM_SAVED:
@@ -1079,8 +1084,7 @@ def _forward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, *, window
                *_strides(o), T, H, H // Hkv, NC, window, scale * LOG2E, eps,
                D=D, F=F, FC=_fc(cfg, F), BM=cfg.block_m, BN=cfg.block_n, CS=cfg.state_chunk,
                HAS_SWA=has_swa, HAS_LA=has_la, SHARED=shared, HAS_KPM=kpm_i8 is not None,
-               PREC=_prec(q.dtype), SAVE=save, TMA=_use_tma(cfg, k, v, fq, fk, S),
-               num_warps=cfg.warps, num_stages=cfg.stages)
+               PREC=_prec(q.dtype), SAVE=save, num_warps=cfg.warps, num_stages=cfg.stages)
     states = (S, z, vs, cfg.state_chunk) if save and has_la else None
     return o, lse, den, swa_o, la_o, states
 
