@@ -1142,6 +1142,20 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
         num_stages=cfg.stages)
     CALLS["dq_pass"] += dq is not None
     CALLS["factors_from_saved"] += from_saved
+    R = U = W = None
+    if has_la:  # the reverse states first: dnum is freed before dfq is allocated
+        R = torch.empty(B, Hkv, NC, F, D, device=dev, dtype=fq.dtype)
+        U = torch.empty(B, Hkv, NC, F, **f32)
+        W = torch.empty(B, Hkv, NC, D, **f32)
+        if use_split_states(cfg, NC):
+            _split_states(fq, dnum, R, U, W, NC, cfg, reverse=True, shift=shift, dden=dden)
+        else:
+            BF, BD = _state_tile(cfg, B * Hkv, F, D)
+            _state_rev[(B * Hkv, F // BF, D // BD)](
+                fq, dnum, dden, shift, R, U, W, *_strides(fq), T, H, G, NC,
+                F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD, PREC=prec,
+                TMA=_use_tma(cfg, fq, dnum), num_warps=cfg.state_warps)
+        dnum = None  # (read by the reverse states only)
     dfq = None
     if has_la:
         dfq = torch.empty(B, H, T, F, device=dev, dtype=fq.dtype)
@@ -1174,18 +1188,6 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
         dk.zero_()
     dfk = None
     if has_la:
-        R = torch.empty(B, Hkv, NC, F, D, device=dev, dtype=fq.dtype)
-        U = torch.empty(B, Hkv, NC, F, **f32)
-        W = torch.empty(B, Hkv, NC, D, **f32)
-        if use_split_states(cfg, NC):
-            _split_states(fq, dnum, R, U, W, NC, cfg, reverse=True, shift=shift, dden=dden)
-        else:
-            BF, BD = _state_tile(cfg, B * Hkv, F, D)
-            _state_rev[(B * Hkv, F // BF, D // BD)](
-                fq, dnum, dden, shift, R, U, W, *_strides(fq), T, H, G, NC,
-                F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD, PREC=prec,
-                TMA=_use_tma(cfg, fq, dnum), num_warps=cfg.state_warps)
-        dnum = None  # (read by the reverse states only)
         dfk = torch.empty(B, Hkv, T, F, device=dev, dtype=fk.dtype)
         _bwd_dkv_la[(NNB, B * Hkv, F // GFC + (dv is not None))](  # the last program: dv
             fq, fk, v, do, gf, dden, R, U, W, shift, kpm, _ptr(dvs, dfk), _ptr(dv, dfk), dfk,
