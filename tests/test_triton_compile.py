@@ -3,8 +3,10 @@ the default tiles keep register spills small (ptxas's report, read without a dev
 
 Needs triton (skipped on CI, which has none); slow (each kernel takes seconds to compile on two
 cores). The report of each kernel is printed (``-s``): registers, spill bytes, shared memory,
-whether the matrix products became Hopper's ``wgmma``. This is how the tiles in
-``triton_hybrid.default_config``, ``triton_xent._blocks`` and ``triton_phi._tiles`` were chosen.
+whether the matrix products became Hopper's ``wgmma``, and how many asynchronous copies the
+PTX has (``async_copies``: loads pipelined into shared memory, e.g. through tensor
+descriptors). This is how the tiles in ``triton_hybrid.default_config``, ``triton_xent._blocks``
+and ``triton_phi._tiles`` were chosen.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ def compile_report(fn, pointers: dict, constexprs: dict, floats=(), warps=4, sta
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
     try:
-        out = subprocess.run([PTXAS, "-v", "--gpu-name", f"sm_{TARGET.arch}{'a' if TARGET.arch == 90 else ''}", f.name, "-o", os.devnull],
+        arch = f"sm_{TARGET.arch}{'a' if TARGET.arch == 90 else ''}"
+        out = subprocess.run([PTXAS, "-v", "--gpu-name", arch, f.name, "-o", os.devnull],
                              capture_output=True, text=True, check=True).stderr
     finally:
         os.unlink(f.name)
@@ -94,7 +97,8 @@ def hybrid_kernels(dtype: torch.dtype, D: int, F: int, has_swa=True, has_la=True
     for need_dq, saved in ((True, False), (False, False), (True, True), (False, True)):
         yield f"bwd_dq{'' if need_dq else '-no-dq'}{'-saved' if saved else ''}", th._bwd_dq, \
             dict(**lo, **flags, **bwd_tiles, SHARED=shared, NEED_DQ=need_dq,
-                 FROM_SAVED=saved, STORE_DNUM=has_la), ("scale", "scale_log2", "eps"), cfg.bwd_warps, cfg.stages
+                 FROM_SAVED=saved, STORE_DNUM=has_la), ("scale", "scale_log2", "eps"), \
+            cfg.bwd_warps, cfg.stages
     if has_la:
         grad = dict(lo, FC=th._grad_fc(cfg, F))  # the dfq / dfk programs' feature slice
         yield "bwd_dfq", th._bwd_dfq, dict(**grad, **bwd_tiles), (), cfg.bwd_warps, cfg.stages

@@ -48,6 +48,12 @@ How (all kernels take strided (B, H, T, X) tensors, no copies of q, k, v):
                   Mixer gradients (c_A, c_B or log s_h) come back as per-block partial sums,
                   reduced in torch (deterministic).
 
+The reverse-state kernels read their tiles through device-side tensor descriptors (TMA,
+``_tiles_of`` / ``_tile``; ``KernelConfig.tma``) where ``triton_common.tma_ok`` allows (sm_90+,
+16-byte-aligned tensors), else through pointer tensors (same values): a loop over pointer
+tensors keeps them in registers (ptxas: 255 per thread against ~100), the descriptors' loads
+are pipelined. The forward kernel measured slower through them and stays on pointers.
+
 The feature dimension is taken ``f_chunk`` at a time in the forward's and dq's products over
 it, so no program holds an F-wide operand and an F-wide accumulator at once; the dfq / dfk
 programs take ``grad_f_chunk`` (the whole F at D 128 bf16: one D-wide dO . v product per
