@@ -180,6 +180,8 @@ def test_feature_map_kernels_compile_for_sm90(D, FH):
     for name, fn, backward, flags in variants:
         BM, warps = tp._tiles(D, FH, backward)
         constexprs = dict(D=D, FH=FH, BM=BM, SOFTMAX=True, PREC="tf32", **flags)
+        if backward:
+            constexprs["FROM_Y"] = tp.BWD_FROM_OUTPUT
         r = compile_report(fn, ptrs, constexprs, (), warps, 2)
         print(f"{name:8s} D{D} F/2={FH} {BM} w{warps}: {r}")
         assert r["spill"] <= MAX_SPILL, (name, r)

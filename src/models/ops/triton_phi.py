@@ -83,9 +83,13 @@ if HAVE_TRITON:
         tl.store(y + FH, a2.to(Y.dtype.element_ty), mask=rows[:, None])
 
     @triton.jit
-    def _phi_bwd(X, W, BIAS, DY, DX, DU, sx_b, sx_h, sx_t, sdy_b, sdy_h, sdy_t, T, H, B,
+    def _phi_bwd(X, W, BIAS, Y, DY, DX, DU, sx_b, sx_h, sx_t, sdy_b, sdy_h, sdy_t, T, H, B,
                  D: tl.constexpr, FH: tl.constexpr, BM: tl.constexpr, SOFTMAX: tl.constexpr,
-                 PREC: tl.constexpr, NEED_DX: tl.constexpr, DU_HEADS_FIRST: tl.constexpr):
+                 PREC: tl.constexpr, NEED_DX: tl.constexpr, DU_HEADS_FIRST: tl.constexpr,
+                 FROM_Y: tl.constexpr):
+        """FROM_Y: both activations read from the forward's output Y ((B H, T, F), the input
+        dtype) instead of recomputed from x (one matrix product and the exponentials fewer;
+        the activations rounded to the input dtype, as autograd's softmax saves them)."""
         pid_bh = tl.program_id(0)  # axis 0: up to 2^31 - 1 (B * H of a large decode batch)
         pid_m = tl.program_id(1)
         b = pid_bh // H
@@ -94,11 +98,17 @@ if HAVE_TRITON:
         offs_d = tl.arange(0, D)
         offs_f = tl.arange(0, FH)
         rows = offs_m < T
-        x = tl.load(X + b.to(tl.int64) * sx_b + h.to(tl.int64) * sx_h + offs_m[:, None] * sx_t
-                    + offs_d[None, :], mask=rows[:, None], other=0.0)
         w = tl.load(W + h.to(tl.int64) * D * FH + offs_d[:, None] * FH + offs_f[None, :])
-        bias = tl.load(BIAS + h * FH + offs_f).to(tl.float32)
-        a1, a2 = _acts(x, w, bias, SOFTMAX, PREC)
+        if FROM_Y:
+            y = Y + (pid_bh.to(tl.int64) * T + offs_m[:, None]) * (2 * FH) + offs_f[None, :]
+            a1 = tl.load(y, mask=rows[:, None], other=0.0).to(tl.float32)
+            a2 = tl.load(y + FH, mask=rows[:, None], other=0.0).to(tl.float32)
+        else:
+            x = tl.load(X + b.to(tl.int64) * sx_b + h.to(tl.int64) * sx_h
+                        + offs_m[:, None] * sx_t + offs_d[None, :], mask=rows[:, None],
+                        other=0.0)
+            bias = tl.load(BIAS + h * FH + offs_f).to(tl.float32)
+            a1, a2 = _acts(x, w, bias, SOFTMAX, PREC)
         dy = DY + b.to(tl.int64) * sdy_b + h.to(tl.int64) * sdy_h + offs_m[:, None] * sdy_t \
             + offs_f[None, :]
         dy1 = tl.load(dy, mask=rows[:, None], other=0.0).to(tl.float32)
@@ -108,7 +118,7 @@ if HAVE_TRITON:
                 a2 * (dy2 - tl.sum(dy2 * a2, axis=1)[:, None])
         else:
             du = dy1 * a1 - dy2 * a2
-        du = tl.where(rows[:, None], du, 0.0).to(x.dtype)
+        du = tl.where(rows[:, None], du, 0.0).to(Y.dtype.element_ty)
         if NEED_DX:  # not for stage 1's detached teacher q, k
             dx = tl.dot(du, tl.trans(w), input_precision=PREC)
             tl.store(DX + (pid_bh.to(tl.int64) * T + offs_m[:, None]) * D + offs_d[None, :],
@@ -117,6 +127,11 @@ if HAVE_TRITON:
         du_row = (h * B + b).to(tl.int64) if DU_HEADS_FIRST else pid_bh.to(tl.int64)
         tl.store(DU + (du_row * T + offs_m[:, None]) * FH + offs_f[None, :], du,
                  mask=rows[:, None])
+
+
+#: the backward reads the activations from the forward's output instead of recomputing them
+#: (``_phi_bwd``'s FROM_Y); a switch for the A/B of benchmarks/phi_speed.py
+BWD_FROM_OUTPUT = True
 
 
 def _prec(dtype):
@@ -175,13 +190,13 @@ class _PhiFn(torch.autograd.Function):
         _phi_fwd[(B * H, triton.cdiv(T, BM))](
             x, wc, bc, y, x.stride(0), x.stride(1), x.stride(2), T, H, D=D, FH=FH, BM=BM,
             SOFTMAX=softmax, PREC=_prec(x.dtype), num_warps=warps)
-        ctx.save_for_backward(x, wc, bc)
+        ctx.save_for_backward(x, wc, bc, y)  # y: kept by its consumer anyway (the LA kernel)
         ctx.meta = (softmax, w.dtype, bias.dtype)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, wc, bc = ctx.saved_tensors
+        x, wc, bc, y = ctx.saved_tensors
         softmax, w_dtype, b_dtype = ctx.meta
         B, H, T, D = x.shape
         FH = wc.shape[-1]
@@ -193,10 +208,11 @@ class _PhiFn(torch.autograd.Function):
         du, reduce_dw = _du_buffer(x, FH)
         BM, warps = _tiles(D, FH, backward=True)
         _phi_bwd[(B * H, triton.cdiv(T, BM))](
-            x, wc, bc, dy, du if dx is None else dx, du, x.stride(0), x.stride(1), x.stride(2),
+            x, wc, bc, y, dy, du if dx is None else dx, du, x.stride(0), x.stride(1), x.stride(2),
             dy.stride(0), dy.stride(1), dy.stride(2), T, H, B, D=D, FH=FH, BM=BM,
             SOFTMAX=softmax, PREC=_prec(x.dtype), NEED_DX=need_dx,
-            DU_HEADS_FIRST=du.stride(1) > du.stride(0), num_warps=warps)  # (H, B, T, F/2)
+            DU_HEADS_FIRST=du.stride(1) > du.stride(0), FROM_Y=BWD_FROM_OUTPUT,
+            num_warps=warps)  # (H, B, T, F/2)
         CALLS["backward_dx"] += need_dx
         dw = dbias = None
         if ctx.needs_input_grad[1]:

@@ -1,0 +1,103 @@
+"""The fused feature map's backward (``ops.triton_phi._phi_bwd``) with the activations read
+from the forward's output or recomputed from x (``triton_phi.BWD_FROM_OUTPUT``), against the
+fp32 PyTorch map, in one run.
+
+    python benchmarks/phi_speed.py --shapes 1x65536,8x1024 --out DIR
+
+Per shape (Llama-3-8B heads: the query map over 32 heads, the key map over 8, D = 128,
+square maps), for each variant: the gradients of x, the weight and the bias of both maps
+against ``reference_features`` in fp32 (relative L2 error), then the median milliseconds of
+both maps' forward + backward (CUDA events, ``attention_speed.bench``) and of the forward
+alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from attention_speed import bench, environment, rel  # benchmarks/ is on sys.path as a script
+from hedgecats.models.ops import triton_phi as tp
+
+
+def maps(B: int, T: int, heads: tuple[int, ...], D: int, seed: int = 0):
+    """(x, weight, bias) per map, x in the (B, T, H, D) layout transposed (as attention gets
+    q and k from transformers), bf16; weights fp32 (master weights)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    out = []
+    for H in heads:
+        x = torch.randn(B, T, H, D, device="cuda", generator=gen).bfloat16().transpose(1, 2)
+        w = (torch.randn(H, D, D, device="cuda", generator=gen) * D ** -0.5)
+        b = torch.randn(H, D, device="cuda", generator=gen) * 0.1
+        out.append([t.requires_grad_() for t in (x, w, b)])
+    return out
+
+
+def grads(args, dys, fn):
+    for t in (t for a in args for t in a):
+        t.grad = None
+    for (x, w, b), dy in zip(args, dys):
+        fn(x, w, b).backward(dy)
+    return [t.grad.float() for a in args for t in a]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default="1x65536,8x1024")
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    H, Hkv, D = 32, 8, 128
+    res = dict(environment=environment(), rows=[],
+               command=" ".join(["python", "benchmarks/phi_speed.py"] + (argv or sys.argv[1:])))
+    fused = lambda x, w, b: tp.hedgehog_features(x, w, b, "softmax")  # noqa: E731
+    for shape in a.shapes.split(","):
+        B, T = map(int, shape.split("x"))
+        args = maps(B, T, (H, Hkv), D)
+        dys = [torch.randn(B, h, T, 2 * D, device="cuda", dtype=torch.bfloat16)
+               for h in (H, Hkv)]
+        want = grads([[t.detach().float().requires_grad_() for t in m] for m in args], dys,
+                     tp.reference_features)
+
+        def fwd():
+            with torch.no_grad():
+                for x, w, b in args:
+                    fused(x, w, b)
+
+        def fwd_bwd():
+            for (x, w, b), dy in zip(args, dys):
+                fused(x, w, b).backward(dy)
+            for t in (t for m in args for t in m):
+                t.grad = None
+        fwd_ms = bench(fwd)[0]
+        default = tp.BWD_FROM_OUTPUT
+        for variant in ("from-output", "recompute", "from-output", "recompute"):  # twice
+            tp.BWD_FROM_OUTPUT = variant == "from-output"
+            got = grads(args, dys, fused)
+            err = max(rel(g, w) for g, w in zip(got, want))
+            ms, peak = bench(fwd_bwd)
+            row = dict(B=B, T=T, variant=variant, fwd_bwd_ms=round(ms, 4),
+                       fwd_ms=round(fwd_ms, 4), peak_gib=round(peak, 3),
+                       max_rel_err_grads=float(f"{err:.2e}"))
+            res["rows"].append(row)
+            print(json.dumps(row), flush=True)
+        tp.BWD_FROM_OUTPUT = default
+        args = dys = want = None
+        torch.cuda.empty_cache()
+    if a.out:
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "phi_speed.json").write_text(json.dumps(res, indent=1))
+        lines = [f"`{res['command']}`", "", "| B x T | backward | fwd + bwd ms | "
+                 "fwd ms | peak GiB | max rel err of the gradients (fp32 reference) |",
+                 "| --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {r['B']} x {r['T']} | {r['variant']} | "
+                  f"{r['fwd_bwd_ms']} | {r['fwd_ms']} | {r['peak_gib']} | "
+                  f"{r['max_rel_err_grads']:.1e} |" for r in res["rows"]]
+        (out / "phi_speed.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
