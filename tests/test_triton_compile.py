@@ -174,14 +174,16 @@ def test_xent_kernels_compile_for_sm90(D, F):
 def test_feature_map_kernels_compile_for_sm90(D, FH):
     ptrs = _pointers(torch.bfloat16)
     # the backward with dx or without (stage 1), du in either layout (triton_phi._du_buffer)
+    # (and the backward recomputing the activations from x: triton_phi.BWD_FROM_OUTPUT False)
     variants = [("phi_fwd", tp._phi_fwd, False, {})] + [
         (f"phi_bwd{'' if dx else '-no-dx'}{'-hf' if hf else ''}", tp._phi_bwd, True,
-         dict(NEED_DX=dx, DU_HEADS_FIRST=hf)) for dx in (True, False) for hf in (True, False)]
+         dict(NEED_DX=dx, DU_HEADS_FIRST=hf, FROM_Y=True))
+        for dx in (True, False) for hf in (True, False)] + [
+        ("phi_bwd-recomputed", tp._phi_bwd, True, dict(NEED_DX=True, DU_HEADS_FIRST=True,
+                                                       FROM_Y=False))]
     for name, fn, backward, flags in variants:
         BM, warps = tp._tiles(D, FH, backward)
         constexprs = dict(D=D, FH=FH, BM=BM, SOFTMAX=True, PREC="tf32", **flags)
-        if backward:
-            constexprs["FROM_Y"] = tp.BWD_FROM_OUTPUT
         r = compile_report(fn, ptrs, constexprs, (), warps, 2)
         print(f"{name:8s} D{D} F/2={FH} {BM} w{warps}: {r}")
         assert r["spill"] <= MAX_SPILL, (name, r)

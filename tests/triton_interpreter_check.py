@@ -425,9 +425,12 @@ def mse_backward_fallback_case(cid):
 
 
 def phi_case(cid, *, B=2, H=3, T=45, D=16, proj="square", activation="softmax",
-             dtype=torch.float32, strided=False, frozen_x=False, heads_first=False):
+             dtype=torch.float32, strided=False, frozen_x=False, heads_first=False,
+             from_output=True):
     """triton_phi.hedgehog_features vs the fp32 map: values and gradients of x, W, b
-    (``frozen_x``: x takes no gradient, as stage 1's teacher q, k; dW, db unchanged)."""
+    (``frozen_x``: x takes no gradient, as stage 1's teacher q, k; dW, db unchanged;
+    ``from_output``: the backward's activations read from the forward's output, the default,
+    else recomputed from x: ``triton_phi.BWD_FROM_OUTPUT``)."""
     from hedgecats.models import HedgehogFeatureMap
     from hedgecats.models.ops import triton_phi as tp
 
@@ -453,7 +456,11 @@ def phi_case(cid, *, B=2, H=3, T=45, D=16, proj="square", activation="softmax",
                 "db": fm.bias.grad.clone()}
 
     before = tp.CALLS["backward_dx"]
-    got = run(lambda x: tp.hedgehog_features(x, fm.weight, fm.bias, activation), dtype)
+    default, tp.BWD_FROM_OUTPUT = tp.BWD_FROM_OUTPUT, from_output
+    try:
+        got = run(lambda x: tp.hedgehog_features(x, fm.weight, fm.bias, activation), dtype)
+    finally:
+        tp.BWD_FROM_OUTPUT = default
     dx_passes = tp.CALLS["backward_dx"] - before
     want = run(lambda x: tp.reference_features(x, fm.weight, fm.bias, activation),
                torch.float32)
@@ -673,6 +680,9 @@ def cases(quick: bool = False):
         ("phi-strided-H1", phi_case, dict(dtype=bf16, strided=True, H=1)),
         ("phi-strided-frozen-x", phi_case, dict(dtype=bf16, strided=True, frozen_x=True)),
         ("phi-D32-T70", phi_case, dict(dtype=bf16, T=70, D=32)),
+        ("phi-recomputed-backward", phi_case, dict(dtype=bf16, from_output=False)),
+        ("phi-recomputed-backward-exp-strided", phi_case, dict(
+            dtype=bf16, from_output=False, activation="exp", strided=True)),
         ("decode-hybrid", decode_case, dict(dtype=torch.float32)),
         ("decode-pad-learned-head", decode_case, dict(dtype=torch.float32, pad=True,
                                                       mixer="learned_head")),
