@@ -30,6 +30,19 @@ def test_states_split_past_the_threshold_only_by_default():
 
 
 def test_the_safe_tiles_save_nothing_and_walk():
-    """SAFE_CONFIG is the last retry after a compile failure: the plainest kernels."""
+    """SAFE_CONFIG is the last retry after a compile failure: the plainest kernels (no saved
+    branches, walked states, pointer loads rather than tensor descriptors)."""
     assert not th.SAFE_CONFIG.save_branches
     assert th.SAFE_CONFIG.split_states is False
+    assert th.SAFE_CONFIG.tma is False
+
+
+def test_tma_off_in_the_config_means_pointer_loads_everywhere(monkeypatch):
+    """``KernelConfig.tma`` False: no kernel reads through tensor descriptors, whatever the
+    device allows; None / True: where ``tma_ok`` says the tensors allow it."""
+    monkeypatch.setattr(th, "tma_ok", lambda *t: True)
+    cfg = th.default_config(128, 256, torch.bfloat16)
+    assert cfg.tma is None and th._use_tma(cfg)
+    assert not th._use_tma(dataclasses.replace(cfg, tma=False))
+    monkeypatch.setattr(th, "tma_ok", lambda *t: False)
+    assert not th._use_tma(dataclasses.replace(cfg, tma=True))

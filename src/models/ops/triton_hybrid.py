@@ -266,7 +266,8 @@ if HAVE_TRITON:
         Reverse (X = fq, Y = dnum = GF dO as ``_bwd_dq`` stored it, summed over the G query
         heads h of the kv head): positions t with t - shift_h in [j CS, (j+1) CS) give
         L_j = sum fq_t dnum_t^T, sum DDEN_t fq_t and sum dnum_t. X and Y are read through
-        ``_tile`` (TMA: ptxas 73 registers for the reverse loop, 251 with pointer tensors)."""
+        ``_tile`` (ptxas, sm_90a, D 128, F 256: the reverse loop 104 registers through tensor
+        descriptors, 255 through pointer tensors)."""
         j = tl.program_id(0)
         pid_t = tl.program_id(1)
         pid_bh = tl.program_id(2)  # b * Hkv + hk
@@ -534,8 +535,8 @@ if HAVE_TRITON:
         """dq of one query block (when NEED_DQ), and the per-query factors the other kernels
         need: DELTA (the softmax row term, incl. the shared-norm lse gradient), WS (SWA
         weight), GF (dnum = GF dO), DDEN (gradient of the LA denominator), with STORE_DNUM
-        dnum itself ((B H, T, D), the input dtype: the reverse states' matrix operand); PA, PB: this
-        block's partial mixer gradients (d c_A, d c_B; or d log s and 0 with SHARED). SWA_t .
+        dnum itself ((B H, T, D), the input dtype: the reverse states' matrix operand); PA,
+        PB: this block's partial mixer gradients (d c_A, d c_B; or d log s and 0 with SHARED). SWA_t .
         dO_t and LA_t . dO_t come from recomputing both branches (first pass), or with
         FROM_SAVED from the branches' outputs the forward stored (SWA_O, LA_O: (B H, T, D))."""
         LN2: tl.constexpr = 0.6931471805599453
@@ -1209,7 +1210,8 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
 #: (out of shared memory or registers)
 SAFE_CONFIG = KernelConfig(block_m=32, block_n=32, state_chunk=64, warps=4, stages=1,
                            bwd_block_m=32, bwd_block_n=32, bwd_warps=4, state_f=32, state_d=32,
-                           state_warps=4, f_chunk=64, save_branches=False, split_states=False)
+                           state_warps=4, f_chunk=64, save_branches=False, split_states=False,
+                           tma=False)
 #: (phase, config, problem key) combinations that failed to compile, and the retries made
 _FAILED: set = set()
 RETRIES: list[str] = []
