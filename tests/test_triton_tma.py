@@ -65,6 +65,8 @@ def test_tma_needs_16_byte_aligned_bases_and_strides(interpreter):
     assert not tc.tma_ok(x.transpose(2, 3))  # last dim not contiguous
     y = torch.zeros(2, 3, 8, 24, dtype=torch.bfloat16)[..., :8]  # rows of 48 bytes: fine
     assert tc.tma_ok(y)
+    assert not tc.tma_ok(torch.zeros(2, 1, 8, 16).expand(2, 3, 8, 16))  # a broadcast head axis
+    assert tc.tma_ok(torch.zeros(1, 3, 8, 16))  # a size-1 axis is no broadcast
 
 
 def test_no_tma_on_cpu_without_the_interpreter(monkeypatch):

@@ -82,22 +82,28 @@ def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
 def tma_ok(*tensors: torch.Tensor) -> bool:
     """Whether kernels may read ``tensors`` through device-side tensor descriptors (TMA): an
     sm_90+ GPU (or the interpreter), each base address and every stride but the last (which
-    must be 1) multiples of 16 bytes. Installs the scratch allocator such descriptors need
+    must be 1) multiples of 16 bytes, no broadcast (zero-stride) dimension. Installs the scratch allocator such descriptors need
     (``triton.set_allocator``: torch memory; a process-wide setting of Triton's, which fla sets
     the same way). Where this is False the kernels take their pointer path: the same values,
     slower (ptxas: a loop over pointer tensors keeps them in registers, 255 per thread)."""
     if not HAVE_TRITON:
         return False
-    if not interpret():
-        if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
-            return False
+    if not interpret() and not (torch.cuda.is_available()
+                                and _hopper_or_later(torch.cuda.current_device())):
+        return False
     for t in tensors:
         size = t.element_size()
         if t.stride(-1) != 1 or t.data_ptr() % 16 or \
-                any(s * size % 16 for s in t.stride()[:-1]):
+                any(s * size % 16 for s in t.stride()[:-1]) or \
+                any(s == 0 for s, n in zip(t.stride(), t.shape) if n > 1):  # (expanded)
             return False
     ensure_allocator()
     return True
+
+
+@functools.cache
+def _hopper_or_later(device: int) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def ensure_allocator() -> None:
