@@ -474,13 +474,13 @@ TUNE_CONFIGS = {  # None: default_config (D=128: fwd 64x64 w8, bwd 64x32 w8, f_c
     # the whole F per program, grad_f_chunk 256)
     "grad-f64": dict(block_m=64, block_n=64, state_chunk=128, warps=8, stages=2,
                      bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8),
-    # the same, the states walked at any length (split_states False): with "split-states",
-    # where between 8 and 512 chunks the split starts to pay (SPLIT_STATES_MIN_CHUNKS)
     # the default's tiles, every tile read through pointer tensors (tma False: what a GPU
     # before sm_90 runs) where the default reads some through tensor descriptors (TMA)
     "no-tma": dict(block_m=64, block_n=64, state_chunk=128, warps=8, stages=2,
                    bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8,
                    grad_f_chunk=256, tma=False),
+    # the same, the states walked at any length (split_states False): with "split-states",
+    # where between 8 and 512 chunks the split starts to pay (SPLIT_STATES_MIN_CHUNKS)
     "walk-states": dict(block_m=64, block_n=64, state_chunk=128, warps=8, stages=2,
                         bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64,
                         state_warps=8, split_states=False),

@@ -30,7 +30,7 @@ def maps(B: int, T: int, heads: tuple[int, ...], D: int, seed: int = 0):
     out = []
     for H in heads:
         x = torch.randn(B, T, H, D, device="cuda", generator=gen).bfloat16().transpose(1, 2)
-        w = (torch.randn(H, D, D, device="cuda", generator=gen) * D ** -0.5)
+        w = torch.randn(H, D, D, device="cuda", generator=gen) * D ** -0.5
         b = torch.randn(H, D, device="cuda", generator=gen) * 0.1
         out.append([t.requires_grad_() for t in (x, w, b)])
     return out

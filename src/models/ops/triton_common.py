@@ -82,10 +82,10 @@ def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
 def tma_ok(*tensors: torch.Tensor) -> bool:
     """Whether kernels may read ``tensors`` through device-side tensor descriptors (TMA): an
     sm_90+ GPU (or the interpreter), each base address and every stride but the last (which
-    must be 1) multiples of 16 bytes, no broadcast (zero-stride) dimension. Installs the scratch allocator such descriptors need
-    (``triton.set_allocator``: torch memory; a process-wide setting of Triton's, which fla sets
-    the same way). Where this is False the kernels take their pointer path: the same values,
-    slower (ptxas: a loop over pointer tensors keeps them in registers, 255 per thread)."""
+    must be 1) multiples of 16 bytes, no broadcast (zero-stride) dimension. Installs the
+    scratch allocator such descriptors need in this thread's context (``ensure_allocator``).
+    Where this is False the kernels take their pointer path: the same values, slower (ptxas: a
+    loop over pointer tensors keeps them in registers, 255 per thread)."""
     if not HAVE_TRITON:
         return False
     if not interpret() and not (torch.cuda.is_available()

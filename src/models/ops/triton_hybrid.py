@@ -536,8 +536,8 @@ if HAVE_TRITON:
         need: DELTA (the softmax row term, incl. the shared-norm lse gradient), WS (SWA
         weight), GF (dnum = GF dO), DDEN (gradient of the LA denominator), with STORE_DNUM
         dnum itself ((B H, T, D), the input dtype: the reverse states' matrix operand); PA,
-        PB: this block's partial mixer gradients (d c_A, d c_B; or d log s and 0 with SHARED). SWA_t .
-        dO_t and LA_t . dO_t come from recomputing both branches (first pass), or with
+        PB: this block's partial mixer gradients (d c_A, d c_B; or d log s and 0 with
+        SHARED). SWA_t . dO_t and LA_t . dO_t come from recomputing both branches (first pass), or with
         FROM_SAVED from the branches' outputs the forward stored (SWA_O, LA_O: (B H, T, D))."""
         LN2: tl.constexpr = 0.6931471805599453
         pid_m = tl.program_id(0)

@@ -22,8 +22,8 @@ about 3 GiB for phi_q). Here:
 
 Numerics: u stays fp32 until the activations (the PyTorch module rounds it to the input dtype
 first), so the kernel's output is at least as close to the fp32 map as the module's; the
-backward takes the activations as stored (input dtype), as autograd's softmax backward does. Gradients of the
-weight and bias come back in their own dtype (fp32 master weights).
+backward takes the activations as stored (input dtype), as autograd's softmax backward does.
+Gradients of the weight and bias come back in their own dtype (fp32 master weights).
 
 Unsupported calls (no Triton / CPU without the interpreter, activations ``relu``, ``elu1p``,
 ``none``, head dims that are not powers of two in [16, 128], F/2 not a power of two in
@@ -212,8 +212,8 @@ class _PhiFn(torch.autograd.Function):
         du, reduce_dw = _du_buffer(x, FH)
         BM, warps = _tiles(D, FH, backward=True)
         _phi_bwd[(B * H, triton.cdiv(T, BM))](
-            x, wc, bc, y, dy, du if dx is None else dx, du, x.stride(0), x.stride(1), x.stride(2),
-            dy.stride(0), dy.stride(1), dy.stride(2), T, H, B, D=D, FH=FH, BM=BM,
+            x, wc, bc, y, dy, du if dx is None else dx, du, x.stride(0), x.stride(1),
+            x.stride(2), dy.stride(0), dy.stride(1), dy.stride(2), T, H, B, D=D, FH=FH, BM=BM,
             SOFTMAX=softmax, PREC=_prec(x.dtype), NEED_DX=need_dx,
             DU_HEADS_FIRST=du.stride(1) > du.stride(0), FROM_Y=BWD_FROM_OUTPUT,
             num_warps=warps)  # (H, B, T, F/2)
