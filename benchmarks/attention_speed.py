@@ -484,6 +484,20 @@ TUNE_CONFIGS = {  # None: default_config (D=128: fwd 64x64 w8, bwd 64x32 w8, f_c
     "walk-states": dict(block_m=64, block_n=64, state_chunk=128, warps=8, stages=2,
                         bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64,
                         state_warps=8, split_states=False),
+    # the default's tiles, the split states' programs 128 x 128 of the (F, D) state (2 and 4
+    # times fewer re-reads of the keys / queries; the walked states keep their own tiles)
+    "state-128": dict(block_m=64, block_n=64, state_chunk=128, warps=8, stages=2,
+                      bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8,
+                      grad_f_chunk=256, state_f=128, state_d=128),
+    # the default's tiles, the key-side backward (the window's dk / dv, LA's dfk) on 64-key
+    # tiles (wgmma; at 32 keys ptxas shows mma.sync only), LA's dv programs apart at 32
+    "dkv64": dict(block_m=64, block_n=64, state_chunk=128, warps=8, stages=2,
+                  bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8,
+                  grad_f_chunk=256, dkv_block_n=64),
+    "dkv64-state-128": dict(block_m=64, block_n=64, state_chunk=128, warps=8, stages=2,
+                            bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64,
+                            state_warps=8, grad_f_chunk=256, dkv_block_n=64, state_f=128,
+                            state_d=128),
 }
 
 

@@ -106,23 +106,39 @@ def main(argv=None):
     p.add_argument("--window", type=int, default=64)
     p.add_argument("--out", default=None)
     p.add_argument("--no-denominator", action="store_true", help="kernel tables only")
+    p.add_argument("--layout", choices=("model", "contiguous"), default="model",
+                   help="q, k, v as (B, H, T, D) views of (B, T, H, D) memory, as the model's "
+                        "projections hand them, and the output transposed back as the layer "
+                        "does (model), or contiguous (B, H, T, D) and the output as it comes")
     p.add_argument("--host", action="store_true",
                    help="host vs device time per call (launch-bound?) and a cProfile of the host")
     a = p.parse_args(argv)
     H, Hkv, D, w, dt = a.heads, a.kv_heads, a.head_dim, a.window, torch.bfloat16
     phi_q, phi_k = HedgehogFeatureMap(H, D).cuda(), HedgehogFeatureMap(Hkv, D).cuda()
-    res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, shapes=[],
+    res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, shapes=[], layout=a.layout,
                command=" ".join(["python", "benchmarks/profile_hybrid.py"] + (argv or sys.argv[1:])))
     for shape in a.shapes.split(","):
         B, T = map(int, shape.split("x"))
-        q = torch.randn(B, H, T, D, device="cuda", dtype=dt, requires_grad=True)
-        k = torch.randn(B, Hkv, T, D, device="cuda", dtype=dt, requires_grad=True)
-        v = torch.randn(B, Hkv, T, D, device="cuda", dtype=dt, requires_grad=True)
-        do = torch.randn(B, H, T, D, device="cuda", dtype=dt)
+        model = a.layout == "model"
 
-        def layer():
+        def leaf(h):
+            if model:
+                x = torch.randn(B, T, h, D, device="cuda", dtype=dt).transpose(1, 2)
+            else:
+                x = torch.randn(B, h, T, D, device="cuda", dtype=dt)
+            return x.requires_grad_()
+
+        q, k, v = leaf(H), leaf(Hkv), leaf(Hkv)
+        do = torch.randn(B, T, H, D, device="cuda", dtype=dt)
+        if not model:
+            do = do.transpose(1, 2).contiguous()
+
+        def layer():  # (grads dropped each call: a model's q, k, v accumulate none)
             out = hybrid_attention(q, k, v, phi_q(q), phi_k(k), window=w, backend="auto")
+            if model:  # the layer's (B, T, H, D) output (models/layer.py)
+                out = out.transpose(1, 2).contiguous()
             out.backward(do)
+            q.grad = k.grad = v.grad = None
 
         def forward():
             with torch.no_grad():
@@ -134,8 +150,12 @@ def main(argv=None):
 
             def teacher():
                 qg = qd.requires_grad_()
-                torch.nn.functional.scaled_dot_product_attention(
-                    qg, kd, vd, is_causal=True, enable_gqa=True).backward(do)
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    qg, kd, vd, is_causal=True, enable_gqa=True)
+                if model:
+                    out = out.transpose(1, 2).contiguous()
+                out.backward(do)
+                qg.grad = None
 
             for name, fn in (("layer", layer), ("forward", forward), ("teacher", teacher)):
                 row[f"host_{name}"] = host_and_device_ms(fn)

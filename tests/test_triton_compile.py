@@ -106,7 +106,7 @@ def hybrid_kernels(dtype: torch.dtype, D: int, F: int, has_swa=True, has_la=True
             yield f"state_rev{'-tma' if tma else ''}", th._state_rev, dict(
                 F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD, PREC=prec, TMA=tma), (), \
                 cfg.state_warps, 3
-        yield "bwd_dkv_la", th._bwd_dkv_la, dict(**grad, **bwd_tiles, ADD_DVS=has_swa), \
+        yield "bwd_dkv_la", th._bwd_dkv_la, dict(**grad, **bwd_tiles, ADD_DVS=has_swa, PART=0), \
             ("eps",), cfg.bwd_warps, cfg.stages
     if has_swa:
         yield "bwd_dkv_swa", th._bwd_dkv_swa, dict(D=D, **bwd_tiles, HAS_KPM=kpm, PREC=prec), \

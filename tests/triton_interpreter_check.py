@@ -100,6 +100,9 @@ TALL_BWD = dict(block_m=16, block_n=16, state_chunk=32, bwd_block_m=32, bwd_bloc
 #: backward and 2 query tiles of the forward (state_chunk 128 over 64 x 64 / 64 x 32 tiles)
 LONG_CHUNK = dict(block_m=32, block_n=32, state_chunk=64, bwd_block_m=32, bwd_block_n=16,
                   state_f=16, state_d=16, f_chunk=16)
+#: the key-side backward at its own key tile (``dkv_block_n``): the window kernel and the dfk
+#: programs at 32 keys, the dv programs launched apart at ``bwd_block_n`` 16
+DKV_APART = dict(LONG_CHUNK, dkv_block_n=32)
 
 
 def _inputs(B, H, Hkv, T, D, dtype, seed, features):
@@ -132,14 +135,18 @@ def _kpm(B, T):
 def kernel_case(cid, *, B=2, H=4, Hkv=2, T=50, D=16, window=8, shift=None, shared=False,
                 has_swa=True, has_la=True, pad=False, dtype=torch.float32, cfg=SMALL,
                 per_bh_shift=False, features="rand", seed=0, eps=None, frozen=(),
-                expect_split=None):
+                expect_split=None, model_layout=False):
     """hybrid_kernel vs kernel_reference: outputs and gradients of all 8 inputs; those named
     in ``frozen`` (of q, k, v) take no gradient (stage 1: the teacher's q, k, v), so the
     kernels skip their passes: their grads must stay None and the others unchanged.
-    ``expect_split``: whether the LA states must have been built split (None: as configured)."""
+    ``expect_split``: whether the LA states must have been built split (None: as configured).
+    ``model_layout``: q, k, v as (B, H, T, D) views of (B, T, H, D) memory (transformers'
+    projections); the output and their gradients must come back in that memory (no copies)."""
     from hedgecats.models.ops import triton_hybrid as th
 
     q, k, v, fq, fk, do, g = _inputs(B, H, Hkv, T, D, dtype, seed, features)
+    if model_layout:
+        q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
     ca, cb, logs = torch.rand(B, H, generator=g), torch.rand(B, H, generator=g), \
         torch.randn(B, H, generator=g)
     sh = torch.full((B, H), window if shift is None else shift, dtype=torch.int32)
@@ -158,8 +165,13 @@ def kernel_case(cid, *, B=2, H=4, Hkv=2, T=50, D=16, window=8, shift=None, share
     out.float().backward(do)
     ran = {n: th.CALLS[n] - calls[n]
            for n in ("dq_pass", "dkv_swa", "dv_la", "factors_from_saved", "split_states",
-                     "states_from_forward")}
+                     "states_from_forward", "dkv_apart")}
     got = dict(zip(names, [out.detach()] + [x.grad for x in ins]))
+    # the output and q, k, v's gradients laid out as their inputs (a view of the model's
+    # memory in, the same memory out: no copy in its transpose-reshape or grad accumulation)
+    laid_out = [out.stride() == ins[0].stride()] + [
+        x.grad is None or x.grad.stride() == x.stride() for x in ins[:3]]
+    got["layout_ok"] = all(laid_out)
     # the passes that only serve frozen inputs must not run
     skipped = {"dq_pass": "q" in frozen, "dkv_swa": {"k", "v"} <= set(frozen),
                "dv_la": "v" in frozen}
@@ -178,6 +190,9 @@ def kernel_case(cid, *, B=2, H=4, Hkv=2, T=50, D=16, window=8, shift=None, share
     split = has_la and th.use_split_states(conf, -(-T // conf.state_chunk))
     got["split_states_ok"] = ran["split_states"] == ((2 if reused else 3) if split else 0) and (
         expect_split is None or split == expect_split)
+    # the dfk programs at their own key tile exactly where one is configured
+    apart = has_la and conf.dkv_block_n not in (None, conf.bwd_block_n)
+    got["dkv_apart_ok"] = ran["dkv_apart"] == int(apart)
     for name in frozen:  # a gradient where none was asked for: a wasted pass, or a wrong one
         got[f"{name}_grad_none_ok"] = got.pop(f"d{name}") is None
     ins2 = [t.detach().float().clone().requires_grad_() for t in (q, k, v, fq, fk, ca, cb, logs)]
@@ -452,8 +467,13 @@ def phi_case(cid, *, B=2, H=3, T=45, D=16, proj="square", activation="softmax",
         fm.zero_grad()
         y = fn(x)
         y.float().backward(dy)
+        # dx laid out as x: (B, T, H, D) memory in, the same out (summed with the attention
+        # kernel's dq and accumulated without a copy)
+        laid_out.append(x.grad is None or x.grad.stride() == x.stride())
         return {"y": y.detach(), "dx": x.grad, "dW": fm.weight.grad.clone(),
                 "db": fm.bias.grad.clone()}
+
+    laid_out = []
 
     before = tp.CALLS["backward_dx"]
     default, tp.BWD_FROM_OUTPUT = tp.BWD_FROM_OUTPUT, from_output
@@ -465,7 +485,8 @@ def phi_case(cid, *, B=2, H=3, T=45, D=16, proj="square", activation="softmax",
     want = run(lambda x: tp.reference_features(x, fm.weight, fm.bias, activation),
                torch.float32)
     # dx computed only when x takes a gradient
-    return {**errors(got, want), "dx_pass": 0.0 if dx_passes == (not frozen_x) else float("inf")}
+    return {**errors(got, want), "dx_pass": 0.0 if dx_passes == (not frozen_x) else float("inf"),
+            "dx_layout": 0.0 if laid_out[0] else float("inf")}
 
 
 def decode_case(cid, *, mode="hybrid", mixer="fixed", rescale=False, pad=False, H=4, Hkv=2,
@@ -543,6 +564,18 @@ def cases(quick: bool = False):
         ("kernel-swa-only", k, dict(has_la=False)),
         ("kernel-la-only", k, dict(has_swa=False)),
         ("kernel-pad", k, dict(pad=True)),
+        ("kernel-dkv-apart-pad-shifts-shared", k, dict(T=150, window=40, per_bh_shift=True,
+                                                       pad=True, shared=True, cfg=DKV_APART)),
+        ("kernel-dkv-apart-frozen-v", k, dict(T=70, window=10, frozen=("v",), cfg=DKV_APART)),
+        ("kernel-dkv-apart-swa-only-pad", k, dict(T=70, window=10, has_la=False, pad=True,
+                                                  cfg=DKV_APART)),
+        # q, k, v as views of the model's (B, T, H, D) memory: output and gradients so too
+        ("kernel-model-layout", k, dict(model_layout=True)),
+        ("kernel-model-layout-swa-only", k, dict(model_layout=True, has_la=False)),
+        ("kernel-model-layout-frozen-v-pad-shared", k, dict(model_layout=True, frozen=("v",),
+                                                            pad=True, shared=True)),
+        ("kernel-model-layout-la-only-split", k, dict(model_layout=True, has_swa=False,
+                                                      cfg=dict(SMALL, split_states=True))),
         ("kernel-pad-shared", k, dict(pad=True, shared=True)),
         ("kernel-per-bh-shift", k, dict(per_bh_shift=True)),
         ("kernel-T-lt-window", k, dict(T=5, window=8)),

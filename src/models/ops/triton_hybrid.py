@@ -93,10 +93,11 @@ FALLBACK_ERRORS: list[str] = []
 #: the backward passes launched for dq, the window's dk / dv and the LA's dv (skipped when
 #: autograd does not ask for those gradients), the backwards whose per-query factors came
 #: from the forward's saved branches (``KernelConfig.save_branches``), the LA state builds
-#: that went split (``KernelConfig.split_states``), and the backwards that took the forward's
-#: LA states instead of building them again (saved with the branches)
+#: that went split (``KernelConfig.split_states``), the backwards that took the forward's
+#: LA states instead of building them again (saved with the branches), and those whose dfk
+#: programs ran at their own key tile (``KernelConfig.dkv_block_n``)
 CALLS = {"forward": 0, "dq_pass": 0, "dkv_swa": 0, "dv_la": 0, "factors_from_saved": 0,
-         "split_states": 0, "states_from_forward": 0}
+         "split_states": 0, "states_from_forward": 0, "dkv_apart": 0}
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,12 @@ class KernelConfig:
     #: 16-byte aligned) in the kernels that have both paths; ``None``: wherever allowed; False:
     #: the pointer path everywhere (the same values)
     tma: bool | None = None
+    #: the key tile of the key-side backward kernels (``_bwd_dkv_swa``, and ``_bwd_dkv_la``'s
+    #: dfk programs, then launched apart from its dv programs, which keep ``bwd_block_n``);
+    #: None: ``bwd_block_n`` and one ``_bwd_dkv_la`` launch. A multiple of 64 lets Triton use
+    #: Hopper's wgmma there: at 32-key tiles ptxas shows mma.sync only (sm_90a, D 128, F 256:
+    #: the dfk part at 64 keys 254 registers, no spill; the dv part spills at 64, hence apart)
+    dkv_block_n: int | None = None
 
 
 def default_config(D: int, F: int, dtype: torch.dtype) -> KernelConfig:
@@ -527,6 +534,7 @@ if HAVE_TRITON:
                 DQ, DELTA, WS, GF, DDEN, PA, PB, DNUM,
                 sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
                 sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sdo_b, sdo_h, sdo_t,
+                sdq_b, sdq_h, sdq_t,
                 T, H, G, NC, NMB, window, scale, scale_log2, eps,
                 D: tl.constexpr, F: tl.constexpr, FC: tl.constexpr, BM: tl.constexpr,
                 BN: tl.constexpr, CS: tl.constexpr, HAS_SWA: tl.constexpr, HAS_LA: tl.constexpr,
@@ -668,7 +676,8 @@ if HAVE_TRITON:
                 dpv = tl.dot(do, tl.trans(vb), input_precision=PREC)
                 ds = p * (ws[:, None] * dpv - delta[:, None])
                 dq += tl.dot(ds.to(kb.dtype), kb, input_precision=PREC)
-            tl.store(DQ + pid_bh.to(tl.int64) * T * D + offs_m[:, None] * D + offs_d[None, :],
+            tl.store(DQ + b.to(tl.int64) * sdq_b + h.to(tl.int64) * sdq_h
+                     + offs_m[:, None] * sdq_t + offs_d[None, :],
                      (dq * scale).to(DQ.dtype.element_ty), mask=rows[:, None])
 
     @triton.jit
@@ -779,6 +788,7 @@ if HAVE_TRITON:
     @triton.jit
     def _bwd_dkv_swa(Q, K, V, DO, LSE, DELTA, WS, KPM, DK, DV,
                      sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sdo_b, sdo_h, sdo_t,
+                     sdk_b, sdk_h, sdk_t, sdv_b, sdv_h, sdv_t,
                      T, H, G, window, scale, scale_log2,
                      D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                      HAS_KPM: tl.constexpr, PREC: tl.constexpr):
@@ -830,26 +840,29 @@ if HAVE_TRITON:
                 dpT = tl.dot(vb, tl.trans(dob), input_precision=PREC) * ws[None, :]
                 dsT = pT * (dpT - delta[None, :])
                 dk += tl.dot(dsT.to(qb.dtype), qb, input_precision=PREC)
-        base = pid_bh.to(tl.int64) * T
-        tl.store(DK + (base + offs_n[:, None]) * D + offs_d[None, :],
+        tl.store(DK + b.to(tl.int64) * sdk_b + hk.to(tl.int64) * sdk_h + offs_n[:, None] * sdk_t
+                 + offs_d[None, :],
                  tl.where(kreal[:, None], dk * scale, 0.0).to(DK.dtype.element_ty),
                  mask=kin[:, None])
-        tl.store(DV + (base + offs_n[:, None]) * D + offs_d[None, :],
+        tl.store(DV + b.to(tl.int64) * sdv_b + hk.to(tl.int64) * sdv_h + offs_n[:, None] * sdv_t
+                 + offs_d[None, :],
                  tl.where(kreal[:, None], dv, 0.0).to(DV.dtype.element_ty), mask=kin[:, None])
 
     @triton.jit
     def _bwd_dkv_la(FQ, FK, V, DO, GF, DDEN, RST, UST, WST, SHIFT, KPM, DVS, DV, DFK,
                     sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sv_b, sv_h, sv_t,
-                    sdo_b, sdo_h, sdo_t,
+                    sdo_b, sdo_h, sdo_t, sdv_b, sdv_h, sdv_t,
                     T, H, G, NC, eps,
                     D: tl.constexpr, F: tl.constexpr, FC: tl.constexpr, BM: tl.constexpr,
                     BN: tl.constexpr, CS: tl.constexpr, ADD_DVS: tl.constexpr,
-                    HAS_KPM: tl.constexpr, PREC: tl.constexpr):
+                    HAS_KPM: tl.constexpr, PREC: tl.constexpr, PART: tl.constexpr):
         """Linear attention's part of the key-side gradients for one key block of one kv head
         (summed over its G query heads): programs with axis-2 index c < F / FC write
         dfk[:, c FC : (c + 1) FC]; the one with c = F / FC writes dv (plus the window's part,
         DVS, when ADD_DVS). Keys see the reverse state past the block and the queries between
-        the block and that state."""
+        the block and that state. PART 0: both kinds of program in one grid; 1: the dfk
+        programs only, 2: the dv program only (``KernelConfig.dkv_block_n``: two launches, each
+        kernel compiled for its own part, so that neither pays the other's registers)."""
         pid_n = tl.program_id(0)
         pid_bh = tl.program_id(1)  # b * Hkv + hk
         pid_f = tl.program_id(2)
@@ -869,7 +882,11 @@ if HAVE_TRITON:
         jb = tl.minimum(tl.cdiv(i0 + BN - 1, CS), NC)  # first reverse state past the block
         st = RST + pid_bh.to(tl.int64) * NC * F * D + (jb - 1).to(tl.int64) * F * D
         out_base = pid_bh.to(tl.int64) * T
-        if pid_f * FC < F:  # ---- dfk, one FC-wide slice
+        if PART == 0:
+            dfk_program = pid_f * FC < F
+        else:
+            dfk_program = PART == 1
+        if dfk_program:  # ---- dfk, one FC-wide slice
             offs_f = pid_f * FC + tl.arange(0, FC)
             Rt = tl.load(st + offs_f[None, :] * D + offs_d[:, None])  # (D, FC)
             u = tl.load(UST + pid_bh.to(tl.int64) * NC * F + (jb - 1) * F + offs_f)
@@ -936,10 +953,10 @@ if HAVE_TRITON:
                     # dnum_t = gf_t dO_t, the factor applied in fp32 (as for SWA)
                     aT = tl.where(ok, (aT + eps) * gf[None, :], 0.0)
                     dv += tl.dot(aT.to(dob.dtype), dob, input_precision=PREC)
-            if ADD_DVS:
-                dv += tl.load(DVS + (out_base + offs_n[:, None]) * D + offs_d[None, :],
-                              mask=kin[:, None], other=0.0)
-            tl.store(DV + (out_base + offs_n[:, None]) * D + offs_d[None, :],
+            dv_rows = b.to(tl.int64) * sdv_b + hk.to(tl.int64) * sdv_h + offs_n[:, None] * sdv_t
+            if ADD_DVS:  # (DVS laid out as DV)
+                dv += tl.load(DVS + dv_rows + offs_d[None, :], mask=kin[:, None], other=0.0)
+            tl.store(DV + dv_rows + offs_d[None, :],
                      tl.where(kreal[:, None], dv, 0.0).to(DV.dtype.element_ty),
                      mask=kin[:, None])
 
@@ -955,6 +972,14 @@ def _ptr(x, dummy):
 
 def _strides(x: torch.Tensor) -> tuple[int, int, int]:
     return x.stride(0), x.stride(1), x.stride(2)
+
+
+def _like(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An output or gradient of ``x``'s shape laid out as ``x`` (its strides where ``x`` is
+    dense): q, k, v come as (B, H, T, D) views of the model's (B, T, H, D) projections, and
+    an output or gradient in that memory needs no copy in the model's transpose-reshape nor in
+    autograd's gradient accumulation (which copies a gradient into its variable's strides)."""
+    return torch.empty_like(x, dtype=dtype)
 
 
 def _prec(dtype: torch.dtype) -> str:
@@ -1011,13 +1036,15 @@ def _split_states(x, y, S, xs, ys, NC, cfg: KernelConfig, *, reverse: bool, kpm_
     L = torch.empty(S.shape, **f32)
     xl, yl = torch.empty(xs.shape, **f32), torch.empty(ys.shape, **f32)
     BF, BD = min(cfg.state_f, F), min(cfg.state_d, D)
+    tma = _use_tma(cfg, x, y)
+    if not tma:  # pointer tensors in the loop (ptxas, sm_90a: a 128 x 128 tile spills 312 B)
+        BF, BD = min(BF, 64), min(BD, 64)
     dummy = xl
     _state_local[(NC, (F // BF) * (D // BD), B * Hkv)](
         x, y, _ptr(kpm_i8, dummy), _ptr(shift, dummy), _ptr(dden, dummy),
         L, xl, yl, *_strides(x), *_strides(y), x.shape[2], Hkv, G, NC,
         F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD, REVERSE=reverse,
-        HAS_KPM=kpm_i8 is not None, PREC=_prec(x.dtype), TMA=_use_tma(cfg, x, y),
-        num_warps=cfg.state_warps)
+        HAS_KPM=kpm_i8 is not None, PREC=_prec(x.dtype), TMA=tma, num_warps=cfg.state_warps)
     for share, total in ((L, S), (xl, xs), (yl, ys)):
         _scan_chunks(share, total, NC, reverse)
     CALLS["split_states"] += 1
@@ -1061,6 +1088,11 @@ def _fc(cfg: KernelConfig, F: int) -> int:
     return min(cfg.f_chunk, F)
 
 
+def _dkv_block_n(cfg: KernelConfig) -> int:
+    """The key tile of the key-side backward kernels (``KernelConfig.dkv_block_n``)."""
+    return cfg.dkv_block_n or cfg.bwd_block_n
+
+
 def _grad_fc(cfg: KernelConfig, F: int) -> int:
     """The feature slice of a ``_bwd_dfq`` / ``_bwd_dkv_la`` program (``grad_f_chunk``)."""
     return min(cfg.grad_f_chunk or cfg.f_chunk, F)
@@ -1079,7 +1111,7 @@ def _forward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, *, window
     else:
         S, z, NC = dummy, torch.empty(1, device=q.device), 1
         vs = z
-    o = torch.empty(B, H, T, D, device=q.device, dtype=q.dtype)
+    o = _like(q)
     lse = torch.empty(B * H, T, device=q.device, dtype=torch.float32)
     den = torch.empty(B * H, T, device=q.device, dtype=torch.float32)
     swa_o = torch.empty(B * H, T, D, device=q.device, dtype=q.dtype) if save and has_swa else None
@@ -1131,7 +1163,7 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
         vs = z
     BM, BN = cfg.bwd_block_m, cfg.bwd_block_n
     NMB = triton.cdiv(T, BM)
-    dq = torch.empty(B, H, T, D, device=dev, dtype=q.dtype) if has_swa and need_dq else None
+    dq = _like(q) if has_swa and need_dq else None
     delta, ws, gf, dden = (torch.empty(B * H, T, **f32) for _ in range(4))
     pa, pb = torch.empty(B * H, NMB, **f32), torch.empty(B * H, NMB, **f32)
     # dnum = GF dO, the reverse states' matrix operand (rounded once to the input dtype, as
@@ -1142,7 +1174,7 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
         _ptr(swa_o, dummy), _ptr(la_o, dummy), _ptr(dq, dummy), delta, ws, gf, dden, pa, pb,
         _ptr(dnum, dummy),
         *_strides(q), *_strides(k), *_strides(v), *_strides(fq), *_strides(fk), *_strides(do),
-        T, H, G, NC, NMB, window, scale, scale * LOG2E, eps,
+        *_strides(q if dq is None else dq), T, H, G, NC, NMB, window, scale, scale * LOG2E, eps,
         D=D, F=F, FC=FC, BM=BM, BN=BN, CS=cfg.state_chunk, HAS_SWA=has_swa, HAS_LA=has_la,
         SHARED=shared, HAS_KPM=has_kpm, PREC=prec, NEED_DQ=dq is not None,
         FROM_SAVED=from_saved, STORE_DNUM=dnum is not None, num_warps=cfg.bwd_warps,
@@ -1173,21 +1205,26 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
             num_warps=cfg.bwd_warps, num_stages=cfg.stages)
     del S, z, vs
     dk = dv = dvs = None
-    NNB = triton.cdiv(T, BN)
+    BNK = _dkv_block_n(cfg)  # the key tile of the window kernel and of the dfk programs
+    NNB = triton.cdiv(T, BNK)
     # the window kernel writes dk and its dv together: when only one of them is asked for, the
     # other is computed into scratch (no stage takes this path: stage 1 needs neither, stage 2
     # both)
     if need_dk or (need_dv and has_swa):
-        dk = torch.empty(B, Hkv, T, D, device=dev, dtype=k.dtype)
+        dk = _like(k)
     if need_dv and (has_la or has_swa):
-        dv = torch.empty(B, Hkv, T, D, device=dev, dtype=v.dtype)
+        dv = _like(v)
     if has_swa and dk is not None:  # the window's dk and dv come from one kernel
-        dvs = (torch.empty(B, Hkv, T, D, **f32) if has_la or dv is None else dv)
+        # (the fp32 share laid out as dv: the LA kernel reads it with dv's strides)
+        dvs = _like(v, torch.float32) if has_la or dv is None else dv
+        if dv is not None and dvs.stride() != dv.stride():
+            raise AssertionError(f"dv scratch strides {dvs.stride()} differ from dv's "
+                                 f"{dv.stride()}")
         _bwd_dkv_swa[(NNB, B * Hkv)](
             q, k, v, do, lse, delta, ws, kpm, dk, dvs,
-            *_strides(q), *_strides(k), *_strides(v), *_strides(do),
-            T, H, G, window, scale, scale * LOG2E,
-            D=D, BM=BM, BN=BN, HAS_KPM=has_kpm, PREC=prec, num_warps=cfg.bwd_warps,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk),
+            *_strides(dvs), T, H, G, window, scale, scale * LOG2E,
+            D=D, BM=BM, BN=BNK, HAS_KPM=has_kpm, PREC=prec, num_warps=cfg.bwd_warps,
             num_stages=cfg.stages)
         CALLS["dkv_swa"] += 1
         dvs = dvs if dv is not None and has_la else None  # only dv's share is kept
@@ -1196,11 +1233,19 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
     dfk = None
     if has_la:
         dfk = torch.empty(B, Hkv, T, F, device=dev, dtype=fk.dtype)
-        _bwd_dkv_la[(NNB, B * Hkv, F // GFC + (dv is not None))](  # the last program: dv
-            fq, fk, v, do, gf, dden, R, U, W, shift, kpm, _ptr(dvs, dfk), _ptr(dv, dfk), dfk,
-            *_strides(fq), *_strides(fk), *_strides(v), *_strides(do), T, H, G, NC, eps,
-            D=D, F=F, FC=GFC, BM=BM, BN=BN, CS=cfg.state_chunk, ADD_DVS=dvs is not None,
-            HAS_KPM=has_kpm, PREC=prec, num_warps=cfg.bwd_warps, num_stages=cfg.stages)
+        args = (fq, fk, v, do, gf, dden, R, U, W, shift, kpm, _ptr(dvs, dfk), _ptr(dv, dfk), dfk,
+                *_strides(fq), *_strides(fk), *_strides(v), *_strides(do),
+                *_strides(dfk if dv is None else dv), T, H, G, NC, eps)
+        meta = dict(D=D, F=F, FC=GFC, BM=BM, CS=cfg.state_chunk, ADD_DVS=dvs is not None,
+                    HAS_KPM=has_kpm, PREC=prec, num_warps=cfg.bwd_warps, num_stages=cfg.stages)
+        if BNK == BN:  # one grid; the last program of each key block: dv
+            _bwd_dkv_la[(NNB, B * Hkv, F // GFC + (dv is not None))](*args, BN=BN, PART=0,
+                                                                     **meta)
+        else:  # the dfk programs at their key tile, the dv programs at bwd_block_n
+            _bwd_dkv_la[(NNB, B * Hkv, F // GFC)](*args, BN=BNK, PART=1, **meta)
+            CALLS["dkv_apart"] += 1
+            if dv is not None:
+                _bwd_dkv_la[(triton.cdiv(T, BN), B * Hkv, 1)](*args, BN=BN, PART=2, **meta)
         CALLS["dv_la"] += dv is not None
     dpa, dpb = pa.sum(-1), pb.sum(-1)  # (B * H,)
     return dq, dk if need_dk else None, dv, dfq, dfk, dpa, dpb
@@ -1334,9 +1379,10 @@ def hybrid_kernel(q, k, v, fq, fk, ca, cb, logs, shift, *, window: int, scale: f
     """
     B, H, T, D = q.shape
     cfg = config or default_config(D, fq.shape[-1], q.dtype)
-    if cfg.state_chunk % cfg.block_n or cfg.state_chunk % cfg.bwd_block_n:
+    blocks = (cfg.block_n, cfg.bwd_block_n, _dkv_block_n(cfg))
+    if any(cfg.state_chunk % n for n in blocks):
         raise ValueError(f"state_chunk {cfg.state_chunk} must be a multiple of the key blocks "
-                         f"({cfg.block_n}, {cfg.bwd_block_n})")
+                         f"(block_n, bwd_block_n, dkv_block_n: {blocks})")
     q, k, v, fq, fk = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, fq, fk))
     dev = q.device
     if key_padding_mask is None:

@@ -87,7 +87,8 @@ if HAVE_TRITON:
         tl.store(y + FH, a2.to(Y.dtype.element_ty), mask=rows[:, None])
 
     @triton.jit
-    def _phi_bwd(X, W, BIAS, Y, DY, DX, DU, sx_b, sx_h, sx_t, sdy_b, sdy_h, sdy_t, T, H, B,
+    def _phi_bwd(X, W, BIAS, Y, DY, DX, DU, sx_b, sx_h, sx_t, sdy_b, sdy_h, sdy_t,
+                 sdx_b, sdx_h, sdx_t, T, H, B,
                  D: tl.constexpr, FH: tl.constexpr, BM: tl.constexpr, SOFTMAX: tl.constexpr,
                  PREC: tl.constexpr, NEED_DX: tl.constexpr, DU_HEADS_FIRST: tl.constexpr,
                  FROM_Y: tl.constexpr):
@@ -125,7 +126,8 @@ if HAVE_TRITON:
         du = tl.where(rows[:, None], du, 0.0).to(Y.dtype.element_ty)
         if NEED_DX:  # not for stage 1's detached teacher q, k
             dx = tl.dot(du, tl.trans(w), input_precision=PREC)
-            tl.store(DX + (pid_bh.to(tl.int64) * T + offs_m[:, None]) * D + offs_d[None, :],
+            tl.store(DX + b.to(tl.int64) * sdx_b + h.to(tl.int64) * sdx_h
+                     + offs_m[:, None] * sdx_t + offs_d[None, :],
                      dx.to(DX.dtype.element_ty), mask=rows[:, None])
         # du (H, B, T, F/2) or (B, H, T, F/2), contiguous (``_du_buffer``)
         du_row = (h * B + b).to(tl.int64) if DU_HEADS_FIRST else pid_bh.to(tl.int64)
@@ -208,12 +210,16 @@ class _PhiFn(torch.autograd.Function):
             dy = dy.contiguous()
         dy = dy.to(x.dtype)
         need_dx = ctx.needs_input_grad[0]
-        dx = torch.empty(B, H, T, D, device=x.device, dtype=x.dtype) if need_dx else None
+        # dx laid out as x (the model's (B, T, H, D) memory: summed with the attention
+        # kernel's dq, laid out so too, and accumulated without a copy)
+        dx = torch.empty_like(x) if need_dx else None
         du, reduce_dw = _du_buffer(x, FH)
         BM, warps = _tiles(D, FH, backward=True)
         _phi_bwd[(B * H, triton.cdiv(T, BM))](
             x, wc, bc, y, dy, du if dx is None else dx, du, x.stride(0), x.stride(1),
-            x.stride(2), dy.stride(0), dy.stride(1), dy.stride(2), T, H, B, D=D, FH=FH, BM=BM,
+            x.stride(2), dy.stride(0), dy.stride(1), dy.stride(2),
+            *((dx.stride(0), dx.stride(1), dx.stride(2)) if need_dx else (0, 0, 0)),
+            T, H, B, D=D, FH=FH, BM=BM,
             SOFTMAX=softmax, PREC=_prec(x.dtype), NEED_DX=need_dx,
             DU_HEADS_FIRST=du.stride(1) > du.stride(0), FROM_Y=BWD_FROM_OUTPUT,
             num_warps=warps)  # (H, B, T, F/2)
