@@ -46,3 +46,35 @@ def test_tma_off_in_the_config_means_pointer_loads_everywhere(monkeypatch):
     assert not th._use_tma(dataclasses.replace(cfg, tma=False))
     monkeypatch.setattr(th, "tma_ok", lambda *t: False)
     assert not th._use_tma(dataclasses.replace(cfg, tma=True))
+
+
+def test_cached_constants_made_in_inference_mode_can_be_saved_for_a_backward():
+    """The fixed mixer weights and shifts are made once and reused (``_filled``): one first
+    made during an evaluation under ``torch.inference_mode`` must still serve a training call,
+    whose autograd saves it for the backward (inference tensors cannot be saved)."""
+    th._filled.cache_clear()
+    with torch.inference_mode():
+        c = th._filled((2, 3), 0.25, torch.float32, torch.device("cpu"))
+    assert not c.is_inference()
+    again = th._filled((2, 3), 0.25, torch.float32, torch.device("cpu"))
+    assert again is c  # made once
+    w = torch.ones(2, 3, requires_grad=True)
+    (w * c).sum().backward()  # saves c for the backward
+    assert torch.equal(w.grad, c)
+    with torch.inference_mode():
+        n = th._key_counts(2, 5, torch.device("cpu"))
+    assert not n.is_inference() and n.tolist() == [list(range(6))] * 2
+
+
+def test_the_key_side_tile_divides_the_state_chunk():
+    cfg = dataclasses.replace(th.default_config(128, 256, torch.bfloat16), dkv_block_n=96)
+    x = torch.zeros(1, 1, 4, 128)
+    f = torch.zeros(1, 1, 4, 256)
+    s = torch.zeros(1, 1)
+    try:
+        th.hybrid_kernel(x, x, x, f, f, s, s, s, s.int(), window=2, scale=1.0, eps=1e-6,
+                         config=cfg)
+    except ValueError as e:
+        assert "dkv_block_n" in str(e) and "96" in str(e)
+    else:
+        raise AssertionError("a key tile of 96 against state_chunk 128 was accepted")

@@ -75,6 +75,7 @@ against ``hybrid_attention(backend="reference")`` on the GPU (tests/test_triton_
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -974,6 +975,25 @@ def _strides(x: torch.Tensor) -> tuple[int, int, int]:
     return x.stride(0), x.stride(1), x.stride(2)
 
 
+@functools.lru_cache(maxsize=256)
+def _filled(shape: tuple, value, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A constant tensor made once per (shape, value, dtype, device): a fixed g's (B, H) mixer
+    weights and shifts, an unpadded batch's first keys (each was a fill launch and a few
+    microseconds of host time per call). Only read (the kernels, the backward's saved inputs);
+    made outside inference mode, so that a cache filled during evaluation can be saved for a
+    later training call's backward."""
+    with torch.inference_mode(False):
+        return torch.full(shape, value, dtype=dtype, device=device)
+
+
+@functools.lru_cache(maxsize=16)  # (B T int32 each: 4 MB at 8 x 128k)
+def _key_counts(B: int, T: int, device: torch.device) -> torch.Tensor:
+    """cnt[b, i] = i (B, T + 1) int32: an unpadded batch's real keys before position i
+    (``_filled``'s terms)."""
+    with torch.inference_mode(False):
+        return torch.arange(T + 1, device=device, dtype=torch.int32).expand(B, T + 1).contiguous()
+
+
 def _like(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """An output or gradient of ``x``'s shape laid out as ``x`` (its strides where ``x`` is
     dense): q, k, v come as (B, H, T, D) views of the model's (B, T, H, D) projections, and
@@ -1247,8 +1267,7 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
             if dv is not None:
                 _bwd_dkv_la[(triton.cdiv(T, BN), B * Hkv, 1)](*args, BN=BN, PART=2, **meta)
         CALLS["dv_la"] += dv is not None
-    dpa, dpb = pa.sum(-1), pb.sum(-1)  # (B * H,)
-    return dq, dk if need_dk else None, dv, dfq, dfk, dpa, dpb
+    return dq, dk if need_dk else None, dv, dfq, dfk, pa, pb
 
 
 #: tiles that fit any Hopper / Ampere part, tried when the configured ones fail to compile
@@ -1328,7 +1347,7 @@ class _HybridFn(torch.autograd.Function):
                use_split_states(a["cfg"], triton.cdiv(q.shape[2], a["cfg"].state_chunk)))
         args = {n: x for n, x in a.items() if n != "cfg"}
         try:
-            dq, dk, dv, dfq, dfk, dpa, dpb = _with_retry("backward", key, a["cfg"], lambda c: (
+            dq, dk, dv, dfq, dfk, pa, pb = _with_retry("backward", key, a["cfg"], lambda c: (
                 _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
                           den, cfg=c, need=need, swa_o=swa_o, la_o=la_o, states=states,
                           **args)))
@@ -1341,10 +1360,15 @@ class _HybridFn(torch.autograd.Function):
             dq = torch.zeros_like(q)
         if dfq is None:
             dfq, dfk = torch.zeros_like(fq), torch.zeros_like(fk)
+        # the mixer's gradients from the per-block partial sums, only those autograd asks for
+        # (a fixed g takes none: two reductions fewer per call)
+        want_ca, want_cb, want_logs = ctx.needs_input_grad[5:8]
         if a["shared"]:
-            dca, dcb, dlogs = None, None, dpa
+            dca, dcb, dlogs = None, None, pa.sum(-1) if want_logs else None
         else:
-            dca, dcb, dlogs = dpa, dpb, None
+            dca = pa.sum(-1) if want_ca else None
+            dcb = pb.sum(-1) if want_cb else None
+            dlogs = None
         return (dq, dk, dv, dfq, dfk, dca, dcb, dlogs) + (None,) * 12
 
 
@@ -1387,8 +1411,8 @@ def hybrid_kernel(q, k, v, fq, fk, ca, cb, logs, shift, *, window: int, scale: f
     dev = q.device
     if key_padding_mask is None:
         kpm_i8 = None
-        first = torch.zeros(B, device=dev, dtype=torch.int32)
-        cnt = torch.arange(T + 1, device=dev, dtype=torch.int32).expand(B, T + 1).contiguous()
+        first = _filled((B,), 0, torch.int32, dev)
+        cnt = _key_counts(B, T, dev)
     else:
         kpm = key_padding_mask.bool()
         kpm_i8 = kpm.to(torch.int8).contiguous()
@@ -1525,7 +1549,8 @@ def fused_hybrid(q, k, v, fq, fk, *, window: int, mode: str, g, shared_norm: boo
         drop = sd.bool().expand(B, H, 1, 1).reshape(B, H)
         if mode == "la_only":
             drop = None  # la_only ignores it (as the reference does)
-    zeros = torch.zeros(B, H, device=dev)
+    f32 = torch.float32
+    zeros = _filled((B, H), 0.0, f32, dev)
     if shared_norm:
         if mode != "hybrid" or drop is not None:
             return no(f"shared_norm in mode {mode!r}" + (" with swa_drop" if drop is not None
@@ -1533,27 +1558,28 @@ def fused_hybrid(q, k, v, fq, fk, *, window: int, mode: str, g, shared_norm: boo
         s_t, s_f = _per_head(g, B, H, "shared-norm factor")
         if s_t is None and s_f is None:
             return no("a shared-norm factor that varies over positions or channels")
-        s = s_t if s_t is not None else torch.full((B, H), s_f, device=dev)
+        s = s_t if s_t is not None else _filled((B, H), s_f, f32, dev)
         logs = torch.log(s.clamp_min(1e-30))
-        shift = torch.full((B, H), shift0, device=dev, dtype=torch.int32)
+        shift = _filled((B, H), shift0, torch.int32, dev)
         out = _launch(q, k, v, fq, fk, zeros, zeros, logs, shift, window, scale, eps,
                       key_padding_mask, True, True, True, config)
         return out
     g_t, g_f = _per_head(g, B, H, "g")
     if g_t is None and g_f is None:
         return no("a mixer g that varies over positions or channels (output gates)")
-    gg = g_t if g_t is not None else torch.full((B, H), g_f, device=dev)
-    one = torch.ones(B, H, device=dev)
+    gg = g_t if g_t is not None else _filled((B, H), g_f, f32, dev)
+    one = _filled((B, H), 1.0, f32, dev)
     if mode == "hybrid":
-        ca, cb, shift = gg, 1 - gg, torch.full((B, H), shift0, device=dev, dtype=torch.int32)
+        cb = 1 - gg if g_t is not None else _filled((B, H), 1.0 - g_f, f32, dev)
+        ca, shift = gg, _filled((B, H), shift0, torch.int32, dev)
         has_swa = has_la = True
     elif mode == "swa_only":
         ca, cb = (one if rescale else gg), zeros
-        shift = torch.full((B, H), shift0, device=dev, dtype=torch.int32)
+        shift = _filled((B, H), shift0, torch.int32, dev)
         has_swa, has_la = True, False
     else:  # la_only
         ca, cb = zeros, (one if rescale else 1 - gg)
-        shift = torch.full((B, H), shift_la_only, device=dev, dtype=torch.int32)
+        shift = _filled((B, H), shift_la_only, torch.int32, dev)
         has_swa, has_la = False, True
     if drop is not None:  # SSD: a dropped (b, h) is la_only with the same switches
         w_la_only = one if rescale else 1 - gg
