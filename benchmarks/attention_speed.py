@@ -813,7 +813,7 @@ def main(argv=None) -> int:
         update_summary(Path(a.summary) if a.summary else out / "summary.json", res["ratios"],
                        res["environment"])
 
-    for shape in a.shapes.split(","):
+    for shape in filter(None, a.shapes.split(",")):  # (--shapes "": the tile sweep only)
         B, T = map(int, shape.split("x"))
         try:
             run_shape(a, B, T, res, log)
