@@ -21,7 +21,9 @@ piece-by-piece path: sinks / softmax / none, output-gate mixers (a ``g`` per cha
 dtypes other than bf16 / fp32, mixed dtypes, head or feature dims that are not powers of two in
 [16, 128] / [16, 256], CPU tensors.
 
-How (all kernels take strided (B, H, T, X) tensors, no copies of q, k, v):
+How (all kernels take strided (B, H, T, X) tensors, no copies of q, k, v; the output and the
+gradients of q, k, v are written in their inputs' memory (``_like``): the model's (B, T, H, D)
+projections, which its transpose-reshape and autograd's accumulation then take as they are):
 
     _state_fwd    per (b, kv head, F-block, D-block), walking T: the LA state
                   S_j = sum_{i < j C} fk_i v_i^T, z_j = sum fk_i and u_j = sum v_i (the floor's
