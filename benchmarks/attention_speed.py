@@ -463,12 +463,14 @@ TUNE_CONFIGS = {  # None: default_config (D=128: fwd 64x64 w8, bwd 64x32 w8, f_c
     # 2026-12-02's sixth session; tables before then have a "saved" row, the option on)
     "recomputed": dict(block_m=64, block_n=64, state_chunk=128, warps=8, stages=2,
                        bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8,
-                       save_branches=False),
+                       save_branches=False, dkv_block_n=64, grad_f_chunk=256,
+                       split_tile=128),
     # the default's tiles, the LA states built split at any length (split_states True; the
     # default splits past SPLIT_STATES_MIN_CHUNKS chunks only, so at 8 x 1k it walks)
     "split-states": dict(block_m=64, block_n=64, state_chunk=128, warps=8, stages=2,
                          bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64,
-                         state_warps=8, split_states=True),
+                         state_warps=8, split_states=True, dkv_block_n=64, grad_f_chunk=256,
+                         split_tile=128),
     # the default before 2026-12-02's eighth session: dfq and dfk in 64-wide feature slices,
     # one program each (the dO . v product computed once per slice; the default since takes
     # the whole F per program, grad_f_chunk 256)
@@ -478,26 +480,27 @@ TUNE_CONFIGS = {  # None: default_config (D=128: fwd 64x64 w8, bwd 64x32 w8, f_c
     # before sm_90 runs) where the default reads some through tensor descriptors (TMA)
     "no-tma": dict(block_m=64, block_n=64, state_chunk=128, warps=8, stages=2,
                    bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8,
-                   grad_f_chunk=256, tma=False),
+                   grad_f_chunk=256, tma=False, dkv_block_n=64,
+                   split_tile=128),
     # the same, the states walked at any length (split_states False): with "split-states",
     # where between 8 and 512 chunks the split starts to pay (SPLIT_STATES_MIN_CHUNKS)
     "walk-states": dict(block_m=64, block_n=64, state_chunk=128, warps=8, stages=2,
                         bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64,
-                        state_warps=8, split_states=False),
-    # the default's tiles, the split states' programs 128 x 128 of the (F, D) state (2 and 4
-    # times fewer re-reads of the keys / queries; the walked states keep their own tiles)
-    "state-128": dict(block_m=64, block_n=64, state_chunk=128, warps=8, stages=2,
-                      bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8,
-                      grad_f_chunk=256, state_f=128, state_d=128),
-    # the default's tiles, the key-side backward (the window's dk / dv, LA's dfk) on 64-key
-    # tiles (wgmma; at 32 keys ptxas shows mma.sync only), LA's dv programs apart at 32
-    "dkv64": dict(block_m=64, block_n=64, state_chunk=128, warps=8, stages=2,
+                        state_warps=8, split_states=False, dkv_block_n=64, grad_f_chunk=256,
+                        split_tile=128),
+    # the default until session 10 (2026-12-03): the key-side backward on the backward's
+    # 32-key tiles in one launch, the split states on 64 x 64 tiles
+    "session9": dict(block_m=64, block_n=64, state_chunk=128, warps=8, stages=2,
+                     bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8,
+                     grad_f_chunk=256),
+    # the default with one of session 10's two changes taken back: the key-side backward on
+    # 32-key tiles (dkv32), the split states on 64 x 64 tiles (split-64)
+    "dkv32": dict(block_m=64, block_n=64, state_chunk=128, warps=8, stages=2,
                   bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8,
-                  grad_f_chunk=256, dkv_block_n=64),
-    "dkv64-state-128": dict(block_m=64, block_n=64, state_chunk=128, warps=8, stages=2,
-                            bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64,
-                            state_warps=8, grad_f_chunk=256, dkv_block_n=64, state_f=128,
-                            state_d=128),
+                  grad_f_chunk=256, split_tile=128),
+    "split-64": dict(block_m=64, block_n=64, state_chunk=128, warps=8, stages=2,
+                     bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8,
+                     grad_f_chunk=256, dkv_block_n=64),
 }
 
 

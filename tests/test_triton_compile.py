@@ -79,9 +79,11 @@ def hybrid_kernels(dtype: torch.dtype, D: int, F: int, has_swa=True, has_la=True
     yield "state_fwd", th._state_fwd, dict(F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD,
                                             HAS_KPM=kpm, PREC=prec), (), cfg.state_warps, 3
     # split_states (past SPLIT_STATES_MIN_CHUNKS chunks): every chunk's share at once, then the sums
-    SF, SD = min(cfg.state_f, F), min(cfg.state_d, D)
+    tile = (cfg.split_tile, cfg.split_tile) if cfg.split_tile else (cfg.state_f, cfg.state_d)
     for reverse in (False, True):
         for tma in (True, False):  # TMA: tensor descriptors (sm_90+); else pointer tensors
+            cap = F if tma else 64  # (as _split_states: the pointer path at most 64 x 64)
+            SF, SD = min(tile[0], F, cap), min(tile[1], D, cap)
             yield f"state_local{'-rev' if reverse else ''}{'-tma' if tma else ''}", \
                 th._state_local, dict(F=F, D=D, CS=cfg.state_chunk, BF=SF, BD=SD,
                                       REVERSE=reverse, HAS_KPM=kpm, PREC=prec, TMA=tma), \

@@ -164,6 +164,13 @@ class KernelConfig:
     #: Hopper's wgmma there: at 32-key tiles ptxas shows mma.sync only (sm_90a, D 128, F 256:
     #: the dfk part at 64 keys 254 registers, no spill; the dv part spills at 64, hence apart)
     dkv_block_n: int | None = None
+    #: the (F, D) state tile of one ``_state_local`` program (split states): ``split_tile`` x
+    #: ``split_tile``; None: ``state_f`` x ``state_d``, as the walked states. Larger tiles re-read
+    #: the keys / queries fewer times (a 128 x 128 tile reads fk once and v twice for F 256,
+    #: D 128); through descriptors 127 / 160 registers (forward / reverse, sm_90a), through
+    #: pointer tensors it spills, so the pointer path takes at most 64 (the walked kernels
+    #: spill at 128 x 128 either way: they keep ``state_f`` x ``state_d``)
+    split_tile: int | None = None
 
 
 def default_config(D: int, F: int, dtype: torch.dtype) -> KernelConfig:
@@ -181,10 +188,13 @@ def default_config(D: int, F: int, dtype: torch.dtype) -> KernelConfig:
     # 7.13 GiB). Speed at B 8 x T 1024 is not settled: two H200 runs of attention_speed.py
     # --tune gave the kernel's forward 0.70 vs 0.93 ms and 0.83 vs 0.74 ms (128 vs 64), fwd +
     # bwd within 1-6% (benchmarks/results/h200_2026-12-02/README.md)
+    # The key-side backward on 64-key tiles (``dkv_block_n``: wgmma, where 32-key tiles get
+    # mma.sync only) and the split states on 128 x 128 tiles (``split_tile``): chosen from
+    # ptxas's report, measured in session 10 (benchmarks/results/h200_2026-12-03b/README.md)
     if D >= 128:
         return KernelConfig(block_m=64, block_n=64, state_chunk=128, warps=8, stages=2,
                             bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64,
-                            state_warps=8, grad_f_chunk=256)
+                            state_warps=8, grad_f_chunk=256, dkv_block_n=64, split_tile=128)
     return KernelConfig(block_m=64, block_n=64, warps=4, stages=2, bwd_block_m=64,
                         bwd_block_n=64, bwd_warps=8, f_chunk=128)
 
@@ -1057,7 +1067,8 @@ def _split_states(x, y, S, xs, ys, NC, cfg: KernelConfig, *, reverse: bool, kpm_
     f32 = dict(device=S.device, dtype=torch.float32)
     L = torch.empty(S.shape, **f32)
     xl, yl = torch.empty(xs.shape, **f32), torch.empty(ys.shape, **f32)
-    BF, BD = min(cfg.state_f, F), min(cfg.state_d, D)
+    BF, BD = (cfg.split_tile, cfg.split_tile) if cfg.split_tile else (cfg.state_f, cfg.state_d)
+    BF, BD = min(BF, F), min(BD, D)
     tma = _use_tma(cfg, x, y)
     if not tma:  # pointer tensors in the loop (ptxas, sm_90a: a 128 x 128 tile spills 312 B)
         BF, BD = min(BF, 64), min(BD, 64)
