@@ -173,6 +173,7 @@ class KernelConfig:
     split_tile: int | None = None
 
 
+@functools.lru_cache(maxsize=64)  # (a KernelConfig is frozen: one per shape, not per call)
 def default_config(D: int, F: int, dtype: torch.dtype) -> KernelConfig:
     """Tiles that fit an H100/H200's shared memory and registers: fp32 operands take twice the
     space of bf16 ones, so fp32 runs on 32-wide tiles."""
@@ -1294,15 +1295,22 @@ _FAILED: set = set()
 RETRIES: list[str] = []
 
 
+@functools.lru_cache(maxsize=64)
+def _retry_chain(cfg: KernelConfig) -> tuple[KernelConfig, ...]:
+    """The configs ``_with_retry`` tries before ``SAFE_CONFIG`` (built once per config: host
+    time per call)."""
+    chain = [cfg]
+    if cfg.save_branches:
+        chain.append(dataclasses.replace(cfg, save_branches=False))
+    return tuple(c for c in chain if c != SAFE_CONFIG)
+
+
 def _with_retry(phase: str, key: tuple, cfg: KernelConfig, fn):
     """``fn(cfg)``; where ``cfg``'s kernels do not compile here (once per problem key; logged
     once, recorded in ``RETRIES``), the same tiles without ``save_branches`` (when it was on),
     then ``SAFE_CONFIG``. Every config computes the same function: a forward retried without
     saved branches leaves its backward to recompute them."""
-    chain = [cfg]
-    if cfg.save_branches:
-        chain.append(dataclasses.replace(cfg, save_branches=False))
-    chain = [c for c in chain if c != SAFE_CONFIG]
+    chain = _retry_chain(cfg)
     errs = errors()
     for i, c in enumerate(chain):
         if (phase, c, key) in _FAILED:
