@@ -340,3 +340,30 @@ def test_paper_budget_takes_the_lightning_figures_of_the_files_named(tmp_path):
     assert res["lightning_1gpu_tokens_per_s"]["transfer"] == {"weights_xent": 10_000}
     assert res["lightning_1gpu_tokens_per_s"]["finetune"] == 5_000
     assert res["scaling_2gpu"] == {"transfer": 0.9, "finetune": 0.9}
+
+
+def test_attention_speed_ratios_in_device_time(monkeypatch):
+    """The issue's time ratios from each row's GPU time with the host ahead (``device_ms``),
+    beside the event timings: the 8 x 1k layer is host-bound, its event ratio read 2.85x, 3.30x
+    and 4.09x on three machines (2026-12-03) where its device time stayed ~3.3x. The memory
+    ratio is the same in both; a row without a device time (the CPU) gives no ratio."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("attention_speed",
+                                                  ROOT / "benchmarks" / "attention_speed.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = [dict(B=8, T=1024, case="teacher", ms=1.0, device_ms=0.73, peak_gib=1.0),
+            dict(B=8, T=1024, case="hybrid fixed", ms=2.86, device_ms=2.4, peak_gib=2.0),
+            dict(B=8, T=1024, case="teacher fwd", ms=0.2, device_ms=None, peak_gib=1.0),
+            dict(B=8, T=1024, case="hybrid fixed fwd", ms=0.8, device_ms=0.66, peak_gib=1.0),
+            dict(B=1, T=65536, case="swa", ms=9.0, device_ms=8.8, peak_gib=6.0),
+            dict(B=1, T=65536, case="hybrid fixed", ms=20.0, device_ms=19.7, peak_gib=8.0)]
+    events = bench.ratios(rows)
+    device = bench.ratios(rows, time_key="device_ms")
+    assert events["layer_vs_teacher_T1k"] == 2.86 and device["layer_vs_teacher_T1k"] == round(
+        2.4 / 0.73, 4)
+    assert events["layer_fwd_vs_teacher_T1k"] == 4.0 and device["layer_fwd_vs_teacher_T1k"] is None
+    assert events["layer_mem_vs_swa_T64k"] == device["layer_mem_vs_swa_T64k"] == round(8 / 6, 4)
+    monkeypatch.setattr(bench, "DEVICE", "cpu")  # (--tiny: no device time to take)
+    assert bench.device_ms(lambda: None, 1.0) == {"device_ms": None, "host_ahead": None}
