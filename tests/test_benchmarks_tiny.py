@@ -344,8 +344,8 @@ def test_paper_budget_takes_the_lightning_figures_of_the_files_named(tmp_path):
 
 def test_attention_speed_ratios_in_device_time(monkeypatch):
     """The issue's time ratios from each row's GPU time with the host ahead (``device_ms``),
-    beside the event timings: the 8 x 1k layer is host-bound, its event ratio read 2.85x, 3.30x
-    and 4.09x on three machines (2026-12-03) where its device time stayed ~3.3x. The memory
+    beside the event timings: the 8 x 1k layer is host-bound, its event ratio read 2.85x and
+    4.09x with one code on two machines (2026-12-03), its device time 3.3x on both. The memory
     ratio is the same in both; a row without a device time (the CPU) gives no ratio."""
     import importlib.util
 
