@@ -122,30 +122,38 @@ def bench_adaptive(fn, budget_ms: float = 1500.0, max_iters: int = 20) -> dict:
             "iters": iters, "peak_gib": peak / 2**30, "peak_above_start_gib": (peak - base) / 2**30}
 
 
-def device_ms(fn, per_call_ms: float, budget_ms: float = 400.0, max_calls: int = 20) -> dict:
-    """``fn``'s GPU time per call with the host ahead: a sleep kernel holds the GPU while the
-    host enqueues the calls, which then run back to back, timed by CUDA events around them.
-    An isolated call whose Python and launches take longer than its kernels (the hybrid layer
-    at 8 x 1k: host 2.4-3.1 ms, kernels 2.4-2.6 ms, 2026-12-03) is timed by ``bench_adaptive``
-    at its host's speed (the same code on two machines: 2.86 and 3.29 ms, the forward 0.83 and
-    1.20); inside a model the host runs ahead and the GPU time is what a step pays. ``host_ahead`` False: the sleep ended before
-    the host had enqueued every call (the figure then holds launch gaps). None on the CPU."""
+def device_ms(fn, per_call_ms: float, budget_ms: float = 400.0, max_calls: int = 20,
+              sleep_ms: float | None = None) -> dict:
+    """``fn``'s GPU time per call with the host ahead, and its host (Python + launch) time
+    apart: a sleep kernel holds the GPU while the host enqueues the calls (host time: the CPU
+    clock over them, no sync), which then run back to back (device time: CUDA events around
+    them). An isolated call whose Python and launches take longer than its kernels (the hybrid
+    layer at 8 x 1k: host 2.4-3.1 ms, kernels 2.4-2.6 ms, 2026-12-03) is timed by
+    ``bench_adaptive`` at its host's speed (the same code on two machines: 2.86 and 3.29 ms,
+    the forward 0.83 and 1.20); inside a model the host runs ahead and the GPU time is what a
+    step pays. Calls: ``budget_ms / per_call_ms`` within [3, ``max_calls``]; the sleep lasts
+    ``sleep_ms`` (default: 50 ms + 5 ms a call, ~4 ms of host per call being the most seen).
+    ``host_ahead`` False: the sleep ended before the host had enqueued every call (the device
+    figure then holds launch gaps). None on the CPU. (``profile_hybrid.py --host`` uses it.)"""
     if DEVICE != "cuda":
         return {"device_ms": None, "host_ahead": None}
     n = int(max(3, min(max_calls, budget_ms // max(per_call_ms, 1e-3))))
     fn()
     torch.cuda.synchronize()
-    # the sleep outlasts the host's enqueueing: ~4 ms of host per call at most, seen so far
-    cycles = int((50.0 + 5.0 * n) * 1e-3 * torch.cuda.get_device_properties(0).clock_rate * 1e3)
+    sleep = 50.0 + 5.0 * n if sleep_ms is None else sleep_ms
+    cycles = int(sleep * 1e-3 * torch.cuda.get_device_properties(0).clock_rate * 1e3)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda._sleep(cycles)
     start.record()
+    t0 = time.perf_counter()
     for _ in range(n):
         fn()
+    host = (time.perf_counter() - t0) * 1e3 / n
     end.record()
     ahead = not start.query()  # the sleep still ran when the host finished enqueueing
     torch.cuda.synchronize()
-    return {"device_ms": start.elapsed_time(end) / n, "host_ahead": ahead, "device_calls": n}
+    return {"device_ms": start.elapsed_time(end) / n, "host_ms": host, "host_ahead": ahead,
+            "device_calls": n}
 
 
 # ----------------------------------------------------------------------------- baselines

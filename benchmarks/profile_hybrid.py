@@ -18,34 +18,20 @@ import json
 import sys
 
 import torch
-from attention_speed import bench  # benchmarks/ is on sys.path when run as a script
+from attention_speed import bench, device_ms  # benchmarks/ is on sys.path as a script
 from hedgecats.models import HedgehogFeatureMap, hybrid_attention
 from hedgecats.models.ops import backends
 from hedgecats.models.ops import reference as ref
 
 
 def host_and_device_ms(fn, n: int = 20, sleep_ms: float = 200.0) -> dict:
-    """``fn``'s host (Python + launch) time and its device time apart, per call: a sleep kernel
-    holds the GPU while the host enqueues ``n`` calls (host time: the CPU clock over them, no
-    sync), so the GPU then runs them back to back (device time: CUDA events around them). When
-    host > device, an isolated call is launch-bound and a timing of it with events measures the
-    host; inside a model the host runs ahead while the GPU does the layer's other work."""
-    import time
-    fn()
-    torch.cuda.synchronize()
-    cycles = int(sleep_ms * 1e-3 * torch.cuda.get_device_properties(0).clock_rate * 1e3)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(cycles)
-    start.record()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    host = (time.perf_counter() - t0) * 1e3 / n
-    end.record()
-    busy = not start.query()  # the sleep still ran when the host finished: no launch gaps
-    torch.cuda.synchronize()
-    return dict(host_ms=round(host, 3), device_ms=round(start.elapsed_time(end) / n, 3),
-                host_ahead=bool(busy))
+    """``fn``'s host (Python + launch) and device time per call apart, over ``n`` calls
+    enqueued behind a ``sleep_ms`` sleep kernel (``attention_speed.device_ms``). When host >
+    device, an isolated call is launch-bound and a timing of it with events measures the host;
+    inside a model the host runs ahead while the GPU does the layer's other work."""
+    r = device_ms(fn, per_call_ms=0.0, max_calls=n, sleep_ms=sleep_ms)
+    return dict(host_ms=round(r["host_ms"], 3), device_ms=round(r["device_ms"], 3),
+                host_ahead=bool(r["host_ahead"]))
 
 
 def host_profile(fn, n: int = 20, rows: int = 30) -> str:
