@@ -212,6 +212,15 @@ def test_gpu_tests_report_renders_both_row_formats(tmp_path):
     assert "| fla | bfloat16 | 1.0e-03 |" in out and "| hybrid | shared_norm |" in out
 
 
+def test_gpu_tests_report_without_a_report_folder(tmp_path):
+    """Tests that write no rows leave no report folder (session 11's first GPU call: the
+    script crashed with FileNotFoundError after the tests had passed): it says so instead."""
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_tests_report.py"),
+                          str(tmp_path / "missing")], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "no case reports"
+
+
 def test_paper_budget_from_the_committed_measurements(tmp_path):
     """benchmarks/paper_budget.py on the committed stage throughputs: every recipe, hours that
     follow from tokens / (tokens/s), and the eight-GPU extrapolation from the 2-GPU efficiency."""

@@ -2,7 +2,9 @@
 the default tiles keep register spills small (ptxas's report, read without a device).
 
 Needs triton (skipped on CI, which has none); slow (each kernel takes seconds to compile on two
-cores). The report of each kernel is printed (``-s``): registers, spill bytes, shared memory,
+cores). Compiled with the divisibility hints a launch at the 8B shape passes (``launch_hints``:
+16-byte-aligned pointers, strides divisible by 16), as the kernel that runs is. The report of
+each kernel is printed (``-s``): registers, spill bytes, shared memory,
 whether the matrix products became Hopper's ``wgmma``, and how many asynchronous copies the
 PTX has (``async_copies``: loads pipelined into shared memory, e.g. through tensor
 descriptors). This is how the tiles in ``triton_hybrid.default_config``, ``triton_xent._blocks``
@@ -36,17 +38,39 @@ from triton.compiler import ASTSource
 TARGET = GPUTarget("cuda", 90, 32)
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 F32 = "*fp32"
-#: spill bytes per thread the default bf16 tiles may have (seen: at most 32)
+#: spill bytes per thread the default bf16 tiles may have (seen: at most 40, with launch hints)
 MAX_SPILL = 64
+#: the hybrid kernels' integer arguments not divisible by 16 at the 8B shape (4 query heads a
+#: kv head, 8 chunks at 8 x 1k, the backward's query-block count): the rest (strides, T, H,
+#: window) are, and a launch marks them so
+ODD_INTS = ("G", "NC", "NMB")
 
 
-def compile_report(fn, pointers: dict, constexprs: dict, floats=(), warps=4, stages=2) -> dict:
-    """Compile ``fn`` for sm_90a; ptxas's resource report of the result."""
+def launch_hints(fn, constexprs: dict, floats=(), odd=()) -> dict:
+    """The ``tt.divisibility`` 16 attributes a real launch gives ``fn``'s arguments: Triton's
+    launcher marks every pointer to 16-byte-aligned memory (torch's allocations are) and every
+    integer divisible by 16 (strides of (B, T, H, D) tensors with D 128, T 1024, ...), and
+    specialises on them: without the marks the loads cannot be vectorised nor pipelined into
+    shared memory, so the report would not be the kernel that runs. ``odd``: the integer
+    arguments not divisible by 16 at the shape of interest (e.g. G = 4, NC = 8)."""
+    return {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+            if name not in constexprs and name not in floats and name not in odd}
+
+
+def compile_report(fn, pointers: dict, constexprs: dict, floats=(), warps=4, stages=2,
+                   hints: dict | None = None, aligned: bool = True) -> dict:
+    """Compile ``fn`` for sm_90a; ptxas's resource report of the result. ``hints``: the
+    arguments' divisibility attributes; None: ``launch_hints`` with ``ODD_INTS`` when
+    ``aligned`` (what a launch at the 8B shape compiles), none at all without it (every pointer
+    and integer of unknown alignment: the report sessions before the eleventh read, which
+    over-counted registers and spills and showed no pipelined loads)."""
+    if hints is None and aligned:
+        hints = launch_hints(fn, constexprs, floats, odd=ODD_INTS)
     sig = {}
     for name in fn.arg_names:
         sig[name] = ("constexpr" if name in constexprs else pointers.get(name)
                      or ("fp32" if name in floats else "i32"))
-    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
+    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=hints),
                             target=TARGET, options={"num_warps": warps, "num_stages": stages})
     ptx = kernel.asm["ptx"]
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:

@@ -598,6 +598,12 @@ def cases(quick: bool = False):
                                                         pad=True, shared=True, cfg=LONG_CHUNK)),
         ("kernel-wide-fwd-tiles", k, dict(T=70, window=10, cfg=dict(
             TALL_BWD, block_m=16, block_n=32, bwd_block_m=16, bwd_block_n=32))),
+        # forward query tiles taller than the state chunk and the key tiles (the "fwd128"
+        # tiles of benchmarks/attention_speed.py in miniature: 128 queries, 128-chunk states)
+        ("kernel-tall-fwd-tiles-pad-shifts-shared", k, dict(T=150, window=40,
+                                                            per_bh_shift=True, pad=True,
+                                                            shared=True, cfg=dict(
+            LONG_CHUNK, block_m=128, block_n=16, state_chunk=32))),
         ("kernel-frozen-qkv", k, dict(frozen=("q", "k", "v"))),
         ("kernel-frozen-qkv-pad-shared-tall", k, dict(T=70, window=10, pad=True, shared=True,
                                                       cfg=TALL_BWD, frozen=("q", "k", "v"))),

@@ -193,8 +193,15 @@ def default_config(D: int, F: int, dtype: torch.dtype) -> KernelConfig:
     # The key-side backward on 64-key tiles (``dkv_block_n``: wgmma, where 32-key tiles get
     # mma.sync only) and the split states on 128 x 128 tiles (``split_tile``): chosen from
     # ptxas's report, measured in session 10 (benchmarks/results/h200_2026-12-03b/README.md)
+    # The forward at 128 queries a program since session 11: ptxas's report compiled with the
+    # divisibility hints a real launch passes (tests/test_triton_compile.py ``launch_hints``)
+    # shows 255 registers and 4 bytes of spill, the loads pipelined (196 KB of shared memory);
+    # without the hints (what the tiles above were read from) it showed 1008 bytes of spill.
+    # Measured on one H200 (device time, kernel alone; attention_speed.py --tune, configs
+    # default / fwd128): the forward at 8 x 1k 0.508 to 0.400 ms, at 1 x 64k 4.82 to 3.84 ms
+    # (benchmarks/results/h200_2026-12-03c/README.md)
     if D >= 128:
-        return KernelConfig(block_m=64, block_n=64, state_chunk=128, warps=8, stages=2,
+        return KernelConfig(block_m=128, block_n=64, state_chunk=128, warps=8, stages=2,
                             bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64,
                             state_warps=8, grad_f_chunk=256, dkv_block_n=64, split_tile=128)
     return KernelConfig(block_m=64, block_n=64, warps=4, stages=2, bwd_block_m=64,
