@@ -392,6 +392,47 @@ def test_output_and_gradients_stay_in_the_models_memory():
     assert seen == {"q": q.stride(), "k": k.stride(), "v": v.stride()}, seen
 
 
+def test_fast_launch_gives_tritons_results_bit_for_bit(monkeypatch):
+    """``triton_common.FastLaunch``: the layer's forward + backward through the cached compiled
+    handles (every launch after the first of its key) equals, bit for bit, the same call
+    launched through Triton's own path (``HEDGECATS_TRITON_FAST_LAUNCH=0``); q, k, v 2 bytes
+    off a 16-byte boundary (Triton compiles other kernels for them) still give those results
+    through the fast path, which then runs their own handles."""
+    from hedgecats.models.ops import triton_common as tc
+
+    th = _kernels()
+    B, H, Hkv, T, D = 2, 8, 2, 300, 128
+    gen = torch.Generator(device=DEVICE).manual_seed(11)
+    phi_q = HedgehogFeatureMap(H, D, seed=1).to(DEVICE)
+    phi_k = HedgehogFeatureMap(Hkv, D, seed=2).to(DEVICE)
+
+    def inputs(offset: int):
+        flat = {n: torch.randn(B * T * h * D + offset, device=DEVICE, generator=gen).bfloat16()
+                for n, h in (("q", H), ("k", Hkv), ("v", Hkv))}
+        return {n: x[offset:].view(B, T, -1, D).transpose(1, 2) for n, x in flat.items()}
+
+    def step(x):
+        q, k, v = (x[n].detach().requires_grad_() for n in "qkv")
+        out = hybrid_attention(q, k, v, phi_q(q), phi_k(k), window=64)
+        out.float().square().sum().backward()
+        return [out.detach(), q.grad, k.grad, v.grad]
+
+    for offset in (0, 1):  # 1 bf16 element: 2 bytes past the allocation's aligned start
+        x = inputs(offset)
+        assert (x["q"].data_ptr() % 16 == 0) == (offset == 0)
+        monkeypatch.setenv("HEDGECATS_TRITON_FAST_LAUNCH", "0")
+        calls = th.CALLS["forward"]
+        want = step(x)
+        monkeypatch.setenv("HEDGECATS_TRITON_FAST_LAUNCH", "1")
+        step(x)  # (first launch of each key: Triton's path, the handle cached)
+        fast = tc.LAUNCHES["fast"]
+        got = step(x)
+        assert th.CALLS["forward"] == calls + 3, "the fused kernel did not run"
+        assert tc.LAUNCHES["fast"] >= fast + 8, "the cached handles were not used"
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+            assert torch.equal(a, b), (offset, name, (a.float() - b.float()).abs().max())
+
+
 # ----------------------------------------------------------------------------- weights_xent
 XENT_SHAPES = {  # B, H, Hkv, T, D, projection
     "B2-H8-Hkv2-T300-D128-F256": (2, 8, 2, 300, 128, "square"),

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-__all__ = ["GRID_AXIS_MAX", "HAVE_TRITON", "available", "ensure_allocator", "errors",
+__all__ = ["GRID_AXIS_MAX", "HAVE_TRITON", "available", "ensure_allocator", "errors", "fast",
            "interpret", "tl", "tma_ok", "triton", "warn_once"]
 
 try:  # the kernel modules define their kernels only where triton imports (never on CPU CI)
@@ -118,3 +118,132 @@ def ensure_allocator() -> None:
     except (ImportError, AttributeError):  # pragma: no cover - another Triton's internals
         pass
     triton.set_allocator(_scratch)
+
+
+# ----------------------------------------------------------------------------- launching
+#: Triton versions whose ``CompiledKernel.run`` takes the arguments ``FastLaunch`` passes
+#: (read in triton 3.6's ``JITFunction.run``); another version launches through Triton's own path
+FAST_LAUNCH_VERSIONS = ("3.6.",)
+#: launches through ``FastLaunch``'s cached handles / through Triton's own path (tests read them)
+LAUNCHES = {"fast": 0, "triton": 0}
+#: cached compiled kernels per ``FastLaunch`` (a new shape adds one; past this, the cache starts
+#: over: a long-running process that sees many shapes stays bounded)
+FAST_CACHE_MAX = 512
+
+
+def _arg_key(a):
+    """What of an argument Triton's compiled kernel depends on, exactly or more finely: a
+    tensor's dtype and whether its address is 16-byte aligned (Triton specialises on both), an
+    integer's or bool's value (Triton specialises on 1 and on divisibility by 16: the value
+    decides both), a float's type only (Triton does not specialise floats)."""
+    t = type(a)
+    if t is int:
+        return a
+    if t is torch.Tensor or isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() & 15 == 0
+    if t is float:
+        return float
+    if a is None:
+        return None
+    return t, a  # bool (True is not 1 to Triton: i1 against a constant 1), str, ...
+
+
+def _fast_state() -> str | None:
+    """Why launches go through Triton's own path (``None``: they may take the fast one)."""
+    if os.environ.get("HEDGECATS_TRITON_FAST_LAUNCH", "1") == "0":
+        return "HEDGECATS_TRITON_FAST_LAUNCH=0"
+    if interpret():
+        return "the interpreter"
+    if not triton.__version__.startswith(FAST_LAUNCH_VERSIONS):
+        return f"triton {triton.__version__} (read for {', '.join(FAST_LAUNCH_VERSIONS)})"
+    return None
+
+
+def _no_hooks() -> bool:
+    """No launch hooks registered (a profiler such as proton adds some; its launches then go
+    through Triton's path, which calls them)."""
+    try:
+        from triton import knobs
+        hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    except (ImportError, AttributeError):  # pragma: no cover - another Triton's internals
+        return False
+    return all(h is None or (type(h).__name__ == "HookChain" and not h.calls) for h in hooks)
+
+
+def _device_and_stream() -> tuple[int, int]:
+    dev = torch.cuda.current_device()
+    return dev, torch._C._cuda_getCurrentRawStream(dev)
+
+
+class FastLaunch:
+    """A ``@triton.jit`` kernel launched as ``fast(kernel)[grid](*args, **constexprs)``, like
+    ``kernel[grid](...)``, the same kernel with the same arguments, at a fraction of the host
+    time: the first launch of each argument key goes through Triton (which compiles or finds the
+    kernel and returns its compiled handle), later ones call that handle's launcher directly.
+
+    Why: Triton 3.6's ``JITFunction.run`` spends tens of microseconds of Python per launch
+    (binding and specialising ~50 arguments, the cache key, launch metadata and two hook
+    calls); the hybrid layer launches 12 kernels per forward + backward, and at 8 x 1k its
+    Python and launches took longer than its kernels (benchmarks/results/h200_2026-12-03b).
+
+    The key (``_arg_key``) holds everything the compiled kernel depends on, or more (integers
+    by value where Triton keeps only ``== 1`` and divisibility by 16), plus the keyword
+    arguments (constexprs, ``num_warps``, ``num_stages``) and the device: a launch whose
+    arguments Triton would compile differently never takes a cached handle. Triton's own path
+    runs instead under the interpreter, for Triton versions not read (``FAST_LAUNCH_VERSIONS``),
+    while launch hooks are registered, with a callable grid, keyword arguments in place of
+    positional ones, and with ``HEDGECATS_TRITON_FAST_LAUNCH=0`` (logged once): only host time
+    differs."""
+
+    __slots__ = ("fn", "cache", "names")
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.cache: dict = {}
+        self.names = tuple(fn.arg_names)
+
+    def __getitem__(self, grid):
+        return functools.partial(self._launch, grid)
+
+    def _launch(self, grid, *args, **kw):
+        reason = _fast_state()
+        if reason is not None or type(grid) is not tuple or not _no_hooks():
+            if reason is not None and reason != "the interpreter":
+                warn_once(__name__, f"Triton kernels launched through Triton's own path "
+                          f"({reason}): the same kernels, more host time per launch")
+            LAUNCHES["triton"] += 1
+            return self.fn[grid](*args, **kw)
+        dev, stream = _device_and_stream()
+        key = (dev, tuple([_arg_key(a) for a in args]), tuple(kw.items()))
+        try:
+            hit = self.cache.get(key)
+        except TypeError:  # an unhashable argument (a host-side tensor descriptor, ...)
+            LAUNCHES["triton"] += 1
+            return self.fn[grid](*args, **kw)
+        if hit is None:
+            compiled = self.fn[grid](*args, **kw)
+            LAUNCHES["triton"] += 1
+            tail = self.names[len(args):]
+            if all(n in kw for n in tail) and hasattr(compiled, "packed_metadata"):
+                if len(self.cache) >= FAST_CACHE_MAX:
+                    self.cache.clear()
+                self.cache[key] = (compiled, tail)
+            return compiled
+        compiled, tail = hit
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata,
+                     None, None, None, *args, *[kw[n] for n in tail])
+        LAUNCHES["fast"] += 1
+        return compiled
+
+
+_FAST: dict = {}
+
+
+def fast(fn) -> FastLaunch:
+    """``fn``'s ``FastLaunch`` (one per kernel and process)."""
+    f = _FAST.get(fn)
+    if f is None:
+        f = _FAST[fn] = FastLaunch(fn)
+    return f

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import torch
 
-from .triton_common import HAVE_TRITON, available, errors, interpret, tl, triton, warn_once
+from .triton_common import HAVE_TRITON, available, errors, fast, interpret, tl, triton, warn_once
 
 __all__ = ["decode_step", "unsupported_reason"]
 
@@ -281,7 +281,7 @@ def decode_step(layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     real_new = real if real is not None else layer.real  # a pointer, unused without the flag
     BF = min(F, 32 if D >= 128 else 64)
     try:
-        _step_main[(B * Hkv,)](
+        fast(_step_main)[(B * Hkv,)](
             q, fq, k, v, fk_old, layer.keys, layer.values, layer.real, real_new, layer.S,
             layer.z, layer.vsum, layer.n_state, layer.n_real, layer.sink_keys, layer.sink_values,
             layer.pos, gt, out, q.stride(0), q.stride(1), fq.stride(0), fq.stride(1),
@@ -296,9 +296,9 @@ def decode_step(layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         FALLBACK_ERRORS.append(f"{type(e).__name__}: {e}"[:500])
         note_fallback(f"{type(e).__name__} in Triton")
         return None
-    _step_post[(1,)](layer.real, real_new, layer.n_state, layer.n_real, layer.sink_real,
-                     layer.pos, B, W, NS, BB=min(1024, triton.next_power_of_2(B)),
-                     HAS_REAL_NEW=real is not None, num_warps=4)
+    fast(_step_post)[(1,)](layer.real, real_new, layer.n_state, layer.n_real, layer.sink_real,
+                           layer.pos, B, W, NS, BB=min(1024, triton.next_power_of_2(B)),
+                           HAS_REAL_NEW=real is not None, num_warps=4)
     CALLS["step"] += 1
     return out.transpose(1, 2)
 

@@ -83,8 +83,19 @@ from dataclasses import dataclass
 import torch
 
 from . import reference as ref
-from .triton_common import (GRID_AXIS_MAX, HAVE_TRITON, available, errors, interpret,
-                            record_fallback, tl, tma_ok, triton, warn_once)
+from .triton_common import (
+    GRID_AXIS_MAX,
+    HAVE_TRITON,
+    available,
+    errors,
+    fast,
+    interpret,
+    record_fallback,
+    tl,
+    tma_ok,
+    triton,
+    warn_once,
+)
 
 __all__ = ["KernelConfig", "available", "fused_hybrid", "hybrid_kernel", "kernel_reference",
            "unsupported_reason"]
@@ -1082,7 +1093,7 @@ def _split_states(x, y, S, xs, ys, NC, cfg: KernelConfig, *, reverse: bool, kpm_
     if not tma:  # pointer tensors in the loop (ptxas, sm_90a: a 128 x 128 tile spills 312 B)
         BF, BD = min(BF, 64), min(BD, 64)
     dummy = xl
-    _state_local[(NC, (F // BF) * (D // BD), B * Hkv)](
+    fast(_state_local)[(NC, (F // BF) * (D // BD), B * Hkv)](
         x, y, _ptr(kpm_i8, dummy), _ptr(shift, dummy), _ptr(dden, dummy),
         L, xl, yl, *_strides(x), *_strides(y), x.shape[2], Hkv, G, NC,
         F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD, REVERSE=reverse,
@@ -1102,8 +1113,8 @@ def _scan_chunks(share: torch.Tensor, total: torch.Tensor, NC: int, reverse: boo
     rows = share.shape[0] * share.shape[1]
     N = share[0, 0, 0].numel()
     blk = min(SCAN_BLOCK, triton.next_power_of_2(N))
-    _state_scan[(rows, triton.cdiv(N, blk))](share, total, NC, N, BLK=blk, U=SCAN_STEP,
-                                             REVERSE=reverse, num_warps=4)
+    fast(_state_scan)[(rows, triton.cdiv(N, blk))](
+        share, total, NC, N, BLK=blk, U=SCAN_STEP, REVERSE=reverse, num_warps=4)
 
 
 def _la_states(fk, v, kpm_i8, cfg: KernelConfig):
@@ -1120,9 +1131,10 @@ def _la_states(fk, v, kpm_i8, cfg: KernelConfig):
         return S, z, vs, NC
     BF, BD = _state_tile(cfg, B * Hkv, F, D)
     grid = (B * Hkv, F // BF, D // BD)
-    _state_fwd[grid](fk, v, _ptr(kpm_i8, z), S, z, vs, *_strides(fk), *_strides(v), T, Hkv, NC,
-                     F=F, D=D, CS=CS, BF=BF, BD=BD, HAS_KPM=kpm_i8 is not None,
-                     PREC=_prec(fk.dtype), num_warps=cfg.state_warps)
+    fast(_state_fwd)[grid](
+        fk, v, _ptr(kpm_i8, z), S, z, vs, *_strides(fk), *_strides(v), T, Hkv, NC,
+        F=F, D=D, CS=CS, BF=BF, BD=BD, HAS_KPM=kpm_i8 is not None, PREC=_prec(fk.dtype),
+        num_warps=cfg.state_warps)
     return S, z, vs, NC
 
 
@@ -1159,13 +1171,14 @@ def _forward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, *, window
     swa_o = torch.empty(B * H, T, D, device=q.device, dtype=q.dtype) if save and has_swa else None
     la_o = torch.empty(B * H, T, D, device=q.device, dtype=q.dtype) if save and has_la else None
     grid = (triton.cdiv(T, cfg.block_m), B * H)
-    _fwd[grid](q, k, v, fq, fk, S, z, vs, cnt, o, lse, den, ca, cb, logs, shift, first,
-               _ptr(kpm_i8, lse), _ptr(swa_o, o), _ptr(la_o, o),
-               *_strides(q), *_strides(k), *_strides(v), *_strides(fq), *_strides(fk),
-               *_strides(o), T, H, H // Hkv, NC, window, scale * LOG2E, eps,
-               D=D, F=F, FC=_fc(cfg, F), BM=cfg.block_m, BN=cfg.block_n, CS=cfg.state_chunk,
-               HAS_SWA=has_swa, HAS_LA=has_la, SHARED=shared, HAS_KPM=kpm_i8 is not None,
-               PREC=_prec(q.dtype), SAVE=save, num_warps=cfg.warps, num_stages=cfg.stages)
+    fast(_fwd)[grid](
+        q, k, v, fq, fk, S, z, vs, cnt, o, lse, den, ca, cb, logs, shift, first,
+        _ptr(kpm_i8, lse), _ptr(swa_o, o), _ptr(la_o, o),
+        *_strides(q), *_strides(k), *_strides(v), *_strides(fq), *_strides(fk),
+        *_strides(o), T, H, H // Hkv, NC, window, scale * LOG2E, eps,
+        D=D, F=F, FC=_fc(cfg, F), BM=cfg.block_m, BN=cfg.block_n, CS=cfg.state_chunk,
+        HAS_SWA=has_swa, HAS_LA=has_la, SHARED=shared, HAS_KPM=kpm_i8 is not None,
+        PREC=_prec(q.dtype), SAVE=save, num_warps=cfg.warps, num_stages=cfg.stages)
     states = (S, z, vs, cfg.state_chunk) if save and has_la else None
     return o, lse, den, swa_o, la_o, states
 
@@ -1211,7 +1224,7 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
     # dnum = GF dO, the reverse states' matrix operand (rounded once to the input dtype, as
     # the GF-scaled fq they multiplied before 2026-12-03 was)
     dnum = torch.empty(B, H, T, D, device=dev, dtype=q.dtype) if has_la else None
-    _bwd_dq[(NMB, B * H)](
+    fast(_bwd_dq)[(NMB, B * H)](
         q, k, v, fq, fk, do, S, z, vs, cnt, lse, den, ca, cb, logs, shift, first, kpm,
         _ptr(swa_o, dummy), _ptr(la_o, dummy), _ptr(dq, dummy), delta, ws, gf, dden, pa, pb,
         _ptr(dnum, dummy),
@@ -1232,7 +1245,7 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
             _split_states(fq, dnum, R, U, W, NC, cfg, reverse=True, shift=shift, dden=dden)
         else:
             BF, BD = _state_tile(cfg, B * Hkv, F, D)
-            _state_rev[(B * Hkv, F // BF, D // BD)](
+            fast(_state_rev)[(B * Hkv, F // BF, D // BD)](
                 fq, dnum, dden, shift, R, U, W, *_strides(fq), T, H, G, NC,
                 F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD, PREC=prec,
                 TMA=_use_tma(cfg, fq, dnum), num_warps=cfg.state_warps)
@@ -1240,7 +1253,7 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
     dfq = None
     if has_la:
         dfq = torch.empty(B, H, T, F, device=dev, dtype=fq.dtype)
-        _bwd_dfq[(NMB, B * H, F // GFC)](
+        fast(_bwd_dfq)[(NMB, B * H, F // GFC)](
             fk, v, do, S, z, gf, dden, shift, kpm, dfq,
             *_strides(fk), *_strides(v), *_strides(do), T, H, G, NC,
             D=D, F=F, FC=GFC, BM=BM, BN=BN, CS=cfg.state_chunk, HAS_KPM=has_kpm, PREC=prec,
@@ -1262,7 +1275,7 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
         if dv is not None and dvs.stride() != dv.stride():
             raise AssertionError(f"dv scratch strides {dvs.stride()} differ from dv's "
                                  f"{dv.stride()}")
-        _bwd_dkv_swa[(NNB, B * Hkv)](
+        fast(_bwd_dkv_swa)[(NNB, B * Hkv)](
             q, k, v, do, lse, delta, ws, kpm, dk, dvs,
             *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk),
             *_strides(dvs), T, H, G, window, scale, scale * LOG2E,
@@ -1281,13 +1294,14 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
         meta = dict(D=D, F=F, FC=GFC, BM=BM, CS=cfg.state_chunk, ADD_DVS=dvs is not None,
                     HAS_KPM=has_kpm, PREC=prec, num_warps=cfg.bwd_warps, num_stages=cfg.stages)
         if BNK == BN:  # one grid; the last program of each key block: dv
-            _bwd_dkv_la[(NNB, B * Hkv, F // GFC + (dv is not None))](*args, BN=BN, PART=0,
-                                                                     **meta)
+            fast(_bwd_dkv_la)[(NNB, B * Hkv, F // GFC + (dv is not None))](
+                *args, BN=BN, PART=0, **meta)
         else:  # the dfk programs at their key tile, the dv programs at bwd_block_n
-            _bwd_dkv_la[(NNB, B * Hkv, F // GFC)](*args, BN=BNK, PART=1, **meta)
+            fast(_bwd_dkv_la)[(NNB, B * Hkv, F // GFC)](*args, BN=BNK, PART=1, **meta)
             CALLS["dkv_apart"] += 1
             if dv is not None:
-                _bwd_dkv_la[(triton.cdiv(T, BN), B * Hkv, 1)](*args, BN=BN, PART=2, **meta)
+                fast(_bwd_dkv_la)[(triton.cdiv(T, BN), B * Hkv, 1)](
+                    *args, BN=BN, PART=2, **meta)
         CALLS["dv_la"] += dv is not None
     return dq, dk if need_dk else None, dv, dfq, dfk, pa, pb
 

@@ -39,8 +39,17 @@ from __future__ import annotations
 
 import torch
 
-from .triton_common import (HAVE_TRITON, available, errors, interpret, record_fallback, tl,
-                            triton, warn_once)
+from .triton_common import (
+    HAVE_TRITON,
+    available,
+    errors,
+    fast,
+    interpret,
+    record_fallback,
+    tl,
+    triton,
+    warn_once,
+)
 
 __all__ = ["available", "hedgehog_features", "reference_features", "unsupported_reason"]
 
@@ -193,7 +202,7 @@ class _PhiFn(torch.autograd.Function):
         bc = bias.to(x.dtype).contiguous()
         y = torch.empty(B, H, T, 2 * FH, device=x.device, dtype=x.dtype)
         BM, warps = _tiles(D, FH, backward=False)
-        _phi_fwd[(B * H, triton.cdiv(T, BM))](
+        fast(_phi_fwd)[(B * H, triton.cdiv(T, BM))](
             x, wc, bc, y, x.stride(0), x.stride(1), x.stride(2), T, H, D=D, FH=FH, BM=BM,
             SOFTMAX=softmax, PREC=_prec(x.dtype), num_warps=warps)
         ctx.save_for_backward(x, wc, bc, y)  # y: kept by its consumer anyway (the LA kernel)
@@ -215,7 +224,7 @@ class _PhiFn(torch.autograd.Function):
         dx = torch.empty_like(x) if need_dx else None
         du, reduce_dw = _du_buffer(x, FH)
         BM, warps = _tiles(D, FH, backward=True)
-        _phi_bwd[(B * H, triton.cdiv(T, BM))](
+        fast(_phi_bwd)[(B * H, triton.cdiv(T, BM))](
             x, wc, bc, y, dy, du if dx is None else dx, du, x.stride(0), x.stride(1),
             x.stride(2), dy.stride(0), dy.stride(1), dy.stride(2),
             *((dx.stride(0), dx.stride(1), dx.stride(2)) if need_dx else (0, 0, 0)),

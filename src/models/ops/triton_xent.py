@@ -39,8 +39,18 @@ import torch
 
 from . import transfer
 from .reference import DEN_TINY
-from .triton_common import (GRID_AXIS_MAX, HAVE_TRITON, available, errors, interpret,
-                            record_fallback, tl, triton, warn_once)
+from .triton_common import (
+    GRID_AXIS_MAX,
+    HAVE_TRITON,
+    available,
+    errors,
+    fast,
+    interpret,
+    record_fallback,
+    tl,
+    triton,
+    warn_once,
+)
 
 __all__ = ["available", "unsupported_reason", "weights_xent", "xent_rows"]
 
@@ -294,7 +304,7 @@ class _XentFn(torch.autograd.Function):
 
         def launch(bl):
             BM, BN, warps, stages = bl[0]
-            _xent_fwd[(triton.cdiv(T, BM), B * H)](
+            fast(_xent_fwd)[(triton.cdiv(T, BM), B * H)](
                 q, k, fq, fk, kpm_arg, xe, ent, lse, lz, *_strides(q), *_strides(k),
                 *_strides(fq), *_strides(fk), T, H, H // Hkv, scale * LOG2E, TINY, eps,
                 D=D, F=F, BM=BM, BN=BN, HAS_KPM=kpm_i8 is not None, PREC_S=_prec(q.dtype),
@@ -326,9 +336,10 @@ class _XentFn(torch.autograd.Function):
             for kernel, (BM, BN, warps, stages), grid, out in (
                     (_xent_bwd_dq, bl[1], lambda bm, bn: (triton.cdiv(T, bm), B * H), dfq),
                     (_xent_bwd_dk, bl[2], lambda bm, bn: (triton.cdiv(T, bn), B * Hkv), dfk)):
-                kernel[grid(BM, BN)](q, k, fq, fk, kpm_arg, lse, lz, w, out, *args, D=D, F=F,
-                                     BM=BM, BN=BN, HAS_KPM=has_kpm, PREC_S=_prec(q.dtype),
-                                     PREC_A=_prec(fq.dtype), num_warps=warps, num_stages=stages)
+                fast(kernel)[grid(BM, BN)](
+                    q, k, fq, fk, kpm_arg, lse, lz, w, out, *args, D=D, F=F, BM=BM, BN=BN,
+                    HAS_KPM=has_kpm, PREC_S=_prec(q.dtype), PREC_A=_prec(fq.dtype),
+                    num_warps=warps, num_stages=stages)
 
         _with_retry("backward", key, blocks, launch)
         return None, None, dfq, dfk, None, None, None, None, None

@@ -1,0 +1,164 @@
+"""``ops.triton_common.FastLaunch``: a kernel's later launches call the compiled handle its
+first launch through Triton returned, with the same arguments in the same order, and only where
+Triton would have picked that same compiled kernel. No Triton or GPU needed: a stand-in kernel
+records what Triton's path and the launcher receive (the GPU tests run the real kernels through
+it, tests/test_triton_kernels.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hedgecats.models.ops import triton_common as tc
+
+
+class Compiled:
+    """What ``kernel[grid](...)`` returns in Triton 3.6: a handle whose ``run`` launches."""
+
+    function = "cu-function"
+    packed_metadata = ("meta",)
+
+    def __init__(self):
+        self.runs = []
+
+    def run(self, *a):
+        self.runs.append(a)
+
+
+class Kernel:
+    """A stand-in ``@triton.jit`` function: ``arg_names`` and ``kernel[grid](*args, **kw)``."""
+
+    arg_names = ["X", "Y", "n", "scale", "flag", "BM", "PREC"]
+
+    def __init__(self):
+        self.calls = []
+        self.compiled = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.calls.append((grid, args, kw))
+            c = Compiled()
+            self.compiled.append(c)
+            return c
+        return launch
+
+
+@pytest.fixture
+def fast_path(monkeypatch):
+    monkeypatch.setattr(tc, "_fast_state", lambda: None)
+    monkeypatch.setattr(tc, "_no_hooks", lambda: True)
+    monkeypatch.setattr(tc, "_device_and_stream", lambda: (0, 77))
+
+
+def args(x=None, n=64, flag=True):
+    x = torch.zeros(64, dtype=torch.bfloat16) if x is None else x
+    return (x, torch.zeros(8), n, 0.5, flag)
+
+
+def test_the_second_launch_calls_the_compiled_handle_with_every_argument_in_order(fast_path):
+    k = Kernel()
+    f = tc.FastLaunch(k)
+    a = args()
+    first = f[(4, 2)](*a, BM=64, PREC="tf32", num_warps=8)
+    assert len(k.calls) == 1 and first is k.compiled[0]
+    before = dict(tc.LAUNCHES)
+    second = f[(4, 2)](*a, BM=64, PREC="tf32", num_warps=8)
+    assert len(k.calls) == 1 and second is first  # Triton's path not taken again
+    assert tc.LAUNCHES["fast"] == before["fast"] + 1
+    (run,) = first.runs
+    # grid padded to three axes, the stream, the handle, no launch metadata or hooks, then the
+    # positional arguments and the constexprs in the kernel's own order (BM before PREC)
+    assert run[:9] == (4, 2, 1, 77, "cu-function", ("meta",), None, None, None)
+    assert run[9:14] == a and run[14:] == (64, "tf32")
+    f[(5,)](*a, BM=64, PREC="tf32", num_warps=8)
+    assert first.runs[1][:3] == (5, 1, 1)
+
+
+@pytest.mark.parametrize("change", ["misaligned", "other dtype", "other int", "True for 1",
+                                    "constexpr", "num_warps"])
+def test_what_triton_would_compile_differently_goes_through_triton(fast_path, change):
+    """A tensor whose address is not 16-byte aligned, another dtype, another integer value
+    (Triton specialises on 1 and on divisibility by 16), a bool where an int was (i1 against a
+    constant), another constexpr or launch option: not the cached handle."""
+    k = Kernel()
+    f = tc.FastLaunch(k)
+    base = torch.zeros(64, dtype=torch.bfloat16)
+    f[(1,)](*args(base, n=1), BM=64, PREC="tf32", num_warps=8)
+    a, kw = args(base, n=1), dict(BM=64, PREC="tf32", num_warps=8)
+    if change == "misaligned":
+        a = args(base[1:])  # 2 bytes past an aligned address
+        assert base[1:].data_ptr() % 16 and not base.data_ptr() % 16
+    elif change == "other dtype":
+        a = args(base.float())
+    elif change == "other int":
+        a = args(base, n=2)
+    elif change == "True for 1":
+        a = (base, a[1], True, 0.5, True)
+    elif change == "constexpr":
+        kw["BM"] = 32
+    else:
+        kw["num_warps"] = 4
+    f[(1,)](*a, **kw)
+    assert len(k.calls) == 2 and not k.compiled[0].runs
+    f[(1,)](*a, **kw)  # and that key is cached in turn
+    assert len(k.calls) == 2 and len(k.compiled[1].runs) == 1
+
+
+def test_floats_do_not_split_the_cache(fast_path):
+    """Triton does not specialise floats: another scale takes the same handle."""
+    k = Kernel()
+    f = tc.FastLaunch(k)
+    x, y, n, _, flag = args()
+    f[(1,)](x, y, n, 0.5, flag, BM=64, PREC="tf32")
+    f[(1,)](x, y, n, 0.25, flag, BM=64, PREC="tf32")
+    assert len(k.calls) == 1 and k.compiled[0].runs[0][12] == 0.25
+
+
+def test_a_launch_that_leaves_a_constexpr_to_its_default_is_never_cached(fast_path):
+    k = Kernel()
+    f = tc.FastLaunch(k)
+    for _ in range(3):
+        f[(1,)](*args(), BM=64)  # PREC left out: its value is Triton's to fill in
+    assert len(k.calls) == 3
+
+
+def test_triton_path_when_the_fast_one_does_not_apply(monkeypatch, fast_path):
+    k = Kernel()
+    f = tc.FastLaunch(k)
+    monkeypatch.setattr(tc, "_no_hooks", lambda: False)  # a profiler's launch hooks
+    for _ in range(2):
+        f[(1,)](*args(), BM=64, PREC="tf32")
+    assert len(k.calls) == 2
+    monkeypatch.setattr(tc, "_no_hooks", lambda: True)
+    monkeypatch.setattr(tc, "_fast_state", lambda: "HEDGECATS_TRITON_FAST_LAUNCH=0")
+    for _ in range(2):
+        f[(1,)](*args(), BM=64, PREC="tf32")
+    assert len(k.calls) == 4
+    monkeypatch.setattr(tc, "_fast_state", lambda: None)
+    f[lambda meta: (1,)](*args(), BM=64, PREC="tf32")  # a callable grid: Triton's to evaluate
+    f[lambda meta: (1,)](*args(), BM=64, PREC="tf32")
+    assert len(k.calls) == 6
+
+
+def test_the_switch_and_the_interpreter_turn_it_off(monkeypatch):
+    monkeypatch.setenv("HEDGECATS_TRITON_FAST_LAUNCH", "0")
+    assert tc._fast_state() == "HEDGECATS_TRITON_FAST_LAUNCH=0"
+    monkeypatch.setenv("HEDGECATS_TRITON_FAST_LAUNCH", "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert tc._fast_state() == "the interpreter"
+
+
+def test_the_cache_stays_bounded(fast_path, monkeypatch):
+    monkeypatch.setattr(tc, "FAST_CACHE_MAX", 4)
+    k = Kernel()
+    f = tc.FastLaunch(k)
+    for n in range(10):
+        f[(1,)](*args(n=n), BM=64, PREC="tf32")
+    assert len(f.cache) <= 4
+    f[(1,)](*args(n=9), BM=64, PREC="tf32")  # the newest is still there
+    assert len(k.calls) == 10
+
+
+def test_one_launcher_per_kernel():
+    k = Kernel()
+    assert tc.fast(k) is tc.fast(k) and tc.fast(k).fn is k
