@@ -1,14 +1,15 @@
-"""The fused feature map's backward (``ops.triton_phi._phi_bwd``) with the activations read
-from the forward's output or recomputed from x (``triton_phi.BWD_FROM_OUTPUT``), against the
-fp32 PyTorch map, in one run.
+"""The fused feature map (``ops.triton_phi``) under variants, against the fp32 PyTorch map, in
+one run: the backward with the activations read from the forward's output or recomputed from x
+(``triton_phi.BWD_FROM_OUTPUT``), and other rows per program (``VARIANTS``: the tiles
+``triton_phi._tiles`` picks, replaced for the row).
 
-    python benchmarks/phi_speed.py --shapes 1x65536,8x1024 --out DIR
+    python benchmarks/phi_speed.py --shapes 1x65536,8x1024 [--variants a,b] --out DIR
 
 Per shape (Llama-3-8B heads: the query map over 32 heads, the key map over 8, D = 128,
 square maps), for each variant: the gradients of x, the weight and the bias of both maps
 against ``reference_features`` in fp32 (relative L2 error), then the median milliseconds of
-both maps' forward + backward (CUDA events, ``attention_speed.bench``) and of the forward
-alone.
+both maps' forward + backward (CUDA events, ``attention_speed.bench``; and in device time,
+``attention_speed.device_ms``) and of the forward alone.
 """
 
 from __future__ import annotations
@@ -19,8 +20,20 @@ import sys
 from pathlib import Path
 
 import torch
-from attention_speed import bench, environment, rel  # benchmarks/ is on sys.path as a script
+from attention_speed import bench, device_ms, environment, rel  # benchmarks/ on sys.path
 from hedgecats.models.ops import triton_phi as tp
+
+#: name: (backward reads the forward's output, (rows, warps) of the forward or None for
+#: ``_tiles``'s, the same for the backward). Session 11 (2026-12-03): ptxas's report with the
+#: launch's divisibility hints shows the D 128 / F 256 backward at 64 rows without spill (102
+#: registers, wgmma; 32 rows, the default, get mma.sync) and the forward at 128 rows (182)
+VARIANTS = {
+    "from-output": (True, None, None),
+    "recompute": (False, None, None),
+    "bwd64": (True, None, (64, 8)),
+    "bwd128": (True, None, (128, 8)),
+    "fwd128-bwd64": (True, (128, 8), (64, 8)),
+}
 
 
 def maps(B: int, T: int, heads: tuple[int, ...], D: int, seed: int = 0):
@@ -48,11 +61,18 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="1x65536,8x1024")
     p.add_argument("--out", default=None)
+    p.add_argument("--variants", default="from-output,recompute",
+                   help=f"comma-separated, of {', '.join(VARIANTS)} (each timed twice)")
     a = p.parse_args(argv)
+    names = a.variants.split(",")
+    unknown = set(names) - set(VARIANTS)
+    if unknown:
+        p.error(f"unknown variants {sorted(unknown)}: choose from {', '.join(VARIANTS)}")
     H, Hkv, D = 32, 8, 128
     res = dict(environment=environment(), rows=[],
                command=" ".join(["python", "benchmarks/phi_speed.py"] + (argv or sys.argv[1:])))
     fused = lambda x, w, b: tp.hedgehog_features(x, w, b, "softmax")  # noqa: E731
+    default_tiles, default_from_y = tp._tiles, tp.BWD_FROM_OUTPUT
     for shape in a.shapes.split(","):
         B, T = map(int, shape.split("x"))
         args = maps(B, T, (H, Hkv), D)
@@ -71,30 +91,40 @@ def main(argv=None):
                 fused(x, w, b).backward(dy)
             for t in (t for m in args for t in m):
                 t.grad = None
-        fwd_ms = bench(fwd)[0]
-        default = tp.BWD_FROM_OUTPUT
-        for variant in ("from-output", "recompute", "from-output", "recompute"):  # twice
-            tp.BWD_FROM_OUTPUT = variant == "from-output"
-            got = grads(args, dys, fused)
-            err = max(rel(g, w) for g, w in zip(got, want))
-            ms, peak = bench(fwd_bwd)
-            row = dict(B=B, T=T, variant=variant, fwd_bwd_ms=round(ms, 4),
-                       fwd_ms=round(fwd_ms, 4), peak_gib=round(peak, 3),
-                       max_rel_err_grads=float(f"{err:.2e}"))
-            res["rows"].append(row)
-            print(json.dumps(row), flush=True)
-        tp.BWD_FROM_OUTPUT = default
+        try:
+            for variant in names + names:  # twice: the spread between repeats
+                from_y, fwd_tiles, bwd_tiles = VARIANTS[variant]
+                tp.BWD_FROM_OUTPUT = from_y
+
+                def tiles(D_, FH, backward, f=fwd_tiles, b=bwd_tiles):
+                    pick = b if backward else f
+                    return pick if pick is not None else default_tiles(D_, FH, backward)
+                tp._tiles = tiles
+                got = grads(args, dys, fused)
+                err = max(rel(g, w) for g, w in zip(got, want))
+                fwd_ms = bench(fwd)[0]
+                ms, peak = bench(fwd_bwd)
+                row = dict(B=B, T=T, variant=variant, fwd_bwd_ms=round(ms, 4),
+                           fwd_ms=round(fwd_ms, 4),
+                           fwd_bwd_device_ms=round(device_ms(fwd_bwd, ms)["device_ms"], 4),
+                           fwd_device_ms=round(device_ms(fwd, fwd_ms)["device_ms"], 4),
+                           peak_gib=round(peak, 3), max_rel_err_grads=float(f"{err:.2e}"))
+                res["rows"].append(row)
+                print(json.dumps(row), flush=True)
+        finally:
+            tp.BWD_FROM_OUTPUT, tp._tiles = default_from_y, default_tiles
         args = dys = want = None
         torch.cuda.empty_cache()
     if a.out:
         out = Path(a.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "phi_speed.json").write_text(json.dumps(res, indent=1))
-        lines = [f"`{res['command']}`", "", "| B x T | backward | fwd + bwd ms | "
-                 "fwd ms | peak GiB | max rel err of the gradients (fp32 reference) |",
-                 "| --- | --- | --- | --- | --- | --- |"]
+        lines = [f"`{res['command']}`", "", "| B x T | variant | fwd + bwd ms | fwd ms | "
+                 "fwd + bwd / fwd device ms | peak GiB | max rel err of the gradients "
+                 "(fp32 reference) |", "| --- | --- | --- | --- | --- | --- | --- |"]
         lines += [f"| {r['B']} x {r['T']} | {r['variant']} | "
-                  f"{r['fwd_bwd_ms']} | {r['fwd_ms']} | {r['peak_gib']} | "
+                  f"{r['fwd_bwd_ms']} | {r['fwd_ms']} | {r['fwd_bwd_device_ms']} / "
+                  f"{r['fwd_device_ms']} | {r['peak_gib']} | "
                   f"{r['max_rel_err_grads']:.1e} |" for r in res["rows"]]
         (out / "phi_speed.md").write_text("\n".join(lines) + "\n")
 

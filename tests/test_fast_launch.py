@@ -140,12 +140,44 @@ def test_triton_path_when_the_fast_one_does_not_apply(monkeypatch, fast_path):
     assert len(k.calls) == 6
 
 
-def test_the_switch_and_the_interpreter_turn_it_off(monkeypatch):
-    monkeypatch.setenv("HEDGECATS_TRITON_FAST_LAUNCH", "0")
+def test_the_switch_turns_it_off(monkeypatch):
+    monkeypatch.setattr(tc, "FAST_LAUNCH", False)
     assert tc._fast_state() == "HEDGECATS_TRITON_FAST_LAUNCH=0"
-    monkeypatch.setenv("HEDGECATS_TRITON_FAST_LAUNCH", "1")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert tc._fast_state() == "the interpreter"
+
+
+def test_a_launch_without_a_compiled_handle_is_never_cached(fast_path):
+    """The interpreter's launches return no compiled kernel (no ``packed_metadata``): every
+    launch then goes through Triton."""
+    class Bare(Kernel):  # (a JITFunction whose launch returned no handle)
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                self.calls.append((grid, args, kw))
+                return None
+            return launch
+
+    k = Bare()
+    f = tc.FastLaunch(k)
+    for _ in range(3):
+        f[(1,)](*args(), BM=64, PREC="tf32")
+    assert len(k.calls) == 3 and not f.cache
+
+
+def test_the_interpreters_kernels_go_through_triton(fast_path):
+    """Under TRITON_INTERPRET=1 the kernels are InterpretedFunctions: no device to ask for a
+    stream, Triton's path every time."""
+    class InterpretedFunction(Kernel):
+        pass
+
+    k = InterpretedFunction()
+    f = tc.FastLaunch(k)
+    for _ in range(2):
+        f[(1,)](*args(), BM=64, PREC="tf32")
+    assert len(k.calls) == 2 and not f.cache
+
+
+def test_host_helpers():
+    assert [tc.cdiv(a, 64) for a in (1, 63, 64, 65, 1024)] == [1, 1, 1, 2, 16]
+    assert [tc.next_pow2(n) for n in (1, 2, 3, 16, 17, 1000)] == [1, 2, 4, 16, 32, 1024]
 
 
 def test_the_cache_stays_bounded(fast_path, monkeypatch):

@@ -420,10 +420,10 @@ def test_fast_launch_gives_tritons_results_bit_for_bit(monkeypatch):
     for offset in (0, 1):  # 1 bf16 element: 2 bytes past the allocation's aligned start
         x = inputs(offset)
         assert (x["q"].data_ptr() % 16 == 0) == (offset == 0)
-        monkeypatch.setenv("HEDGECATS_TRITON_FAST_LAUNCH", "0")
+        monkeypatch.setattr(tc, "FAST_LAUNCH", False)
         calls = th.CALLS["forward"]
         want = step(x)
-        monkeypatch.setenv("HEDGECATS_TRITON_FAST_LAUNCH", "1")
+        monkeypatch.setattr(tc, "FAST_LAUNCH", True)
         step(x)  # (first launch of each key: Triton's path, the handle cached)
         fast = tc.LAUNCHES["fast"]
         got = step(x)

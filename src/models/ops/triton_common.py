@@ -11,8 +11,8 @@ import os
 
 import torch
 
-__all__ = ["GRID_AXIS_MAX", "HAVE_TRITON", "available", "ensure_allocator", "errors", "fast",
-           "interpret", "tl", "tma_ok", "triton", "warn_once"]
+__all__ = ["GRID_AXIS_MAX", "HAVE_TRITON", "available", "cdiv", "ensure_allocator", "errors",
+           "fast", "interpret", "next_pow2", "tl", "tma_ok", "triton", "warn_once"]
 
 try:  # the kernel modules define their kernels only where triton imports (never on CPU CI)
     import triton
@@ -25,6 +25,18 @@ except Exception:  # pragma: no cover - CPU CI has no triton; a broken install c
 
 #: CUDA's limit on a launch grid's second and third axes (the first takes up to 2^31 - 1)
 GRID_AXIS_MAX = 65535
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` on the host (``triton.cdiv`` is a constexpr function in Triton 3.6: a
+    few microseconds a call through its argument unwrapping, ~11 calls a layer)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (``n`` >= 1; ``triton.next_power_of_2`` on the
+    host, without its constexpr-function call)."""
+    return 1 << (n - 1).bit_length()
 
 
 def interpret() -> bool:
@@ -148,26 +160,47 @@ def _arg_key(a):
     return t, a  # bool (True is not 1 to Triton: i1 against a constant 1), str, ...
 
 
+#: ``HEDGECATS_TRITON_FAST_LAUNCH=0`` (read at import) launches every kernel through Triton's
+#: own path (tests set the attribute)
+FAST_LAUNCH = os.environ.get("HEDGECATS_TRITON_FAST_LAUNCH", "1") != "0"
+
+
 def _fast_state() -> str | None:
-    """Why launches go through Triton's own path (``None``: they may take the fast one)."""
-    if os.environ.get("HEDGECATS_TRITON_FAST_LAUNCH", "1") == "0":
+    """Why launches go through Triton's own path (``None``: they may take the fast one). Under
+    the interpreter a launch returns no compiled handle (nothing is cached: Triton's path)."""
+    if not FAST_LAUNCH:
         return "HEDGECATS_TRITON_FAST_LAUNCH=0"
-    if interpret():
-        return "the interpreter"
+    return _version_reason()
+
+
+@functools.cache
+def _version_reason() -> str | None:
     if not triton.__version__.startswith(FAST_LAUNCH_VERSIONS):
         return f"triton {triton.__version__} (read for {', '.join(FAST_LAUNCH_VERSIONS)})"
     return None
 
 
+@functools.cache
+def _hook_chains():
+    """(Triton's launch-hook holder, its HookChain class), or None for a Triton without them."""
+    try:
+        from triton import knobs
+        from triton.knobs import HookChain
+        return knobs.runtime, HookChain
+    except (ImportError, AttributeError):  # pragma: no cover - another Triton's internals
+        return None
+
+
 def _no_hooks() -> bool:
     """No launch hooks registered (a profiler such as proton adds some; its launches then go
     through Triton's path, which calls them)."""
-    try:
-        from triton import knobs
-        hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
-    except (ImportError, AttributeError):  # pragma: no cover - another Triton's internals
+    got = _hook_chains()
+    if got is None:  # pragma: no cover - another Triton's internals
         return False
-    return all(h is None or (type(h).__name__ == "HookChain" and not h.calls) for h in hooks)
+    rt, chain = got
+    e, x = rt.launch_enter_hook, rt.launch_exit_hook
+    return (e is None or (type(e) is chain and not e.calls)) and \
+        (x is None or (type(x) is chain and not x.calls))
 
 
 def _device_and_stream() -> tuple[int, int]:
@@ -190,25 +223,31 @@ class FastLaunch:
     by value where Triton keeps only ``== 1`` and divisibility by 16), plus the keyword
     arguments (constexprs, ``num_warps``, ``num_stages``) and the device: a launch whose
     arguments Triton would compile differently never takes a cached handle. Triton's own path
-    runs instead under the interpreter, for Triton versions not read (``FAST_LAUNCH_VERSIONS``),
-    while launch hooks are registered, with a callable grid, keyword arguments in place of
-    positional ones, and with ``HEDGECATS_TRITON_FAST_LAUNCH=0`` (logged once): only host time
-    differs."""
+    runs instead under the interpreter (its launches return no compiled handle), for Triton
+    versions not read (``FAST_LAUNCH_VERSIONS``), while launch hooks are registered, with a
+    callable grid, keyword arguments in place of positional ones, and with
+    ``HEDGECATS_TRITON_FAST_LAUNCH=0`` (logged once): only host time differs."""
 
-    __slots__ = ("fn", "cache", "names")
+    __slots__ = ("fn", "cache", "names", "compiled")
 
     def __init__(self, fn):
         self.fn = fn
         self.cache: dict = {}
         self.names = tuple(fn.arg_names)
+        #: a kernel Triton compiles (a JITFunction), not the interpreter's (under
+        #: TRITON_INTERPRET=1 ``triton.jit`` makes an InterpretedFunction: no device, no handle)
+        self.compiled = type(fn).__name__ != "InterpretedFunction"
 
     def __getitem__(self, grid):
         return functools.partial(self._launch, grid)
 
     def _launch(self, grid, *args, **kw):
+        if not self.compiled:
+            LAUNCHES["triton"] += 1
+            return self.fn[grid](*args, **kw)
         reason = _fast_state()
         if reason is not None or type(grid) is not tuple or not _no_hooks():
-            if reason is not None and reason != "the interpreter":
+            if reason is not None:
                 warn_once(__name__, f"Triton kernels launched through Triton's own path "
                           f"({reason}): the same kernels, more host time per launch")
             LAUNCHES["triton"] += 1

@@ -47,7 +47,8 @@ from __future__ import annotations
 
 import torch
 
-from .triton_common import HAVE_TRITON, available, errors, fast, interpret, tl, triton, warn_once
+from .triton_common import (HAVE_TRITON, available, errors, fast, interpret, next_pow2, tl, triton,
+                            warn_once)
 
 __all__ = ["decode_step", "unsupported_reason"]
 
@@ -286,8 +287,8 @@ def decode_step(layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
             layer.z, layer.vsum, layer.n_state, layer.n_real, layer.sink_keys, layer.sink_values,
             layer.pos, gt, out, q.stride(0), q.stride(1), fq.stride(0), fq.stride(1),
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), *sg, g_scalar, float(scale),
-            float(eps), Hkv, W, NS, GROUP=GROUP, GP=max(16, triton.next_power_of_2(GROUP)), D=D,
-            F=F, BW=max(16, triton.next_power_of_2(W)), BF=BF, MODE=MODES[mode],
+            float(eps), Hkv, W, NS, GROUP=GROUP, GP=max(16, next_pow2(GROUP)), D=D,
+            F=F, BW=max(16, next_pow2(W)), BF=BF, MODE=MODES[mode],
             SHARED=bool(shared_norm), RESCALE=bool(rescale), G_TENSOR=torch.is_tensor(g),
             HAS_REAL_NEW=real is not None,
             PREC="ieee" if query.dtype == torch.float32 else "tf32",
@@ -297,7 +298,7 @@ def decode_step(layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         note_fallback(f"{type(e).__name__} in Triton")
         return None
     fast(_step_post)[(1,)](layer.real, real_new, layer.n_state, layer.n_real, layer.sink_real,
-                           layer.pos, B, W, NS, BB=min(1024, triton.next_power_of_2(B)),
+                           layer.pos, B, W, NS, BB=min(1024, next_pow2(B)),
                            HAS_REAL_NEW=real is not None, num_warps=4)
     CALLS["step"] += 1
     return out.transpose(1, 2)

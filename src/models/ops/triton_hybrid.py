@@ -83,19 +83,8 @@ from dataclasses import dataclass
 import torch
 
 from . import reference as ref
-from .triton_common import (
-    GRID_AXIS_MAX,
-    HAVE_TRITON,
-    available,
-    errors,
-    fast,
-    interpret,
-    record_fallback,
-    tl,
-    tma_ok,
-    triton,
-    warn_once,
-)
+from .triton_common import (GRID_AXIS_MAX, HAVE_TRITON, available, cdiv, errors, fast, interpret,
+                            next_pow2, record_fallback, tl, tma_ok, triton, warn_once)
 
 __all__ = ["KernelConfig", "available", "fused_hybrid", "hybrid_kernel", "kernel_reference",
            "unsupported_reason"]
@@ -1034,6 +1023,14 @@ def _like(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     return torch.empty_like(x, dtype=dtype)
 
 
+def _flat(x: torch.Tensor, dtype: torch.dtype, n: int) -> torch.Tensor:
+    """A per-(b, h) tensor as ``n`` contiguous values of ``dtype`` (itself where it is one:
+    the cached mixer weights and shifts of a fixed g are, and a no-op cast costs host time)."""
+    if x.dtype == dtype and x.is_contiguous():
+        return x.view(n)
+    return x.to(dtype).reshape(n).contiguous()
+
+
 def _prec(dtype: torch.dtype) -> str:
     return "tf32x3" if dtype == torch.float32 else "tf32"  # fp32: 3 tf32 products, ~fp32 accuracy
 
@@ -1112,8 +1109,8 @@ def _scan_chunks(share: torch.Tensor, total: torch.Tensor, NC: int, reverse: boo
     fp32) over the chunk axis (``_state_scan``)."""
     rows = share.shape[0] * share.shape[1]
     N = share[0, 0, 0].numel()
-    blk = min(SCAN_BLOCK, triton.next_power_of_2(N))
-    fast(_state_scan)[(rows, triton.cdiv(N, blk))](
+    blk = min(SCAN_BLOCK, next_pow2(N))
+    fast(_state_scan)[(rows, cdiv(N, blk))](
         share, total, NC, N, BLK=blk, U=SCAN_STEP, REVERSE=reverse, num_warps=4)
 
 
@@ -1122,7 +1119,7 @@ def _la_states(fk, v, kpm_i8, cfg: KernelConfig):
     B, Hkv, T, F = fk.shape
     D = v.shape[-1]
     CS = cfg.state_chunk
-    NC = triton.cdiv(T, CS)
+    NC = cdiv(T, CS)
     S = torch.empty(B, Hkv, NC, F, D, device=fk.device, dtype=fk.dtype)
     z = torch.empty(B, Hkv, NC, F, device=fk.device, dtype=torch.float32)
     vs = torch.empty(B, Hkv, NC, D, device=fk.device, dtype=torch.float32)
@@ -1170,7 +1167,7 @@ def _forward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, *, window
     den = torch.empty(B * H, T, device=q.device, dtype=torch.float32)
     swa_o = torch.empty(B * H, T, D, device=q.device, dtype=q.dtype) if save and has_swa else None
     la_o = torch.empty(B * H, T, D, device=q.device, dtype=q.dtype) if save and has_la else None
-    grid = (triton.cdiv(T, cfg.block_m), B * H)
+    grid = (cdiv(T, cfg.block_m), B * H)
     fast(_fwd)[grid](
         q, k, v, fq, fk, S, z, vs, cnt, o, lse, den, ca, cb, logs, shift, first,
         _ptr(kpm_i8, lse), _ptr(swa_o, o), _ptr(la_o, o),
@@ -1217,7 +1214,7 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
         S, z, NC = dummy, torch.empty(1, **f32), 1
         vs = z
     BM, BN = cfg.bwd_block_m, cfg.bwd_block_n
-    NMB = triton.cdiv(T, BM)
+    NMB = cdiv(T, BM)
     dq = _like(q) if has_swa and need_dq else None
     delta, ws, gf, dden = (torch.empty(B * H, T, **f32) for _ in range(4))
     pa, pb = torch.empty(B * H, NMB, **f32), torch.empty(B * H, NMB, **f32)
@@ -1261,7 +1258,7 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
     del S, z, vs
     dk = dv = dvs = None
     BNK = _dkv_block_n(cfg)  # the key tile of the window kernel and of the dfk programs
-    NNB = triton.cdiv(T, BNK)
+    NNB = cdiv(T, BNK)
     # the window kernel writes dk and its dv together: when only one of them is asked for, the
     # other is computed into scratch (no stage takes this path: stage 1 needs neither, stage 2
     # both)
@@ -1300,7 +1297,7 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
             fast(_bwd_dkv_la)[(NNB, B * Hkv, F // GFC)](*args, BN=BNK, PART=1, **meta)
             CALLS["dkv_apart"] += 1
             if dv is not None:
-                fast(_bwd_dkv_la)[(triton.cdiv(T, BN), B * Hkv, 1)](
+                fast(_bwd_dkv_la)[(cdiv(T, BN), B * Hkv, 1)](
                     *args, BN=BN, PART=2, **meta)
         CALLS["dv_la"] += dv is not None
     return dq, dk if need_dk else None, dv, dfq, dfk, pa, pb
@@ -1355,7 +1352,7 @@ class _HybridFn(torch.autograd.Function):
         # the state path is part of the problem: a split build that fails to compile at long T
         # must not send short calls (which walk) down the retry chain
         key = (q.dtype, q.shape[-1], fq.shape[-1], has_swa, has_la, shared, kpm_i8 is not None,
-               save, use_split_states(cfg, triton.cdiv(q.shape[2], cfg.state_chunk)))
+               save, use_split_states(cfg, cdiv(q.shape[2], cfg.state_chunk)))
         o, lse, den, swa_o, la_o, states = _with_retry("forward", key, cfg, lambda c: _forward(
             q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, window=window, scale=scale,
             eps=eps, has_swa=has_swa, has_la=has_la, shared=shared, cfg=c,
@@ -1387,7 +1384,7 @@ class _HybridFn(torch.autograd.Function):
         need = tuple(ctx.needs_input_grad[:3])  # dq, dk, dv
         key = (q.dtype, q.shape[-1], fq.shape[-1], a["has_swa"], a["has_la"], a["shared"],
                kpm_i8 is not None, swa_o is not None or la_o is not None, need,
-               use_split_states(a["cfg"], triton.cdiv(q.shape[2], a["cfg"].state_chunk)))
+               use_split_states(a["cfg"], cdiv(q.shape[2], a["cfg"].state_chunk)))
         args = {n: x for n, x in a.items() if n != "cfg"}
         try:
             dq, dk, dv, dfq, dfk, pa, pb = _with_retry("backward", key, a["cfg"], lambda c: (
@@ -1464,10 +1461,8 @@ def hybrid_kernel(q, k, v, fq, fk, ca, cb, logs, shift, *, window: int, scale: f
         first = idx.min(dim=1).values.to(torch.int32)
         # cnt[b, i]: real keys before position i (the kernel floor counts visible real keys)
         cnt = torch.nn.functional.pad(kpm.int().cumsum(1), (1, 0)).to(torch.int32).contiguous()
-    ca = ca.float().reshape(B * H).contiguous()
-    cb = cb.float().reshape(B * H).contiguous()
-    logs = logs.float().reshape(B * H).contiguous()
-    shift = shift.to(device=dev, dtype=torch.int32).reshape(B * H).contiguous()
+    ca, cb, logs = (_flat(x, torch.float32, B * H) for x in (ca, cb, logs))
+    shift = _flat(shift if shift.device == dev else shift.to(dev), torch.int32, B * H)
     # store the branches for the backward only where one will run
     save = cfg.save_branches and torch.is_grad_enabled() and any(
         x.requires_grad for x in (q, k, v, fq, fk, ca, cb, logs))

@@ -28,18 +28,8 @@ from __future__ import annotations
 import torch
 
 from . import transfer
-from .triton_common import (
-    GRID_AXIS_MAX,
-    HAVE_TRITON,
-    available,
-    errors,
-    fast,
-    interpret,
-    record_fallback,
-    tl,
-    triton,
-    warn_once,
-)
+from .triton_common import (GRID_AXIS_MAX, HAVE_TRITON, available, cdiv, errors, fast, interpret,
+                            next_pow2, record_fallback, tl, triton, warn_once)
 
 __all__ = ["CALLS", "masked_mse", "unsupported_reason"]
 
@@ -123,12 +113,12 @@ class _MSEFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, student, teacher, kpm_i8, denom):
         B, H, T, D = student.shape
-        ntb = triton.cdiv(T, ROWS)
+        ntb = cdiv(T, ROWS)
         part = torch.empty(B * H, ntb, device=student.device, dtype=torch.float32)
         kpm_arg = part if kpm_i8 is None else kpm_i8
         fast(_mse_fwd)[(ntb, B * H)](
             student, teacher, kpm_arg, part, *student.stride()[:3], *teacher.stride()[:3], T, H,
-            ntb, D=D, BD=triton.next_power_of_2(D), BT=ROWS, HAS_KPM=kpm_i8 is not None,
+            ntb, D=D, BD=next_pow2(D), BT=ROWS, HAS_KPM=kpm_i8 is not None,
             num_warps=4)
         ctx.save_for_backward(student, teacher, denom, *(() if kpm_i8 is None else (kpm_i8,)))
         return part.sum() / denom
@@ -141,10 +131,10 @@ class _MSEFn(torch.autograd.Function):
         c = (2.0 * g.float() / denom).reshape(1).contiguous()
         ds = torch.empty(B, H, T, D, device=student.device, dtype=student.dtype)
         try:
-            fast(_mse_bwd)[(triton.cdiv(T, ROWS), B * H)](
+            fast(_mse_bwd)[(cdiv(T, ROWS), B * H)](
                 student, teacher, c if kpm_i8 is None else kpm_i8, c, ds, *student.stride()[:3],
                 *teacher.stride()[:3], *ds.stride()[:3], T, H, D=D,
-                BD=triton.next_power_of_2(D), BT=ROWS, HAS_KPM=kpm_i8 is not None, num_warps=4)
+                BD=next_pow2(D), BT=ROWS, HAS_KPM=kpm_i8 is not None, num_warps=4)
             CALLS["backward"] += 1
         except errors() as e:  # the same gradient in PyTorch
             record_fallback(FALLBACK_ERRORS, __name__, "output MSE backward", e,

@@ -39,18 +39,8 @@ import torch
 
 from . import transfer
 from .reference import DEN_TINY
-from .triton_common import (
-    GRID_AXIS_MAX,
-    HAVE_TRITON,
-    available,
-    errors,
-    fast,
-    interpret,
-    record_fallback,
-    tl,
-    triton,
-    warn_once,
-)
+from .triton_common import (GRID_AXIS_MAX, HAVE_TRITON, available, cdiv, errors, fast, interpret,
+                            record_fallback, tl, triton, warn_once)
 
 __all__ = ["available", "unsupported_reason", "weights_xent", "xent_rows"]
 
@@ -304,7 +294,7 @@ class _XentFn(torch.autograd.Function):
 
         def launch(bl):
             BM, BN, warps, stages = bl[0]
-            fast(_xent_fwd)[(triton.cdiv(T, BM), B * H)](
+            fast(_xent_fwd)[(cdiv(T, BM), B * H)](
                 q, k, fq, fk, kpm_arg, xe, ent, lse, lz, *_strides(q), *_strides(k),
                 *_strides(fq), *_strides(fk), T, H, H // Hkv, scale * LOG2E, TINY, eps,
                 D=D, F=F, BM=BM, BN=BN, HAS_KPM=kpm_i8 is not None, PREC_S=_prec(q.dtype),
@@ -334,8 +324,8 @@ class _XentFn(torch.autograd.Function):
 
         def launch(bl):
             for kernel, (BM, BN, warps, stages), grid, out in (
-                    (_xent_bwd_dq, bl[1], lambda bm, bn: (triton.cdiv(T, bm), B * H), dfq),
-                    (_xent_bwd_dk, bl[2], lambda bm, bn: (triton.cdiv(T, bn), B * Hkv), dfk)):
+                    (_xent_bwd_dq, bl[1], lambda bm, bn: (cdiv(T, bm), B * H), dfq),
+                    (_xent_bwd_dk, bl[2], lambda bm, bn: (cdiv(T, bn), B * Hkv), dfk)):
                 fast(kernel)[grid(BM, BN)](
                     q, k, fq, fk, kpm_arg, lse, lz, w, out, *args, D=D, F=F, BM=BM, BN=BN,
                     HAS_KPM=has_kpm, PREC_S=_prec(q.dtype), PREC_A=_prec(fq.dtype),
