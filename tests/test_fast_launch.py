@@ -175,6 +175,19 @@ def test_the_interpreters_kernels_go_through_triton(fast_path):
     assert len(k.calls) == 2 and not f.cache
 
 
+def test_a_stand_in_without_a_signature_goes_through_its_own_launch(fast_path):
+    """The tests replace kernels by objects that only raise on launch (the fallback tests, e.g.
+    tests/triton_interpreter_check.py mse-backward-fallback): their error comes through."""
+    class Failing:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                raise RuntimeError("out of resources")
+            return launch
+
+    with pytest.raises(RuntimeError, match="out of resources"):
+        tc.FastLaunch(Failing())[(1,)](*args(), BM=64)
+
+
 def test_host_helpers():
     assert [tc.cdiv(a, 64) for a in (1, 63, 64, 65, 1024)] == [1, 1, 1, 2, 16]
     assert [tc.next_pow2(n) for n in (1, 2, 3, 16, 17, 1000)] == [1, 2, 4, 16, 32, 1024]

@@ -100,6 +100,7 @@ def hybrid_kernels(dtype: torch.dtype, D: int, F: int, has_swa=True, has_la=True
     flags = dict(HAS_SWA=has_swa, HAS_LA=has_la)
     fwd_tiles = dict(BM=cfg.block_m, BN=cfg.block_n)
     bwd_tiles = dict(BM=cfg.bwd_block_m, BN=cfg.bwd_block_n)
+    dq_tiles = dict(BM=th._dq_block_m(cfg), BN=cfg.bwd_block_n)  # the query-side kernels
     yield "state_fwd", th._state_fwd, dict(F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD,
                                             HAS_KPM=kpm, PREC=prec), (), cfg.state_warps, 3
     # split_states (past SPLIT_STATES_MIN_CHUNKS chunks): every chunk's share at once, then the sums
@@ -122,12 +123,12 @@ def hybrid_kernels(dtype: torch.dtype, D: int, F: int, has_swa=True, has_la=True
     # NEED_DQ False: stage 1 (q takes no gradient); FROM_SAVED: factors from the saved branches
     for need_dq, saved in ((True, False), (False, False), (True, True), (False, True)):
         yield f"bwd_dq{'' if need_dq else '-no-dq'}{'-saved' if saved else ''}", th._bwd_dq, \
-            dict(**lo, **flags, **bwd_tiles, SHARED=shared, NEED_DQ=need_dq,
+            dict(**lo, **flags, **dq_tiles, SHARED=shared, NEED_DQ=need_dq,
                  FROM_SAVED=saved, STORE_DNUM=has_la), ("scale", "scale_log2", "eps"), \
             cfg.bwd_warps, cfg.stages
     if has_la:
         grad = dict(lo, FC=th._grad_fc(cfg, F))  # the dfq / dfk programs' feature slice
-        yield "bwd_dfq", th._bwd_dfq, dict(**grad, **bwd_tiles), (), cfg.bwd_warps, cfg.stages
+        yield "bwd_dfq", th._bwd_dfq, dict(**grad, **dq_tiles), (), cfg.bwd_warps, cfg.stages
         for tma in (True, False):
             yield f"state_rev{'-tma' if tma else ''}", th._state_rev, dict(
                 F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD, PREC=prec, TMA=tma), (), \

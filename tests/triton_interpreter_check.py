@@ -604,6 +604,14 @@ def cases(quick: bool = False):
                                                             per_bh_shift=True, pad=True,
                                                             shared=True, cfg=dict(
             LONG_CHUNK, block_m=128, block_n=16, state_chunk=32))),
+        # the query-side backward (dq, dfq) on its own query tile (``dq_block_m``), taller than
+        # the key-side kernels' and than the state chunk
+        ("kernel-tall-dq-tiles-pad-shifts-shared", k, dict(T=150, window=40, per_bh_shift=True,
+                                                           pad=True, shared=True, cfg=dict(
+            LONG_CHUNK, dq_block_m=64))),
+        ("kernel-tall-dq-tiles-recomputed-frozen-v", k, dict(T=150, window=10, frozen=("v",),
+                                                             cfg=dict(LONG_CHUNK, dq_block_m=128,
+                                                                      save_branches=False))),
         ("kernel-frozen-qkv", k, dict(frozen=("q", "k", "v"))),
         ("kernel-frozen-qkv-pad-shared-tall", k, dict(T=70, window=10, pad=True, shared=True,
                                                       cfg=TALL_BWD, frozen=("q", "k", "v"))),

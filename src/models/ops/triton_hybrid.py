@@ -172,6 +172,11 @@ class KernelConfig:
     #: walked kernels keep ``state_f`` x ``state_d``: at 128 x 128 ptxas shows the forward
     #: walk spilling 16 B and the reverse walk's pointer path 700 B
     split_tile: int | None = None
+    #: the query tile of the query-side backward kernels (``_bwd_dq``, ``_bwd_dfq``); None:
+    #: ``bwd_block_m``, which the key-side kernels keep as the query tile of their loops (at
+    #: 128 their window kernel spills 880 B, their dfk programs 320: ptxas, sm_90a, D 128, F 256,
+    #: with the launch's divisibility hints; the query-side ones do not spill at 128)
+    dq_block_m: int | None = None
 
 
 @functools.lru_cache(maxsize=64)  # (a KernelConfig is frozen: one per shape, not per call)
@@ -200,10 +205,14 @@ def default_config(D: int, F: int, dtype: torch.dtype) -> KernelConfig:
     # Measured on one H200 (device time, kernel alone; attention_speed.py --tune, configs
     # default / fwd128): the forward at 8 x 1k 0.508 to 0.400 ms, at 1 x 64k 4.82 to 3.84 ms
     # (benchmarks/results/h200_2026-12-03c/README.md)
+    # The query-side backward (dq, dfq) at 128 queries too (``dq_block_m``; 243 / 254 registers,
+    # no spill with the hints), predicted from the forward's gain, measured in session 11's
+    # last call against the 64-query tiles (tune config ``dq64``)
     if D >= 128:
         return KernelConfig(block_m=128, block_n=64, state_chunk=128, warps=8, stages=2,
                             bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64,
-                            state_warps=8, grad_f_chunk=256, dkv_block_n=64, split_tile=128)
+                            state_warps=8, grad_f_chunk=256, dkv_block_n=64, split_tile=128,
+                            dq_block_m=128)
     return KernelConfig(block_m=64, block_n=64, warps=4, stages=2, bwd_block_m=64,
                         bwd_block_n=64, bwd_warps=8, f_chunk=128)
 
@@ -1139,6 +1148,11 @@ def _fc(cfg: KernelConfig, F: int) -> int:
     return min(cfg.f_chunk, F)
 
 
+def _dq_block_m(cfg: KernelConfig) -> int:
+    """The query tile of the query-side backward kernels (``KernelConfig.dq_block_m``)."""
+    return cfg.dq_block_m or cfg.bwd_block_m
+
+
 def _dkv_block_n(cfg: KernelConfig) -> int:
     """The key tile of the key-side backward kernels (``KernelConfig.dkv_block_n``)."""
     return cfg.dkv_block_n or cfg.bwd_block_n
@@ -1214,7 +1228,8 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
         S, z, NC = dummy, torch.empty(1, **f32), 1
         vs = z
     BM, BN = cfg.bwd_block_m, cfg.bwd_block_n
-    NMB = cdiv(T, BM)
+    BMQ = _dq_block_m(cfg)  # the query tile of the query-side kernels (dq, dfq)
+    NMB = cdiv(T, BMQ)
     dq = _like(q) if has_swa and need_dq else None
     delta, ws, gf, dden = (torch.empty(B * H, T, **f32) for _ in range(4))
     pa, pb = torch.empty(B * H, NMB, **f32), torch.empty(B * H, NMB, **f32)
@@ -1227,7 +1242,7 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
         _ptr(dnum, dummy),
         *_strides(q), *_strides(k), *_strides(v), *_strides(fq), *_strides(fk), *_strides(do),
         *_strides(q if dq is None else dq), T, H, G, NC, NMB, window, scale, scale * LOG2E, eps,
-        D=D, F=F, FC=FC, BM=BM, BN=BN, CS=cfg.state_chunk, HAS_SWA=has_swa, HAS_LA=has_la,
+        D=D, F=F, FC=FC, BM=BMQ, BN=BN, CS=cfg.state_chunk, HAS_SWA=has_swa, HAS_LA=has_la,
         SHARED=shared, HAS_KPM=has_kpm, PREC=prec, NEED_DQ=dq is not None,
         FROM_SAVED=from_saved, STORE_DNUM=dnum is not None, num_warps=cfg.bwd_warps,
         num_stages=cfg.stages)
@@ -1253,7 +1268,7 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
         fast(_bwd_dfq)[(NMB, B * H, F // GFC)](
             fk, v, do, S, z, gf, dden, shift, kpm, dfq,
             *_strides(fk), *_strides(v), *_strides(do), T, H, G, NC,
-            D=D, F=F, FC=GFC, BM=BM, BN=BN, CS=cfg.state_chunk, HAS_KPM=has_kpm, PREC=prec,
+            D=D, F=F, FC=GFC, BM=BMQ, BN=BN, CS=cfg.state_chunk, HAS_KPM=has_kpm, PREC=prec,
             num_warps=cfg.bwd_warps, num_stages=cfg.stages)
     del S, z, vs
     dk = dv = dvs = None

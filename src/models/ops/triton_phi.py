@@ -147,9 +147,19 @@ def _prec(dtype):
 def _tiles(D: int, FH: int, backward: bool) -> tuple[int, int]:
     """(rows per program, warps), from ptxas's register report for sm_90a: no spills in either
     direction for D = 64 / 128 and F/2 = D / D/2 (the backward holds x, dy and du: 32 rows
-    when they are wide; 64 spilled 368 bytes per thread; at D = F/2 = 64 the backward takes 8
-    warps: with 4 it sat at 232 registers and the (H, B, T, F/2) du address tipped it into a
-    120-byte spill)."""
+    when they are wide; at D = F/2 = 64 the backward takes 8 warps: with 4 it sat at 232
+    registers and the (H, B, T, F/2) du address tipped it into a 120-byte spill).
+
+    D = F/2 = 128 (the 8B models' square map): the backward at 64 rows since session 11. The
+    report that had 64 rows spilling 368 bytes was compiled without the divisibility hints a
+    launch passes; with them (tests/test_triton_compile.py) 102 registers, no spill, wgmma
+    where 32 rows get mma.sync. Measured on one H200 (benchmarks/phi_speed.py, both maps'
+    forward + backward in device time, two repeats each): 1 x 64k 2.76 to 2.60 ms, 8 x 1k 0.426
+    either way; 128 rows slower at both (3.11 / 0.458), the forward at 128 rows too (1.44 vs
+    1.01 ms at 64k; benchmarks/results/h200_2026-12-03c/README.md). Rectangular maps (F/2 =
+    64) keep 32 rows: not measured."""
+    if backward and D * FH >= 128 * 128:
+        return 64, 8
     if backward and D * FH >= 64 * 128:
         return 32, 8
     if backward:
