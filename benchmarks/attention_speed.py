@@ -545,11 +545,12 @@ TUNE_CONFIGS = {  # None: default_config (D=128: fwd 64x64 w8, bwd 64x32 w8, key
     # had ruled out: the forward at 128 queries a program (255 registers, 4 B spill, loads
     # pipelined), the backward's key tiles at 64 (one _bwd_dkv_la launch, its dv programs on
     # wgmma instead of mma.sync)
-    # the default with the query-side backward (dq, dfq) on 64-query tiles, as before session
-    # 11's last call (the default takes 128 there since, dq_block_m)
-    "dq64": dict(block_m=128, block_n=64, state_chunk=128, warps=8, stages=2,
-                 bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8,
-                 grad_f_chunk=256, dkv_block_n=64, split_tile=128),
+    # the default with the query-side backward (dq, dfq) on 128-query tiles (dq_block_m; the
+    # key-side kernels keep 64: they spill at 128); 243 / 254 registers, no spill (ptxas with
+    # the launch hints)
+    "dq128": dict(block_m=128, block_n=64, state_chunk=128, warps=8, stages=2,
+                  bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8,
+                  grad_f_chunk=256, dkv_block_n=64, split_tile=128, dq_block_m=128),
     "fwd128": dict(block_m=128, block_n=64, state_chunk=128, warps=8, stages=2,
                    bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8,
                    grad_f_chunk=256, dkv_block_n=64, split_tile=128),

@@ -162,6 +162,23 @@ def _pointers(dtype):
     return types
 
 
+def test_query_side_backward_at_128_queries_compiles_without_spill():
+    """``KernelConfig.dq_block_m`` 128 (tune config ``dq128``): the dq and dfq kernels at 128
+    queries a program, D 128, F 256, every flag combination the layer uses."""
+    ptrs = _pointers(torch.bfloat16)
+    for shared, kpm in ((False, False), (True, True)):
+        lo = dict(D=128, F=256, CS=128, HAS_KPM=kpm, PREC="tf32", BM=128, BN=32)
+        for need_dq, saved in ((True, True), (False, True), (True, False)):
+            r = compile_report(th._bwd_dq, ptrs, dict(
+                lo, FC=64, HAS_SWA=True, HAS_LA=True, SHARED=shared, NEED_DQ=need_dq,
+                FROM_SAVED=saved, STORE_DNUM=True), ("scale", "scale_log2", "eps"), 8, 2)
+            print(f"bwd_dq 128 shared={shared} dq={need_dq} saved={saved}: {r}")
+            assert r["spill"] <= MAX_SPILL, r
+        r = compile_report(th._bwd_dfq, ptrs, dict(lo, FC=256), (), 8, 2)
+        print(f"bwd_dfq 128 kpm={kpm}: {r}")
+        assert r["spill"] <= MAX_SPILL, r
+
+
 HYBRID = [  # dtype, D, F, flags
     (torch.bfloat16, 128, 256, {}),
     (torch.bfloat16, 128, 256, {"shared": True, "kpm": True}),
