@@ -30,13 +30,16 @@ class Kernel:
 
     arg_names = ["X", "Y", "n", "scale", "flag", "BM", "PREC"]
 
-    def __init__(self):
+    def __init__(self, handle: bool = True):
         self.calls = []
         self.compiled = []
+        self.handle = handle  # False: the launch returns no compiled handle (the interpreter's)
 
     def __getitem__(self, grid):
         def launch(*args, **kw):
             self.calls.append((grid, args, kw))
+            if not self.handle:
+                return None
             c = Compiled()
             self.compiled.append(c)
             return c
@@ -148,14 +151,7 @@ def test_the_switch_turns_it_off(monkeypatch):
 def test_a_launch_without_a_compiled_handle_is_never_cached(fast_path):
     """The interpreter's launches return no compiled kernel (no ``packed_metadata``): every
     launch then goes through Triton."""
-    class Bare(Kernel):  # (a JITFunction whose launch returned no handle)
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                self.calls.append((grid, args, kw))
-                return None
-            return launch
-
-    k = Bare()
+    k = Kernel(handle=False)
     f = tc.FastLaunch(k)
     for _ in range(3):
         f[(1,)](*args(), BM=64, PREC="tf32")
@@ -189,6 +185,8 @@ def test_a_stand_in_without_a_signature_goes_through_its_own_launch(fast_path):
 
 
 def test_host_helpers():
+    x = torch.zeros(3, dtype=torch.float32)
+    assert tc.cast(x, torch.float32) is x and tc.cast(x, torch.bfloat16).dtype == torch.bfloat16
     assert [tc.cdiv(a, 64) for a in (1, 63, 64, 65, 1024)] == [1, 1, 1, 2, 16]
     assert [tc.next_pow2(n) for n in (1, 2, 3, 16, 17, 1000)] == [1, 2, 4, 16, 32, 1024]
 

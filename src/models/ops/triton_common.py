@@ -11,8 +11,8 @@ import os
 
 import torch
 
-__all__ = ["GRID_AXIS_MAX", "HAVE_TRITON", "available", "cdiv", "ensure_allocator", "errors",
-           "fast", "interpret", "next_pow2", "tl", "tma_ok", "triton", "warn_once"]
+__all__ = ["GRID_AXIS_MAX", "HAVE_TRITON", "available", "cast", "cdiv", "ensure_allocator",
+           "errors", "fast", "interpret", "next_pow2", "tl", "tma_ok", "triton", "warn_once"]
 
 try:  # the kernel modules define their kernels only where triton imports (never on CPU CI)
     import triton
@@ -31,6 +31,12 @@ def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` on the host (``triton.cdiv`` is a constexpr function in Triton 3.6: a
     few microseconds a call through its argument unwrapping, ~11 calls a layer)."""
     return -(-a // b)
+
+
+def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype``: ``t`` itself where it already is (a no-op ``.to`` still costs
+    microseconds of host time, and the layer makes a dozen per call)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def next_pow2(n: int) -> int:

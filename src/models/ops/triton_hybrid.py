@@ -83,8 +83,8 @@ from dataclasses import dataclass
 import torch
 
 from . import reference as ref
-from .triton_common import (GRID_AXIS_MAX, HAVE_TRITON, available, cdiv, errors, fast, interpret,
-                            next_pow2, record_fallback, tl, tma_ok, triton, warn_once)
+from .triton_common import (GRID_AXIS_MAX, HAVE_TRITON, available, cast, cdiv, errors, fast,
+                            interpret, next_pow2, record_fallback, tl, tma_ok, triton, warn_once)
 
 __all__ = ["KernelConfig", "available", "fused_hybrid", "hybrid_kernel", "kernel_reference",
            "unsupported_reason"]
@@ -1031,14 +1031,6 @@ def _like(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     return torch.empty_like(x, dtype=dtype)
 
 
-def _flat(x: torch.Tensor, dtype: torch.dtype, n: int) -> torch.Tensor:
-    """A per-(b, h) tensor as ``n`` contiguous values of ``dtype`` (itself where it is one:
-    the cached mixer weights and shifts of a fixed g are, and a no-op cast costs host time)."""
-    if x.dtype == dtype and x.is_contiguous():
-        return x.view(n)
-    return x.to(dtype).reshape(n).contiguous()
-
-
 def _prec(dtype: torch.dtype) -> str:
     return "tf32x3" if dtype == torch.float32 else "tf32"  # fp32: 3 tf32 products, ~fp32 accuracy
 
@@ -1475,8 +1467,8 @@ def hybrid_kernel(q, k, v, fq, fk, ca, cb, logs, shift, *, window: int, scale: f
         first = idx.min(dim=1).values.to(torch.int32)
         # cnt[b, i]: real keys before position i (the kernel floor counts visible real keys)
         cnt = torch.nn.functional.pad(kpm.int().cumsum(1), (1, 0)).to(torch.int32).contiguous()
-    ca, cb, logs = (_flat(x, torch.float32, B * H) for x in (ca, cb, logs))
-    shift = _flat(shift if shift.device == dev else shift.to(dev), torch.int32, B * H)
+    ca, cb, logs = (cast(x, torch.float32).reshape(B * H).contiguous() for x in (ca, cb, logs))
+    shift = cast(shift.to(dev), torch.int32).reshape(B * H).contiguous()
     # store the branches for the backward only where one will run
     save = cfg.save_branches and torch.is_grad_enabled() and any(
         x.requires_grad for x in (q, k, v, fq, fk, ca, cb, logs))

@@ -39,8 +39,8 @@ from __future__ import annotations
 
 import torch
 
-from .triton_common import (HAVE_TRITON, available, cdiv, errors, fast, interpret, record_fallback,
-                            tl, triton, warn_once)
+from .triton_common import (HAVE_TRITON, available, cast, cdiv, errors, fast, interpret,
+                            record_fallback, tl, triton, warn_once)
 
 __all__ = ["available", "hedgehog_features", "reference_features", "unsupported_reason"]
 
@@ -194,21 +194,13 @@ def _du_buffer(x: torch.Tensor, FH: int):
     return du, heads_first
 
 
-def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t`` in ``dtype``, contiguous; ``t`` itself where it already is (a no-op ``.to`` still
-    costs microseconds of host time, four of them per map and call)."""
-    if t.dtype == dtype and t.is_contiguous():
-        return t
-    return t.to(dtype).contiguous()
-
-
 class _PhiFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, bias, softmax):
         B, H, T, D = x.shape
         FH = w.shape[-1]
-        wc = _cast(w, x.dtype)  # (H, D, F/2), as the module casts it
-        bc = _cast(bias, x.dtype)
+        wc = cast(w, x.dtype).contiguous()  # (H, D, F/2), as the module casts it
+        bc = cast(bias, x.dtype).contiguous()
         y = torch.empty(B, H, T, 2 * FH, device=x.device, dtype=x.dtype)
         BM, warps = _tiles(D, FH, backward=False)
         fast(_phi_fwd)[(B * H, cdiv(T, BM))](
@@ -224,7 +216,9 @@ class _PhiFn(torch.autograd.Function):
         softmax, w_dtype, b_dtype = ctx.meta
         B, H, T, D = x.shape
         FH = wc.shape[-1]
-        dy = _cast(dy, x.dtype) if dy.stride(-1) == 1 else dy.contiguous().to(x.dtype)
+        if dy.stride(-1) != 1:
+            dy = dy.contiguous()
+        dy = cast(dy, x.dtype)
         need_dx = ctx.needs_input_grad[0]
         # dx laid out as x (the model's (B, T, H, D) memory: summed with the attention
         # kernel's dq, laid out so too, and accumulated without a copy)
@@ -242,12 +236,12 @@ class _PhiFn(torch.autograd.Function):
         CALLS["backward_dx"] += need_dx
         dw = dbias = None
         if ctx.needs_input_grad[1]:
-            dw = _cast(reduce_dw(x, du), w_dtype)
+            dw = cast(reduce_dw(x, du), w_dtype)
         if ctx.needs_input_grad[2]:
             # summed in fp32 straight from du (CUDA reduces bf16 into fp32 without a copy; the
             # old du.float() made a strided fp32 copy of du: ~60 us per map at 8 x 1k and a
             # 1 GiB transient at 64k, benchmarks/results/h200_2026-12-02b)
-            dbias = _cast(du.sum(dim=(0, 2), dtype=torch.float32), b_dtype)
+            dbias = cast(du.sum(dim=(0, 2), dtype=torch.float32), b_dtype)
         return dx, dw, dbias, None
 
 
