@@ -551,6 +551,15 @@ TUNE_CONFIGS = {  # None: default_config (D=128: fwd 64x64 w8, bwd 64x32 w8, key
     "dq128": dict(block_m=128, block_n=64, state_chunk=128, warps=8, stages=2,
                   bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8,
                   grad_f_chunk=256, dkv_block_n=64, split_tile=128, dq_block_m=128),
+    # session 12: LA states every 64 positions with the 128-query forward (the intra-chunk
+    # keys of a query block, and the queries of a key block before its reverse state, 192 to
+    # 128; twice the stored states), alone and with the 128-query dq / dfq tiles
+    "cs64": dict(block_m=128, block_n=64, state_chunk=64, warps=8, stages=2,
+                 bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8,
+                 grad_f_chunk=256, dkv_block_n=64, split_tile=128),
+    "dq128-cs64": dict(block_m=128, block_n=64, state_chunk=64, warps=8, stages=2,
+                       bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8,
+                       grad_f_chunk=256, dkv_block_n=64, split_tile=128, dq_block_m=128),
     "fwd128": dict(block_m=128, block_n=64, state_chunk=128, warps=8, stages=2,
                    bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8,
                    grad_f_chunk=256, dkv_block_n=64, split_tile=128),

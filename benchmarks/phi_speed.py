@@ -1,7 +1,7 @@
 """The fused feature map (``ops.triton_phi``) under variants, against the fp32 PyTorch map, in
 one run: the backward with the activations read from the forward's output or recomputed from x
-(``triton_phi.BWD_FROM_OUTPUT``), and other rows per program (``VARIANTS``: the tiles
-``triton_phi._tiles`` picks, replaced for the row).
+(``triton_phi.BWD_FROM_OUTPUT``), and other rows and row blocks per program (``VARIANTS``:
+the tiles ``triton_phi._tiles`` picks, replaced for the row).
 
     python benchmarks/phi_speed.py --shapes 1x65536,8x1024 [--variants a,b] --out DIR
 
@@ -23,16 +23,20 @@ import torch
 from attention_speed import bench, device_ms, environment, rel  # benchmarks/ on sys.path
 from hedgecats.models.ops import triton_phi as tp
 
-#: name: (backward reads the forward's output, (rows, warps) of the forward or None for
-#: ``_tiles``'s, the same for the backward). Session 11 (2026-12-03): ptxas's report with the
-#: launch's divisibility hints shows the D 128 / F 256 backward at 64 rows without spill (102
-#: registers, wgmma; 32 rows, the default, get mma.sync) and the forward at 128 rows (182)
+#: name: (backward reads the forward's output, (rows, warps, blocks a program) of the forward
+#: or None for ``_tiles``'s, the same for the backward). Session 11 (2026-12-03): ptxas's report
+#: with the launch's divisibility hints shows the D 128 / F 256 backward at 64 rows without
+#: spill (102 registers, wgmma; 32 rows, the default then, get mma.sync) and the forward at
+#: 128 rows (182). Session 12: ``loop1`` is one block a program in both directions (the
+#: default before ``triton_phi.ROW_BLOCKS``), ``loop8`` eight
 VARIANTS = {
     "from-output": (True, None, None),
     "recompute": (False, None, None),
-    "bwd64": (True, None, (64, 8)),
-    "bwd128": (True, None, (128, 8)),
-    "fwd128-bwd64": (True, (128, 8), (64, 8)),
+    "loop1": (True, (64, 8, 1), (64, 8, 1)),
+    "loop2": (True, (64, 8, 2), (64, 8, 2)),
+    "loop8": (True, (64, 8, 8), (64, 8, 8)),
+    "bwd128": (True, None, (128, 8, 4)),
+    "fwd128": (True, (128, 8, 4), None),
 }
 
 

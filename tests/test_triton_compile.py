@@ -156,7 +156,7 @@ def _pointers(dtype):
                              "LA_O", "DNUM")}
     types.update({n: F32 for n in ("ZST", "VST", "LSE", "DEN", "CA", "CB", "LOGS", "DELTA",
                                    "WS", "GF", "DDEN", "PA", "PB", "UST", "WST", "DVS", "XE",
-                                   "ENT", "LZ", "LST", "XL", "YL", "XS", "YS")})
+                                   "DB", "ENT", "LZ", "LST", "XL", "YL", "XS", "YS")})
     types.update({"CNT": "*i32", "SHIFT": "*i32", "FIRST": "*i32", "KPM": "*i8"})
     return types
 
@@ -235,10 +235,11 @@ def test_feature_map_kernels_compile_for_sm90(D, FH):
         ("phi_bwd-recomputed", tp._phi_bwd, True, dict(NEED_DX=True, DU_HEADS_FIRST=True,
                                                        FROM_Y=False))]
     for name, fn, backward, flags in variants:
-        BM, warps = tp._tiles(D, FH, backward)
-        constexprs = dict(D=D, FH=FH, BM=BM, SOFTMAX=True, PREC="tf32", **flags)
-        r = compile_report(fn, ptrs, constexprs, (), warps, 2)
-        print(f"{name:8s} D{D} F/2={FH} {BM} w{warps}: {r}")
+        BM, warps, NB = tp._tiles(D, FH, backward)
+        constexprs = dict(D=D, FH=FH, BM=BM, NB=NB, SOFTMAX=True, PREC="tf32", **flags)
+        stages = tp._bwd_stages(flags["FROM_Y"]) if backward else 2
+        r = compile_report(fn, ptrs, constexprs, (), warps, stages)
+        print(f"{name:8s} D{D} F/2={FH} {BM}x{NB} w{warps} s{stages}: {r}")
         assert r["spill"] <= MAX_SPILL, (name, r)
 
 
