@@ -731,11 +731,10 @@ def cases(quick: bool = False):
         ("phi-strided-H1", phi_case, dict(dtype=bf16, strided=True, H=1)),
         ("phi-strided-frozen-x", phi_case, dict(dtype=bf16, strided=True, frozen_x=True)),
         ("phi-D32-T70", phi_case, dict(dtype=bf16, T=70, D=32)),
-        # several row blocks per program and several programs along T (``ROW_BLOCKS``: 4 of
-        # 64 rows; 300 rows: 5 blocks, 2 programs, the last block partial), the bias gradient
-        # summed from the programs' shares
-        ("phi-row-loop-T300-strided", phi_case, dict(dtype=bf16, T=300, strided=True)),
-        ("phi-row-loop-T300-recomputed-exp", phi_case, dict(
+        # several row blocks along T (300 rows: 5 blocks of 64, the last partial), the bias
+        # gradient summed from the blocks' shares (``BIAS_SUMS_IN_KERNEL``)
+        ("phi-blocks-T300-strided", phi_case, dict(dtype=bf16, T=300, strided=True)),
+        ("phi-blocks-T300-recomputed-exp", phi_case, dict(
             dtype=bf16, T=300, from_output=False, activation="exp")),
         ("phi-recomputed-backward", phi_case, dict(dtype=bf16, from_output=False)),
         ("phi-recomputed-backward-exp-strided", phi_case, dict(

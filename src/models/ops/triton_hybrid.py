@@ -206,12 +206,15 @@ def default_config(D: int, F: int, dtype: torch.dtype) -> KernelConfig:
     # default / fwd128): the forward at 8 x 1k 0.508 to 0.400 ms, at 1 x 64k 4.82 to 3.84 ms
     # (benchmarks/results/h200_2026-12-03c/README.md)
     # The query-side backward (dq, dfq) at 128 queries (``dq_block_m``; 243 / 254 registers, no
-    # spill with the hints) is not the default: session 11's GPU time ran out (four refused
-    # starts) before the GPU tests ran with it; tune config ``dq128`` measures it
+    # spill with the hints) since session 12: kernel alone, fwd + bwd in device time, 8 x 1k
+    # 1.828 to 1.784 ms, 1 x 64k 15.62 to 15.27 (tune configs default / dq128, one run). LA
+    # states every 64 positions with it were slower (cs64: 2.006 / 16.92 ms; the forward 0.400
+    # to 0.502 at 8 x 1k; benchmarks/results/h200_2026-12-03d/README.md)
     if D >= 128:
         return KernelConfig(block_m=128, block_n=64, state_chunk=128, warps=8, stages=2,
                             bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64,
-                            state_warps=8, grad_f_chunk=256, dkv_block_n=64, split_tile=128)
+                            state_warps=8, grad_f_chunk=256, dkv_block_n=64, split_tile=128,
+                            dq_block_m=128)
     return KernelConfig(block_m=64, block_n=64, warps=4, stages=2, bwd_block_m=64,
                         bwd_block_n=64, bwd_warps=8, f_chunk=128)
 

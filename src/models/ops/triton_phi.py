@@ -9,18 +9,17 @@ The PyTorch module runs it as an einsum, a bias add, two fp32 softmaxes, two cas
 concatenation, and autograd keeps the fp32 softmax outputs (at T = 64k with 32 heads, F = 256:
 about 3 GiB for phi_q). Here:
 
-    forward     per (b, h, ``ROW_BLOCKS`` blocks of rows): W read once, then per block u = x W
-                + b in fp32 (one matrix product), both activations, one (rows, F) store; x
-                and the output kept for the backward
-    backward    per (b, h, ``ROW_BLOCKS`` blocks of rows): both activations read from the forward's output
+    forward     per (b, h, block of rows): u = x W + b in fp32 (one matrix product), both
+                activations, one (rows, F) store; x and the output kept for the backward
+    backward    per (b, h, block of rows): both activations read from the forward's output
                 (saved: the LA kernel keeps it anyway; ``BWD_FROM_OUTPUT``, measured on an
                 H200 on 2026-12-03: both maps' fwd + bwd at 1 x 64k 3.72 against 4.96 ms
                 recomputing u = x W and the activations, which the switch still does),
                 du = s1 (dy1 - <dy1, s1>) - s2 (dy2 - <dy2, s2>) (softmax; exp: dy1 e1 - dy2 e2),
                 dx = du W^T in the kernel (when x takes a gradient); du is written once (input
                 dtype) and torch reduces dW = sum_(b,t) x^T du (one batched GEMM, x read where
-                it lies: ``_du_buffer``); each program sums its rows' du (fp32) for db, torch
-                the programs' sums
+                it lies: ``_du_buffer``); db: each program sums its rows' du (fp32), torch
+                the programs' sums (``BIAS_SUMS_IN_KERNEL``)
 
 Numerics: u stays fp32 until the activations (the PyTorch module rounds it to the input dtype
 first), so the kernel's output is at least as close to the fp32 map as the module's; the
@@ -69,88 +68,77 @@ if HAVE_TRITON:
 
     @triton.jit
     def _phi_fwd(X, W, BIAS, Y, sx_b, sx_h, sx_t, T, H,
-                 D: tl.constexpr, FH: tl.constexpr, BM: tl.constexpr, NB: tl.constexpr,
-                 SOFTMAX: tl.constexpr, PREC: tl.constexpr):
-        """Rows of NB blocks of BM (one head's weight read once, the blocks' loads pipelined
-        by the loop)."""
+                 D: tl.constexpr, FH: tl.constexpr, BM: tl.constexpr, SOFTMAX: tl.constexpr,
+                 PREC: tl.constexpr):
         pid_bh = tl.program_id(0)  # axis 0: up to 2^31 - 1 (B * H of a large decode batch)
         pid_m = tl.program_id(1)
         b = pid_bh // H
         h = pid_bh % H
+        offs_m = pid_m * BM + tl.arange(0, BM)
         offs_d = tl.arange(0, D)
         offs_f = tl.arange(0, FH)
+        rows = offs_m < T
+        x = tl.load(X + b.to(tl.int64) * sx_b + h.to(tl.int64) * sx_h + offs_m[:, None] * sx_t
+                    + offs_d[None, :], mask=rows[:, None], other=0.0)
         w = tl.load(W + h.to(tl.int64) * D * FH + offs_d[:, None] * FH + offs_f[None, :])
         bias = tl.load(BIAS + h * FH + offs_f).to(tl.float32)
-        x_base = X + b.to(tl.int64) * sx_b + h.to(tl.int64) * sx_h
-        y_base = Y + pid_bh.to(tl.int64) * T * (2 * FH)
-        lo = pid_m * NB
-        hi = tl.minimum(lo + NB, tl.cdiv(T, BM))
-        for blk in range(lo, hi):
-            offs_m = blk * BM + tl.arange(0, BM)
-            rows = offs_m < T
-            x = tl.load(x_base + offs_m[:, None] * sx_t + offs_d[None, :], mask=rows[:, None],
-                        other=0.0)
-            a1, a2 = _acts(x, w, bias, SOFTMAX, PREC)
-            y = y_base + offs_m[:, None] * (2 * FH) + offs_f[None, :]
-            tl.store(y, a1.to(Y.dtype.element_ty), mask=rows[:, None])
-            tl.store(y + FH, a2.to(Y.dtype.element_ty), mask=rows[:, None])
+        a1, a2 = _acts(x, w, bias, SOFTMAX, PREC)
+        y = Y + (pid_bh.to(tl.int64) * T + offs_m[:, None]) * (2 * FH) + offs_f[None, :]
+        tl.store(y, a1.to(Y.dtype.element_ty), mask=rows[:, None])
+        tl.store(y + FH, a2.to(Y.dtype.element_ty), mask=rows[:, None])
 
     @triton.jit
     def _phi_bwd(X, W, BIAS, Y, DY, DX, DU, DB, sx_b, sx_h, sx_t, sdy_b, sdy_h, sdy_t,
                  sdx_b, sdx_h, sdx_t, T, H, B,
-                 D: tl.constexpr, FH: tl.constexpr, BM: tl.constexpr, NB: tl.constexpr,
-                 SOFTMAX: tl.constexpr, PREC: tl.constexpr, NEED_DX: tl.constexpr,
-                 DU_HEADS_FIRST: tl.constexpr, FROM_Y: tl.constexpr):
-        """Rows of NB blocks of BM, as the forward. FROM_Y: both activations read from the
-        forward's output Y ((B H, T, F), the input dtype) instead of recomputed from x (one
-        matrix product and the exponentials fewer; the activations rounded to the input
-        dtype, as autograd's softmax saves them). DB: this program's share of the bias
-        gradient (fp32, (B H, programs along T, F/2): the sum of its rows' du as stored)."""
+                 D: tl.constexpr, FH: tl.constexpr, BM: tl.constexpr, SOFTMAX: tl.constexpr,
+                 PREC: tl.constexpr, NEED_DX: tl.constexpr, DU_HEADS_FIRST: tl.constexpr,
+                 FROM_Y: tl.constexpr, DB_SUMS: tl.constexpr):
+        """FROM_Y: both activations read from the forward's output Y ((B H, T, F), the input
+        dtype) instead of recomputed from x (one matrix product and the exponentials fewer;
+        the activations rounded to the input dtype, as autograd's softmax saves them). DB_SUMS:
+        the block's share of the bias gradient (the fp32 sum of its rows' du as stored) into DB
+        ((B H, blocks, F/2))."""
         pid_bh = tl.program_id(0)  # axis 0: up to 2^31 - 1 (B * H of a large decode batch)
         pid_m = tl.program_id(1)
         b = pid_bh // H
         h = pid_bh % H
+        offs_m = pid_m * BM + tl.arange(0, BM)
         offs_d = tl.arange(0, D)
         offs_f = tl.arange(0, FH)
+        rows = offs_m < T
         w = tl.load(W + h.to(tl.int64) * D * FH + offs_d[:, None] * FH + offs_f[None, :])
-        bias = tl.load(BIAS + h * FH + offs_f).to(tl.float32)
-        x_base = X + b.to(tl.int64) * sx_b + h.to(tl.int64) * sx_h
-        y_base = Y + pid_bh.to(tl.int64) * T * (2 * FH)
-        dy_base = DY + b.to(tl.int64) * sdy_b + h.to(tl.int64) * sdy_h
-        dx_base = DX + b.to(tl.int64) * sdx_b + h.to(tl.int64) * sdx_h
+        if FROM_Y:
+            y = Y + (pid_bh.to(tl.int64) * T + offs_m[:, None]) * (2 * FH) + offs_f[None, :]
+            a1 = tl.load(y, mask=rows[:, None], other=0.0).to(tl.float32)
+            a2 = tl.load(y + FH, mask=rows[:, None], other=0.0).to(tl.float32)
+        else:
+            x = tl.load(X + b.to(tl.int64) * sx_b + h.to(tl.int64) * sx_h
+                        + offs_m[:, None] * sx_t + offs_d[None, :], mask=rows[:, None],
+                        other=0.0)
+            bias = tl.load(BIAS + h * FH + offs_f).to(tl.float32)
+            a1, a2 = _acts(x, w, bias, SOFTMAX, PREC)
+        dy = DY + b.to(tl.int64) * sdy_b + h.to(tl.int64) * sdy_h + offs_m[:, None] * sdy_t \
+            + offs_f[None, :]
+        dy1 = tl.load(dy, mask=rows[:, None], other=0.0).to(tl.float32)
+        dy2 = tl.load(dy + FH, mask=rows[:, None], other=0.0).to(tl.float32)
+        if SOFTMAX:
+            du = a1 * (dy1 - tl.sum(dy1 * a1, axis=1)[:, None]) - \
+                a2 * (dy2 - tl.sum(dy2 * a2, axis=1)[:, None])
+        else:
+            du = dy1 * a1 - dy2 * a2
+        du = tl.where(rows[:, None], du, 0.0).to(Y.dtype.element_ty)
+        if NEED_DX:  # not for stage 1's detached teacher q, k
+            dx = tl.dot(du, tl.trans(w), input_precision=PREC)
+            tl.store(DX + b.to(tl.int64) * sdx_b + h.to(tl.int64) * sdx_h
+                     + offs_m[:, None] * sdx_t + offs_d[None, :],
+                     dx.to(DX.dtype.element_ty), mask=rows[:, None])
         # du (H, B, T, F/2) or (B, H, T, F/2), contiguous (``_du_buffer``)
         du_row = (h * B + b).to(tl.int64) if DU_HEADS_FIRST else pid_bh.to(tl.int64)
-        du_base = DU + du_row * T * FH
-        db = tl.zeros([FH], dtype=tl.float32)
-        lo = pid_m * NB
-        hi = tl.minimum(lo + NB, tl.cdiv(T, BM))
-        for blk in range(lo, hi):
-            offs_m = blk * BM + tl.arange(0, BM)
-            rows = offs_m < T
-            if FROM_Y:
-                y = y_base + offs_m[:, None] * (2 * FH) + offs_f[None, :]
-                a1 = tl.load(y, mask=rows[:, None], other=0.0).to(tl.float32)
-                a2 = tl.load(y + FH, mask=rows[:, None], other=0.0).to(tl.float32)
-            else:
-                x = tl.load(x_base + offs_m[:, None] * sx_t + offs_d[None, :],
-                            mask=rows[:, None], other=0.0)
-                a1, a2 = _acts(x, w, bias, SOFTMAX, PREC)
-            dy = dy_base + offs_m[:, None] * sdy_t + offs_f[None, :]
-            dy1 = tl.load(dy, mask=rows[:, None], other=0.0).to(tl.float32)
-            dy2 = tl.load(dy + FH, mask=rows[:, None], other=0.0).to(tl.float32)
-            if SOFTMAX:
-                du = a1 * (dy1 - tl.sum(dy1 * a1, axis=1)[:, None]) - \
-                    a2 * (dy2 - tl.sum(dy2 * a2, axis=1)[:, None])
-            else:
-                du = dy1 * a1 - dy2 * a2
-            du = tl.where(rows[:, None], du, 0.0).to(Y.dtype.element_ty)
-            db += tl.sum(du.to(tl.float32), axis=0)
-            if NEED_DX:  # not for stage 1's detached teacher q, k
-                dx = tl.dot(du, tl.trans(w), input_precision=PREC)
-                tl.store(dx_base + offs_m[:, None] * sdx_t + offs_d[None, :],
-                         dx.to(DX.dtype.element_ty), mask=rows[:, None])
-            tl.store(du_base + offs_m[:, None] * FH + offs_f[None, :], du, mask=rows[:, None])
-        tl.store(DB + (pid_bh.to(tl.int64) * tl.num_programs(1) + pid_m) * FH + offs_f, db)
+        tl.store(DU + (du_row * T + offs_m[:, None]) * FH + offs_f[None, :], du,
+                 mask=rows[:, None])
+        if DB_SUMS:
+            tl.store(DB + (pid_bh.to(tl.int64) * tl.num_programs(1) + pid_m) * FH + offs_f,
+                     tl.sum(du.to(tl.float32), axis=0))
 
 
 #: the backward reads the activations from the forward's output instead of recomputing them
@@ -162,17 +150,8 @@ def _prec(dtype):
     return "tf32"  # bf16 operands (fp32 is routed away)
 
 
-#: row blocks per program of both kernels (``_tiles``): the head's weight read once per
-#: program, the blocks' loads pipelined by the loop. Session 12 (2026-12-03) predicted, before
-#: measuring, the two maps' forward at 8 x 1k 0.137 to ~0.09 ms device time (one block a
-#: program: every program loads W, then x, then computes, then stores, nothing overlapped
-#: inside it); benchmarks/phi_speed.py --variants measures it against one block (``loop1``)
-ROW_BLOCKS = 4
-
-
-def _tiles(D: int, FH: int, backward: bool) -> tuple[int, int, int]:
-    """(rows per block, warps, blocks per program): ``ROW_BLOCKS`` blocks; the rows and warps
-    from ptxas's register report for sm_90a: no spills in either
+def _tiles(D: int, FH: int, backward: bool) -> tuple[int, int]:
+    """(rows per program, warps), from ptxas's register report for sm_90a: no spills in either
     direction for D = 64 / 128 and F/2 = D / D/2 (the backward holds x, dy and du: 32 rows
     when they are wide; at D = F/2 = 64 the backward takes 8 warps: with 4 it sat at 232
     registers and the (H, B, T, F/2) du address tipped it into a 120-byte spill).
@@ -184,21 +163,25 @@ def _tiles(D: int, FH: int, backward: bool) -> tuple[int, int, int]:
     forward + backward in device time, two repeats each): 1 x 64k 2.76 to 2.60 ms, 8 x 1k 0.426
     either way; 128 rows slower at both (3.11 / 0.458), the forward at 128 rows too (1.44 vs
     1.01 ms at 64k; benchmarks/results/h200_2026-12-03c/README.md). Rectangular maps (F/2 =
-    64) keep 32 rows: not measured."""
+    64) keep 32 rows: not measured.
+
+    Several row blocks a program (a loop over them, W read once, the loads pipelined) measured
+    slower in session 12 (2026-12-03, both maps, device time: the forward at 8 x 1k 0.150 to
+    0.173 ms with four blocks, 0.220 with one block in the loop's form; forward + backward 0.426
+    to 0.484; at 1 x 64k 2.60 to 3.32): not taken (benchmarks/results/h200_2026-12-03d)."""
     if backward and D * FH >= 128 * 128:
-        return 64, 8, ROW_BLOCKS
+        return 64, 8
     if backward and D * FH >= 64 * 128:
-        return 32, 8, ROW_BLOCKS
+        return 32, 8
     if backward:
-        return 64, 8, ROW_BLOCKS
-    return 64, 4 if D * FH <= 64 * 64 else 8, ROW_BLOCKS
+        return 64, 8
+    return 64, 4 if D * FH <= 64 * 64 else 8
 
 
-def _bwd_stages(from_y: bool) -> int:
-    """Pipeline stages of the backward's row loop: recomputing the activations from x holds u
-    and both activations besides the loop's buffers (ptxas, sm_90a, D = F/2 = 128, 64 rows: 196
-    bytes of spill at 2 stages, 60 at 1)."""
-    return 2 if from_y else 1
+#: the backward sums each block's du for the bias gradient in the kernel (fp32 partial sums,
+#: (B H, blocks, F/2), which torch sums) instead of torch reducing du itself (B H T F/2 values,
+#: bf16: 24 us a map at 8 x 1k in session 11's profile); a switch for phi_speed.py's A/B
+BIAS_SUMS_IN_KERNEL = True
 
 
 def _du_buffer(x: torch.Tensor, FH: int):
@@ -236,10 +219,10 @@ class _PhiFn(torch.autograd.Function):
         wc = cast(w, x.dtype).contiguous()  # (H, D, F/2), as the module casts it
         bc = cast(bias, x.dtype).contiguous()
         y = torch.empty(B, H, T, 2 * FH, device=x.device, dtype=x.dtype)
-        BM, warps, NB = _tiles(D, FH, backward=False)
-        fast(_phi_fwd)[(B * H, cdiv(cdiv(T, BM), NB))](
+        BM, warps = _tiles(D, FH, backward=False)
+        fast(_phi_fwd)[(B * H, cdiv(T, BM))](
             x, wc, bc, y, x.stride(0), x.stride(1), x.stride(2), T, H, D=D, FH=FH, BM=BM,
-            NB=NB, SOFTMAX=softmax, PREC=_prec(x.dtype), num_warps=warps)
+            SOFTMAX=softmax, PREC=_prec(x.dtype), num_warps=warps)
         ctx.save_for_backward(x, wc, bc, y)  # y: kept by its consumer anyway (the LA kernel)
         ctx.meta = (softmax, w.dtype, bias.dtype)
         return y
@@ -258,26 +241,30 @@ class _PhiFn(torch.autograd.Function):
         # kernel's dq, laid out so too, and accumulated without a copy)
         dx = torch.empty_like(x) if need_dx else None
         du, reduce_dw = _du_buffer(x, FH)
-        BM, warps, NB = _tiles(D, FH, backward=True)
-        grid = (B * H, cdiv(cdiv(T, BM), NB))
-        db = torch.empty(B, H, grid[1], FH, device=x.device, dtype=torch.float32)
+        BM, warps = _tiles(D, FH, backward=True)
+        grid = (B * H, cdiv(T, BM))
+        db_sums = BIAS_SUMS_IN_KERNEL and ctx.needs_input_grad[2]
+        db = torch.empty(B, H, grid[1], FH, device=x.device, dtype=torch.float32) \
+            if db_sums else du
         fast(_phi_bwd)[grid](
             x, wc, bc, y, dy, du if dx is None else dx, du, db, x.stride(0), x.stride(1),
             x.stride(2), dy.stride(0), dy.stride(1), dy.stride(2),
             *((dx.stride(0), dx.stride(1), dx.stride(2)) if need_dx else (0, 0, 0)),
-            T, H, B, D=D, FH=FH, BM=BM, NB=NB,
+            T, H, B, D=D, FH=FH, BM=BM,
             SOFTMAX=softmax, PREC=_prec(x.dtype), NEED_DX=need_dx,
             DU_HEADS_FIRST=du.stride(1) > du.stride(0), FROM_Y=BWD_FROM_OUTPUT,
-            num_warps=warps, num_stages=_bwd_stages(BWD_FROM_OUTPUT))  # (H, B, T, F/2)
+            DB_SUMS=db_sums, num_warps=warps)  # (H, B, T, F/2)
         CALLS["backward_dx"] += need_dx
         dw = dbias = None
         if ctx.needs_input_grad[1]:
             dw = cast(reduce_dw(x, du), w_dtype)
-        if ctx.needs_input_grad[2]:
-            # the programs' fp32 sums of du (as stored), summed over (b, program): a reduction
-            # of du itself (B H T F/2 values, bf16) took 24 us per map at 8 x 1k (session 11's
-            # profile, benchmarks/results/h200_2026-12-03c/call2/prof.log)
+        if db_sums:  # the blocks' fp32 sums of du (as stored), summed over (b, block)
             dbias = cast(db.sum(dim=(0, 2)), b_dtype)
+        elif ctx.needs_input_grad[2]:
+            # summed in fp32 straight from du (CUDA reduces bf16 into fp32 without a copy; the
+            # old du.float() made a strided fp32 copy of du: ~60 us per map at 8 x 1k and a
+            # 1 GiB transient at 64k, benchmarks/results/h200_2026-12-02b)
+            dbias = cast(du.sum(dim=(0, 2), dtype=torch.float32), b_dtype)
         return dx, dw, dbias, None
 
 
