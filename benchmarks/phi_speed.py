@@ -1,7 +1,7 @@
 """The fused feature map (``ops.triton_phi``) under variants, against the fp32 PyTorch map, in
 one run: the backward with the activations read from the forward's output or recomputed from x
-(``triton_phi.BWD_FROM_OUTPUT``), and other rows and row blocks per program (``VARIANTS``:
-the tiles ``triton_phi._tiles`` picks, replaced for the row).
+(``triton_phi.BWD_FROM_OUTPUT``), and other rows per program (``VARIANTS``: the tiles
+``triton_phi._tiles`` picks, replaced for the row).
 
     python benchmarks/phi_speed.py --shapes 1x65536,8x1024 [--variants a,b] --out DIR
 
@@ -24,18 +24,15 @@ from attention_speed import bench, device_ms, environment, rel  # benchmarks/ on
 from hedgecats.models.ops import triton_phi as tp
 
 #: name: (backward reads the forward's output, (rows, warps) of the forward or None for
-#: ``_tiles``'s, the same for the backward, the bias gradient's sums in the kernel:
-#: ``triton_phi.BIAS_SUMS_IN_KERNEL``). Session 11 (2026-12-03): ptxas's report with the
+#: ``_tiles``'s, the same for the backward). Session 11 (2026-12-03): ptxas's report with the
 #: launch's divisibility hints shows the D 128 / F 256 backward at 64 rows without spill (102
-#: registers, wgmma; 32 rows get mma.sync) and the forward at 128 rows (182). Session 12:
-#: ``torch-db`` is the default with torch reducing du for the bias gradient (as before)
+#: registers, wgmma; 32 rows get mma.sync) and the forward at 128 rows (182)
 VARIANTS = {
-    "from-output": (True, None, None, True),
-    "recompute": (False, None, None, True),
-    "torch-db": (True, None, None, False),
-    "bwd32": (True, None, (32, 8), True),
-    "bwd128": (True, None, (128, 8), True),
-    "fwd128": (True, (128, 8), None, True),
+    "from-output": (True, None, None),
+    "recompute": (False, None, None),
+    "bwd32": (True, None, (32, 8)),
+    "bwd128": (True, None, (128, 8)),
+    "fwd128": (True, (128, 8), None),
 }
 
 
@@ -76,7 +73,6 @@ def main(argv=None):
                command=" ".join(["python", "benchmarks/phi_speed.py"] + (argv or sys.argv[1:])))
     fused = lambda x, w, b: tp.hedgehog_features(x, w, b, "softmax")  # noqa: E731
     default_tiles, default_from_y = tp._tiles, tp.BWD_FROM_OUTPUT
-    default_db = tp.BIAS_SUMS_IN_KERNEL
     for shape in a.shapes.split(","):
         B, T = map(int, shape.split("x"))
         args = maps(B, T, (H, Hkv), D)
@@ -97,8 +93,8 @@ def main(argv=None):
                 t.grad = None
         try:
             for variant in names + names:  # twice: the spread between repeats
-                from_y, fwd_tiles, bwd_tiles, db_sums = VARIANTS[variant]
-                tp.BWD_FROM_OUTPUT, tp.BIAS_SUMS_IN_KERNEL = from_y, db_sums
+                from_y, fwd_tiles, bwd_tiles = VARIANTS[variant]
+                tp.BWD_FROM_OUTPUT = from_y
 
                 def tiles(D_, FH, backward, f=fwd_tiles, b=bwd_tiles):
                     pick = b if backward else f
@@ -117,7 +113,6 @@ def main(argv=None):
                 print(json.dumps(row), flush=True)
         finally:
             tp.BWD_FROM_OUTPUT, tp._tiles = default_from_y, default_tiles
-            tp.BIAS_SUMS_IN_KERNEL = default_db
         args = dys = want = None
         torch.cuda.empty_cache()
     if a.out:

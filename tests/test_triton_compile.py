@@ -156,7 +156,7 @@ def _pointers(dtype):
                              "LA_O", "DNUM")}
     types.update({n: F32 for n in ("ZST", "VST", "LSE", "DEN", "CA", "CB", "LOGS", "DELTA",
                                    "WS", "GF", "DDEN", "PA", "PB", "UST", "WST", "DVS", "XE",
-                                   "DB", "ENT", "LZ", "LST", "XL", "YL", "XS", "YS")})
+                                   "ENT", "LZ", "LST", "XL", "YL", "XS", "YS")})
     types.update({"CNT": "*i32", "SHIFT": "*i32", "FIRST": "*i32", "KPM": "*i8"})
     return types
 
@@ -230,10 +230,10 @@ def test_feature_map_kernels_compile_for_sm90(D, FH):
     # (and the backward recomputing the activations from x: triton_phi.BWD_FROM_OUTPUT False)
     variants = [("phi_fwd", tp._phi_fwd, False, {})] + [
         (f"phi_bwd{'' if dx else '-no-dx'}{'-hf' if hf else ''}", tp._phi_bwd, True,
-         dict(NEED_DX=dx, DU_HEADS_FIRST=hf, FROM_Y=True, DB_SUMS=True))
+         dict(NEED_DX=dx, DU_HEADS_FIRST=hf, FROM_Y=True))
         for dx in (True, False) for hf in (True, False)] + [
         ("phi_bwd-recomputed", tp._phi_bwd, True, dict(NEED_DX=True, DU_HEADS_FIRST=True,
-                                                       FROM_Y=False, DB_SUMS=True))]
+                                                       FROM_Y=False))]
     for name, fn, backward, flags in variants:
         BM, warps = tp._tiles(D, FH, backward)
         constexprs = dict(D=D, FH=FH, BM=BM, SOFTMAX=True, PREC="tf32", **flags)

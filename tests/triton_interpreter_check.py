@@ -731,8 +731,7 @@ def cases(quick: bool = False):
         ("phi-strided-H1", phi_case, dict(dtype=bf16, strided=True, H=1)),
         ("phi-strided-frozen-x", phi_case, dict(dtype=bf16, strided=True, frozen_x=True)),
         ("phi-D32-T70", phi_case, dict(dtype=bf16, T=70, D=32)),
-        # several row blocks along T (300 rows: 5 blocks of 64, the last partial), the bias
-        # gradient summed from the blocks' shares (``BIAS_SUMS_IN_KERNEL``)
+        # several row blocks along T (300 rows: 5 blocks of 64, the last partial)
         ("phi-blocks-T300-strided", phi_case, dict(dtype=bf16, T=300, strided=True)),
         ("phi-blocks-T300-recomputed-exp", phi_case, dict(
             dtype=bf16, T=300, from_output=False, activation="exp")),

@@ -18,8 +18,7 @@ about 3 GiB for phi_q). Here:
                 du = s1 (dy1 - <dy1, s1>) - s2 (dy2 - <dy2, s2>) (softmax; exp: dy1 e1 - dy2 e2),
                 dx = du W^T in the kernel (when x takes a gradient); du is written once (input
                 dtype) and torch reduces dW = sum_(b,t) x^T du (one batched GEMM, x read where
-                it lies: ``_du_buffer``); db: each program sums its rows' du (fp32), torch
-                the programs' sums (``BIAS_SUMS_IN_KERNEL``)
+                it lies: ``_du_buffer``) and db = sum du (fp32)
 
 Numerics: u stays fp32 until the activations (the PyTorch module rounds it to the input dtype
 first), so the kernel's output is at least as close to the fp32 map as the module's; the
@@ -88,16 +87,14 @@ if HAVE_TRITON:
         tl.store(y + FH, a2.to(Y.dtype.element_ty), mask=rows[:, None])
 
     @triton.jit
-    def _phi_bwd(X, W, BIAS, Y, DY, DX, DU, DB, sx_b, sx_h, sx_t, sdy_b, sdy_h, sdy_t,
+    def _phi_bwd(X, W, BIAS, Y, DY, DX, DU, sx_b, sx_h, sx_t, sdy_b, sdy_h, sdy_t,
                  sdx_b, sdx_h, sdx_t, T, H, B,
                  D: tl.constexpr, FH: tl.constexpr, BM: tl.constexpr, SOFTMAX: tl.constexpr,
                  PREC: tl.constexpr, NEED_DX: tl.constexpr, DU_HEADS_FIRST: tl.constexpr,
-                 FROM_Y: tl.constexpr, DB_SUMS: tl.constexpr):
+                 FROM_Y: tl.constexpr):
         """FROM_Y: both activations read from the forward's output Y ((B H, T, F), the input
         dtype) instead of recomputed from x (one matrix product and the exponentials fewer;
-        the activations rounded to the input dtype, as autograd's softmax saves them). DB_SUMS:
-        the block's share of the bias gradient (the fp32 sum of its rows' du as stored) into DB
-        ((B H, blocks, F/2))."""
+        the activations rounded to the input dtype, as autograd's softmax saves them)."""
         pid_bh = tl.program_id(0)  # axis 0: up to 2^31 - 1 (B * H of a large decode batch)
         pid_m = tl.program_id(1)
         b = pid_bh // H
@@ -136,9 +133,6 @@ if HAVE_TRITON:
         du_row = (h * B + b).to(tl.int64) if DU_HEADS_FIRST else pid_bh.to(tl.int64)
         tl.store(DU + (du_row * T + offs_m[:, None]) * FH + offs_f[None, :], du,
                  mask=rows[:, None])
-        if DB_SUMS:
-            tl.store(DB + (pid_bh.to(tl.int64) * tl.num_programs(1) + pid_m) * FH + offs_f,
-                     tl.sum(du.to(tl.float32), axis=0))
 
 
 #: the backward reads the activations from the forward's output instead of recomputing them
@@ -165,10 +159,12 @@ def _tiles(D: int, FH: int, backward: bool) -> tuple[int, int]:
     1.01 ms at 64k; benchmarks/results/h200_2026-12-03c/README.md). Rectangular maps (F/2 =
     64) keep 32 rows: not measured.
 
-    Several row blocks a program (a loop over them, W read once, the loads pipelined) measured
-    slower in session 12 (2026-12-03, both maps, device time: the forward at 8 x 1k 0.150 to
-    0.173 ms with four blocks, 0.220 with one block in the loop's form; forward + backward 0.426
-    to 0.484; at 1 x 64k 2.60 to 3.32): not taken (benchmarks/results/h200_2026-12-03d)."""
+    Measured slower and not taken (session 12, 2026-12-03, both maps, device time; benchmarks/
+    results/h200_2026-12-03d/README.md): several row blocks a program (a loop over them, W read
+    once, the loads pipelined): the forward at 8 x 1k 0.150 to 0.173 ms with four blocks,
+    forward + backward 0.426 to 0.484, at 1 x 64k 2.60 to 3.32; the bias gradient summed per
+    block in the kernel instead of torch reducing du: forward + backward 0.425 to 0.486 at
+    8 x 1k, 2.59 to 3.27 at 1 x 64k."""
     if backward and D * FH >= 128 * 128:
         return 64, 8
     if backward and D * FH >= 64 * 128:
@@ -176,12 +172,6 @@ def _tiles(D: int, FH: int, backward: bool) -> tuple[int, int]:
     if backward:
         return 64, 8
     return 64, 4 if D * FH <= 64 * 64 else 8
-
-
-#: the backward sums each block's du for the bias gradient in the kernel (fp32 partial sums,
-#: (B H, blocks, F/2), which torch sums) instead of torch reducing du itself (B H T F/2 values,
-#: bf16: 24 us a map at 8 x 1k in session 11's profile); a switch for phi_speed.py's A/B
-BIAS_SUMS_IN_KERNEL = True
 
 
 def _du_buffer(x: torch.Tensor, FH: int):
@@ -242,25 +232,19 @@ class _PhiFn(torch.autograd.Function):
         dx = torch.empty_like(x) if need_dx else None
         du, reduce_dw = _du_buffer(x, FH)
         BM, warps = _tiles(D, FH, backward=True)
-        grid = (B * H, cdiv(T, BM))
-        db_sums = BIAS_SUMS_IN_KERNEL and ctx.needs_input_grad[2]
-        db = torch.empty(B, H, grid[1], FH, device=x.device, dtype=torch.float32) \
-            if db_sums else du
-        fast(_phi_bwd)[grid](
-            x, wc, bc, y, dy, du if dx is None else dx, du, db, x.stride(0), x.stride(1),
+        fast(_phi_bwd)[(B * H, cdiv(T, BM))](
+            x, wc, bc, y, dy, du if dx is None else dx, du, x.stride(0), x.stride(1),
             x.stride(2), dy.stride(0), dy.stride(1), dy.stride(2),
             *((dx.stride(0), dx.stride(1), dx.stride(2)) if need_dx else (0, 0, 0)),
             T, H, B, D=D, FH=FH, BM=BM,
             SOFTMAX=softmax, PREC=_prec(x.dtype), NEED_DX=need_dx,
             DU_HEADS_FIRST=du.stride(1) > du.stride(0), FROM_Y=BWD_FROM_OUTPUT,
-            DB_SUMS=db_sums, num_warps=warps)  # (H, B, T, F/2)
+            num_warps=warps)  # (H, B, T, F/2)
         CALLS["backward_dx"] += need_dx
         dw = dbias = None
         if ctx.needs_input_grad[1]:
             dw = cast(reduce_dw(x, du), w_dtype)
-        if db_sums:  # the blocks' fp32 sums of du (as stored), summed over (b, block)
-            dbias = cast(db.sum(dim=(0, 2)), b_dtype)
-        elif ctx.needs_input_grad[2]:
+        if ctx.needs_input_grad[2]:
             # summed in fp32 straight from du (CUDA reduces bf16 into fp32 without a copy; the
             # old du.float() made a strided fp32 copy of du: ~60 us per map at 8 x 1k and a
             # 1 GiB transient at 64k, benchmarks/results/h200_2026-12-02b)
