@@ -585,6 +585,11 @@ def cases(quick: bool = False):
         ("kernel-T-lt-window", k, dict(T=5, window=8)),
         ("kernel-Hkv1-T37-w20", k, dict(T=37, window=20, Hkv=1)),
         ("kernel-MHA-D32-F32", k, dict(T=37, window=3, H=2, Hkv=2, D=32)),
+        # groups of 7 query heads a kv head (Qwen2-7B: 28 heads, 4 kv heads): odd group sizes
+        # in the kernels' head arithmetic and the reverse states' sum over a group
+        ("kernel-group7-pad-shared", k, dict(T=45, window=10, H=7, Hkv=1, pad=True, shared=True)),
+        ("kernel-group3-shifts-tall", k, dict(T=70, window=10, H=6, Hkv=2, per_bh_shift=True,
+                                              cfg=TALL_BWD)),
         ("kernel-mixed-blocks", k, dict(T=70, window=10, cfg=MIXED)),
         ("kernel-mixed-blocks-pad-shared", k, dict(T=70, window=10, pad=True, shared=True,
                                                    cfg=MIXED)),
@@ -691,6 +696,8 @@ def cases(quick: bool = False):
         ("layer-hybrid", layer_case, {}),
         ("layer-hybrid-g-per-head", layer_case, dict(g_kind="head")),
         ("layer-hybrid-overlap", layer_case, dict(overlap=True)),
+        ("layer-group7-bf16-g-per-head", layer_case, dict(H=7, Hkv=1, dtype=bf16,
+                                                          g_kind="head")),
         ("layer-shared-norm", layer_case, dict(shared_norm=True)),
         ("layer-shared-norm-head-pad", layer_case, dict(shared_norm=True, g_kind="head", pad=True)),
         ("layer-swa-only", layer_case, dict(mode="swa_only")),
