@@ -490,3 +490,29 @@ def test_key_padding_mask_reduced_once_per_mask():
         assert len(calls) == 5
     finally:
         torch.Tensor.any = real_any
+
+
+def test_odd_query_groups_convert_train_and_decode():
+    """Qwen2-7B's grouping (7 query heads a kv head) in miniature: the softmax mode reproduces
+    transformers' logits, the hybrid trains (finite gradients of every feature map), and greedy
+    decoding with the hybrid's cache equals a full forward past the window."""
+    torch.manual_seed(0)
+    cfg = dict(SMALL, hidden_size=112, num_attention_heads=7, num_key_value_heads=1)
+    model = Qwen2ForCausalLM(Qwen2Config(**cfg)).eval()
+    x = ids(B=2, T=30)
+    with torch.no_grad():
+        expected = model(x).logits
+    convert_to_hybrid(model, HybridConfig(window=4))
+    with torch.no_grad(), attention_mode(model, "softmax"):
+        assert (model(x).logits - expected).abs().max().item() < 1e-5
+    model.train()
+    model(x).logits.float().square().mean().backward()
+    grads = [p.grad for n, p in model.named_parameters() if ".phi_" in n]
+    assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
+    model.eval()
+    prompt = ids(B=1, T=12)
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=6, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+        full = model(out.sequences[:, :-1]).logits[:, prompt.shape[1] - 1:]
+    assert (torch.stack(out.logits, dim=1) - full).abs().max() < 1e-4
