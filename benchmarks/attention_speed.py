@@ -486,6 +486,11 @@ def run_shape(a, B, T, results, log):
     results["rows"].extend(rows)
 
 
+#: the tiles of session 11's default (D 128 bf16), which the configs after it vary
+_FWD128 = dict(block_m=128, block_n=64, state_chunk=128, warps=8, stages=2, bwd_block_m=64,
+               bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8, grad_f_chunk=256,
+               dkv_block_n=64, split_tile=128)
+
 TUNE_CONFIGS = {  # None: default_config (D=128 since session 12: fwd 128x64 w8, dq / dfq 128
     # queries, key-side backward 64x32 w8 with 64-key dfk / window tiles, split-state tiles 128,
     # f_chunk 64, grad_f_chunk 256: the "dq128" row below); a named one without grad_f_chunk
@@ -544,34 +549,21 @@ TUNE_CONFIGS = {  # None: default_config (D=128 since session 12: fwd 128x64 w8,
     # session 11 (2026-12-03): ptxas's report with the divisibility hints a real launch gives
     # (tests/test_triton_compile.py launch_hints) showed no spill at tiles the hint-less report
     # had ruled out: the forward at 128 queries a program (255 registers, 4 B spill, loads
-    # pipelined), the backward's key tiles at 64 (one _bwd_dkv_la launch, its dv programs on
-    # wgmma instead of mma.sync)
+    # pipelined; "fwd128", the default of session 11), the backward's key tiles at 64 (one
+    # _bwd_dkv_la launch, its dv programs on wgmma instead of mma.sync)
+    "fwd128": _FWD128,
+    "bwd64": dict(_FWD128, block_m=64, bwd_block_n=64, dkv_block_n=None),
+    "fwd128-bwd64": dict(_FWD128, bwd_block_n=64, dkv_block_n=None),
     # the query-side backward (dq, dfq) on 128-query tiles (dq_block_m; the key-side kernels
     # keep 64: they spill at 128); 243 / 254 registers, no spill (ptxas with the launch hints);
     # the default since session 12 (measured against "fwd128", the default before it)
-    "dq128": dict(block_m=128, block_n=64, state_chunk=128, warps=8, stages=2,
-                  bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8,
-                  grad_f_chunk=256, dkv_block_n=64, split_tile=128, dq_block_m=128),
+    "dq128": dict(_FWD128, dq_block_m=128),
     # session 12: LA states every 64 positions with the 128-query forward (the intra-chunk
     # keys of a query block, and the queries of a key block before its reverse state, 192 to
     # 128; twice the stored states), alone and with the 128-query dq / dfq tiles: both slower
     # than the default (the forward 0.40 to 0.50 ms at 8 x 1k; results/h200_2026-12-03d)
-    "cs64": dict(block_m=128, block_n=64, state_chunk=64, warps=8, stages=2,
-                 bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8,
-                 grad_f_chunk=256, dkv_block_n=64, split_tile=128),
-    "dq128-cs64": dict(block_m=128, block_n=64, state_chunk=64, warps=8, stages=2,
-                       bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8,
-                       grad_f_chunk=256, dkv_block_n=64, split_tile=128, dq_block_m=128),
-    # the default of session 11 (the query-side backward at 64 queries)
-    "fwd128": dict(block_m=128, block_n=64, state_chunk=128, warps=8, stages=2,
-                   bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8,
-                   grad_f_chunk=256, dkv_block_n=64, split_tile=128),
-    "bwd64": dict(block_m=64, block_n=64, state_chunk=128, warps=8, stages=2,
-                  bwd_block_m=64, bwd_block_n=64, bwd_warps=8, f_chunk=64, state_warps=8,
-                  grad_f_chunk=256, split_tile=128),
-    "fwd128-bwd64": dict(block_m=128, block_n=64, state_chunk=128, warps=8, stages=2,
-                         bwd_block_m=64, bwd_block_n=64, bwd_warps=8, f_chunk=64,
-                         state_warps=8, grad_f_chunk=256, split_tile=128),
+    "cs64": dict(_FWD128, state_chunk=64),
+    "dq128-cs64": dict(_FWD128, state_chunk=64, dq_block_m=128),
 }
 
 

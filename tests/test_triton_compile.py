@@ -162,8 +162,9 @@ def _pointers(dtype):
 
 
 def test_query_side_backward_at_128_queries_compiles_without_spill():
-    """``KernelConfig.dq_block_m`` 128 (tune config ``dq128``): the dq and dfq kernels at 128
-    queries a program, D 128, F 256, every flag combination the layer uses."""
+    """``KernelConfig.dq_block_m`` 128 (the D 128 bf16 default since session 12): the dq and
+    dfq kernels at 128 queries a program, D 128, F 256, every flag combination the layer uses
+    (the default-tile test below compiles the plain and shared / padded ones only)."""
     ptrs = _pointers(torch.bfloat16)
     for shared, kpm in ((False, False), (True, True)):
         lo = dict(D=128, F=256, CS=128, HAS_KPM=kpm, PREC="tf32", BM=128, BN=32)
