@@ -491,10 +491,10 @@ _FWD128 = dict(block_m=128, block_n=64, state_chunk=128, warps=8, stages=2, bwd_
                bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8, grad_f_chunk=256,
                dkv_block_n=64, split_tile=128)
 
-TUNE_CONFIGS = {  # None: default_config (D=128 since session 12: fwd 128x64 w8, dq / dfq 128
-    # queries, key-side backward 64x32 w8 with 64-key dfk / window tiles, split-state tiles 128,
-    # f_chunk 64, grad_f_chunk 256: the "dq128" row below); a named one without grad_f_chunk
-    # takes f_chunk (64) for it
+TUNE_CONFIGS = {  # None: default_config (D=128 since session 13: fwd 128x64 w8 over 4 query
+    # heads of 32 positions, dq / dfq 128 queries, key-side backward 64x32 w8 with 64-key dfk /
+    # window tiles, split-state tiles 128, f_chunk 64, grad_f_chunk 256: "dq128" below with
+    # pack_heads 4); a named one without grad_f_chunk takes f_chunk (64) for it
     "default": None,
     # smaller tiles: no spills at all in ptxas's report, but mma.sync instead of wgmma
     "fwd32-bwd32": dict(block_m=32, block_n=64, state_chunk=64, warps=8, stages=2,
@@ -564,6 +564,16 @@ TUNE_CONFIGS = {  # None: default_config (D=128 since session 12: fwd 128x64 w8,
     # than the default (the forward 0.40 to 0.50 ms at 8 x 1k; results/h200_2026-12-03d)
     "cs64": dict(_FWD128, state_chunk=64),
     "dq128-cs64": dict(_FWD128, state_chunk=64, dq_block_m=128),
+    # session 13: the forward with the query heads of a kv head packed into one program
+    # (pack_heads; 128 rows = 32 positions of 4 heads, or 64 of 2): "pack1" is session 12's
+    # default (one head a program). And cs64 with its states walked: session 12's cs64 rows
+    # went split (16 chunks > SPLIT_STATES_MIN_CHUNKS), 0.18 ms more than the walk forward
+    # (kernel_anatomy.py, results/h200_2026-12-03e)
+    "pack1": dict(_FWD128, dq_block_m=128),
+    "pack2": dict(_FWD128, dq_block_m=128, pack_heads=2),
+    "cs64-walk": dict(_FWD128, dq_block_m=128, state_chunk=64, split_states=False),
+    "pack4-cs64-walk": dict(_FWD128, dq_block_m=128, pack_heads=4, state_chunk=64,
+                            split_states=False),
 }
 
 

@@ -78,3 +78,17 @@ def test_the_key_side_tile_divides_the_state_chunk():
         assert "dkv_block_n" in str(e) and "96" in str(e)
     else:
         raise AssertionError("a key tile of 96 against state_chunk 128 was accepted")
+
+
+def test_forward_packs_the_query_heads_a_group_allows():
+    """``pack_of``: the forward takes the query heads of a kv head P at a time (the largest
+    power of two dividing the group, at most ``pack_heads``, leaving 16 positions a program):
+    the 8B's groups of 4 all four at the D 128 bf16 default, Qwen2-7B's groups of 7 one, an
+    MHA model one; tiles too short for it (fp32's 32 rows) fewer."""
+    cfg = th.default_config(128, 256, torch.bfloat16)
+    assert cfg.pack_heads == 4 and cfg.block_m == 128
+    assert [th.pack_of(cfg, g) for g in (1, 2, 3, 4, 6, 7, 8, 16)] == [1, 2, 1, 4, 2, 1, 4, 4]
+    fp32 = dataclasses.replace(th.default_config(64, 64, torch.float32), pack_heads=4)
+    assert fp32.block_m == 32 and th.pack_of(fp32, 4) == 2  # 16 positions of 2 heads
+    assert th.pack_of(dataclasses.replace(cfg, pack_heads=1), 4) == 1
+    assert th.pack_of(dataclasses.replace(cfg, pack_heads=3), 4) == 2  # a power of two

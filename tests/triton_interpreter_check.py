@@ -103,6 +103,11 @@ LONG_CHUNK = dict(block_m=32, block_n=32, state_chunk=64, bwd_block_m=32, bwd_bl
 #: the key-side backward at its own key tile (``dkv_block_n``): the window kernel and the dfk
 #: programs at 32 keys, the dv programs launched apart at ``bwd_block_n`` 16
 DKV_APART = dict(LONG_CHUNK, dkv_block_n=32)
+#: the forward with the query heads of a kv head packed into one program (``pack_heads``):
+#: 32 rows = 16 positions of 2 heads; with block_m 64 and 4 heads, 16 positions of 4
+PACKED = dict(block_m=32, block_n=16, state_chunk=32, bwd_block_m=16, bwd_block_n=16,
+              state_f=16, state_d=16, f_chunk=16, pack_heads=2)
+PACKED4 = dict(PACKED, block_m=64, pack_heads=4)
 
 
 def _inputs(B, H, Hkv, T, D, dtype, seed, features):
@@ -165,7 +170,7 @@ def kernel_case(cid, *, B=2, H=4, Hkv=2, T=50, D=16, window=8, shift=None, share
     out.float().backward(do)
     ran = {n: th.CALLS[n] - calls[n]
            for n in ("dq_pass", "dkv_swa", "dv_la", "factors_from_saved", "split_states",
-                     "states_from_forward", "dkv_apart")}
+                     "states_from_forward", "dkv_apart", "packed_forward")}
     got = dict(zip(names, [out.detach()] + [x.grad for x in ins]))
     # the output and q, k, v's gradients laid out as their inputs (a view of the model's
     # memory in, the same memory out: no copy in its transpose-reshape or grad accumulation)
@@ -193,6 +198,8 @@ def kernel_case(cid, *, B=2, H=4, Hkv=2, T=50, D=16, window=8, shift=None, share
     # the dfk programs at their own key tile exactly where one is configured
     apart = has_la and conf.dkv_block_n not in (None, conf.bwd_block_n)
     got["dkv_apart_ok"] = ran["dkv_apart"] == int(apart)
+    # the forward packed query heads exactly where the config and the group allow it
+    got["packed_ok"] = ran["packed_forward"] == int(th.pack_of(conf, H // Hkv) > 1)
     for name in frozen:  # a gradient where none was asked for: a wasted pass, or a wrong one
         got[f"{name}_grad_none_ok"] = got.pop(f"d{name}") is None
     ins2 = [t.detach().float().clone().requires_grad_() for t in (q, k, v, fq, fk, ca, cb, logs)]
@@ -265,7 +272,7 @@ def saved_states_read_case(cid):
 
 
 def layer_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=45, D=16, window=8, dtype=torch.float32,
-               pad=False, g_kind="float", ssd=None, **switches):
+               pad=False, g_kind="float", ssd=None, cfg=SMALL, **switches):
     """fused_hybrid (the kernel behind hybrid_attention's modes) vs
     hybrid_attention(backend="reference"), gradients of q, k, v, fq, fk and a tensor g."""
     from hedgecats.models.ops import triton_hybrid as th
@@ -299,7 +306,7 @@ def layer_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=45, D=16, window=8, dty
         return res
 
     def fused(q, k, v, fq, fk, g):
-        out = th.fused_hybrid(q, k, v, fq, fk, g=g, config=th.KernelConfig(**SMALL), **args)
+        out = th.fused_hybrid(q, k, v, fq, fk, g=g, config=th.KernelConfig(**cfg), **args)
         if out is None:
             raise RuntimeError("fused_hybrid declined a case it should take")
         return out
@@ -689,6 +696,20 @@ def cases(quick: bool = False):
         ("kernel-walked-reverse-chunk128-pad-shifts", k, dict(
             T=300, window=20, pad=True, per_bh_shift=True,
             cfg=dict(SMALL, state_chunk=128, split_states=False))),
+        # query heads packed into one forward program (pack_heads): 2 of a group of 2, 4 of
+        # a group of 4, per-head shifts (rows of one program masked at different t - shift)
+        ("kernel-packed2-pad-shared-shifts", k, dict(T=70, window=10, pad=True, shared=True,
+                                                     per_bh_shift=True, cfg=PACKED)),
+        ("kernel-packed4-G4-pad-shifts", k, dict(H=8, T=90, window=20, pad=True,
+                                                 per_bh_shift=True, cfg=PACKED4)),
+        ("kernel-packed4-G4-bf16-overlap", k, dict(H=8, T=50, shift=0, dtype=bf16,
+                                                   cfg=PACKED4)),
+        ("kernel-packed4-G4-swa-only-pad", k, dict(H=8, T=40, has_la=False, pad=True,
+                                                   cfg=PACKED4)),
+        ("kernel-packed4-G4-la-only-split-shifts", k, dict(
+            H=8, T=100, window=12, has_swa=False, per_bh_shift=True,
+            cfg=dict(PACKED4, split_states=True))),
+        ("kernel-packed4-group3-takes-one-head", k, dict(H=6, T=40, pad=True, cfg=PACKED4)),
         ("kernel-bf16", k, dict(dtype=bf16)),
         ("kernel-bf16-shared-pad", k, dict(dtype=bf16, shared=True, pad=True)),
         ("kernel-bf16-hedgehog-D32", k, dict(dtype=bf16, D=32, T=70, window=10,
@@ -708,6 +729,10 @@ def cases(quick: bool = False):
         ("layer-ssd-sample", layer_case, dict(ssd="sample", g_kind="head")),
         ("layer-ssd-head-all", layer_case, dict(ssd="head", la_span="all", pad=True)),
         ("layer-bf16-pad", layer_case, dict(dtype=bf16, pad=True, g_kind="head")),
+        ("layer-ssd-head-packed4-pad", layer_case, dict(
+            H=8, T=60, ssd="head", pad=True, g_kind="head", cfg=PACKED4)),
+        ("layer-shared-norm-packed4-bf16", layer_case, dict(H=8, T=60, shared_norm=True,
+                                                            dtype=bf16, cfg=PACKED4)),
         ("mse", mse_case, {}),
         ("mse-pad-teacher-grad", mse_case, dict(pad=True, teacher_grad=True)),
         ("mse-bf16-pad-sdpa-layout", mse_case, dict(pad=True, dtype=bf16, sdpa_layout=True)),

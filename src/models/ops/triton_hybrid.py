@@ -32,9 +32,11 @@ projections, which its transpose-reshape and autograd's accumulation then take a
                   ``SPLIT_STATES_MIN_CHUNKS`` chunks (``KernelConfig.split_states``) instead
                   _state_local, per (chunk, tile, b, kv head): each chunk's share in fp32, and
                   _state_scan their running sums (a long walk at batch 1 had too few programs).
-    _fwd          per (b, h, block of BM queries): LA from the nearest state at or before
-                  t0 - shift + 1 plus the keys between it and the block (masked), the window keys
-                  (online softmax, exp2), the mixer, the output; keeps lse_t and den_t (fp32).
+    _fwd          per (b, P query heads of one kv head, block of BM / P positions; P from
+                  ``KernelConfig.pack_heads``, ``pack_of``): LA from the nearest state at or
+                  before t0 - shift + 1 plus the keys between it and the block (masked), the
+                  window keys (online softmax, exp2), the mixer, the output; keeps lse_t and
+                  den_t (fp32). The P heads share every key, value and state load.
     backward      _state_fwd again; _bwd_dq per query block reads LA_t . dO_t and SWA_t . dO_t
                   from the branch outputs the forward stored (``KernelConfig.save_branches``,
                   the default; without it, a first pass recomputes both), forms the mixer's
@@ -100,7 +102,7 @@ FALLBACK_ERRORS: list[str] = []
 #: LA states instead of building them again (saved with the branches), and those whose dfk
 #: programs ran at their own key tile (``KernelConfig.dkv_block_n``)
 CALLS = {"forward": 0, "dq_pass": 0, "dkv_swa": 0, "dv_la": 0, "factors_from_saved": 0,
-         "split_states": 0, "states_from_forward": 0, "dkv_apart": 0}
+         "split_states": 0, "states_from_forward": 0, "dkv_apart": 0, "packed_forward": 0}
 
 
 @dataclass(frozen=True)
@@ -177,6 +179,13 @@ class KernelConfig:
     #: 128 their window kernel spills 880 B, their dfk programs 320: ptxas, sm_90a, D 128, F 256,
     #: with the launch's divisibility hints; the query-side ones do not spill at 128)
     dq_block_m: int | None = None
+    #: query heads of one kv head that one forward program takes (``_fwd``'s P): its
+    #: ``block_m`` rows are block_m / P positions of P heads, which share the keys, values and
+    #: LA state the program loads, so the block's key range (window, and LA keys between its
+    #: state and the block) spans block_m / P positions instead of block_m. Taken: the largest
+    #: power of two that divides the group, is at most this and leaves at least 16 positions
+    #: (``pack_of``; Qwen2-7B's groups of 7: 1). 1: one head a program (before session 13)
+    pack_heads: int = 1
 
 
 @functools.lru_cache(maxsize=64)  # (a KernelConfig is frozen: one per shape, not per call)
@@ -209,12 +218,19 @@ def default_config(D: int, F: int, dtype: torch.dtype) -> KernelConfig:
     # spill with the hints) since session 12: kernel alone, fwd + bwd in device time, 8 x 1k
     # 1.828 to 1.784 ms, 1 x 64k 15.62 to 15.27 (tune configs default / dq128, one run). LA
     # states every 64 positions with it were slower (cs64: 2.006 / 16.92 ms; the forward 0.400
-    # to 0.502 at 8 x 1k; benchmarks/results/h200_2026-12-03d/README.md)
+    # to 0.502 at 8 x 1k; benchmarks/results/h200_2026-12-03d/README.md; the slower part was
+    # the split state builder those 16 chunks took, the walked cs64 is slower too: its state
+    # walks 0.057 to 0.091 and 0.207 to 0.313 ms, results/h200_2026-12-03e)
+    # The forward with the 4 query heads of a kv head in one program (``pack_heads``, 32
+    # positions of 4 heads; 240 / 250 registers, no spill) since session 13: kernel alone,
+    # device time at 8 x 1k, `_fwd` 0.351 to 0.278 ms (no grad), fwd + bwd 1.792 to 1.725; the
+    # layer 2.263 to 2.205 ms, its forward 0.545 to 0.484 (kernel_anatomy.py, configs pack1 /
+    # default; results/h200_2026-12-03e/README.md)
     if D >= 128:
         return KernelConfig(block_m=128, block_n=64, state_chunk=128, warps=8, stages=2,
                             bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64,
                             state_warps=8, grad_f_chunk=256, dkv_block_n=64, split_tile=128,
-                            dq_block_m=128)
+                            dq_block_m=128, pack_heads=4)
     return KernelConfig(block_m=64, block_n=64, warps=4, stages=2, bwd_block_m=64,
                         bwd_block_n=64, bwd_warps=8, f_chunk=128)
 
@@ -412,22 +428,24 @@ if HAVE_TRITON:
         return acc
 
     @triton.jit
-    def _la_num(FQ, FK, V, SST, ZST, VST, CNT, KPM, b, h, hk, Hkv, t0, shift, T, NC, eps,
-                sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sv_b, sv_h, sv_t,
+    def _la_num(FQ, FK, V, SST, ZST, VST, CNT, KPM, b, hk, Hkv, t0, offs_m, fq_rows, shift_r, T,
+                NC, eps, sfk_b, sfk_h, sfk_t, sv_b, sv_h, sv_t,
                 D: tl.constexpr, F: tl.constexpr, FC: tl.constexpr, BM: tl.constexpr,
-                BN: tl.constexpr, CS: tl.constexpr, HAS_KPM: tl.constexpr, PREC: tl.constexpr):
-        """Numerator (BM, D) and denominator (BM) of LA over keys i <= t - shift for the queries
-        t0 .. t0 + BM - 1, kernel values fq.fk + eps: the nearest stored state at or before
-        t0 - shift + 1 (with the floor's share, eps times its value sum and its count of real
-        keys), plus the keys between it and the block. The feature dimension is taken FC at a
-        time."""
-        offs_m = t0 + tl.arange(0, BM)
+                BQ: tl.constexpr, BN: tl.constexpr, CS: tl.constexpr, HAS_KPM: tl.constexpr,
+                PREC: tl.constexpr):
+        """Numerator (BM, D) and denominator (BM) of LA over keys i <= t - shift for BM query
+        rows of one kv head: row r is position ``offs_m[r]`` (in t0 .. t0 + BQ - 1) of the query
+        head whose fq row starts at ``FQ + fq_rows[r]``, with its own ``shift_r[r]`` (the rows
+        of a program may come from several query heads of the kv head, ``_fwd``'s P). Kernel
+        values fq.fk + eps: the nearest stored state at or before t0 - max(shift) + 1 (with the
+        floor's share, eps times its value sum and its count of real keys), plus the keys
+        between it and t0 + BQ - min(shift), each row masked at its own t - shift. The feature
+        dimension is taken FC at a time."""
         offs_d = tl.arange(0, D)
         rows = offs_m < T
-        fq_base = FQ + b.to(tl.int64) * sfq_b + h.to(tl.int64) * sfq_h
         fk_base = FK + b.to(tl.int64) * sfk_b + hk.to(tl.int64) * sfk_h
         v_base = V + b.to(tl.int64) * sv_b + hk.to(tl.int64) * sv_h
-        jst = tl.minimum(tl.maximum(t0 - shift + 1, 0) // CS, NC - 1)
+        jst = tl.minimum(tl.maximum(t0 - tl.max(shift_r, axis=0) + 1, 0) // CS, NC - 1)
         st = SST + (b * Hkv + hk).to(tl.int64) * NC * F * D + jst.to(tl.int64) * F * D
         zt = ZST + (b * Hkv + hk).to(tl.int64) * NC * F + jst * F
         vsum = tl.load(VST + (b * Hkv + hk).to(tl.int64) * NC * D + jst * D + offs_d)
@@ -436,25 +454,24 @@ if HAVE_TRITON:
         den = tl.zeros([BM], dtype=tl.float32) + eps * n_state
         for c in tl.static_range(F // FC):
             offs_f = c * FC + tl.arange(0, FC)
-            fq = tl.load(fq_base + offs_m[:, None] * sfq_t + offs_f[None, :], mask=rows[:, None],
-                         other=0.0)
+            fq = tl.load(FQ + fq_rows[:, None] + offs_f[None, :], mask=rows[:, None], other=0.0)
             S = tl.load(st + offs_f[:, None] * D + offs_d[None, :])
             z = tl.load(zt + offs_f)
             num += tl.dot(fq, S, input_precision=PREC)
             den += tl.sum(fq.to(tl.float32) * z[None, :], axis=1)
-        hi = tl.minimum(t0 + BM - shift, T)
+        hi = tl.minimum(t0 + BQ - tl.min(shift_r, axis=0), T)
         for start in range(jst * CS, hi, BN):
             offs_n = start + tl.arange(0, BN)
             kin = offs_n < T
             a = tl.zeros([BM, BN], dtype=tl.float32)
             for c in tl.static_range(F // FC):
                 offs_f = c * FC + tl.arange(0, FC)
-                fq = tl.load(fq_base + offs_m[:, None] * sfq_t + offs_f[None, :],
-                             mask=rows[:, None], other=0.0)
+                fq = tl.load(FQ + fq_rows[:, None] + offs_f[None, :], mask=rows[:, None],
+                             other=0.0)
                 fkb = tl.load(fk_base + offs_n[:, None] * sfk_t + offs_f[None, :],
                               mask=kin[:, None], other=0.0)
                 a += tl.dot(fq, tl.trans(fkb), input_precision=PREC)
-            ok = (offs_n[None, :] <= offs_m[:, None] - shift) & kin[None, :]
+            ok = (offs_n[None, :] <= offs_m[:, None] - shift_r[:, None]) & kin[None, :]
             if HAS_KPM:
                 real = tl.load(KPM + b * T + offs_n, mask=kin, other=0) != 0
                 ok = ok & real[None, :]
@@ -472,34 +489,45 @@ if HAVE_TRITON:
              sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, so_b, so_h, so_t,
              T, H, G, NC, window, scale_log2, eps,
              D: tl.constexpr, F: tl.constexpr, FC: tl.constexpr, BM: tl.constexpr,
-             BN: tl.constexpr, CS: tl.constexpr, HAS_SWA: tl.constexpr, HAS_LA: tl.constexpr,
-             SHARED: tl.constexpr, HAS_KPM: tl.constexpr, PREC: tl.constexpr,
-             SAVE: tl.constexpr):
+             BN: tl.constexpr, CS: tl.constexpr, P: tl.constexpr, HAS_SWA: tl.constexpr,
+             HAS_LA: tl.constexpr, SHARED: tl.constexpr, HAS_KPM: tl.constexpr,
+             PREC: tl.constexpr, SAVE: tl.constexpr):
+        """One program: BM query rows, BQ = BM / P positions t0 .. t0 + BQ - 1 of P query heads
+        that share a kv head (P divides the group; ``KernelConfig.pack_heads``). The P heads
+        read the same keys, values and LA state: one load and one product serves them all, and
+        the block's key range (window and the LA keys after its state) spans BQ positions,
+        not BM."""
         LN2: tl.constexpr = 0.6931471805599453
+        BQ: tl.constexpr = BM // P
         pid_m = tl.program_id(0)
-        pid_bh = tl.program_id(1)
-        b = pid_bh // H
-        h = pid_bh % H
-        hk = h // G
+        pid_g = tl.program_id(1)
+        b = pid_g // (H // P)
+        h0 = (pid_g % (H // P)) * P
+        hk = h0 // G
         Hkv = H // G
-        t0 = pid_m * BM
-        offs_m = t0 + tl.arange(0, BM)
+        t0 = pid_m * BQ
+        r_ = tl.arange(0, BM)
+        h_r = h0 + r_ // BQ  # each row's query head and position
+        offs_m = t0 + r_ % BQ
+        bh_r = b * H + h_r
         offs_d = tl.arange(0, D)
         rows = offs_m < T
         k_base = K + b.to(tl.int64) * sk_b + hk.to(tl.int64) * sk_h
         v_base = V + b.to(tl.int64) * sv_b + hk.to(tl.int64) * sv_h
         first = tl.load(FIRST + b)
-        shift = tl.load(SHIFT + pid_bh)
+        shift_r = tl.load(SHIFT + bh_r)
 
         # ---- linear attention over keys i <= t - shift (first: its registers are free again
         # before the window's accumulator is live)
         num = tl.zeros([BM, D], dtype=tl.float32)
         den = tl.zeros([BM], dtype=tl.float32)
         if HAS_LA:
-            num, den = _la_num(FQ, FK, V, SST, ZST, VST, CNT, KPM, b, h, hk, Hkv, t0, shift, T,
-                               NC, eps, sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sv_b, sv_h,
-                               sv_t, D, F, FC, BM, BN, CS, HAS_KPM, PREC)
-        has_far = (offs_m - shift) >= first
+            fq_rows = b.to(tl.int64) * sfq_b + h_r.to(tl.int64) * sfq_h \
+                + offs_m.to(tl.int64) * sfq_t
+            num, den = _la_num(FQ, FK, V, SST, ZST, VST, CNT, KPM, b, hk, Hkv, t0, offs_m,
+                               fq_rows, shift_r, T, NC, eps, sfk_b, sfk_h, sfk_t, sv_b, sv_h,
+                               sv_t, D, F, FC, BM, BQ, BN, CS, HAS_KPM, PREC)
+        has_far = (offs_m - shift_r) >= first
         r = tl.where(has_far, 1.0 / tl.maximum(den, eps), 0.0)
         la = num * r[:, None]
 
@@ -508,11 +536,11 @@ if HAVE_TRITON:
         l_i = tl.zeros([BM], dtype=tl.float32)
         acc = tl.zeros([BM, D], dtype=tl.float32)
         if HAS_SWA:
-            q = tl.load(Q + b.to(tl.int64) * sq_b + h.to(tl.int64) * sq_h
-                        + offs_m[:, None] * sq_t + offs_d[None, :], mask=rows[:, None], other=0.0)
+            q_rows = b.to(tl.int64) * sq_b + h_r.to(tl.int64) * sq_h + offs_m.to(tl.int64) * sq_t
+            q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=rows[:, None], other=0.0)
             lo = tl.maximum(t0 - window + 1, 0)
             lo = (lo // BN) * BN
-            hi = tl.minimum(t0 + BM, T)
+            hi = tl.minimum(t0 + BQ, T)
             for start in range(lo, hi, BN):
                 offs_n = start + tl.arange(0, BN)
                 kin = offs_n < T
@@ -540,26 +568,28 @@ if HAVE_TRITON:
 
         # ---- mixer
         if SHARED:
-            logs = tl.load(LOGS + pid_bh)
+            logs = tl.load(LOGS + bh_r)
             x = logs + lse2 * LN2 - tl.log(tl.maximum(den, eps))
             alpha_t = 1.0 / (1.0 + tl.exp(-x))
             alpha_t = tl.where(has_far, alpha_t, 1.0)
             alpha_t = tl.where(has_win, alpha_t, 0.0)
             out = alpha_t[:, None] * swa + (1.0 - alpha_t)[:, None] * la
         else:
-            ca = tl.load(CA + pid_bh)
-            cb = tl.load(CB + pid_bh)
-            out = ca * swa + cb * la
-        tl.store(OUT + b.to(tl.int64) * so_b + h.to(tl.int64) * so_h + offs_m[:, None] * so_t
-                 + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=rows[:, None])
-        tl.store(LSE + pid_bh.to(tl.int64) * T + offs_m, lse2, mask=rows)
-        tl.store(DEN + pid_bh.to(tl.int64) * T + offs_m, den, mask=rows)
+            ca = tl.load(CA + bh_r)
+            cb = tl.load(CB + bh_r)
+            out = ca[:, None] * swa + cb[:, None] * la
+        o_rows = b.to(tl.int64) * so_b + h_r.to(tl.int64) * so_h + offs_m.to(tl.int64) * so_t
+        tl.store(OUT + o_rows[:, None] + offs_d[None, :], out.to(OUT.dtype.element_ty),
+                 mask=rows[:, None])
+        t_rows = bh_r.to(tl.int64) * T + offs_m
+        tl.store(LSE + t_rows, lse2, mask=rows)
+        tl.store(DEN + t_rows, den, mask=rows)
         if SAVE:  # both branches, for the backward's per-query factors
-            o_rows = (pid_bh.to(tl.int64) * T + offs_m[:, None]) * D + offs_d[None, :]
+            s_rows = t_rows[:, None] * D + offs_d[None, :]
             if HAS_SWA:
-                tl.store(SWA_O + o_rows, swa.to(SWA_O.dtype.element_ty), mask=rows[:, None])
+                tl.store(SWA_O + s_rows, swa.to(SWA_O.dtype.element_ty), mask=rows[:, None])
             if HAS_LA:
-                tl.store(LA_O + o_rows, la.to(LA_O.dtype.element_ty), mask=rows[:, None])
+                tl.store(LA_O + s_rows, la.to(LA_O.dtype.element_ty), mask=rows[:, None])
 
     @triton.jit
     def _bwd_dq(Q, K, V, FQ, FK, DO, SST, ZST, VST, CNT, LSE, DEN, CA, CB, LOGS, SHIFT, FIRST,
@@ -615,9 +645,12 @@ if HAVE_TRITON:
                 dot_la = _saved_dot(LA_O, DO, b, h, row_base, offs_m, rows, sdo_b, sdo_h, sdo_t,
                                     D, BM)
             else:
-                num, _ = _la_num(FQ, FK, V, SST, ZST, VST, CNT, KPM, b, h, hk, Hkv, t0, shift, T,
-                                 NC, eps, sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sv_b, sv_h,
-                                 sv_t, D, F, FC, BM, BN, CS, HAS_KPM, PREC)
+                fq_rows = b.to(tl.int64) * sfq_b + h.to(tl.int64) * sfq_h \
+                    + offs_m.to(tl.int64) * sfq_t
+                num, _ = _la_num(FQ, FK, V, SST, ZST, VST, CNT, KPM, b, hk, Hkv, t0, offs_m,
+                                 fq_rows, tl.zeros([BM], dtype=tl.int32) + shift, T, NC, eps,
+                                 sfk_b, sfk_h, sfk_t, sv_b, sv_h, sv_t, D, F, FC, BM, BM, BN, CS,
+                                 HAS_KPM, PREC)
                 dot_la = tl.sum(num * do.to(tl.float32), axis=1) * r
         dot_swa = tl.zeros([BM], dtype=tl.float32)
         if HAS_SWA and FROM_SAVED:
@@ -1138,6 +1171,14 @@ def _la_states(fk, v, kpm_i8, cfg: KernelConfig):
     return S, z, vs, NC
 
 
+def pack_of(cfg: KernelConfig, G: int) -> int:
+    """Query heads a forward program takes (``KernelConfig.pack_heads``) for groups of G."""
+    p = 1
+    while 2 * p <= cfg.pack_heads and G % (2 * p) == 0 and cfg.block_m // (2 * p) >= 16:
+        p *= 2
+    return p
+
+
 def _fc(cfg: KernelConfig, F: int) -> int:
     return min(cfg.f_chunk, F)
 
@@ -1175,13 +1216,15 @@ def _forward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, *, window
     den = torch.empty(B * H, T, device=q.device, dtype=torch.float32)
     swa_o = torch.empty(B * H, T, D, device=q.device, dtype=q.dtype) if save and has_swa else None
     la_o = torch.empty(B * H, T, D, device=q.device, dtype=q.dtype) if save and has_la else None
-    grid = (cdiv(T, cfg.block_m), B * H)
+    P = pack_of(cfg, H // Hkv)
+    CALLS["packed_forward"] += P > 1
+    grid = (cdiv(T, cfg.block_m // P), B * H // P)
     fast(_fwd)[grid](
         q, k, v, fq, fk, S, z, vs, cnt, o, lse, den, ca, cb, logs, shift, first,
         _ptr(kpm_i8, lse), _ptr(swa_o, o), _ptr(la_o, o),
         *_strides(q), *_strides(k), *_strides(v), *_strides(fq), *_strides(fk),
         *_strides(o), T, H, H // Hkv, NC, window, scale * LOG2E, eps,
-        D=D, F=F, FC=_fc(cfg, F), BM=cfg.block_m, BN=cfg.block_n, CS=cfg.state_chunk,
+        D=D, F=F, FC=_fc(cfg, F), BM=cfg.block_m, BN=cfg.block_n, CS=cfg.state_chunk, P=P,
         HAS_SWA=has_swa, HAS_LA=has_la, SHARED=shared, HAS_KPM=kpm_i8 is not None,
         PREC=_prec(q.dtype), SAVE=save, num_warps=cfg.warps, num_stages=cfg.stages)
     states = (S, z, vs, cfg.state_chunk) if save and has_la else None

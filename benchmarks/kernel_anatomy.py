@@ -1,0 +1,159 @@
+"""Where the fused kernel's time goes, kernel by kernel: the hybrid and each branch alone
+(``has_swa`` / ``has_la``), forward and forward + backward, under tile configs of
+``attention_speed.TUNE_CONFIGS``, in one run.
+
+    python benchmarks/kernel_anatomy.py --shapes 8x1024 --configs default,cs64 --out DIR
+
+Per shape (H 32 / Hkv 8 / D 128 / F 256, window 64, bf16, q, k, v as views of (B, T, H, D)),
+config and branch set: the output against the default config's (relative L2), the GPU time per
+call with the host ahead (``attention_speed.device_ms``), and a torch.profiler table of the
+kernels over ``--calls`` calls (device ms per call). The feature maps are precomputed (not in
+the tables): ``phi_speed.py`` times them. Writes ``kernel_anatomy.json`` and ``.md`` to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from attention_speed import TUNE_CONFIGS, Layer, device_ms, environment, rel
+from hedgecats.models.ops import reference as ref
+from hedgecats.models.ops import triton_hybrid as th
+
+BRANCHES = {"hybrid": (True, True), "swa": (True, False), "la": (False, True)}
+
+
+def kernel_table(fn, calls: int) -> dict[str, float]:
+    """Device ms per call of each kernel ``fn`` launches (torch.profiler, ``calls`` calls)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    rows = {}
+    for e in prof.key_averages():
+        if e.device_time_total > 0:
+            rows[e.key[:60]] = round(e.device_time_total / 1e3 / calls, 4)
+    return dict(sorted(rows.items(), key=lambda kv: -kv[1]))
+
+
+def anatomy(L: Layer, config: str, branches: str, calls: int, want: dict) -> dict:
+    cfg = TUNE_CONFIGS[config]
+    D = L.q.shape[-1]
+    conf = th.default_config(D, L.F, L.q.dtype) if cfg is None else th.KernelConfig(**cfg)
+    has_swa, has_la = BRANCHES[branches]
+    fq = L.phi_q(L.q).detach().requires_grad_()
+    fk = L.phi_k(L.k).detach().requires_grad_()
+    B, H = L.q.shape[:2]
+    half = torch.full((B, H), 0.5, device="cuda")
+    shift = torch.full((B, H), L.w, device="cuda", dtype=torch.int32)
+
+    def fwd():
+        return th.hybrid_kernel(L.q, L.k, L.v, fq, fk, half, 1 - half, half, shift,
+                                window=L.w, scale=L.scale, eps=ref.DEN_TINY, has_swa=has_swa,
+                                has_la=has_la, config=conf)
+
+    def forward():
+        with torch.no_grad():
+            fwd()
+
+    def fwd_bwd():
+        fwd().backward(L.do.transpose(1, 2))
+        L.q.grad = L.k.grad = L.v.grad = fq.grad = fk.grad = None
+
+    with torch.no_grad():
+        out = fwd().float()
+    row = {"config": config, "branches": branches, "tiles": conf.__dict__}
+    if branches in want:
+        row["rel_err_vs_first_config"] = float(f"{rel(out, want[branches]):.2e}")
+    else:
+        want[branches] = out
+    for name, fn in (("forward", forward), ("fwd_bwd", fwd_bwd)):
+        row[f"{name}_device_ms"] = round(device_ms(fn, 1.0)["device_ms"], 4)
+        row[f"{name}_kernels"] = kernel_table(fn, calls)
+    return row
+
+
+def markdown(res: dict) -> str:
+    e = res["environment"]
+    lines = [f"# kernel_anatomy ({e['gpu']}, {e['date']})", "", f"`{res['command']}`", "",
+             f"torch {e['torch']}, triton {e['triton']}. Device ms per call; kernels from "
+             f"torch.profiler over {res['calls']} calls.", ""]
+    for shape in res["shapes"]:
+        for phase in ("forward", "fwd_bwd"):
+            rows = shape["rows"]
+            cols = [f"{r['config']} / {r['branches']}" for r in rows]
+            names = []
+            for r in rows:
+                names += [k for k in r.get(f"{phase}_kernels", {}) if k not in names]
+            lines += [f"## {shape['B']} x {shape['T']}, {phase.replace('_', ' + ')}", "",
+                      "| kernel | " + " | ".join(cols) + " |",
+                      "| --- |" + " ---: |" * len(cols)]
+            lines.append("| **total (device_ms)** | " + " | ".join(
+                f"**{r[f'{phase}_device_ms']:.3f}**" if f"{phase}_device_ms" in r
+                else r.get("error", "-")[:60] for r in rows) + " |")
+            for n in names:
+                lines.append(f"| `{n}` | " + " | ".join(
+                    f"{r.get(f'{phase}_kernels', {}).get(n, 0):.3f}" for r in rows) + " |")
+            lines.append("")
+        errs = [f"{r['config']} / {r['branches']}: {r['rel_err_vs_first_config']:.1e}"
+                for r in shape["rows"] if "rel_err_vs_first_config" in r]
+        if errs:
+            lines += ["Output against the first config's: " + "; ".join(errs), ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default="8x1024")
+    p.add_argument("--configs", default="default",
+                   help="comma-separated names of attention_speed.TUNE_CONFIGS")
+    p.add_argument("--branches", default="hybrid,swa,la",
+                   help=f"comma-separated, of {sorted(BRANCHES)}")
+    p.add_argument("--calls", type=int, default=10)
+    p.add_argument("--window", type=int, default=64)
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    configs, branches = a.configs.split(","), a.branches.split(",")
+    for c in configs:
+        if c not in TUNE_CONFIGS:
+            p.error(f"unknown config {c!r}; known: {', '.join(TUNE_CONFIGS)}")
+    for b in branches:
+        if b not in BRANCHES:
+            p.error(f"unknown branch set {b!r}; known: {', '.join(BRANCHES)}")
+    res = {"environment": environment(), "calls": a.calls, "shapes": [],
+           "command": " ".join(["python", "benchmarks/kernel_anatomy.py"]
+                              + (argv if argv is not None else sys.argv[1:]))}
+    for shape in a.shapes.split(","):
+        B, T = map(int, shape.split("x"))
+        L = Layer(B, T, 32, 8, 128, a.window, torch.bfloat16, "square")
+        want: dict = {}
+        rows = []
+        for c in configs:
+            for b in branches:
+                try:
+                    row = anatomy(L, c, b, a.calls, want)
+                except Exception as e:  # a failed config is a row, not the end of the run
+                    row = {"config": c, "branches": b, "error": f"{type(e).__name__}: {e}"[:300]}
+                print(json.dumps({k: v for k, v in row.items() if "kernels" not in k}),
+                      flush=True)
+                rows.append(row)
+        res["shapes"].append({"B": B, "T": T, "rows": rows})
+        del L
+        torch.cuda.empty_cache()
+    md = markdown(res)
+    print(md)
+    if a.out:
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "kernel_anatomy.json").write_text(json.dumps(res, indent=1))
+        (out / "kernel_anatomy.md").write_text(md + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
