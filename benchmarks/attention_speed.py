@@ -574,6 +574,9 @@ TUNE_CONFIGS = {  # None: default_config (D=128 since session 13: fwd 128x64 w8 
     "cs64-walk": dict(_FWD128, dq_block_m=128, state_chunk=64, split_states=False),
     "pack4-cs64-walk": dict(_FWD128, dq_block_m=128, pack_heads=4, state_chunk=64,
                             split_states=False),
+    # the query-side backward (dq, dfq) packed as the forward (the default since session 13's
+    # call 3) or not ("pack4-dq1": the forward packed only, the default of its call 2)
+    "pack4-dq1": dict(_FWD128, dq_block_m=128, pack_heads=4, dq_pack_heads=1),
 }
 
 

@@ -99,7 +99,8 @@ def hybrid_kernels(dtype: torch.dtype, D: int, F: int, has_swa=True, has_la=True
     lo = dict(D=D, F=F, FC=FC, CS=cfg.state_chunk, HAS_KPM=kpm, PREC=prec)
     flags = dict(HAS_SWA=has_swa, HAS_LA=has_la)
     fwd_tiles = dict(BM=cfg.block_m, BN=cfg.block_n, P=th.pack_of(cfg, 4))  # the 8B's groups
-    dq_tiles = dict(BM=th._dq_block_m(cfg), BN=cfg.bwd_block_n)  # the query-side kernels
+    dq_tiles = dict(BM=th._dq_block_m(cfg), BN=cfg.bwd_block_n, P=th.pack_of(  # query side
+        cfg, 4, rows=th._dq_block_m(cfg), heads=th._dq_pack(cfg)))
     yield "state_fwd", th._state_fwd, dict(F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD,
                                             HAS_KPM=kpm, PREC=prec), (), cfg.state_warps, 3
     # split_states (past SPLIT_STATES_MIN_CHUNKS chunks): every chunk's share at once, then the sums
@@ -167,7 +168,7 @@ def test_query_side_backward_at_128_queries_compiles_without_spill():
     (the default-tile test below compiles the plain and shared / padded ones only)."""
     ptrs = _pointers(torch.bfloat16)
     for shared, kpm in ((False, False), (True, True)):
-        lo = dict(D=128, F=256, CS=128, HAS_KPM=kpm, PREC="tf32", BM=128, BN=32)
+        lo = dict(D=128, F=256, CS=128, HAS_KPM=kpm, PREC="tf32", BM=128, BN=32, P=4)
         for need_dq, saved in ((True, True), (False, True), (True, False)):
             r = compile_report(th._bwd_dq, ptrs, dict(
                 lo, FC=64, HAS_SWA=True, HAS_LA=True, SHARED=shared, NEED_DQ=need_dq,

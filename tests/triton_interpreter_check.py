@@ -108,6 +108,10 @@ DKV_APART = dict(LONG_CHUNK, dkv_block_n=32)
 PACKED = dict(block_m=32, block_n=16, state_chunk=32, bwd_block_m=16, bwd_block_n=16,
               state_f=16, state_d=16, f_chunk=16, pack_heads=2)
 PACKED4 = dict(PACKED, block_m=64, pack_heads=4)
+#: the query-side backward packed as well (``dq_block_m`` 32 / 64 rows: 16 positions of 2 / 4
+#: heads), the forward not
+PACKED_DQ = dict(PACKED, dq_block_m=32, pack_heads=1, dq_pack_heads=2)
+PACKED4_DQ = dict(PACKED4, dq_block_m=64)
 
 
 def _inputs(B, H, Hkv, T, D, dtype, seed, features):
@@ -170,7 +174,7 @@ def kernel_case(cid, *, B=2, H=4, Hkv=2, T=50, D=16, window=8, shift=None, share
     out.float().backward(do)
     ran = {n: th.CALLS[n] - calls[n]
            for n in ("dq_pass", "dkv_swa", "dv_la", "factors_from_saved", "split_states",
-                     "states_from_forward", "dkv_apart", "packed_forward")}
+                     "states_from_forward", "dkv_apart", "packed_forward", "packed_dq")}
     got = dict(zip(names, [out.detach()] + [x.grad for x in ins]))
     # the output and q, k, v's gradients laid out as their inputs (a view of the model's
     # memory in, the same memory out: no copy in its transpose-reshape or grad accumulation)
@@ -200,6 +204,8 @@ def kernel_case(cid, *, B=2, H=4, Hkv=2, T=50, D=16, window=8, shift=None, share
     got["dkv_apart_ok"] = ran["dkv_apart"] == int(apart)
     # the forward packed query heads exactly where the config and the group allow it
     got["packed_ok"] = ran["packed_forward"] == int(th.pack_of(conf, H // Hkv) > 1)
+    got["packed_dq_ok"] = ran["packed_dq"] == int(th.pack_of(
+        conf, H // Hkv, rows=th._dq_block_m(conf), heads=th._dq_pack(conf)) > 1)
     for name in frozen:  # a gradient where none was asked for: a wasted pass, or a wrong one
         got[f"{name}_grad_none_ok"] = got.pop(f"d{name}") is None
     ins2 = [t.detach().float().clone().requires_grad_() for t in (q, k, v, fq, fk, ca, cb, logs)]
@@ -710,6 +716,20 @@ def cases(quick: bool = False):
             H=8, T=100, window=12, has_swa=False, per_bh_shift=True,
             cfg=dict(PACKED4, split_states=True))),
         ("kernel-packed4-group3-takes-one-head", k, dict(H=6, T=40, pad=True, cfg=PACKED4)),
+        ("kernel-packed-dq2-pad-shared-shifts", k, dict(T=70, window=10, pad=True, shared=True,
+                                                        per_bh_shift=True, cfg=PACKED_DQ)),
+        ("kernel-packed4-dq4-G4-pad-shifts", k, dict(H=8, T=90, window=20, pad=True,
+                                                     per_bh_shift=True, cfg=PACKED4_DQ)),
+        ("kernel-packed4-dq4-G4-recomputed-shared-shifts", k, dict(
+            H=8, T=90, window=20, shared=True, per_bh_shift=True,
+            cfg=dict(PACKED4_DQ, save_branches=False))),
+        ("kernel-packed4-dq4-G4-bf16-frozen-q", k, dict(H=8, T=70, dtype=bf16, frozen=("q",),
+                                                        cfg=PACKED4_DQ)),
+        ("kernel-packed4-dq4-G4-swa-only-pad", k, dict(H=8, T=40, has_la=False, pad=True,
+                                                       cfg=PACKED4_DQ)),
+        ("kernel-packed4-dq4-G4-la-only-split-shifts", k, dict(
+            H=8, T=100, window=12, has_swa=False, per_bh_shift=True,
+            cfg=dict(PACKED4_DQ, split_states=True))),
         ("kernel-bf16", k, dict(dtype=bf16)),
         ("kernel-bf16-shared-pad", k, dict(dtype=bf16, shared=True, pad=True)),
         ("kernel-bf16-hedgehog-D32", k, dict(dtype=bf16, D=32, T=70, window=10,
@@ -732,7 +752,9 @@ def cases(quick: bool = False):
         ("layer-ssd-head-packed4-pad", layer_case, dict(
             H=8, T=60, ssd="head", pad=True, g_kind="head", cfg=PACKED4)),
         ("layer-shared-norm-packed4-bf16", layer_case, dict(H=8, T=60, shared_norm=True,
-                                                            dtype=bf16, cfg=PACKED4)),
+                                                            dtype=bf16, cfg=PACKED4_DQ)),
+        ("layer-learned-head-packed4-dq4-pad", layer_case, dict(
+            H=8, T=60, g_kind="head", pad=True, cfg=PACKED4_DQ)),
         ("mse", mse_case, {}),
         ("mse-pad-teacher-grad", mse_case, dict(pad=True, teacher_grad=True)),
         ("mse-bf16-pad-sdpa-layout", mse_case, dict(pad=True, dtype=bf16, sdpa_layout=True)),

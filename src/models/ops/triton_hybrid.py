@@ -102,7 +102,8 @@ FALLBACK_ERRORS: list[str] = []
 #: LA states instead of building them again (saved with the branches), and those whose dfk
 #: programs ran at their own key tile (``KernelConfig.dkv_block_n``)
 CALLS = {"forward": 0, "dq_pass": 0, "dkv_swa": 0, "dv_la": 0, "factors_from_saved": 0,
-         "split_states": 0, "states_from_forward": 0, "dkv_apart": 0, "packed_forward": 0}
+         "split_states": 0, "states_from_forward": 0, "dkv_apart": 0, "packed_forward": 0,
+         "packed_dq": 0}
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,9 @@ class KernelConfig:
     #: power of two that divides the group, is at most this and leaves at least 16 positions
     #: (``pack_of``; Qwen2-7B's groups of 7: 1). 1: one head a program (before session 13)
     pack_heads: int = 1
+    #: the same for the query-side backward kernels (``_bwd_dq``, ``_bwd_dfq``, on their
+    #: ``dq_block_m`` rows); None: ``pack_heads``
+    dq_pack_heads: int | None = None
 
 
 @functools.lru_cache(maxsize=64)  # (a KernelConfig is frozen: one per shape, not per call)
@@ -410,22 +414,42 @@ if HAVE_TRITON:
             carry += tl.sum(share, axis=0)
 
     @triton.jit
-    def _saved_dot(SAVED, DO, b, h, row_base, offs_m, rows, sdo_b, sdo_h, sdo_t,
-                   D: tl.constexpr, BM: tl.constexpr):
-        """X_t . dO_t (fp32) for the block's rows, X the (B H, T, D) branch output the forward
-        saved; taken 32 channels at a time (dO re-read from cache) so that no (BM, D) fp32 tile
+    def _saved_dot(SAVED, DO, t_rows, do_rows, rows, D: tl.constexpr, BM: tl.constexpr):
+        """SAVED_t . dO_t for BM query rows (row r: (B H, T, D) row ``t_rows[r]`` of SAVED, dO
+        at ``DO + do_rows[r]``), the forward's stored branch output read instead of recomputed;
+        taken 32 channels at a time (dO re-read from cache) so that no (BM, D) fp32 tile
         is live: a whole-tile version spilled 232-632 bytes per thread in the dq kernel."""
         DC: tl.constexpr = 32 if D > 32 else D
         acc = tl.zeros([BM], dtype=tl.float32)
         for c in tl.static_range(D // DC):
             offs_c = c * DC + tl.arange(0, DC)
-            x = tl.load(SAVED + (row_base + offs_m[:, None]) * D + offs_c[None, :],
-                        mask=rows[:, None], other=0.0)
-            do = tl.load(DO + b.to(tl.int64) * sdo_b + h.to(tl.int64) * sdo_h
-                         + offs_m[:, None] * sdo_t + offs_c[None, :], mask=rows[:, None],
-                         other=0.0)
+            x = tl.load(SAVED + t_rows[:, None] * D + offs_c[None, :], mask=rows[:, None],
+                        other=0.0)
+            do = tl.load(DO + do_rows[:, None] + offs_c[None, :], mask=rows[:, None], other=0.0)
             acc += tl.sum(x.to(tl.float32) * do.to(tl.float32), axis=1)
         return acc
+
+    @triton.jit
+    def _packed_rows(pid_m, pid_g, H, G, BM: tl.constexpr, P: tl.constexpr):
+        """A program's BM query rows over P query heads of one kv head (``pack_of``): batch
+        row, kv head, first position t0 (blocks of BM / P positions), and per row its query
+        head and position."""
+        BQ: tl.constexpr = BM // P
+        b = pid_g // (H // P)
+        h0 = (pid_g % (H // P)) * P
+        r_ = tl.arange(0, BM)
+        t0 = pid_m * BQ
+        return b, h0 // G, t0, h0 + r_ // BQ, t0 + r_ % BQ
+
+    @triton.jit
+    def _head_sums(x, PART, b, H, pid_m, NMB, pid_g, BM: tl.constexpr, P: tl.constexpr):
+        """Per query head, the sum of ``x`` over its rows of the program (``_packed_rows``),
+        stored at PART[(b H + h) NMB + pid_m] (the mixer gradients' partial sums)."""
+        BQ: tl.constexpr = BM // P
+        h0 = (pid_g % (H // P)) * P
+        part = tl.sum(tl.reshape(x, [P, BQ]), axis=1)
+        heads = b * H + h0 + tl.arange(0, P)
+        tl.store(PART + heads.to(tl.int64) * NMB + pid_m, part)
 
     @triton.jit
     def _la_num(FQ, FK, V, SST, ZST, VST, CNT, KPM, b, hk, Hkv, t0, offs_m, fq_rows, shift_r, T,
@@ -501,14 +525,8 @@ if HAVE_TRITON:
         BQ: tl.constexpr = BM // P
         pid_m = tl.program_id(0)
         pid_g = tl.program_id(1)
-        b = pid_g // (H // P)
-        h0 = (pid_g % (H // P)) * P
-        hk = h0 // G
+        b, hk, t0, h_r, offs_m = _packed_rows(pid_m, pid_g, H, G, BM, P)
         Hkv = H // G
-        t0 = pid_m * BQ
-        r_ = tl.arange(0, BM)
-        h_r = h0 + r_ // BQ  # each row's query head and position
-        offs_m = t0 + r_ % BQ
         bh_r = b * H + h_r
         offs_d = tl.arange(0, D)
         rows = offs_m < T
@@ -600,65 +618,63 @@ if HAVE_TRITON:
                 sdq_b, sdq_h, sdq_t,
                 T, H, G, NC, NMB, window, scale, scale_log2, eps,
                 D: tl.constexpr, F: tl.constexpr, FC: tl.constexpr, BM: tl.constexpr,
-                BN: tl.constexpr, CS: tl.constexpr, HAS_SWA: tl.constexpr, HAS_LA: tl.constexpr,
-                SHARED: tl.constexpr, HAS_KPM: tl.constexpr, PREC: tl.constexpr,
-                NEED_DQ: tl.constexpr, FROM_SAVED: tl.constexpr, STORE_DNUM: tl.constexpr):
+                BN: tl.constexpr, CS: tl.constexpr, P: tl.constexpr, HAS_SWA: tl.constexpr,
+                HAS_LA: tl.constexpr, SHARED: tl.constexpr, HAS_KPM: tl.constexpr,
+                PREC: tl.constexpr, NEED_DQ: tl.constexpr, FROM_SAVED: tl.constexpr,
+                STORE_DNUM: tl.constexpr):
         """dq of one query block (when NEED_DQ), and the per-query factors the other kernels
         need: DELTA (the softmax row term, incl. the shared-norm lse gradient), WS (SWA
         weight), GF (dnum = GF dO), DDEN (gradient of the LA denominator), with STORE_DNUM
         dnum itself ((B H, T, D), the input dtype: the reverse states' matrix operand); PA,
         PB: this block's partial mixer gradients (d c_A, d c_B; or d log s and 0 with
         SHARED). SWA_t . dO_t and LA_t . dO_t come from recomputing both branches (first pass), or with
-        FROM_SAVED from the branches' outputs the forward stored (SWA_O, LA_O: (B H, T, D))."""
+        FROM_SAVED from the branches' outputs the forward stored (SWA_O, LA_O: (B H, T, D)).
+        Rows: BM / P positions of P query heads of one kv head (``_packed_rows``), as the
+        forward's."""
         LN2: tl.constexpr = 0.6931471805599453
+        BQ: tl.constexpr = BM // P
         pid_m = tl.program_id(0)
-        pid_bh = tl.program_id(1)
-        b = pid_bh // H
-        h = pid_bh % H
-        hk = h // G
+        pid_g = tl.program_id(1)
+        b, hk, t0, h_r, offs_m = _packed_rows(pid_m, pid_g, H, G, BM, P)
         Hkv = H // G
-        t0 = pid_m * BM
-        offs_m = t0 + tl.arange(0, BM)
+        bh_r = b * H + h_r
         offs_d = tl.arange(0, D)
         rows = offs_m < T
         k_base = K + b.to(tl.int64) * sk_b + hk.to(tl.int64) * sk_h
         v_base = V + b.to(tl.int64) * sv_b + hk.to(tl.int64) * sv_h
-        row_base = pid_bh.to(tl.int64) * T
+        t_rows = bh_r.to(tl.int64) * T + offs_m  # each row in the (B H, T) buffers
+        do_rows = b.to(tl.int64) * sdo_b + h_r.to(tl.int64) * sdo_h + offs_m.to(tl.int64) * sdo_t
         first = tl.load(FIRST + b)
-        shift = tl.load(SHIFT + pid_bh)
-        do = tl.load(DO + b.to(tl.int64) * sdo_b + h.to(tl.int64) * sdo_h + offs_m[:, None] * sdo_t
-                     + offs_d[None, :], mask=rows[:, None], other=0.0)
-        lse2 = tl.load(LSE + row_base + offs_m, mask=rows, other=float("-inf"))
+        shift_r = tl.load(SHIFT + bh_r)
+        do = tl.load(DO + do_rows[:, None] + offs_d[None, :], mask=rows[:, None], other=0.0)
+        lse2 = tl.load(LSE + t_rows, mask=rows, other=float("-inf"))
         has_win = lse2 > float("-inf")
         lse_safe = tl.where(has_win, lse2, 0.0)
-        den = tl.load(DEN + row_base + offs_m, mask=rows, other=0.0)
-        has_far = ((offs_m - shift) >= first) & rows
+        den = tl.load(DEN + t_rows, mask=rows, other=0.0)
+        has_far = ((offs_m - shift_r) >= first) & rows
         r = tl.where(has_far, 1.0 / tl.maximum(den, eps), 0.0)
         lo = tl.maximum(t0 - window + 1, 0)
         lo = (lo // BN) * BN
-        hi = tl.minimum(t0 + BM, T)
+        hi = tl.minimum(t0 + BQ, T)
 
         # ---- first pass: LA_t . dO_t, then SWA_t . dO_t
         dot_la = tl.zeros([BM], dtype=tl.float32)
         if HAS_LA:
             if FROM_SAVED:
-                dot_la = _saved_dot(LA_O, DO, b, h, row_base, offs_m, rows, sdo_b, sdo_h, sdo_t,
-                                    D, BM)
+                dot_la = _saved_dot(LA_O, DO, t_rows, do_rows, rows, D, BM)
             else:
-                fq_rows = b.to(tl.int64) * sfq_b + h.to(tl.int64) * sfq_h \
+                fq_rows = b.to(tl.int64) * sfq_b + h_r.to(tl.int64) * sfq_h \
                     + offs_m.to(tl.int64) * sfq_t
                 num, _ = _la_num(FQ, FK, V, SST, ZST, VST, CNT, KPM, b, hk, Hkv, t0, offs_m,
-                                 fq_rows, tl.zeros([BM], dtype=tl.int32) + shift, T, NC, eps,
-                                 sfk_b, sfk_h, sfk_t, sv_b, sv_h, sv_t, D, F, FC, BM, BM, BN, CS,
-                                 HAS_KPM, PREC)
+                                 fq_rows, shift_r, T, NC, eps, sfk_b, sfk_h, sfk_t, sv_b, sv_h,
+                                 sv_t, D, F, FC, BM, BQ, BN, CS, HAS_KPM, PREC)
                 dot_la = tl.sum(num * do.to(tl.float32), axis=1) * r
         dot_swa = tl.zeros([BM], dtype=tl.float32)
         if HAS_SWA and FROM_SAVED:
-            dot_swa = _saved_dot(SWA_O, DO, b, h, row_base, offs_m, rows, sdo_b, sdo_h, sdo_t,
-                                 D, BM)
+            dot_swa = _saved_dot(SWA_O, DO, t_rows, do_rows, rows, D, BM)
+        q_rows = b.to(tl.int64) * sq_b + h_r.to(tl.int64) * sq_h + offs_m.to(tl.int64) * sq_t
         if HAS_SWA and not FROM_SAVED:
-            q = tl.load(Q + b.to(tl.int64) * sq_b + h.to(tl.int64) * sq_h
-                        + offs_m[:, None] * sq_t + offs_d[None, :], mask=rows[:, None], other=0.0)
+            q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=rows[:, None], other=0.0)
             for start in range(lo, hi, BN):
                 offs_n = start + tl.arange(0, BN)
                 kin = offs_n < T
@@ -678,7 +694,7 @@ if HAVE_TRITON:
 
         # ---- the mixer's per-query factors
         if SHARED:
-            logs = tl.load(LOGS + pid_bh)
+            logs = tl.load(LOGS + bh_r)
             x = logs + lse2 * LN2 - tl.log(tl.maximum(den, eps))
             alpha_t = 1.0 / (1.0 + tl.exp(-x))
             alpha_t = tl.where(has_far, alpha_t, 1.0)
@@ -689,40 +705,35 @@ if HAVE_TRITON:
             delta = alpha_t * dot_swa - dx
             gf = (1.0 - alpha_t) * r
             dden = tl.where(den >= eps, -gf * dot_la - dx * r, 0.0)
-            tl.store(PA + pid_bh.to(tl.int64) * NMB + pid_m,
-                     tl.sum(tl.where(rows, dx, 0.0), axis=0))
-            tl.store(PB + pid_bh.to(tl.int64) * NMB + pid_m, 0.0)
+            _head_sums(tl.where(rows, dx, 0.0), PA, b, H, pid_m, NMB, pid_g, BM, P)
+            _head_sums(tl.zeros([BM], dtype=tl.float32), PB, b, H, pid_m, NMB, pid_g, BM, P)
         else:
-            ca = tl.load(CA + pid_bh)
-            cb = tl.load(CB + pid_bh)
-            ws = tl.zeros([BM], dtype=tl.float32) + ca
+            ca = tl.load(CA + bh_r)
+            cb = tl.load(CB + bh_r)
+            ws = ca
             delta = ca * dot_swa
             gf = cb * r
             dden = tl.where(den >= eps, -gf * dot_la, 0.0)
-            tl.store(PA + pid_bh.to(tl.int64) * NMB + pid_m,
-                     tl.sum(tl.where(rows, dot_swa, 0.0), axis=0))
-            tl.store(PB + pid_bh.to(tl.int64) * NMB + pid_m,
-                     tl.sum(tl.where(rows, dot_la, 0.0), axis=0))
-        tl.store(DELTA + row_base + offs_m, delta, mask=rows)
-        tl.store(WS + row_base + offs_m, ws, mask=rows)
-        tl.store(GF + row_base + offs_m, gf, mask=rows)
-        tl.store(DDEN + row_base + offs_m, dden, mask=rows)
+            _head_sums(tl.where(rows, dot_swa, 0.0), PA, b, H, pid_m, NMB, pid_g, BM, P)
+            _head_sums(tl.where(rows, dot_la, 0.0), PB, b, H, pid_m, NMB, pid_g, BM, P)
+        tl.store(DELTA + t_rows, delta, mask=rows)
+        tl.store(WS + t_rows, ws, mask=rows)
+        tl.store(GF + t_rows, gf, mask=rows)
+        tl.store(DDEN + t_rows, dden, mask=rows)
         if STORE_DNUM:  # 32 channels at a time (dO re-read from cache), as _saved_dot
             DC: tl.constexpr = 32 if D > 32 else D
             for c in tl.static_range(D // DC):
                 offs_c = c * DC + tl.arange(0, DC)
-                doc = tl.load(DO + b.to(tl.int64) * sdo_b + h.to(tl.int64) * sdo_h
-                              + offs_m[:, None] * sdo_t + offs_c[None, :], mask=rows[:, None],
+                doc = tl.load(DO + do_rows[:, None] + offs_c[None, :], mask=rows[:, None],
                               other=0.0)
-                tl.store(DNUM + (row_base + offs_m[:, None]) * D + offs_c[None, :],
+                tl.store(DNUM + t_rows[:, None] * D + offs_c[None, :],
                          (doc.to(tl.float32) * gf[:, None]).to(DNUM.dtype.element_ty),
                          mask=rows[:, None])
 
         # ---- second pass: dq (not when q takes no gradient: stage 1's teacher q)
         if HAS_SWA and NEED_DQ:
             if FROM_SAVED:  # (loaded only now: the saved branches' tiles are dead by here)
-                q = tl.load(Q + b.to(tl.int64) * sq_b + h.to(tl.int64) * sq_h
-                            + offs_m[:, None] * sq_t + offs_d[None, :], mask=rows[:, None],
+                q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=rows[:, None],
                             other=0.0)
             dq = tl.zeros([BM, D], dtype=tl.float32)
             for start in range(lo, hi, BN):
@@ -742,8 +753,9 @@ if HAVE_TRITON:
                 dpv = tl.dot(do, tl.trans(vb), input_precision=PREC)
                 ds = p * (ws[:, None] * dpv - delta[:, None])
                 dq += tl.dot(ds.to(kb.dtype), kb, input_precision=PREC)
-            tl.store(DQ + b.to(tl.int64) * sdq_b + h.to(tl.int64) * sdq_h
-                     + offs_m[:, None] * sdq_t + offs_d[None, :],
+            dq_rows = b.to(tl.int64) * sdq_b + h_r.to(tl.int64) * sdq_h \
+                + offs_m.to(tl.int64) * sdq_t
+            tl.store(DQ + dq_rows[:, None] + offs_d[None, :],
                      (dq * scale).to(DQ.dtype.element_ty), mask=rows[:, None])
 
     @triton.jit
@@ -751,30 +763,29 @@ if HAVE_TRITON:
                  sfk_b, sfk_h, sfk_t, sv_b, sv_h, sv_t, sdo_b, sdo_h, sdo_t,
                  T, H, G, NC,
                  D: tl.constexpr, F: tl.constexpr, FC: tl.constexpr, BM: tl.constexpr,
-                 BN: tl.constexpr, CS: tl.constexpr, HAS_KPM: tl.constexpr,
+                 BN: tl.constexpr, CS: tl.constexpr, P: tl.constexpr, HAS_KPM: tl.constexpr,
                  PREC: tl.constexpr):
-        """dfq[:, c FC : (c + 1) FC] of one query block (program axis 2 is c):
+        """dfq[:, c FC : (c + 1) FC] of one query block (program axis 2 is c; rows: BM / P
+        positions of P query heads of one kv head, ``_packed_rows``):
         dfq_t = S^T dnum_t + dden_t z + sum_{intra i} (dnum_t . v_i + dden_t) fk_i,
         dnum_t = GF_t dO_t."""
+        BQ: tl.constexpr = BM // P
         pid_m = tl.program_id(0)
-        pid_bh = tl.program_id(1)
+        pid_g = tl.program_id(1)
         pid_f = tl.program_id(2)
-        b = pid_bh // H
-        h = pid_bh % H
-        hk = h // G
+        b, hk, t0, h_r, offs_m = _packed_rows(pid_m, pid_g, H, G, BM, P)
         Hkv = H // G
-        t0 = pid_m * BM
-        offs_m = t0 + tl.arange(0, BM)
+        bh_r = b * H + h_r
         offs_d = tl.arange(0, D)
         offs_f = pid_f * FC + tl.arange(0, FC)
         rows = offs_m < T
-        row_base = pid_bh.to(tl.int64) * T
-        shift = tl.load(SHIFT + pid_bh)
-        do = tl.load(DO + b.to(tl.int64) * sdo_b + h.to(tl.int64) * sdo_h + offs_m[:, None] * sdo_t
-                     + offs_d[None, :], mask=rows[:, None], other=0.0)
-        gf = tl.load(GF + row_base + offs_m, mask=rows, other=0.0)
-        dden = tl.load(DDEN + row_base + offs_m, mask=rows, other=0.0)
-        jst = tl.minimum(tl.maximum(t0 - shift + 1, 0) // CS, NC - 1)
+        t_rows = bh_r.to(tl.int64) * T + offs_m
+        shift_r = tl.load(SHIFT + bh_r)
+        do_rows = b.to(tl.int64) * sdo_b + h_r.to(tl.int64) * sdo_h + offs_m.to(tl.int64) * sdo_t
+        do = tl.load(DO + do_rows[:, None] + offs_d[None, :], mask=rows[:, None], other=0.0)
+        gf = tl.load(GF + t_rows, mask=rows, other=0.0)
+        dden = tl.load(DDEN + t_rows, mask=rows, other=0.0)
+        jst = tl.minimum(tl.maximum(t0 - tl.max(shift_r, axis=0) + 1, 0) // CS, NC - 1)
         st = SST + (b * Hkv + hk).to(tl.int64) * NC * F * D + jst.to(tl.int64) * F * D
         zt = tl.load(ZST + (b * Hkv + hk).to(tl.int64) * NC * F + jst * F + offs_f)
         St = tl.load(st + offs_f[None, :] * D + offs_d[:, None])  # (D, FC)
@@ -782,7 +793,7 @@ if HAVE_TRITON:
         dfq = tl.dot(do, St, input_precision=PREC) * gf[:, None] + dden[:, None] * zt[None, :]
         fk_base = FK + b.to(tl.int64) * sfk_b + hk.to(tl.int64) * sfk_h
         v_base = V + b.to(tl.int64) * sv_b + hk.to(tl.int64) * sv_h
-        hi = tl.minimum(t0 + BM - shift, T)
+        hi = tl.minimum(t0 + BQ - tl.min(shift_r, axis=0), T)
         for start in range(jst * CS, hi, BN):
             offs_n = start + tl.arange(0, BN)
             kin = offs_n < T
@@ -790,14 +801,14 @@ if HAVE_TRITON:
                           other=0.0)
             vb = tl.load(v_base + offs_n[:, None] * sv_t + offs_d[None, :], mask=kin[:, None],
                          other=0.0)
-            ok = (offs_n[None, :] <= offs_m[:, None] - shift) & kin[None, :]
+            ok = (offs_n[None, :] <= offs_m[:, None] - shift_r[:, None]) & kin[None, :]
             if HAS_KPM:
                 real = tl.load(KPM + b * T + offs_n, mask=kin, other=0) != 0
                 ok = ok & real[None, :]
             da = tl.dot(do, tl.trans(vb), input_precision=PREC) * gf[:, None] + dden[:, None]
             da = tl.where(ok, da, 0.0)
             dfq += tl.dot(da.to(fkb.dtype), fkb, input_precision=PREC)
-        tl.store(DFQ + pid_bh.to(tl.int64) * T * F + offs_m[:, None] * F + offs_f[None, :],
+        tl.store(DFQ + t_rows[:, None] * F + offs_f[None, :],
                  dfq.to(DFQ.dtype.element_ty), mask=rows[:, None])
 
     @triton.jit
@@ -1171,12 +1182,22 @@ def _la_states(fk, v, kpm_i8, cfg: KernelConfig):
     return S, z, vs, NC
 
 
-def pack_of(cfg: KernelConfig, G: int) -> int:
-    """Query heads a forward program takes (``KernelConfig.pack_heads``) for groups of G."""
+def pack_of(cfg: KernelConfig, G: int, rows: int | None = None,
+            heads: int | None = None) -> int:
+    """Query heads one program takes for groups of G: the largest power of two that divides
+    G, is at most ``heads`` (default ``KernelConfig.pack_heads``) and leaves at least 16 of
+    the program's ``rows`` (default the forward's ``block_m``) to each head."""
+    rows = cfg.block_m if rows is None else rows
+    heads = cfg.pack_heads if heads is None else heads
     p = 1
-    while 2 * p <= cfg.pack_heads and G % (2 * p) == 0 and cfg.block_m // (2 * p) >= 16:
+    while 2 * p <= heads and G % (2 * p) == 0 and rows // (2 * p) >= 16:
         p *= 2
     return p
+
+
+def _dq_pack(cfg: KernelConfig) -> int:
+    """Query heads a program of the query-side backward (dq, dfq) takes at most."""
+    return cfg.pack_heads if cfg.dq_pack_heads is None else cfg.dq_pack_heads
 
 
 def _fc(cfg: KernelConfig, F: int) -> int:
@@ -1266,25 +1287,27 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
         vs = z
     BM, BN = cfg.bwd_block_m, cfg.bwd_block_n
     BMQ = _dq_block_m(cfg)  # the query tile of the query-side kernels (dq, dfq)
-    NMB = cdiv(T, BMQ)
+    PQ = pack_of(cfg, G, rows=BMQ, heads=_dq_pack(cfg))  # query heads a program of theirs takes
+    NMB = cdiv(T, BMQ // PQ)  # query blocks a head
     dq = _like(q) if has_swa and need_dq else None
     delta, ws, gf, dden = (torch.empty(B * H, T, **f32) for _ in range(4))
     pa, pb = torch.empty(B * H, NMB, **f32), torch.empty(B * H, NMB, **f32)
     # dnum = GF dO, the reverse states' matrix operand (rounded once to the input dtype, as
     # the GF-scaled fq they multiplied before 2026-12-03 was)
     dnum = torch.empty(B, H, T, D, device=dev, dtype=q.dtype) if has_la else None
-    fast(_bwd_dq)[(NMB, B * H)](
+    fast(_bwd_dq)[(NMB, B * H // PQ)](
         q, k, v, fq, fk, do, S, z, vs, cnt, lse, den, ca, cb, logs, shift, first, kpm,
         _ptr(swa_o, dummy), _ptr(la_o, dummy), _ptr(dq, dummy), delta, ws, gf, dden, pa, pb,
         _ptr(dnum, dummy),
         *_strides(q), *_strides(k), *_strides(v), *_strides(fq), *_strides(fk), *_strides(do),
         *_strides(q if dq is None else dq), T, H, G, NC, NMB, window, scale, scale * LOG2E, eps,
-        D=D, F=F, FC=FC, BM=BMQ, BN=BN, CS=cfg.state_chunk, HAS_SWA=has_swa, HAS_LA=has_la,
-        SHARED=shared, HAS_KPM=has_kpm, PREC=prec, NEED_DQ=dq is not None,
+        D=D, F=F, FC=FC, BM=BMQ, BN=BN, CS=cfg.state_chunk, P=PQ, HAS_SWA=has_swa,
+        HAS_LA=has_la, SHARED=shared, HAS_KPM=has_kpm, PREC=prec, NEED_DQ=dq is not None,
         FROM_SAVED=from_saved, STORE_DNUM=dnum is not None, num_warps=cfg.bwd_warps,
         num_stages=cfg.stages)
     CALLS["dq_pass"] += dq is not None
     CALLS["factors_from_saved"] += from_saved
+    CALLS["packed_dq"] += PQ > 1
     R = U = W = None
     if has_la:  # the reverse states first: dnum is freed before dfq is allocated
         R = torch.empty(B, Hkv, NC, F, D, device=dev, dtype=fq.dtype)
@@ -1302,11 +1325,11 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
     dfq = None
     if has_la:
         dfq = torch.empty(B, H, T, F, device=dev, dtype=fq.dtype)
-        fast(_bwd_dfq)[(NMB, B * H, F // GFC)](
+        fast(_bwd_dfq)[(NMB, B * H // PQ, F // GFC)](
             fk, v, do, S, z, gf, dden, shift, kpm, dfq,
             *_strides(fk), *_strides(v), *_strides(do), T, H, G, NC,
-            D=D, F=F, FC=GFC, BM=BMQ, BN=BN, CS=cfg.state_chunk, HAS_KPM=has_kpm, PREC=prec,
-            num_warps=cfg.bwd_warps, num_stages=cfg.stages)
+            D=D, F=F, FC=GFC, BM=BMQ, BN=BN, CS=cfg.state_chunk, P=PQ, HAS_KPM=has_kpm,
+            PREC=prec, num_warps=cfg.bwd_warps, num_stages=cfg.stages)
     del S, z, vs
     dk = dv = dvs = None
     BNK = _dkv_block_n(cfg)  # the key tile of the window kernel and of the dfk programs
