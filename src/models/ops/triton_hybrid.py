@@ -36,7 +36,8 @@ projections, which its transpose-reshape and autograd's accumulation then take a
                   ``KernelConfig.pack_heads``, ``pack_of``): LA from the nearest state at or
                   before t0 - shift + 1 plus the keys between it and the block (masked), the
                   window keys (online softmax, exp2), the mixer, the output; keeps lse_t and
-                  den_t (fp32). The P heads share every key, value and state load.
+                  den_t (fp32). The P heads share every key, value and state load; the
+                  query-side backward kernels (_bwd_dq, _bwd_dfq) take rows the same way.
     backward      _state_fwd again; _bwd_dq per query block reads LA_t . dO_t and SWA_t . dO_t
                   from the branch outputs the forward stored (``KernelConfig.save_branches``,
                   the default; without it, a first pass recomputes both), forms the mixer's
@@ -229,7 +230,9 @@ def default_config(D: int, F: int, dtype: torch.dtype) -> KernelConfig:
     # positions of 4 heads; 240 / 250 registers, no spill) since session 13: kernel alone,
     # device time at 8 x 1k, `_fwd` 0.351 to 0.278 ms (no grad), fwd + bwd 1.792 to 1.725; the
     # layer 2.263 to 2.205 ms, its forward 0.545 to 0.484 (kernel_anatomy.py, configs pack1 /
-    # default; results/h200_2026-12-03e/README.md)
+    # default; results/h200_2026-12-03e/README.md). The query-side backward packed the same
+    # way (``dq_pack_heads`` None; 156 / 248 registers, no spill): `_bwd_dq` 0.293 to 0.244,
+    # `_bwd_dfq` 0.215 to 0.175, fwd + bwd 1.739 to 1.652; the layer 2.141 ms (call 3)
     if D >= 128:
         return KernelConfig(block_m=128, block_n=64, state_chunk=128, warps=8, stages=2,
                             bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64,
