@@ -577,6 +577,15 @@ TUNE_CONFIGS = {  # None: default_config (D=128 since session 13: fwd 128x64 w8 
     # the query-side backward (dq, dfq) packed as the forward (the default since session 13's
     # call 3) or not ("pack4-dq1": the forward packed only, the default of its call 2)
     "pack4-dq1": dict(_FWD128, dq_block_m=128, pack_heads=4, dq_pack_heads=1),
+    # session 13, call 4: the forward's products over F in 128-wide slices (f_chunk; 254
+    # registers, no spill, 224 KB of shared memory) and the walked state kernels on larger
+    # tiles (the fq / dnum tiles re-read F / state_f and D / state_d times; 128 x 64: 256
+    # programs at 8 x 1k, 128 x 128: 128)
+    "fc128": dict(_FWD128, dq_block_m=128, pack_heads=4, f_chunk=128),
+    "st128x64": dict(_FWD128, dq_block_m=128, pack_heads=4, state_f=128, state_d=64,
+                     state_programs=0),
+    "st128": dict(_FWD128, dq_block_m=128, pack_heads=4, state_f=128, state_d=128,
+                  state_programs=0),
 }
 
 

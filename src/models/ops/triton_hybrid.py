@@ -188,6 +188,9 @@ class KernelConfig:
     #: power of two that divides the group, is at most this and leaves at least 16 positions
     #: (``pack_of``; Qwen2-7B's groups of 7: 1). 1: one head a program (before session 13)
     pack_heads: int = 1
+    #: the walked state kernels' tiles (``state_f`` x ``state_d``) are halved while their grid
+    #: has fewer programs than this (about two per multiprocessor of an H100 / H200)
+    state_programs: int = 264
     #: the same for the query-side backward kernels (``_bwd_dq``, ``_bwd_dfq``, on their
     #: ``dq_block_m`` rows); None: ``pack_heads``
     dq_pack_heads: int | None = None
@@ -1087,10 +1090,10 @@ def _prec(dtype: torch.dtype) -> str:
 
 def _state_tile(cfg: KernelConfig, heads: int, F: int, D: int) -> tuple[int, int]:
     """(F, D) tile of one state-kernel program: the configured one, halved (down to 32) while
-    the grid has fewer programs than about two per multiprocessor (the state kernels walk T
+    the grid has fewer than ``KernelConfig.state_programs`` programs (the state kernels walk T
     sequentially, so at batch 1 their parallelism is the grid)."""
     bf, bd = min(cfg.state_f, F), min(cfg.state_d, D)
-    while heads * (F // bf) * (D // bd) < 264 and (bf > 32 or bd > 32):
+    while heads * (F // bf) * (D // bd) < cfg.state_programs and (bf > 32 or bd > 32):
         if bf >= bd and bf > 32:
             bf //= 2
         elif bd > 32:
