@@ -492,9 +492,10 @@ _FWD128 = dict(block_m=128, block_n=64, state_chunk=128, warps=8, stages=2, bwd_
                dkv_block_n=64, split_tile=128)
 
 TUNE_CONFIGS = {  # None: default_config (D=128 since session 13: fwd 128x64 w8 over 4 query
-    # heads of 32 positions, dq / dfq 128 queries, key-side backward 64x32 w8 with 64-key dfk /
-    # window tiles, split-state tiles 128, f_chunk 64, grad_f_chunk 256: "dq128" below with
-    # pack_heads 4); a named one without grad_f_chunk takes f_chunk (64) for it
+    # heads of 32 positions, dq / dfq 128 queries likewise, key-side backward 64x32 w8 with
+    # 64-key dfk / window tiles, walked state tiles 128 x 128 while 128 programs, split-state
+    # tiles 128, f_chunk 64, grad_f_chunk 256: "st128" below); a named one without
+    # grad_f_chunk takes f_chunk (64) for it
     "default": None,
     # smaller tiles: no spills at all in ptxas's report, but mma.sync instead of wgmma
     "fwd32-bwd32": dict(block_m=32, block_n=64, state_chunk=64, warps=8, stages=2,
@@ -580,7 +581,7 @@ TUNE_CONFIGS = {  # None: default_config (D=128 since session 13: fwd 128x64 w8 
     # session 13, call 4: the forward's products over F in 128-wide slices (f_chunk; 254
     # registers, no spill, 224 KB of shared memory) and the walked state kernels on larger
     # tiles (the fq / dnum tiles re-read F / state_f and D / state_d times; 128 x 64: 256
-    # programs at 8 x 1k, 128 x 128: 128)
+    # programs at 8 x 1k, 128 x 128: 128). st128 is the default since (state_programs 128)
     "fc128": dict(_FWD128, dq_block_m=128, pack_heads=4, f_chunk=128),
     "st128x64": dict(_FWD128, dq_block_m=128, pack_heads=4, state_f=128, state_d=64,
                      state_programs=0),

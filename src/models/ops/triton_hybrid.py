@@ -235,12 +235,19 @@ def default_config(D: int, F: int, dtype: torch.dtype) -> KernelConfig:
     # layer 2.263 to 2.205 ms, its forward 0.545 to 0.484 (kernel_anatomy.py, configs pack1 /
     # default; results/h200_2026-12-03e/README.md). The query-side backward packed the same
     # way (``dq_pack_heads`` None; 156 / 248 registers, no spill): `_bwd_dq` 0.293 to 0.244,
-    # `_bwd_dfq` 0.215 to 0.175, fwd + bwd 1.739 to 1.652; the layer 2.141 ms (call 3)
+    # `_bwd_dfq` 0.215 to 0.175, fwd + bwd 1.739 to 1.652; the layer 2.141 ms (call 3).
+    # The walked state kernels on 128 x 128 tiles while that leaves 128 programs (one a
+    # multiprocessor; 202 / 253 registers, no spill): at 8 x 1k (128 programs) `_state_rev`
+    # 0.208 to 0.166 ms, `_state_fwd` 0.057 to 0.044, fwd + bwd 1.663 to 1.608 (kernel_anatomy,
+    # call 4) and 1.669 to 1.610 in a second run (--tune, gradients 2.7e-6 from the 64 x 64
+    # tiles'); 128 x 64 gained nothing (0.209). Other batch sizes get the halved tiles the
+    # rule gives (not measured); 4k and longer build their states split (``split_tile``)
     if D >= 128:
         return KernelConfig(block_m=128, block_n=64, state_chunk=128, warps=8, stages=2,
                             bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64,
                             state_warps=8, grad_f_chunk=256, dkv_block_n=64, split_tile=128,
-                            dq_block_m=128, pack_heads=4)
+                            dq_block_m=128, pack_heads=4, state_f=128, state_d=128,
+                            state_programs=128)
     return KernelConfig(block_m=64, block_n=64, warps=4, stages=2, bwd_block_m=64,
                         bwd_block_n=64, bwd_warps=8, f_chunk=128)
 
