@@ -703,18 +703,14 @@ def cases(quick: bool = False):
             T=300, window=20, pad=True, per_bh_shift=True,
             cfg=dict(SMALL, state_chunk=128, split_states=False))),
         # query heads packed into one forward program (pack_heads): 2 of a group of 2, 4 of
-        # a group of 4, per-head shifts (rows of one program masked at different t - shift)
+        # a group of 4, per-head shifts (rows of one program masked at different t - shift);
+        # then the query-side backward packed too (dq_pack_heads; each branch alone there)
         ("kernel-packed2-pad-shared-shifts", k, dict(T=70, window=10, pad=True, shared=True,
                                                      per_bh_shift=True, cfg=PACKED)),
         ("kernel-packed4-G4-pad-shifts", k, dict(H=8, T=90, window=20, pad=True,
                                                  per_bh_shift=True, cfg=PACKED4)),
         ("kernel-packed4-G4-bf16-overlap", k, dict(H=8, T=50, shift=0, dtype=bf16,
                                                    cfg=PACKED4)),
-        ("kernel-packed4-G4-swa-only-pad", k, dict(H=8, T=40, has_la=False, pad=True,
-                                                   cfg=PACKED4)),
-        ("kernel-packed4-G4-la-only-split-shifts", k, dict(
-            H=8, T=100, window=12, has_swa=False, per_bh_shift=True,
-            cfg=dict(PACKED4, split_states=True))),
         ("kernel-packed4-group3-takes-one-head", k, dict(H=6, T=40, pad=True, cfg=PACKED4)),
         ("kernel-packed-dq2-pad-shared-shifts", k, dict(T=70, window=10, pad=True, shared=True,
                                                         per_bh_shift=True, cfg=PACKED_DQ)),

@@ -188,12 +188,12 @@ class KernelConfig:
     #: power of two that divides the group, is at most this and leaves at least 16 positions
     #: (``pack_of``; Qwen2-7B's groups of 7: 1). 1: one head a program (before session 13)
     pack_heads: int = 1
-    #: the walked state kernels' tiles (``state_f`` x ``state_d``) are halved while their grid
-    #: has fewer programs than this (about two per multiprocessor of an H100 / H200)
-    state_programs: int = 264
     #: the same for the query-side backward kernels (``_bwd_dq``, ``_bwd_dfq``, on their
     #: ``dq_block_m`` rows); None: ``pack_heads``
     dq_pack_heads: int | None = None
+    #: the walked state kernels' tiles (``state_f`` x ``state_d``) are halved while their grid
+    #: has fewer programs than this (about two per multiprocessor of an H100 / H200)
+    state_programs: int = 264
 
 
 @functools.lru_cache(maxsize=64)  # (a KernelConfig is frozen: one per shape, not per call)
