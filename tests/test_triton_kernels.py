@@ -42,6 +42,7 @@ GRADS = ("dq", "dk", "dv", "dWq", "dWk")
 
 #: Qwen2-7B's heads: 28 query heads on 4 kv heads, an odd group of 7 (three cases, below)
 QWEN2 = "B1-H28-Hkv4-T300-D128-w64-F256"
+WIDE = "B8-H16-Hkv8-T256-D128-w64-F256"
 # B, H, Hkv, T, D, window, projection (square: F = 2D; rectangular: F = D)
 SHAPES = {
     "B2-H8-Hkv2-T300-D128-w64-F256": (2, 8, 2, 300, 128, 64, "square"),  # GQA, T % 64 != 0
@@ -49,6 +50,9 @@ SHAPES = {
     "B1-H4-Hkv2-T1024-D128-w32-F128": (1, 4, 2, 1024, 128, 32, "rectangular"),  # F = D
     "B2-H4-Hkv1-T200-D64-w16-F64": (2, 4, 1, 200, 64, 16, "rectangular"),  # F = D, 4 q per kv
     QWEN2: (1, 28, 4, 300, 128, 64, "square"),
+    # batch x kv heads 64: the walked LA states on 128 x 128 tiles (the D 128 bf16 default
+    # where that leaves 128 programs, session 13), 2 query heads a program
+    WIDE: (8, 16, 8, 256, 128, 64, "square"),
 }
 CASES = {  # id -> (mode, switches); "g": "head" = a learned per-head mixer (tensor g)
     "hybrid": ("hybrid", {}),
@@ -67,7 +71,7 @@ CASES = {  # id -> (mode, switches); "g": "head" = a learned per-head mixer (ten
     "hybrid-floor": ("hybrid", {"eps": 0.05}),
     "shared_norm-floor-la_only": ("la_only", {"eps": 0.05, "la_span": "all"}),
 }
-BF16_CASES = [(s, c) for s in SHAPES if s != QWEN2 for c in
+BF16_CASES = [(s, c) for s in SHAPES if s not in (QWEN2, WIDE) for c in
               ("hybrid", "hybrid-overlap", "hybrid-g-per-head", "shared_norm", "swa_only",
                "la_only-all", "ssd-head-all")]
 BF16_CASES += [("B2-H4-Hkv1-T200-D64-w16-F64", c) for c in
@@ -76,6 +80,7 @@ BF16_CASES += [("B2-H4-Hkv1-T200-D64-w16-F64", c) for c in
 BF16_CASES += [("B2-H8-Hkv2-T300-D128-w64-F256", c) for c in
                ("hybrid-floor", "shared_norm-floor-la_only")]
 BF16_CASES += [(QWEN2, c) for c in ("hybrid", "shared_norm-per-head", "ssd-sample")]
+BF16_CASES += [(WIDE, c) for c in ("hybrid", "ssd-head-all")]
 # fp32 kernels take long to compile (tf32x3 products, spills): one shape of each head dim
 FP32_CASES = [("B2-H8-Hkv2-T300-D128-w64-F256", "hybrid"), ("B2-H8-Hkv2-T300-D128-w64-F256",
                                                              "shared_norm")]
