@@ -376,3 +376,32 @@ def test_attention_speed_ratios_in_device_time(monkeypatch):
     assert events["layer_mem_vs_swa_T64k"] == device["layer_mem_vs_swa_T64k"] == round(8 / 6, 4)
     monkeypatch.setattr(bench, "DEVICE", "cpu")  # (--tiny: no device time to take)
     assert bench.device_ms(lambda: None, 1.0) == {"device_ms": None, "host_ahead": None}
+
+
+def test_kernel_anatomy_refuses_unknown_configs_and_tables_its_rows(tmp_path):
+    """kernel_anatomy.py (GPU only) names what it does not know before touching a GPU, and its
+    markdown puts every kernel of every config / branch set in one table per phase, a failed
+    row as its error."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_anatomy.py"),
+                           "--configs", "default,nope"], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and "unknown config 'nope'" in proc.stderr, proc.stderr[-1500:]
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import kernel_anatomy as ka
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert set(ka.BRANCHES) == {"hybrid", "swa", "la"}
+    rows = [{"config": "default", "branches": "hybrid", "forward_device_ms": 0.34,
+             "forward_kernels": {"_fwd": 0.28, "_state_fwd": 0.05},
+             "fwd_bwd_device_ms": 1.6, "fwd_bwd_kernels": {"_fwd": 0.31, "_bwd_dq": 0.24}},
+            {"config": "st128", "branches": "hybrid", "rel_err_vs_first_config": 0.0,
+             "forward_device_ms": 0.33, "forward_kernels": {"_fwd": 0.28},
+             "fwd_bwd_device_ms": 1.55, "fwd_bwd_kernels": {"_bwd_dq": 0.24}},
+            {"config": "fc128", "branches": "la", "error": "OutOfResources: shared memory"}]
+    md = ka.markdown({"environment": {"gpu": "g", "date": "d", "torch": "t", "triton": "x"},
+                      "command": "c", "calls": 10, "shapes": [{"B": 8, "T": 1024, "rows": rows}]})
+    assert md.count("| kernel | default / hybrid | st128 / hybrid | fc128 / la |") == 2
+    assert "| `_state_fwd` | 0.050 | 0.000 | 0.000 |" in md
+    assert "| `_bwd_dq` | 0.240 | 0.240 | 0.000 |" in md
+    assert "OutOfResources: shared memory" in md and "st128 / hybrid: 0.0e+00" in md
