@@ -587,6 +587,11 @@ TUNE_CONFIGS = {  # None: default_config (D=128 since session 13: fwd 128x64 w8 
                      state_programs=0),
     "st128": dict(_FWD128, dq_block_m=128, pack_heads=4, state_f=128, state_d=128,
                   state_programs=0),
+    # after session 13's GPU time: the LA state's share in the forward as a pipelined loop over
+    # its feature slices (state_product_stages 2; ptxas: 86 async copies against 58, no
+    # spill), with the default's tiles (st128's at 8 x 1k); not yet measured
+    "pipe-state": dict(_FWD128, dq_block_m=128, pack_heads=4, state_f=128, state_d=128,
+                       state_programs=128, state_product_stages=2),
 }
 
 

@@ -118,13 +118,15 @@ def hybrid_kernels(dtype: torch.dtype, D: int, F: int, has_swa=True, has_la=True
             BLK=th.SCAN_BLOCK, U=th.SCAN_STEP, REVERSE=reverse), (), 4, 3
     for save in (False, True):  # True: the branches stored for the backward (save_branches)
         yield f"fwd{'-save' if save else ''}", th._fwd, dict(
-            **lo, **flags, **fwd_tiles, SHARED=shared, SAVE=save), \
+            **lo, **flags, **fwd_tiles, SHARED=shared, SAVE=save,
+            SS=cfg.state_product_stages), \
             ("scale_log2", "eps"), cfg.warps, cfg.stages
     # NEED_DQ False: stage 1 (q takes no gradient); FROM_SAVED: factors from the saved branches
     for need_dq, saved in ((True, False), (False, False), (True, True), (False, True)):
         yield f"bwd_dq{'' if need_dq else '-no-dq'}{'-saved' if saved else ''}", th._bwd_dq, \
             dict(**lo, **flags, **dq_tiles, SHARED=shared, NEED_DQ=need_dq,
-                 FROM_SAVED=saved, STORE_DNUM=has_la), ("scale", "scale_log2", "eps"), \
+                 FROM_SAVED=saved, STORE_DNUM=has_la, SS=cfg.state_product_stages), \
+            ("scale", "scale_log2", "eps"), \
             cfg.bwd_warps, cfg.stages
     if has_la:
         grad = dict(lo, FC=th._grad_fc(cfg, F))  # the dfq / dfk programs' feature slice
@@ -172,12 +174,32 @@ def test_query_side_backward_at_128_queries_compiles_without_spill():
         for need_dq, saved in ((True, True), (False, True), (True, False)):
             r = compile_report(th._bwd_dq, ptrs, dict(
                 lo, FC=64, HAS_SWA=True, HAS_LA=True, SHARED=shared, NEED_DQ=need_dq,
-                FROM_SAVED=saved, STORE_DNUM=True), ("scale", "scale_log2", "eps"), 8, 2)
+                FROM_SAVED=saved, STORE_DNUM=True, SS=0), ("scale", "scale_log2", "eps"), 8, 2)
             print(f"bwd_dq 128 shared={shared} dq={need_dq} saved={saved}: {r}")
             assert r["spill"] <= MAX_SPILL, r
         r = compile_report(th._bwd_dfq, ptrs, dict(lo, FC=256), (), 8, 2)
         print(f"bwd_dfq 128 kpm={kpm}: {r}")
         assert r["spill"] <= MAX_SPILL, r
+
+
+def test_pipelined_state_product_compiles_without_spill():
+    """``KernelConfig.state_product_stages`` 2: the forward's (and the recomputing dq pass's)
+    share of the LA state as a pipelined loop over feature slices, at the D 128 bf16 default's
+    tiles with 4 query heads a program: no spill, and more of its loads asynchronous than the
+    unrolled slices' (what the option is for)."""
+    ptrs = _pointers(torch.bfloat16)
+    lo = dict(D=128, F=256, FC=64, CS=128, HAS_KPM=False, PREC="tf32", BM=128, BN=64, P=4,
+              SHARED=False, SAVE=True, HAS_SWA=True, HAS_LA=True)
+    got = {ss: compile_report(th._fwd, ptrs, dict(lo, SS=ss), ("scale_log2", "eps"), 8, 2)
+           for ss in (0, 2)}
+    print(f"fwd state product unrolled / pipelined: {got}")
+    assert got[2]["spill"] <= MAX_SPILL, got
+    assert got[2]["async_copies"] > got[0]["async_copies"], got
+    dq = dict(lo, BN=32, NEED_DQ=True, FROM_SAVED=False, STORE_DNUM=True, SS=2)
+    del dq["SAVE"]
+    r = compile_report(th._bwd_dq, ptrs, dq, ("scale", "scale_log2", "eps"), 8, 2)
+    print(f"bwd_dq recomputing, pipelined state product: {r}")
+    assert r["spill"] <= MAX_SPILL, r
 
 
 HYBRID = [  # dtype, D, F, flags

@@ -726,6 +726,14 @@ def cases(quick: bool = False):
         ("kernel-packed4-dq4-G4-la-only-split-shifts", k, dict(
             H=8, T=100, window=12, has_swa=False, per_bh_shift=True,
             cfg=dict(PACKED4_DQ, split_states=True))),
+        # the LA state's share as a pipelined loop over feature slices (state_product_stages),
+        # in the forward and in the recomputing dq pass
+        ("kernel-pipelined-state-packed4-pad-shifts", k, dict(
+            H=8, T=90, window=20, pad=True, per_bh_shift=True,
+            cfg=dict(PACKED4_DQ, state_product_stages=2))),
+        ("kernel-pipelined-state-recomputed-shared-bf16", k, dict(
+            T=70, window=10, shared=True, dtype=bf16,
+            cfg=dict(SMALL, state_product_stages=2, save_branches=False))),
         ("kernel-bf16", k, dict(dtype=bf16)),
         ("kernel-bf16-shared-pad", k, dict(dtype=bf16, shared=True, pad=True)),
         ("kernel-bf16-hedgehog-D32", k, dict(dtype=bf16, D=32, T=70, window=10,

@@ -194,6 +194,12 @@ class KernelConfig:
     #: the walked state kernels' tiles (``state_f`` x ``state_d``) are halved while their grid
     #: has fewer programs than this (about two per multiprocessor of an H100 / H200)
     state_programs: int = 264
+    #: the LA state's share in the forward (and the recomputing dq pass): 0, its F / f_chunk
+    #: feature slices unrolled (each slice's fq and S loaded where the code reaches them); n > 0,
+    #: a loop the compiler pipelines over n stages (the next slice's tiles copied in while this
+    #: one multiplies; ptxas at D 128 bf16, pack 4, n 2: 254 registers, no spill, 86 async
+    #: copies against 58, shared memory 160 against 192 KB). The same sums in the same order
+    state_product_stages: int = 0
 
 
 @functools.lru_cache(maxsize=64)  # (a KernelConfig is frozen: one per shape, not per call)
@@ -465,11 +471,25 @@ if HAVE_TRITON:
         tl.store(PART + heads.to(tl.int64) * NMB + pid_m, part)
 
     @triton.jit
+    def _state_share(FQ, fq_rows, rows, st, zt, sl, num, den, D: tl.constexpr,
+                     FC: tl.constexpr, PREC: tl.constexpr):
+        """The stored state's share of LA over feature slice ``sl`` (FC wide): num += fq S,
+        den += fq . z, for the rows whose fq starts at ``FQ + fq_rows``."""
+        offs_d = tl.arange(0, D)
+        offs_f = sl * FC + tl.arange(0, FC)
+        fq = tl.load(FQ + fq_rows[:, None] + offs_f[None, :], mask=rows[:, None], other=0.0)
+        S = tl.load(st + offs_f[:, None] * D + offs_d[None, :])
+        z = tl.load(zt + offs_f)
+        num += tl.dot(fq, S, input_precision=PREC)
+        den += tl.sum(fq.to(tl.float32) * z[None, :], axis=1)
+        return num, den
+
+    @triton.jit
     def _la_num(FQ, FK, V, SST, ZST, VST, CNT, KPM, b, hk, Hkv, t0, offs_m, fq_rows, shift_r, T,
                 NC, eps, sfk_b, sfk_h, sfk_t, sv_b, sv_h, sv_t,
                 D: tl.constexpr, F: tl.constexpr, FC: tl.constexpr, BM: tl.constexpr,
                 BQ: tl.constexpr, BN: tl.constexpr, CS: tl.constexpr, HAS_KPM: tl.constexpr,
-                PREC: tl.constexpr):
+                PREC: tl.constexpr, SS: tl.constexpr):
         """Numerator (BM, D) and denominator (BM) of LA over keys i <= t - shift for BM query
         rows of one kv head: row r is position ``offs_m[r]`` (in t0 .. t0 + BQ - 1) of the query
         head whose fq row starts at ``FQ + fq_rows[r]``, with its own ``shift_r[r]`` (the rows
@@ -477,7 +497,8 @@ if HAVE_TRITON:
         values fq.fk + eps: the nearest stored state at or before t0 - max(shift) + 1 (with the
         floor's share, eps times its value sum and its count of real keys), plus the keys
         between it and t0 + BQ - min(shift), each row masked at its own t - shift. The feature
-        dimension is taken FC at a time."""
+        dimension is taken FC at a time; the state's share in a pipelined loop when SS > 0
+        (``KernelConfig.state_product_stages``)."""
         offs_d = tl.arange(0, D)
         rows = offs_m < T
         fk_base = FK + b.to(tl.int64) * sfk_b + hk.to(tl.int64) * sfk_h
@@ -489,13 +510,13 @@ if HAVE_TRITON:
         n_state = tl.load(CNT + b * (T + 1) + jst * CS).to(tl.float32)  # real keys < jst CS
         num = tl.zeros([BM, D], dtype=tl.float32) + eps * vsum[None, :]
         den = tl.zeros([BM], dtype=tl.float32) + eps * n_state
-        for c in tl.static_range(F // FC):
-            offs_f = c * FC + tl.arange(0, FC)
-            fq = tl.load(FQ + fq_rows[:, None] + offs_f[None, :], mask=rows[:, None], other=0.0)
-            S = tl.load(st + offs_f[:, None] * D + offs_d[None, :])
-            z = tl.load(zt + offs_f)
-            num += tl.dot(fq, S, input_precision=PREC)
-            den += tl.sum(fq.to(tl.float32) * z[None, :], axis=1)
+        if SS == 0:  # the slices unrolled: each slice's loads issued where the code reaches them
+            for c in tl.static_range(F // FC):
+                num, den = _state_share(FQ, fq_rows, rows, st, zt, c, num, den, D, FC, PREC)
+        else:  # a loop the compiler pipelines (SS stages): the next slice's fq and S are
+            # copied in asynchronously while this one multiplies (the same sums, same order)
+            for sl in tl.range(F // FC, num_stages=SS):
+                num, den = _state_share(FQ, fq_rows, rows, st, zt, sl, num, den, D, FC, PREC)
         hi = tl.minimum(t0 + BQ - tl.min(shift_r, axis=0), T)
         for start in range(jst * CS, hi, BN):
             offs_n = start + tl.arange(0, BN)
@@ -528,7 +549,7 @@ if HAVE_TRITON:
              D: tl.constexpr, F: tl.constexpr, FC: tl.constexpr, BM: tl.constexpr,
              BN: tl.constexpr, CS: tl.constexpr, P: tl.constexpr, HAS_SWA: tl.constexpr,
              HAS_LA: tl.constexpr, SHARED: tl.constexpr, HAS_KPM: tl.constexpr,
-             PREC: tl.constexpr, SAVE: tl.constexpr):
+             PREC: tl.constexpr, SAVE: tl.constexpr, SS: tl.constexpr):
         """One program: BM query rows, BQ = BM / P positions t0 .. t0 + BQ - 1 of P query heads
         that share a kv head (P divides the group; ``KernelConfig.pack_heads``). The P heads
         read the same keys, values and LA state: one load and one product serves them all, and
@@ -557,7 +578,7 @@ if HAVE_TRITON:
                 + offs_m.to(tl.int64) * sfq_t
             num, den = _la_num(FQ, FK, V, SST, ZST, VST, CNT, KPM, b, hk, Hkv, t0, offs_m,
                                fq_rows, shift_r, T, NC, eps, sfk_b, sfk_h, sfk_t, sv_b, sv_h,
-                               sv_t, D, F, FC, BM, BQ, BN, CS, HAS_KPM, PREC)
+                               sv_t, D, F, FC, BM, BQ, BN, CS, HAS_KPM, PREC, SS)
         has_far = (offs_m - shift_r) >= first
         r = tl.where(has_far, 1.0 / tl.maximum(den, eps), 0.0)
         la = num * r[:, None]
@@ -634,7 +655,7 @@ if HAVE_TRITON:
                 BN: tl.constexpr, CS: tl.constexpr, P: tl.constexpr, HAS_SWA: tl.constexpr,
                 HAS_LA: tl.constexpr, SHARED: tl.constexpr, HAS_KPM: tl.constexpr,
                 PREC: tl.constexpr, NEED_DQ: tl.constexpr, FROM_SAVED: tl.constexpr,
-                STORE_DNUM: tl.constexpr):
+                STORE_DNUM: tl.constexpr, SS: tl.constexpr):
         """dq of one query block (when NEED_DQ), and the per-query factors the other kernels
         need: DELTA (the softmax row term, incl. the shared-norm lse gradient), WS (SWA
         weight), GF (dnum = GF dO), DDEN (gradient of the LA denominator), with STORE_DNUM
@@ -680,7 +701,7 @@ if HAVE_TRITON:
                     + offs_m.to(tl.int64) * sfq_t
                 num, _ = _la_num(FQ, FK, V, SST, ZST, VST, CNT, KPM, b, hk, Hkv, t0, offs_m,
                                  fq_rows, shift_r, T, NC, eps, sfk_b, sfk_h, sfk_t, sv_b, sv_h,
-                                 sv_t, D, F, FC, BM, BQ, BN, CS, HAS_KPM, PREC)
+                                 sv_t, D, F, FC, BM, BQ, BN, CS, HAS_KPM, PREC, SS)
                 dot_la = tl.sum(num * do.to(tl.float32), axis=1) * r
         dot_swa = tl.zeros([BM], dtype=tl.float32)
         if HAS_SWA and FROM_SAVED:
@@ -1260,7 +1281,8 @@ def _forward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, *, window
         *_strides(o), T, H, H // Hkv, NC, window, scale * LOG2E, eps,
         D=D, F=F, FC=_fc(cfg, F), BM=cfg.block_m, BN=cfg.block_n, CS=cfg.state_chunk, P=P,
         HAS_SWA=has_swa, HAS_LA=has_la, SHARED=shared, HAS_KPM=kpm_i8 is not None,
-        PREC=_prec(q.dtype), SAVE=save, num_warps=cfg.warps, num_stages=cfg.stages)
+        PREC=_prec(q.dtype), SAVE=save, SS=cfg.state_product_stages, num_warps=cfg.warps,
+        num_stages=cfg.stages)
     states = (S, z, vs, cfg.state_chunk) if save and has_la else None
     return o, lse, den, swa_o, la_o, states
 
@@ -1316,7 +1338,8 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
         *_strides(q if dq is None else dq), T, H, G, NC, NMB, window, scale, scale * LOG2E, eps,
         D=D, F=F, FC=FC, BM=BMQ, BN=BN, CS=cfg.state_chunk, P=PQ, HAS_SWA=has_swa,
         HAS_LA=has_la, SHARED=shared, HAS_KPM=has_kpm, PREC=prec, NEED_DQ=dq is not None,
-        FROM_SAVED=from_saved, STORE_DNUM=dnum is not None, num_warps=cfg.bwd_warps,
+        FROM_SAVED=from_saved, STORE_DNUM=dnum is not None, SS=cfg.state_product_stages,
+        num_warps=cfg.bwd_warps,
         num_stages=cfg.stages)
     CALLS["dq_pass"] += dq is not None
     CALLS["factors_from_saved"] += from_saved
