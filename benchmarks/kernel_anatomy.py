@@ -4,8 +4,9 @@
 
     python benchmarks/kernel_anatomy.py --shapes 8x1024 --configs default,cs64 --out DIR
 
-Per shape (H 32 / Hkv 8 / D 128 / F 256, window 64, bf16, q, k, v as views of (B, T, H, D)),
-config and branch set: the output against the default config's (relative L2), the GPU time per
+Per shape (by default Llama-3-8B's heads: H 32 / Hkv 8 / D 128, square maps F 256; window 64;
+bf16; q, k, v as views of (B, T, H, D); ``--heads 28 --kv-heads 4`` for Qwen2-7B's),
+config and branch set: the output against the first config's (relative L2), the GPU time per
 call with the host ahead (``attention_speed.device_ms``), and a torch.profiler table of the
 kernels over ``--calls`` calls (device ms per call). The feature maps are precomputed (not in
 the tables): ``phi_speed.py`` times them. Writes ``kernel_anatomy.json`` and ``.md`` to --out.
@@ -81,6 +82,8 @@ def anatomy(L: Layer, config: str, branches: str, calls: int, want: dict) -> dic
 def markdown(res: dict) -> str:
     e = res["environment"]
     lines = [f"# kernel_anatomy ({e['gpu']}, {e['date']})", "", f"`{res['command']}`", "",
+             f"H {res['heads']} / Hkv {res['kv_heads']} / D {res['head_dim']}, window "
+             f"{res['window']}, bf16.", "",
              f"torch {e['torch']}, triton {e['triton']}. Device ms per call; kernels from "
              f"torch.profiler over {res['calls']} calls.", ""]
     for shape in res["shapes"]:
@@ -115,22 +118,28 @@ def main(argv=None) -> int:
     p.add_argument("--branches", default="hybrid,swa,la",
                    help=f"comma-separated, of {sorted(BRANCHES)}")
     p.add_argument("--calls", type=int, default=10)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--window", type=int, default=64)
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     configs, branches = a.configs.split(","), a.branches.split(",")
+    if a.heads % a.kv_heads:
+        p.error(f"--heads {a.heads} is not a multiple of --kv-heads {a.kv_heads}")
     for c in configs:
         if c not in TUNE_CONFIGS:
             p.error(f"unknown config {c!r}; known: {', '.join(TUNE_CONFIGS)}")
     for b in branches:
         if b not in BRANCHES:
             p.error(f"unknown branch set {b!r}; known: {', '.join(BRANCHES)}")
-    res = {"environment": environment(), "calls": a.calls, "shapes": [],
+    res = {"environment": environment(), "calls": a.calls, "shapes": [], "heads": a.heads,
+           "kv_heads": a.kv_heads, "head_dim": a.head_dim, "window": a.window,
            "command": " ".join(["python", "benchmarks/kernel_anatomy.py"]
                               + (argv if argv is not None else sys.argv[1:]))}
     for shape in a.shapes.split(","):
         B, T = map(int, shape.split("x"))
-        L = Layer(B, T, 32, 8, 128, a.window, torch.bfloat16, "square")
+        L = Layer(B, T, a.heads, a.kv_heads, a.head_dim, a.window, torch.bfloat16, "square")
         want: dict = {}
         rows = []
         for c in configs:

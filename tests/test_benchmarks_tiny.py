@@ -386,6 +386,11 @@ def test_kernel_anatomy_refuses_unknown_configs_and_tables_its_rows(tmp_path):
                            "--configs", "default,nope"], capture_output=True, text=True,
                           timeout=300, cwd=tmp_path, check=False)
     assert proc.returncode == 2 and "unknown config 'nope'" in proc.stderr, proc.stderr[-1500:]
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_anatomy.py"),
+                           "--heads", "28", "--kv-heads", "8"], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and "not a multiple of --kv-heads 8" in proc.stderr, \
+        proc.stderr[-1500:]
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import kernel_anatomy as ka
@@ -400,7 +405,9 @@ def test_kernel_anatomy_refuses_unknown_configs_and_tables_its_rows(tmp_path):
              "fwd_bwd_device_ms": 1.55, "fwd_bwd_kernels": {"_bwd_dq": 0.24}},
             {"config": "fc128", "branches": "la", "error": "OutOfResources: shared memory"}]
     md = ka.markdown({"environment": {"gpu": "g", "date": "d", "torch": "t", "triton": "x"},
-                      "command": "c", "calls": 10, "shapes": [{"B": 8, "T": 1024, "rows": rows}]})
+                      "command": "c", "calls": 10, "heads": 28, "kv_heads": 4, "head_dim": 128,
+                      "window": 64, "shapes": [{"B": 8, "T": 1024, "rows": rows}]})
+    assert "H 28 / Hkv 4 / D 128, window 64" in md
     assert md.count("| kernel | default / hybrid | st128 / hybrid | fc128 / la |") == 2
     assert "| `_state_fwd` | 0.050 | 0.000 | 0.000 |" in md
     assert "| `_bwd_dq` | 0.240 | 0.240 | 0.000 |" in md
