@@ -99,8 +99,8 @@ def hybrid_kernels(dtype: torch.dtype, D: int, F: int, has_swa=True, has_la=True
     lo = dict(D=D, F=F, FC=FC, CS=cfg.state_chunk, HAS_KPM=kpm, PREC=prec)
     flags = dict(HAS_SWA=has_swa, HAS_LA=has_la)
     fwd_tiles = dict(BM=cfg.block_m, BN=cfg.block_n, P=th.pack_of(cfg, 4))  # the 8B's groups
-    dq_tiles = dict(BM=th._dq_block_m(cfg), BN=cfg.bwd_block_n, P=th.pack_of(  # query side
-        cfg, 4, rows=th._dq_block_m(cfg), heads=th._dq_pack(cfg)))
+    dq_tiles = dict(BM=th._dq_block_m(cfg), BN=cfg.bwd_block_n,  # the query-side kernels
+                    P=th.dq_pack_of(cfg, 4))
     yield "state_fwd", th._state_fwd, dict(F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD,
                                             HAS_KPM=kpm, PREC=prec), (), cfg.state_warps, 3
     # split_states (past SPLIT_STATES_MIN_CHUNKS chunks): every chunk's share at once, then the sums

@@ -92,13 +92,17 @@ def test_forward_packs_the_query_heads_a_group_allows():
     assert fp32.block_m == 32 and th.pack_of(fp32, 4) == 2  # 16 positions of 2 heads
     assert th.pack_of(dataclasses.replace(cfg, pack_heads=1), 4) == 1
     assert th.pack_of(dataclasses.replace(cfg, pack_heads=3), 4) == 2  # a power of two
+    # the query-side backward: its own 128 rows, dq_pack_heads or else pack_heads
+    assert th.dq_pack_of(cfg, 4) == 4 and th.dq_pack_of(cfg, 7) == 1
+    assert th.dq_pack_of(dataclasses.replace(cfg, dq_pack_heads=1), 4) == 1
+    assert th.dq_pack_of(dataclasses.replace(cfg, dq_block_m=32), 4) == 2  # 16 positions
 
 
 def test_walked_state_tiles_keep_a_program_a_multiprocessor():
     """The walked state kernels' tiles at D 128 bf16 (session 13: 128 x 128 measured faster at
     8 x 1k, where that is 128 programs): halved while fewer than ``state_programs`` (128)
-    programs, so a small batch keeps its parallelism; the other defaults keep 64 x 64 and the
-    threshold of two programs a multiprocessor (264)."""
+    programs, so a small batch keeps its parallelism; the other defaults keep their configured
+    64 x 64 and the threshold of two programs a multiprocessor (264)."""
     cfg = th.default_config(128, 256, torch.bfloat16)
     assert th._state_tile(cfg, 8 * 8, 256, 128) == (128, 128)  # 8 x 1k, 8 kv heads: 128
     assert th._state_tile(cfg, 4 * 8, 256, 128) == (64, 128)  # batch 4: 128 programs

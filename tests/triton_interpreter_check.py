@@ -108,8 +108,8 @@ DKV_APART = dict(LONG_CHUNK, dkv_block_n=32)
 PACKED = dict(block_m=32, block_n=16, state_chunk=32, bwd_block_m=16, bwd_block_n=16,
               state_f=16, state_d=16, f_chunk=16, pack_heads=2)
 PACKED4 = dict(PACKED, block_m=64, pack_heads=4)
-#: the query-side backward packed as well (``dq_block_m`` 32 / 64 rows: 16 positions of 2 / 4
-#: heads), the forward not
+#: the query-side backward packed (``dq_block_m`` 32 / 64 rows: 16 positions of 2 / 4 heads):
+#: PACKED_DQ alone (its forward one head a program), PACKED4_DQ with the forward packed too
 PACKED_DQ = dict(PACKED, dq_block_m=32, pack_heads=1, dq_pack_heads=2)
 PACKED4_DQ = dict(PACKED4, dq_block_m=64)
 
@@ -204,8 +204,7 @@ def kernel_case(cid, *, B=2, H=4, Hkv=2, T=50, D=16, window=8, shift=None, share
     got["dkv_apart_ok"] = ran["dkv_apart"] == int(apart)
     # the forward packed query heads exactly where the config and the group allow it
     got["packed_ok"] = ran["packed_forward"] == int(th.pack_of(conf, H // Hkv) > 1)
-    got["packed_dq_ok"] = ran["packed_dq"] == int(th.pack_of(
-        conf, H // Hkv, rows=th._dq_block_m(conf), heads=th._dq_pack(conf)) > 1)
+    got["packed_dq_ok"] = ran["packed_dq"] == int(th.dq_pack_of(conf, H // Hkv) > 1)
     for name in frozen:  # a gradient where none was asked for: a wasted pass, or a wrong one
         got[f"{name}_grad_none_ok"] = got.pop(f"d{name}") is None
     ins2 = [t.detach().float().clone().requires_grad_() for t in (q, k, v, fq, fk, ca, cb, logs)]

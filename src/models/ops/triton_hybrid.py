@@ -1229,9 +1229,11 @@ def pack_of(cfg: KernelConfig, G: int, rows: int | None = None,
     return p
 
 
-def _dq_pack(cfg: KernelConfig) -> int:
-    """Query heads a program of the query-side backward (dq, dfq) takes at most."""
-    return cfg.pack_heads if cfg.dq_pack_heads is None else cfg.dq_pack_heads
+def dq_pack_of(cfg: KernelConfig, G: int) -> int:
+    """Query heads a program of the query-side backward (dq, dfq) takes for groups of G: as
+    ``pack_of`` on their ``dq_block_m`` rows, at most ``dq_pack_heads`` (None: ``pack_heads``)."""
+    heads = cfg.pack_heads if cfg.dq_pack_heads is None else cfg.dq_pack_heads
+    return pack_of(cfg, G, rows=_dq_block_m(cfg), heads=heads)
 
 
 def _fc(cfg: KernelConfig, F: int) -> int:
@@ -1322,7 +1324,7 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
         vs = z
     BM, BN = cfg.bwd_block_m, cfg.bwd_block_n
     BMQ = _dq_block_m(cfg)  # the query tile of the query-side kernels (dq, dfq)
-    PQ = pack_of(cfg, G, rows=BMQ, heads=_dq_pack(cfg))  # query heads a program of theirs takes
+    PQ = dq_pack_of(cfg, G)  # query heads a program of theirs takes
     NMB = cdiv(T, BMQ // PQ)  # query blocks a head
     dq = _like(q) if has_swa and need_dq else None
     delta, ws, gf, dden = (torch.empty(B * H, T, **f32) for _ in range(4))
