@@ -27,19 +27,37 @@ from hedgecats.models.ops import triton_hybrid as th
 BRANCHES = {"hybrid": (True, True), "swa": (True, False), "la": (False, True)}
 
 
+def per_launch(events: list[tuple[str, float, float]], calls: int) -> dict[str, float]:
+    """Device ms per call of each kernel from ``(name, start_us, duration_us)`` events of
+    ``calls`` identical calls. A kernel launched n > 1 times a call (``_bwd_dkv_la``'s dfk and
+    dv launches) gets one row per launch, in launch order: ``name [i/n]``."""
+    count: dict[str, int] = {}
+    for name, _, _ in events:
+        count[name] = count.get(name, 0) + 1
+    seen: dict[str, int] = {}
+    rows: dict[str, float] = {}
+    for name, _, dur in sorted(events, key=lambda e: e[1]):
+        n = max(count[name] // calls, 1)
+        i = seen.get(name, 0)
+        seen[name] = i + 1
+        key = name if n == 1 or count[name] % calls else f"{name} [{i % n + 1}/{n}]"
+        rows[key] = rows.get(key, 0.0) + dur / 1e3 / calls
+    return {k: round(v, 4) for k, v in sorted(rows.items(), key=lambda kv: -kv[1])}
+
+
 def kernel_table(fn, calls: int) -> dict[str, float]:
-    """Device ms per call of each kernel ``fn`` launches (torch.profiler, ``calls`` calls)."""
+    """Device ms per call of each kernel ``fn`` launches (torch.profiler, ``calls`` calls;
+    ``per_launch``)."""
     fn()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    rows = {}
-    for e in prof.key_averages():
-        if e.device_time_total > 0:
-            rows[e.key[:60]] = round(e.device_time_total / 1e3 / calls, 4)
-    return dict(sorted(rows.items(), key=lambda kv: -kv[1]))
+    events = [(e.name[:60], e.time_range.start, e.time_range.elapsed_us())
+              for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+              and e.time_range.elapsed_us() > 0]
+    return per_launch(events, calls)
 
 
 def anatomy(L: Layer, config: str, branches: str, calls: int, want: dict) -> dict:

@@ -33,6 +33,9 @@ VARIANTS = {
     "bwd32": (True, None, (32, 8)),
     "bwd128": (True, None, (128, 8)),
     "fwd128": (True, (128, 8), None),
+    "fwd32w4": (True, (32, 4), None),
+    "fwd64w4": (True, (64, 4), None),
+    "bwd64w4": (True, None, (64, 4)),
 }
 
 

@@ -35,7 +35,8 @@ def host_and_device_ms(fn, n: int = 20, sleep_ms: float = 200.0) -> dict:
 
 
 def host_profile(fn, n: int = 20, rows: int = 30) -> str:
-    """cProfile of ``n`` calls of ``fn`` on the host (the autograd backward on this thread)."""
+    """cProfile of ``n`` calls of ``fn`` on the host (the autograd backward on this thread),
+    by each function's own time, then by time including what it calls."""
     import cProfile
     import io
     import pstats
@@ -51,7 +52,8 @@ def host_profile(fn, n: int = 20, rows: int = 30) -> str:
         torch.autograd.set_multithreading_enabled(True)
     torch.cuda.synchronize()
     buf = io.StringIO()
-    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(rows)
+    for order in ("tottime", "cumulative"):
+        pstats.Stats(pr, stream=buf).sort_stats(order).print_stats(rows)
     return buf.getvalue()
 
 

@@ -412,3 +412,21 @@ def test_kernel_anatomy_refuses_unknown_configs_and_tables_its_rows(tmp_path):
     assert "| `_state_fwd` | 0.050 | 0.000 | 0.000 |" in md
     assert "| `_bwd_dq` | 0.240 | 0.240 | 0.000 |" in md
     assert "OutOfResources: shared memory" in md and "st128 / hybrid: 0.0e+00" in md
+
+
+def test_kernel_anatomy_splits_a_kernel_launched_twice_a_call():
+    """A kernel launched twice a call (``_bwd_dkv_la``: its dfk, then its dv launch) gets a row
+    per launch, in launch order, device ms per call; kernels launched once keep their name."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import kernel_anatomy as ka
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    call = [("_fwd", 0.0, 300.0), ("_bwd_dkv_la", 400.0, 250.0), ("_bwd_dkv_la", 700.0, 150.0)]
+    events = [(n, s + 1000.0 * c, d) for c in range(2) for n, s, d in call]
+    events.reverse()  # the profiler's order is not the launch order: sorted by start
+    rows = ka.per_launch(events, calls=2)
+    assert rows == {"_fwd": 0.3, "_bwd_dkv_la [1/2]": 0.25, "_bwd_dkv_la [2/2]": 0.15}
+    # a kernel whose count is not a multiple of the calls (a one-off) stays one summed row
+    assert ka.per_launch([("x", 0.0, 100.0), ("x", 5.0, 100.0), ("x", 9.0, 100.0)], 2) == \
+        {"x": 0.15}
