@@ -40,6 +40,7 @@ into ``--summary`` (default ``<out>/summary.json``, merged with what is there).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -317,9 +318,12 @@ class Layer:
         return (fq.sum() + fk.sum()).reshape(1, 1, 1, 1).expand(self.do.shape)
 
     def hybrid(self, mixer="fixed", backend="auto", fq=None, fk=None, pytorch_phi=False):
-        if fq is None:
-            fq, fk = self.features(pytorch_phi)
-        out = hybrid_attention(self.q, self.k, self.v, fq, fk, window=self.w, backend=backend,
+        q, k = self.q, self.k
+        if fq is None:  # q and k handed on through the maps, as the model's layer does
+            with backends.triton_disabled() if pytorch_phi else contextlib.nullcontext():
+                fq, q = self.phi_q(q, with_input=True)
+                fk, k = self.phi_k(k, with_input=True)
+        out = hybrid_attention(q, k, self.v, fq, fk, window=self.w, backend=backend,
                                scale=self.scale, **self.mixer_args(mixer))
         return out.transpose(1, 2).contiguous()
 

@@ -122,7 +122,9 @@ def main(argv=None):
             do = do.transpose(1, 2).contiguous()
 
         def layer():  # (grads dropped each call: a model's q, k, v accumulate none)
-            out = hybrid_attention(q, k, v, phi_q(q), phi_k(k), window=w, backend="auto")
+            fq, qh = phi_q(q, with_input=True)  # q, k handed on through the maps (the layer)
+            fk, kh = phi_k(k, with_input=True)
+            out = hybrid_attention(qh, kh, v, fq, fk, window=w, backend="auto")
             if model:  # the layer's (B, T, H, D) output (models/layer.py)
                 out = out.transpose(1, 2).contiguous()
             out.backward(do)

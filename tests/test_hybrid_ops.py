@@ -282,6 +282,19 @@ def test_feature_map_definition():
     torch.testing.assert_close(y[..., :6].sum(-1), torch.ones(1, 2, 4))
 
 
+def test_feature_map_hands_its_input_on_unchanged_off_the_kernel():
+    """``fm(x, with_input=True)`` is ``(fm(x), x)`` where the fused kernel does not run (CPU,
+    GQA keys repeated for a map per query head): x itself, its gradient autograd's sum."""
+    fm = HedgehogFeatureMap(2, 8, floor=1e-3)
+    x = torch.randn(1, 2, 5, 8, requires_grad=True)
+    phi, x_on = fm(x, with_input=True)
+    assert x_on is x
+    torch.testing.assert_close(phi, fm(x))
+    gqa = HedgehogFeatureMap(4, 8, input_heads=2)
+    phi, x_on = gqa(x, with_input=True)
+    assert x_on is x and phi.shape == (1, 4, 5, 16)
+
+
 @pytest.mark.parametrize("bad,match", [
     (dict(activation="gelu"), "activation 'gelu'.*elu1p, exp, none, relu, softmax"),
     (dict(projection="wide"), "projection 'wide'.*rectangular, square"),

@@ -155,7 +155,7 @@ def hybrid_kernels(dtype: torch.dtype, D: int, F: int, has_swa=True, has_la=True
 def _pointers(dtype):
     dt = "*bf16" if dtype == torch.bfloat16 else F32
     types = {n: dt for n in ("Q", "K", "V", "FQ", "FK", "DO", "SST", "OUT", "DQ", "DFQ", "RST",
-                             "DK", "DFK", "X", "W", "BIAS", "Y", "DY", "DX", "DU", "SWA_O",
+                             "DK", "DFK", "X", "W", "BIAS", "Y", "DY", "DX", "DU", "DXI", "SWA_O",
                              "LA_O", "DNUM")}
     types.update({n: F32 for n in ("ZST", "VST", "LSE", "DEN", "CA", "CB", "LOGS", "DELTA",
                                    "WS", "GF", "DDEN", "PA", "PB", "UST", "WST", "DVS", "XE",
@@ -252,12 +252,15 @@ def test_feature_map_kernels_compile_for_sm90(D, FH):
     ptrs = _pointers(torch.bfloat16)
     # the backward with dx or without (stage 1), du in either layout (triton_phi._du_buffer)
     # (and the backward recomputing the activations from x: triton_phi.BWD_FROM_OUTPUT False)
+    # (and dx added to x's other gradient: the maps handing q, k on, ``ADD_DXI``)
     variants = [("phi_fwd", tp._phi_fwd, False, {})] + [
         (f"phi_bwd{'' if dx else '-no-dx'}{'-hf' if hf else ''}", tp._phi_bwd, True,
-         dict(NEED_DX=dx, DU_HEADS_FIRST=hf, FROM_Y=True))
+         dict(NEED_DX=dx, DU_HEADS_FIRST=hf, FROM_Y=True, ADD_DXI=False))
         for dx in (True, False) for hf in (True, False)] + [
         ("phi_bwd-recomputed", tp._phi_bwd, True, dict(NEED_DX=True, DU_HEADS_FIRST=True,
-                                                       FROM_Y=False))]
+                                                       FROM_Y=False, ADD_DXI=False)),
+        ("phi_bwd-added", tp._phi_bwd, True, dict(NEED_DX=True, DU_HEADS_FIRST=True,
+                                                  FROM_Y=True, ADD_DXI=True))]
     for name, fn, backward, flags in variants:
         BM, warps = tp._tiles(D, FH, backward)
         constexprs = dict(D=D, FH=FH, BM=BM, SOFTMAX=True, PREC="tf32", **flags)

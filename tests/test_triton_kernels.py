@@ -530,6 +530,47 @@ PHI_SHAPES = {  # B, H, T, D, projection
 PHI_CASES = [(s, a) for s in PHI_SHAPES for a in ("softmax", "exp")]
 
 
+def test_feature_map_hands_its_input_on():
+    """``fm(x, with_input=True)`` on CUDA (bf16, the model's (B, T, H, D) layout): x's
+    gradient from its other consumer (here x' * c, as the attention uses q) is added in the
+    map's backward kernel; x's gradient as close to the fp32 oracle's as autograd's bf16 sum
+    of the two, the map's weight and bias gradients the same as without handing x on."""
+    from hedgecats.models.ops import triton_phi as tp
+
+    if not tp.available():
+        pytest.skip("triton not available")
+    gen = torch.Generator(device=DEVICE).manual_seed(6)
+    fm = HedgehogFeatureMap(8, 128, seed=2).to(DEVICE)
+    with torch.no_grad():
+        fm.bias.normal_(0, 0.3, generator=gen)
+    x0 = torch.randn(2, 300, 8, 128, device=DEVICE, generator=gen).bfloat16().transpose(1, 2)
+    dy = torch.randn(2, 8, 300, 256, device=DEVICE, generator=gen)
+    c = torch.randn(2, 8, 300, 128, device=DEVICE, generator=gen)
+
+    def run(dtype, hand_on):
+        x = x0.detach().to(dtype).requires_grad_()
+        fm.zero_grad()
+        if hand_on:
+            y, x_on = fm(x, with_input=True)
+        else:
+            y, x_on = fm(x), x
+        ((y.float() * dy).sum() + (x_on.float() * c).sum()).backward()
+        return {"y": y.detach(), "dx": x.grad, "dW": fm.weight.grad.clone(),
+                "db": fm.bias.grad.clone()}
+
+    added = tp.CALLS["backward_added"]
+    got = run(torch.bfloat16, True)
+    assert tp.CALLS["backward_added"] == added + 1, "x's gradients were not summed in the kernel"
+    summed = run(torch.bfloat16, False)
+    with backends.triton_disabled():
+        oracle = run(torch.float32, False)
+    assert torch.equal(got["y"], summed["y"]) and torch.equal(got["dW"], summed["dW"]) and \
+        torch.equal(got["db"], summed["db"])
+    err, err_sum = rel_err(got["dx"], oracle["dx"]), rel_err(summed["dx"], oracle["dx"])
+    assert err <= 1.25 * err_sum + 1e-4, f"dx {err:.2e} against autograd's sum {err_sum:.2e}"
+    assert got["dx"].stride() == x0.stride()
+
+
 @pytest.mark.parametrize("floor", [0.0, 1e-3])
 def test_feature_map_module_takes_the_fused_kernel(floor):
     """HedgehogFeatureMap on CUDA in bf16 is ops.triton_phi (GQA keys repeated first, the floor

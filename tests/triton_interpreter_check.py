@@ -453,11 +453,13 @@ def mse_backward_fallback_case(cid):
 
 def phi_case(cid, *, B=2, H=3, T=45, D=16, proj="square", activation="softmax",
              dtype=torch.float32, strided=False, frozen_x=False, heads_first=False,
-             from_output=True):
+             from_output=True, with_input=False):
     """triton_phi.hedgehog_features vs the fp32 map: values and gradients of x, W, b
     (``frozen_x``: x takes no gradient, as stage 1's teacher q, k; dW, db unchanged;
     ``from_output``: the backward's activations read from the forward's output, the default,
-    else recomputed from x: ``triton_phi.BWD_FROM_OUTPUT``)."""
+    else recomputed from x: ``triton_phi.BWD_FROM_OUTPUT``; ``with_input``: x handed on
+    through the map and used by a second consumer (x' * c, c a random tensor, as the
+    attention uses q): its gradient added in the map's kernel, against autograd's sum)."""
     from hedgecats.models import HedgehogFeatureMap
     from hedgecats.models.ops import triton_phi as tp
 
@@ -473,12 +475,17 @@ def phi_case(cid, *, B=2, H=3, T=45, D=16, proj="square", activation="softmax",
         x0 = torch.randn(B, H, T, D, generator=g)
     x0 = x0.to(dtype)
     dy = torch.randn(B, H, T, fm.feature_dim, generator=g).to(dtype).float()
+    c = torch.randn(B, H, T, D, generator=g)
 
     def run(fn, cast):
         x = x0.detach().to(cast).requires_grad_(not frozen_x)
         fm.zero_grad()
         y = fn(x)
-        y.float().backward(dy)
+        if with_input:  # (phi(x), x') from the kernel; (phi(x), x) from the reference
+            y, x_on = y if isinstance(y, tuple) else (y, x)
+            ((y.float() * dy).sum() + (x_on.float() * c).sum()).backward()
+        else:
+            y.float().backward(dy)
         # dx laid out as x: (B, T, H, D) memory in, the same out (summed with the attention
         # kernel's dq and accumulated without a copy)
         laid_out.append(x.grad is None or x.grad.stride() == x.stride())
@@ -487,17 +494,20 @@ def phi_case(cid, *, B=2, H=3, T=45, D=16, proj="square", activation="softmax",
 
     laid_out = []
 
-    before = tp.CALLS["backward_dx"]
+    before, added = tp.CALLS["backward_dx"], tp.CALLS["backward_added"]
     default, tp.BWD_FROM_OUTPUT = tp.BWD_FROM_OUTPUT, from_output
     try:
-        got = run(lambda x: tp.hedgehog_features(x, fm.weight, fm.bias, activation), dtype)
+        got = run(lambda x: tp.hedgehog_features(x, fm.weight, fm.bias, activation,
+                                                 with_input=with_input), dtype)
     finally:
         tp.BWD_FROM_OUTPUT = default
     dx_passes = tp.CALLS["backward_dx"] - before
+    dx_added = tp.CALLS["backward_added"] - added
     want = run(lambda x: tp.reference_features(x, fm.weight, fm.bias, activation),
                torch.float32)
     # dx computed only when x takes a gradient
     return {**errors(got, want), "dx_pass": 0.0 if dx_passes == (not frozen_x) else float("inf"),
+            "dx_added": 0.0 if dx_added == (with_input and not frozen_x) else float("inf"),
             "dx_layout": 0.0 if laid_out[0] else float("inf")}
 
 
@@ -793,6 +803,11 @@ def cases(quick: bool = False):
         ("phi-blocks-T300-recomputed-exp", phi_case, dict(
             dtype=bf16, T=300, from_output=False, activation="exp")),
         ("phi-recomputed-backward", phi_case, dict(dtype=bf16, from_output=False)),
+        ("phi-with-input", phi_case, dict(dtype=bf16, with_input=True)),
+        ("phi-with-input-strided-exp", phi_case, dict(dtype=bf16, with_input=True,
+                                                      strided=True, activation="exp")),
+        ("phi-with-input-frozen-x", phi_case, dict(dtype=bf16, with_input=True,
+                                                   frozen_x=True)),
         ("phi-recomputed-backward-exp-strided", phi_case, dict(
             dtype=bf16, from_output=False, activation="exp", strided=True)),
         ("decode-hybrid", decode_case, dict(dtype=torch.float32)),

@@ -240,8 +240,10 @@ def hedgecats_attention_forward(module: nn.Module, query, key, value, attention_
                    "blocks that end at the padded length; evaluate with batch size 1 or pass "
                    "the attention mask")
     needs_la = rt.mode in ("hybrid", "swa_only", "la_only")
-    fq = module.phi_q(query) if needs_la else None
-    fk = module.phi_k(key) if needs_la else None
+    fq = fk = None
+    if needs_la:  # (q and k handed on through the maps: their two gradients summed in a kernel)
+        fq, query = module.phi_q(query, with_input=True)
+        fk, key = module.phi_k(key, with_input=True)
     swa_drop = _ssd_mask(rt, query.shape[0], query.shape[1], query.device) \
         if module.training and rt.mode == "hybrid" else None
     out = hybrid_attention(

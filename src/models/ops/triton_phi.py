@@ -45,7 +45,8 @@ from .triton_common import (HAVE_TRITON, available, cast, cdiv, errors, fast, in
 __all__ = ["available", "hedgehog_features", "reference_features", "unsupported_reason"]
 
 FALLBACK_ERRORS: list[str] = []
-CALLS = {"forward": 0, "backward_dx": 0}  # dx: only when x takes a gradient
+#: dx: only when x takes a gradient; added: those that added x's other gradient in the kernel
+CALLS = {"forward": 0, "backward_dx": 0, "backward_added": 0}
 ACTIVATIONS = ("softmax", "exp")
 
 
@@ -87,14 +88,16 @@ if HAVE_TRITON:
         tl.store(y + FH, a2.to(Y.dtype.element_ty), mask=rows[:, None])
 
     @triton.jit
-    def _phi_bwd(X, W, BIAS, Y, DY, DX, DU, sx_b, sx_h, sx_t, sdy_b, sdy_h, sdy_t,
-                 sdx_b, sdx_h, sdx_t, T, H, B,
+    def _phi_bwd(X, W, BIAS, Y, DY, DX, DU, DXI, sx_b, sx_h, sx_t, sdy_b, sdy_h, sdy_t,
+                 sdx_b, sdx_h, sdx_t, sdxi_b, sdxi_h, sdxi_t, T, H, B,
                  D: tl.constexpr, FH: tl.constexpr, BM: tl.constexpr, SOFTMAX: tl.constexpr,
                  PREC: tl.constexpr, NEED_DX: tl.constexpr, DU_HEADS_FIRST: tl.constexpr,
-                 FROM_Y: tl.constexpr):
+                 FROM_Y: tl.constexpr, ADD_DXI: tl.constexpr):
         """FROM_Y: both activations read from the forward's output Y ((B H, T, F), the input
         dtype) instead of recomputed from x (one matrix product and the exponentials fewer;
-        the activations rounded to the input dtype, as autograd's softmax saves them)."""
+        the activations rounded to the input dtype, as autograd's softmax saves them).
+        ADD_DXI: dx = DXI + du W^T, summed in fp32 (DXI: x's gradient from its other consumer,
+        the attention kernel's dq / dk, ``hedgehog_features(with_input=True)``)."""
         pid_bh = tl.program_id(0)  # axis 0: up to 2^31 - 1 (B * H of a large decode batch)
         pid_m = tl.program_id(1)
         b = pid_bh // H
@@ -126,6 +129,10 @@ if HAVE_TRITON:
         du = tl.where(rows[:, None], du, 0.0).to(Y.dtype.element_ty)
         if NEED_DX:  # not for stage 1's detached teacher q, k
             dx = tl.dot(du, tl.trans(w), input_precision=PREC)
+            if ADD_DXI:
+                dx += tl.load(DXI + b.to(tl.int64) * sdxi_b + h.to(tl.int64) * sdxi_h
+                              + offs_m[:, None] * sdxi_t + offs_d[None, :], mask=rows[:, None],
+                              other=0.0).to(tl.float32)
             tl.store(DX + b.to(tl.int64) * sdx_b + h.to(tl.int64) * sdx_h
                      + offs_m[:, None] * sdx_t + offs_d[None, :],
                      dx.to(DX.dtype.element_ty), mask=rows[:, None])
@@ -201,55 +208,89 @@ def _du_buffer(x: torch.Tensor, FH: int):
     return du, heads_first
 
 
+def _phi_forward(x, w, bias, softmax):
+    """(y, the weight and bias as the kernel read them: x's dtype, contiguous)."""
+    B, H, T, D = x.shape
+    FH = w.shape[-1]
+    wc = cast(w, x.dtype).contiguous()  # (H, D, F/2), as the module casts it
+    bc = cast(bias, x.dtype).contiguous()
+    y = torch.empty(B, H, T, 2 * FH, device=x.device, dtype=x.dtype)
+    BM, warps = _tiles(D, FH, backward=False)
+    fast(_phi_fwd)[(B * H, cdiv(T, BM))](
+        x, wc, bc, y, x.stride(0), x.stride(1), x.stride(2), T, H, D=D, FH=FH, BM=BM,
+        SOFTMAX=softmax, PREC=_prec(x.dtype), num_warps=warps)
+    return y, wc, bc
+
+
+def _phi_backward(ctx, dy, dx_in):
+    """(dx, dW, db) for ``_PhiFn`` / ``_PhiWithInputFn``; ``dx_in``: x's gradient from its
+    other consumer (None: none), added in the kernel."""
+    x, wc, bc, y = ctx.saved_tensors
+    softmax, w_dtype, b_dtype = ctx.meta
+    B, H, T, D = x.shape
+    FH = wc.shape[-1]
+    if dy.stride(-1) != 1:
+        dy = dy.contiguous()
+    dy = cast(dy, x.dtype)
+    need_dx = ctx.needs_input_grad[0]
+    add = need_dx and dx_in is not None
+    if add and dx_in.stride(-1) != 1:  # (any float dtype: the kernel reads it into fp32)
+        dx_in = dx_in.contiguous()
+    # dx laid out as x (the model's (B, T, H, D) memory: summed with the attention kernel's
+    # dq, laid out so too, and accumulated without a copy)
+    dx = torch.empty_like(x) if need_dx else None
+    du, reduce_dw = _du_buffer(x, FH)
+    BM, warps = _tiles(D, FH, backward=True)
+    fast(_phi_bwd)[(B * H, cdiv(T, BM))](
+        x, wc, bc, y, dy, du if dx is None else dx, du, dx_in if add else du,
+        x.stride(0), x.stride(1), x.stride(2), dy.stride(0), dy.stride(1), dy.stride(2),
+        *((dx.stride(0), dx.stride(1), dx.stride(2)) if need_dx else (0, 0, 0)),
+        *((dx_in.stride(0), dx_in.stride(1), dx_in.stride(2)) if add else (0, 0, 0)),
+        T, H, B, D=D, FH=FH, BM=BM,
+        SOFTMAX=softmax, PREC=_prec(x.dtype), NEED_DX=need_dx,
+        DU_HEADS_FIRST=du.stride(1) > du.stride(0), FROM_Y=BWD_FROM_OUTPUT, ADD_DXI=add,
+        num_warps=warps)  # (H, B, T, F/2)
+    CALLS["backward_dx"] += need_dx
+    CALLS["backward_added"] += add
+    dw = dbias = None
+    if ctx.needs_input_grad[1]:
+        dw = cast(reduce_dw(x, du), w_dtype)
+    if ctx.needs_input_grad[2]:
+        # summed in fp32 straight from du (CUDA reduces bf16 into fp32 without a copy; the
+        # old du.float() made a strided fp32 copy of du: ~60 us per map at 8 x 1k and a
+        # 1 GiB transient at 64k, benchmarks/results/h200_2026-12-02b)
+        dbias = cast(du.sum(dim=(0, 2), dtype=torch.float32), b_dtype)
+    return dx, dw, dbias
+
+
 class _PhiFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, bias, softmax):
-        B, H, T, D = x.shape
-        FH = w.shape[-1]
-        wc = cast(w, x.dtype).contiguous()  # (H, D, F/2), as the module casts it
-        bc = cast(bias, x.dtype).contiguous()
-        y = torch.empty(B, H, T, 2 * FH, device=x.device, dtype=x.dtype)
-        BM, warps = _tiles(D, FH, backward=False)
-        fast(_phi_fwd)[(B * H, cdiv(T, BM))](
-            x, wc, bc, y, x.stride(0), x.stride(1), x.stride(2), T, H, D=D, FH=FH, BM=BM,
-            SOFTMAX=softmax, PREC=_prec(x.dtype), num_warps=warps)
+        y, wc, bc = _phi_forward(x, w, bias, softmax)
         ctx.save_for_backward(x, wc, bc, y)  # y: kept by its consumer anyway (the LA kernel)
         ctx.meta = (softmax, w.dtype, bias.dtype)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, wc, bc, y = ctx.saved_tensors
-        softmax, w_dtype, b_dtype = ctx.meta
-        B, H, T, D = x.shape
-        FH = wc.shape[-1]
-        if dy.stride(-1) != 1:
-            dy = dy.contiguous()
-        dy = cast(dy, x.dtype)
-        need_dx = ctx.needs_input_grad[0]
-        # dx laid out as x (the model's (B, T, H, D) memory: summed with the attention
-        # kernel's dq, laid out so too, and accumulated without a copy)
-        dx = torch.empty_like(x) if need_dx else None
-        du, reduce_dw = _du_buffer(x, FH)
-        BM, warps = _tiles(D, FH, backward=True)
-        fast(_phi_bwd)[(B * H, cdiv(T, BM))](
-            x, wc, bc, y, dy, du if dx is None else dx, du, x.stride(0), x.stride(1),
-            x.stride(2), dy.stride(0), dy.stride(1), dy.stride(2),
-            *((dx.stride(0), dx.stride(1), dx.stride(2)) if need_dx else (0, 0, 0)),
-            T, H, B, D=D, FH=FH, BM=BM,
-            SOFTMAX=softmax, PREC=_prec(x.dtype), NEED_DX=need_dx,
-            DU_HEADS_FIRST=du.stride(1) > du.stride(0), FROM_Y=BWD_FROM_OUTPUT,
-            num_warps=warps)  # (H, B, T, F/2)
-        CALLS["backward_dx"] += need_dx
-        dw = dbias = None
-        if ctx.needs_input_grad[1]:
-            dw = cast(reduce_dw(x, du), w_dtype)
-        if ctx.needs_input_grad[2]:
-            # summed in fp32 straight from du (CUDA reduces bf16 into fp32 without a copy; the
-            # old du.float() made a strided fp32 copy of du: ~60 us per map at 8 x 1k and a
-            # 1 GiB transient at 64k, benchmarks/results/h200_2026-12-02b)
-            dbias = cast(du.sum(dim=(0, 2), dtype=torch.float32), b_dtype)
-        return dx, dw, dbias, None
+        return (*_phi_backward(ctx, dy, None), None)
+
+
+class _PhiWithInputFn(torch.autograd.Function):
+    """(phi(x), x): x handed on through the map, so that its other consumer's gradient (the
+    attention kernel's dq or dk) comes back here and is added to the map's in the kernel,
+    instead of autograd summing the two in a separate pass over x's gradient."""
+
+    @staticmethod
+    def forward(ctx, x, w, bias, softmax):
+        y, wc, bc = _phi_forward(x, w, bias, softmax)
+        ctx.save_for_backward(x, wc, bc, y)
+        ctx.meta = (softmax, w.dtype, bias.dtype)
+        return y, x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy, dx_in):
+        return (*_phi_backward(ctx, dy, dx_in), None)
 
 
 def unsupported_reason(x, weight, bias, activation: str) -> str | None:
@@ -279,10 +320,14 @@ def unsupported_reason(x, weight, bias, activation: str) -> str | None:
 
 
 def hedgehog_features(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                      activation: str = "softmax") -> torch.Tensor | None:
+                      activation: str = "softmax", *, with_input: bool = False):
     """``phi(x)`` (B, H, T, F) in x's dtype for x (B, H, T, D), weight (H, D, F/2), bias
     (H, F/2); differentiable in all three. ``None`` where the kernel does not apply (reason
-    logged once): the caller computes the map itself."""
+    logged once): the caller computes the map itself.
+
+    ``with_input``: ``(phi(x), x')``, x' the same values as x (a view of it) for x's other
+    consumer (the attention): the gradient that reaches x' is added to the map's in the
+    backward kernel (one pass over x's gradient fewer than autograd's sum of the two)."""
     reason = unsupported_reason(x, weight, bias, activation)
     if reason is not None:
         if activation in ACTIVATIONS:
@@ -290,13 +335,14 @@ def hedgehog_features(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
         return None
     if x.stride(-1) != 1:
         x = x.contiguous()
+    fn = _PhiWithInputFn if with_input else _PhiFn
     try:
-        y = _PhiFn.apply(x, weight, bias, activation == "softmax")
+        out = fn.apply(x, weight, bias, activation == "softmax")
     except errors() as e:
         record_fallback(FALLBACK_ERRORS, __name__, "feature map", e, "using PyTorch")
         return None
     CALLS["forward"] += 1
-    return y
+    return out
 
 
 def reference_features(x, weight, bias, activation="softmax") -> torch.Tensor:
