@@ -593,9 +593,13 @@ TUNE_CONFIGS = {  # None: default_config (D=128 since session 13: fwd 128x64 w8 
                   state_programs=0),
     # after session 13's GPU time: the LA state's share in the forward as a pipelined loop over
     # its feature slices (state_product_stages 2; ptxas: 86 async copies against 58, no
-    # spill), with the default's tiles (st128's at 8 x 1k); not yet measured
+    # spill), with the default's tiles (st128's at 8 x 1k); measured in session 14: no gain
     "pipe-state": dict(_FWD128, dq_block_m=128, pack_heads=4, state_f=128, state_d=128,
                        state_programs=128, state_product_stages=2),
+    # session 14: _bwd_dkv_la's dv programs at 64 keys, in one grid with the dfk programs
+    # (dv_block_n; ptxas: 193 registers, wgmma, no spill, where 32 keys get mma.sync)
+    "dv64": dict(_FWD128, dq_block_m=128, pack_heads=4, state_f=128, state_d=128,
+                 state_programs=128, dv_block_n=64),
 }
 
 

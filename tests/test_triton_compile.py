@@ -136,14 +136,14 @@ def hybrid_kernels(dtype: torch.dtype, D: int, F: int, has_swa=True, has_la=True
                 F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD, PREC=prec, TMA=tma), (), \
                 cfg.state_warps, 3
         la = dict(**grad, BM=cfg.bwd_block_m, ADD_DVS=has_swa)
-        if th._dkv_block_n(cfg) == cfg.bwd_block_n:  # dfk and dv programs in one grid
-            yield "bwd_dkv_la", th._bwd_dkv_la, dict(**la, BN=cfg.bwd_block_n, PART=0), \
+        if th._dkv_block_n(cfg) == th._dv_block_n(cfg):  # dfk and dv programs in one grid
+            yield "bwd_dkv_la", th._bwd_dkv_la, dict(**la, BN=th._dkv_block_n(cfg), PART=0), \
                 ("eps",), cfg.bwd_warps, cfg.stages
-        else:  # dkv_block_n: the dfk programs at it, the dv programs at bwd_block_n, apart
+        else:  # the dfk programs at dkv_block_n, the dv programs at dv_block_n, apart
             yield "bwd_dkv_la-dfk", th._bwd_dkv_la, dict(**la, BN=th._dkv_block_n(cfg),
                                                          PART=1), \
                 ("eps",), cfg.bwd_warps, cfg.stages
-            yield "bwd_dkv_la-dv", th._bwd_dkv_la, dict(**la, BN=cfg.bwd_block_n, PART=2), \
+            yield "bwd_dkv_la-dv", th._bwd_dkv_la, dict(**la, BN=th._dv_block_n(cfg), PART=2), \
                 ("eps",), cfg.bwd_warps, cfg.stages
     if has_swa:
         yield "bwd_dkv_swa", th._bwd_dkv_swa, dict(D=D, BM=cfg.bwd_block_m,

@@ -103,6 +103,10 @@ LONG_CHUNK = dict(block_m=32, block_n=32, state_chunk=64, bwd_block_m=32, bwd_bl
 #: the key-side backward at its own key tile (``dkv_block_n``): the window kernel and the dfk
 #: programs at 32 keys, the dv programs launched apart at ``bwd_block_n`` 16
 DKV_APART = dict(LONG_CHUNK, dkv_block_n=32)
+#: the dv programs at the dfk programs' key tile (``dv_block_n``): one grid of both kinds at
+#: 32 keys; and apart at a tile of their own (64) that is neither theirs nor ``bwd_block_n``
+DV_WITH_DFK = dict(DKV_APART, dv_block_n=32)
+DV_OWN_TILE = dict(DKV_APART, dv_block_n=64)
 #: the forward with the query heads of a kv head packed into one program (``pack_heads``):
 #: 32 rows = 16 positions of 2 heads; with block_m 64 and 4 heads, 16 positions of 4
 PACKED = dict(block_m=32, block_n=16, state_chunk=32, bwd_block_m=16, bwd_block_n=16,
@@ -200,7 +204,7 @@ def kernel_case(cid, *, B=2, H=4, Hkv=2, T=50, D=16, window=8, shift=None, share
     got["split_states_ok"] = ran["split_states"] == ((2 if reused else 3) if split else 0) and (
         expect_split is None or split == expect_split)
     # the dfk programs at their own key tile exactly where one is configured
-    apart = has_la and conf.dkv_block_n not in (None, conf.bwd_block_n)
+    apart = has_la and th._dkv_block_n(conf) != th._dv_block_n(conf)
     got["dkv_apart_ok"] = ran["dkv_apart"] == int(apart)
     # the forward packed query heads exactly where the config and the group allow it
     got["packed_ok"] = ran["packed_forward"] == int(th.pack_of(conf, H // Hkv) > 1)
@@ -593,6 +597,9 @@ def cases(quick: bool = False):
         ("kernel-dkv-apart-pad-shifts-shared", k, dict(T=150, window=40, per_bh_shift=True,
                                                        pad=True, shared=True, cfg=DKV_APART)),
         ("kernel-dkv-apart-frozen-v", k, dict(T=70, window=10, frozen=("v",), cfg=DKV_APART)),
+        ("kernel-dv-with-dfk-pad-shifts", k, dict(T=150, window=40, per_bh_shift=True, pad=True,
+                                                  cfg=DV_WITH_DFK)),
+        ("kernel-dv-own-tile-pad", k, dict(T=150, window=40, pad=True, cfg=DV_OWN_TILE)),
         ("kernel-dkv-apart-swa-only-pad", k, dict(T=70, window=10, has_la=False, pad=True,
                                                   cfg=DKV_APART)),
         # q, k, v as views of the model's (B, T, H, D) memory: output and gradients so too

@@ -168,6 +168,12 @@ class KernelConfig:
     #: Hopper's wgmma there: at 32-key tiles ptxas shows mma.sync only (sm_90a, D 128, F 256:
     #: the dfk part at 64 keys 254 registers, no spill; the dv part spills at 64, hence apart)
     dkv_block_n: int | None = None
+    #: the key tile of ``_bwd_dkv_la``'s dv programs; None: ``bwd_block_n``. Where it equals
+    #: the dfk programs' (``dkv_block_n``), both kinds run in one grid (one kernel compiled for
+    #: both parts: its registers the larger part's). ptxas (sm_90a, D 128, F 256, with the
+    #: launch's hints): the dv part at 32 keys 98 registers and mma.sync only, at 64 keys 193,
+    #: wgmma, no spill (the spill that kept it at 32 was read without the hints)
+    dv_block_n: int | None = None
     #: the (F, D) state tile of one ``_state_local`` program (split states): ``split_tile`` x
     #: ``split_tile``; None: ``state_f`` x ``state_d``, as the walked states. Larger tiles re-read
     #: the keys / queries fewer times (a 128 x 128 tile reads fk once and v twice for F 256,
@@ -1250,6 +1256,11 @@ def _dkv_block_n(cfg: KernelConfig) -> int:
     return cfg.dkv_block_n or cfg.bwd_block_n
 
 
+def _dv_block_n(cfg: KernelConfig) -> int:
+    """The key tile of ``_bwd_dkv_la``'s dv programs (``KernelConfig.dv_block_n``)."""
+    return cfg.dv_block_n or cfg.bwd_block_n
+
+
 def _grad_fc(cfg: KernelConfig, F: int) -> int:
     """The feature slice of a ``_bwd_dfq`` / ``_bwd_dkv_la`` program (``grad_f_chunk``)."""
     return min(cfg.grad_f_chunk or cfg.f_chunk, F)
@@ -1403,15 +1414,16 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
                 *_strides(dfk if dv is None else dv), T, H, G, NC, eps)
         meta = dict(D=D, F=F, FC=GFC, BM=BM, CS=cfg.state_chunk, ADD_DVS=dvs is not None,
                     HAS_KPM=has_kpm, PREC=prec, num_warps=cfg.bwd_warps, num_stages=cfg.stages)
-        if BNK == BN:  # one grid; the last program of each key block: dv
+        BNV = _dv_block_n(cfg)
+        if BNK == BNV:  # one grid; the last program of each key block: dv
             fast(_bwd_dkv_la)[(NNB, B * Hkv, F // GFC + (dv is not None))](
-                *args, BN=BN, PART=0, **meta)
-        else:  # the dfk programs at their key tile, the dv programs at bwd_block_n
+                *args, BN=BNK, PART=0, **meta)
+        else:  # the dfk programs at their key tile, the dv programs at theirs
             fast(_bwd_dkv_la)[(NNB, B * Hkv, F // GFC)](*args, BN=BNK, PART=1, **meta)
             CALLS["dkv_apart"] += 1
             if dv is not None:
-                fast(_bwd_dkv_la)[(cdiv(T, BN), B * Hkv, 1)](
-                    *args, BN=BN, PART=2, **meta)
+                fast(_bwd_dkv_la)[(cdiv(T, BNV), B * Hkv, 1)](
+                    *args, BN=BNV, PART=2, **meta)
         CALLS["dv_la"] += dv is not None
     return dq, dk if need_dk else None, dv, dfq, dfk, pa, pb
 
@@ -1556,10 +1568,10 @@ def hybrid_kernel(q, k, v, fq, fk, ca, cb, logs, shift, *, window: int, scale: f
     """
     B, H, T, D = q.shape
     cfg = config or default_config(D, fq.shape[-1], q.dtype)
-    blocks = (cfg.block_n, cfg.bwd_block_n, _dkv_block_n(cfg))
+    blocks = (cfg.block_n, cfg.bwd_block_n, _dkv_block_n(cfg), _dv_block_n(cfg))
     if any(cfg.state_chunk % n for n in blocks):
         raise ValueError(f"state_chunk {cfg.state_chunk} must be a multiple of the key blocks "
-                         f"(block_n, bwd_block_n, dkv_block_n: {blocks})")
+                         f"(block_n, bwd_block_n, dkv_block_n, dv_block_n: {blocks})")
     q, k, v, fq, fk = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, fq, fk))
     dev = q.device
     if key_padding_mask is None:
