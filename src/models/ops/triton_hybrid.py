@@ -172,7 +172,8 @@ class KernelConfig:
     #: the dfk programs' (``dkv_block_n``), both kinds run in one grid (one kernel compiled for
     #: both parts: its registers the larger part's). ptxas (sm_90a, D 128, F 256, with the
     #: launch's hints): the dv part at 32 keys 98 registers and mma.sync only, at 64 keys 193,
-    #: wgmma, no spill (the spill that kept it at 32 was read without the hints)
+    #: wgmma, no spill (the spill that kept it at 32 was read without the hints); 64 for D 128
+    #: bf16 since session 14 (``default_config``)
     dv_block_n: int | None = None
     #: the (F, D) state tile of one ``_state_local`` program (split states): ``split_tile`` x
     #: ``split_tile``; None: ``state_f`` x ``state_d``, as the walked states. Larger tiles re-read
@@ -254,12 +255,16 @@ def default_config(D: int, F: int, dtype: torch.dtype) -> KernelConfig:
     # call 4) and 1.669 to 1.610 in a second run (--tune, gradients 2.7e-6 from the 64 x 64
     # tiles'); 128 x 64 gained nothing (0.209). Other batch sizes get the halved tiles the
     # rule gives (not measured); 4k and longer build their states split (``split_tile``)
+    # `_bwd_dkv_la`'s dv programs at 64 keys, in one grid with its dfk programs (``dv_block_n``;
+    # 225 registers, wgmma, no spill) since session 14: `_bwd_dkv_la` 0.406 (dfk launch 0.197,
+    # dv launch 0.209) to 0.394 ms in one launch, fwd + bwd 1.595 to 1.581 (kernel_anatomy,
+    # configs default / dv64, one run; output identical; results/h200_2026-12-03f, call 2)
     if D >= 128:
         return KernelConfig(block_m=128, block_n=64, state_chunk=128, warps=8, stages=2,
                             bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64,
                             state_warps=8, grad_f_chunk=256, dkv_block_n=64, split_tile=128,
                             dq_block_m=128, pack_heads=4, state_f=128, state_d=128,
-                            state_programs=128)
+                            state_programs=128, dv_block_n=64)
     return KernelConfig(block_m=64, block_n=64, warps=4, stages=2, bwd_block_m=64,
                         bwd_block_n=64, bwd_warps=8, f_chunk=128)
 
