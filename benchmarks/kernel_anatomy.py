@@ -1,6 +1,7 @@
 """Where the fused kernel's time goes, kernel by kernel: the hybrid and each branch alone
 (``has_swa`` / ``has_la``), forward and forward + backward, under tile configs of
-``attention_speed.TUNE_CONFIGS``, in one run.
+``attention_speed.TUNE_CONFIGS``, in one run; or (``--branches layer``) the whole layer as the
+model runs it, feature maps and PyTorch's kernels included.
 
     python benchmarks/kernel_anatomy.py --shapes 8x1024 --configs default,cs64 --out DIR
 
@@ -8,8 +9,9 @@ Per shape (by default Llama-3-8B's heads: H 32 / Hkv 8 / D 128, square maps F 25
 bf16; q, k, v as views of (B, T, H, D); ``--heads 28 --kv-heads 4`` for Qwen2-7B's),
 config and branch set: the output against the first config's (relative L2), the GPU time per
 call with the host ahead (``attention_speed.device_ms``), and a torch.profiler table of the
-kernels over ``--calls`` calls (device ms per call). The feature maps are precomputed (not in
-the tables): ``phi_speed.py`` times them. Writes ``kernel_anatomy.json`` and ``.md`` to --out.
+kernels over ``--calls`` calls (device ms per call; a kernel launched twice a call gets a row
+per launch). In the kernel rows the feature maps are precomputed (not in the tables); the
+``layer`` row has them. Writes ``kernel_anatomy.json`` and ``.md`` to --out.
 """
 
 from __future__ import annotations
@@ -25,6 +27,11 @@ from hedgecats.models.ops import reference as ref
 from hedgecats.models.ops import triton_hybrid as th
 
 BRANCHES = {"hybrid": (True, True), "swa": (True, False), "la": (False, True)}
+#: the branch set that times the whole layer as the model runs it (``Layer.hybrid``: both
+#: feature maps, q and k handed on through them, the kernel at its default tiles, the layer's
+#: (B, T, H, D) output): every kernel of a training step's attention, the maps' and PyTorch's
+#: included
+LAYER = "layer"
 
 
 def per_launch(events: list[tuple[str, float, float]], calls: int) -> dict[str, float]:
@@ -64,25 +71,23 @@ def anatomy(L: Layer, config: str, branches: str, calls: int, want: dict) -> dic
     cfg = TUNE_CONFIGS[config]
     D = L.q.shape[-1]
     conf = th.default_config(D, L.F, L.q.dtype) if cfg is None else th.KernelConfig(**cfg)
-    has_swa, has_la = BRANCHES[branches]
-    fq = L.phi_q(L.q).detach().requires_grad_()
-    fk = L.phi_k(L.k).detach().requires_grad_()
-    B, H = L.q.shape[:2]
-    half = torch.full((B, H), 0.5, device="cuda")
-    shift = torch.full((B, H), L.w, device="cuda", dtype=torch.int32)
+    if branches == LAYER:
+        if cfg is not None:
+            raise ValueError(f"the {LAYER!r} row runs the model's path, at the default tiles "
+                             f"only (config 'default', not {config!r})")
 
-    def fwd():
-        return th.hybrid_kernel(L.q, L.k, L.v, fq, fk, half, 1 - half, half, shift,
-                                window=L.w, scale=L.scale, eps=ref.DEN_TINY, has_swa=has_swa,
-                                has_la=has_la, config=conf)
+        def fwd():
+            return L.hybrid("fixed")
+
+        def fwd_bwd():
+            fwd().backward(L.do)
+            L.zero()
+    else:
+        fwd, fwd_bwd = _kernel_calls(L, conf, *BRANCHES[branches])
 
     def forward():
         with torch.no_grad():
             fwd()
-
-    def fwd_bwd():
-        fwd().backward(L.do.transpose(1, 2))
-        L.q.grad = L.k.grad = L.v.grad = fq.grad = fk.grad = None
 
     with torch.no_grad():
         out = fwd().float()
@@ -95,6 +100,25 @@ def anatomy(L: Layer, config: str, branches: str, calls: int, want: dict) -> dic
         row[f"{name}_device_ms"] = round(device_ms(fn, 1.0)["device_ms"], 4)
         row[f"{name}_kernels"] = kernel_table(fn, calls)
     return row
+
+
+def _kernel_calls(L: Layer, conf, has_swa: bool, has_la: bool):
+    """(forward, forward + backward) of the fused kernel alone on precomputed feature maps."""
+    fq = L.phi_q(L.q).detach().requires_grad_()
+    fk = L.phi_k(L.k).detach().requires_grad_()
+    B, H = L.q.shape[:2]
+    half = torch.full((B, H), 0.5, device="cuda")
+    shift = torch.full((B, H), L.w, device="cuda", dtype=torch.int32)
+
+    def fwd():
+        return th.hybrid_kernel(L.q, L.k, L.v, fq, fk, half, 1 - half, half, shift,
+                                window=L.w, scale=L.scale, eps=ref.DEN_TINY, has_swa=has_swa,
+                                has_la=has_la, config=conf)
+
+    def fwd_bwd():
+        fwd().backward(L.do.transpose(1, 2))
+        L.q.grad = L.k.grad = L.v.grad = fq.grad = fk.grad = None
+    return fwd, fwd_bwd
 
 
 def markdown(res: dict) -> str:
@@ -134,7 +158,9 @@ def main(argv=None) -> int:
     p.add_argument("--configs", default="default",
                    help="comma-separated names of attention_speed.TUNE_CONFIGS")
     p.add_argument("--branches", default="hybrid,swa,la",
-                   help=f"comma-separated, of {sorted(BRANCHES)}")
+                   help=f"comma-separated, of {sorted(BRANCHES)} (the fused kernel alone, on "
+                        f"precomputed maps) and {LAYER!r} (the whole layer as the model runs it, "
+                        f"maps included; config 'default' only)")
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
@@ -149,8 +175,11 @@ def main(argv=None) -> int:
         if c not in TUNE_CONFIGS:
             p.error(f"unknown config {c!r}; known: {', '.join(TUNE_CONFIGS)}")
     for b in branches:
-        if b not in BRANCHES:
-            p.error(f"unknown branch set {b!r}; known: {', '.join(BRANCHES)}")
+        if b not in BRANCHES and b != LAYER:
+            p.error(f"unknown branch set {b!r}; known: {', '.join([*BRANCHES, LAYER])}")
+    if LAYER in branches and configs != ["default"]:
+        p.error(f"--branches {LAYER} runs the model's path at the default tiles: use it with "
+                f"--configs default alone")
     res = {"environment": environment(), "calls": a.calls, "shapes": [], "heads": a.heads,
            "kv_heads": a.kv_heads, "head_dim": a.head_dim, "window": a.window,
            "command": " ".join(["python", "benchmarks/kernel_anatomy.py"]

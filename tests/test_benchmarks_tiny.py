@@ -391,12 +391,17 @@ def test_kernel_anatomy_refuses_unknown_configs_and_tables_its_rows(tmp_path):
                           timeout=300, cwd=tmp_path, check=False)
     assert proc.returncode == 2 and "not a multiple of --kv-heads 8" in proc.stderr, \
         proc.stderr[-1500:]
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_anatomy.py"),
+                           "--configs", "default,dv32", "--branches", "hybrid,layer"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and "--configs default alone" in proc.stderr, \
+        proc.stderr[-1500:]
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import kernel_anatomy as ka
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-    assert set(ka.BRANCHES) == {"hybrid", "swa", "la"}
+    assert set(ka.BRANCHES) == {"hybrid", "swa", "la"} and ka.LAYER == "layer"
     rows = [{"config": "default", "branches": "hybrid", "forward_device_ms": 0.34,
              "forward_kernels": {"_fwd": 0.28, "_state_fwd": 0.05},
              "fwd_bwd_device_ms": 1.6, "fwd_bwd_kernels": {"_fwd": 0.31, "_bwd_dq": 0.24}},
