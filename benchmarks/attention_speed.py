@@ -603,6 +603,11 @@ TUNE_CONFIGS = {  # None: default_config (D=128 since session 13: fwd 128x64 w8 
                  state_programs=128, dv_block_n=64),
     "dv32": dict(_FWD128, dq_block_m=128, pack_heads=4, state_f=128, state_d=128,
                  state_programs=128),
+    # after session 14's GPU time: the walked reverse states as one loop over (chunk, head)
+    # pairs, pipelined over 2 stages (state_rev_stages; ptxas through descriptors: no spill,
+    # 98 against 69 KB of shared memory); with the default's tiles; not yet measured
+    "rev-flat": dict(_FWD128, dq_block_m=128, pack_heads=4, state_f=128, state_d=128,
+                     state_programs=128, dv_block_n=64, state_rev_stages=2),
 }
 
 

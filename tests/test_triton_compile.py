@@ -133,8 +133,12 @@ def hybrid_kernels(dtype: torch.dtype, D: int, F: int, has_swa=True, has_la=True
         yield "bwd_dfq", th._bwd_dfq, dict(**grad, **dq_tiles), (), cfg.bwd_warps, cfg.stages
         for tma in (True, False):
             yield f"state_rev{'-tma' if tma else ''}", th._state_rev, dict(
-                F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD, PREC=prec, TMA=tma), (), \
-                cfg.state_warps, 3
+                F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD, PREC=prec, TMA=tma,
+                RS=cfg.state_rev_stages if tma else 0), (), cfg.state_warps, 3
+        # the reverse walk as one pipelined loop (``state_rev_stages``; descriptors only)
+        yield "state_rev-tma-flat", th._state_rev, dict(
+            F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD, PREC=prec, TMA=True, RS=2), (), \
+            cfg.state_warps, 3
         la = dict(**grad, BM=cfg.bwd_block_m, ADD_DVS=has_swa)
         if th._dkv_block_n(cfg) == th._dv_block_n(cfg):  # dfk and dv programs in one grid
             yield "bwd_dkv_la", th._bwd_dkv_la, dict(**la, BN=th._dkv_block_n(cfg), PART=0), \

@@ -107,6 +107,9 @@ DKV_APART = dict(LONG_CHUNK, dkv_block_n=32)
 #: 32 keys; and apart at a tile of their own (64) that is neither theirs nor ``bwd_block_n``
 DV_WITH_DFK = dict(DKV_APART, dv_block_n=32)
 DV_OWN_TILE = dict(DKV_APART, dv_block_n=64)
+#: the reverse LA states walked as one pipelined loop over (chunk, head) pairs
+#: (``state_rev_stages``); split_states False: walked at any length
+REV_FLAT = dict(LONG_CHUNK, state_rev_stages=2, split_states=False)
 #: the forward with the query heads of a kv head packed into one program (``pack_heads``):
 #: 32 rows = 16 positions of 2 heads; with block_m 64 and 4 heads, 16 positions of 4
 PACKED = dict(block_m=32, block_n=16, state_chunk=32, bwd_block_m=16, bwd_block_n=16,
@@ -600,6 +603,10 @@ def cases(quick: bool = False):
         ("kernel-dv-with-dfk-pad-shifts", k, dict(T=150, window=40, per_bh_shift=True, pad=True,
                                                   cfg=DV_WITH_DFK)),
         ("kernel-dv-own-tile-pad", k, dict(T=150, window=40, pad=True, cfg=DV_OWN_TILE)),
+        ("kernel-rev-flat-pad-shifts", k, dict(T=150, window=40, per_bh_shift=True, pad=True,
+                                               cfg=REV_FLAT)),
+        ("kernel-rev-flat-shared-bf16", k, dict(T=100, window=20, shared=True, cfg=REV_FLAT,
+                                                dtype=bf16)),
         ("kernel-dkv-apart-swa-only-pad", k, dict(T=70, window=10, has_la=False, pad=True,
                                                   cfg=DKV_APART)),
         # q, k, v as views of the model's (B, T, H, D) memory: output and gradients so too

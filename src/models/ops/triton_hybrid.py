@@ -207,6 +207,13 @@ class KernelConfig:
     #: one multiplies; ptxas at D 128 bf16, pack 4, n 2: 254 registers, no spill, 86 async
     #: copies against 58, shared memory 160 against 192 KB). The same sums in the same order
     state_product_stages: int = 0
+    #: the walked reverse states (``_state_rev``): 0, a loop over the chunks with one over the
+    #: query heads in it (not pipelined: ptxas at D 128 bf16 shows the same shared memory at
+    #: any stage count); n > 0, one loop over the (chunk, head) pairs pipelined over n stages
+    #: (the same sums in the same order; through tensor descriptors only: ptxas at D 128 bf16,
+    #: TMA, 2 stages: 255 registers, no spill, 98 against 69 KB of shared memory; the pointer
+    #: path spills 92 B and keeps the nested loops). Off by default: not yet measured
+    state_rev_stages: int = 0
 
 
 @functools.lru_cache(maxsize=64)  # (a KernelConfig is frozen: one per shape, not per call)
@@ -861,11 +868,16 @@ if HAVE_TRITON:
                    sfq_b, sfq_h, sfq_t,
                    T, H, G, NC,
                    F: tl.constexpr, D: tl.constexpr, CS: tl.constexpr, BF: tl.constexpr,
-                   BD: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr):
+                   BD: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
+                   RS: tl.constexpr = 0):
         """Reverse states, summed over the G query heads of a kv head: entry j holds
         R = sum_{t - shift_h >= (j+1) CS} fq_t dnum_t^T (F x D), u = sum DDEN_t fq_t and
         w = sum dnum_t (the kernel floor's share of dv); dnum_t = GF_t dO_t as ``_bwd_dq``
-        stored it ((B, H, T, D)). fq and dnum read through ``_tile``."""
+        stored it ((B, H, T, D)). fq and dnum read through ``_tile``. RS 0: a loop over the
+        chunks and in it one over the heads (neither pipelined: ptxas shows the same shared
+        memory at any stage count); RS > 0: one loop over the (chunk, head) pairs, which the
+        compiler pipelines over RS stages (``KernelConfig.state_rev_stages``): the same sums in
+        the same order."""
         pid_bh = tl.program_id(0)  # b * Hkv + hk
         pid_f = tl.program_id(1)
         pid_d = tl.program_id(2)
@@ -884,28 +896,55 @@ if HAVE_TRITON:
         R = tl.zeros([BF, BD], dtype=tl.float32)
         u = tl.zeros([BF], dtype=tl.float32)
         w = tl.zeros([BD], dtype=tl.float32)
-        for jj in range(0, NC):
-            j = NC - 1 - jj
-            tl.store(st_base + j * F * D + offs_f[:, None] * D + offs_d[None, :],
-                     R.to(RST.dtype.element_ty))
-            if pid_d == 0:
-                tl.store(u_base + j * F + offs_f, u)
-            if pid_f == 0:
-                tl.store(w_base + j * D + offs_d, w)
-            for g in range(0, G):
-                h = hk * G + g
-                bh = b * H + h
-                t0 = j * CS + tl.load(SHIFT + bh)
-                fq = _tile(fq_src, b, h, t0, pid_f * BF, sfq_b, sfq_h, sfq_t, T, CS, BF, TMA)
-                dn = _tile(dn_src, b, h, t0, pid_d * BD, H * T * D, T * D, D, T, CS, BD, TMA)
-                R += tl.dot(tl.trans(fq), dn, input_precision=PREC)
-                if pid_d == 0:
-                    offs_t = t0 + offs_c
-                    dd = tl.load(DDEN + bh.to(tl.int64) * T + offs_t, mask=offs_t < T,
-                                 other=0.0)
-                    u += tl.sum(fq.to(tl.float32) * dd[:, None], axis=0)
-                if pid_f == 0:
-                    w += tl.sum(dn.to(tl.float32), axis=0)
+        if RS == 0:
+            for jj in range(0, NC):
+                j = NC - 1 - jj
+                _rev_store(st_base, u_base, w_base, j, R, u, w, offs_f, offs_d, pid_f, pid_d,
+                           F, D)
+                for g in range(0, G):
+                    R, u, w = _rev_add(fq_src, dn_src, DDEN, SHIFT, R, u, w, b, hk * G + g, j,
+                                       pid_f, pid_d, offs_c, sfq_b, sfq_h, sfq_t, T, H,
+                                       F, D, CS, BF, BD, PREC, TMA)
+        else:
+            for it in tl.range(0, NC * G, num_stages=RS):
+                j = NC - 1 - it // G
+                g = it % G
+                if g == 0:
+                    _rev_store(st_base, u_base, w_base, j, R, u, w, offs_f, offs_d, pid_f,
+                               pid_d, F, D)
+                R, u, w = _rev_add(fq_src, dn_src, DDEN, SHIFT, R, u, w, b, hk * G + g, j,
+                                   pid_f, pid_d, offs_c, sfq_b, sfq_h, sfq_t, T, H,
+                                   F, D, CS, BF, BD, PREC, TMA)
+
+    @triton.jit
+    def _rev_store(st_base, u_base, w_base, j, R, u, w, offs_f, offs_d, pid_f, pid_d,
+                   F: tl.constexpr, D: tl.constexpr):
+        """``_state_rev``'s entry j: the sums over the chunks after it."""
+        tl.store(st_base + j * F * D + offs_f[:, None] * D + offs_d[None, :],
+                 R.to(st_base.dtype.element_ty))
+        if pid_d == 0:
+            tl.store(u_base + j * F + offs_f, u)
+        if pid_f == 0:
+            tl.store(w_base + j * D + offs_d, w)
+
+    @triton.jit
+    def _rev_add(fq_src, dn_src, DDEN, SHIFT, R, u, w, b, h, j, pid_f, pid_d, offs_c,
+                 sfq_b, sfq_h, sfq_t, T, H, F: tl.constexpr, D: tl.constexpr,
+                 CS: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
+                 TMA: tl.constexpr):
+        """``_state_rev``'s sums plus chunk j of query head h."""
+        bh = b * H + h
+        t0 = j * CS + tl.load(SHIFT + bh)
+        fq = _tile(fq_src, b, h, t0, pid_f * BF, sfq_b, sfq_h, sfq_t, T, CS, BF, TMA)
+        dn = _tile(dn_src, b, h, t0, pid_d * BD, H * T * D, T * D, D, T, CS, BD, TMA)
+        R += tl.dot(tl.trans(fq), dn, input_precision=PREC)
+        if pid_d == 0:
+            offs_t = t0 + offs_c
+            dd = tl.load(DDEN + bh.to(tl.int64) * T + offs_t, mask=offs_t < T, other=0.0)
+            u += tl.sum(fq.to(tl.float32) * dd[:, None], axis=0)
+        if pid_f == 0:
+            w += tl.sum(dn.to(tl.float32), axis=0)
+        return R, u, w
 
     @triton.jit
     def _bwd_dkv_swa(Q, K, V, DO, LSE, DELTA, WS, KPM, DK, DV,
@@ -1371,10 +1410,12 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
             _split_states(fq, dnum, R, U, W, NC, cfg, reverse=True, shift=shift, dden=dden)
         else:
             BF, BD = _state_tile(cfg, B * Hkv, F, D)
+            tma = _use_tma(cfg, fq, dnum)
+            # (the pipelined loop through pointer tensors spills: ptxas at D 128 bf16, 92 B)
             fast(_state_rev)[(B * Hkv, F // BF, D // BD)](
                 fq, dnum, dden, shift, R, U, W, *_strides(fq), T, H, G, NC,
-                F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD, PREC=prec,
-                TMA=_use_tma(cfg, fq, dnum), num_warps=cfg.state_warps)
+                F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD, PREC=prec, TMA=tma,
+                RS=cfg.state_rev_stages if tma else 0, num_warps=cfg.state_warps)
         dnum = None  # (read by the reverse states only)
     dfq = None
     if has_la:
