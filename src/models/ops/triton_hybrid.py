@@ -331,12 +331,8 @@ if HAVE_TRITON:
         z = tl.zeros([BF], dtype=tl.float32)
         vs = tl.zeros([BD], dtype=tl.float32)
         for j in range(0, NC):
-            tl.store(st_base + j * F * D + offs_f[:, None] * D + offs_d[None, :],
-                     S.to(SST.dtype.element_ty))
-            if pid_d == 0:
-                tl.store(z_base + j * F + offs_f, z)
-            if pid_f == 0:
-                tl.store(v_sum_base + j * D + offs_d, vs)
+            _store_state(st_base, z_base, v_sum_base, j, S, z, vs, offs_f, offs_d, pid_f, pid_d,
+                         F, D)
             offs_n = j * CS + offs_c
             keep = offs_n < T
             if HAS_KPM:
@@ -899,7 +895,7 @@ if HAVE_TRITON:
         if RS == 0:
             for jj in range(0, NC):
                 j = NC - 1 - jj
-                _rev_store(st_base, u_base, w_base, j, R, u, w, offs_f, offs_d, pid_f, pid_d,
+                _store_state(st_base, u_base, w_base, j, R, u, w, offs_f, offs_d, pid_f, pid_d,
                            F, D)
                 for g in range(0, G):
                     R, u, w = _rev_add(fq_src, dn_src, DDEN, SHIFT, R, u, w, b, hk * G + g, j,
@@ -910,16 +906,18 @@ if HAVE_TRITON:
                 j = NC - 1 - it // G
                 g = it % G
                 if g == 0:
-                    _rev_store(st_base, u_base, w_base, j, R, u, w, offs_f, offs_d, pid_f,
+                    _store_state(st_base, u_base, w_base, j, R, u, w, offs_f, offs_d, pid_f,
                                pid_d, F, D)
                 R, u, w = _rev_add(fq_src, dn_src, DDEN, SHIFT, R, u, w, b, hk * G + g, j,
                                    pid_f, pid_d, offs_c, sfq_b, sfq_h, sfq_t, T, H,
                                    F, D, CS, BF, BD, PREC, TMA)
 
     @triton.jit
-    def _rev_store(st_base, u_base, w_base, j, R, u, w, offs_f, offs_d, pid_f, pid_d,
-                   F: tl.constexpr, D: tl.constexpr):
-        """``_state_rev``'s entry j: the sums over the chunks after it."""
+    def _store_state(st_base, u_base, w_base, j, R, u, w, offs_f, offs_d, pid_f, pid_d,
+                     F: tl.constexpr, D: tl.constexpr):
+        """Entry j of a walked state kernel (``_state_fwd``: S, z, the value sum over the chunks
+        before j; ``_state_rev``: R, u, w over those after it): the (F, D) tile, the F-vector
+        from the programs of the first D tile, the D-vector from those of the first F tile."""
         tl.store(st_base + j * F * D + offs_f[:, None] * D + offs_d[None, :],
                  R.to(st_base.dtype.element_ty))
         if pid_d == 0:
