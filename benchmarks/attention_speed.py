@@ -836,14 +836,20 @@ def plot(res: dict, path: Path) -> Path | None:
     return path
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shapes", default="8x1024,2x4096,1x65536,1x16384,1x131072",
-                   help="BxT list, run in this order")
+def add_head_args(p: argparse.ArgumentParser) -> None:
+    """The layer's head shape and window, Llama-3-8B's by default (``--heads 28 --kv-heads 4``
+    for Qwen2-7B's): the arguments every layer benchmark takes."""
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--window", type=int, default=64)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default="8x1024,2x4096,1x65536,1x16384,1x131072",
+                   help="BxT list, run in this order")
+    add_head_args(p)
     p.add_argument("--projection", default="square", choices=["square", "rectangular"])
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--ref-tokens", type=int, default=8192,

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 import torch
-from attention_speed import TUNE_CONFIGS, Layer, device_ms, environment, rel
+from attention_speed import TUNE_CONFIGS, Layer, add_head_args, device_ms, environment, rel
 from hedgecats.models.ops import reference as ref
 from hedgecats.models.ops import triton_hybrid as th
 
@@ -162,10 +162,7 @@ def main(argv=None) -> int:
                         f"precomputed maps) and {LAYER!r} (the whole layer as the model runs it, "
                         f"maps included; config 'default' only)")
     p.add_argument("--calls", type=int, default=10)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--window", type=int, default=64)
+    add_head_args(p)
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     configs, branches = a.configs.split(","), a.branches.split(",")

@@ -13,6 +13,7 @@ import dataclasses
 import json
 
 import torch
+from attention_speed import add_head_args  # benchmarks/ on sys.path as a script
 from hedgecats.models import HedgehogFeatureMap
 from hedgecats.models.ops import triton_hybrid as th
 from hedgecats.models.ops import triton_phi as tp
@@ -31,10 +32,7 @@ def peak_above(fn) -> float:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="1x65536")
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--window", type=int, default=64)
+    add_head_args(p)
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     B, T = map(int, a.shape.split("x"))

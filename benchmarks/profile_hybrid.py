@@ -18,7 +18,7 @@ import json
 import sys
 
 import torch
-from attention_speed import bench, device_ms  # benchmarks/ is on sys.path as a script
+from attention_speed import add_head_args, bench, device_ms  # benchmarks/ on sys.path
 from hedgecats.models import HedgehogFeatureMap, hybrid_attention
 from hedgecats.models.ops import backends
 from hedgecats.models.ops import reference as ref
@@ -88,10 +88,7 @@ VARIANTS = {"einsum_after_repeat": den_einsum_after_repeat, "grouped": den_group
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="8x1024,1x32768")
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--window", type=int, default=64)
+    add_head_args(p)
     p.add_argument("--out", default=None)
     p.add_argument("--no-denominator", action="store_true", help="kernel tables only")
     p.add_argument("--layout", choices=("model", "contiguous"), default="model",

@@ -101,7 +101,7 @@ FALLBACK_ERRORS: list[str] = []
 #: from the forward's saved branches (``KernelConfig.save_branches``), the LA state builds
 #: that went split (``KernelConfig.split_states``), the backwards that took the forward's
 #: LA states instead of building them again (saved with the branches), and those whose dfk
-#: programs ran at their own key tile (``KernelConfig.dkv_block_n``)
+#: and dv programs ran apart, each at its own key tile (``dkv_block_n`` / ``dv_block_n``)
 CALLS = {"forward": 0, "dq_pass": 0, "dkv_swa": 0, "dv_la": 0, "factors_from_saved": 0,
          "split_states": 0, "states_from_forward": 0, "dkv_apart": 0, "packed_forward": 0,
          "packed_dq": 0}
@@ -163,10 +163,10 @@ class KernelConfig:
     #: the pointer path everywhere (the same values)
     tma: bool | None = None
     #: the key tile of the key-side backward kernels (``_bwd_dkv_swa``, and ``_bwd_dkv_la``'s
-    #: dfk programs, then launched apart from its dv programs, which keep ``bwd_block_n``);
-    #: None: ``bwd_block_n`` and one ``_bwd_dkv_la`` launch. A multiple of 64 lets Triton use
-    #: Hopper's wgmma there: at 32-key tiles ptxas shows mma.sync only (sm_90a, D 128, F 256:
-    #: the dfk part at 64 keys 254 registers, no spill; the dv part spills at 64, hence apart)
+    #: dfk programs, launched apart from its dv programs where those take another tile,
+    #: ``dv_block_n``); None: ``bwd_block_n``. A multiple of 64 lets Triton use Hopper's wgmma
+    #: there: at 32-key tiles ptxas shows mma.sync only (sm_90a, D 128, F 256: the dfk part at
+    #: 64 keys 254 registers, no spill)
     dkv_block_n: int | None = None
     #: the key tile of ``_bwd_dkv_la``'s dv programs; None: ``bwd_block_n``. Where it equals
     #: the dfk programs' (``dkv_block_n``), both kinds run in one grid (one kernel compiled for
@@ -1020,8 +1020,8 @@ if HAVE_TRITON:
         dfk[:, c FC : (c + 1) FC]; the one with c = F / FC writes dv (plus the window's part,
         DVS, when ADD_DVS). Keys see the reverse state past the block and the queries between
         the block and that state. PART 0: both kinds of program in one grid; 1: the dfk
-        programs only, 2: the dv program only (``KernelConfig.dkv_block_n``: two launches, each
-        kernel compiled for its own part, so that neither pays the other's registers)."""
+        programs only, 2: the dv program only (where ``KernelConfig.dv_block_n`` differs from
+        ``dkv_block_n``: two launches, each kernel compiled for its own part and tile)."""
         pid_n = tl.program_id(0)
         pid_bh = tl.program_id(1)  # b * Hkv + hk
         pid_f = tl.program_id(2)
