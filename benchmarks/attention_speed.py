@@ -317,11 +317,13 @@ class Layer:
         fq, fk = self.features(pytorch)
         return (fq.sum() + fk.sum()).reshape(1, 1, 1, 1).expand(self.do.shape)
 
-    def hybrid(self, mixer="fixed", backend="auto", fq=None, fk=None, pytorch_phi=False):
+    def hybrid(self, mixer="fixed", backend="auto", fq=None, fk=None, pytorch_phi=False,
+               kernel_du=True):
         q, k = self.q, self.k
-        if fq is None:  # q and k handed on through the maps, as the model's layer does
+        if fq is None:  # q and k handed on through the maps, as the model's layer does (and the
+            # q map's backward from the kernel's du: triton_phi.DuSlot)
             with backends.triton_disabled() if pytorch_phi else contextlib.nullcontext():
-                fq, q = self.phi_q(q, with_input=True)
+                fq, q = self.phi_q(q, with_input=True, kernel_du=kernel_du)
                 fk, k = self.phi_k(k, with_input=True)
         out = hybrid_attention(q, k, self.v, fq, fk, window=self.w, backend=backend,
                                scale=self.scale, **self.mixer_args(mixer))
@@ -331,7 +333,8 @@ class Layer:
         """The layer as stage 1 trains it: the teacher's q, k, v detached, gradients for the
         feature maps only (the kernels skip the dq / dk / dv passes)."""
         q, k, v = (x.detach() for x in (self.q, self.k, self.v))
-        out = hybrid_attention(q, k, v, self.phi_q(q), self.phi_k(k), window=self.w,
+        fq, q = self.phi_q(q, with_input=True, kernel_du=True)  # (as the layer calls it)
+        out = hybrid_attention(q, k, v, fq, self.phi_k(k), window=self.w,
                                scale=self.scale, **self.mixer_args("fixed"))
         return out.transpose(1, 2).contiguous()
 

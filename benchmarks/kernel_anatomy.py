@@ -32,6 +32,9 @@ BRANCHES = {"hybrid": (True, True), "swa": (True, False), "la": (False, True)}
 #: (B, T, H, D) output): every kernel of a training step's attention, the maps' and PyTorch's
 #: included
 LAYER = "layer"
+#: the branch sets that time the whole layer: the model's path, and it with the q map's backward
+#: starting from dphi (``kernel_du`` off: before session 15, for the A/B)
+LAYERS = {LAYER: dict(kernel_du=True), "layer-no-du": dict(kernel_du=False)}
 
 
 def per_launch(events: list[tuple[str, float, float]], calls: int) -> dict[str, float]:
@@ -71,13 +74,13 @@ def anatomy(L: Layer, config: str, branches: str, calls: int, want: dict) -> dic
     cfg = TUNE_CONFIGS[config]
     D = L.q.shape[-1]
     conf = th.default_config(D, L.F, L.q.dtype) if cfg is None else th.KernelConfig(**cfg)
-    if branches == LAYER:
+    if branches in LAYERS:
         if cfg is not None:
-            raise ValueError(f"the {LAYER!r} row runs the model's path, at the default tiles "
+            raise ValueError(f"the {branches!r} row runs the model's path, at the default tiles "
                              f"only (config 'default', not {config!r})")
 
         def fwd():
-            return L.hybrid("fixed")
+            return L.hybrid("fixed", **LAYERS[branches])
 
         def fwd_bwd():
             fwd().backward(L.do)
@@ -160,7 +163,8 @@ def main(argv=None) -> int:
     p.add_argument("--branches", default="hybrid,swa,la",
                    help=f"comma-separated, of {sorted(BRANCHES)} (the fused kernel alone, on "
                         f"precomputed maps) and {LAYER!r} (the whole layer as the model runs it, "
-                        f"maps included; config 'default' only)")
+                        f"maps included; config 'default' only; 'layer-no-du': it with the q "
+                        f"map's backward from dphi)")
     p.add_argument("--calls", type=int, default=10)
     add_head_args(p)
     p.add_argument("--out", default=None)
@@ -172,11 +176,11 @@ def main(argv=None) -> int:
         if c not in TUNE_CONFIGS:
             p.error(f"unknown config {c!r}; known: {', '.join(TUNE_CONFIGS)}")
     for b in branches:
-        if b not in BRANCHES and b != LAYER:
-            p.error(f"unknown branch set {b!r}; known: {', '.join([*BRANCHES, LAYER])}")
-    if LAYER in branches and configs != ["default"]:
-        p.error(f"--branches {LAYER} runs the model's path at the default tiles: use it with "
-                f"--configs default alone")
+        if b not in BRANCHES and b not in LAYERS:
+            p.error(f"unknown branch set {b!r}; known: {', '.join([*BRANCHES, *LAYERS])}")
+    if any(b in LAYERS for b in branches) and configs != ["default"]:
+        p.error(f"--branches {'/'.join(LAYERS)} run the model's path at the default tiles: use "
+                f"them with --configs default alone")
     res = {"environment": environment(), "calls": a.calls, "shapes": [], "heads": a.heads,
            "kv_heads": a.kv_heads, "head_dim": a.head_dim, "window": a.window,
            "command": " ".join(["python", "benchmarks/kernel_anatomy.py"]

@@ -181,9 +181,12 @@ def test_query_side_backward_at_128_queries_compiles_without_spill():
                 FROM_SAVED=saved, STORE_DNUM=True, SS=0), ("scale", "scale_log2", "eps"), 8, 2)
             print(f"bwd_dq 128 shared={shared} dq={need_dq} saved={saved}: {r}")
             assert r["spill"] <= MAX_SPILL, r
-        r = compile_report(th._bwd_dfq, ptrs, dict(lo, FC=256), (), 8, 2)
-        print(f"bwd_dfq 128 kpm={kpm}: {r}")
-        assert r["spill"] <= MAX_SPILL, r
+        # MAP_DU: the q map's du instead of dfq (the layer's path: triton_phi.DuSlot)
+        for map_du, softmax in ((False, True), (True, True), (True, False)):
+            r = compile_report(th._bwd_dfq, ptrs, dict(lo, FC=256, MAP_DU=map_du,
+                                                      SOFTMAX=softmax), (), 8, 2)
+            print(f"bwd_dfq 128 kpm={kpm} map_du={map_du} softmax={softmax}: {r}")
+            assert r["spill"] <= MAX_SPILL, r
 
 
 def test_pipelined_state_product_compiles_without_spill():
@@ -264,7 +267,11 @@ def test_feature_map_kernels_compile_for_sm90(D, FH):
         ("phi_bwd-recomputed", tp._phi_bwd, True, dict(NEED_DX=True, DU_HEADS_FIRST=True,
                                                        FROM_Y=False, ADD_DXI=False)),
         ("phi_bwd-added", tp._phi_bwd, True, dict(NEED_DX=True, DU_HEADS_FIRST=True,
-                                                  FROM_Y=True, ADD_DXI=True))]
+                                                  FROM_Y=True, ADD_DXI=True))] + [
+        # du from the hybrid kernel (triton_phi.DuSlot): alone, or added to dy's
+        (f"phi_bwd-du-given{given}", tp._phi_bwd, True, dict(
+            NEED_DX=True, DU_HEADS_FIRST=True, FROM_Y=True, ADD_DXI=True, DU_GIVEN=given))
+        for given in (1, 2)]
     for name, fn, backward, flags in variants:
         BM, warps = tp._tiles(D, FH, backward)
         constexprs = dict(D=D, FH=FH, BM=BM, SOFTMAX=True, PREC="tf32", **flags)

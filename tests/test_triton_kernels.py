@@ -571,6 +571,60 @@ def test_feature_map_hands_its_input_on():
     assert got["dx"].stride() == x0.stride()
 
 
+@pytest.mark.parametrize("other", [False, True], ids=["kernel-only", "other-consumer"])
+def test_q_map_backward_starts_from_the_kernels_du(other):
+    """The layer's path (``phi_q(q, with_input=True, kernel_du=True)`` into the fused hybrid,
+    Llama-3-8B's head shape, bf16, (B, T, H, D) memory, T not a multiple of the state chunk):
+    the kernel's dfq pass computes the q map's du and the map's backward starts from it
+    (``triton_phi.DuSlot``). The output and dk, dv bit for bit the path without it; dq and
+    the q map's weight and bias gradients as close to the fp32 oracle as that path's.
+    ``other``: phi(q) feeds a second consumer too, whose gradient must still count."""
+    from hedgecats.models.ops import triton_hybrid as th
+    from hedgecats.models.ops import triton_phi as tp
+
+    if not (tp.available() and th.available()):
+        pytest.skip("triton not available")
+    gen = torch.Generator(device=DEVICE).manual_seed(8)
+    H, Hkv, D, B, T = 8, 2, 128, 2, 300
+    fq_map, fk_map = (HedgehogFeatureMap(n, D, seed=s).to(DEVICE) for n, s in ((H, 1), (Hkv, 2)))
+    with torch.no_grad():
+        for m in (fq_map, fk_map):
+            m.bias.normal_(0, 0.3, generator=gen)
+    q0, k0, v0 = (torch.randn(B, T, n, D, device=DEVICE, generator=gen).bfloat16()
+                  .transpose(1, 2) for n in (H, Hkv, Hkv))
+    do = torch.randn(B, H, T, D, device=DEVICE, generator=gen)
+    c = torch.randn(B, H, T, 2 * D, device=DEVICE, generator=gen)
+
+    def run(dtype, kernel_du):
+        q, k, v = (x.detach().to(dtype).requires_grad_() for x in (q0, k0, v0))
+        for m in (fq_map, fk_map):
+            m.zero_grad()
+        fq, q_on = fq_map(q, with_input=True, kernel_du=kernel_du)
+        fk, k_on = fk_map(k, with_input=True)
+        out = hybrid_attention(q_on, k_on, v, fq, fk, window=64, mode="hybrid", g=0.5)
+        loss = (out.float() * do).sum() + ((fq.float() * c).sum() if other else 0.0)
+        loss.backward()
+        return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
+                "dWq": fq_map.weight.grad.clone(), "dbq": fq_map.bias.grad.clone(),
+                "dWk": fk_map.weight.grad.clone()}
+
+    before = dict(tp.CALLS), th.CALLS["map_du"]
+    got = run(torch.bfloat16, True)
+    assert th.CALLS["map_du"] == before[1] + 1, "the kernel did not compute the q map's du"
+    taken = "du_added" if other else "du_from_kernel"
+    assert tp.CALLS[taken] == before[0][taken] + 1, f"the map's backward did not take du ({taken})"
+    plain = run(torch.bfloat16, False)
+    assert th.CALLS["map_du"] == before[1] + 1, "kernel_du=False still computed du"
+    with backends.triton_disabled():
+        oracle = run(torch.float32, False)
+    for name in ("out", "dk", "dv", "dWk"):
+        assert torch.equal(got[name], plain[name]), name
+    for name in ("dq", "dWq", "dbq"):
+        err, err_plain = rel_err(got[name], oracle[name]), rel_err(plain[name], oracle[name])
+        assert err <= 1.25 * err_plain + 1e-4, f"{name} {err:.2e} against {err_plain:.2e}"
+    assert got["dq"].stride() == q0.stride()
+
+
 @pytest.mark.parametrize("floor", [0.0, 1e-3])
 def test_feature_map_module_takes_the_fused_kernel(floor):
     """HedgehogFeatureMap on CUDA in bf16 is ops.triton_phi (GQA keys repeated first, the floor

@@ -119,6 +119,9 @@ PACKED4 = dict(PACKED, block_m=64, pack_heads=4)
 #: PACKED_DQ alone (its forward one head a program), PACKED4_DQ with the forward packed too
 PACKED_DQ = dict(PACKED, dq_block_m=32, pack_heads=1, dq_pack_heads=2)
 PACKED4_DQ = dict(PACKED4, dq_block_m=64)
+#: one dfq program over all F features (``grad_f_chunk`` = F = 32 at D 16): where the kernel
+#: computes the q map's du (``_bwd_dfq``'s MAP_DU)
+MAP_DU = dict(PACKED4_DQ, grad_f_chunk=32)
 
 
 def _inputs(B, H, Hkv, T, D, dtype, seed, features):
@@ -518,6 +521,76 @@ def phi_case(cid, *, B=2, H=3, T=45, D=16, proj="square", activation="softmax",
             "dx_layout": 0.0 if laid_out[0] else float("inf")}
 
 
+def map_du_case(cid, *, B=2, H=4, Hkv=2, T=150, D=16, window=20, activation="softmax",
+                other=False, frozen_q=False, pad=False, cfg=None, dtype=torch.bfloat16,
+                expect_du=True):
+    """The layer's q map and the fused kernel together, the map's backward starting from the
+    du the kernel's dfq pass computes (``triton_phi.DuSlot``: ``kernel_du``), against the fp32
+    maps and ``kernel_reference``: the output and the gradients of q, k, v and both maps'
+    weight and bias. q, k, v as transformers lays them out. ``other``: phi(q) has a second
+    consumer ((fq * c).sum(), c random) whose gradient must still count (the map adds the
+    kernel's du to the du of the gradient autograd summed); ``frozen_q``: stage 1 (q takes no
+    gradient); ``expect_du``: whether the config lets the kernel compute du (one dfq program
+    over all F features)."""
+    from hedgecats.models import HedgehogFeatureMap
+    from hedgecats.models.ops import triton_hybrid as th
+    from hedgecats.models.ops import triton_phi as tp
+
+    g = torch.Generator().manual_seed(5)
+    maps = [HedgehogFeatureMap(n, D, activation, seed=s) for n, s in ((H, 1), (Hkv, 2))]
+    with torch.no_grad():
+        for m in maps:
+            m.bias.normal_(0, 0.5, generator=g)
+    q0, k0, v0 = (torch.randn(B, T, n, D, generator=g).transpose(1, 2)
+                  for n in (H, Hkv, Hkv))
+    F = maps[0].feature_dim
+    do = torch.randn(B, H, T, D, generator=g)
+    c = torch.randn(B, H, T, F, generator=g)
+    ca = torch.rand(B, H, generator=g)
+    cb, logs = 1 - ca, torch.zeros(B, H)
+    sh = torch.full((B, H), window, dtype=torch.int32)
+    kpm = _kpm(B, T) if pad else None
+    kw = dict(window=window, scale=D ** -0.5, eps=_floors()[0], key_padding_mask=kpm)
+
+    def run(fused):
+        cast = dtype if fused else torch.float32
+        q = q0.to(dtype).to(cast).requires_grad_(not frozen_q)
+        k, v = (x.to(dtype).to(cast).requires_grad_() for x in (k0, v0))
+        for m in maps:
+            m.zero_grad()
+        (mq, mk) = maps
+        if fused:
+            fq = tp.hedgehog_features(q, mq.weight, mq.bias, activation,
+                                      with_input=not frozen_q, kernel_du=True)
+            fq, q_on = (fq, q) if frozen_q else fq
+            fk, k_on = tp.hedgehog_features(k, mk.weight, mk.bias, activation, with_input=True)
+            out = th.hybrid_kernel(q_on, k_on, v, fq, fk, ca, cb, logs, sh,
+                                   config=th.KernelConfig(**cfg), **kw)
+        else:
+            fq = tp.reference_features(q, mq.weight, mq.bias, activation)
+            fk = tp.reference_features(k, mk.weight, mk.bias, activation)
+            out = th.kernel_reference(q, k, v, fq, fk, ca, cb, logs, sh, **kw)
+        loss = (out.float() * do).sum()
+        if other:
+            loss = loss + (fq.float() * c).sum()
+        loss.backward()
+        return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
+                "dWq": mq.weight.grad.clone(), "dbq": mq.bias.grad.clone(),
+                "dWk": mk.weight.grad.clone(), "dbk": mk.bias.grad.clone()}
+
+    before = dict(tp.CALLS), dict(th.CALLS)
+    got = run(True)
+    ran = {"du_from_kernel": tp.CALLS["du_from_kernel"] - before[0]["du_from_kernel"],
+           "du_added": tp.CALLS["du_added"] - before[0]["du_added"],
+           "map_du": th.CALLS["map_du"] - before[1]["map_du"]}
+    want = run(False)
+    # the kernel computed du exactly where it could, and the map's backward took it: alone,
+    # or added to the du of the other consumer's gradient
+    path_ok = ran == {"du_from_kernel": int(expect_du and not other),
+                      "du_added": int(expect_du and other), "map_du": int(expect_du)}
+    return {**errors(got, want), "du_path": 0.0 if path_ok else float("inf")}
+
+
 def decode_case(cid, *, mode="hybrid", mixer="fixed", rescale=False, pad=False, H=4, Hkv=2,
                 window=8, n_sinks=4, steps=13, dtype=torch.bfloat16):
     """The fused decode step (ops.triton_decode) against the composed one (models.cache._step):
@@ -802,6 +875,14 @@ def cases(quick: bool = False):
         ("xent-bf16", xent_case, dict(dtype=bf16, T=64, D=32)),
         ("xent-bf16-default-tiles", xent_case, dict(dtype=bf16, T=150, D=32, bm=None, bn=None)),
         ("xent-entry", xent_entry_case, None),
+        # the q map's backward from the du of the kernel's dfq pass (triton_phi.DuSlot)
+        ("map-du", map_du_case, dict(cfg=MAP_DU, dtype=bf16)),
+        ("map-du-exp-pad", map_du_case, dict(cfg=MAP_DU, activation="exp", pad=True, dtype=bf16)),
+        ("map-du-other-consumer", map_du_case, dict(cfg=MAP_DU, other=True, dtype=bf16)),
+        ("map-du-frozen-q-unpacked", map_du_case, dict(
+            cfg=dict(LONG_CHUNK, grad_f_chunk=32), frozen_q=True, T=100, dtype=bf16)),
+        ("map-du-feature-slices", map_du_case, dict(cfg=PACKED4_DQ, expect_du=False,
+                                                    dtype=bf16)),
         ("phi-softmax", phi_case, dict(dtype=bf16)),
         ("phi-softmax-strided-rect", phi_case, dict(dtype=bf16, strided=True,
                                                     proj="rectangular", D=32)),

@@ -130,12 +130,16 @@ class HedgehogFeatureMap(nn.Module):
         self.weight.copy_(eye + noise)  # copy_ moves it to the parameter's device and dtype
         self.bias.zero_()
 
-    def forward(self, x: torch.Tensor, *, with_input: bool = False):
+    def forward(self, x: torch.Tensor, *, with_input: bool = False, kernel_du: bool = False):
         """``phi(x)``; with ``with_input``, ``(phi(x), x')``: x' has x's values and goes to x's
         other consumer (the attention). Where the fused kernel runs and x takes a gradient, the
         gradient reaching x' is added to the map's inside the map's backward kernel
         (``triton_phi.hedgehog_features(with_input=True)``) instead of in a separate pass of
-        autograd's over x's gradient; elsewhere x' is x itself."""
+        autograd's over x's gradient; elsewhere x' is x itself.
+
+        ``kernel_du``: phi(x) is going to the fused hybrid kernel as its fq: where both
+        kernels run, the hybrid kernel's backward hands this map's backward du instead of
+        dphi (``triton_phi.DuSlot``; the same gradients, whatever else consumes phi(x))."""
         heads = (self.num_heads,) if self.input_heads == self.num_heads else (
             self.input_heads, self.num_heads)
         if x.dim() != 4 or x.shape[1] not in heads or x.shape[-1] != self.head_dim:
@@ -145,7 +149,7 @@ class HedgehogFeatureMap(nn.Module):
         if x.shape[1] != self.num_heads:  # GQA keys, one map per query head
             x = x.repeat_interleave(self.num_heads // x.shape[1], dim=1)  # (B, H, T, D)
         handed_on = with_input and x is x_in and x.requires_grad and torch.is_grad_enabled()
-        phi = self._fused(x, with_input=handed_on)
+        phi = self._fused(x, with_input=handed_on, kernel_du=kernel_du and self.floor == 0)
         if handed_on and phi is not None:
             phi, x_in = phi
         if phi is None:
@@ -156,7 +160,7 @@ class HedgehogFeatureMap(nn.Module):
         phi = phi.clamp_min(self.floor) if self.floor > 0 else phi
         return (phi, x_in) if with_input else phi
 
-    def _fused(self, x: torch.Tensor, with_input: bool = False):
+    def _fused(self, x: torch.Tensor, with_input: bool = False, kernel_du: bool = False):
         """The map as one Triton kernel per direction (``ops.triton_phi``) on CUDA where it
         applies (bf16, softmax / exp, power-of-two dims) and ``backends.triton_enabled()``
         (``HEDGECATS_TRITON=0`` turns it off); else None and the PyTorch path above runs.
@@ -172,7 +176,7 @@ class HedgehogFeatureMap(nn.Module):
         if not backends.triton_enabled():
             return None
         return triton_phi.hedgehog_features(x, self.weight, self.bias, self.activation,
-                                            with_input=with_input)
+                                            with_input=with_input, kernel_du=kernel_du)
 
     def extra_repr(self) -> str:
         extra = "" if self.input_heads == self.num_heads else f", input_heads={self.input_heads}"

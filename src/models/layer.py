@@ -241,8 +241,9 @@ def hedgecats_attention_forward(module: nn.Module, query, key, value, attention_
                    "the attention mask")
     needs_la = rt.mode in ("hybrid", "swa_only", "la_only")
     fq = fk = None
-    if needs_la:  # (q and k handed on through the maps: their two gradients summed in a kernel)
-        fq, query = module.phi_q(query, with_input=True)
+    if needs_la:  # (q and k handed on through the maps: their two gradients summed in a kernel;
+        # the q map's backward starts from the du the fused kernel computes: triton_phi.DuSlot)
+        fq, query = module.phi_q(query, with_input=True, kernel_du=True)
         fk, key = module.phi_k(key, with_input=True)
     swa_drop = _ssd_mask(rt, query.shape[0], query.shape[1], query.device) \
         if module.training and rt.mode == "hybrid" else None

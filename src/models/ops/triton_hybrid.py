@@ -86,6 +86,7 @@ from dataclasses import dataclass
 import torch
 
 from . import reference as ref
+from .triton_phi import DU_SLOT_ATTR
 from .triton_common import (GRID_AXIS_MAX, HAVE_TRITON, available, cast, cdiv, errors, fast,
                             interpret, next_pow2, record_fallback, tl, tma_ok, triton, warn_once)
 
@@ -104,7 +105,7 @@ FALLBACK_ERRORS: list[str] = []
 #: and dv programs ran apart, each at its own key tile (``dkv_block_n`` / ``dv_block_n``)
 CALLS = {"forward": 0, "dq_pass": 0, "dkv_swa": 0, "dv_la": 0, "factors_from_saved": 0,
          "split_states": 0, "states_from_forward": 0, "dkv_apart": 0, "packed_forward": 0,
-         "packed_dq": 0}
+         "packed_dq": 0, "map_du": 0}
 
 
 @dataclass(frozen=True)
@@ -807,17 +808,27 @@ if HAVE_TRITON:
                      (dq * scale).to(DQ.dtype.element_ty), mask=rows[:, None])
 
     @triton.jit
-    def _bwd_dfq(FK, V, DO, SST, ZST, GF, DDEN, SHIFT, KPM, DFQ,
+    def _bwd_dfq(FK, V, DO, SST, ZST, GF, DDEN, SHIFT, KPM, DFQ, FQ, DU,
                  sfk_b, sfk_h, sfk_t, sv_b, sv_h, sv_t, sdo_b, sdo_h, sdo_t,
+                 sfq_b, sfq_h, sfq_t, sdu_b, sdu_h, sdu_t,
                  T, H, G, NC,
                  D: tl.constexpr, F: tl.constexpr, FC: tl.constexpr, BM: tl.constexpr,
                  BN: tl.constexpr, CS: tl.constexpr, P: tl.constexpr, HAS_KPM: tl.constexpr,
-                 PREC: tl.constexpr):
+                 PREC: tl.constexpr, MAP_DU: tl.constexpr = False,
+                 SOFTMAX: tl.constexpr = True):
         """dfq[:, c FC : (c + 1) FC] of one query block (program axis 2 is c; rows: BM / P
         positions of P query heads of one kv head, ``_packed_rows``):
         dfq_t = S^T dnum_t + dden_t z + sum_{intra i} (dnum_t . v_i + dden_t) fk_i,
-        dnum_t = GF_t dO_t."""
+        dnum_t = GF_t dO_t; in two halves of FC / 2 features (the Hedgehog map's two halves
+        when FC = F).
+
+        MAP_DU (FC = F; fq = phi(x) of a Hedgehog map, ``triton_phi``): instead of dfq, the
+        map's du = a1 (dfq1 - <dfq1, a1>) - a2 (dfq2 - <dfq2, a2>) (SOFTMAX; exp:
+        dfq1 a1 - dfq2 a2), a1 / a2 = fq's halves as stored, dfq in fp32 (never rounded):
+        written to DU ((B, H, T, F/2) strides sdu_*), dfq not written. The map's backward
+        then only multiplies du by its weight (``triton_phi._phi_bwd``'s DU_GIVEN)."""
         BQ: tl.constexpr = BM // P
+        FC2: tl.constexpr = FC // 2
         pid_m = tl.program_id(0)
         pid_g = tl.program_id(1)
         pid_f = tl.program_id(2)
@@ -825,7 +836,7 @@ if HAVE_TRITON:
         Hkv = H // G
         bh_r = b * H + h_r
         offs_d = tl.arange(0, D)
-        offs_f = pid_f * FC + tl.arange(0, FC)
+        offs_f = pid_f * FC + tl.arange(0, FC2)  # the first half; the second at + FC2
         rows = offs_m < T
         t_rows = bh_r.to(tl.int64) * T + offs_m
         shift_r = tl.load(SHIFT + bh_r)
@@ -835,18 +846,23 @@ if HAVE_TRITON:
         dden = tl.load(DDEN + t_rows, mask=rows, other=0.0)
         jst = tl.minimum(tl.maximum(t0 - tl.max(shift_r, axis=0) + 1, 0) // CS, NC - 1)
         st = SST + (b * Hkv + hk).to(tl.int64) * NC * F * D + jst.to(tl.int64) * F * D
-        zt = tl.load(ZST + (b * Hkv + hk).to(tl.int64) * NC * F + jst * F + offs_f)
-        St = tl.load(st + offs_f[None, :] * D + offs_d[:, None])  # (D, FC)
+        z_base = ZST + (b * Hkv + hk).to(tl.int64) * NC * F + jst * F
+        z1 = tl.load(z_base + offs_f)
+        z2 = tl.load(z_base + FC2 + offs_f)
+        S1 = tl.load(st + offs_f[None, :] * D + offs_d[:, None])  # (D, FC / 2)
+        S2 = tl.load(st + (FC2 + offs_f)[None, :] * D + offs_d[:, None])
         # gf applied in fp32 to the products' rows (rounding gf * dO first cost accuracy)
-        dfq = tl.dot(do, St, input_precision=PREC) * gf[:, None] + dden[:, None] * zt[None, :]
+        dfq1 = tl.dot(do, S1, input_precision=PREC) * gf[:, None] + dden[:, None] * z1[None, :]
+        dfq2 = tl.dot(do, S2, input_precision=PREC) * gf[:, None] + dden[:, None] * z2[None, :]
         fk_base = FK + b.to(tl.int64) * sfk_b + hk.to(tl.int64) * sfk_h
         v_base = V + b.to(tl.int64) * sv_b + hk.to(tl.int64) * sv_h
         hi = tl.minimum(t0 + BQ - tl.min(shift_r, axis=0), T)
         for start in range(jst * CS, hi, BN):
             offs_n = start + tl.arange(0, BN)
             kin = offs_n < T
-            fkb = tl.load(fk_base + offs_n[:, None] * sfk_t + offs_f[None, :], mask=kin[:, None],
-                          other=0.0)
+            fk_rows = fk_base + offs_n[:, None] * sfk_t
+            fk1 = tl.load(fk_rows + offs_f[None, :], mask=kin[:, None], other=0.0)
+            fk2 = tl.load(fk_rows + (FC2 + offs_f)[None, :], mask=kin[:, None], other=0.0)
             vb = tl.load(v_base + offs_n[:, None] * sv_t + offs_d[None, :], mask=kin[:, None],
                          other=0.0)
             ok = (offs_n[None, :] <= offs_m[:, None] - shift_r[:, None]) & kin[None, :]
@@ -854,10 +870,34 @@ if HAVE_TRITON:
                 real = tl.load(KPM + b * T + offs_n, mask=kin, other=0) != 0
                 ok = ok & real[None, :]
             da = tl.dot(do, tl.trans(vb), input_precision=PREC) * gf[:, None] + dden[:, None]
-            da = tl.where(ok, da, 0.0)
-            dfq += tl.dot(da.to(fkb.dtype), fkb, input_precision=PREC)
-        tl.store(DFQ + t_rows[:, None] * F + offs_f[None, :],
-                 dfq.to(DFQ.dtype.element_ty), mask=rows[:, None])
+            da = tl.where(ok, da, 0.0).to(fk1.dtype)
+            dfq1 += tl.dot(da, fk1, input_precision=PREC)
+            dfq2 += tl.dot(da, fk2, input_precision=PREC)
+        if MAP_DU:
+            fq_rows = b.to(tl.int64) * sfq_b + h_r.to(tl.int64) * sfq_h \
+                + offs_m.to(tl.int64) * sfq_t
+            a1 = tl.load(FQ + fq_rows[:, None] + offs_f[None, :], mask=rows[:, None],
+                         other=0.0).to(tl.float32)
+            if SOFTMAX:
+                du = a1 * (dfq1 - tl.sum(dfq1 * a1, axis=1)[:, None])
+            else:
+                du = dfq1 * a1
+            a2 = tl.load(FQ + fq_rows[:, None] + (FC2 + offs_f)[None, :], mask=rows[:, None],
+                         other=0.0).to(tl.float32)
+            if SOFTMAX:
+                du -= a2 * (dfq2 - tl.sum(dfq2 * a2, axis=1)[:, None])
+            else:
+                du -= dfq2 * a2
+            du_rows = b.to(tl.int64) * sdu_b + h_r.to(tl.int64) * sdu_h \
+                + offs_m.to(tl.int64) * sdu_t
+            tl.store(DU + du_rows[:, None] + offs_f[None, :], du.to(DU.dtype.element_ty),
+                     mask=rows[:, None])
+        else:
+            dfq_rows = DFQ + t_rows[:, None] * F
+            tl.store(dfq_rows + offs_f[None, :], dfq1.to(DFQ.dtype.element_ty),
+                     mask=rows[:, None])
+            tl.store(dfq_rows + (FC2 + offs_f)[None, :], dfq2.to(DFQ.dtype.element_ty),
+                     mask=rows[:, None])
 
     @triton.jit
     def _state_rev(FQ, DNUM, DDEN, SHIFT, RST, UST, WST,
@@ -1345,14 +1385,17 @@ def _forward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, *, window
 def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse, den, *, window,
               scale, eps, has_swa, has_la, shared, cfg: KernelConfig,
               need: tuple[bool, bool, bool] = (True, True, True), swa_o=None, la_o=None,
-              states=None):
+              states=None, du_slot=None):
     """The gradients; ``need`` says which of dq, dk, dv autograd asks for: the passes that
     only serve the others are skipped (stage 1 trains the feature maps on the teacher's
     detached q, k, v: no dq pass, no window dk / dv kernel, no dv programs) and those come
     back ``None``. ``swa_o`` / ``la_o``: the branches' outputs the forward saved
     (``KernelConfig.save_branches``), read instead of recomputing the branches for the
     per-query factors. ``states``: the forward's LA states ``(S, z, u, state_chunk)``, used
-    when this config's state chunk is theirs (a retry with other tiles builds its own)."""
+    when this config's state chunk is theirs (a retry with other tiles builds its own).
+    ``du_slot``: fq is a Hedgehog map's output carrying a ``triton_phi.DuSlot``: where one
+    dfq program takes all F features, it computes the map's du instead of dfq (``_bwd_dfq``'s
+    MAP_DU), leaves it in the slot and returns the slot's marker as dfq."""
     need_dq, need_dk, need_dv = need
     from_saved = (swa_o is not None or not has_swa) and (la_o is not None or not has_la)
     B, H, T, D = q.shape
@@ -1415,14 +1458,20 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
                 F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD, PREC=prec, TMA=tma,
                 RS=cfg.state_rev_stages if tma else 0, num_warps=cfg.state_warps)
         dnum = None  # (read by the reverse states only)
-    dfq = None
+    dfq = du = None
     if has_la:
-        dfq = torch.empty(B, H, T, F, device=dev, dtype=fq.dtype)
+        map_du = du_slot is not None and GFC == F
+        if map_du:
+            du = du_slot.new_du()
+        else:
+            dfq = torch.empty(B, H, T, F, device=dev, dtype=fq.dtype)
         fast(_bwd_dfq)[(NMB, B * H // PQ, F // GFC)](
-            fk, v, do, S, z, gf, dden, shift, kpm, dfq,
-            *_strides(fk), *_strides(v), *_strides(do), T, H, G, NC,
+            fk, v, do, S, z, gf, dden, shift, kpm, _ptr(dfq, dummy), fq, _ptr(du, dummy),
+            *_strides(fk), *_strides(v), *_strides(do), *_strides(fq),
+            *(_strides(du) if map_du else (0, 0, 0)), T, H, G, NC,
             D=D, F=F, FC=GFC, BM=BMQ, BN=BN, CS=cfg.state_chunk, P=PQ, HAS_KPM=has_kpm,
-            PREC=prec, num_warps=cfg.bwd_warps, num_stages=cfg.stages)
+            PREC=prec, MAP_DU=map_du, SOFTMAX=du_slot.softmax if map_du else True,
+            num_warps=cfg.bwd_warps, num_stages=cfg.stages)
     del S, z, vs
     dk = dv = dvs = None
     BNK = _dkv_block_n(cfg)  # the key tile of the window kernel and of the dfk programs
@@ -1469,6 +1518,9 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
                 fast(_bwd_dkv_la)[(cdiv(T, BNV), B * Hkv, 1)](
                     *args, BN=BNV, PART=2, **meta)
         CALLS["dv_la"] += dv is not None
+    if du is not None:  # (last: a config that failed above leaves nothing in the slot)
+        dfq = du_slot.put(du, fq)
+        CALLS["map_du"] += 1
     return dq, dk if need_dk else None, dv, dfq, dfk, pa, pb
 
 
@@ -1517,7 +1569,7 @@ def _with_retry(phase: str, key: tuple, cfg: KernelConfig, fn):
 class _HybridFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, window, scale,
-                eps, has_swa, has_la, shared, cfg, save):
+                eps, has_swa, has_la, shared, cfg, save, du_slot):
         # the state path is part of the problem: a split build that fails to compile at long T
         # must not send short calls (which walk) down the retry chain
         key = (q.dtype, q.shape[-1], fq.shape[-1], has_swa, has_la, shared, kpm_i8 is not None,
@@ -1535,6 +1587,7 @@ class _HybridFn(torch.autograd.Function):
         ctx.args = dict(window=window, scale=scale, eps=eps, has_swa=has_swa, has_la=has_la,
                         shared=shared, cfg=cfg)
         ctx.has_kpm = kpm_i8 is not None
+        ctx.du_slot = du_slot
         return o
 
     @staticmethod
@@ -1555,11 +1608,14 @@ class _HybridFn(torch.autograd.Function):
                kpm_i8 is not None, swa_o is not None or la_o is not None, need,
                use_split_states(a["cfg"], cdiv(q.shape[2], a["cfg"].state_chunk)))
         args = {n: x for n, x in a.items() if n != "cfg"}
+        du_slot = ctx.du_slot if ctx.needs_input_grad[3] else None
+        if du_slot is not None:
+            du_slot.clear()  # (nothing stale from a backward whose map's never ran)
         try:
             dq, dk, dv, dfq, dfk, pa, pb = _with_retry("backward", key, a["cfg"], lambda c: (
                 _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
                           den, cfg=c, need=need, swa_o=swa_o, la_o=la_o, states=states,
-                          **args)))
+                          du_slot=du_slot, **args)))
         except errors() as e:  # a Triton resource / compile failure: say so, stay right
             record_fallback(FALLBACK_ERRORS, __name__, "hybrid backward", e, "this call's "
                             "gradients come from the PyTorch reference", phase="backward")
@@ -1578,7 +1634,7 @@ class _HybridFn(torch.autograd.Function):
             dca = pa.sum(-1) if want_ca else None
             dcb = pb.sum(-1) if want_cb else None
             dlogs = None
-        return (dq, dk, dv, dfq, dfk, dca, dcb, dlogs) + (None,) * 12
+        return (dq, dk, dv, dfq, dfk, dca, dcb, dlogs) + (None,) * 13
 
 
 def _reference_backward(ctx, do, q, k, v, fq, fk, ca, cb, logs, shift, first, kpm_i8, a):
@@ -1595,7 +1651,7 @@ def _reference_backward(ctx, do, q, k, v, fq, fk, ca, cb, logs, shift, first, kp
         dca = dcb = None
     else:
         dlogs = None
-    return (dq, dk, dv, dfq, dfk, dca, dcb, dlogs) + (None,) * 12
+    return (dq, dk, dv, dfq, dfk, dca, dcb, dlogs) + (None,) * 13
 
 
 # ============================================================================= entry points
@@ -1616,6 +1672,8 @@ def hybrid_kernel(q, k, v, fq, fk, ca, cb, logs, shift, *, window: int, scale: f
     if any(cfg.state_chunk % n for n in blocks):
         raise ValueError(f"state_chunk {cfg.state_chunk} must be a multiple of the key blocks "
                          f"(block_n, bwd_block_n, dkv_block_n, dv_block_n: {blocks})")
+    # fq as a Hedgehog map's output, unchanged: the map's du from the dfq pass (``DuSlot``)
+    du_slot = getattr(fq, DU_SLOT_ATTR, None) if has_la else None
     q, k, v, fq, fk = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, fq, fk))
     dev = q.device
     if key_padding_mask is None:
@@ -1637,7 +1695,7 @@ def hybrid_kernel(q, k, v, fq, fk, ca, cb, logs, shift, *, window: int, scale: f
         x.requires_grad for x in (q, k, v, fq, fk, ca, cb, logs))
     return _HybridFn.apply(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8,
                            int(window), float(scale), float(eps), bool(has_swa), bool(has_la),
-                           bool(shared), cfg, save)
+                           bool(shared), cfg, save, du_slot)
 
 
 def kernel_reference(q, k, v, fq, fk, ca, cb, logs, shift, *, window: int, scale: float,

@@ -46,7 +46,10 @@ __all__ = ["available", "hedgehog_features", "reference_features", "unsupported_
 
 FALLBACK_ERRORS: list[str] = []
 #: dx: only when x takes a gradient; added: those that added x's other gradient in the kernel
-CALLS = {"forward": 0, "backward_dx": 0, "backward_added": 0}
+#: du_from_kernel / du_added: backward passes that started from the hybrid kernel's du (``DuSlot``)
+#: alone / with another consumer's gradient added
+CALLS = {"forward": 0, "backward_dx": 0, "backward_added": 0, "du_from_kernel": 0,
+         "du_added": 0}
 ACTIVATIONS = ("softmax", "exp")
 
 
@@ -92,12 +95,15 @@ if HAVE_TRITON:
                  sdx_b, sdx_h, sdx_t, sdxi_b, sdxi_h, sdxi_t, T, H, B,
                  D: tl.constexpr, FH: tl.constexpr, BM: tl.constexpr, SOFTMAX: tl.constexpr,
                  PREC: tl.constexpr, NEED_DX: tl.constexpr, DU_HEADS_FIRST: tl.constexpr,
-                 FROM_Y: tl.constexpr, ADD_DXI: tl.constexpr):
+                 FROM_Y: tl.constexpr, ADD_DXI: tl.constexpr, DU_GIVEN: tl.constexpr = 0):
         """FROM_Y: both activations read from the forward's output Y ((B H, T, F), the input
         dtype) instead of recomputed from x (one matrix product and the exponentials fewer;
         the activations rounded to the input dtype, as autograd's softmax saves them).
         ADD_DXI: dx = DXI + du W^T, summed in fp32 (DXI: x's gradient from its other consumer,
-        the attention kernel's dq / dk, ``hedgehog_features(with_input=True)``)."""
+        the attention kernel's dq / dk, ``hedgehog_features(with_input=True)``).
+        DU_GIVEN (the hybrid kernel wrote du into DU: ``DuSlot``): 1, du read from DU, DY and
+        Y not read, du not written (the map's output had no other consumer); 2, du from DY
+        as usual plus DU's, written back to DU (another consumer's gradient came in DY)."""
         pid_bh = tl.program_id(0)  # axis 0: up to 2^31 - 1 (B * H of a large decode batch)
         pid_m = tl.program_id(1)
         b = pid_bh // H
@@ -107,26 +113,34 @@ if HAVE_TRITON:
         offs_f = tl.arange(0, FH)
         rows = offs_m < T
         w = tl.load(W + h.to(tl.int64) * D * FH + offs_d[:, None] * FH + offs_f[None, :])
-        if FROM_Y:
-            y = Y + (pid_bh.to(tl.int64) * T + offs_m[:, None]) * (2 * FH) + offs_f[None, :]
-            a1 = tl.load(y, mask=rows[:, None], other=0.0).to(tl.float32)
-            a2 = tl.load(y + FH, mask=rows[:, None], other=0.0).to(tl.float32)
+        # du (H, B, T, F/2) or (B, H, T, F/2), contiguous (``_du_buffer``)
+        du_row = (h * B + b).to(tl.int64) if DU_HEADS_FIRST else pid_bh.to(tl.int64)
+        du_ptr = DU + (du_row * T + offs_m[:, None]) * FH + offs_f[None, :]
+        if DU_GIVEN == 1:
+            du = tl.load(du_ptr, mask=rows[:, None], other=0.0)
         else:
-            x = tl.load(X + b.to(tl.int64) * sx_b + h.to(tl.int64) * sx_h
-                        + offs_m[:, None] * sx_t + offs_d[None, :], mask=rows[:, None],
-                        other=0.0)
-            bias = tl.load(BIAS + h * FH + offs_f).to(tl.float32)
-            a1, a2 = _acts(x, w, bias, SOFTMAX, PREC)
-        dy = DY + b.to(tl.int64) * sdy_b + h.to(tl.int64) * sdy_h + offs_m[:, None] * sdy_t \
-            + offs_f[None, :]
-        dy1 = tl.load(dy, mask=rows[:, None], other=0.0).to(tl.float32)
-        dy2 = tl.load(dy + FH, mask=rows[:, None], other=0.0).to(tl.float32)
-        if SOFTMAX:
-            du = a1 * (dy1 - tl.sum(dy1 * a1, axis=1)[:, None]) - \
-                a2 * (dy2 - tl.sum(dy2 * a2, axis=1)[:, None])
-        else:
-            du = dy1 * a1 - dy2 * a2
-        du = tl.where(rows[:, None], du, 0.0).to(Y.dtype.element_ty)
+            if FROM_Y:
+                y = Y + (pid_bh.to(tl.int64) * T + offs_m[:, None]) * (2 * FH) + offs_f[None, :]
+                a1 = tl.load(y, mask=rows[:, None], other=0.0).to(tl.float32)
+                a2 = tl.load(y + FH, mask=rows[:, None], other=0.0).to(tl.float32)
+            else:
+                x = tl.load(X + b.to(tl.int64) * sx_b + h.to(tl.int64) * sx_h
+                            + offs_m[:, None] * sx_t + offs_d[None, :], mask=rows[:, None],
+                            other=0.0)
+                bias = tl.load(BIAS + h * FH + offs_f).to(tl.float32)
+                a1, a2 = _acts(x, w, bias, SOFTMAX, PREC)
+            dy = DY + b.to(tl.int64) * sdy_b + h.to(tl.int64) * sdy_h + offs_m[:, None] * sdy_t \
+                + offs_f[None, :]
+            dy1 = tl.load(dy, mask=rows[:, None], other=0.0).to(tl.float32)
+            dy2 = tl.load(dy + FH, mask=rows[:, None], other=0.0).to(tl.float32)
+            if SOFTMAX:
+                du = a1 * (dy1 - tl.sum(dy1 * a1, axis=1)[:, None]) - \
+                    a2 * (dy2 - tl.sum(dy2 * a2, axis=1)[:, None])
+            else:
+                du = dy1 * a1 - dy2 * a2
+            if DU_GIVEN == 2:
+                du += tl.load(du_ptr, mask=rows[:, None], other=0.0).to(tl.float32)
+            du = tl.where(rows[:, None], du, 0.0).to(Y.dtype.element_ty)
         if NEED_DX:  # not for stage 1's detached teacher q, k
             dx = tl.dot(du, tl.trans(w), input_precision=PREC)
             if ADD_DXI:
@@ -136,10 +150,8 @@ if HAVE_TRITON:
             tl.store(DX + b.to(tl.int64) * sdx_b + h.to(tl.int64) * sdx_h
                      + offs_m[:, None] * sdx_t + offs_d[None, :],
                      dx.to(DX.dtype.element_ty), mask=rows[:, None])
-        # du (H, B, T, F/2) or (B, H, T, F/2), contiguous (``_du_buffer``)
-        du_row = (h * B + b).to(tl.int64) if DU_HEADS_FIRST else pid_bh.to(tl.int64)
-        tl.store(DU + (du_row * T + offs_m[:, None]) * FH + offs_f[None, :], du,
-                 mask=rows[:, None])
+        if DU_GIVEN != 1:
+            tl.store(du_ptr, du, mask=rows[:, None])
 
 
 #: the backward reads the activations from the forward's output instead of recomputing them
@@ -188,24 +200,91 @@ def _du_buffer(x: torch.Tensor, FH: int):
     x laid out as (B, T, H, D) (transformers hands attention q and k so, transposed): row (b, t)
     of head h sits at a fixed stride, so x is an (H, D, B T) view; du is written as (H, B, T,
     F/2), an (H, B T, F/2) view: dW = bmm over H. x contiguous (B, H, T, D): dW = bmm over B H
-    of (D, T) x (T, F/2), summed over B (du written (B, H, T, F/2)). Other layouts: du (B, H, T,
-    F/2) and both copied into (H, ., B T) first (what every layout did until 2026-12-02: the copy
-    of x was a strided transpose, the largest PyTorch kernel of the layer's backward)."""
+    of (D, T) x (T, F/2), summed over B (du written (B, H, T, F/2)). Other layouts: du (H, B, T,
+    F/2) and x copied into (H, D, B T) by the reshape (until 2026-12-02 every layout copied
+    both: the copy of x was a strided transpose, the largest PyTorch kernel of the layer's
+    backward)."""
+    return DuSlot(x, FH).new_du(), _dw_reducer(x, FH)
+
+
+def _dw_reducer(x: torch.Tensor, FH: int):
+    """``_du_buffer``'s function computing dW from (x, du), du laid out as ``DuSlot.new_du``
+    lays it out for this x."""
     B, H, T, D = x.shape
 
     def heads_first(x, du):  # (H, D, B T) x (H, B T, F/2): views where the layouts allow
         xs = x.permute(1, 3, 0, 2).reshape(H, D, B * T)
         return torch.bmm(xs, du.permute(1, 0, 2, 3).reshape(H, B * T, FH))
-    if x.transpose(1, 2).is_contiguous():
-        du = torch.empty(H, B, T, FH, device=x.device, dtype=x.dtype).permute(1, 0, 2, 3)
-        return du, heads_first
-    du = torch.empty(B, H, T, FH, device=x.device, dtype=x.dtype)
-    if x.is_contiguous():
+    if x.is_contiguous() and not x.transpose(1, 2).is_contiguous():
         def per_head_row(x, du):
             per_bh = torch.bmm(x.view(B * H, T, D).transpose(1, 2), du.view(B * H, T, FH))
             return per_bh.view(B, H, D, FH).sum(0, dtype=torch.float32)
-        return du, per_head_row
-    return du, heads_first
+        return per_head_row
+    return heads_first
+
+
+#: the attribute of a map's output (``hedgehog_features(kernel_du=True)``) holding its
+#: ``DuSlot``: the hybrid kernel (``triton_hybrid.hybrid_kernel``) looks for it on its fq
+DU_SLOT_ATTR = "_hedgecats_du_slot"
+
+
+class DuSlot:
+    """Where the hybrid kernel's backward leaves this map's du (``kernel_du``), so that the
+    map's backward starts from du instead of from dphi: the kernel holds dphi_q in fp32 at
+    the end of its dfq pass and turns it into du there (``triton_hybrid._bwd_dfq``'s
+    MAP_DU: the activations it needs are phi itself, which the kernel reads anyway), and the
+    (B, H, T, F) dphi_q is neither written nor read again (measured: benchmarks/README.md).
+
+    Protocol (each side checks the other, so that a consumer that does not know it changes
+    nothing but speed):
+    - the map's forward attaches the slot to its output y (attribute ``DU_SLOT_ATTR``);
+    - the hybrid kernel, given exactly that tensor as fq, computes du (``new_du``: laid out
+      as the map's backward wants it), stores it with ``put`` and returns as fq's gradient
+      ``marker``, zeros that take no memory (expanded);
+    - the map's backward ``take``s du: where its dy is the marker itself (the kernel was y's
+      only consumer), it starts from du; where dy is anything else (y had other consumers:
+      autograd summed their gradients with the marker's zeros), it adds du to the du of dy
+      (du is linear in dy), so every consumer's gradient counts.
+    Any op between y and the kernel (a floor's clamp, a cast, a view) makes another tensor,
+    without the attribute: the kernel then returns dfq as usual."""
+
+    __slots__ = ("shape", "heads_first", "device", "dtype", "softmax", "du", "marker")
+
+    def __init__(self, x: torch.Tensor, FH: int, softmax: bool = True):
+        B, H, T, _ = x.shape
+        self.shape, self.device, self.dtype = (B, H, T, FH), x.device, x.dtype
+        # x laid out as (B, T, H, D) (transformers' q, k) or any layout other than (B, H, T,
+        # D): du (H, B, T, F/2) memory (``_dw_reducer``)
+        self.heads_first = x.transpose(1, 2).is_contiguous() or not x.is_contiguous()
+        self.softmax = softmax
+        self.du = self.marker = None
+
+    def new_du(self) -> torch.Tensor:
+        """An empty du (B, H, T, F/2) view in the layout ``_dw_reducer`` reads in place."""
+        B, H, T, FH = self.shape
+        if self.heads_first:
+            return torch.empty(H, B, T, FH, device=self.device,
+                               dtype=self.dtype).permute(1, 0, 2, 3)
+        return torch.empty(B, H, T, FH, device=self.device, dtype=self.dtype)
+
+    def clear(self) -> None:
+        self.du = self.marker = None
+
+    def put(self, du: torch.Tensor, fq: torch.Tensor) -> torch.Tensor:
+        """Leave du for the map's backward; returns the marker to hand autograd as fq's
+        gradient."""
+        self.du = du
+        self.marker = torch.zeros((), device=fq.device, dtype=fq.dtype).expand(fq.shape)
+        return self.marker
+
+    def take(self, dy: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
+        """(du or None, whether dy is only the marker); empties the slot."""
+        du, marker, self.du, self.marker = self.du, self.marker, None, None
+        if du is None:
+            return None, False
+        only = (marker is not None and dy.shape == marker.shape
+                and dy.data_ptr() == marker.data_ptr() and not any(dy.stride()))
+        return du, only
 
 
 def _phi_forward(x, w, bias, softmax):
@@ -224,14 +303,20 @@ def _phi_forward(x, w, bias, softmax):
 
 def _phi_backward(ctx, dy, dx_in):
     """(dx, dW, db) for ``_PhiFn`` / ``_PhiWithInputFn``; ``dx_in``: x's gradient from its
-    other consumer (None: none), added in the kernel."""
+    other consumer (None: none), added in the kernel. du from the hybrid kernel where it
+    left one in the map's ``DuSlot``."""
     x, wc, bc, y = ctx.saved_tensors
-    softmax, w_dtype, b_dtype = ctx.meta
+    softmax, w_dtype, b_dtype, slot = ctx.meta
     B, H, T, D = x.shape
     FH = wc.shape[-1]
-    if dy.stride(-1) != 1:
-        dy = dy.contiguous()
-    dy = cast(dy, x.dtype)
+    du, only_kernel = slot.take(dy) if slot is not None else (None, False)
+    du_given = 0 if du is None else 1 if only_kernel else 2
+    if du_given == 1:
+        dy = y  # (not read)
+    else:
+        if dy.stride(-1) != 1:
+            dy = dy.contiguous()
+        dy = cast(dy, x.dtype)
     need_dx = ctx.needs_input_grad[0]
     add = need_dx and dx_in is not None
     if add and dx_in.stride(-1) != 1:  # (any float dtype: the kernel reads it into fp32)
@@ -239,7 +324,10 @@ def _phi_backward(ctx, dy, dx_in):
     # dx laid out as x (the model's (B, T, H, D) memory: summed with the attention kernel's
     # dq, laid out so too, and accumulated without a copy)
     dx = torch.empty_like(x) if need_dx else None
-    du, reduce_dw = _du_buffer(x, FH)
+    if du is None:
+        du, reduce_dw = _du_buffer(x, FH)
+    else:
+        reduce_dw = _dw_reducer(x, FH)
     BM, warps = _tiles(D, FH, backward=True)
     fast(_phi_bwd)[(B * H, cdiv(T, BM))](
         x, wc, bc, y, dy, du if dx is None else dx, du, dx_in if add else du,
@@ -249,9 +337,11 @@ def _phi_backward(ctx, dy, dx_in):
         T, H, B, D=D, FH=FH, BM=BM,
         SOFTMAX=softmax, PREC=_prec(x.dtype), NEED_DX=need_dx,
         DU_HEADS_FIRST=du.stride(1) > du.stride(0), FROM_Y=BWD_FROM_OUTPUT, ADD_DXI=add,
-        num_warps=warps)  # (H, B, T, F/2)
+        DU_GIVEN=du_given, num_warps=warps)  # (H, B, T, F/2)
     CALLS["backward_dx"] += need_dx
     CALLS["backward_added"] += add
+    CALLS["du_from_kernel"] += du_given == 1
+    CALLS["du_added"] += du_given == 2
     dw = dbias = None
     if ctx.needs_input_grad[1]:
         dw = cast(reduce_dw(x, du), w_dtype)
@@ -265,15 +355,15 @@ def _phi_backward(ctx, dy, dx_in):
 
 class _PhiFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, bias, softmax):
+    def forward(ctx, x, w, bias, softmax, slot):
         y, wc, bc = _phi_forward(x, w, bias, softmax)
         ctx.save_for_backward(x, wc, bc, y)  # y: kept by its consumer anyway (the LA kernel)
-        ctx.meta = (softmax, w.dtype, bias.dtype)
+        ctx.meta = (softmax, w.dtype, bias.dtype, slot)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        return (*_phi_backward(ctx, dy, None), None)
+        return (*_phi_backward(ctx, dy, None), None, None)
 
 
 class _PhiWithInputFn(torch.autograd.Function):
@@ -282,15 +372,15 @@ class _PhiWithInputFn(torch.autograd.Function):
     instead of autograd summing the two in a separate pass over x's gradient."""
 
     @staticmethod
-    def forward(ctx, x, w, bias, softmax):
+    def forward(ctx, x, w, bias, softmax, slot):
         y, wc, bc = _phi_forward(x, w, bias, softmax)
         ctx.save_for_backward(x, wc, bc, y)
-        ctx.meta = (softmax, w.dtype, bias.dtype)
+        ctx.meta = (softmax, w.dtype, bias.dtype, slot)
         return y, x.view_as(x)
 
     @staticmethod
     def backward(ctx, dy, dx_in):
-        return (*_phi_backward(ctx, dy, dx_in), None)
+        return (*_phi_backward(ctx, dy, dx_in), None, None)
 
 
 def unsupported_reason(x, weight, bias, activation: str) -> str | None:
@@ -320,14 +410,18 @@ def unsupported_reason(x, weight, bias, activation: str) -> str | None:
 
 
 def hedgehog_features(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                      activation: str = "softmax", *, with_input: bool = False):
+                      activation: str = "softmax", *, with_input: bool = False,
+                      kernel_du: bool = False):
     """``phi(x)`` (B, H, T, F) in x's dtype for x (B, H, T, D), weight (H, D, F/2), bias
     (H, F/2); differentiable in all three. ``None`` where the kernel does not apply (reason
     logged once): the caller computes the map itself.
 
     ``with_input``: ``(phi(x), x')``, x' the same values as x (a view of it) for x's other
     consumer (the attention): the gradient that reaches x' is added to the map's in the
-    backward kernel (one pass over x's gradient fewer than autograd's sum of the two)."""
+    backward kernel (one pass over x's gradient fewer than autograd's sum of the two).
+
+    ``kernel_du``: phi(x) carries a ``DuSlot``: the hybrid kernel, given phi(x) itself as its
+    fq, hands the map's backward du instead of dphi (the layer's q map)."""
     reason = unsupported_reason(x, weight, bias, activation)
     if reason is not None:
         if activation in ACTIVATIONS:
@@ -336,11 +430,16 @@ def hedgehog_features(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
     if x.stride(-1) != 1:
         x = x.contiguous()
     fn = _PhiWithInputFn if with_input else _PhiFn
+    softmax = activation == "softmax"
+    slot = DuSlot(x, weight.shape[-1], softmax) if kernel_du and torch.is_grad_enabled() \
+        else None
     try:
-        out = fn.apply(x, weight, bias, activation == "softmax")
+        out = fn.apply(x, weight, bias, softmax, slot)
     except errors() as e:
         record_fallback(FALLBACK_ERRORS, __name__, "feature map", e, "using PyTorch")
         return None
+    if slot is not None:
+        setattr(out[0] if with_input else out, DU_SLOT_ATTR, slot)
     CALLS["forward"] += 1
     return out
 
