@@ -183,7 +183,12 @@ def _tiles(D: int, FH: int, backward: bool) -> tuple[int, int]:
     once, the loads pipelined): the forward at 8 x 1k 0.150 to 0.173 ms with four blocks,
     forward + backward 0.426 to 0.484, at 1 x 64k 2.60 to 3.32; the bias gradient summed per
     block in the kernel instead of torch reducing du: forward + backward 0.425 to 0.486 at
-    8 x 1k, 2.59 to 3.27 at 1 x 64k."""
+    8 x 1k, 2.59 to 3.27 at 1 x 64k.
+
+    Measured and not taken (session 15, the backward from the hybrid kernel's du, DU_GIVEN 1,
+    q map at 8 x 1k; results/h200_2026-12-03g, call 3): 128 rows a program (137 registers)
+    0.064 against 0.062 ms at 64; the bias gradient's partial sums in the kernel again slower,
+    0.064 to 0.110 ms (the torch reduction of du it saves: 0.030)."""
     if backward and D * FH >= 128 * 128:
         return 64, 8
     if backward and D * FH >= 64 * 128:
@@ -226,6 +231,18 @@ def _dw_reducer(x: torch.Tensor, FH: int):
 #: the attribute of a map's output (``hedgehog_features(kernel_du=True)``) holding its
 #: ``DuSlot``: the hybrid kernel (``triton_hybrid.hybrid_kernel``) looks for it on its fq
 DU_SLOT_ATTR = "_hedgecats_du_slot"
+
+
+_ZEROS: dict = {}
+
+
+def _zero(device, dtype) -> torch.Tensor:
+    """A zero scalar per (device, dtype), made once (the marker's storage: never written;
+    autograd does not accumulate in place into an expanded tensor)."""
+    key = (device, dtype)
+    if key not in _ZEROS:
+        _ZEROS[key] = torch.zeros((), device=device, dtype=dtype)
+    return _ZEROS[key]
 
 
 class DuSlot:
@@ -274,7 +291,7 @@ class DuSlot:
         """Leave du for the map's backward; returns the marker to hand autograd as fq's
         gradient."""
         self.du = du
-        self.marker = torch.zeros((), device=fq.device, dtype=fq.dtype).expand(fq.shape)
+        self.marker = _zero(fq.device, fq.dtype).expand(fq.shape)
         return self.marker
 
     def take(self, dy: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
@@ -329,15 +346,16 @@ def _phi_backward(ctx, dy, dx_in):
     else:
         reduce_dw = _dw_reducer(x, FH)
     BM, warps = _tiles(D, FH, backward=True)
-    fast(_phi_bwd)[(B * H, cdiv(T, BM))](
-        x, wc, bc, y, dy, du if dx is None else dx, du, dx_in if add else du,
-        x.stride(0), x.stride(1), x.stride(2), dy.stride(0), dy.stride(1), dy.stride(2),
-        *((dx.stride(0), dx.stride(1), dx.stride(2)) if need_dx else (0, 0, 0)),
-        *((dx_in.stride(0), dx_in.stride(1), dx_in.stride(2)) if add else (0, 0, 0)),
-        T, H, B, D=D, FH=FH, BM=BM,
-        SOFTMAX=softmax, PREC=_prec(x.dtype), NEED_DX=need_dx,
-        DU_HEADS_FIRST=du.stride(1) > du.stride(0), FROM_Y=BWD_FROM_OUTPUT, ADD_DXI=add,
-        DU_GIVEN=du_given, num_warps=warps)  # (H, B, T, F/2)
+    if du_given != 1 or need_dx:  # (stage 1 with the kernel's du: du is all dW and db need)
+        fast(_phi_bwd)[(B * H, cdiv(T, BM))](
+            x, wc, bc, y, dy, du if dx is None else dx, du, dx_in if add else du,
+            x.stride(0), x.stride(1), x.stride(2), dy.stride(0), dy.stride(1), dy.stride(2),
+            *((dx.stride(0), dx.stride(1), dx.stride(2)) if need_dx else (0, 0, 0)),
+            *((dx_in.stride(0), dx_in.stride(1), dx_in.stride(2)) if add else (0, 0, 0)),
+            T, H, B, D=D, FH=FH, BM=BM,
+            SOFTMAX=softmax, PREC=_prec(x.dtype), NEED_DX=need_dx,
+            DU_HEADS_FIRST=du.stride(1) > du.stride(0), FROM_Y=BWD_FROM_OUTPUT, ADD_DXI=add,
+            DU_GIVEN=du_given, num_warps=warps)  # (H, B, T, F/2)
     CALLS["backward_dx"] += need_dx
     CALLS["backward_added"] += add
     CALLS["du_from_kernel"] += du_given == 1
