@@ -64,6 +64,11 @@ def compile_report(fn, pointers: dict, constexprs: dict, floats=(), warps=4, sta
     ``aligned`` (what a launch at the 8B shape compiles), none at all without it (every pointer
     and integer of unknown alignment: the report sessions before the eleventh read, which
     over-counted registers and spills and showed no pipelined loads)."""
+    # a constexpr left out takes its default, as a launch does (not an i32 argument: that
+    # compiles both sides of every branch on it, e.g. _bwd_dfq's MAP_DU: 255 registers
+    # reported against the 232 of the kernel that runs)
+    constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default},
+                  **constexprs}
     if hints is None and aligned:
         hints = launch_hints(fn, constexprs, floats, odd=ODD_INTS)
     sig = {}
