@@ -295,6 +295,65 @@ def test_feature_map_hands_its_input_on_unchanged_off_the_kernel():
     assert x_on is x and phi.shape == (1, 4, 5, 16)
 
 
+def test_du_slot_tells_the_kernels_marker_from_a_summed_gradient():
+    """``triton_phi.DuSlot``'s protocol on the CPU (no kernel needed): the map's backward gets
+    the kernel's marker itself when the kernel was its output's only consumer (autograd hands
+    a single gradient on unchanged: the assumption the protocol rests on), a summed tensor
+    when another consumer added its gradient; ``take`` tells the two apart and empties the
+    slot; du is laid out as the weight gradient's GEMM reads it in place."""
+    from hedgecats.models.ops.triton_phi import DuSlot
+
+    x = torch.randn(2, 5, 3, 4).transpose(1, 2)  # (B, H, T, D) view of (B, T, H, D) memory
+    slot = DuSlot(x, 6)
+    du = slot.new_du()
+    assert du.shape == (2, 3, 5, 6) and du.permute(1, 0, 2, 3).is_contiguous()
+    assert DuSlot(x.contiguous(), 6).new_du().is_contiguous()
+    seen = []
+
+    class Producer(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a):
+            return a * 2
+
+        @staticmethod
+        def backward(ctx, dy):
+            seen.append(slot.take(dy))
+            return dy
+
+    class Kernel(torch.autograd.Function):  # returns the marker as its input's gradient
+        @staticmethod
+        def forward(ctx, y):
+            return y.sum()
+
+        @staticmethod
+        def backward(ctx, g):
+            return slot.put(du, y_ref)
+
+    a = torch.randn(2, 3, 5, 8, requires_grad=True)
+    y_ref = Producer.apply(a)
+    Kernel.apply(y_ref).backward()
+    got, only = seen.pop()
+    assert got is du and only, "the kernel's marker did not reach the map's backward as is"
+    assert slot.take(torch.zeros(1)) == (None, False), "take() must empty the slot"
+    y_ref = Producer.apply(a)
+    (Kernel.apply(y_ref) + (y_ref * 3).sum()).backward()
+    got, only = seen.pop()
+    assert got is du and not only, "another consumer's gradient would be dropped"
+    assert not any(slot.put(du, y_ref).stride()), "the marker takes memory"
+
+
+def test_feature_map_attaches_no_slot_off_the_kernel():
+    """``kernel_du`` changes nothing where the fused map does not run (CPU): phi(x) carries no
+    slot, so no kernel can hand its backward a du."""
+    from hedgecats.models.ops.triton_phi import DU_SLOT_ATTR
+
+    fm = HedgehogFeatureMap(2, 8)
+    x = torch.randn(1, 2, 5, 8, requires_grad=True)
+    phi, x_on = fm(x, with_input=True, kernel_du=True)
+    assert not hasattr(phi, DU_SLOT_ATTR) and x_on is x
+    torch.testing.assert_close(phi, fm(x))
+
+
 @pytest.mark.parametrize("bad,match", [
     (dict(activation="gelu"), "activation 'gelu'.*elu1p, exp, none, relu, softmax"),
     (dict(projection="wide"), "projection 'wide'.*rectangular, square"),
