@@ -1672,8 +1672,11 @@ def hybrid_kernel(q, k, v, fq, fk, ca, cb, logs, shift, *, window: int, scale: f
     if any(cfg.state_chunk % n for n in blocks):
         raise ValueError(f"state_chunk {cfg.state_chunk} must be a multiple of the key blocks "
                          f"(block_n, bwd_block_n, dkv_block_n, dv_block_n: {blocks})")
-    # fq as a Hedgehog map's output, unchanged: the map's du from the dfq pass (``DuSlot``)
+    # fq as a Hedgehog map's output, unchanged: the map's du from the dfq pass (``DuSlot``;
+    # the first kernel given it only)
     du_slot = getattr(fq, DU_SLOT_ATTR, None) if has_la else None
+    if du_slot is not None and not du_slot.claim():
+        du_slot = None
     q, k, v, fq, fk = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, fq, fk))
     dev = q.device
     if key_padding_mask is None:

@@ -263,9 +263,11 @@ class DuSlot:
       autograd summed their gradients with the marker's zeros), it adds du to the du of dy
       (du is linear in dy), so every consumer's gradient counts.
     Any op between y and the kernel (a floor's clamp, a cast, a view) makes another tensor,
-    without the attribute: the kernel then returns dfq as usual."""
+    without the attribute: the kernel then returns dfq as usual; so does every kernel but the
+    first given y itself (``claim``)."""
 
-    __slots__ = ("shape", "heads_first", "device", "dtype", "softmax", "du", "marker")
+    __slots__ = ("shape", "heads_first", "device", "dtype", "softmax", "du", "marker",
+                 "claimed")
 
     def __init__(self, x: torch.Tensor, FH: int, softmax: bool = True):
         B, H, T, _ = x.shape
@@ -275,6 +277,14 @@ class DuSlot:
         self.heads_first = x.transpose(1, 2).is_contiguous() or not x.is_contiguous()
         self.softmax = softmax
         self.du = self.marker = None
+        self.claimed = False  # (by the first kernel given y: ``claim``)
+
+    def claim(self) -> bool:
+        """Whether the calling kernel may hand du back: the first kernel given y only (a
+        second one's backward would overwrite the first's du; it returns dfq as usual, which
+        reaches the map's backward summed with the marker and is added there)."""
+        first, self.claimed = not self.claimed, True
+        return first
 
     def new_du(self) -> torch.Tensor:
         """An empty du (B, H, T, F/2) view in the layout ``_dw_reducer`` reads in place."""
