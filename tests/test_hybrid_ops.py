@@ -300,7 +300,8 @@ def test_du_slot_tells_the_kernels_marker_from_a_summed_gradient():
     the kernel's marker itself when the kernel was its output's only consumer (autograd hands
     a single gradient on unchanged: the assumption the protocol rests on), a summed tensor
     when another consumer added its gradient; ``take`` tells the two apart and empties the
-    slot; du is laid out as the weight gradient's GEMM reads it in place."""
+    slot; du is laid out as the weight gradient's GEMM reads it in place; a y whose own
+    gradient someone watches is ``observed``."""
     from hedgecats.models.ops.triton_phi import DuSlot
 
     x = torch.randn(2, 5, 3, 4).transpose(1, 2)  # (B, H, T, D) view of (B, T, H, D) memory
@@ -340,6 +341,13 @@ def test_du_slot_tells_the_kernels_marker_from_a_summed_gradient():
     got, only = seen.pop()
     assert got is du and not only, "another consumer's gradient would be dropped"
     assert not any(slot.put(du, y_ref).stride()), "the marker takes memory"
+    # y's own gradient asked for (retain_grad, a hook): the kernel must return dphi
+    for watch in (lambda y: y.retain_grad(), lambda y: y.register_hook(lambda g: g)):
+        y = Producer.apply(a)
+        slot.watch(y)
+        assert not slot.observed()
+        watch(y)
+        assert slot.observed()
 
 
 def test_feature_map_attaches_no_slot_off_the_kernel():

@@ -523,7 +523,7 @@ def phi_case(cid, *, B=2, H=3, T=45, D=16, proj="square", activation="softmax",
 
 def map_du_case(cid, *, B=2, H=4, Hkv=2, T=150, D=16, window=20, activation="softmax",
                 other=False, frozen_q=False, pad=False, cfg=None, dtype=torch.bfloat16,
-                expect_du=True, twice=False):
+                expect_du=True, twice=False, watched=False):
     """The layer's q map and the fused kernel together, the map's backward starting from the
     du the kernel's dfq pass computes (``triton_phi.DuSlot``: ``kernel_du``), against the fp32
     maps and ``kernel_reference``: the output and the gradients of q, k, v and both maps'
@@ -532,7 +532,8 @@ def map_du_case(cid, *, B=2, H=4, Hkv=2, T=150, D=16, window=20, activation="sof
     kernel's du to the du of the gradient autograd summed); ``frozen_q``: stage 1 (q takes no
     gradient); ``expect_du``: whether the config lets the kernel compute du (one dfq program
     over all F features); ``twice``: phi(q) goes to two kernel calls (their outputs summed):
-    the first hands du back, the second dfq, added in the map's backward)."""
+    the first hands du back, the second dfq, added in the map's backward; ``watched``: phi(q)
+    retains its gradient: the kernel hands back dfq, which must be the reference's dphi)."""
     from hedgecats.models import HedgehogFeatureMap
     from hedgecats.models.ops import triton_hybrid as th
     from hedgecats.models.ops import triton_phi as tp
@@ -570,19 +571,24 @@ def map_du_case(cid, *, B=2, H=4, Hkv=2, T=150, D=16, window=20, activation="sof
             if twice:
                 out = out + th.hybrid_kernel(q_on, k_on, v, fq, fk, ca, cb, logs, sh,
                                              config=th.KernelConfig(**cfg), **kw)
+            if watched:
+                fq.retain_grad()
         else:
             fq = tp.reference_features(q, mq.weight, mq.bias, activation)
             fk = tp.reference_features(k, mk.weight, mk.bias, activation)
             out = th.kernel_reference(q, k, v, fq, fk, ca, cb, logs, sh, **kw)
             if twice:
                 out = out + th.kernel_reference(q, k, v, fq, fk, ca, cb, logs, sh, **kw)
+            if watched:
+                fq.retain_grad()
         loss = (out.float() * do).sum()
         if other:
             loss = loss + (fq.float() * c).sum()
         loss.backward()
         return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
                 "dWq": mq.weight.grad.clone(), "dbq": mq.bias.grad.clone(),
-                "dWk": mk.weight.grad.clone(), "dbk": mk.bias.grad.clone()}
+                "dWk": mk.weight.grad.clone(), "dbk": mk.bias.grad.clone(),
+                **({"dfq": fq.grad} if watched else {})}
 
     before = dict(tp.CALLS), dict(th.CALLS)
     got = run(True)
@@ -592,8 +598,9 @@ def map_du_case(cid, *, B=2, H=4, Hkv=2, T=150, D=16, window=20, activation="sof
     want = run(False)
     # the kernel computed du exactly where it could, and the map's backward took it: alone,
     # or added to the du of the other consumer's gradient
-    path_ok = ran == {"du_from_kernel": int(expect_du and not (other or twice)),
-                      "du_added": int(expect_du and (other or twice)), "map_du": int(expect_du)}
+    du_used = expect_du and not watched
+    path_ok = ran == {"du_from_kernel": int(du_used and not (other or twice)),
+                      "du_added": int(du_used and (other or twice)), "map_du": int(du_used)}
     return {**errors(got, want), "du_path": 0.0 if path_ok else float("inf")}
 
 
@@ -886,6 +893,7 @@ def cases(quick: bool = False):
         ("map-du-exp-pad", map_du_case, dict(cfg=MAP_DU, activation="exp", pad=True, dtype=bf16)),
         ("map-du-other-consumer", map_du_case, dict(cfg=MAP_DU, other=True, dtype=bf16)),
         ("map-du-two-kernels", map_du_case, dict(cfg=MAP_DU, twice=True, dtype=bf16)),
+        ("map-du-phi-retains-grad", map_du_case, dict(cfg=MAP_DU, watched=True, dtype=bf16)),
         ("map-du-frozen-q-unpacked", map_du_case, dict(
             cfg=dict(LONG_CHUNK, grad_f_chunk=32), frozen_q=True, T=100, dtype=bf16)),
         ("map-du-feature-slices", map_du_case, dict(cfg=PACKED4_DQ, expect_du=False,

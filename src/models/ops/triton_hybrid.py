@@ -1611,6 +1611,8 @@ class _HybridFn(torch.autograd.Function):
         du_slot = ctx.du_slot if ctx.needs_input_grad[3] else None
         if du_slot is not None:
             du_slot.clear()  # (nothing stale from a backward whose map's never ran)
+            if du_slot.observed():  # (fq's own gradient asked for: dfq, not the marker)
+                du_slot = None
         try:
             dq, dk, dv, dfq, dfk, pa, pb = _with_retry("backward", key, a["cfg"], lambda c: (
                 _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,

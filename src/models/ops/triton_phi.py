@@ -37,6 +37,8 @@ keep the module's own forward. Wiring (``models.feature_maps.HedgehogFeatureMap.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .triton_common import (HAVE_TRITON, available, cast, cdiv, errors, fast, interpret,
@@ -264,10 +266,11 @@ class DuSlot:
       (du is linear in dy), so every consumer's gradient counts.
     Any op between y and the kernel (a floor's clamp, a cast, a view) makes another tensor,
     without the attribute: the kernel then returns dfq as usual; so does every kernel but the
-    first given y itself (``claim``)."""
+    first given y itself (``claim``), and the kernel whose y someone watches (``retain_grad``
+    or a hook on y: ``observed``), so that what they see is y's gradient, not the marker."""
 
     __slots__ = ("shape", "heads_first", "device", "dtype", "softmax", "du", "marker",
-                 "claimed")
+                 "claimed", "owner")
 
     def __init__(self, x: torch.Tensor, FH: int, softmax: bool = True):
         B, H, T, _ = x.shape
@@ -278,6 +281,19 @@ class DuSlot:
         self.softmax = softmax
         self.du = self.marker = None
         self.claimed = False  # (by the first kernel given y: ``claim``)
+        self.owner = None  # (a weak reference to y: ``watch``)
+
+    def watch(self, y: torch.Tensor) -> None:
+        """Attach the slot to y (the map's output)."""
+        setattr(y, DU_SLOT_ATTR, self)
+        self.owner = weakref.ref(y)
+
+    def observed(self) -> bool:
+        """Whether someone asked to see y's gradient itself (``retain_grad``, a hook): then
+        the kernel must hand back dphi, not the marker (the kernel's backward asks, just
+        before it would write du)."""
+        y = self.owner() if self.owner is not None else None
+        return y is not None and (y.retains_grad or bool(getattr(y, "_backward_hooks", None)))
 
     def claim(self) -> bool:
         """Whether the calling kernel may hand du back: the first kernel given y only (a
@@ -467,7 +483,7 @@ def hedgehog_features(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
         record_fallback(FALLBACK_ERRORS, __name__, "feature map", e, "using PyTorch")
         return None
     if slot is not None:
-        setattr(out[0] if with_input else out, DU_SLOT_ATTR, slot)
+        slot.watch(out[0] if with_input else out)
     CALLS["forward"] += 1
     return out
 
