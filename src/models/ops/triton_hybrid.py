@@ -42,7 +42,8 @@ projections, which its transpose-reshape and autograd's accumulation then take a
                   from the branch outputs the forward stored (``KernelConfig.save_branches``,
                   the default; without it, a first pass recomputes both), forms the mixer's
                   per-query factors, then dq (second pass, skipped when q takes no gradient);
-                  _bwd_dfq per query block and feature slice: dfq; _state_rev walks T
+                  _bwd_dfq per query block and feature slice: dfq (or, fq being a Hedgehog
+                  map's output, the map's du: ``triton_phi.DuSlot``); _state_rev walks T
                   backwards summing fq_t dnum_t^T over the query heads of each kv head (GQA) into
                   reverse states (split as the forward's, reversed, past the threshold); per
                   key block and kv head, _bwd_dkv_swa gets dk and the window's dv from the

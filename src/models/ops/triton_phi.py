@@ -18,7 +18,9 @@ about 3 GiB for phi_q). Here:
                 du = s1 (dy1 - <dy1, s1>) - s2 (dy2 - <dy2, s2>) (softmax; exp: dy1 e1 - dy2 e2),
                 dx = du W^T in the kernel (when x takes a gradient); du is written once (input
                 dtype) and torch reduces dW = sum_(b,t) x^T du (one batched GEMM, x read where
-                it lies: ``_du_buffer``) and db = sum du (fp32)
+                it lies: ``_du_buffer``) and db = sum du (fp32). The layer's q map
+                (``kernel_du``): the hybrid kernel's dfq pass computes du itself from its fp32
+                dphi and phi (``DuSlot``); the backward then reads du instead of dy and phi
 
 Numerics: u stays fp32 until the activations (the PyTorch module rounds it to the input dtype
 first), so the kernel's output is at least as close to the fp32 map as the module's; the
@@ -264,6 +266,8 @@ class DuSlot:
       only consumer), it starts from du; where dy is anything else (y had other consumers:
       autograd summed their gradients with the marker's zeros), it adds du to the du of dy
       (du is linear in dy), so every consumer's gradient counts.
+    A caller asking autograd for y's gradient directly (``torch.autograd.grad(..., inputs=y)``)
+    would get the marker: ask through ``retain_grad`` or a hook, or leave ``kernel_du`` off.
     Any op between y and the kernel (a floor's clamp, a cast, a view) makes another tensor,
     without the attribute: the kernel then returns dfq as usual; so does every kernel but the
     first given y itself (``claim``), and the kernel whose y someone watches (``retain_grad``
