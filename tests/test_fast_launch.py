@@ -70,9 +70,11 @@ def test_the_second_launch_calls_the_compiled_handle_with_every_argument_in_orde
     assert tc.LAUNCHES["fast"] == before["fast"] + 1
     (run,) = first.runs
     # grid padded to three axes, the stream, the handle, no launch metadata or hooks, then the
-    # positional arguments and the constexprs in the kernel's own order (BM before PREC)
+    # positional arguments (tensors as their addresses) and the constexprs in the kernel's own
+    # order (BM before PREC)
     assert run[:9] == (4, 2, 1, 77, "cu-function", ("meta",), None, None, None)
-    assert run[9:14] == a and run[14:] == (64, "tf32")
+    assert run[9:14] == (a[0].data_ptr(), a[1].data_ptr(), *a[2:])
+    assert run[14:] == (64, "tf32")
     f[(5,)](*a, BM=64, PREC="tf32", num_warps=8)
     assert first.runs[1][:3] == (5, 1, 1)
 
@@ -105,6 +107,67 @@ def test_what_triton_would_compile_differently_goes_through_triton(fast_path, ch
     assert len(k.calls) == 2 and not k.compiled[0].runs
     f[(1,)](*a, **kw)  # and that key is cached in turn
     assert len(k.calls) == 2 and len(k.compiled[1].runs) == 1
+
+
+class Launcher:
+    """Triton 3.6's ``CudaLauncher`` as ``compiled.run``: ``launch`` is its C function."""
+
+    launch_cooperative_grid, launch_pdl = False, True
+
+    def __init__(self, scratch: int):
+        self.global_scratch_size = scratch
+        self.profile_scratch_size = 0
+        self.calls, self.launches = [], []
+
+    def __call__(self, *a):
+        self.calls.append(a)
+
+    def launch(self, *a):
+        self.launches.append(a)
+
+
+@pytest.mark.parametrize("scratch", [0, 128])
+def test_a_launcher_without_scratch_is_called_at_its_c_function(fast_path, scratch):
+    """Where the compiled launcher allocates no scratch, its C ``launch`` is called with what
+    its ``__call__`` would pass it (the two flags, no scratch, then the rest as before);
+    a kernel that needs scratch (tensor descriptors built on the device) goes through
+    ``compiled.run``, which allocates it."""
+    class WithLauncher(Kernel):
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                c = Kernel.__getitem__(self, grid)(*a, **kw)
+                c.run = Launcher(scratch)
+                return c
+            return launch
+
+    k = WithLauncher()
+    f = tc.FastLaunch(k)
+    a = args()
+    run = f[(4, 2)](*a, BM=64, PREC="tf32").run
+    f[(4, 2)](*a, BM=64, PREC="tf32")
+    rest = (("meta",), None, None, None, a[0].data_ptr(), a[1].data_ptr(), *a[2:], 64, "tf32")
+    if scratch:
+        assert not run.launches and run.calls == [(4, 2, 1, 77, "cu-function", *rest)]
+    else:
+        assert not run.calls
+        assert run.launches == [(4, 2, 1, 77, "cu-function", False, True, None, None, *rest)]
+
+
+def test_a_cpu_tensor_never_takes_a_cuda_tensors_handle(fast_path):
+    """The launcher is handed addresses, not tensors, so it cannot tell a host address from a
+    device one: whether a tensor is on CUDA is part of the key, and a CPU tensor where a CUDA
+    one was goes through Triton (which raises for it)."""
+    class OnCuda(torch.Tensor):
+        @property
+        def is_cuda(self):
+            return True
+
+    k = Kernel()
+    f = tc.FastLaunch(k)
+    x = torch.zeros(64, dtype=torch.bfloat16)
+    f[(1,)](*args(x.as_subclass(OnCuda)), BM=64, PREC="tf32")
+    f[(1,)](*args(x), BM=64, PREC="tf32")
+    assert len(k.calls) == 2 and not k.compiled[0].runs
 
 
 def test_floats_do_not_split_the_cache(fast_path):

@@ -149,21 +149,42 @@ LAUNCHES = {"fast": 0, "triton": 0}
 FAST_CACHE_MAX = 512
 
 
-def _arg_key(a):
-    """What of an argument Triton's compiled kernel depends on, exactly or more finely: a
-    tensor's dtype and whether its address is 16-byte aligned (Triton specialises on both), an
-    integer's or bool's value (Triton specialises on 1 and on divisibility by 16: the value
-    decides both), a float's type only (Triton does not specialise floats)."""
-    t = type(a)
-    if t is int:
-        return a
-    if t is torch.Tensor or isinstance(a, torch.Tensor):
-        return a.dtype, a.data_ptr() & 15 == 0
-    if t is float:
-        return float
-    if a is None:
-        return None
-    return t, a  # bool (True is not 1 to Triton: i1 against a constant 1), str, ...
+def _key_and_values(args) -> tuple[list, list]:
+    """(key, values) of a launch's positional arguments, in one pass.
+
+    key: what of each argument Triton's compiled kernel depends on, exactly or more finely: a
+    tensor's dtype, whether its address is 16-byte aligned (Triton specialises on both) and
+    whether it is on CUDA (so that a CPU tensor never takes a cached handle: Triton's path
+    raises for it); an integer's value (Triton specialises on 1 and on divisibility by 16: the
+    value decides both); a float's type only (Triton does not specialise floats); a bool (True
+    is not 1 to Triton: i1 against a constant 1), a string or anything else as (type, value).
+    Flat: a dtype only ever opens a tensor's two entries, so two keys are equal only where
+    every argument's are.
+
+    values: the arguments as the compiled launcher takes them, a tensor as its address (an
+    int): the launcher then skips its per-pointer ``data_ptr()`` call and
+    ``cuPointerGetAttribute`` (its check that the address is a device's, which the first
+    launch of the key, through Triton, made for the same kind of tensor)."""
+    key: list = []
+    values: list = []
+    k, v = key.append, values.append
+    for a in args:
+        t = type(a)
+        if t is int:
+            k(a)
+            v(a)
+        elif t is torch.Tensor or isinstance(a, torch.Tensor):
+            p = a.data_ptr()
+            k(a.dtype)
+            k((p & 15 == 0) + 2 * a.is_cuda)
+            v(p)
+        elif t is float:
+            k(float)
+            v(a)
+        else:
+            k(None if a is None else (t, a))
+            v(a)
+    return key, values
 
 
 #: ``HEDGECATS_TRITON_FAST_LAUNCH=0`` (read at import) launches every kernel through Triton's
@@ -218,15 +239,17 @@ class FastLaunch:
     """A ``@triton.jit`` kernel launched as ``fast(kernel)[grid](*args, **constexprs)``, like
     ``kernel[grid](...)``, the same kernel with the same arguments, at a fraction of the host
     time: the first launch of each argument key goes through Triton (which compiles or finds the
-    kernel and returns its compiled handle), later ones call that handle's launcher directly.
+    kernel and returns its compiled handle), later ones call that handle's launcher directly (its C
+    function itself where no scratch is needed: ``_direct_launcher``), tensors passed as their
+    addresses (``_key_and_values``).
 
     Why: Triton 3.6's ``JITFunction.run`` spends tens of microseconds of Python per launch
     (binding and specialising ~50 arguments, the cache key, launch metadata and two hook
     calls); the hybrid layer launches 12 kernels per forward + backward, and at 8 x 1k its
     Python and launches took longer than its kernels (benchmarks/results/h200_2026-12-03b).
 
-    The key (``_arg_key``) holds everything the compiled kernel depends on, or more (integers
-    by value where Triton keeps only ``== 1`` and divisibility by 16), plus the keyword
+    The key (``_key_and_values``) holds everything the compiled kernel depends on, or more
+    (integers by value where Triton keeps only ``== 1`` and divisibility by 16), plus the keyword
     arguments (constexprs, ``num_warps``, ``num_stages``) and the device: a launch whose
     arguments Triton would compile differently never takes a cached handle. Triton's own path
     runs instead under the interpreter (its launches return no compiled handle), for Triton
@@ -260,9 +283,11 @@ class FastLaunch:
             LAUNCHES["triton"] += 1
             return self.fn[grid](*args, **kw)
         dev, stream = _device_and_stream()
-        key = (dev, tuple([_arg_key(a) for a in args]), tuple(kw.items()))
+        key, values = _key_and_values(args)
+        key.append(dev)
+        key.append(tuple(kw.items()))
         try:
-            hit = self.cache.get(key)
+            hit = self.cache.get(tuple(key))
         except TypeError:  # an unhashable argument (a host-side tensor descriptor, ...)
             LAUNCHES["triton"] += 1
             return self.fn[grid](*args, **kw)
@@ -273,15 +298,39 @@ class FastLaunch:
             if all(n in kw for n in tail) and hasattr(compiled, "packed_metadata"):
                 if len(self.cache) >= FAST_CACHE_MAX:
                     self.cache.clear()
-                self.cache[key] = (compiled, tail)
+                self.cache[tuple(key)] = (compiled, tail, _direct_launcher(compiled))
             return compiled
-        compiled, tail = hit
+        compiled, tail, direct = hit
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
-        compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata,
-                     None, None, None, *args, *[kw[n] for n in tail])
+        if direct is not None:  # the launcher's C function itself (no scratch to allocate)
+            launch, coop, pdl = direct
+            launch(grid[0], g1, g2, stream, compiled.function, coop, pdl, None, None,
+                   compiled.packed_metadata, None, None, None, *values,
+                   *[kw[n] for n in tail])
+        else:
+            compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata,
+                         None, None, None, *values, *[kw[n] for n in tail])
         LAUNCHES["fast"] += 1
         return compiled
+
+
+def _direct_launcher(compiled):
+    """(the C launch function, cooperative-grid flag, PDL flag) of a compiled kernel whose
+    launcher (Triton 3.6's ``CudaLauncher``) would allocate no global or profile scratch: its
+    Python ``__call__`` then only forwards to ``launch``, with those two flags and ``None`` for
+    both scratches, so a launch may call ``launch`` itself. None for any other launcher (a
+    kernel building tensor descriptors on the device needs scratch: ``compiled.run`` allocates
+    it)."""
+    run = getattr(compiled, "run", None)
+    launch = getattr(run, "launch", None)
+    if launch is None or getattr(run, "global_scratch_size", 1) or \
+            getattr(run, "profile_scratch_size", 1):
+        return None
+    try:
+        return launch, run.launch_cooperative_grid, run.launch_pdl
+    except AttributeError:  # pragma: no cover - another Triton's launcher
+        return None
 
 
 _FAST: dict = {}

@@ -223,13 +223,36 @@ def _dw_reducer(x: torch.Tensor, FH: int):
 
     def heads_first(x, du):  # (H, D, B T) x (H, B T, F/2): views where the layouts allow
         xs = x.permute(1, 3, 0, 2).reshape(H, D, B * T)
-        return torch.bmm(xs, du.permute(1, 0, 2, 3).reshape(H, B * T, FH))
+        return bmm_fp32(xs, du.permute(1, 0, 2, 3).reshape(H, B * T, FH))
     if x.is_contiguous() and not x.transpose(1, 2).is_contiguous():
         def per_head_row(x, du):
-            per_bh = torch.bmm(x.view(B * H, T, D).transpose(1, 2), du.view(B * H, T, FH))
-            return per_bh.view(B, H, D, FH).sum(0, dtype=torch.float32)
+            per_bh = bmm_fp32(x.view(B * H, T, D).transpose(1, 2), du.view(B * H, T, FH))
+            return per_bh.view(B, H, D, FH).sum(0)
         return per_head_row
     return heads_first
+
+
+#: whether CUDA's ``torch.bmm(..., out_dtype=torch.float32)`` (``aten::bmm.dtype``) ran here;
+#: set False, once, where it does not exist (then ``bmm_fp32`` takes fp32 operands)
+BMM_OUT_DTYPE = True
+
+
+def bmm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` batched, accumulated and returned in fp32 (the maps' dW, whose parameters
+    are fp32): on CUDA the bf16 GEMM writes its fp32 accumulator as it is
+    (``out_dtype=torch.float32``), where until 2026-12-04 it rounded the product to bf16 and
+    a second kernel cast it back to fp32; elsewhere (the CPU, where ``aten::bmm.dtype`` has
+    no kernel: Triton's interpreter) the operands in fp32, the same products and sums."""
+    global BMM_OUT_DTYPE
+    if a.is_cuda and BMM_OUT_DTYPE and a.dtype in (torch.bfloat16, torch.float16):
+        try:
+            return torch.bmm(a, b, out_dtype=torch.float32)
+        except (RuntimeError, NotImplementedError, TypeError) as e:
+            BMM_OUT_DTYPE = False
+            warn_once(__name__, f"torch.bmm(out_dtype=float32) not available here "
+                      f"({type(e).__name__}: {str(e)[:120]}): the maps' dW from fp32 operands "
+                      "(the same values, more memory traffic)")
+    return torch.bmm(cast(a, torch.float32), cast(b, torch.float32))
 
 
 #: the attribute of a map's output (``hedgehog_features(kernel_du=True)``) holding its
