@@ -268,3 +268,33 @@ def test_the_cache_stays_bounded(fast_path, monkeypatch):
 def test_one_launcher_per_kernel():
     k = Kernel()
     assert tc.fast(k) is tc.fast(k) and tc.fast(k).fn is k
+
+
+def test_the_launcher_takes_what_the_fast_path_hands_it():
+    """What ``FastLaunch`` relies on in the Triton versions it is read for
+    (``FAST_LAUNCH_VERSIONS``), read off the installed Triton's NVIDIA driver: the launcher's
+    ``__call__`` only adds its two flags and the two scratches before the rest (so calling its
+    C ``launch`` with them is the same call), the C function parses its arguments in that
+    order, and its ``getPointer`` takes an int as the address itself. Needs Triton (the
+    interpreter's environment, the GPU machine); CI has none."""
+    import inspect
+
+    triton = pytest.importorskip("triton")
+    if not triton.__version__.startswith(tc.FAST_LAUNCH_VERSIONS):
+        pytest.skip(f"triton {triton.__version__}: the fast path is off for it")
+    from triton.backends.nvidia import driver
+
+    call = " ".join(inspect.getsource(driver.CudaLauncher.__call__).split())
+    assert ("self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, "
+            "self.launch_pdl, global_scratch, profile_scratch, *args)") in call
+    assert "return alloc_fn(alloc_size, align, stream)" in call and "if size > 0:" in call
+    src = " ".join(inspect.getsource(driver).split())
+    assert ("&gridX, &gridY, &gridZ, &_stream, &_function, &launch_cooperative_grid, "
+            "&launch_pdl, &global_scratch_obj, &profile_scratch_obj, &kernel_metadata, "
+            "&launch_metadata, &launch_enter_hook, &launch_exit_hook") in src
+    get_pointer = src[src.index("getPointer(PyObject *obj, int idx)"):]
+    assert get_pointer.index("if (PyLong_Check(obj))") < get_pointer.index("data_ptr_str")
+    init = " ".join(inspect.getsource(driver.CudaLauncher.__init__).split())
+    for name in ("self.launch =", "self.global_scratch_size", "self.profile_scratch_size",
+                 "self.launch_cooperative_grid", "self.launch_pdl"):
+        assert name in init

@@ -1171,7 +1171,8 @@ def _ptr(x, dummy):
 
 
 def _strides(x: torch.Tensor) -> tuple[int, int, int]:
-    return x.stride(0), x.stride(1), x.stride(2)
+    s = x.stride()  # (one call: three stride(i) calls cost ~1 us more, ~30 a layer call)
+    return s[0], s[1], s[2]
 
 
 @functools.lru_cache(maxsize=256)

@@ -1,0 +1,176 @@
+"""The hybrid layer's host work per call, on the CPU: Python, PyTorch dispatch and the launch
+arguments, with every Triton launch stubbed out (counted, not run). No GPU needed.
+
+    TRITON_INTERPRET=1 python benchmarks/host_overhead.py            # needs triton importable
+    TRITON_INTERPRET=1 python benchmarks/host_overhead.py --profile  # + cProfile, by own time
+
+Why: at 8 x 1k the layer's host work (2.26 ms per forward + backward on the H200's host,
+session 14) exceeds its GPU time (~2.0 ms), so an isolated call's event timing reads the host.
+What runs here is the layer's CUDA path (the fused feature maps, ``hybrid_attention`` through
+``triton_hybrid``) on CPU tensors: the routing that sends CPU tensors to the reference is
+patched to take the fused path, the maps' dW product (``triton_phi.bmm_fp32``) returns an
+empty tensor, and each kernel's ``FastLaunch`` gets a handle whose launch does nothing (its
+own Python - the argument key, the cache lookup - runs; Triton's C launcher does not: per
+launch on the GPU's host it parses the arguments and calls the driver). So the figures are
+the Python and dispatch cost of everything around the kernels, on this machine's CPU, at a
+short length and 4 query heads (1 x 32: the few PyTorch kernels that compute - the maps' dW products, the bias
+sums - cost microseconds), with PyTorch's CPU ops in place of CUDA launches (cheaper: no
+driver call). A proxy to compare versions on one machine, not the GPU host's time.
+
+Prints per phase (the maps' forward, the fused attention's forward, the backward, the whole
+call) the median microseconds per call, and the counts per call of Triton launches and of
+PyTorch ops that reach a device kernel (allocations and views apart).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # (triton_common.available() on a CPU)
+sys.path.insert(0, str(Path(__file__).parent))
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+#: aten ops that launch no device kernel (allocations, views, metadata)
+NO_KERNEL = ("empty", "empty_like", "empty_strided", "view", "t", "transpose", "permute",
+             "as_strided", "unsqueeze", "squeeze", "detach", "_reshape_alias", "expand",
+             "slice", "alias", "_unsafe_view", "select", "reshape", "view_as", "lift_fresh")
+
+
+class CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.kernels = collections.Counter()
+        self.other = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        (self.other if name in NO_KERNEL else self.kernels)[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def patch_routing():
+    """The layer's CUDA path on CPU tensors, launches stubbed; returns the launch counter."""
+    from hedgecats.models import feature_maps as fm
+    from hedgecats.models.ops import backends, triton_common, triton_phi
+
+    if not triton_common.HAVE_TRITON:
+        raise SystemExit("host_overhead.py needs triton importable (the kernels' definitions)")
+    launches = collections.Counter()
+    tc = triton_common
+
+    class Compiled:  # what a launch through Triton returns: a handle whose run() launches
+        function, packed_metadata = 0, (4, 1, 0)
+
+        def run(self, *args):
+            pass
+
+    class Kernel:  # the kernel's signature, launches that compile nothing
+        def __init__(self, fn):
+            self.arg_names = list(fn.arg_names)
+            self.__name__ = getattr(fn, "__name__", "?")
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: Compiled()
+
+    launch = tc.FastLaunch._launch
+
+    def counted(self, grid, *args, **kw):  # FastLaunch's own Python runs, the launch does not
+        if not isinstance(self.fn, Kernel):
+            self.fn, self.compiled = Kernel(self.fn), True
+        launches[self.fn.__name__] += 1
+        return launch(self, grid, *args, **kw)
+
+    tc.FastLaunch._launch = counted
+    tc._fast_state = lambda: None
+    tc._no_hooks = lambda: True
+    tc._device_and_stream = lambda: (0, 0)
+    select = backends.select
+    backends.select = lambda backend, q, kpm=None: (
+        backends._cuda_ops("auto", True) if backend == "auto" else select(backend, q, kpm))
+    backends.triton_enabled = lambda: True
+
+    def fused(self, x, with_input=False, kernel_du=False):
+        return triton_phi.hedgehog_features(x, self.weight, self.bias, self.activation,
+                                            with_input=with_input, kernel_du=kernel_du)
+
+    fm.HedgehogFeatureMap._fused = fused
+
+    def bmm_fp32(a, b):  # (a GEMM on the GPU: its CPU product here would dominate the figures)
+        launches["bmm_fp32 (torch)"] += 1
+        return torch.empty(a.shape[0], a.shape[1], b.shape[2])
+
+    triton_phi.bmm_fp32 = bmm_fp32
+    return launches
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="1x32", help="B x T (default 1x32)")
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=1)
+    p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--profile", action="store_true", help="cProfile of the calls, own time")
+    p.add_argument("--out", help="write the figures as JSON here")
+    a = p.parse_args(argv)
+    launches = patch_routing()
+    import attention_speed as A
+
+    A.DEVICE = "cpu"
+    B, T = map(int, a.shape.split("x"))
+    L = A.Layer(B, T, a.heads, a.kv_heads, 128, 64, torch.bfloat16, "square")
+    torch.set_num_threads(1)
+
+    def call(stamps):
+        t0 = time.perf_counter()
+        fq, q = L.phi_q(L.q, with_input=True, kernel_du=True)
+        fk, k = L.phi_k(L.k, with_input=True)
+        t1 = time.perf_counter()
+        out = A.hybrid_attention(q, k, L.v, fq, fk, window=L.w, scale=L.scale, g=0.5)
+        out = out.transpose(1, 2).contiguous()
+        t2 = time.perf_counter()
+        out.backward(L.do)
+        L.zero()
+        t3 = time.perf_counter()
+        stamps.append((t1 - t0, t2 - t1, t3 - t2, t3 - t0))
+
+    for _ in range(5):
+        call([])
+    launches.clear()
+    with CountOps() as ops:
+        call([])
+    per_call = dict(launches)
+    stamps: list = []
+    for _ in range(a.calls):
+        call(stamps)
+    med = [statistics.median(s[i] for s in stamps) * 1e6 for i in range(4)]
+    res = {"shape": a.shape, "heads": [a.heads, a.kv_heads], "calls": a.calls,
+           "us_per_call": dict(zip(("maps_forward", "attention_forward", "backward", "total"),
+                                   [round(x, 1) for x in med])),
+           "triton_launches": per_call, "torch_kernel_ops": dict(ops.kernels),
+           "torch_other_ops": sum(ops.other.values())}
+    print(json.dumps(res, indent=1))
+    if a.profile:
+        import cProfile
+        import pstats
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(a.calls):
+            call([])
+        pr.disable()
+        pstats.Stats(pr).sort_stats("tottime").print_stats(40)
+    if a.out:
+        Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
+    return res
+
+
+if __name__ == "__main__":
+    main()

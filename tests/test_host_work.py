@@ -1,0 +1,43 @@
+"""What the fused layer asks of the host per forward + backward: which Triton kernels it
+launches and which PyTorch ops reach a device kernel, counted on what users run (the layer's
+CUDA path: the fused feature maps, then ``hybrid_attention`` through ``triton_hybrid``) with the
+launches stubbed (``benchmarks/host_overhead.py``). At 8 x 1k the layer's host work exceeds its
+GPU time, so every launch or op that creeps into the path shows in the time of a call: a new
+one fails here, with what it is, until it is counted in (and measured).
+
+Needs triton importable (the kernels' definitions; not installed on CI: skipped there). Runs
+in a subprocess with ``TRITON_INTERPRET=1``, as tests/test_triton_interpreter.py does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = Path(__file__).parents[1] / "benchmarks" / "host_overhead.py"
+
+#: one forward + backward of the layer (fixed g, no padding), both maps fused
+LAUNCHES = {"_phi_fwd": 2, "_state_fwd": 1, "_fwd": 1, "_bwd_dq": 1, "_state_rev": 1,
+            "_bwd_dfq": 1, "_bwd_dkv_swa": 1, "_bwd_dkv_la": 1, "_phi_bwd": 2,
+            "bmm_fp32 (torch)": 2}
+#: the maps' fp32 weights and biases cast to bf16 (forward), their bias gradients (backward)
+TORCH_KERNELS = {"_to_copy": 4, "sum": 2}
+
+
+def test_the_layer_launches_what_it_is_counted_for(tmp_path):
+    out = tmp_path / "host.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--calls", "3", "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["triton_launches"] == LAUNCHES
+    assert got["torch_kernel_ops"] == TORCH_KERNELS
+    assert got["us_per_call"]["total"] > 0
