@@ -275,8 +275,8 @@ def test_the_launcher_takes_what_the_fast_path_hands_it():
     (``FAST_LAUNCH_VERSIONS``), read off the installed Triton's NVIDIA driver: the launcher's
     ``__call__`` only adds its two flags and the two scratches before the rest (so calling its
     C ``launch`` with them is the same call), the C function parses its arguments in that
-    order, and its ``getPointer`` takes an int as the address itself. Needs Triton (the
-    interpreter's environment, the GPU machine); CI has none."""
+    order, and its ``getPointer`` takes an int as the address itself. Needs Triton (the CPU
+    set-up installs it)."""
     import inspect
 
     triton = pytest.importorskip("triton")

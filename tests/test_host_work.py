@@ -5,7 +5,7 @@ launches stubbed (``benchmarks/host_overhead.py``). At 8 x 1k the layer's host w
 GPU time, so every launch or op that creeps into the path shows in the time of a call: a new
 one fails here, with what it is, until it is counted in (and measured).
 
-Needs triton importable (the kernels' definitions; not installed on CI: skipped there). Runs
+Needs triton importable (the kernels' definitions; the CPU set-up installs it). Runs
 in a subprocess with ``TRITON_INTERPRET=1``, as tests/test_triton_interpreter.py does.
 """
 

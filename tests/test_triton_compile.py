@@ -1,7 +1,7 @@
 """Every fused Triton kernel compiles for the H100/H200 (sm_90a) on a machine without a GPU, and
 the default tiles keep register spills small (ptxas's report, read without a device).
 
-Needs triton (skipped on CI, which has none); slow (each kernel takes seconds to compile on two
+Needs triton (skipped where it is missing); slow (each kernel takes seconds to compile on two
 cores). Compiled with the divisibility hints a launch at the 8B shape passes (``launch_hints``:
 16-byte-aligned pointers, strides divisible by 16), as the kernel that runs is. The report of
 each kernel is printed (``-s``): registers, spill bytes, shared memory,

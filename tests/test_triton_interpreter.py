@@ -3,10 +3,11 @@ ops.triton_mse, ops.triton_decode) on CPU under Triton's interpreter, against th
 references: outputs and every gradient, fp32 and bf16; the decode step's logits and cache
 against the composed step.
 
-Needs triton (not installed on CI: skipped there). The kernels run in a subprocess with
-``TRITON_INTERPRET=1`` (tests/triton_interpreter_check.py), so that the interpreter is never
-switched on in a process that runs them on a GPU. Slow (about 3 minutes on 2 cores), hence
-``slow``; ``--quick`` cases run in the default selection.
+Needs triton (the CPU set-up installs it: constraints.txt, the ``dev`` extra; skipped where it
+is missing). The kernels run in a subprocess with ``TRITON_INTERPRET=1``
+(tests/triton_interpreter_check.py), so that the interpreter is never switched on in a process
+that runs them on a GPU. All cases take ~35 minutes on one core (153 cases), hence ``slow``;
+the ``--quick`` cases (~40 s) run in the default selection.
 """
 
 from __future__ import annotations
