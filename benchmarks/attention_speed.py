@@ -729,13 +729,16 @@ def markdown(res) -> str:
              f"transformers {e['transformers']}. H={res['heads']}, Hkv={res['kv_heads']}, "
              f"D={res['head_dim']}, window {res['window']}, {res['dtype']}, feature maps "
              f"{res['projection']}. Median of CUDA-event timings after warm-up; peak memory "
-             "includes the inputs.", "",
-             "| B x T | case | ms | device ms | peak GiB | tokens/s | floor ms | floor / ms "
-             "| max rel err (against) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "includes the inputs. Device ms: the GPU time per call with the host ahead; host "
+             "ms: the host's (Python, launches) per call meanwhile (where it exceeds the device "
+             "time, an isolated call is host-bound and its event timing reads the host).", "",
+             "| B x T | case | ms | device ms | host ms | peak GiB | tokens/s | floor ms "
+             "| floor / ms | max rel err (against) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in res["rows"]:
         if "error" in r:
             lines.append(f"| {r['B']} x {r['T']} | {r['case']} | error: "
-                         f"{r['error'][:120].replace('|', '/')} | | | | | | |")
+                         f"{r['error'][:120].replace('|', '/')} | | | | | | | |")
             continue
         chk = r.get("check")
         err = "" if not chk else f"{max(chk['rel_err'].values()):.1e} ({chk['against']})"
@@ -743,7 +746,7 @@ def markdown(res) -> str:
             err = f"not checked ({r['check_skipped']})"
         dev = _f3(r.get("device_ms")) + ("" if r.get("host_ahead") in (None, True) else " (gaps)")
         lines.append(f"| {r['B']} x {r['T']} | {r['case']} | {r['ms']:.3f} | {dev} | "
-                     f"{r['peak_gib']:.2f} | {r['tokens_per_s']:,.0f} | {_f3(r.get('floor_ms'))} | "
+                     f"{_f3(r.get('host_ms'))} | {r['peak_gib']:.2f} | {r['tokens_per_s']:,.0f} | {_f3(r.get('floor_ms'))} | "
                      f"{_f2(r.get('floor_fraction'))} | {err} |")
     lines += ["", "| ratio (ours / theirs) | measured (default path) | in device time (host "
               "ahead) | with the feature maps' PyTorch path | target |",
