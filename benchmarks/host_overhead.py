@@ -67,11 +67,21 @@ def patch_routing():
     launches = collections.Counter()
     tc = triton_common
 
-    class Compiled:  # what a launch through Triton returns: a handle whose run() launches
+    class Launcher:  # Triton 3.6's CudaLauncher: its C function called directly (no scratch)
+        global_scratch_size = profile_scratch_size = 0
+        launch_cooperative_grid = launch_pdl = False
+
+        def __call__(self, *args):
+            pass
+
+        def launch(self, *args):
+            pass
+
+    class Compiled:  # what a launch through Triton returns: a handle whose run launches
         function, packed_metadata = 0, (4, 1, 0)
 
-        def run(self, *args):
-            pass
+        def __init__(self):
+            self.run = Launcher()
 
     class Kernel:  # the kernel's signature, launches that compile nothing
         def __init__(self, fn):
@@ -90,6 +100,13 @@ def patch_routing():
         return launch(self, grid, *args, **kw)
 
     tc.FastLaunch._launch = counted
+    key_and_values = tc._key_and_values
+
+    def as_if_on_cuda(args):  # (CPU tensors here: FastLaunch caches CUDA launches only)
+        key, values, _ = key_and_values(args)
+        return key, values, True
+
+    tc._key_and_values = as_if_on_cuda
     tc._fast_state = lambda: None
     tc._no_hooks = lambda: True
     tc._device_and_stream = lambda: (0, 0)

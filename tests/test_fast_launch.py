@@ -53,9 +53,22 @@ def fast_path(monkeypatch):
     monkeypatch.setattr(tc, "_device_and_stream", lambda: (0, 77))
 
 
+class OnCuda(torch.Tensor):
+    """A CPU tensor that says it is on CUDA: only launches whose tensors are all CUDA tensors
+    are cached."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+def cuda_like(x: torch.Tensor) -> torch.Tensor:
+    return x.as_subclass(OnCuda)
+
+
 def args(x=None, n=64, flag=True):
     x = torch.zeros(64, dtype=torch.bfloat16) if x is None else x
-    return (x, torch.zeros(8), n, 0.5, flag)
+    return (cuda_like(x), cuda_like(torch.zeros(8)), n, 0.5, flag)
 
 
 def test_the_second_launch_calls_the_compiled_handle_with_every_argument_in_order(fast_path):
@@ -98,7 +111,7 @@ def test_what_triton_would_compile_differently_goes_through_triton(fast_path, ch
     elif change == "other int":
         a = args(base, n=2)
     elif change == "True for 1":
-        a = (base, a[1], True, 0.5, True)
+        a = (cuda_like(base), a[1], True, 0.5, True)
     elif change == "constexpr":
         kw["BM"] = 32
     else:
@@ -153,21 +166,20 @@ def test_a_launcher_without_scratch_is_called_at_its_c_function(fast_path, scrat
         assert run.launches == [(4, 2, 1, 77, "cu-function", False, True, None, None, *rest)]
 
 
-def test_a_cpu_tensor_never_takes_a_cuda_tensors_handle(fast_path):
+def test_a_launch_with_a_host_tensor_is_never_cached(fast_path):
     """The launcher is handed addresses, not tensors, so it cannot tell a host address from a
-    device one: whether a tensor is on CUDA is part of the key, and a CPU tensor where a CUDA
-    one was goes through Triton (which raises for it)."""
-    class OnCuda(torch.Tensor):
-        @property
-        def is_cuda(self):
-            return True
-
+    device one (and Triton's own check lets pinned host memory through): a launch with any
+    tensor not on CUDA goes through Triton every time, and never takes nor leaves a handle."""
     k = Kernel()
     f = tc.FastLaunch(k)
     x = torch.zeros(64, dtype=torch.bfloat16)
-    f[(1,)](*args(x.as_subclass(OnCuda)), BM=64, PREC="tf32")
-    f[(1,)](*args(x), BM=64, PREC="tf32")
-    assert len(k.calls) == 2 and not k.compiled[0].runs
+    f[(1,)](*args(x), BM=64, PREC="tf32")  # (cached: both tensors on "CUDA")
+    host = (x, torch.zeros(8), 64, 0.5, True)
+    for _ in range(2):
+        f[(1,)](*host, BM=64, PREC="tf32")
+    mixed = (cuda_like(x), torch.zeros(8), 64, 0.5, True)
+    f[(1,)](*mixed, BM=64, PREC="tf32")
+    assert len(k.calls) == 4 and not k.compiled[0].runs and len(f.cache) == 1
 
 
 def test_floats_do_not_split_the_cache(fast_path):

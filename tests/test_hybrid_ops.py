@@ -402,3 +402,44 @@ def test_la_gradients_stay_bounded_where_products_are_tiny(mode, fill):
     if mode == "la_only":  # every product << eps: uniform weights over the visible keys
         uniform = torch.cumsum(v.detach(), 2) / torch.arange(1, T + 1)[:, None]
         torch.testing.assert_close(out.detach(), uniform, rtol=1e-4, atol=1e-5)
+
+
+class _OnCuda(torch.Tensor):
+    @property
+    def is_cuda(self):
+        return True
+
+
+def test_the_maps_dw_comes_from_the_gemm_in_fp32(monkeypatch):
+    """``triton_phi.bmm_fp32`` (the maps' dW): fp32 out, no bf16 rounding of the product, on
+    the CPU from fp32 operands; on CUDA the GEMM's own fp32 output (``out_dtype``) where this
+    torch has that kernel, else fp32 operands (said once). Asked of the dispatcher, never
+    taken from an error of the call itself (an out-of-memory error must reach the caller)."""
+    from hedgecats.models.ops import triton_phi as tp
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(4, 16, 300, generator=gen).bfloat16()
+    b = torch.randn(4, 300, 8, generator=gen).bfloat16()
+    want = torch.bmm(a.double(), b.double())
+    got = tp.bmm_fp32(a, b)
+    assert got.dtype == torch.float32
+    assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    rounded = torch.bmm(a, b).float()  # (what dW was before: the product rounded to bf16)
+    assert (rounded.double() - want).abs().max() > 10 * (got.double() - want).abs().max()
+
+    seen = []
+
+    def bmm(x, y, **kw):
+        seen.append(kw)
+        if kw:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return torch.matmul(x.as_subclass(torch.Tensor), y.as_subclass(torch.Tensor))
+
+    monkeypatch.setattr(torch, "bmm", bmm)
+    monkeypatch.setattr(tp, "bmm_out_dtype_on_cuda", lambda: True)
+    with pytest.raises(torch.OutOfMemoryError):
+        tp.bmm_fp32(a.as_subclass(_OnCuda), b)
+    assert seen == [{"out_dtype": torch.float32}]
+    monkeypatch.setattr(tp, "bmm_out_dtype_on_cuda", lambda: False)
+    out = tp.bmm_fp32(a.as_subclass(_OnCuda), b)
+    assert seen[-1] == {} and out.dtype == torch.float32

@@ -149,13 +149,12 @@ LAUNCHES = {"fast": 0, "triton": 0}
 FAST_CACHE_MAX = 512
 
 
-def _key_and_values(args) -> tuple[list, list]:
-    """(key, values) of a launch's positional arguments, in one pass.
+def _key_and_values(args) -> tuple[list, list, bool]:
+    """(key, values, on_cuda) of a launch's positional arguments, in one pass.
 
     key: what of each argument Triton's compiled kernel depends on, exactly or more finely: a
-    tensor's dtype, whether its address is 16-byte aligned (Triton specialises on both) and
-    whether it is on CUDA (so that a CPU tensor never takes a cached handle: Triton's path
-    raises for it); an integer's value (Triton specialises on 1 and on divisibility by 16: the
+    tensor's dtype and whether its address is 16-byte aligned (Triton specialises on both); an
+    integer's value (Triton specialises on 1 and on divisibility by 16: the
     value decides both); a float's type only (Triton does not specialise floats); a bool (True
     is not 1 to Triton: i1 against a constant 1), a string or anything else as (type, value).
     Flat: a dtype only ever opens a tensor's two entries, so two keys are equal only where
@@ -164,10 +163,16 @@ def _key_and_values(args) -> tuple[list, list]:
     values: the arguments as the compiled launcher takes them, a tensor as its address (an
     int): the launcher then skips its per-pointer ``data_ptr()`` call and
     ``cuPointerGetAttribute`` (its check that the address is a device's, which the first
-    launch of the key, through Triton, made for the same kind of tensor)."""
+    launch of the key, through Triton, made).
+
+    on_cuda: every tensor is a CUDA tensor. Only such launches are cached: a host address
+    handed to the launcher unchecked would fault on the device, and Triton's own check lets
+    pinned host memory through (so a key of host tensors could be cached, then taken by
+    pageable ones)."""
     key: list = []
     values: list = []
     k, v = key.append, values.append
+    on_cuda = True
     for a in args:
         t = type(a)
         if t is int:
@@ -176,15 +181,16 @@ def _key_and_values(args) -> tuple[list, list]:
         elif t is torch.Tensor or isinstance(a, torch.Tensor):
             p = a.data_ptr()
             k(a.dtype)
-            k((p & 15 == 0) + 2 * a.is_cuda)
+            k(p & 15 == 0)
             v(p)
+            on_cuda = on_cuda and a.is_cuda
         elif t is float:
             k(float)
             v(a)
         else:
             k(None if a is None else (t, a))
             v(a)
-    return key, values
+    return key, values, on_cuda
 
 
 #: ``HEDGECATS_TRITON_FAST_LAUNCH=0`` (read at import) launches every kernel through Triton's
@@ -241,7 +247,8 @@ class FastLaunch:
     time: the first launch of each argument key goes through Triton (which compiles or finds the
     kernel and returns its compiled handle), later ones call that handle's launcher directly (its C
     function itself where no scratch is needed: ``_direct_launcher``), tensors passed as their
-    addresses (``_key_and_values``).
+    addresses (``_key_and_values``; launches with a tensor not on CUDA always go through
+    Triton).
 
     Why: Triton 3.6's ``JITFunction.run`` spends tens of microseconds of Python per launch
     (binding and specialising ~50 arguments, the cache key, launch metadata and two hook
@@ -283,22 +290,23 @@ class FastLaunch:
             LAUNCHES["triton"] += 1
             return self.fn[grid](*args, **kw)
         dev, stream = _device_and_stream()
-        key, values = _key_and_values(args)
+        key, values, on_cuda = _key_and_values(args)
         key.append(dev)
         key.append(tuple(kw.items()))
+        key = tuple(key)
         try:
-            hit = self.cache.get(tuple(key))
+            hit = self.cache.get(key)
         except TypeError:  # an unhashable argument (a host-side tensor descriptor, ...)
             LAUNCHES["triton"] += 1
             return self.fn[grid](*args, **kw)
-        if hit is None:
+        if hit is None or not on_cuda:
             compiled = self.fn[grid](*args, **kw)
             LAUNCHES["triton"] += 1
             tail = self.names[len(args):]
-            if all(n in kw for n in tail) and hasattr(compiled, "packed_metadata"):
+            if on_cuda and all(n in kw for n in tail) and hasattr(compiled, "packed_metadata"):
                 if len(self.cache) >= FAST_CACHE_MAX:
                     self.cache.clear()
-                self.cache[tuple(key)] = (compiled, tail, _direct_launcher(compiled))
+                self.cache[key] = (compiled, tail, _direct_launcher(compiled))
             return compiled
         compiled, tail, direct = hit
         g1 = grid[1] if len(grid) > 1 else 1

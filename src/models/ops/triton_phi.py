@@ -39,6 +39,7 @@ keep the module's own forward. Wiring (``models.feature_maps.HedgehogFeatureMap.
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -232,9 +233,15 @@ def _dw_reducer(x: torch.Tensor, FH: int):
     return heads_first
 
 
-#: whether CUDA's ``torch.bmm(..., out_dtype=torch.float32)`` (``aten::bmm.dtype``) ran here;
-#: set False, once, where it does not exist (then ``bmm_fp32`` takes fp32 operands)
-BMM_OUT_DTYPE = True
+@functools.cache
+def bmm_out_dtype_on_cuda() -> bool:
+    """Whether this torch has a CUDA kernel for ``torch.bmm(..., out_dtype=...)``
+    (``aten::bmm.dtype``; asked of the dispatcher once, so that no error of a real call - an
+    out-of-memory error, a CUDA error surfacing late - is ever taken for its absence)."""
+    try:
+        return bool(torch._C._dispatch_has_kernel_for_dispatch_key("aten::bmm.dtype", "CUDA"))
+    except (AttributeError, RuntimeError):  # pragma: no cover - another torch's internals
+        return False
 
 
 def bmm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -242,16 +249,14 @@ def bmm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     are fp32): on CUDA the bf16 GEMM writes its fp32 accumulator as it is
     (``out_dtype=torch.float32``), where until 2026-12-04 it rounded the product to bf16 and
     a second kernel cast it back to fp32; elsewhere (the CPU, where ``aten::bmm.dtype`` has
-    no kernel: Triton's interpreter) the operands in fp32, the same products and sums."""
-    global BMM_OUT_DTYPE
-    if a.is_cuda and BMM_OUT_DTYPE and a.dtype in (torch.bfloat16, torch.float16):
-        try:
+    no kernel: Triton's interpreter), and on CUDA with a torch that has no such kernel
+    (logged once), the operands in fp32: the same products and sums."""
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+        if bmm_out_dtype_on_cuda():
             return torch.bmm(a, b, out_dtype=torch.float32)
-        except (RuntimeError, NotImplementedError, TypeError) as e:
-            BMM_OUT_DTYPE = False
-            warn_once(__name__, f"torch.bmm(out_dtype=float32) not available here "
-                      f"({type(e).__name__}: {str(e)[:120]}): the maps' dW from fp32 operands "
-                      "(the same values, more memory traffic)")
+        warn_once(__name__, "this torch has no CUDA kernel for bmm(out_dtype=float32): the "
+                  "maps' dW from fp32 copies of their operands (the same values, more memory "
+                  "traffic)")
     return torch.bmm(cast(a, torch.float32), cast(b, torch.float32))
 
 
