@@ -611,6 +611,11 @@ TUNE_CONFIGS = {  # None: default_config (D=128 since session 13: fwd 128x64 w8 
     # 98 against 69 KB of shared memory); with the default's tiles; not yet measured
     "rev-flat": dict(_FWD128, dq_block_m=128, pack_heads=4, state_f=128, state_d=128,
                      state_programs=128, dv_block_n=64, state_rev_stages=2),
+    # session 16 (no GPU time): the query side of the backward in one kernel (fuse_q_side:
+    # _bwd_q, the dq pass then the dfq pass; ptxas 255 registers, no spill, the dfq kernel's
+    # 147 KB of shared memory; bit for bit the two kernels' results); the default's tiles
+    "fuse-q": dict(_FWD128, dq_block_m=128, pack_heads=4, state_f=128, state_d=128,
+                   state_programs=128, dv_block_n=64, fuse_q_side=True),
 }
 
 

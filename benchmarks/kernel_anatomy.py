@@ -17,6 +17,8 @@ per launch). In the kernel rows the feature maps are precomputed (not in the tab
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -35,6 +37,30 @@ LAYER = "layer"
 #: the branch sets that time the whole layer: the model's path, and it with the q map's backward
 #: starting from dphi (``kernel_du`` off: before session 15, for the A/B)
 LAYERS = {LAYER: dict(kernel_du=True), "layer-no-du": dict(kernel_du=False)}
+#: the whole layer with the default tiles changed (``KernelConfig`` fields): switches not yet
+#: on by default, timed as the model would run them (session 16: the query side of the
+#: backward in one kernel)
+LAYER_CHANGES = {"layer-fuse-q": dict(fuse_q_side=True)}
+LAYERS.update({name: dict(kernel_du=True) for name in LAYER_CHANGES})
+
+
+@contextlib.contextmanager
+def default_tiles_changed(changes: dict | None):
+    """``triton_hybrid.default_config`` returning its tiles with ``changes`` inside (what the
+    layer's call reaches: ``hybrid_kernel`` asks it when given no config)."""
+    if not changes:
+        yield
+        return
+    base = th.default_config
+
+    def changed(D, F, dtype):
+        return dataclasses.replace(base(D, F, dtype), **changes)
+
+    th.default_config = changed
+    try:
+        yield
+    finally:
+        th.default_config = base
 
 
 def per_launch(events: list[tuple[str, float, float]], calls: int) -> dict[str, float]:
@@ -80,7 +106,8 @@ def anatomy(L: Layer, config: str, branches: str, calls: int, want: dict) -> dic
                              f"only (config 'default', not {config!r})")
 
         def fwd():
-            return L.hybrid("fixed", **LAYERS[branches])
+            with default_tiles_changed(LAYER_CHANGES.get(branches)):
+                return L.hybrid("fixed", **LAYERS[branches])
 
         def fwd_bwd():
             fwd().backward(L.do)
@@ -164,7 +191,8 @@ def main(argv=None) -> int:
                    help=f"comma-separated, of {sorted(BRANCHES)} (the fused kernel alone, on "
                         f"precomputed maps) and {LAYER!r} (the whole layer as the model runs it, "
                         f"maps included; config 'default' only; 'layer-no-du': it with the q "
-                        f"map's backward from dphi)")
+                        f"map's backward from dphi; {', '.join(LAYER_CHANGES)}: it with those "
+                        f"switches of the default tiles on)")
     p.add_argument("--calls", type=int, default=10)
     add_head_args(p)
     p.add_argument("--out", default=None)

@@ -194,6 +194,28 @@ def test_query_side_backward_at_128_queries_compiles_without_spill():
             assert r["spill"] <= MAX_SPILL, r
 
 
+def test_fused_query_side_backward_compiles_without_spill():
+    """``KernelConfig.fuse_q_side`` (``_bwd_q``: the dq pass, then dfq or the map's du over all
+    F features, one program per query block) at the D 128 bf16 default's query tiles, the
+    layer's flag combinations: no more spill than the two kernels it replaces (its registers
+    are the larger part's, the dq part's live values dead before the dfq part starts)."""
+    ptrs = _pointers(torch.bfloat16)
+    ptrs.update({"DU": "*bf16"})
+    for shared, kpm, need_dq, saved, map_du in ((False, False, True, True, True),
+                                                (False, False, True, True, False),
+                                                (True, True, True, True, True),
+                                                (False, False, False, True, True),
+                                                (False, False, True, False, True)):
+        r = compile_report(th._bwd_q, ptrs, dict(
+            D=128, F=256, FC=64, CS=128, HAS_KPM=kpm, PREC="tf32", BM=128, BN=32, P=4,
+            HAS_SWA=True, HAS_LA=True, SHARED=shared, NEED_DQ=need_dq, FROM_SAVED=saved,
+            STORE_DNUM=True, SS=0, MAP_DU=map_du, SOFTMAX=True),
+            ("scale", "scale_log2", "eps"), 8, 2)
+        print(f"bwd_q 128 shared={shared} kpm={kpm} dq={need_dq} saved={saved} "
+              f"map_du={map_du}: {r}")
+        assert r["spill"] <= MAX_SPILL, r
+
+
 def test_pipelined_state_product_compiles_without_spill():
     """``KernelConfig.state_product_stages`` 2: the forward's (and the recomputing dq pass's)
     share of the LA state as a pipelined loop over feature slices, at the D 128 bf16 default's

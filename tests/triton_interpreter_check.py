@@ -521,6 +521,56 @@ def phi_case(cid, *, B=2, H=3, T=45, D=16, proj="square", activation="softmax",
             "dx_layout": 0.0 if laid_out[0] else float("inf")}
 
 
+def fused_q_case(cid, *, cfg, fused: bool = True, B=2, H=4, Hkv=2, T=70, D=16, window=10,
+                 dtype=torch.float32, frozen=(), map_du=False, **kw):
+    """``KernelConfig.fuse_q_side`` (``_bwd_q``: the dq pass and the dfq pass in one kernel)
+    against the same config with it off: the output and every gradient bit for bit equal (the
+    same arithmetic in the same order), and the fused kernel ran exactly where it applies
+    (``fused``: one dfq program over all F features and walked states). ``map_du``: phi(q)
+    comes from the fused feature map with ``kernel_du`` (the dfq pass writes the map's du).
+    Errors: 0 where equal, inf where not (tolerance 0 in effect)."""
+    from hedgecats.models import HedgehogFeatureMap
+    from hedgecats.models.ops import triton_hybrid as th
+    from hedgecats.models.ops import triton_phi as tp
+
+    q, k, v, fq0, fk0, do, g = _inputs(B, H, Hkv, T, D, dtype, 3, "rand")
+    ca, cb, logs = torch.rand(B, H, generator=g), torch.rand(B, H, generator=g), \
+        torch.randn(B, H, generator=g)
+    sh = torch.full((B, H), window, dtype=torch.int32)
+    if kw.pop("per_bh_shift", False):
+        sh[0, 1] = 0
+    kpm = _kpm(B, T) if kw.pop("pad", False) else None
+    args = dict(window=window, scale=D ** -0.5, eps=_floors()[0], key_padding_mask=kpm, **kw)
+    maps = [HedgehogFeatureMap(n, D, seed=s) for n, s in ((H, 1), (Hkv, 2))]
+
+    def run(fuse):
+        ins = [t.clone().requires_grad_(n not in frozen) for n, t in zip("qkv", (q, k, v))]
+        for m in maps:
+            m.zero_grad()
+        if map_du:
+            fq = tp.hedgehog_features(ins[0], maps[0].weight, maps[0].bias, kernel_du=True)
+            fk = tp.hedgehog_features(ins[1], maps[1].weight, maps[1].bias)
+        else:
+            fq, fk = (x.clone().requires_grad_() for x in (fq0, fk0))
+        mix = [x.clone().requires_grad_() for x in (ca, cb, logs)]
+        before = th.CALLS["fused_q_side"]
+        out = th.hybrid_kernel(*ins, fq, fk, *mix, sh,
+                               config=th.KernelConfig(**cfg, fuse_q_side=fuse), **args)
+        out.float().backward(do)
+        grads = [out.detach()] + [x.grad for x in ins + mix]
+        grads += [m.weight.grad for m in maps] if map_du else [fq.grad, fk.grad]
+        return grads, th.CALLS["fused_q_side"] - before
+
+    want, ran_off = run(False)
+    got, ran_on = run(True)
+    out = {"ran_where_it_applies": 0.0 if (ran_on, ran_off) == (int(fused), 0) else float("inf")}
+    for i, (a, b) in enumerate(zip(got, want)):
+        same = (a is None and b is None) or (a is not None and b is not None and
+                                              torch.equal(a, b))
+        out[f"t{i}"] = 0.0 if same else float("inf")
+    return out
+
+
 def map_du_case(cid, *, B=2, H=4, Hkv=2, T=150, D=16, window=20, activation="softmax",
                 other=False, frozen_q=False, pad=False, cfg=None, dtype=torch.bfloat16,
                 expect_du=True, twice=False, watched=False):
@@ -898,6 +948,21 @@ def cases(quick: bool = False):
             cfg=dict(LONG_CHUNK, grad_f_chunk=32), frozen_q=True, T=100, dtype=bf16)),
         ("map-du-feature-slices", map_du_case, dict(cfg=PACKED4_DQ, expect_du=False,
                                                     dtype=bf16)),
+        # the query side of the backward in one kernel (KernelConfig.fuse_q_side)
+        ("fused-q", fused_q_case, dict(cfg=MAP_DU)),
+        ("fused-q-pad-shifts-shared", fused_q_case, dict(cfg=MAP_DU, pad=True,
+                                                          per_bh_shift=True, shared=True)),
+        ("fused-q-frozen-q-recomputed", fused_q_case, dict(
+            cfg=dict(MAP_DU, save_branches=False), frozen=("q",))),
+        ("fused-q-la-only-bf16", fused_q_case, dict(cfg=MAP_DU, has_swa=False, dtype=bf16)),
+        ("fused-q-map-du-bf16", fused_q_case, dict(cfg=MAP_DU, map_du=True, dtype=bf16,
+                                                    T=100)),
+        ("fused-q-not-for-feature-slices", fused_q_case, dict(cfg=PACKED4_DQ, fused=False)),
+        ("fused-q-not-for-split-states", fused_q_case, dict(
+            cfg=dict(MAP_DU, split_states=True), fused=False)),
+        ("fused-q-not-without-la", fused_q_case, dict(cfg=MAP_DU, has_la=False, fused=False)),
+        ("map-du-fused-q", map_du_case, dict(cfg=dict(MAP_DU, fuse_q_side=True), pad=True,
+                                             dtype=bf16)),
         ("phi-softmax", phi_case, dict(dtype=bf16)),
         ("phi-softmax-strided-rect", phi_case, dict(dtype=bf16, strided=True,
                                                     proj="rectangular", D=32)),

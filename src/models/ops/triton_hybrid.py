@@ -106,7 +106,7 @@ FALLBACK_ERRORS: list[str] = []
 #: and dv programs ran apart, each at its own key tile (``dkv_block_n`` / ``dv_block_n``)
 CALLS = {"forward": 0, "dq_pass": 0, "dkv_swa": 0, "dv_la": 0, "factors_from_saved": 0,
          "split_states": 0, "states_from_forward": 0, "dkv_apart": 0, "packed_forward": 0,
-         "packed_dq": 0, "map_du": 0}
+         "packed_dq": 0, "map_du": 0, "fused_q_side": 0}
 
 
 @dataclass(frozen=True)
@@ -216,6 +216,15 @@ class KernelConfig:
     #: TMA, 2 stages: 255 registers, no spill, 98 against 69 KB of shared memory; the pointer
     #: path spills 92 B and keeps the nested loops). Off by default: not yet measured
     state_rev_stages: int = 0
+    #: the query side of the backward in one kernel (``_bwd_q``: the dq pass, then dfq or the
+    #: map's du over all F features from the dO, GF and DDEN it holds) where one dfq program
+    #: takes all F features (``grad_f_chunk`` None or F) and the LA branch runs: one launch
+    #: and one read of dO fewer, the same results bit for bit. Its dfq / du buffer is then
+    #: allocated while the reverse states' dnum (B, H, T, D) is alive (the two-kernel path
+    #: frees dnum first): more peak memory at long T, so it applies to walked states only
+    #: (``use_split_states`` False: the short sequences, where the launch matters). Off by
+    #: default: not yet measured (benchmarks/README.md, session 16)
+    fuse_q_side: bool = False
 
 
 @functools.lru_cache(maxsize=64)  # (a KernelConfig is frozen: one per shape, not per call)
@@ -660,7 +669,7 @@ if HAVE_TRITON:
                 tl.store(LA_O + s_rows, la.to(LA_O.dtype.element_ty), mask=rows[:, None])
 
     @triton.jit
-    def _bwd_dq(Q, K, V, FQ, FK, DO, SST, ZST, VST, CNT, LSE, DEN, CA, CB, LOGS, SHIFT, FIRST,
+    def _dq_part(Q, K, V, FQ, FK, DO, SST, ZST, VST, CNT, LSE, DEN, CA, CB, LOGS, SHIFT, FIRST,
                 KPM, SWA_O, LA_O,
                 DQ, DELTA, WS, GF, DDEN, PA, PB, DNUM,
                 sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
@@ -671,20 +680,19 @@ if HAVE_TRITON:
                 BN: tl.constexpr, CS: tl.constexpr, P: tl.constexpr, HAS_SWA: tl.constexpr,
                 HAS_LA: tl.constexpr, SHARED: tl.constexpr, HAS_KPM: tl.constexpr,
                 PREC: tl.constexpr, NEED_DQ: tl.constexpr, FROM_SAVED: tl.constexpr,
-                STORE_DNUM: tl.constexpr, SS: tl.constexpr):
+                STORE_DNUM: tl.constexpr, SS: tl.constexpr,
+                 pid_m, pid_g):
         """dq of one query block (when NEED_DQ), and the per-query factors the other kernels
         need: DELTA (the softmax row term, incl. the shared-norm lse gradient), WS (SWA
         weight), GF (dnum = GF dO), DDEN (gradient of the LA denominator), with STORE_DNUM
         dnum itself ((B H, T, D), the input dtype: the reverse states' matrix operand); PA,
         PB: this block's partial mixer gradients (d c_A, d c_B; or d log s and 0 with
-        SHARED). SWA_t . dO_t and LA_t . dO_t come from recomputing both branches (first pass), or with
+        SHARED). Returns (dO, GF, DDEN) of the block's rows, for ``_bwd_q``'s dfq part. SWA_t . dO_t and LA_t . dO_t come from recomputing both branches (first pass), or with
         FROM_SAVED from the branches' outputs the forward stored (SWA_O, LA_O: (B H, T, D)).
         Rows: BM / P positions of P query heads of one kv head (``_packed_rows``), as the
         forward's."""
         LN2: tl.constexpr = 0.6931471805599453
         BQ: tl.constexpr = BM // P
-        pid_m = tl.program_id(0)
-        pid_g = tl.program_id(1)
         b, hk, t0, h_r, offs_m = _packed_rows(pid_m, pid_g, H, G, BM, P)
         Hkv = H // G
         bh_r = b * H + h_r
@@ -807,16 +815,36 @@ if HAVE_TRITON:
                 + offs_m.to(tl.int64) * sdq_t
             tl.store(DQ + dq_rows[:, None] + offs_d[None, :],
                      (dq * scale).to(DQ.dtype.element_ty), mask=rows[:, None])
+        return do, gf, dden
 
     @triton.jit
-    def _bwd_dfq(FK, V, DO, SST, ZST, GF, DDEN, SHIFT, KPM, DFQ, FQ, DU,
-                 sfk_b, sfk_h, sfk_t, sv_b, sv_h, sv_t, sdo_b, sdo_h, sdo_t,
-                 sfq_b, sfq_h, sfq_t, sdu_b, sdu_h, sdu_t,
-                 T, H, G, NC,
-                 D: tl.constexpr, F: tl.constexpr, FC: tl.constexpr, BM: tl.constexpr,
-                 BN: tl.constexpr, CS: tl.constexpr, P: tl.constexpr, HAS_KPM: tl.constexpr,
-                 PREC: tl.constexpr, MAP_DU: tl.constexpr = False,
-                 SOFTMAX: tl.constexpr = True):
+    def _bwd_dq(Q, K, V, FQ, FK, DO, SST, ZST, VST, CNT, LSE, DEN, CA, CB, LOGS, SHIFT, FIRST,
+                KPM, SWA_O, LA_O,
+                DQ, DELTA, WS, GF, DDEN, PA, PB, DNUM,
+                sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
+                sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sdo_b, sdo_h, sdo_t,
+                sdq_b, sdq_h, sdq_t,
+                T, H, G, NC, NMB, window, scale, scale_log2, eps,
+                D: tl.constexpr, F: tl.constexpr, FC: tl.constexpr, BM: tl.constexpr,
+                BN: tl.constexpr, CS: tl.constexpr, P: tl.constexpr, HAS_SWA: tl.constexpr,
+                HAS_LA: tl.constexpr, SHARED: tl.constexpr, HAS_KPM: tl.constexpr,
+                PREC: tl.constexpr, NEED_DQ: tl.constexpr, FROM_SAVED: tl.constexpr,
+                STORE_DNUM: tl.constexpr, SS: tl.constexpr):
+        """``_dq_part`` of one query block (its docstring)."""
+        _dq_part(Q, K, V, FQ, FK, DO, SST, ZST, VST, CNT, LSE, DEN, CA, CB, LOGS, SHIFT, FIRST,
+                 KPM, SWA_O, LA_O, DQ, DELTA, WS, GF, DDEN, PA, PB, DNUM, sq_b, sq_h, sq_t, sk_b,
+                 sk_h, sk_t, sv_b, sv_h, sv_t, sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sdo_b,
+                 sdo_h, sdo_t, sdq_b, sdq_h, sdq_t, T, H, G, NC, NMB, window, scale, scale_log2,
+                 eps, D, F, FC, BM, BN, CS, P, HAS_SWA, HAS_LA, SHARED, HAS_KPM, PREC, NEED_DQ,
+                 FROM_SAVED, STORE_DNUM, SS, tl.program_id(0), tl.program_id(1))
+
+    @triton.jit
+    def _dfq_part(FK, V, SST, ZST, SHIFT, KPM, DFQ, FQ, DU,
+                  sfk_b, sfk_h, sfk_t, sv_b, sv_h, sv_t, sfq_b, sfq_h, sfq_t, sdu_b, sdu_h, sdu_t,
+                  T, H, G, NC, do, gf, dden, pid_m, pid_g, pid_f,
+                  D: tl.constexpr, F: tl.constexpr, FC: tl.constexpr, BM: tl.constexpr,
+                  BN: tl.constexpr, CS: tl.constexpr, P: tl.constexpr, HAS_KPM: tl.constexpr,
+                  PREC: tl.constexpr, MAP_DU: tl.constexpr, SOFTMAX: tl.constexpr):
         """dfq[:, c FC : (c + 1) FC] of one query block (program axis 2 is c; rows: BM / P
         positions of P query heads of one kv head, ``_packed_rows``):
         dfq_t = S^T dnum_t + dden_t z + sum_{intra i} (dnum_t . v_i + dden_t) fk_i,
@@ -827,12 +855,12 @@ if HAVE_TRITON:
         map's du = a1 (dfq1 - <dfq1, a1>) - a2 (dfq2 - <dfq2, a2>) (SOFTMAX; exp:
         dfq1 a1 - dfq2 a2), a1 / a2 = fq's halves as stored, dfq in fp32 (never rounded):
         written to DU ((B, H, T, F/2) strides sdu_*), dfq not written. The map's backward
-        then only multiplies du by its weight (``triton_phi._phi_bwd``'s DU_GIVEN)."""
+        then only multiplies du by its weight (``triton_phi._phi_bwd``'s DU_GIVEN).
+
+        ``do``, ``gf``, ``dden``: the block rows' dO (BM, D), GF and DDEN (BM), loaded by
+        ``_bwd_dfq`` or held by ``_bwd_q`` from its dq part."""
         BQ: tl.constexpr = BM // P
         FC2: tl.constexpr = FC // 2
-        pid_m = tl.program_id(0)
-        pid_g = tl.program_id(1)
-        pid_f = tl.program_id(2)
         b, hk, t0, h_r, offs_m = _packed_rows(pid_m, pid_g, H, G, BM, P)
         Hkv = H // G
         bh_r = b * H + h_r
@@ -841,10 +869,6 @@ if HAVE_TRITON:
         rows = offs_m < T
         t_rows = bh_r.to(tl.int64) * T + offs_m
         shift_r = tl.load(SHIFT + bh_r)
-        do_rows = b.to(tl.int64) * sdo_b + h_r.to(tl.int64) * sdo_h + offs_m.to(tl.int64) * sdo_t
-        do = tl.load(DO + do_rows[:, None] + offs_d[None, :], mask=rows[:, None], other=0.0)
-        gf = tl.load(GF + t_rows, mask=rows, other=0.0)
-        dden = tl.load(DDEN + t_rows, mask=rows, other=0.0)
         jst = tl.minimum(tl.maximum(t0 - tl.max(shift_r, axis=0) + 1, 0) // CS, NC - 1)
         st = SST + (b * Hkv + hk).to(tl.int64) * NC * F * D + jst.to(tl.int64) * F * D
         z_base = ZST + (b * Hkv + hk).to(tl.int64) * NC * F + jst * F
@@ -899,6 +923,65 @@ if HAVE_TRITON:
                      mask=rows[:, None])
             tl.store(dfq_rows + (FC2 + offs_f)[None, :], dfq2.to(DFQ.dtype.element_ty),
                      mask=rows[:, None])
+
+    @triton.jit
+    def _bwd_dfq(FK, V, DO, SST, ZST, GF, DDEN, SHIFT, KPM, DFQ, FQ, DU,
+                 sfk_b, sfk_h, sfk_t, sv_b, sv_h, sv_t, sdo_b, sdo_h, sdo_t,
+                 sfq_b, sfq_h, sfq_t, sdu_b, sdu_h, sdu_t,
+                 T, H, G, NC,
+                 D: tl.constexpr, F: tl.constexpr, FC: tl.constexpr, BM: tl.constexpr,
+                 BN: tl.constexpr, CS: tl.constexpr, P: tl.constexpr, HAS_KPM: tl.constexpr,
+                 PREC: tl.constexpr, MAP_DU: tl.constexpr = False,
+                 SOFTMAX: tl.constexpr = True):
+        """``_dfq_part`` of one query block and feature slice (program axis 2), its rows' dO,
+        GF and DDEN read from memory (the dq pass wrote GF and DDEN)."""
+        pid_m = tl.program_id(0)
+        pid_g = tl.program_id(1)
+        b, hk, t0, h_r, offs_m = _packed_rows(pid_m, pid_g, H, G, BM, P)
+        offs_d = tl.arange(0, D)
+        rows = offs_m < T
+        t_rows = (b * H + h_r).to(tl.int64) * T + offs_m
+        do_rows = b.to(tl.int64) * sdo_b + h_r.to(tl.int64) * sdo_h + offs_m.to(tl.int64) * sdo_t
+        do = tl.load(DO + do_rows[:, None] + offs_d[None, :], mask=rows[:, None], other=0.0)
+        gf = tl.load(GF + t_rows, mask=rows, other=0.0)
+        dden = tl.load(DDEN + t_rows, mask=rows, other=0.0)
+        _dfq_part(FK, V, SST, ZST, SHIFT, KPM, DFQ, FQ, DU, sfk_b, sfk_h, sfk_t, sv_b, sv_h,
+                  sv_t, sfq_b, sfq_h, sfq_t, sdu_b, sdu_h, sdu_t, T, H, G, NC, do, gf, dden,
+                  pid_m, pid_g, tl.program_id(2), D, F, FC, BM, BN, CS, P, HAS_KPM, PREC,
+                  MAP_DU, SOFTMAX)
+
+    @triton.jit
+    def _bwd_q(Q, K, V, FQ, FK, DO, SST, ZST, VST, CNT, LSE, DEN, CA, CB, LOGS, SHIFT, FIRST,
+               KPM, SWA_O, LA_O,
+               DQ, DELTA, WS, GF, DDEN, PA, PB, DNUM, DFQ, DU,
+               sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
+               sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sdo_b, sdo_h, sdo_t,
+               sdq_b, sdq_h, sdq_t, sdu_b, sdu_h, sdu_t,
+               T, H, G, NC, NMB, window, scale, scale_log2, eps,
+               D: tl.constexpr, F: tl.constexpr, FC: tl.constexpr, BM: tl.constexpr,
+               BN: tl.constexpr, CS: tl.constexpr, P: tl.constexpr, HAS_SWA: tl.constexpr,
+               HAS_LA: tl.constexpr, SHARED: tl.constexpr, HAS_KPM: tl.constexpr,
+               PREC: tl.constexpr, NEED_DQ: tl.constexpr, FROM_SAVED: tl.constexpr,
+               STORE_DNUM: tl.constexpr, SS: tl.constexpr, MAP_DU: tl.constexpr,
+               SOFTMAX: tl.constexpr):
+        """The query side of the backward in one program per query block
+        (``KernelConfig.fuse_q_side``): ``_dq_part`` (dq, the per-query factors, dnum), then
+        ``_dfq_part`` over all F features (dfq, or the map's du) from the dO, GF and DDEN the
+        first part holds: one launch and one read of dO fewer than ``_bwd_dq`` then
+        ``_bwd_dfq``, the same arithmetic in the same order (bit for bit the same results).
+        HAS_LA only (without LA there is no dfq)."""
+        pid_m = tl.program_id(0)
+        pid_g = tl.program_id(1)
+        do, gf, dden = _dq_part(
+            Q, K, V, FQ, FK, DO, SST, ZST, VST, CNT, LSE, DEN, CA, CB, LOGS, SHIFT, FIRST, KPM,
+            SWA_O, LA_O, DQ, DELTA, WS, GF, DDEN, PA, PB, DNUM, sq_b, sq_h, sq_t, sk_b, sk_h,
+            sk_t, sv_b, sv_h, sv_t, sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sdo_b, sdo_h,
+            sdo_t, sdq_b, sdq_h, sdq_t, T, H, G, NC, NMB, window, scale, scale_log2, eps, D, F,
+            FC, BM, BN, CS, P, HAS_SWA, HAS_LA, SHARED, HAS_KPM, PREC, NEED_DQ, FROM_SAVED,
+            STORE_DNUM, SS, pid_m, pid_g)
+        _dfq_part(FK, V, SST, ZST, SHIFT, KPM, DFQ, FQ, DU, sfk_b, sfk_h, sfk_t, sv_b, sv_h,
+                  sv_t, sfq_b, sfq_h, sfq_t, sdu_b, sdu_h, sdu_t, T, H, G, NC, do, gf, dden,
+                  pid_m, pid_g, 0, D, F, F, BM, BN, CS, P, HAS_KPM, PREC, MAP_DU, SOFTMAX)
 
     @triton.jit
     def _state_rev(FQ, DNUM, DDEN, SHIFT, RST, UST, WST,
@@ -1194,6 +1277,14 @@ def _key_counts(B: int, T: int, device: torch.device) -> torch.Tensor:
         return torch.arange(T + 1, device=device, dtype=torch.int32).expand(B, T + 1).contiguous()
 
 
+def _dfq_buffers(B: int, H: int, T: int, F: int, fq: torch.Tensor, du_slot):
+    """(dfq, du) for the dfq pass: the map's du (``DuSlot.new_du``) where it takes one, else
+    dfq (B, H, T, F) in fq's dtype; the other None."""
+    if du_slot is not None:
+        return None, du_slot.new_du()
+    return torch.empty(B, H, T, F, device=fq.device, dtype=fq.dtype), None
+
+
 def _like(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """An output or gradient of ``x``'s shape laid out as ``x`` (its strides where ``x`` is
     dense): q, k, v come as (B, H, T, D) views of the model's (B, T, H, D) projections, and
@@ -1430,17 +1521,28 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
     # dnum = GF dO, the reverse states' matrix operand (rounded once to the input dtype, as
     # the GF-scaled fq they multiplied before 2026-12-03 was)
     dnum = torch.empty(B, H, T, D, device=dev, dtype=q.dtype) if has_la else None
-    fast(_bwd_dq)[(NMB, B * H // PQ)](
-        q, k, v, fq, fk, do, S, z, vs, cnt, lse, den, ca, cb, logs, shift, first, kpm,
-        _ptr(swa_o, dummy), _ptr(la_o, dummy), _ptr(dq, dummy), delta, ws, gf, dden, pa, pb,
-        _ptr(dnum, dummy),
-        *_strides(q), *_strides(k), *_strides(v), *_strides(fq), *_strides(fk), *_strides(do),
-        *_strides(q if dq is None else dq), T, H, G, NC, NMB, window, scale, scale * LOG2E, eps,
-        D=D, F=F, FC=FC, BM=BMQ, BN=BN, CS=cfg.state_chunk, P=PQ, HAS_SWA=has_swa,
-        HAS_LA=has_la, SHARED=shared, HAS_KPM=has_kpm, PREC=prec, NEED_DQ=dq is not None,
-        FROM_SAVED=from_saved, STORE_DNUM=dnum is not None, SS=cfg.state_product_stages,
-        num_warps=cfg.bwd_warps,
-        num_stages=cfg.stages)
+    map_du = has_la and du_slot is not None and GFC == F
+    dfq = du = None
+    q_args = (q, k, v, fq, fk, do, S, z, vs, cnt, lse, den, ca, cb, logs, shift, first, kpm,
+              _ptr(swa_o, dummy), _ptr(la_o, dummy), _ptr(dq, dummy), delta, ws, gf, dden, pa,
+              pb, _ptr(dnum, dummy))
+    q_strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(fq), *_strides(fk),
+                 *_strides(do), *_strides(q if dq is None else dq))
+    q_scalars = (T, H, G, NC, NMB, window, scale, scale * LOG2E, eps)
+    q_meta = dict(D=D, F=F, FC=FC, BM=BMQ, BN=BN, CS=cfg.state_chunk, P=PQ, HAS_SWA=has_swa,
+                  HAS_LA=has_la, SHARED=shared, HAS_KPM=has_kpm, PREC=prec,
+                  NEED_DQ=dq is not None, FROM_SAVED=from_saved, STORE_DNUM=dnum is not None,
+                  SS=cfg.state_product_stages, num_warps=cfg.bwd_warps, num_stages=cfg.stages)
+    fuse_q = has_la and cfg.fuse_q_side and GFC == F and not use_split_states(cfg, NC)
+    if fuse_q:  # dq, the factors, dnum and dfq (or du) in one kernel (``_bwd_q``)
+        dfq, du = _dfq_buffers(B, H, T, F, fq, du_slot if map_du else None)
+        fast(_bwd_q)[(NMB, B * H // PQ)](
+            *q_args, _ptr(dfq, dummy), _ptr(du, dummy), *q_strides,
+            *(_strides(du) if map_du else (0, 0, 0)), *q_scalars, **q_meta, MAP_DU=map_du,
+            SOFTMAX=du_slot.softmax if map_du else True)
+        CALLS["fused_q_side"] += 1
+    else:
+        fast(_bwd_dq)[(NMB, B * H // PQ)](*q_args, *q_strides, *q_scalars, **q_meta)
     CALLS["dq_pass"] += dq is not None
     CALLS["factors_from_saved"] += from_saved
     CALLS["packed_dq"] += PQ > 1
@@ -1460,13 +1562,8 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
                 F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD, PREC=prec, TMA=tma,
                 RS=cfg.state_rev_stages if tma else 0, num_warps=cfg.state_warps)
         dnum = None  # (read by the reverse states only)
-    dfq = du = None
-    if has_la:
-        map_du = du_slot is not None and GFC == F
-        if map_du:
-            du = du_slot.new_du()
-        else:
-            dfq = torch.empty(B, H, T, F, device=dev, dtype=fq.dtype)
+    if has_la and not fuse_q:
+        dfq, du = _dfq_buffers(B, H, T, F, fq, du_slot if map_du else None)
         fast(_bwd_dfq)[(NMB, B * H // PQ, F // GFC)](
             fk, v, do, S, z, gf, dden, shift, kpm, _ptr(dfq, dummy), fq, _ptr(du, dummy),
             *_strides(fk), *_strides(v), *_strides(do), *_strides(fq),
