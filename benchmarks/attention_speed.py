@@ -616,6 +616,13 @@ TUNE_CONFIGS = {  # None: default_config (D=128 since session 13: fwd 128x64 w8 
     # 147 KB of shared memory; bit for bit the two kernels' results); the default's tiles
     "fuse-q": dict(_FWD128, dq_block_m=128, pack_heads=4, state_f=128, state_d=128,
                    state_programs=128, dv_block_n=64, fuse_q_side=True),
+    # and the key side in one grid (fuse_kv_side: _bwd_kv, the window kernel's work in the LA
+    # key kernel's dv programs; ptxas 255 registers, 68 B of spill against the window
+    # kernel's 40), alone and with fuse-q
+    "fuse-kv": dict(_FWD128, dq_block_m=128, pack_heads=4, state_f=128, state_d=128,
+                    state_programs=128, dv_block_n=64, fuse_kv_side=True),
+    "fuse-qkv": dict(_FWD128, dq_block_m=128, pack_heads=4, state_f=128, state_d=128,
+                     state_programs=128, dv_block_n=64, fuse_q_side=True, fuse_kv_side=True),
 }
 
 

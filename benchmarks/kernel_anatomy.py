@@ -39,8 +39,9 @@ LAYER = "layer"
 LAYERS = {LAYER: dict(kernel_du=True), "layer-no-du": dict(kernel_du=False)}
 #: the whole layer with the default tiles changed (``KernelConfig`` fields): switches not yet
 #: on by default, timed as the model would run them (session 16: the query side of the
-#: backward in one kernel)
-LAYER_CHANGES = {"layer-fuse-q": dict(fuse_q_side=True)}
+#: backward in one kernel, the key side in one grid, both)
+LAYER_CHANGES = {"layer-fuse-q": dict(fuse_q_side=True), "layer-fuse-kv": dict(fuse_kv_side=True),
+                 "layer-fuse-qkv": dict(fuse_q_side=True, fuse_kv_side=True)}
 LAYERS.update({name: dict(kernel_du=True) for name in LAYER_CHANGES})
 
 

@@ -40,6 +40,8 @@ PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
 F32 = "*fp32"
 #: spill bytes per thread the default bf16 tiles may have (seen: at most 40, with launch hints)
 MAX_SPILL = 64
+#: the same for ``_bwd_kv`` (``KernelConfig.fuse_kv_side``, off by default; seen: 68-76)
+KERNEL_SPILL_FUSED_KV = 96
 #: the hybrid kernels' integer arguments not divisible by 16 at the 8B shape (4 query heads a
 #: kv head, 8 chunks at 8 x 1k, the backward's query-block count): the rest (strides, T, H,
 #: window) are, and a launch marks them so
@@ -214,6 +216,24 @@ def test_fused_query_side_backward_compiles_without_spill():
         print(f"bwd_q 128 shared={shared} kpm={kpm} dq={need_dq} saved={saved} "
               f"map_du={map_du}: {r}")
         assert r["spill"] <= MAX_SPILL, r
+
+
+def test_fused_key_side_backward_compiles_without_more_spill():
+    """``KernelConfig.fuse_kv_side`` (``_bwd_kv``: the LA key kernel's grid, its dv programs
+    doing the window kernel's work first) at the D 128 bf16 default's key tiles. Read on
+    2026-12-04: 255 registers and 68 B of spill, 76 with padding (the window kernel it absorbs: 255 and 40-48 B,
+    the LA key kernel 225-229 and none): more local-memory traffic in both kinds of program,
+    against a launch and an fp32 buffer's write and read fewer; whether it pays is the GPU's
+    to say (``KERNEL_SPILL_FUSED_KV`` bounds it meanwhile)."""
+    ptrs = dict(_pointers(torch.bfloat16), DV="*bf16")
+    cfg = th.default_config(128, 256, torch.bfloat16)
+    for kpm in (False, True):
+        r = compile_report(th._bwd_kv, ptrs, dict(
+            D=128, F=256, FC=th._grad_fc(cfg, 256), BM=cfg.bwd_block_m,
+            BN=th._dkv_block_n(cfg), CS=cfg.state_chunk, HAS_KPM=kpm, PREC="tf32"),
+            ("scale", "scale_log2", "eps"), cfg.bwd_warps, cfg.stages)
+        print(f"bwd_kv kpm={kpm}: {r}")
+        assert r["spill"] <= KERNEL_SPILL_FUSED_KV, r
 
 
 def test_pipelined_state_product_compiles_without_spill():

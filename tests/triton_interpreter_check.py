@@ -521,14 +521,19 @@ def phi_case(cid, *, B=2, H=3, T=45, D=16, proj="square", activation="softmax",
             "dx_layout": 0.0 if laid_out[0] else float("inf")}
 
 
-def fused_q_case(cid, *, cfg, fused: bool = True, B=2, H=4, Hkv=2, T=70, D=16, window=10,
-                 dtype=torch.float32, frozen=(), map_du=False, **kw):
-    """``KernelConfig.fuse_q_side`` (``_bwd_q``: the dq pass and the dfq pass in one kernel)
-    against the same config with it off: the output and every gradient bit for bit equal (the
-    same arithmetic in the same order), and the fused kernel ran exactly where it applies
-    (``fused``: one dfq program over all F features and walked states). ``map_du``: phi(q)
-    comes from the fused feature map with ``kernel_du`` (the dfq pass writes the map's du).
-    Errors: 0 where equal, inf where not (tolerance 0 in effect)."""
+#: the switches of the backward's fused kernels (``KernelConfig`` field: its ``CALLS`` counter)
+FUSIONS = {"fuse_q_side": "fused_q_side", "fuse_kv_side": "fused_kv_side"}
+
+
+def fused_case(cid, *, cfg, switch="fuse_q_side", fused: bool = True, B=2, H=4, Hkv=2, T=70,
+               D=16, window=10, dtype=torch.float32, frozen=(), map_du=False, **kw):
+    """A fused backward kernel switched on (``switch``: ``KernelConfig.fuse_q_side``, the dq
+    and dfq passes in one kernel, ``_bwd_q``; ``fuse_kv_side``, the window's dk / dv in the LA
+    key kernel's dv programs, ``_bwd_kv``; "both") against the same config with it off: the
+    output and every gradient bit for bit equal (the same arithmetic in the same order), and
+    the fused kernel ran exactly where it applies (``fused``). ``map_du``: phi(q) comes from
+    the fused feature map with ``kernel_du`` (the dfq pass writes the map's du). Errors: 0
+    where equal, inf where not (tolerance 0 in effect)."""
     from hedgecats.models import HedgehogFeatureMap
     from hedgecats.models.ops import triton_hybrid as th
     from hedgecats.models.ops import triton_phi as tp
@@ -553,17 +558,20 @@ def fused_q_case(cid, *, cfg, fused: bool = True, B=2, H=4, Hkv=2, T=70, D=16, w
         else:
             fq, fk = (x.clone().requires_grad_() for x in (fq0, fk0))
         mix = [x.clone().requires_grad_() for x in (ca, cb, logs)]
-        before = th.CALLS["fused_q_side"]
-        out = th.hybrid_kernel(*ins, fq, fk, *mix, sh,
-                               config=th.KernelConfig(**cfg, fuse_q_side=fuse), **args)
+        switches = list(FUSIONS) if switch == "both" else [switch]
+        before = [th.CALLS[FUSIONS[n]] for n in switches]
+        conf = th.KernelConfig(**cfg, **{n: fuse for n in switches})
+        out = th.hybrid_kernel(*ins, fq, fk, *mix, sh, config=conf, **args)
         out.float().backward(do)
         grads = [out.detach()] + [x.grad for x in ins + mix]
         grads += [m.weight.grad for m in maps] if map_du else [fq.grad, fk.grad]
-        return grads, th.CALLS["fused_q_side"] - before
+        return grads, [th.CALLS[FUSIONS[n]] - b for n, b in zip(switches, before)]
 
     want, ran_off = run(False)
     got, ran_on = run(True)
-    out = {"ran_where_it_applies": 0.0 if (ran_on, ran_off) == (int(fused), 0) else float("inf")}
+    expect = [int(fused)] * len(ran_on)
+    out = {"ran_where_it_applies": 0.0 if (ran_on, ran_off) == (expect, [0] * len(ran_on))
+           else float("inf")}
     for i, (a, b) in enumerate(zip(got, want)):
         same = (a is None and b is None) or (a is not None and b is not None and
                                               torch.equal(a, b))
@@ -721,6 +729,7 @@ def decode_case(cid, *, mode="hybrid", mixer="fixed", rescale=False, pad=False, 
 def cases(quick: bool = False):
     bf16 = torch.bfloat16
     k = kernel_case
+    fc = fused_case
     out = [
         ("kernel-hybrid", k, {}),
         ("kernel-floor-tiny", k, dict(eps=1.1754943508222875e-38, pad=True)),
@@ -949,20 +958,38 @@ def cases(quick: bool = False):
         ("map-du-feature-slices", map_du_case, dict(cfg=PACKED4_DQ, expect_du=False,
                                                     dtype=bf16)),
         # the query side of the backward in one kernel (KernelConfig.fuse_q_side)
-        ("fused-q", fused_q_case, dict(cfg=MAP_DU)),
-        ("fused-q-pad-shifts-shared", fused_q_case, dict(cfg=MAP_DU, pad=True,
-                                                          per_bh_shift=True, shared=True)),
-        ("fused-q-frozen-q-recomputed", fused_q_case, dict(
-            cfg=dict(MAP_DU, save_branches=False), frozen=("q",))),
-        ("fused-q-la-only-bf16", fused_q_case, dict(cfg=MAP_DU, has_swa=False, dtype=bf16)),
-        ("fused-q-map-du-bf16", fused_q_case, dict(cfg=MAP_DU, map_du=True, dtype=bf16,
-                                                    T=100)),
-        ("fused-q-not-for-feature-slices", fused_q_case, dict(cfg=PACKED4_DQ, fused=False)),
-        ("fused-q-not-for-split-states", fused_q_case, dict(
-            cfg=dict(MAP_DU, split_states=True), fused=False)),
-        ("fused-q-not-without-la", fused_q_case, dict(cfg=MAP_DU, has_la=False, fused=False)),
-        ("map-du-fused-q", map_du_case, dict(cfg=dict(MAP_DU, fuse_q_side=True), pad=True,
-                                             dtype=bf16)),
+        ("fused-q", fc, dict(cfg=MAP_DU)),
+        ("fused-q-pad-shifts-shared", fc, dict(cfg=MAP_DU, pad=True, per_bh_shift=True,
+                                               shared=True)),
+        ("fused-q-frozen-q-recomputed", fc, dict(cfg=dict(MAP_DU, save_branches=False),
+                                                 frozen=("q",))),
+        ("fused-q-la-only-bf16", fc, dict(cfg=MAP_DU, has_swa=False, dtype=bf16)),
+        ("fused-q-map-du-bf16", fc, dict(cfg=MAP_DU, map_du=True, dtype=bf16, T=100)),
+        ("fused-q-not-for-feature-slices", fc, dict(cfg=PACKED4_DQ, fused=False)),
+        ("fused-q-not-for-split-states", fc, dict(cfg=dict(MAP_DU, split_states=True),
+                                                  fused=False)),
+        ("fused-q-not-without-la", fc, dict(cfg=MAP_DU, has_la=False, fused=False)),
+        # the key side of the backward in one grid (KernelConfig.fuse_kv_side)
+        ("fused-kv", fc, dict(cfg=LONG_CHUNK, switch="fuse_kv_side", T=150, window=40)),
+        ("fused-kv-pad-shifts-shared-tall", fc, dict(cfg=TALL_BWD, switch="fuse_kv_side",
+                                                     pad=True, per_bh_shift=True, shared=True)),
+        ("fused-kv-frozen-k-split-bf16", fc, dict(cfg=dict(MAP_DU, split_states=True),
+                                                  switch="fuse_kv_side", frozen=("k",),
+                                                  dtype=bf16)),
+        ("fused-kv-group3", fc, dict(cfg=SMALL, switch="fuse_kv_side", H=6, Hkv=2)),
+        ("fused-kv-not-without-dv", fc, dict(cfg=SMALL, switch="fuse_kv_side", frozen=("v",),
+                                             fused=False)),
+        ("fused-kv-not-for-swa-only", fc, dict(cfg=SMALL, switch="fuse_kv_side", has_la=False,
+                                               fused=False)),
+        ("fused-kv-not-for-la-only", fc, dict(cfg=SMALL, switch="fuse_kv_side", has_swa=False,
+                                              fused=False)),
+        ("fused-kv-not-for-own-dv-tiles", fc, dict(cfg=DV_OWN_TILE, switch="fuse_kv_side",
+                                                   T=150, window=40, fused=False)),
+        ("fused-both-map-du-pad-bf16", fc, dict(cfg=MAP_DU, switch="both", map_du=True,
+                                                pad=True, dtype=bf16, T=100)),
+        ("map-du-fused-q-kv", map_du_case, dict(cfg=dict(MAP_DU, fuse_q_side=True,
+                                                         fuse_kv_side=True), pad=True,
+                                                dtype=bf16)),
         ("phi-softmax", phi_case, dict(dtype=bf16)),
         ("phi-softmax-strided-rect", phi_case, dict(dtype=bf16, strided=True,
                                                     proj="rectangular", D=32)),

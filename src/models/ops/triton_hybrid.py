@@ -106,7 +106,7 @@ FALLBACK_ERRORS: list[str] = []
 #: and dv programs ran apart, each at its own key tile (``dkv_block_n`` / ``dv_block_n``)
 CALLS = {"forward": 0, "dq_pass": 0, "dkv_swa": 0, "dv_la": 0, "factors_from_saved": 0,
          "split_states": 0, "states_from_forward": 0, "dkv_apart": 0, "packed_forward": 0,
-         "packed_dq": 0, "map_du": 0, "fused_q_side": 0}
+         "packed_dq": 0, "map_du": 0, "fused_q_side": 0, "fused_kv_side": 0}
 
 
 @dataclass(frozen=True)
@@ -225,6 +225,13 @@ class KernelConfig:
     #: (``use_split_states`` False: the short sequences, where the launch matters). Off by
     #: default: not yet measured (benchmarks/README.md, session 16)
     fuse_q_side: bool = False
+    #: the key side of the backward in one grid (``_bwd_kv``: ``_bwd_dkv_la``'s grid, its dv
+    #: programs doing ``_bwd_dkv_swa``'s work first) where both branches run, dk and dv are
+    #: asked for and the dfk and dv programs share their key tile (``dkv_block_n`` =
+    #: ``dv_block_n``): one launch fewer, and no fp32 buffer of the window's dv share
+    #: (B, Hkv, T, D) written and read back; the same results bit for bit. Off by default: not
+    #: yet measured (benchmarks/README.md, session 16)
+    fuse_kv_side: bool = False
 
 
 @functools.lru_cache(maxsize=64)  # (a KernelConfig is frozen: one per shape, not per call)
@@ -1069,16 +1076,15 @@ if HAVE_TRITON:
         return R, u, w
 
     @triton.jit
-    def _bwd_dkv_swa(Q, K, V, DO, LSE, DELTA, WS, KPM, DK, DV,
-                     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sdo_b, sdo_h, sdo_t,
-                     sdk_b, sdk_h, sdk_t, sdv_b, sdv_h, sdv_t,
-                     T, H, G, window, scale, scale_log2,
-                     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     HAS_KPM: tl.constexpr, PREC: tl.constexpr):
-        """dk and the window's part of dv for one key block of one kv head (summed over its G
-        query heads). DV is the final dv (no LA) or an fp32 buffer the LA kernel adds to."""
-        pid_n = tl.program_id(0)
-        pid_bh = tl.program_id(1)  # b * Hkv + hk
+    def _dkv_swa_part(Q, K, V, DO, LSE, DELTA, WS, KPM, DK,
+                      sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sdo_b, sdo_h, sdo_t,
+                      sdk_b, sdk_h, sdk_t,
+                      T, H, G, window, scale, scale_log2, pid_n, pid_bh,
+                      D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                      HAS_KPM: tl.constexpr, PREC: tl.constexpr):
+        """dk (stored) and the window's part of dv (returned, fp32, zero on padded keys) for
+        key block ``pid_n`` of kv head ``pid_bh`` = b Hkv + hk (summed over its G query
+        heads)."""
         Hkv = H // G
         b = pid_bh // Hkv
         hk = pid_bh % Hkv
@@ -1127,28 +1133,50 @@ if HAVE_TRITON:
                  + offs_d[None, :],
                  tl.where(kreal[:, None], dk * scale, 0.0).to(DK.dtype.element_ty),
                  mask=kin[:, None])
-        tl.store(DV + b.to(tl.int64) * sdv_b + hk.to(tl.int64) * sdv_h + offs_n[:, None] * sdv_t
-                 + offs_d[None, :],
-                 tl.where(kreal[:, None], dv, 0.0).to(DV.dtype.element_ty), mask=kin[:, None])
+        return tl.where(kreal[:, None], dv, 0.0)
 
     @triton.jit
-    def _bwd_dkv_la(FQ, FK, V, DO, GF, DDEN, RST, UST, WST, SHIFT, KPM, DVS, DV, DFK,
-                    sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sv_b, sv_h, sv_t,
-                    sdo_b, sdo_h, sdo_t, sdv_b, sdv_h, sdv_t,
-                    T, H, G, NC, eps,
-                    D: tl.constexpr, F: tl.constexpr, FC: tl.constexpr, BM: tl.constexpr,
-                    BN: tl.constexpr, CS: tl.constexpr, ADD_DVS: tl.constexpr,
-                    HAS_KPM: tl.constexpr, PREC: tl.constexpr, PART: tl.constexpr):
+    def _bwd_dkv_swa(Q, K, V, DO, LSE, DELTA, WS, KPM, DK, DV,
+                     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sdo_b, sdo_h, sdo_t,
+                     sdk_b, sdk_h, sdk_t, sdv_b, sdv_h, sdv_t,
+                     T, H, G, window, scale, scale_log2,
+                     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     HAS_KPM: tl.constexpr, PREC: tl.constexpr):
+        """dk and the window's part of dv for one key block of one kv head (summed over its G
+        query heads; ``_dkv_swa_part``). DV is the final dv (no LA) or an fp32 buffer the LA
+        kernel adds to."""
+        pid_n = tl.program_id(0)
+        pid_bh = tl.program_id(1)  # b * Hkv + hk
+        dv = _dkv_swa_part(Q, K, V, DO, LSE, DELTA, WS, KPM, DK, sq_b, sq_h, sq_t, sk_b, sk_h,
+                           sk_t, sv_b, sv_h, sv_t, sdo_b, sdo_h, sdo_t, sdk_b, sdk_h, sdk_t, T,
+                           H, G, window, scale, scale_log2, pid_n, pid_bh, D, BM, BN, HAS_KPM,
+                           PREC)
+        Hkv = H // G
+        b = pid_bh // Hkv
+        hk = pid_bh % Hkv
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        offs_d = tl.arange(0, D)
+        tl.store(DV + b.to(tl.int64) * sdv_b + hk.to(tl.int64) * sdv_h + offs_n[:, None] * sdv_t
+                 + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=(offs_n < T)[:, None])
+
+    @triton.jit
+    def _dkv_la_part(FQ, FK, V, DO, GF, DDEN, RST, UST, WST, SHIFT, KPM, DVS, DV, DFK,
+                     sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sv_b, sv_h, sv_t,
+                     sdo_b, sdo_h, sdo_t, sdv_b, sdv_h, sdv_t,
+                     T, H, G, NC, eps, pid_n, pid_bh, pid_f, dv_swa,
+                     D: tl.constexpr, F: tl.constexpr, FC: tl.constexpr, BM: tl.constexpr,
+                     BN: tl.constexpr, CS: tl.constexpr, ADD_DVS: tl.constexpr,
+                     HAS_KPM: tl.constexpr, PREC: tl.constexpr, PART: tl.constexpr,
+                     ADD_SWA: tl.constexpr):
         """Linear attention's part of the key-side gradients for one key block of one kv head
         (summed over its G query heads): programs with axis-2 index c < F / FC write
         dfk[:, c FC : (c + 1) FC]; the one with c = F / FC writes dv (plus the window's part,
         DVS, when ADD_DVS). Keys see the reverse state past the block and the queries between
         the block and that state. PART 0: both kinds of program in one grid; 1: the dfk
         programs only, 2: the dv program only (where ``KernelConfig.dv_block_n`` differs from
-        ``dkv_block_n``: two launches, each kernel compiled for its own part and tile)."""
-        pid_n = tl.program_id(0)
-        pid_bh = tl.program_id(1)  # b * Hkv + hk
-        pid_f = tl.program_id(2)
+        ``dkv_block_n``: two launches, each kernel compiled for its own part and tile).
+        ADD_SWA: the dv program adds ``dv_swa`` (the window's part of dv, fp32, which
+        ``_bwd_kv``'s dv programs computed first) where ADD_DVS would read it from DVS."""
         Hkv = H // G
         b = pid_bh // Hkv
         hk = pid_bh % Hkv
@@ -1239,9 +1267,58 @@ if HAVE_TRITON:
             dv_rows = b.to(tl.int64) * sdv_b + hk.to(tl.int64) * sdv_h + offs_n[:, None] * sdv_t
             if ADD_DVS:  # (DVS laid out as DV)
                 dv += tl.load(DVS + dv_rows + offs_d[None, :], mask=kin[:, None], other=0.0)
+            if ADD_SWA:  # (the same values as DVS would hold)
+                dv += dv_swa
             tl.store(DV + dv_rows + offs_d[None, :],
                      tl.where(kreal[:, None], dv, 0.0).to(DV.dtype.element_ty),
                      mask=kin[:, None])
+
+    @triton.jit
+    def _bwd_dkv_la(FQ, FK, V, DO, GF, DDEN, RST, UST, WST, SHIFT, KPM, DVS, DV, DFK,
+                    sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sv_b, sv_h, sv_t,
+                    sdo_b, sdo_h, sdo_t, sdv_b, sdv_h, sdv_t,
+                    T, H, G, NC, eps,
+                    D: tl.constexpr, F: tl.constexpr, FC: tl.constexpr, BM: tl.constexpr,
+                    BN: tl.constexpr, CS: tl.constexpr, ADD_DVS: tl.constexpr,
+                    HAS_KPM: tl.constexpr, PREC: tl.constexpr, PART: tl.constexpr):
+        """``_dkv_la_part`` of one key block, kv head and program kind (its docstring)."""
+        _dkv_la_part(FQ, FK, V, DO, GF, DDEN, RST, UST, WST, SHIFT, KPM, DVS, DV, DFK, sfq_b,
+                     sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sv_b, sv_h, sv_t, sdo_b, sdo_h, sdo_t,
+                     sdv_b, sdv_h, sdv_t, T, H, G, NC, eps, tl.program_id(0), tl.program_id(1),
+                     tl.program_id(2), 0.0, D, F, FC, BM, BN, CS, ADD_DVS, HAS_KPM, PREC, PART,
+                     False)
+
+    @triton.jit
+    def _bwd_kv(Q, K, FQ, FK, V, DO, LSE, DELTA, WS, GF, DDEN, RST, UST, WST, SHIFT, KPM, DK,
+                DV, DFK,
+                sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t,
+                sv_b, sv_h, sv_t, sdo_b, sdo_h, sdo_t, sdk_b, sdk_h, sdk_t, sdv_b, sdv_h, sdv_t,
+                T, H, G, NC, window, scale, scale_log2, eps,
+                D: tl.constexpr, F: tl.constexpr, FC: tl.constexpr, BM: tl.constexpr,
+                BN: tl.constexpr, CS: tl.constexpr, HAS_KPM: tl.constexpr,
+                PREC: tl.constexpr):
+        """The key side of the backward in one grid (``KernelConfig.fuse_kv_side``):
+        ``_bwd_dkv_la``'s grid of one key block's dfk programs and its dv program, the dv
+        program first doing ``_bwd_dkv_swa``'s work (dk, and the window's dv in registers,
+        added where the two-kernel path reads it back from an fp32 buffer): one launch and
+        that buffer fewer, the same results bit for bit."""
+        pid_n = tl.program_id(0)
+        pid_bh = tl.program_id(1)  # b * Hkv + hk
+        pid_f = tl.program_id(2)
+        if pid_f * FC < F:  # a dfk program (the part's PART 1: dfk only, 2: dv only)
+            _dkv_la_part(FQ, FK, V, DO, GF, DDEN, RST, UST, WST, SHIFT, KPM, DV, DV, DFK,
+                         sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sv_b, sv_h, sv_t, sdo_b,
+                         sdo_h, sdo_t, sdv_b, sdv_h, sdv_t, T, H, G, NC, eps, pid_n, pid_bh,
+                         pid_f, 0.0, D, F, FC, BM, BN, CS, False, HAS_KPM, PREC, 1, False)
+        else:  # the dv program: the window's dk and dv, then LA's dv plus the window's
+            dv_swa = _dkv_swa_part(Q, K, V, DO, LSE, DELTA, WS, KPM, DK, sq_b, sq_h, sq_t,
+                                   sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sdo_b, sdo_h, sdo_t,
+                                   sdk_b, sdk_h, sdk_t, T, H, G, window, scale, scale_log2,
+                                   pid_n, pid_bh, D, BM, BN, HAS_KPM, PREC)
+            _dkv_la_part(FQ, FK, V, DO, GF, DDEN, RST, UST, WST, SHIFT, KPM, DV, DV, DFK,
+                         sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sv_b, sv_h, sv_t, sdo_b,
+                         sdo_h, sdo_t, sdv_b, sdv_h, sdv_t, T, H, G, NC, eps, pid_n, pid_bh,
+                         pid_f, dv_swa, D, F, FC, BM, BN, CS, False, HAS_KPM, PREC, 2, True)
 
 
 # ============================================================================= launchers
@@ -1572,7 +1649,7 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
             PREC=prec, MAP_DU=map_du, SOFTMAX=du_slot.softmax if map_du else True,
             num_warps=cfg.bwd_warps, num_stages=cfg.stages)
     del S, z, vs
-    dk = dv = dvs = None
+    dk = dv = dvs = dfk = None
     BNK = _dkv_block_n(cfg)  # the key tile of the window kernel and of the dfk programs
     NNB = cdiv(T, BNK)
     # the window kernel writes dk and its dv together: when only one of them is asked for, the
@@ -1582,7 +1659,21 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
         dk = _like(k)
     if need_dv and (has_la or has_swa):
         dv = _like(v)
-    if has_swa and dk is not None:  # the window's dk and dv come from one kernel
+    BNV = _dv_block_n(cfg)
+    fuse_kv = cfg.fuse_kv_side and has_swa and has_la and dk is not None and dv is not None \
+        and BNK == BNV
+    if fuse_kv:  # dk, dfk and dv from one grid (``_bwd_kv``)
+        dfk = torch.empty(B, Hkv, T, F, device=dev, dtype=fk.dtype)
+        fast(_bwd_kv)[(NNB, B * Hkv, F // GFC + 1)](
+            q, k, fq, fk, v, do, lse, delta, ws, gf, dden, R, U, W, shift, kpm, dk, dv, dfk,
+            *_strides(q), *_strides(k), *_strides(fq), *_strides(fk), *_strides(v),
+            *_strides(do), *_strides(dk), *_strides(dv), T, H, G, NC, window, scale,
+            scale * LOG2E, eps, D=D, F=F, FC=GFC, BM=BM, BN=BNK, CS=cfg.state_chunk,
+            HAS_KPM=has_kpm, PREC=prec, num_warps=cfg.bwd_warps, num_stages=cfg.stages)
+        CALLS["fused_kv_side"] += 1
+        CALLS["dkv_swa"] += 1
+        CALLS["dv_la"] += 1
+    elif has_swa and dk is not None:  # the window's dk and dv come from one kernel
         # (the fp32 share laid out as dv: the LA kernel reads it with dv's strides)
         dvs = _like(v, torch.float32) if has_la or dv is None else dv
         if dv is not None and dvs.stride() != dv.stride():
@@ -1598,15 +1689,13 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
         dvs = dvs if dv is not None and has_la else None  # only dv's share is kept
     elif dk is not None:
         dk.zero_()
-    dfk = None
-    if has_la:
+    if has_la and not fuse_kv:
         dfk = torch.empty(B, Hkv, T, F, device=dev, dtype=fk.dtype)
         args = (fq, fk, v, do, gf, dden, R, U, W, shift, kpm, _ptr(dvs, dfk), _ptr(dv, dfk), dfk,
                 *_strides(fq), *_strides(fk), *_strides(v), *_strides(do),
                 *_strides(dfk if dv is None else dv), T, H, G, NC, eps)
         meta = dict(D=D, F=F, FC=GFC, BM=BM, CS=cfg.state_chunk, ADD_DVS=dvs is not None,
                     HAS_KPM=has_kpm, PREC=prec, num_warps=cfg.bwd_warps, num_stages=cfg.stages)
-        BNV = _dv_block_n(cfg)
         if BNK == BNV:  # one grid; the last program of each key block: dv
             fast(_bwd_dkv_la)[(NNB, B * Hkv, F // GFC + (dv is not None))](
                 *args, BN=BNK, PART=0, **meta)
