@@ -363,11 +363,14 @@ class DuSlot:
 
 
 def _phi_forward(x, w, bias, softmax):
-    """(y, the weight and bias as the kernel read them: x's dtype, contiguous)."""
+    """(y, the weight and bias as the kernel read them: the weight in x's dtype, the bias in
+    its own (both contiguous)). The kernel adds the bias in fp32 to the fp32 product: an fp32
+    module's bias is read as it is (until 2026-12-04 it was first cast to x's dtype, as the
+    PyTorch path rounds it: a cast kernel a call, and a rounding the fp32 map does not have)."""
     B, H, T, D = x.shape
     FH = w.shape[-1]
     wc = cast(w, x.dtype).contiguous()  # (H, D, F/2), as the module casts it
-    bc = cast(bias, x.dtype).contiguous()
+    bc = bias.contiguous()
     y = torch.empty(B, H, T, 2 * FH, device=x.device, dtype=x.dtype)
     BM, warps = _tiles(D, FH, backward=False)
     fast(_phi_fwd)[(B * H, cdiv(T, BM))](
