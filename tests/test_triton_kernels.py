@@ -315,6 +315,76 @@ def test_kernel_options_match_the_reference(option, shared, frozen):
     assert not bad, f"{option} vs the fp32 reference (tolerance {BF16_VS_ORACLE}): {bad}"
 
 
+#: the backward's fused kernels (``KernelConfig`` switch: its counter in ``CALLS``)
+FUSED_BACKWARD = {"fuse_q_side": "fused_q_side", "fuse_kv_side": "fused_kv_side"}
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["all-grads", "stage1"])
+@pytest.mark.parametrize("shared", [False, True], ids=["fixed", "shared"])
+@pytest.mark.parametrize("switch", [*FUSED_BACKWARD, "both"])
+def test_fused_backward_kernels_give_the_separate_kernels_results(switch, shared, frozen):
+    """``KernelConfig.fuse_q_side`` (``_bwd_q``) and ``fuse_kv_side`` (``_bwd_kv``) at the 8B
+    head shape in bf16, GQA, padding, T not a multiple of the tiles, the q map's du path on (the
+    layer's: ``hedgehog_features(kernel_du=True)``): the output and every gradient (q, k, v,
+    both maps' weights, the mixer's) those of the same config with the switch off - the same
+    arithmetic in the same order (bit for bit under Triton's interpreter, cases ``fused-*``;
+    compiled apart, a product may contract into an FMA in one kernel and not in the other, so
+    here within one bf16 rounding, 2^-8, and the report says which ones are bit for bit) -
+    and each fused kernel ran exactly where it applies (stage 1 asks for no dk / dv: no key
+    side to fuse)."""
+    import dataclasses
+
+    from hedgecats.models.ops import triton_phi as tp
+
+    th = _kernels()
+    B, H, Hkv, T, D, F, w = SAVED_SHAPE
+    gen = torch.Generator(device=DEVICE).manual_seed(9)
+    maps = [HedgehogFeatureMap(n, D, seed=s).to(DEVICE) for n, s in ((H, 1), (Hkv, 2))]
+    q, k, v = (torch.randn(B, T, n, D, device=DEVICE, generator=gen).bfloat16()
+               .transpose(1, 2) for n in (H, Hkv, Hkv))
+    ca = torch.rand(B, H, device=DEVICE, generator=gen)
+    cb, logs = 1 - ca, torch.randn(B, H, device=DEVICE, generator=gen)
+    shift = torch.full((B, H), w, dtype=torch.int32, device=DEVICE)
+    kpm = torch.ones(B, T, dtype=torch.bool, device=DEVICE)
+    kpm[0, :9] = False
+    do = torch.randn(B, H, T, D, device=DEVICE, generator=gen).bfloat16()
+    kw = dict(window=w, scale=D ** -0.5, eps=1e-3, key_padding_mask=kpm, shared=shared)
+    switches = list(FUSED_BACKWARD) if switch == "both" else [switch]
+
+    def run(on: bool):
+        ins = [x.detach().clone().requires_grad_(not frozen) for x in (q, k, v)]
+        mix = [x.clone().requires_grad_() for x in (ca, cb, logs)]
+        for m in maps:
+            m.zero_grad()
+        fq = tp.hedgehog_features(ins[0], maps[0].weight, maps[0].bias, kernel_du=True)
+        fk = tp.hedgehog_features(ins[1], maps[1].weight, maps[1].bias)
+        cfg = dataclasses.replace(th.default_config(D, F, torch.bfloat16),
+                                  **{n: on for n in switches})
+        before = [th.CALLS[FUSED_BACKWARD[n]] for n in switches]
+        out = th.hybrid_kernel(*ins, fq, fk, *mix, shift, config=cfg, **kw)
+        out.backward(do)
+        ran = [th.CALLS[FUSED_BACKWARD[n]] - b for n, b in zip(switches, before)]
+        grads = {"out": out.detach(), **{n: x.grad for n, x in zip("qkv", ins)},
+                 **{n: x.grad for n, x in zip(("ca", "cb", "logs"), mix)},
+                 "dWq": maps[0].weight.grad, "dbq": maps[0].bias.grad,
+                 "dWk": maps[1].weight.grad, "dbk": maps[1].bias.grad}
+        return grads, ran
+
+    want, ran_off = run(False)
+    got, ran_on = run(True)
+    expect = [int(not (frozen and n == "fuse_kv_side")) for n in switches]
+    assert ran_off == [0] * len(switches) and ran_on == expect, (ran_on, expect)
+    assert {n for n, x in got.items() if x is None} == {n for n, x in want.items() if x is None}
+    differ = {n: rel_err(a.float(), want[n].float()) for n, a in got.items()
+              if a is not None and not torch.equal(a, want[n])}
+    report(test="fused_backward", case=f"{switch}-{'shared' if shared else 'fixed'}-"
+           f"{'stage1' if frozen else 'all-grads'}", shape=str(SAVED_SHAPE),
+           bit_for_bit=sorted(n for n, x in got.items() if x is not None and n not in differ),
+           differ={n: float(f"{e:.2e}") for n, e in differ.items()})
+    bad = {n: f"{e:.2e}" for n, e in differ.items() if not e <= 2 ** -8}
+    assert not bad, f"{switch}: the fused kernels' results differ from the separate ones: {bad}"
+
+
 # ----------------------------------------------------------------------------- routing
 def _route(cid, shape, dtype, mode, **kw):
     """A call the kernel does not cover: the pieces run and agree with the reference."""
