@@ -119,6 +119,11 @@ PACKED4 = dict(PACKED, block_m=64, pack_heads=4)
 #: PACKED_DQ alone (its forward one head a program), PACKED4_DQ with the forward packed too
 PACKED_DQ = dict(PACKED, dq_block_m=32, pack_heads=1, dq_pack_heads=2)
 PACKED4_DQ = dict(PACKED4, dq_block_m=64)
+#: the GPU's default tiles at D 128 in bf16 (``triton_hybrid.default_config``, as a dict)
+DEFAULT_D128 = dict(block_m=128, block_n=64, state_chunk=128, warps=8, stages=2, bwd_block_m=64,
+                    bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8, grad_f_chunk=256,
+                    dkv_block_n=64, split_tile=128, dq_block_m=128, pack_heads=4, state_f=128,
+                    state_d=128, state_programs=128, dv_block_n=64)
 #: one dfq program over all F features (``grad_f_chunk`` = F = 32 at D 16): where the kernel
 #: computes the q map's du (``_bwd_dfq``'s MAP_DU)
 MAP_DU = dict(PACKED4_DQ, grad_f_chunk=32)
@@ -560,7 +565,7 @@ def fused_case(cid, *, cfg, switch="fuse_q_side", fused: bool = True, B=2, H=4, 
         mix = [x.clone().requires_grad_() for x in (ca, cb, logs)]
         switches = list(FUSIONS) if switch == "both" else [switch]
         before = [th.CALLS[FUSIONS[n]] for n in switches]
-        conf = th.KernelConfig(**cfg, **{n: fuse for n in switches})
+        conf = th.KernelConfig(**{**cfg, **{n: fuse for n in switches}})
         out = th.hybrid_kernel(*ins, fq, fk, *mix, sh, config=conf, **args)
         out.float().backward(do)
         grads = [out.detach()] + [x.grad for x in ins + mix]
@@ -987,6 +992,11 @@ def cases(quick: bool = False):
                                                    T=150, window=40, fused=False)),
         ("fused-both-map-du-pad-bf16", fc, dict(cfg=MAP_DU, switch="both", map_du=True,
                                                 pad=True, dtype=bf16, T=100)),
+        # at the 8B head shape and the GPU's default tiles (128-row packed query blocks, 64-key
+        # tiles, 128-position state chunks, F 256 in one dfq / dfk program)
+        ("fused-both-8b-tiles-pad-shared-bf16", fc, dict(
+            cfg=DEFAULT_D128, switch="both", map_du=True, pad=True, shared=True, dtype=bf16,
+            H=8, Hkv=2, T=150, D=128, window=64, B=1)),
         ("map-du-fused-q-kv", map_du_case, dict(cfg=dict(MAP_DU, fuse_q_side=True,
                                                          fuse_kv_side=True), pad=True,
                                                 dtype=bf16)),
