@@ -136,10 +136,21 @@ def main(argv=None) -> dict:
     p.add_argument("--kv-heads", type=int, default=1)
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--profile", action="store_true", help="cProfile of the calls, own time")
+    p.add_argument("--fuse", action="store_true",
+                   help="the backward's fused kernels on (KernelConfig.fuse_q_side and "
+                        "fuse_kv_side, off by default)")
     p.add_argument("--out", help="write the figures as JSON here")
     a = p.parse_args(argv)
     launches = patch_routing()
     import attention_speed as A
+
+    if a.fuse:
+        import dataclasses
+
+        from hedgecats.models.ops import triton_hybrid as th
+        base = th.default_config
+        th.default_config = lambda D, F, dtype: dataclasses.replace(
+            base(D, F, dtype), fuse_q_side=True, fuse_kv_side=True)
 
     A.DEVICE = "cpu"
     B, T = map(int, a.shape.split("x"))
@@ -169,7 +180,7 @@ def main(argv=None) -> dict:
     for _ in range(a.calls):
         call(stamps)
     med = [statistics.median(s[i] for s in stamps) * 1e6 for i in range(4)]
-    res = {"shape": a.shape, "heads": [a.heads, a.kv_heads], "calls": a.calls,
+    res = {"shape": a.shape, "heads": [a.heads, a.kv_heads], "calls": a.calls, "fuse": a.fuse,
            "us_per_call": dict(zip(("maps_forward", "attention_forward", "backward", "total"),
                                    [round(x, 1) for x in med])),
            "triton_launches": per_call, "torch_kernel_ops": dict(ops.kernels),

@@ -677,27 +677,28 @@ if HAVE_TRITON:
 
     @triton.jit
     def _dq_part(Q, K, V, FQ, FK, DO, SST, ZST, VST, CNT, LSE, DEN, CA, CB, LOGS, SHIFT, FIRST,
-                KPM, SWA_O, LA_O,
-                DQ, DELTA, WS, GF, DDEN, PA, PB, DNUM,
-                sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
-                sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sdo_b, sdo_h, sdo_t,
-                sdq_b, sdq_h, sdq_t,
-                T, H, G, NC, NMB, window, scale, scale_log2, eps,
-                D: tl.constexpr, F: tl.constexpr, FC: tl.constexpr, BM: tl.constexpr,
-                BN: tl.constexpr, CS: tl.constexpr, P: tl.constexpr, HAS_SWA: tl.constexpr,
-                HAS_LA: tl.constexpr, SHARED: tl.constexpr, HAS_KPM: tl.constexpr,
-                PREC: tl.constexpr, NEED_DQ: tl.constexpr, FROM_SAVED: tl.constexpr,
-                STORE_DNUM: tl.constexpr, SS: tl.constexpr,
+                 KPM, SWA_O, LA_O,
+                 DQ, DELTA, WS, GF, DDEN, PA, PB, DNUM,
+                 sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
+                 sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sdo_b, sdo_h, sdo_t,
+                 sdq_b, sdq_h, sdq_t,
+                 T, H, G, NC, NMB, window, scale, scale_log2, eps,
+                 D: tl.constexpr, F: tl.constexpr, FC: tl.constexpr, BM: tl.constexpr,
+                 BN: tl.constexpr, CS: tl.constexpr, P: tl.constexpr, HAS_SWA: tl.constexpr,
+                 HAS_LA: tl.constexpr, SHARED: tl.constexpr, HAS_KPM: tl.constexpr,
+                 PREC: tl.constexpr, NEED_DQ: tl.constexpr, FROM_SAVED: tl.constexpr,
+                 STORE_DNUM: tl.constexpr, SS: tl.constexpr,
                  pid_m, pid_g):
         """dq of one query block (when NEED_DQ), and the per-query factors the other kernels
         need: DELTA (the softmax row term, incl. the shared-norm lse gradient), WS (SWA
         weight), GF (dnum = GF dO), DDEN (gradient of the LA denominator), with STORE_DNUM
         dnum itself ((B H, T, D), the input dtype: the reverse states' matrix operand); PA,
         PB: this block's partial mixer gradients (d c_A, d c_B; or d log s and 0 with
-        SHARED). Returns (dO, GF, DDEN) of the block's rows, for ``_bwd_q``'s dfq part. SWA_t . dO_t and LA_t . dO_t come from recomputing both branches (first pass), or with
-        FROM_SAVED from the branches' outputs the forward stored (SWA_O, LA_O: (B H, T, D)).
-        Rows: BM / P positions of P query heads of one kv head (``_packed_rows``), as the
-        forward's."""
+        SHARED). SWA_t . dO_t and LA_t . dO_t come from recomputing both branches (first
+        pass), or with FROM_SAVED from the branches' outputs the forward stored (SWA_O, LA_O:
+        (B H, T, D)). Rows: BM / P positions of P query heads of one kv head
+        (``_packed_rows``, block ``pid_m`` of head group ``pid_g``), as the forward's.
+        Returns (dO, GF, DDEN) of the block's rows, for ``_bwd_q``'s dfq part."""
         LN2: tl.constexpr = 0.6931471805599453
         BQ: tl.constexpr = BM // P
         b, hk, t0, h_r, offs_m = _packed_rows(pid_m, pid_g, H, G, BM, P)
