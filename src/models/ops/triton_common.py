@@ -154,9 +154,9 @@ def _key_and_values(args) -> tuple[list, list, bool]:
 
     key: what of each argument Triton's compiled kernel depends on, exactly or more finely: a
     tensor's dtype and whether its address is 16-byte aligned (Triton specialises on both); an
-    integer's value (Triton specialises on 1 and on divisibility by 16: the
-    value decides both); a float's type only (Triton does not specialise floats); a bool (True
-    is not 1 to Triton: i1 against a constant 1), a string or anything else as (type, value).
+    integer's value (Triton specialises on 1 and on divisibility by 16: the value decides
+    both); a float's type only (Triton does not specialise floats); a bool (True is not 1 to
+    Triton: i1 against a constant 1), a string or anything else as (type, value).
     Flat: a dtype only ever opens a tensor's two entries, so two keys are equal only where
     every argument's are.
 
