@@ -623,6 +623,11 @@ TUNE_CONFIGS = {  # None: default_config (D=128 since session 13: fwd 128x64 w8 
                     state_programs=128, dv_block_n=64, fuse_kv_side=True),
     "fuse-qkv": dict(_FWD128, dq_block_m=128, pack_heads=4, state_f=128, state_d=128,
                      state_programs=128, dv_block_n=64, fuse_q_side=True, fuse_kv_side=True),
+    # the forward's key tile at 32 (its packed 32-position blocks need the 95 keys t0 - 63 ..
+    # t0 + 31: 3 tiles of 32, where 2 of 64 read 128; ptxas: 254 registers, no spill, 144
+    # against 192 KB of shared memory); the default's tiles otherwise; not yet measured
+    "fwd-bn32": dict(_FWD128, block_n=32, dq_block_m=128, pack_heads=4, state_f=128,
+                     state_d=128, state_programs=128, dv_block_n=64),
 }
 
 

@@ -994,6 +994,14 @@ def cases(quick: bool = False):
                                                 pad=True, dtype=bf16, T=100)),
         # at the 8B head shape and the GPU's default tiles (128-row packed query blocks, 64-key
         # tiles, 128-position state chunks, F 256 in one dfq / dfk program)
+        # the GPU's default tiles at the 8B head shape against the reference; and with the
+        # forward's key tile at 32 (tune config fwd-bn32 of benchmarks/attention_speed.py)
+        ("kernel-8b-tiles-pad-shared-bf16", k, dict(
+            cfg=DEFAULT_D128, H=8, Hkv=2, T=150, D=128, window=64, pad=True, shared=True,
+            dtype=bf16, B=1)),
+        ("kernel-8b-tiles-fwd-bn32-pad-shared-bf16", k, dict(
+            cfg=dict(DEFAULT_D128, block_n=32), H=8, Hkv=2, T=150, D=128, window=64, pad=True,
+            shared=True, dtype=bf16, B=1)),
         ("fused-both-8b-tiles-pad-shared-bf16", fc, dict(
             cfg=DEFAULT_D128, switch="both", map_du=True, pad=True, shared=True, dtype=bf16,
             H=8, Hkv=2, T=150, D=128, window=64, B=1)),
