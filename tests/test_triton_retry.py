@@ -56,6 +56,23 @@ def test_both_failing_fall_back_to_the_safe_tiles_once(retries):
     assert tried == [cfg]
 
 
+def test_a_fused_backward_kernel_failing_retries_the_same_tiles_unfused(retries):
+    """A config with the backward's fused kernels on (``fuse_q_side``, ``fuse_kv_side``) that
+    does not compile falls back to the same tiles with the separate kernels, then to those
+    without saved branches, before the safe tiles (not straight to the safe, smaller ones)."""
+    cfg = dataclasses.replace(th.KernelConfig(), save_branches=True, fuse_q_side=True,
+                              fuse_kv_side=True)
+    unfused = dataclasses.replace(cfg, fuse_q_side=False, fuse_kv_side=False)
+    plain = dataclasses.replace(unfused, save_branches=False)
+    assert th._retry_chain(cfg) == (cfg, unfused, plain)
+    tried = []
+    assert th._with_retry("backward", ("k",), cfg, _fn({cfg}, tried)) == unfused
+    assert tried == [cfg, unfused] and len(th.RETRIES) == 1
+    tried.clear()
+    assert th._with_retry("backward", ("k2",), cfg, _fn({cfg, unfused}, tried)) == plain
+    assert tried == [cfg, unfused, plain]
+
+
 def test_the_safe_tiles_failing_raise(retries):
     with pytest.raises(Boom):
         th._with_retry("forward", ("k",), th.SAFE_CONFIG, _fn({th.SAFE_CONFIG}, []))

@@ -218,17 +218,19 @@ class KernelConfig:
     state_rev_stages: int = 0
     #: the query side of the backward in one kernel (``_bwd_q``: the dq pass, then dfq or the
     #: map's du over all F features from the dO, GF and DDEN it holds) where one dfq program
-    #: takes all F features (``grad_f_chunk`` None or F) and the LA branch runs: one launch
-    #: and one read of dO fewer, the same results bit for bit. Its dfq / du buffer is then
-    #: allocated while the reverse states' dnum (B, H, T, D) is alive (the two-kernel path
-    #: frees dnum first): more peak memory at long T, so it applies to walked states only
-    #: (``use_split_states`` False: the short sequences, where the launch matters). Off by
-    #: default: not yet measured (benchmarks/README.md, session 16)
+    #: takes all F features (``_grad_fc`` = F: ``grad_f_chunk``, or ``f_chunk`` where that is
+    #: None, at least F) and the LA branch runs: one launch and one read of dO fewer, the
+    #: same results bit for bit. Its dfq / du buffer is then allocated while the reverse
+    #: states' dnum (B, H, T, D) is alive (the two-kernel path frees dnum first): more peak
+    #: memory, so it applies to walked states only (``use_split_states`` False: by default
+    #: the short sequences, where the launch matters; at any length with ``split_states``
+    #: False). Off by default: not yet measured (benchmarks/README.md, session 16)
     fuse_q_side: bool = False
     #: the key side of the backward in one grid (``_bwd_kv``: ``_bwd_dkv_la``'s grid, its dv
-    #: programs doing ``_bwd_dkv_swa``'s work first) where both branches run, dk and dv are
-    #: asked for and the dfk and dv programs share their key tile (``dkv_block_n`` =
-    #: ``dv_block_n``): one launch fewer, and no fp32 buffer of the window's dv share
+    #: programs doing ``_bwd_dkv_swa``'s work first) where both branches run, dv is asked for
+    #: (dk too, or computed into scratch as the window kernel does where k takes none) and
+    #: the dfk and dv programs share their key tile (``dkv_block_n`` = ``dv_block_n``): one
+    #: launch fewer, and no fp32 buffer of the window's dv share
     #: (B, Hkv, T, D) written and read back; the same results bit for bit. Off by default: not
     #: yet measured (benchmarks/README.md, session 16)
     fuse_kv_side: bool = False
@@ -847,12 +849,14 @@ if HAVE_TRITON:
                  FROM_SAVED, STORE_DNUM, SS, tl.program_id(0), tl.program_id(1))
 
     @triton.jit
-    def _dfq_part(FK, V, SST, ZST, SHIFT, KPM, DFQ, FQ, DU,
-                  sfk_b, sfk_h, sfk_t, sv_b, sv_h, sv_t, sfq_b, sfq_h, sfq_t, sdu_b, sdu_h, sdu_t,
+    def _dfq_part(FK, V, DO, SST, ZST, GF, DDEN, SHIFT, KPM, DFQ, FQ, DU,
+                  sfk_b, sfk_h, sfk_t, sv_b, sv_h, sv_t, sdo_b, sdo_h, sdo_t,
+                  sfq_b, sfq_h, sfq_t, sdu_b, sdu_h, sdu_t,
                   T, H, G, NC, do, gf, dden, pid_m, pid_g, pid_f,
                   D: tl.constexpr, F: tl.constexpr, FC: tl.constexpr, BM: tl.constexpr,
                   BN: tl.constexpr, CS: tl.constexpr, P: tl.constexpr, HAS_KPM: tl.constexpr,
-                  PREC: tl.constexpr, MAP_DU: tl.constexpr, SOFTMAX: tl.constexpr):
+                  PREC: tl.constexpr, MAP_DU: tl.constexpr, SOFTMAX: tl.constexpr,
+                  LOAD_ROWS: tl.constexpr):
         """dfq[:, c FC : (c + 1) FC] of one query block (program axis 2 is c; rows: BM / P
         positions of P query heads of one kv head, ``_packed_rows``):
         dfq_t = S^T dnum_t + dden_t z + sum_{intra i} (dnum_t . v_i + dden_t) fk_i,
@@ -865,8 +869,10 @@ if HAVE_TRITON:
         written to DU ((B, H, T, F/2) strides sdu_*), dfq not written. The map's backward
         then only multiplies du by its weight (``triton_phi._phi_bwd``'s DU_GIVEN).
 
-        ``do``, ``gf``, ``dden``: the block rows' dO (BM, D), GF and DDEN (BM), loaded by
-        ``_bwd_dfq`` or held by ``_bwd_q`` from its dq part."""
+        LOAD_ROWS: the block rows' dO (BM, D), GF and DDEN (BM) read here from DO, GF, DDEN
+        (``_bwd_dfq``: where the kernel read them before it was split into parts, so that it
+        compiles as it did); else ``do``, ``gf``, ``dden`` as ``_bwd_q``'s dq part holds
+        them."""
         BQ: tl.constexpr = BM // P
         FC2: tl.constexpr = FC // 2
         b, hk, t0, h_r, offs_m = _packed_rows(pid_m, pid_g, H, G, BM, P)
@@ -877,6 +883,12 @@ if HAVE_TRITON:
         rows = offs_m < T
         t_rows = bh_r.to(tl.int64) * T + offs_m
         shift_r = tl.load(SHIFT + bh_r)
+        if LOAD_ROWS:
+            do_rows = b.to(tl.int64) * sdo_b + h_r.to(tl.int64) * sdo_h \
+                + offs_m.to(tl.int64) * sdo_t
+            do = tl.load(DO + do_rows[:, None] + offs_d[None, :], mask=rows[:, None], other=0.0)
+            gf = tl.load(GF + t_rows, mask=rows, other=0.0)
+            dden = tl.load(DDEN + t_rows, mask=rows, other=0.0)
         jst = tl.minimum(tl.maximum(t0 - tl.max(shift_r, axis=0) + 1, 0) // CS, NC - 1)
         st = SST + (b * Hkv + hk).to(tl.int64) * NC * F * D + jst.to(tl.int64) * F * D
         z_base = ZST + (b * Hkv + hk).to(tl.int64) * NC * F + jst * F
@@ -943,20 +955,11 @@ if HAVE_TRITON:
                  SOFTMAX: tl.constexpr = True):
         """``_dfq_part`` of one query block and feature slice (program axis 2), its rows' dO,
         GF and DDEN read from memory (the dq pass wrote GF and DDEN)."""
-        pid_m = tl.program_id(0)
-        pid_g = tl.program_id(1)
-        b, hk, t0, h_r, offs_m = _packed_rows(pid_m, pid_g, H, G, BM, P)
-        offs_d = tl.arange(0, D)
-        rows = offs_m < T
-        t_rows = (b * H + h_r).to(tl.int64) * T + offs_m
-        do_rows = b.to(tl.int64) * sdo_b + h_r.to(tl.int64) * sdo_h + offs_m.to(tl.int64) * sdo_t
-        do = tl.load(DO + do_rows[:, None] + offs_d[None, :], mask=rows[:, None], other=0.0)
-        gf = tl.load(GF + t_rows, mask=rows, other=0.0)
-        dden = tl.load(DDEN + t_rows, mask=rows, other=0.0)
-        _dfq_part(FK, V, SST, ZST, SHIFT, KPM, DFQ, FQ, DU, sfk_b, sfk_h, sfk_t, sv_b, sv_h,
-                  sv_t, sfq_b, sfq_h, sfq_t, sdu_b, sdu_h, sdu_t, T, H, G, NC, do, gf, dden,
-                  pid_m, pid_g, tl.program_id(2), D, F, FC, BM, BN, CS, P, HAS_KPM, PREC,
-                  MAP_DU, SOFTMAX)
+        _dfq_part(FK, V, DO, SST, ZST, GF, DDEN, SHIFT, KPM, DFQ, FQ, DU, sfk_b, sfk_h, sfk_t,
+                  sv_b, sv_h, sv_t, sdo_b, sdo_h, sdo_t, sfq_b, sfq_h, sfq_t, sdu_b, sdu_h,
+                  sdu_t, T, H, G, NC, 0.0, 0.0, 0.0, tl.program_id(0), tl.program_id(1),
+                  tl.program_id(2), D, F, FC, BM, BN, CS, P, HAS_KPM, PREC, MAP_DU, SOFTMAX,
+                  True)
 
     @triton.jit
     def _bwd_q(Q, K, V, FQ, FK, DO, SST, ZST, VST, CNT, LSE, DEN, CA, CB, LOGS, SHIFT, FIRST,
@@ -987,9 +990,10 @@ if HAVE_TRITON:
             sdo_t, sdq_b, sdq_h, sdq_t, T, H, G, NC, NMB, window, scale, scale_log2, eps, D, F,
             FC, BM, BN, CS, P, HAS_SWA, HAS_LA, SHARED, HAS_KPM, PREC, NEED_DQ, FROM_SAVED,
             STORE_DNUM, SS, pid_m, pid_g)
-        _dfq_part(FK, V, SST, ZST, SHIFT, KPM, DFQ, FQ, DU, sfk_b, sfk_h, sfk_t, sv_b, sv_h,
-                  sv_t, sfq_b, sfq_h, sfq_t, sdu_b, sdu_h, sdu_t, T, H, G, NC, do, gf, dden,
-                  pid_m, pid_g, 0, D, F, F, BM, BN, CS, P, HAS_KPM, PREC, MAP_DU, SOFTMAX)
+        _dfq_part(FK, V, DO, SST, ZST, GF, DDEN, SHIFT, KPM, DFQ, FQ, DU, sfk_b, sfk_h, sfk_t,
+                  sv_b, sv_h, sv_t, sdo_b, sdo_h, sdo_t, sfq_b, sfq_h, sfq_t, sdu_b, sdu_h,
+                  sdu_t, T, H, G, NC, do, gf, dden, pid_m, pid_g, 0, D, F, F, BM, BN, CS, P,
+                  HAS_KPM, PREC, MAP_DU, SOFTMAX, False)
 
     @triton.jit
     def _state_rev(FQ, DNUM, DDEN, SHIFT, RST, UST, WST,
@@ -1566,7 +1570,7 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
     when this config's state chunk is theirs (a retry with other tiles builds its own).
     ``du_slot``: fq is a Hedgehog map's output carrying a ``triton_phi.DuSlot``: where one
     dfq program takes all F features, it computes the map's du instead of dfq (``_bwd_dfq``'s
-    MAP_DU), leaves it in the slot and returns the slot's marker as dfq."""
+    or ``_bwd_q``'s MAP_DU), leaves it in the slot and returns the slot's marker as dfq."""
     need_dq, need_dk, need_dv = need
     from_saved = (swa_o is not None or not has_swa) and (la_o is not None or not has_la)
     B, H, T, D = q.shape
@@ -1621,11 +1625,15 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
         CALLS["fused_q_side"] += 1
     else:
         fast(_bwd_dq)[(NMB, B * H // PQ)](*q_args, *q_strides, *q_scalars, **q_meta)
+    q_args = None  # (it holds S, z, vs: they must go where the names below go)
     CALLS["dq_pass"] += dq is not None
     CALLS["factors_from_saved"] += from_saved
     CALLS["packed_dq"] += PQ > 1
     R = U = W = None
-    if has_la:  # the reverse states first: dnum is freed before dfq is allocated
+    if fuse_q:  # (its dfq pass is done: the states go with the last references to them)
+        S = z = vs = None
+    if has_la:  # the reverse states first: dnum is freed before dfq is allocated (unless
+        # fuse_q allocated it above)
         R = torch.empty(B, Hkv, NC, F, D, device=dev, dtype=fq.dtype)
         U = torch.empty(B, Hkv, NC, F, **f32)
         W = torch.empty(B, Hkv, NC, D, **f32)
@@ -1727,17 +1735,21 @@ RETRIES: list[str] = []
 @functools.lru_cache(maxsize=64)
 def _retry_chain(cfg: KernelConfig) -> tuple[KernelConfig, ...]:
     """The configs ``_with_retry`` tries before ``SAFE_CONFIG`` (built once per config: host
-    time per call)."""
+    time per call): ``cfg``; its tiles without the fused backward kernels (``fuse_q_side``,
+    ``fuse_kv_side``: the separate kernels, each smaller); then also without
+    ``save_branches``."""
     chain = [cfg]
+    if cfg.fuse_q_side or cfg.fuse_kv_side:
+        chain.append(dataclasses.replace(cfg, fuse_q_side=False, fuse_kv_side=False))
     if cfg.save_branches:
-        chain.append(dataclasses.replace(cfg, save_branches=False))
+        chain.append(dataclasses.replace(chain[-1], save_branches=False))
     return tuple(c for c in chain if c != SAFE_CONFIG)
 
 
 def _with_retry(phase: str, key: tuple, cfg: KernelConfig, fn):
     """``fn(cfg)``; where ``cfg``'s kernels do not compile here (once per problem key; logged
-    once, recorded in ``RETRIES``), the same tiles without ``save_branches`` (when it was on),
-    then ``SAFE_CONFIG``. Every config computes the same function: a forward retried without
+    once, recorded in ``RETRIES``), the same tiles without the fused backward kernels, then
+    without ``save_branches`` (each where it was on), then ``SAFE_CONFIG``. Every config computes the same function: a forward retried without
     saved branches leaves its backward to recompute them."""
     chain = _retry_chain(cfg)
     errs = errors()
