@@ -281,8 +281,9 @@ class DuSlot:
     """Where the hybrid kernel's backward leaves this map's du (``kernel_du``), so that the
     map's backward starts from du instead of from dphi: the kernel holds dphi_q in fp32 at
     the end of its dfq pass and turns it into du there (``triton_hybrid._bwd_dfq``'s or,
-    fused with the dq pass, ``_bwd_q``'s MAP_DU: the activations it needs are phi itself, which the kernel reads anyway), and the
-    (B, H, T, F) dphi_q is neither written nor read again (measured: benchmarks/README.md).
+    fused with the dq pass, ``_bwd_q``'s MAP_DU: the activations it needs are phi itself,
+    which the kernel reads anyway), and the (B, H, T, F) dphi_q is neither written nor read
+    again (measured: benchmarks/README.md).
 
     Protocol (each side checks the other, so that a consumer that does not know it changes
     nothing but speed):
