@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import gc
 import json
@@ -56,6 +57,7 @@ from hedgecats.models import HedgehogFeatureMap, hybrid_attention
 from hedgecats.models.mixers import LearnedHeadMixer, SharedNormMixer
 from hedgecats.models.ops import backends
 from hedgecats.models.ops import reference as ref
+from hedgecats.models.ops import triton_hybrid as th
 
 # ----------------------------------------------------------------------------- timing
 
@@ -498,6 +500,10 @@ _FWD128 = dict(block_m=128, block_n=64, state_chunk=128, warps=8, stages=2, bwd_
                bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8, grad_f_chunk=256,
                dkv_block_n=64, split_tile=128)
 
+#: the default tiles at D 128 in bf16 (``default_config``), as a dict for the configs that
+#: change one thing of them
+_DEFAULT_D128 = dataclasses.asdict(th.default_config(128, 256, torch.bfloat16))
+
 TUNE_CONFIGS = {  # None: default_config (D=128 since session 13: fwd 128x64 w8 over 4 query
     # heads of 32 positions, dq / dfq 128 queries likewise, key-side backward 64x32 w8 with
     # 64-key dfk / window tiles, walked state tiles 128 x 128 while 128 programs, split-state
@@ -611,23 +617,20 @@ TUNE_CONFIGS = {  # None: default_config (D=128 since session 13: fwd 128x64 w8 
     # 98 against 69 KB of shared memory); with the default's tiles; not yet measured
     "rev-flat": dict(_FWD128, dq_block_m=128, pack_heads=4, state_f=128, state_d=128,
                      state_programs=128, dv_block_n=64, state_rev_stages=2),
-    # session 16 (no GPU time): the query side of the backward in one kernel (fuse_q_side:
-    # _bwd_q, the dq pass then the dfq pass; ptxas 255 registers, no spill, the dfq kernel's
-    # 147 KB of shared memory; bit for bit the two kernels' results); the default's tiles
-    "fuse-q": dict(_FWD128, dq_block_m=128, pack_heads=4, state_f=128, state_d=128,
-                   state_programs=128, dv_block_n=64, fuse_q_side=True),
-    # and the key side in one grid (fuse_kv_side: _bwd_kv, the window kernel's work in the LA
-    # key kernel's dv programs; ptxas 255 registers, 68 B of spill against the window
-    # kernel's 40), alone and with fuse-q
-    "fuse-kv": dict(_FWD128, dq_block_m=128, pack_heads=4, state_f=128, state_d=128,
-                    state_programs=128, dv_block_n=64, fuse_kv_side=True),
-    "fuse-qkv": dict(_FWD128, dq_block_m=128, pack_heads=4, state_f=128, state_d=128,
-                     state_programs=128, dv_block_n=64, fuse_q_side=True, fuse_kv_side=True),
+    # session 16 (no GPU time), each the default's tiles (D 128 bf16) with one change: the
+    # query side of the backward in one kernel (fuse_q_side: _bwd_q, the dq pass then the dfq
+    # pass; ptxas 255 registers, no spill, the dfq kernel's 147 KB of shared memory; bit for
+    # bit the two kernels' results)
+    "fuse-q": dict(_DEFAULT_D128, fuse_q_side=True),
+    # the key side in one grid (fuse_kv_side: _bwd_kv, the window kernel's work in the LA key
+    # kernel's dv programs; ptxas 255 registers, 68 B of spill against the window kernel's
+    # 40), alone and with fuse-q
+    "fuse-kv": dict(_DEFAULT_D128, fuse_kv_side=True),
+    "fuse-qkv": dict(_DEFAULT_D128, fuse_q_side=True, fuse_kv_side=True),
     # the forward's key tile at 32 (its packed 32-position blocks need the 95 keys t0 - 63 ..
     # t0 + 31: 3 tiles of 32, where 2 of 64 read 128; ptxas: 254 registers, no spill, 144
-    # against 192 KB of shared memory); the default's tiles otherwise; not yet measured
-    "fwd-bn32": dict(_FWD128, block_n=32, dq_block_m=128, pack_heads=4, state_f=128,
-                     state_d=128, state_programs=128, dv_block_n=64),
+    # against 192 KB of shared memory); not yet measured
+    "fwd-bn32": dict(_DEFAULT_D128, block_n=32),
 }
 
 
@@ -763,7 +766,8 @@ def markdown(res) -> str:
             err = f"not checked ({r['check_skipped']})"
         dev = _f3(r.get("device_ms")) + ("" if r.get("host_ahead") in (None, True) else " (gaps)")
         lines.append(f"| {r['B']} x {r['T']} | {r['case']} | {r['ms']:.3f} | {dev} | "
-                     f"{_f3(r.get('host_ms'))} | {r['peak_gib']:.2f} | {r['tokens_per_s']:,.0f} | {_f3(r.get('floor_ms'))} | "
+                     f"{_f3(r.get('host_ms'))} | {r['peak_gib']:.2f} | "
+                     f"{r['tokens_per_s']:,.0f} | {_f3(r.get('floor_ms'))} | "
                      f"{_f2(r.get('floor_fraction'))} | {err} |")
     lines += ["", "| ratio (ours / theirs) | measured (default path) | in device time (host "
               "ahead) | with the feature maps' PyTorch path | target |",

@@ -13,9 +13,9 @@ empty tensor, and each kernel's ``FastLaunch`` gets a handle whose launch does n
 own Python - the argument key, the cache lookup - runs; Triton's C launcher does not: per
 launch on the GPU's host it parses the arguments and calls the driver). So the figures are
 the Python and dispatch cost of everything around the kernels, on this machine's CPU, at a
-short length and 4 query heads (1 x 32: the few PyTorch kernels that compute - the maps' dW products, the bias
-sums - cost microseconds), with PyTorch's CPU ops in place of CUDA launches (cheaper: no
-driver call). A proxy to compare versions on one machine, not the GPU host's time.
+short length and 4 query heads (1 x 32: the few PyTorch kernels that compute - the bias sums -
+cost microseconds), with PyTorch's CPU ops in place of CUDA launches (cheaper: no driver
+call). A proxy to compare versions on one machine, not the GPU host's time.
 
 Prints per phase (the maps' forward, the fused attention's forward, the backward, the whole
 call) the median microseconds per call, and the counts per call of Triton launches and of
@@ -143,15 +143,13 @@ def main(argv=None) -> dict:
     a = p.parse_args(argv)
     launches = patch_routing()
     import attention_speed as A
+    from kernel_anatomy import LAYER_CHANGES, default_tiles_changed
 
-    if a.fuse:
-        import dataclasses
+    with default_tiles_changed(LAYER_CHANGES["layer-fuse-qkv"] if a.fuse else None):
+        return _measure(a, A, launches)
 
-        from hedgecats.models.ops import triton_hybrid as th
-        base = th.default_config
-        th.default_config = lambda D, F, dtype: dataclasses.replace(
-            base(D, F, dtype), fuse_q_side=True, fuse_kv_side=True)
 
+def _measure(a, A, launches) -> dict:
     A.DEVICE = "cpu"
     B, T = map(int, a.shape.split("x"))
     L = A.Layer(B, T, a.heads, a.kv_heads, 128, 64, torch.bfloat16, "square")

@@ -404,18 +404,13 @@ def test_la_gradients_stay_bounded_where_products_are_tiny(mode, fill):
         torch.testing.assert_close(out.detach(), uniform, rtol=1e-4, atol=1e-5)
 
 
-class _OnCuda(torch.Tensor):
-    @property
-    def is_cuda(self):
-        return True
-
-
 def test_the_maps_dw_comes_from_the_gemm_in_fp32(monkeypatch):
     """``triton_phi.bmm_fp32`` (the maps' dW): fp32 out, no bf16 rounding of the product, on
     the CPU from fp32 operands; on CUDA the GEMM's own fp32 output (``out_dtype``) where this
     torch has that kernel, else fp32 operands (said once). Asked of the dispatcher, never
     taken from an error of the call itself (an out-of-memory error must reach the caller)."""
     from hedgecats.models.ops import triton_phi as tp
+    from test_fast_launch import cuda_like
 
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(4, 16, 300, generator=gen).bfloat16()
@@ -438,8 +433,8 @@ def test_the_maps_dw_comes_from_the_gemm_in_fp32(monkeypatch):
     monkeypatch.setattr(torch, "bmm", bmm)
     monkeypatch.setattr(tp, "bmm_out_dtype_on_cuda", lambda: True)
     with pytest.raises(torch.OutOfMemoryError):
-        tp.bmm_fp32(a.as_subclass(_OnCuda), b)
+        tp.bmm_fp32(cuda_like(a), b)
     assert seen == [{"out_dtype": torch.float32}]
     monkeypatch.setattr(tp, "bmm_out_dtype_on_cuda", lambda: False)
-    out = tp.bmm_fp32(a.as_subclass(_OnCuda), b)
+    out = tp.bmm_fp32(cuda_like(a), b)
     assert seen[-1] == {} and out.dtype == torch.float32

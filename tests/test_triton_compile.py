@@ -221,8 +221,9 @@ def test_fused_query_side_backward_compiles_without_spill():
 def test_fused_key_side_backward_compiles_without_more_spill():
     """``KernelConfig.fuse_kv_side`` (``_bwd_kv``: the LA key kernel's grid, its dv programs
     doing the window kernel's work first) at the D 128 bf16 default's key tiles. Read on
-    2026-12-04: 255 registers and 68 B of spill, 76 with padding (the window kernel it absorbs: 255 and 40-48 B,
-    the LA key kernel 225-229 and none): more local-memory traffic in both kinds of program,
+    2026-12-04: 255 registers and 68 B of spill, 76 with padding (the window kernel it
+    absorbs: 255 and 40-48 B, the LA key kernel 225-229 and none): more local-memory traffic
+    in both kinds of program,
     against a launch and an fp32 buffer's write and read fewer; whether it pays is the GPU's
     to say (``KERNEL_SPILL_FUSED_KV`` bounds it meanwhile)."""
     ptrs = dict(_pointers(torch.bfloat16), DV="*bf16")

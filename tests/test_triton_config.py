@@ -110,17 +110,3 @@ def test_walked_state_tiles_keep_a_program_a_multiprocessor():
     small = th.default_config(64, 128, torch.bfloat16)
     assert (small.state_f, small.state_d, small.state_programs) == (64, 64, 264)
     assert th._state_tile(small, 8 * 8, 128, 64) == (32, 32)  # halved to 512 programs
-
-
-def test_the_interpreter_cases_default_tiles_are_the_gpus():
-    """tests/triton_interpreter_check.py's ``DEFAULT_D128`` (the 8B-tile cases) is
-    ``default_config`` at D 128, F 256, bf16: a change of the GPU's tiles reaches those cases."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    try:
-        import triton_interpreter_check as ic
-    finally:
-        sys.path.pop(0)
-    assert th.KernelConfig(**ic.DEFAULT_D128) == th.default_config(128, 256, torch.bfloat16)

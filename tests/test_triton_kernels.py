@@ -315,8 +315,8 @@ def test_kernel_options_match_the_reference(option, shared, frozen):
     assert not bad, f"{option} vs the fp32 reference (tolerance {BF16_VS_ORACLE}): {bad}"
 
 
-#: the backward's fused kernels (``KernelConfig`` switch: its counter in ``CALLS``)
-FUSED_BACKWARD = {"fuse_q_side": "fused_q_side", "fuse_kv_side": "fused_kv_side"}
+#: the backward's fused kernels' ``KernelConfig`` switches (each also its counter in ``CALLS``)
+FUSED_BACKWARD = ("fuse_q_side", "fuse_kv_side")
 
 
 @pytest.mark.parametrize("frozen", [False, True], ids=["all-grads", "stage1"])
@@ -360,10 +360,10 @@ def test_fused_backward_kernels_give_the_separate_kernels_results(switch, shared
         fk = tp.hedgehog_features(ins[1], maps[1].weight, maps[1].bias)
         cfg = dataclasses.replace(th.default_config(D, F, torch.bfloat16),
                                   **{n: on for n in switches})
-        before = [th.CALLS[FUSED_BACKWARD[n]] for n in switches]
+        before = [th.CALLS[n] for n in switches]
         out = th.hybrid_kernel(*ins, fq, fk, *mix, shift, config=cfg, **kw)
         out.backward(do)
-        ran = [th.CALLS[FUSED_BACKWARD[n]] - b for n, b in zip(switches, before)]
+        ran = [th.CALLS[n] - b for n, b in zip(switches, before)]
         grads = {"out": out.detach(), **{n: x.grad for n, x in zip("qkv", ins)},
                  **{n: x.grad for n, x in zip(("ca", "cb", "logs"), mix)},
                  "dWq": maps[0].weight.grad, "dbq": maps[0].bias.grad,

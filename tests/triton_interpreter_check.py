@@ -16,6 +16,7 @@ which NumPy 2 refuses.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -119,11 +120,6 @@ PACKED4 = dict(PACKED, block_m=64, pack_heads=4)
 #: PACKED_DQ alone (its forward one head a program), PACKED4_DQ with the forward packed too
 PACKED_DQ = dict(PACKED, dq_block_m=32, pack_heads=1, dq_pack_heads=2)
 PACKED4_DQ = dict(PACKED4, dq_block_m=64)
-#: the GPU's default tiles at D 128 in bf16 (``triton_hybrid.default_config``, as a dict)
-DEFAULT_D128 = dict(block_m=128, block_n=64, state_chunk=128, warps=8, stages=2, bwd_block_m=64,
-                    bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8, grad_f_chunk=256,
-                    dkv_block_n=64, split_tile=128, dq_block_m=128, pack_heads=4, state_f=128,
-                    state_d=128, state_programs=128, dv_block_n=64)
 #: one dfq program over all F features (``grad_f_chunk`` = F = 32 at D 16): where the kernel
 #: computes the q map's du (``_bwd_dfq``'s MAP_DU)
 MAP_DU = dict(PACKED4_DQ, grad_f_chunk=32)
@@ -526,8 +522,8 @@ def phi_case(cid, *, B=2, H=3, T=45, D=16, proj="square", activation="softmax",
             "dx_layout": 0.0 if laid_out[0] else float("inf")}
 
 
-#: the switches of the backward's fused kernels (``KernelConfig`` field: its ``CALLS`` counter)
-FUSIONS = {"fuse_q_side": "fused_q_side", "fuse_kv_side": "fused_kv_side"}
+#: the backward's fused kernels' ``KernelConfig`` switches (each also its counter in ``CALLS``)
+FUSIONS = ("fuse_q_side", "fuse_kv_side")
 
 
 def fused_case(cid, *, cfg, switch="fuse_q_side", fused: bool = True, B=2, H=4, Hkv=2, T=70,
@@ -564,13 +560,13 @@ def fused_case(cid, *, cfg, switch="fuse_q_side", fused: bool = True, B=2, H=4, 
             fq, fk = (x.clone().requires_grad_() for x in (fq0, fk0))
         mix = [x.clone().requires_grad_() for x in (ca, cb, logs)]
         switches = list(FUSIONS) if switch == "both" else [switch]
-        before = [th.CALLS[FUSIONS[n]] for n in switches]
+        before = [th.CALLS[n] for n in switches]
         conf = th.KernelConfig(**{**cfg, **{n: fuse for n in switches}})
         out = th.hybrid_kernel(*ins, fq, fk, *mix, sh, config=conf, **args)
         out.float().backward(do)
         grads = [out.detach()] + [x.grad for x in ins + mix]
         grads += [m.weight.grad for m in maps] if map_du else [fq.grad, fk.grad]
-        return grads, [th.CALLS[FUSIONS[n]] - b for n, b in zip(switches, before)]
+        return grads, [th.CALLS[n] - b for n, b in zip(switches, before)]
 
     want, ran_off = run(False)
     got, ran_on = run(True)
@@ -732,7 +728,11 @@ def decode_case(cid, *, mode="hybrid", mixer="fixed", rescale=False, pad=False, 
 
 
 def cases(quick: bool = False):
+    from hedgecats.models.ops import triton_hybrid as th
+
     bf16 = torch.bfloat16
+    # the GPU's default tiles at D 128 in bf16, as a dict
+    d128 = dataclasses.asdict(th.default_config(128, 256, bf16))
     k = kernel_case
     fc = fused_case
     out = [
@@ -992,18 +992,18 @@ def cases(quick: bool = False):
                                                    T=150, window=40, fused=False)),
         ("fused-both-map-du-pad-bf16", fc, dict(cfg=MAP_DU, switch="both", map_du=True,
                                                 pad=True, dtype=bf16, T=100)),
-        # at the 8B head shape and the GPU's default tiles (128-row packed query blocks, 64-key
-        # tiles, 128-position state chunks, F 256 in one dfq / dfk program)
-        # the GPU's default tiles at the 8B head shape against the reference; and with the
-        # forward's key tile at 32 (tune config fwd-bn32 of benchmarks/attention_speed.py)
+        # the GPU's default tiles at the 8B head shape (128-row packed query blocks, 64-key
+        # tiles, 128-position state chunks, F 256 in one dfq / dfk program) against the
+        # reference; with the forward's key tile at 32 (tune config fwd-bn32 of
+        # benchmarks/attention_speed.py); and both fused backward kernels at them
         ("kernel-8b-tiles-pad-shared-bf16", k, dict(
-            cfg=DEFAULT_D128, H=8, Hkv=2, T=150, D=128, window=64, pad=True, shared=True,
+            cfg=d128, H=8, Hkv=2, T=150, D=128, window=64, pad=True, shared=True,
             dtype=bf16, B=1)),
         ("kernel-8b-tiles-fwd-bn32-pad-shared-bf16", k, dict(
-            cfg=dict(DEFAULT_D128, block_n=32), H=8, Hkv=2, T=150, D=128, window=64, pad=True,
+            cfg=dict(d128, block_n=32), H=8, Hkv=2, T=150, D=128, window=64, pad=True,
             shared=True, dtype=bf16, B=1)),
         ("fused-both-8b-tiles-pad-shared-bf16", fc, dict(
-            cfg=DEFAULT_D128, switch="both", map_du=True, pad=True, shared=True, dtype=bf16,
+            cfg=d128, switch="both", map_du=True, pad=True, shared=True, dtype=bf16,
             H=8, Hkv=2, T=150, D=128, window=64, B=1)),
         ("map-du-fused-q-kv", map_du_case, dict(cfg=dict(MAP_DU, fuse_q_side=True,
                                                          fuse_kv_side=True), pad=True,

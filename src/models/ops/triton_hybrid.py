@@ -103,10 +103,11 @@ FALLBACK_ERRORS: list[str] = []
 #: from the forward's saved branches (``KernelConfig.save_branches``), the LA state builds
 #: that went split (``KernelConfig.split_states``), the backwards that took the forward's
 #: LA states instead of building them again (saved with the branches), and those whose dfk
-#: and dv programs ran apart, each at its own key tile (``dkv_block_n`` / ``dv_block_n``)
+#: and dv programs ran apart, each at its own key tile (``dkv_block_n`` / ``dv_block_n``);
+#: the backward's fused kernels, counted under their ``KernelConfig`` switches
 CALLS = {"forward": 0, "dq_pass": 0, "dkv_swa": 0, "dv_la": 0, "factors_from_saved": 0,
          "split_states": 0, "states_from_forward": 0, "dkv_apart": 0, "packed_forward": 0,
-         "packed_dq": 0, "map_du": 0, "fused_q_side": 0, "fused_kv_side": 0}
+         "packed_dq": 0, "map_du": 0, "fuse_q_side": 0, "fuse_kv_side": 0}
 
 
 @dataclass(frozen=True)
@@ -1622,7 +1623,7 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
             *q_args, _ptr(dfq, dummy), _ptr(du, dummy), *q_strides,
             *(_strides(du) if map_du else (0, 0, 0)), *q_scalars, **q_meta, MAP_DU=map_du,
             SOFTMAX=du_slot.softmax if map_du else True)
-        CALLS["fused_q_side"] += 1
+        CALLS["fuse_q_side"] += 1
     else:
         fast(_bwd_dq)[(NMB, B * H // PQ)](*q_args, *q_strides, *q_scalars, **q_meta)
     q_args = None  # (it holds S, z, vs: they must go where the names below go)
@@ -1679,7 +1680,7 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
             *_strides(do), *_strides(dk), *_strides(dv), T, H, G, NC, window, scale,
             scale * LOG2E, eps, D=D, F=F, FC=GFC, BM=BM, BN=BNK, CS=cfg.state_chunk,
             HAS_KPM=has_kpm, PREC=prec, num_warps=cfg.bwd_warps, num_stages=cfg.stages)
-        CALLS["fused_kv_side"] += 1
+        CALLS["fuse_kv_side"] += 1
         CALLS["dkv_swa"] += 1
         CALLS["dv_la"] += 1
     elif has_swa and dk is not None:  # the window's dk and dv come from one kernel
