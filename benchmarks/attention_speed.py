@@ -617,19 +617,15 @@ TUNE_CONFIGS = {  # None: default_config (D=128 since session 13: fwd 128x64 w8 
     # 98 against 69 KB of shared memory); with the default's tiles; not yet measured
     "rev-flat": dict(_FWD128, dq_block_m=128, pack_heads=4, state_f=128, state_d=128,
                      state_programs=128, dv_block_n=64, state_rev_stages=2),
-    # session 16 (no GPU time), each the default's tiles (D 128 bf16) with one change: the
-    # query side of the backward in one kernel (fuse_q_side: _bwd_q, the dq pass then the dfq
-    # pass; ptxas 255 registers, no spill, the dfq kernel's 147 KB of shared memory; bit for
-    # bit the two kernels' results)
-    "fuse-q": dict(_DEFAULT_D128, fuse_q_side=True),
-    # the key side in one grid (fuse_kv_side: _bwd_kv, the window kernel's work in the LA key
-    # kernel's dv programs; ptxas 255 registers, 68 B of spill against the window kernel's
-    # 40), alone and with fuse-q
-    "fuse-kv": dict(_DEFAULT_D128, fuse_kv_side=True),
-    "fuse-qkv": dict(_DEFAULT_D128, fuse_q_side=True, fuse_kv_side=True),
+    # the default's tiles without the backward's fused kernels (session 16's _bwd_q: the dq
+    # pass then the dfq pass; _bwd_kv: the window kernel's work in the LA key kernel's dv
+    # programs; on by default since session 17: the layer at 8 x 1k 1.980 to 1.927 ms device,
+    # the kernel alone 1.590 to 1.537; results/h200_2026-12-04, call 1)
+    "unfused": dict(_DEFAULT_D128, fuse_q_side=False, fuse_kv_side=False),
     # the forward's key tile at 32 (its packed 32-position blocks need the 95 keys t0 - 63 ..
     # t0 + 31: 3 tiles of 32, where 2 of 64 read 128; ptxas: 254 registers, no spill, 144
-    # against 192 KB of shared memory); not yet measured
+    # against 192 KB of shared memory): measured slower, the forward 0.328 to 0.344 ms device
+    # at 8 x 1k (predicted ~0.26 or slower; results/h200_2026-12-04, call 1). Not taken
     "fwd-bn32": dict(_DEFAULT_D128, block_n=32),
 }
 

@@ -136,16 +136,16 @@ def main(argv=None) -> dict:
     p.add_argument("--kv-heads", type=int, default=1)
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--profile", action="store_true", help="cProfile of the calls, own time")
-    p.add_argument("--fuse", action="store_true",
-                   help="the backward's fused kernels on (KernelConfig.fuse_q_side and "
-                        "fuse_kv_side, off by default)")
+    p.add_argument("--unfused", action="store_true",
+                   help="the backward's fused kernels off (KernelConfig.fuse_q_side and "
+                        "fuse_kv_side, on by default at D 128 bf16): the separate kernels")
     p.add_argument("--out", help="write the figures as JSON here")
     a = p.parse_args(argv)
     launches = patch_routing()
     import attention_speed as A
     from kernel_anatomy import LAYER_CHANGES, default_tiles_changed
 
-    with default_tiles_changed(LAYER_CHANGES["layer-fuse-qkv"] if a.fuse else None):
+    with default_tiles_changed(LAYER_CHANGES["layer-unfused"] if a.unfused else None):
         return _measure(a, A, launches)
 
 
@@ -178,7 +178,8 @@ def _measure(a, A, launches) -> dict:
     for _ in range(a.calls):
         call(stamps)
     med = [statistics.median(s[i] for s in stamps) * 1e6 for i in range(4)]
-    res = {"shape": a.shape, "heads": [a.heads, a.kv_heads], "calls": a.calls, "fuse": a.fuse,
+    res = {"shape": a.shape, "heads": [a.heads, a.kv_heads], "calls": a.calls,
+           "unfused": a.unfused,
            "us_per_call": dict(zip(("maps_forward", "attention_forward", "backward", "total"),
                                    [round(x, 1) for x in med])),
            "triton_launches": per_call, "torch_kernel_ops": dict(ops.kernels),

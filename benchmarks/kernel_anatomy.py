@@ -37,11 +37,12 @@ LAYER = "layer"
 #: the branch sets that time the whole layer: the model's path, and it with the q map's backward
 #: starting from dphi (``kernel_du`` off: before session 15, for the A/B)
 LAYERS = {LAYER: dict(kernel_du=True), "layer-no-du": dict(kernel_du=False)}
-#: the whole layer with the default tiles changed (``KernelConfig`` fields): switches not yet
-#: on by default, timed as the model would run them (session 16: the query side of the
-#: backward in one kernel, the key side in one grid, both)
-LAYER_CHANGES = {"layer-fuse-q": dict(fuse_q_side=True), "layer-fuse-kv": dict(fuse_kv_side=True),
-                 "layer-fuse-qkv": dict(fuse_q_side=True, fuse_kv_side=True)}
+#: the whole layer with the default tiles changed (``KernelConfig`` fields), timed as the model
+#: would run them: the backward's fused kernels (on by default for D 128 bf16 since session
+#: 17) off, one at a time and both (the separate kernels, as before)
+LAYER_CHANGES = {"layer-no-fuse-q": dict(fuse_q_side=False),
+                 "layer-no-fuse-kv": dict(fuse_kv_side=False),
+                 "layer-unfused": dict(fuse_q_side=False, fuse_kv_side=False)}
 LAYERS.update({name: dict(kernel_du=True) for name in LAYER_CHANGES})
 
 

@@ -402,13 +402,13 @@ def test_kernel_anatomy_refuses_unknown_configs_and_tables_its_rows(tmp_path):
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
     assert set(ka.BRANCHES) == {"hybrid", "swa", "la"} and ka.LAYER == "layer"
-    # a layer row with the default tiles changed (a switch not yet on by default), and only
-    # inside it
+    # a layer row with the default tiles changed (a default switch off), and only inside it
     import torch
-    assert not ka.th.default_config(128, 256, torch.bfloat16).fuse_q_side
-    with ka.default_tiles_changed(ka.LAYER_CHANGES["layer-fuse-q"]):
-        assert ka.th.default_config(128, 256, torch.bfloat16).fuse_q_side
-    assert not ka.th.default_config(128, 256, torch.bfloat16).fuse_q_side
+    assert ka.th.default_config(128, 256, torch.bfloat16).fuse_q_side
+    with ka.default_tiles_changed(ka.LAYER_CHANGES["layer-no-fuse-q"]):
+        got = ka.th.default_config(128, 256, torch.bfloat16)
+        assert not got.fuse_q_side and got.fuse_kv_side
+    assert ka.th.default_config(128, 256, torch.bfloat16).fuse_q_side
     rows = [{"config": "default", "branches": "hybrid", "forward_device_ms": 0.34,
              "forward_kernels": {"_fwd": 0.28, "_state_fwd": 0.05},
              "fwd_bwd_device_ms": 1.6, "fwd_bwd_kernels": {"_fwd": 0.31, "_bwd_dq": 0.24}},

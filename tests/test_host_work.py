@@ -23,27 +23,28 @@ pytest.importorskip("triton")
 
 SCRIPT = Path(__file__).parents[1] / "benchmarks" / "host_overhead.py"
 
-#: one forward + backward of the layer (fixed g, no padding), both maps fused
-LAUNCHES = {"_phi_fwd": 2, "_state_fwd": 1, "_fwd": 1, "_bwd_dq": 1, "_state_rev": 1,
-            "_bwd_dfq": 1, "_bwd_dkv_swa": 1, "_bwd_dkv_la": 1, "_phi_bwd": 2,
-            "bmm_fp32 (torch)": 2}
-#: the same with the backward's fused kernels on (``--fuse``: ``_bwd_q``, ``_bwd_kv``)
-LAUNCHES_FUSED = {"_phi_fwd": 2, "_state_fwd": 1, "_fwd": 1, "_bwd_q": 1, "_state_rev": 1,
-                  "_bwd_kv": 1, "_phi_bwd": 2, "bmm_fp32 (torch)": 2}
+#: one forward + backward of the layer (fixed g, no padding), both maps fused, the backward's
+#: fused kernels on (the default at D 128 bf16: ``_bwd_q``, ``_bwd_kv``)
+LAUNCHES = {"_phi_fwd": 2, "_state_fwd": 1, "_fwd": 1, "_bwd_q": 1, "_state_rev": 1,
+            "_bwd_kv": 1, "_phi_bwd": 2, "bmm_fp32 (torch)": 2}
+#: the same with them off (``--unfused``: the separate kernels)
+LAUNCHES_UNFUSED = {"_phi_fwd": 2, "_state_fwd": 1, "_fwd": 1, "_bwd_dq": 1, "_state_rev": 1,
+                    "_bwd_dfq": 1, "_bwd_dkv_swa": 1, "_bwd_dkv_la": 1, "_phi_bwd": 2,
+                    "bmm_fp32 (torch)": 2}
 #: the maps' fp32 weights cast to bf16 (forward; their biases are read in fp32), their bias
 #: gradients (backward)
 TORCH_KERNELS = {"_to_copy": 2, "sum": 2}
 
 
-@pytest.mark.parametrize("fuse", [False, True], ids=["default", "fused-backward"])
-def test_the_layer_launches_what_it_is_counted_for(tmp_path, fuse):
+@pytest.mark.parametrize("unfused", [False, True], ids=["default", "unfused-backward"])
+def test_the_layer_launches_what_it_is_counted_for(tmp_path, unfused):
     out = tmp_path / "host.json"
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run([sys.executable, str(SCRIPT), "--calls", "3", "--out", str(out),
-                           *(["--fuse"] if fuse else [])],
+                           *(["--unfused"] if unfused else [])],
                           env=env, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(out.read_text())
-    assert got["triton_launches"] == (LAUNCHES_FUSED if fuse else LAUNCHES)
+    assert got["triton_launches"] == (LAUNCHES_UNFUSED if unfused else LAUNCHES)
     assert got["torch_kernel_ops"] == TORCH_KERNELS
     assert got["us_per_call"]["total"] > 0

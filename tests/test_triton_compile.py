@@ -40,7 +40,7 @@ PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
 F32 = "*fp32"
 #: spill bytes per thread the default bf16 tiles may have (seen: at most 40, with launch hints)
 MAX_SPILL = 64
-#: the same for ``_bwd_kv`` (``KernelConfig.fuse_kv_side``, off by default; seen: 68-76)
+#: the same for ``_bwd_kv`` (``KernelConfig.fuse_kv_side``, on by default at D 128 bf16; seen: 68-76)
 KERNEL_SPILL_FUSED_KV = 96
 #: the hybrid kernels' integer arguments not divisible by 16 at the 8B shape (4 query heads a
 #: kv head, 8 chunks at 8 x 1k, the backward's query-block count): the rest (strides, T, H,

@@ -225,15 +225,15 @@ class KernelConfig:
     #: states' dnum (B, H, T, D) is alive (the two-kernel path frees dnum first): more peak
     #: memory, so it applies to walked states only (``use_split_states`` False: by default
     #: the short sequences, where the launch matters; at any length with ``split_states``
-    #: False). Off by default: not yet measured (benchmarks/README.md, session 16)
+    #: False). On in ``default_config`` for D >= 128 bf16 since session 17 (measured there)
     fuse_q_side: bool = False
     #: the key side of the backward in one grid (``_bwd_kv``: ``_bwd_dkv_la``'s grid, its dv
     #: programs doing ``_bwd_dkv_swa``'s work first) where both branches run, dv is asked for
     #: (dk too, or computed into scratch as the window kernel does where k takes none) and
     #: the dfk and dv programs share their key tile (``dkv_block_n`` = ``dv_block_n``): one
     #: launch fewer, and no fp32 buffer of the window's dv share
-    #: (B, Hkv, T, D) written and read back; the same results bit for bit. Off by default: not
-    #: yet measured (benchmarks/README.md, session 16)
+    #: (B, Hkv, T, D) written and read back; the same results bit for bit. On in
+    #: ``default_config`` for D >= 128 bf16 since session 17 (measured there)
     fuse_kv_side: bool = False
 
 
@@ -287,12 +287,19 @@ def default_config(D: int, F: int, dtype: torch.dtype) -> KernelConfig:
     # 225 registers, wgmma, no spill) since session 14: `_bwd_dkv_la` 0.406 (dfk launch 0.197,
     # dv launch 0.209) to 0.394 ms in one launch, fwd + bwd 1.595 to 1.581 (kernel_anatomy,
     # configs default / dv64, one run; output identical; results/h200_2026-12-03f, call 2)
+    # The backward's fused kernels (``fuse_q_side``, ``fuse_kv_side``) since session 17: the
+    # layer at 8 x 1k, device time, 1.980 ms without, 1.953 with either, 1.927 with both
+    # (`_bwd_dq` + `_bwd_dfq` 0.461 to `_bwd_q` 0.433, `_bwd_dkv_swa` + `_bwd_dkv_la` 0.634 to
+    # `_bwd_kv` 0.610; kernel_anatomy, one run; all 12 GPU variants bit for bit against the
+    # separate kernels; results/h200_2026-12-04, call 1). D < 128 and fp32 keep them off (not
+    # measured there)
     if D >= 128:
         return KernelConfig(block_m=128, block_n=64, state_chunk=128, warps=8, stages=2,
                             bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64,
                             state_warps=8, grad_f_chunk=256, dkv_block_n=64, split_tile=128,
                             dq_block_m=128, pack_heads=4, state_f=128, state_d=128,
-                            state_programs=128, dv_block_n=64)
+                            state_programs=128, dv_block_n=64, fuse_q_side=True,
+                            fuse_kv_side=True)
     return KernelConfig(block_m=64, block_n=64, warps=4, stages=2, bwd_block_m=64,
                         bwd_block_n=64, bwd_warps=8, f_chunk=128)
 
