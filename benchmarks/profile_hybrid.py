@@ -57,6 +57,93 @@ def host_profile(fn, n: int = 20, rows: int = 30) -> str:
     return buf.getvalue()
 
 
+#: (module, attribute) of the layer's host path whose wall time ``host_breakdown`` takes:
+#: the launch wrapper per kernel, its argument key, the autograd functions' bodies, the maps'
+#: dW product, the TMA check
+HOST_PARTS = (("triton_common", "_key_and_values"), ("triton_common", "tma_ok"),
+              ("triton_phi", "_phi_forward"), ("triton_phi", "_phi_backward"),
+              ("triton_phi", "bmm_fp32"), ("triton_hybrid", "_forward"),
+              ("triton_hybrid", "_backward"), ("triton_hybrid", "_la_states"),
+              ("triton_hybrid", "hybrid_kernel"), ("triton_hybrid", "fused_hybrid"))
+
+
+def host_breakdown(fn, n: int = 50) -> dict:
+    """Host microseconds per call of ``fn`` in each of ``HOST_PARTS`` (inclusive: a part's
+    figure holds the parts it calls) and in each kernel's ``FastLaunch`` launch, timed with
+    the CPU clock around each (no profiler: ~0.2 us a wrapper), over ``n`` calls after one
+    warm-up, the whole call's host time beside them (``total``; the backward on autograd's
+    thread included: the main thread waits for it). Where the host work of a launch-bound
+    layer goes, without cProfile's per-call inflation of small Python functions."""
+    import importlib
+    import time as _time
+
+    spent: dict[str, float] = {}
+    count: dict[str, int] = {}
+
+    def timer(name, f):
+        def timed_call(*args, **kw):
+            t0 = _time.perf_counter()
+            try:
+                return f(*args, **kw)
+            finally:
+                spent[name] = spent.get(name, 0.0) + _time.perf_counter() - t0
+                count[name] = count.get(name, 0) + 1
+        return timed_call
+
+    patched = []
+    for mod_name, attr in HOST_PARTS:
+        mod = importlib.import_module(f"hedgecats.models.ops.{mod_name}")
+        if hasattr(mod, attr):
+            patched.append((mod, attr, getattr(mod, attr)))
+            setattr(mod, attr, timer(f"{mod_name}.{attr}", getattr(mod, attr)))
+    tc = importlib.import_module("hedgecats.models.ops.triton_common")
+    launch = tc.FastLaunch._launch
+
+    def launch_timed(self, grid, *args, **kw):
+        name = "launch " + getattr(self.fn, "__name__", "?")
+        t0 = _time.perf_counter()
+        try:
+            return launch(self, grid, *args, **kw)
+        finally:
+            spent[name] = spent.get(name, 0.0) + _time.perf_counter() - t0
+            count[name] = count.get(name, 0) + 1
+    tc.FastLaunch._launch = launch_timed
+    try:
+        fn()
+        _sync()
+        spent.clear()
+        count.clear()
+        t0 = _time.perf_counter()
+        for _ in range(n):
+            fn()
+        total = _time.perf_counter() - t0
+        _sync()
+    finally:
+        tc.FastLaunch._launch = launch
+        for mod, attr, f in patched:
+            setattr(mod, attr, f)
+    rows = {k: dict(us=round(v * 1e6 / n, 1), calls=count[k] / n)
+            for k, v in sorted(spent.items(), key=lambda kv: -kv[1])}
+    return {"total_us": round(total * 1e6 / n, 1), "parts": rows}
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def triton_path_host_ms(fn) -> dict:
+    """``host_and_device_ms`` of ``fn`` with every kernel launched through Triton's own path
+    (``HEDGECATS_TRITON_FAST_LAUNCH=0``): what ``FastLaunch`` saves."""
+    from hedgecats.models.ops import triton_common as tc
+    before = tc.FAST_LAUNCH
+    tc.FAST_LAUNCH = False
+    try:
+        return host_and_device_ms(fn)
+    finally:
+        tc.FAST_LAUNCH = before
+
+
 def timed(fn) -> float:
     """Median milliseconds of ``fn`` (``attention_speed.bench``: 3 warm-up runs, median of 10)."""
     return bench(fn, warmup=3, iters=10)[0]
@@ -147,6 +234,14 @@ def main(argv=None):
             for name, fn in (("layer", layer), ("forward", forward), ("teacher", teacher)):
                 row[f"host_{name}"] = host_and_device_ms(fn)
                 print(f"== B={B} T={T} {name}: {row[f'host_{name}']}", flush=True)
+            for name, fn in (("layer", layer), ("forward", forward)):
+                row[f"host_{name}_triton_path"] = triton_path_host_ms(fn)
+                print(f"== B={B} T={T} {name} (Triton's launch path): "
+                      f"{row[f'host_{name}_triton_path']}", flush=True)
+                row[f"host_{name}_breakdown"] = got = host_breakdown(fn)
+                print(f"== B={B} T={T} {name}: host us per call {got['total_us']}", flush=True)
+                for part, r in got["parts"].items():
+                    print(f"   {part:40s} {r['us']:8.1f} us  x{r['calls']:g}", flush=True)
             for name, fn in (("layer", layer), ("forward", forward)):
                 print(f"== B={B} T={T} {name}: host profile of 20 calls\n{host_profile(fn)}",
                       flush=True)

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -442,3 +444,33 @@ def test_kernel_anatomy_splits_a_kernel_launched_twice_a_call():
     # a kernel whose count is not a multiple of the calls (a one-off) stays one summed row
     assert ka.per_launch([("x", 0.0, 100.0), ("x", 5.0, 100.0), ("x", 9.0, 100.0)], 2) == \
         {"x": 0.15}
+
+
+def test_profile_hybrid_host_breakdown_times_the_parts_and_restores_them():
+    """``profile_hybrid.host_breakdown``: each part of the layer's host path the call reaches
+    through its module (and each kernel's FastLaunch launch) gets its microseconds and calls
+    per call; the originals are back afterwards, also when the call raises."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import profile_hybrid as ph
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    import torch
+    from hedgecats.models.ops import triton_common as tc
+
+    original = tc.tma_ok, tc.FastLaunch._launch
+    x = torch.zeros(4, 16)
+
+    def call():
+        tc.tma_ok(x)
+        tc.tma_ok(x)
+    got = ph.host_breakdown(call, n=5)
+    assert got["parts"]["triton_common.tma_ok"]["calls"] == 2.0
+    assert got["parts"]["triton_common.tma_ok"]["us"] > 0 and got["total_us"] > 0
+    assert (tc.tma_ok, tc.FastLaunch._launch) == original
+
+    def fails():
+        raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"):
+        ph.host_breakdown(fails, n=2)
+    assert (tc.tma_ok, tc.FastLaunch._launch) == original
