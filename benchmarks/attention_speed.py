@@ -125,6 +125,12 @@ def bench_adaptive(fn, budget_ms: float = 1500.0, max_iters: int = 20) -> dict:
             "iters": iters, "peak_gib": peak / 2**30, "peak_above_start_gib": (peak - base) / 2**30}
 
 
+def hold_device(ms: float) -> None:
+    """Enqueue a kernel that keeps the GPU busy for ``ms`` milliseconds (its clock's cycles), so
+    that the host's launches after it queue up instead of waiting on the GPU."""
+    torch.cuda._sleep(int(ms * 1e-3 * torch.cuda.get_device_properties(0).clock_rate * 1e3))
+
+
 def device_ms(fn, per_call_ms: float, budget_ms: float = 400.0, max_calls: int = 20,
               sleep_ms: float | None = None) -> dict:
     """``fn``'s GPU time per call with the host ahead, and its host (Python + launch) time
@@ -143,10 +149,8 @@ def device_ms(fn, per_call_ms: float, budget_ms: float = 400.0, max_calls: int =
     n = int(max(3, min(max_calls, budget_ms // max(per_call_ms, 1e-3))))
     fn()
     torch.cuda.synchronize()
-    sleep = 50.0 + 5.0 * n if sleep_ms is None else sleep_ms
-    cycles = int(sleep * 1e-3 * torch.cuda.get_device_properties(0).clock_rate * 1e3)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(cycles)
+    hold_device(50.0 + 5.0 * n if sleep_ms is None else sleep_ms)
     start.record()
     t0 = time.perf_counter()
     for _ in range(n):

@@ -19,7 +19,7 @@ import statistics
 import sys
 
 import torch
-from attention_speed import add_head_args, bench, device_ms  # benchmarks/ on sys.path
+from attention_speed import add_head_args, bench, device_ms, hold_device  # benchmarks/ on sys.path
 from hedgecats.models import HedgehogFeatureMap, hybrid_attention
 from hedgecats.models.ops import backends
 from hedgecats.models.ops import reference as ref
@@ -75,18 +75,25 @@ HOST_PARTS = (("triton_common", "_key_and_values"), ("triton_common", "tma_ok"),
               ("triton_hybrid", "hybrid_kernel"), ("triton_hybrid", "fused_hybrid"))
 
 
-def host_breakdown(fn, n: int = 50) -> dict:
+def host_breakdown(fn, n: int = 20, sleep_ms: float = 200.0) -> dict:
     """Host microseconds per call of ``fn`` in each of ``HOST_PARTS`` (inclusive: a part's
     figure holds the parts it calls) and in each kernel's ``FastLaunch`` launch, timed with
     the CPU clock around each (no profiler: ~0.2 us a wrapper), over ``n`` calls after one
     warm-up, the whole call's host time beside them (``total``; the backward on autograd's
-    thread included: the main thread waits for it). Where the host work of a launch-bound
-    layer goes, without cProfile's per-call inflation of small Python functions."""
+    thread included: the main thread waits for it). The calls are enqueued behind a
+    ``sleep_ms`` sleep kernel (on CUDA): with the GPU running them, a host faster than the GPU
+    waits inside the launches once the launch queue fills (session 17's first breakdown read
+    70-100 us for one launch so). Where the host work of a launch-bound layer goes, without
+    cProfile's per-call inflation of small Python functions."""
     import importlib
     import time as _time
 
     spent: dict[str, float] = {}
     count: dict[str, int] = {}
+
+    def add(name, t0):
+        spent[name] = spent.get(name, 0.0) + _time.perf_counter() - t0
+        count[name] = count.get(name, 0) + 1
 
     def timer(name, f):
         def timed_call(*args, **kw):
@@ -94,8 +101,7 @@ def host_breakdown(fn, n: int = 50) -> dict:
             try:
                 return f(*args, **kw)
             finally:
-                spent[name] = spent.get(name, 0.0) + _time.perf_counter() - t0
-                count[name] = count.get(name, 0) + 1
+                add(name, t0)
         return timed_call
 
     patched = []
@@ -108,19 +114,19 @@ def host_breakdown(fn, n: int = 50) -> dict:
     launch = tc.FastLaunch._launch
 
     def launch_timed(self, grid, *args, **kw):
-        name = "launch " + getattr(self.fn, "__name__", "?")
         t0 = _time.perf_counter()
         try:
             return launch(self, grid, *args, **kw)
         finally:
-            spent[name] = spent.get(name, 0.0) + _time.perf_counter() - t0
-            count[name] = count.get(name, 0) + 1
+            add("launch " + getattr(self.fn, "__name__", "?"), t0)
     tc.FastLaunch._launch = launch_timed
     try:
         fn()
         _sync()
         spent.clear()
         count.clear()
+        if torch.cuda.is_available():
+            hold_device(sleep_ms)
         t0 = _time.perf_counter()
         for _ in range(n):
             fn()

@@ -993,9 +993,10 @@ def cases(quick: bool = False):
         ("fused-both-map-du-pad-bf16", fc, dict(cfg=MAP_DU, switch="both", map_du=True,
                                                 pad=True, dtype=bf16, T=100)),
         # the GPU's default tiles at the 8B head shape (128-row packed query blocks, 64-key
-        # tiles, 128-position state chunks, F 256 in one dfq / dfk program) against the
-        # reference; with the forward's key tile at 32 (tune config fwd-bn32 of
-        # benchmarks/attention_speed.py); and both fused backward kernels at them
+        # tiles, 128-position state chunks, F 256 in one dfq / dfk program; the backward's
+        # fused kernels on since session 17) against the reference; with the forward's key
+        # tile at 32 (tune config fwd-bn32 of benchmarks/attention_speed.py); and both fused
+        # backward kernels against the separate ones at them
         ("kernel-8b-tiles-pad-shared-bf16", k, dict(
             cfg=d128, H=8, Hkv=2, T=150, D=128, window=64, pad=True, shared=True,
             dtype=bf16, B=1)),
