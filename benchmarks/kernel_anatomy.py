@@ -193,8 +193,8 @@ def main(argv=None) -> int:
                    help=f"comma-separated, of {sorted(BRANCHES)} (the fused kernel alone, on "
                         f"precomputed maps) and {LAYER!r} (the whole layer as the model runs it, "
                         f"maps included; config 'default' only; 'layer-no-du': it with the q "
-                        f"map's backward from dphi; {', '.join(LAYER_CHANGES)}: it with those "
-                        f"switches of the default tiles on)")
+                        f"map's backward from dphi; {', '.join(LAYER_CHANGES)}: it with the "
+                        f"backward's fused kernels of the default tiles off)")
     p.add_argument("--calls", type=int, default=10)
     add_head_args(p)
     p.add_argument("--out", default=None)

@@ -252,7 +252,7 @@ class FastLaunch:
 
     Why: Triton 3.6's ``JITFunction.run`` spends tens of microseconds of Python per launch
     (binding and specialising ~50 arguments, the cache key, launch metadata and two hook
-    calls); the hybrid layer launches 12 kernels per forward + backward, and at 8 x 1k its
+    calls); the hybrid layer launches 9 to 12 kernels per forward + backward, and at 8 x 1k its
     Python and launches took longer than its kernels (benchmarks/results/h200_2026-12-03b).
 
     The key (``_key_and_values``) holds everything the compiled kernel depends on, or more

@@ -1761,8 +1761,9 @@ def _retry_chain(cfg: KernelConfig) -> tuple[KernelConfig, ...]:
 def _with_retry(phase: str, key: tuple, cfg: KernelConfig, fn):
     """``fn(cfg)``; where ``cfg``'s kernels do not compile here (once per problem key; logged
     once, recorded in ``RETRIES``), the same tiles without the fused backward kernels, then
-    without ``save_branches`` (each where it was on), then ``SAFE_CONFIG``. Every config computes the same function: a forward retried without
-    saved branches leaves its backward to recompute them."""
+    without ``save_branches`` (each where it was on), then ``SAFE_CONFIG``. Every config
+    computes the same function: a forward retried without saved branches leaves its backward
+    to recompute them."""
     chain = _retry_chain(cfg)
     errs = errors()
     for i, c in enumerate(chain):
