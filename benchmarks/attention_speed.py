@@ -631,6 +631,15 @@ TUNE_CONFIGS = {  # None: default_config (D=128 since session 13: fwd 128x64 w8 
     # against 192 KB of shared memory): measured slower, the forward 0.328 to 0.344 ms device
     # at 8 x 1k (predicted ~0.26 or slower; results/h200_2026-12-04, call 1). Not taken
     "fwd-bn32": dict(_DEFAULT_D128, block_n=32),
+    # _bwd_kv's programs (KernelConfig.kv_order): the dv program (window dk, dv, then LA's dv)
+    # scheduled before the dfk programs it outweighs ~2 to 1 (the same results bit for bit),
+    # and one program a key block doing both (each LA query tile's fq, dO loaded once;
+    # ptxas: 255 registers, 120 against 68 B of spill); not yet measured
+    "kv-order1": dict(_DEFAULT_D128, kv_order=1),
+    "kv-order2": dict(_DEFAULT_D128, kv_order=2),
+    # the walked reverse states' u, w sums on the tensor cores (state_sums_mma; ptxas: 203
+    # against 253 registers, no spill, 135 against 70 KB of shared memory); not yet measured
+    "rev-sums-mma": dict(_DEFAULT_D128, state_sums_mma=True),
 }
 
 

@@ -39,10 +39,14 @@ LAYER = "layer"
 LAYERS = {LAYER: dict(kernel_du=True), "layer-no-du": dict(kernel_du=False)}
 #: the whole layer with the default tiles changed (``KernelConfig`` fields), timed as the model
 #: would run them: the backward's fused kernels (on by default for D 128 bf16 since session
-#: 17) off, one at a time and both (the separate kernels, as before)
+#: 17) off, one at a time and both (the separate kernels, as before); ``_bwd_kv``'s program
+#: order (``KernelConfig.kv_order``) 1 and 2; the reverse states' sums on the tensor cores
+#: (``state_sums_mma``)
 LAYER_CHANGES = {"layer-no-fuse-q": dict(fuse_q_side=False),
                  "layer-no-fuse-kv": dict(fuse_kv_side=False),
-                 "layer-unfused": dict(fuse_q_side=False, fuse_kv_side=False)}
+                 "layer-unfused": dict(fuse_q_side=False, fuse_kv_side=False),
+                 "layer-kv-order1": dict(kv_order=1), "layer-kv-order2": dict(kv_order=2),
+                 "layer-rev-sums-mma": dict(state_sums_mma=True)}
 LAYERS.update({name: dict(kernel_du=True) for name in LAYER_CHANGES})
 
 
@@ -194,7 +198,8 @@ def main(argv=None) -> int:
                         f"precomputed maps) and {LAYER!r} (the whole layer as the model runs it, "
                         f"maps included; config 'default' only; 'layer-no-du': it with the q "
                         f"map's backward from dphi; {', '.join(LAYER_CHANGES)}: it with the "
-                        f"backward's fused kernels of the default tiles off)")
+                        f"default tiles changed: the backward's fused kernels off, _bwd_kv's "
+                        f"program order 1 or 2, the reverse states' sums as products)")
     p.add_argument("--calls", type=int, default=10)
     add_head_args(p)
     p.add_argument("--out", default=None)

@@ -42,6 +42,8 @@ F32 = "*fp32"
 MAX_SPILL = 64
 #: the same for ``_bwd_kv`` (``KernelConfig.fuse_kv_side``, on by default at D 128 bf16; seen: 68-76)
 KERNEL_SPILL_FUSED_KV = 96
+#: the same for its one-program-a-key-block order (``KernelConfig.kv_order`` 2; seen: 120)
+KERNEL_SPILL_KV_ONE_PROGRAM = 160
 #: the hybrid kernels' integer arguments not divisible by 16 at the 8B shape (4 query heads a
 #: kv head, 8 chunks at 8 x 1k, the backward's query-block count): the rest (strides, T, H,
 #: window) are, and a launch marks them so
@@ -146,6 +148,11 @@ def hybrid_kernels(dtype: torch.dtype, D: int, F: int, has_swa=True, has_la=True
         yield "state_rev-tma-flat", th._state_rev, dict(
             F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD, PREC=prec, TMA=True, RS=2), (), \
             cfg.state_warps, 3
+        if dtype != torch.float32:  # u and w on the tensor cores (``state_sums_mma``)
+            for tma in (True, False):
+                yield f"state_rev-sums-mma{'-tma' if tma else ''}", th._state_rev, dict(
+                    F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD, PREC=prec, TMA=tma, RS=0,
+                    SM=True), (), cfg.state_warps, 3
         la = dict(**grad, BM=cfg.bwd_block_m, ADD_DVS=has_swa)
         if th._dkv_block_n(cfg) == th._dv_block_n(cfg):  # dfk and dv programs in one grid
             yield "bwd_dkv_la", th._bwd_dkv_la, dict(**la, BN=th._dkv_block_n(cfg), PART=0), \
@@ -228,13 +235,14 @@ def test_fused_key_side_backward_compiles_without_more_spill():
     to say (``KERNEL_SPILL_FUSED_KV`` bounds it meanwhile)."""
     ptrs = dict(_pointers(torch.bfloat16), DV="*bf16")
     cfg = th.default_config(128, 256, torch.bfloat16)
-    for kpm in (False, True):
+    for kpm, order in ((False, 0), (True, 0), (False, 1), (False, 2), (True, 2)):
         r = compile_report(th._bwd_kv, ptrs, dict(
             D=128, F=256, FC=th._grad_fc(cfg, 256), BM=cfg.bwd_block_m,
-            BN=th._dkv_block_n(cfg), CS=cfg.state_chunk, HAS_KPM=kpm, PREC="tf32"),
-            ("scale", "scale_log2", "eps"), cfg.bwd_warps, cfg.stages)
-        print(f"bwd_kv kpm={kpm}: {r}")
-        assert r["spill"] <= KERNEL_SPILL_FUSED_KV, r
+            BN=th._dkv_block_n(cfg), CS=cfg.state_chunk, HAS_KPM=kpm, PREC="tf32",
+            ORDER=order), ("scale", "scale_log2", "eps"), cfg.bwd_warps, cfg.stages)
+        print(f"bwd_kv kpm={kpm} order={order}: {r}")
+        assert r["spill"] <= (KERNEL_SPILL_KV_ONE_PROGRAM if order == 2 else
+                              KERNEL_SPILL_FUSED_KV), r
 
 
 def test_pipelined_state_product_compiles_without_spill():

@@ -319,19 +319,11 @@ def test_kernel_options_match_the_reference(option, shared, frozen):
 FUSED_BACKWARD = ("fuse_q_side", "fuse_kv_side")
 
 
-@pytest.mark.parametrize("frozen", [False, True], ids=["all-grads", "stage1"])
-@pytest.mark.parametrize("shared", [False, True], ids=["fixed", "shared"])
-@pytest.mark.parametrize("switch", [*FUSED_BACKWARD, "both"])
-def test_fused_backward_kernels_give_the_separate_kernels_results(switch, shared, frozen):
-    """``KernelConfig.fuse_q_side`` (``_bwd_q``) and ``fuse_kv_side`` (``_bwd_kv``) at the 8B
-    head shape in bf16, GQA, padding, T not a multiple of the tiles, the q map's du path on (the
-    layer's: ``hedgehog_features(kernel_du=True)``): the output and every gradient (q, k, v,
-    both maps' weights, the mixer's) those of the same config with the switch off - the same
-    arithmetic in the same order (bit for bit under Triton's interpreter, cases ``fused-*``;
-    compiled apart, a product may contract into an FMA in one kernel and not in the other, so
-    here within one bf16 rounding, 2^-8, and the report says which ones are bit for bit) -
-    and each fused kernel ran exactly where it applies (stage 1 asks for no dk / dv: no key
-    side to fuse)."""
+def _run_at_8b_shape(changes: dict, counters, shared: bool, frozen: bool):
+    """One forward + backward of the fused kernel at the 8B head shape in bf16 (GQA, padding,
+    T not a multiple of the tiles, the q map's du path on: the layer's) with the default
+    config changed by ``changes``: (the output and every gradient: q, k, v, both maps' weights,
+    the mixer's; how many times each of ``counters`` in ``CALLS`` went up)."""
     import dataclasses
 
     from hedgecats.models.ops import triton_phi as tp
@@ -349,40 +341,77 @@ def test_fused_backward_kernels_give_the_separate_kernels_results(switch, shared
     kpm[0, :9] = False
     do = torch.randn(B, H, T, D, device=DEVICE, generator=gen).bfloat16()
     kw = dict(window=w, scale=D ** -0.5, eps=1e-3, key_padding_mask=kpm, shared=shared)
-    switches = list(FUSED_BACKWARD) if switch == "both" else [switch]
+    ins = [x.detach().clone().requires_grad_(not frozen) for x in (q, k, v)]
+    mix = [x.clone().requires_grad_() for x in (ca, cb, logs)]
+    fq = tp.hedgehog_features(ins[0], maps[0].weight, maps[0].bias, kernel_du=True)
+    fk = tp.hedgehog_features(ins[1], maps[1].weight, maps[1].bias)
+    cfg = dataclasses.replace(th.default_config(D, F, torch.bfloat16), **changes)
+    before = [th.CALLS[n] for n in counters]
+    out = th.hybrid_kernel(*ins, fq, fk, *mix, shift, config=cfg, **kw)
+    out.backward(do)
+    ran = [th.CALLS[n] - b for n, b in zip(counters, before)]
+    grads = {"out": out.detach(), **{n: x.grad for n, x in zip("qkv", ins)},
+             **{n: x.grad for n, x in zip(("ca", "cb", "logs"), mix)},
+             "dWq": maps[0].weight.grad, "dbq": maps[0].bias.grad,
+             "dWk": maps[1].weight.grad, "dbk": maps[1].bias.grad}
+    return grads, ran
 
-    def run(on: bool):
-        ins = [x.detach().clone().requires_grad_(not frozen) for x in (q, k, v)]
-        mix = [x.clone().requires_grad_() for x in (ca, cb, logs)]
-        for m in maps:
-            m.zero_grad()
-        fq = tp.hedgehog_features(ins[0], maps[0].weight, maps[0].bias, kernel_du=True)
-        fk = tp.hedgehog_features(ins[1], maps[1].weight, maps[1].bias)
-        cfg = dataclasses.replace(th.default_config(D, F, torch.bfloat16),
-                                  **{n: on for n in switches})
-        before = [th.CALLS[n] for n in switches]
-        out = th.hybrid_kernel(*ins, fq, fk, *mix, shift, config=cfg, **kw)
-        out.backward(do)
-        ran = [th.CALLS[n] - b for n, b in zip(switches, before)]
-        grads = {"out": out.detach(), **{n: x.grad for n, x in zip("qkv", ins)},
-                 **{n: x.grad for n, x in zip(("ca", "cb", "logs"), mix)},
-                 "dWq": maps[0].weight.grad, "dbq": maps[0].bias.grad,
-                 "dWk": maps[1].weight.grad, "dbk": maps[1].bias.grad}
-        return grads, ran
 
-    want, ran_off = run(False)
-    got, ran_on = run(True)
-    expect = [int(not (frozen and n == "fuse_kv_side")) for n in switches]
-    assert ran_off == [0] * len(switches) and ran_on == expect, (ran_on, expect)
+def _same_results(got: dict, want: dict, test: str, case: str) -> dict:
+    """The gradients that differ from ``want``'s and by how much (relative), reported; those
+    that differ by more than one bf16 rounding (2^-8) as an assertion's message."""
     assert {n for n, x in got.items() if x is None} == {n for n, x in want.items() if x is None}
     differ = {n: rel_err(a.float(), want[n].float()) for n, a in got.items()
               if a is not None and not torch.equal(a, want[n])}
-    report(test="fused_backward", case=f"{switch}-{'shared' if shared else 'fixed'}-"
-           f"{'stage1' if frozen else 'all-grads'}", shape=str(SAVED_SHAPE),
+    report(test=test, case=case, shape=str(SAVED_SHAPE),
            bit_for_bit=sorted(n for n, x in got.items() if x is not None and n not in differ),
            differ={n: float(f"{e:.2e}") for n, e in differ.items()})
-    bad = {n: f"{e:.2e}" for n, e in differ.items() if not e <= 2 ** -8}
+    return {n: f"{e:.2e}" for n, e in differ.items() if not e <= 2 ** -8}
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["all-grads", "stage1"])
+@pytest.mark.parametrize("shared", [False, True], ids=["fixed", "shared"])
+@pytest.mark.parametrize("switch", [*FUSED_BACKWARD, "both"])
+def test_fused_backward_kernels_give_the_separate_kernels_results(switch, shared, frozen):
+    """``KernelConfig.fuse_q_side`` (``_bwd_q``) and ``fuse_kv_side`` (``_bwd_kv``) at the 8B
+    head shape (``_run_at_8b_shape``): the output and every gradient those of the same config
+    with the switch off - the same arithmetic in the same order (bit for bit under Triton's
+    interpreter, cases ``fused-*``; compiled apart, a product may contract into an FMA in one
+    kernel and not in the other, so here within one bf16 rounding, 2^-8, and the report says
+    which ones are bit for bit) - and each fused kernel ran exactly where it applies (stage 1
+    asks for no dk / dv: no key side to fuse)."""
+    switches = list(FUSED_BACKWARD) if switch == "both" else [switch]
+    want, ran_off = _run_at_8b_shape({n: False for n in switches}, switches, shared, frozen)
+    got, ran_on = _run_at_8b_shape({n: True for n in switches}, switches, shared, frozen)
+    expect = [int(not (frozen and n == "fuse_kv_side")) for n in switches]
+    assert ran_off == [0] * len(switches) and ran_on == expect, (ran_on, expect)
+    bad = _same_results(got, want, "fused_backward", f"{switch}-{'shared' if shared else 'fixed'}"
+                        f"-{'stage1' if frozen else 'all-grads'}")
     assert not bad, f"{switch}: the fused kernels' results differ from the separate ones: {bad}"
+
+
+#: options of the default config measured against it: (``KernelConfig`` changes, the
+#: ``CALLS`` counter that says the option ran)
+SAME_RESULT_OPTIONS = {"kv_order1": (dict(kv_order=1), "kv_order_1"),
+                       "kv_order2": (dict(kv_order=2), "kv_order_2"),
+                       "state_sums_mma": (dict(state_sums_mma=True), "state_sums_mma")}
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["fixed", "shared"])
+@pytest.mark.parametrize("option", list(SAME_RESULT_OPTIONS))
+def test_options_give_the_defaults_results(option, shared):
+    """Options of the default config at the 8B head shape (``_run_at_8b_shape``): the output and
+    every gradient within one bf16 rounding of the default's, and the option ran.
+    ``KernelConfig.kv_order`` 1 (``_bwd_kv``'s dv program scheduled first: the same
+    arithmetic) and 2 (one program a key block, ``_dkv_la_both``: dv's terms summed in another
+    order); ``state_sums_mma`` (the reverse states' u and w on the tensor cores: u within
+    ~2^-16 of the fp32 sum). The report says which results are bit for bit."""
+    changes, counter = SAME_RESULT_OPTIONS[option]
+    want, ran_off = _run_at_8b_shape({}, [counter], shared, False)
+    got, ran_on = _run_at_8b_shape(changes, [counter], shared, False)
+    assert ran_off == [0] and ran_on == [1], (ran_off, ran_on)
+    bad = _same_results(got, want, "options", f"{option}-{'shared' if shared else 'fixed'}")
+    assert not bad, f"{option}: results differ from the default config's: {bad}"
 
 
 # ----------------------------------------------------------------------------- routing

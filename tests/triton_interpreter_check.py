@@ -527,14 +527,17 @@ FUSIONS = ("fuse_q_side", "fuse_kv_side")
 
 
 def fused_case(cid, *, cfg, switch="fuse_q_side", fused: bool = True, B=2, H=4, Hkv=2, T=70,
-               D=16, window=10, dtype=torch.float32, frozen=(), map_du=False, **kw):
+               D=16, window=10, dtype=torch.float32, frozen=(), map_du=False, order=0, **kw):
     """A fused backward kernel switched on (``switch``: ``KernelConfig.fuse_q_side``, the dq
     and dfq passes in one kernel, ``_bwd_q``; ``fuse_kv_side``, the window's dk / dv in the LA
     key kernel's dv programs, ``_bwd_kv``; "both") against the same config with it off: the
     output and every gradient bit for bit equal (the same arithmetic in the same order), and
     the fused kernel ran exactly where it applies (``fused``). ``map_du``: phi(q) comes from
     the fused feature map with ``kernel_du`` (the dfq pass writes the map's du). Errors: 0
-    where equal, inf where not (tolerance 0 in effect)."""
+    where equal, inf where not (tolerance 0 in effect). ``order`` (1 or 2): instead of a
+    switch, ``_bwd_kv`` with ``KernelConfig.kv_order`` = order against order 0 (both with
+    ``fuse_kv_side``): 1 bit for bit; 2 sums dv's terms in another order, so its errors are
+    the relative errors against order 0's results (the case's tolerance applies)."""
     from hedgecats.models import HedgehogFeatureMap
     from hedgecats.models.ops import triton_hybrid as th
     from hedgecats.models.ops import triton_phi as tp
@@ -560,8 +563,13 @@ def fused_case(cid, *, cfg, switch="fuse_q_side", fused: bool = True, B=2, H=4, 
             fq, fk = (x.clone().requires_grad_() for x in (fq0, fk0))
         mix = [x.clone().requires_grad_() for x in (ca, cb, logs)]
         switches = list(FUSIONS) if switch == "both" else [switch]
+        if order:
+            switches = [f"kv_order_{order}"]
+            conf = th.KernelConfig(**{**cfg, "fuse_kv_side": True,
+                                      "kv_order": order if fuse else 0})
+        else:
+            conf = th.KernelConfig(**{**cfg, **{n: fuse for n in switches}})
         before = [th.CALLS[n] for n in switches]
-        conf = th.KernelConfig(**{**cfg, **{n: fuse for n in switches}})
         out = th.hybrid_kernel(*ins, fq, fk, *mix, sh, config=conf, **args)
         out.float().backward(do)
         grads = [out.detach()] + [x.grad for x in ins + mix]
@@ -576,7 +584,11 @@ def fused_case(cid, *, cfg, switch="fuse_q_side", fused: bool = True, B=2, H=4, 
     for i, (a, b) in enumerate(zip(got, want)):
         same = (a is None and b is None) or (a is not None and b is not None and
                                               torch.equal(a, b))
-        out[f"t{i}"] = 0.0 if same else float("inf")
+        if order == 2 and not same and a is not None and b is not None:
+            out[f"t{i}"] = float((a.float() - b.float()).norm() / b.float().norm().clamp_min(
+                1e-30))
+        else:
+            out[f"t{i}"] = 0.0 if same else float("inf")
     return out
 
 
@@ -1006,6 +1018,33 @@ def cases(quick: bool = False):
         ("fused-both-8b-tiles-pad-shared-bf16", fc, dict(
             cfg=d128, switch="both", map_du=True, pad=True, shared=True, dtype=bf16,
             H=8, Hkv=2, T=150, D=128, window=64, B=1)),
+        # _bwd_kv's program order (KernelConfig.kv_order): the dv program first (bit for
+        # bit), one program a key block (dv summed in another order)
+        ("kv-order1-8b-tiles-pad-shared-bf16", fc, dict(
+            cfg=d128, order=1, map_du=True, pad=True, shared=True, dtype=bf16,
+            H=8, Hkv=2, T=150, D=128, window=64, B=1)),
+        ("kv-order2-8b-tiles-pad-shared-bf16", fc, dict(
+            cfg=d128, order=2, map_du=True, pad=True, shared=True, dtype=bf16,
+            H=8, Hkv=2, T=150, D=128, window=64, B=1)),
+        ("kernel-8b-tiles-kv-order2-pad-shared-bf16", k, dict(
+            cfg=dict(d128, kv_order=2), H=8, Hkv=2, T=150, D=128, window=64, pad=True,
+            shared=True, dtype=bf16, B=1)),
+        ("kv-order2-pad-shifts-group3", fc, dict(
+            cfg=dict(SMALL, grad_f_chunk=32), order=2, H=6, Hkv=2, pad=True,
+            per_bh_shift=True)),
+        ("kv-order2-not-for-feature-slices", fc, dict(
+            cfg=dict(SMALL, grad_f_chunk=16), order=2, fused=False)),
+        # the walked reverse states' u and w sums on the tensor cores
+        # (KernelConfig.state_sums_mma; bf16 only)
+        ("kernel-state-sums-mma-pad-shifts-bf16", k, dict(
+            T=150, window=40, per_bh_shift=True, pad=True, dtype=bf16,
+            cfg=dict(SMALL, split_states=False, state_sums_mma=True))),
+        ("kernel-state-sums-mma-shared-group3-bf16", k, dict(
+            T=70, window=10, H=6, Hkv=2, shared=True, dtype=bf16,
+            cfg=dict(SMALL, split_states=False, state_sums_mma=True))),
+        ("kernel-8b-tiles-state-sums-mma-pad-shared-bf16", k, dict(
+            cfg=dict(d128, state_sums_mma=True), H=8, Hkv=2, T=300, D=128, window=64,
+            pad=True, shared=True, dtype=bf16, B=1)),
         ("map-du-fused-q-kv", map_du_case, dict(cfg=dict(MAP_DU, fuse_q_side=True,
                                                          fuse_kv_side=True), pad=True,
                                                 dtype=bf16)),

@@ -111,7 +111,8 @@ FALLBACK_ERRORS: list[str] = []
 #: the backward's fused kernels, counted under their ``KernelConfig`` switches
 CALLS = {"forward": 0, "dq_pass": 0, "dkv_swa": 0, "dv_la": 0, "factors_from_saved": 0,
          "split_states": 0, "states_from_forward": 0, "dkv_apart": 0, "packed_forward": 0,
-         "packed_dq": 0, "map_du": 0, "fuse_q_side": 0, "fuse_kv_side": 0}
+         "packed_dq": 0, "map_du": 0, "fuse_q_side": 0, "fuse_kv_side": 0, "kv_order_1": 0,
+         "kv_order_2": 0, "state_sums_mma": 0}
 
 
 @dataclass(frozen=True)
@@ -239,6 +240,22 @@ class KernelConfig:
     #: (B, Hkv, T, D) written and read back; the same results bit for bit. On in
     #: ``default_config`` for D >= 128 bf16 since session 17 (measured there)
     fuse_kv_side: bool = False
+    #: ``_bwd_kv``'s programs (where ``fuse_kv_side`` applies): 0, the grid's third axis holds
+    #: a key block's dfk programs first and its dv program (the window's dk, dv, then LA's
+    #: dv: about twice a dfk program's work) last; 1, the dv program first (the same
+    #: programs, the heavier ones scheduled first: the same results bit for bit); 2, one
+    #: program a key block doing all of it (``_dkv_la_both``: each LA query tile's fq and dO
+    #: loaded once for dfk and dv; dv's terms summed in another order) where one dfk program
+    #: takes all F features (``_grad_fc`` = F; otherwise 0: the same results, another speed).
+    #: ptxas (sm_90a, D 128, F 256, the default's tiles): 0 / 1, 255 registers and 68 B of
+    #: spill; 2, 255 and 120 B
+    kv_order: int = 0
+    #: the walked reverse states (``_state_rev``, ``state_rev_stages`` 0, bf16 / fp16 inputs):
+    #: the sums u = sum dden_t fq_t and w = sum dnum_t as tensor-core products (dden split
+    #: into two 16-bit parts: u within ~2^-16 of the fp32 sum) instead of reductions across
+    #: the tile's rows, which each of the walk's (chunk, head) steps does for 128 x 128
+    #: values at the default tiles. Not yet measured
+    state_sums_mma: bool = False
 
 
 @functools.lru_cache(maxsize=64)  # (a KernelConfig is frozen: one per shape, not per call)
@@ -1013,7 +1030,7 @@ if HAVE_TRITON:
                    T, H, G, NC,
                    F: tl.constexpr, D: tl.constexpr, CS: tl.constexpr, BF: tl.constexpr,
                    BD: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
-                   RS: tl.constexpr = 0):
+                   RS: tl.constexpr = 0, SM: tl.constexpr = 0):
         """Reverse states, summed over the G query heads of a kv head: entry j holds
         R = sum_{t - shift_h >= (j+1) CS} fq_t dnum_t^T (F x D), u = sum DDEN_t fq_t and
         w = sum dnum_t (the kernel floor's share of dv); dnum_t = GF_t dO_t as ``_bwd_dq``
@@ -1021,7 +1038,9 @@ if HAVE_TRITON:
         chunks and in it one over the heads (neither pipelined: ptxas shows the same shared
         memory at any stage count); RS > 0: one loop over the (chunk, head) pairs, which the
         compiler pipelines over RS stages (``KernelConfig.state_rev_stages``): the same sums in
-        the same order."""
+        the same order. SM (``KernelConfig.state_sums_mma``; RS 0, 16-bit fq and dnum): u and
+        w as products on the tensor cores instead of sums across the tile's rows
+        (``_rev_add_mma``)."""
         pid_bh = tl.program_id(0)  # b * Hkv + hk
         pid_f = tl.program_id(1)
         pid_d = tl.program_id(2)
@@ -1040,7 +1059,21 @@ if HAVE_TRITON:
         R = tl.zeros([BF, BD], dtype=tl.float32)
         u = tl.zeros([BF], dtype=tl.float32)
         w = tl.zeros([BD], dtype=tl.float32)
-        if RS == 0:
+        if SM:
+            c16 = tl.arange(0, 16)
+            u16 = tl.zeros([BF, 16], dtype=tl.float32)
+            w16 = tl.zeros([BD, 16], dtype=tl.float32)
+            for jj in range(0, NC):
+                j = NC - 1 - jj
+                u = tl.sum(tl.where(c16[None, :] < 2, u16, 0.0), axis=1)
+                w = tl.sum(tl.where(c16[None, :] == 0, w16, 0.0), axis=1)
+                _store_state(st_base, u_base, w_base, j, R, u, w, offs_f, offs_d, pid_f, pid_d,
+                             F, D)
+                for g in range(0, G):
+                    R, u16, w16 = _rev_add_mma(fq_src, dn_src, DDEN, SHIFT, R, u16, w16, b,
+                                               hk * G + g, j, pid_f, pid_d, offs_c, sfq_b,
+                                               sfq_h, sfq_t, T, H, F, D, CS, BF, BD, PREC, TMA)
+        elif RS == 0:
             for jj in range(0, NC):
                 j = NC - 1 - jj
                 _store_state(st_base, u_base, w_base, j, R, u, w, offs_f, offs_d, pid_f, pid_d,
@@ -1059,6 +1092,34 @@ if HAVE_TRITON:
                 R, u, w = _rev_add(fq_src, dn_src, DDEN, SHIFT, R, u, w, b, hk * G + g, j,
                                    pid_f, pid_d, offs_c, sfq_b, sfq_h, sfq_t, T, H,
                                    F, D, CS, BF, BD, PREC, TMA)
+
+    @triton.jit
+    def _rev_add_mma(fq_src, dn_src, DDEN, SHIFT, R, u16, w16, b, h, j, pid_f, pid_d, offs_c,
+                     sfq_b, sfq_h, sfq_t, T, H, F: tl.constexpr, D: tl.constexpr,
+                     CS: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
+                     TMA: tl.constexpr):
+        """``_rev_add`` with u and w on the tensor cores: u16 (BF, 16) += fq^T [hi, lo, 0 ..]
+        where DDEN = hi + lo (two 16-bit roundings: u exact to ~2^-16 of DDEN, the products
+        and sums in fp32), and w16 (BD, 16) += dnum^T [1, 0 ..]; u is the sum of u16's first
+        two columns, w w16's first."""
+        bh = b * H + h
+        t0 = j * CS + tl.load(SHIFT + bh)
+        fq = _tile(fq_src, b, h, t0, pid_f * BF, sfq_b, sfq_h, sfq_t, T, CS, BF, TMA)
+        dn = _tile(dn_src, b, h, t0, pid_d * BD, H * T * D, T * D, D, T, CS, BD, TMA)
+        R += tl.dot(tl.trans(fq), dn, input_precision=PREC)
+        c16 = tl.arange(0, 16)
+        if pid_d == 0:
+            offs_t = t0 + offs_c
+            dd = tl.load(DDEN + bh.to(tl.int64) * T + offs_t, mask=offs_t < T, other=0.0)
+            hi = dd.to(fq.dtype).to(tl.float32)
+            lo = (dd - hi).to(fq.dtype).to(tl.float32)
+            cols = tl.where(c16[None, :] == 0, hi[:, None],
+                            tl.where(c16[None, :] == 1, lo[:, None], 0.0))
+            u16 += tl.dot(tl.trans(fq), cols.to(fq.dtype), input_precision=PREC)
+        if pid_f == 0:
+            ones = tl.where(c16[None, :] == 0, 1.0, 0.0) + tl.zeros([CS, 16], tl.float32)
+            w16 += tl.dot(tl.trans(dn), ones.to(dn.dtype), input_precision=PREC)
+        return R, u16, w16
 
     @triton.jit
     def _store_state(st_base, u_base, w_base, j, R, u, w, offs_f, offs_d, pid_f, pid_d,
@@ -1291,6 +1352,74 @@ if HAVE_TRITON:
                      mask=kin[:, None])
 
     @triton.jit
+    def _dkv_la_both(FQ, FK, V, DO, GF, DDEN, RST, UST, WST, SHIFT, KPM, DV, DFK,
+                     sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sv_b, sv_h, sv_t,
+                     sdo_b, sdo_h, sdo_t, sdv_b, sdv_h, sdv_t,
+                     T, H, G, NC, eps, pid_n, pid_bh, dv_swa,
+                     D: tl.constexpr, F: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     CS: tl.constexpr, HAS_KPM: tl.constexpr, PREC: tl.constexpr):
+        """``_dkv_la_part``'s dfk program (over all F features) and its dv program in one
+        (``KernelConfig.kv_one_program``): each LA query tile's fq and dO are loaded once for
+        both products, dfk += (v dO^T gf + dden) fq and dv += ((fk fq^T + eps) gf) dO, in the
+        two parts' order; dv then adds ``dv_swa`` (the window's share) last, as the dv
+        program does."""
+        Hkv = H // G
+        b = pid_bh // Hkv
+        hk = pid_bh % Hkv
+        i0 = pid_n * BN
+        offs_n = i0 + tl.arange(0, BN)
+        offs_d = tl.arange(0, D)
+        offs_f = tl.arange(0, F)
+        kin = offs_n < T
+        kreal = kin
+        if HAS_KPM:
+            kreal = kreal & (tl.load(KPM + b * T + offs_n, mask=kin, other=0) != 0)
+        vb = tl.load(V + b.to(tl.int64) * sv_b + hk.to(tl.int64) * sv_h + offs_n[:, None] * sv_t
+                     + offs_d[None, :], mask=kin[:, None], other=0.0)
+        fkb = tl.load(FK + b.to(tl.int64) * sfk_b + hk.to(tl.int64) * sfk_h
+                      + offs_n[:, None] * sfk_t + offs_f[None, :], mask=kin[:, None], other=0.0)
+        jb = tl.minimum(tl.cdiv(i0 + BN - 1, CS), NC)  # first reverse state past the block
+        st = RST + pid_bh.to(tl.int64) * NC * F * D + (jb - 1).to(tl.int64) * F * D
+        R = tl.load(st + offs_f[:, None] * D + offs_d[None, :])  # (F, D)
+        u = tl.load(UST + pid_bh.to(tl.int64) * NC * F + (jb - 1) * F + offs_f)
+        dfk = tl.dot(vb, tl.trans(R), input_precision=PREC) + u[None, :]
+        w = tl.load(WST + pid_bh.to(tl.int64) * NC * D + (jb - 1) * D + offs_d)
+        dv = dv_swa + eps * w[None, :]
+        dv += tl.dot(fkb, R, input_precision=PREC)
+        for g in range(0, G):
+            h = hk * G + g
+            row_base = (b * H + h).to(tl.int64) * T
+            shift = tl.load(SHIFT + b * H + h)
+            fq_base = FQ + b.to(tl.int64) * sfq_b + h.to(tl.int64) * sfq_h
+            do_base = DO + b.to(tl.int64) * sdo_b + h.to(tl.int64) * sdo_h
+            q_hi = tl.minimum(jb * CS + shift, T)
+            for start in range(i0 + shift, q_hi, BM):
+                offs_m = start + tl.arange(0, BM)
+                qin = offs_m < T
+                fqb = tl.load(fq_base + offs_m[:, None] * sfq_t + offs_f[None, :],
+                              mask=qin[:, None], other=0.0)
+                dob = tl.load(do_base + offs_m[:, None] * sdo_t + offs_d[None, :],
+                              mask=qin[:, None], other=0.0)
+                gf = tl.load(GF + row_base + offs_m, mask=qin, other=0.0)
+                dd = tl.load(DDEN + row_base + offs_m, mask=qin, other=0.0)
+                # (q_hi: as in ``_dkv_la_part``, the reverse state holds the later queries)
+                ok = (offs_m[None, :] - shift >= offs_n[:, None]) & qin[None, :] & \
+                    (offs_m[None, :] < q_hi) & kreal[:, None]
+                daT = tl.dot(vb, tl.trans(dob), input_precision=PREC) * gf[None, :] + \
+                    dd[None, :]
+                daT = tl.where(ok, daT, 0.0)
+                dfk += tl.dot(daT.to(fqb.dtype), fqb, input_precision=PREC)
+                aT = tl.dot(fkb, tl.trans(fqb), input_precision=PREC)
+                aT = tl.where(ok, (aT + eps) * gf[None, :], 0.0)
+                dv += tl.dot(aT.to(dob.dtype), dob, input_precision=PREC)
+        tl.store(DFK + (pid_bh.to(tl.int64) * T + offs_n[:, None]) * F + offs_f[None, :],
+                 tl.where(kreal[:, None], dfk, 0.0).to(DFK.dtype.element_ty),
+                 mask=kin[:, None])
+        tl.store(DV + b.to(tl.int64) * sdv_b + hk.to(tl.int64) * sdv_h + offs_n[:, None] * sdv_t
+                 + offs_d[None, :], tl.where(kreal[:, None], dv, 0.0).to(DV.dtype.element_ty),
+                 mask=kin[:, None])
+
+    @triton.jit
     def _bwd_dkv_la(FQ, FK, V, DO, GF, DDEN, RST, UST, WST, SHIFT, KPM, DVS, DV, DFK,
                     sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sv_b, sv_h, sv_t,
                     sdo_b, sdo_h, sdo_t, sdv_b, sdv_h, sdv_t,
@@ -1313,16 +1442,30 @@ if HAVE_TRITON:
                 T, H, G, NC, window, scale, scale_log2, eps,
                 D: tl.constexpr, F: tl.constexpr, FC: tl.constexpr, BM: tl.constexpr,
                 BN: tl.constexpr, CS: tl.constexpr, HAS_KPM: tl.constexpr,
-                PREC: tl.constexpr):
+                PREC: tl.constexpr, ORDER: tl.constexpr = 0):
         """The key side of the backward in one grid (``KernelConfig.fuse_kv_side``):
         ``_bwd_dkv_la``'s grid of one key block's dfk programs and its dv program, the dv
         program first doing ``_bwd_dkv_swa``'s work (dk, and the window's dv in registers,
         added where the two-kernel path reads it back from an fp32 buffer): one launch and
-        that buffer fewer, the same results bit for bit."""
+        that buffer fewer, the same results bit for bit. ORDER (``KernelConfig.kv_order``):
+        0, the grid's third axis holds the dfk programs first, the dv program last; 1, the
+        dv program first (the heavier kind scheduled first); 2, one program a key block doing
+        both (``_dkv_la_both``; F // FC must be 1)."""
         pid_n = tl.program_id(0)
         pid_bh = tl.program_id(1)  # b * Hkv + hk
         pid_f = tl.program_id(2)
-        if pid_f * FC < F:  # a dfk program (the part's PART 1: dfk only, 2: dv only)
+        if ORDER == 1:  # dv program at 0, the dfk slices after it
+            pid_f = (pid_f + F // FC) % (F // FC + 1)
+        if ORDER == 2:
+            dv_swa = _dkv_swa_part(Q, K, V, DO, LSE, DELTA, WS, KPM, DK, sq_b, sq_h, sq_t,
+                                   sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sdo_b, sdo_h, sdo_t,
+                                   sdk_b, sdk_h, sdk_t, T, H, G, window, scale, scale_log2,
+                                   pid_n, pid_bh, D, BM, BN, HAS_KPM, PREC)
+            _dkv_la_both(FQ, FK, V, DO, GF, DDEN, RST, UST, WST, SHIFT, KPM, DV, DFK,
+                         sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sv_b, sv_h, sv_t, sdo_b,
+                         sdo_h, sdo_t, sdv_b, sdv_h, sdv_t, T, H, G, NC, eps, pid_n, pid_bh,
+                         dv_swa, D, F, BM, BN, CS, HAS_KPM, PREC)
+        elif pid_f * FC < F:  # a dfk program (the part's PART 1: dfk only, 2: dv only)
             _dkv_la_part(FQ, FK, V, DO, GF, DDEN, RST, UST, WST, SHIFT, KPM, DV, DV, DFK,
                          sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sv_b, sv_h, sv_t, sdo_b,
                          sdo_h, sdo_t, sdv_b, sdv_h, sdv_t, T, H, G, NC, eps, pid_n, pid_bh,
@@ -1655,10 +1798,13 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
             BF, BD = _state_tile(cfg, B * Hkv, F, D)
             tma = _use_tma(cfg, fq, dnum)
             # (the pipelined loop through pointer tensors spills: ptxas at D 128 bf16, 92 B)
+            rs = cfg.state_rev_stages if tma else 0
+            sm = cfg.state_sums_mma and rs == 0 and fq.dtype != torch.float32
             fast(_state_rev)[(B * Hkv, F // BF, D // BD)](
                 fq, dnum, dden, shift, R, U, W, *_strides(fq), T, H, G, NC,
-                F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD, PREC=prec, TMA=tma,
-                RS=cfg.state_rev_stages if tma else 0, num_warps=cfg.state_warps)
+                F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD, PREC=prec, TMA=tma, RS=rs, SM=sm,
+                num_warps=cfg.state_warps)
+            CALLS["state_sums_mma"] += sm
         dnum = None  # (read by the reverse states only)
     if has_la and not fuse_q:
         dfq, du = _dfq_buffers(B, H, T, F, fq, du_slot if map_du else None)
@@ -1685,13 +1831,17 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
         and BNK == BNV
     if fuse_kv:  # dk, dfk and dv from one grid (``_bwd_kv``)
         dfk = torch.empty(B, Hkv, T, F, device=dev, dtype=fk.dtype)
-        fast(_bwd_kv)[(NNB, B * Hkv, F // GFC + 1)](
+        order = cfg.kv_order if cfg.kv_order != 2 or GFC == F else 0
+        fast(_bwd_kv)[(NNB, B * Hkv, 1 if order == 2 else F // GFC + 1)](
             q, k, fq, fk, v, do, lse, delta, ws, gf, dden, R, U, W, shift, kpm, dk, dv, dfk,
             *_strides(q), *_strides(k), *_strides(fq), *_strides(fk), *_strides(v),
             *_strides(do), *_strides(dk), *_strides(dv), T, H, G, NC, window, scale,
             scale * LOG2E, eps, D=D, F=F, FC=GFC, BM=BM, BN=BNK, CS=cfg.state_chunk,
-            HAS_KPM=has_kpm, PREC=prec, num_warps=cfg.bwd_warps, num_stages=cfg.stages)
+            HAS_KPM=has_kpm, PREC=prec, ORDER=order, num_warps=cfg.bwd_warps,
+            num_stages=cfg.stages)
         CALLS["fuse_kv_side"] += 1
+        if order:
+            CALLS[f"kv_order_{order}"] += 1
         CALLS["dkv_swa"] += 1
         CALLS["dv_la"] += 1
     elif has_swa and dk is not None:  # the window's dk and dv come from one kernel
