@@ -631,15 +631,20 @@ TUNE_CONFIGS = {  # None: default_config (D=128 since session 13: fwd 128x64 w8 
     # against 192 KB of shared memory): measured slower, the forward 0.328 to 0.344 ms device
     # at 8 x 1k (predicted ~0.26 or slower; results/h200_2026-12-04, call 1). Not taken
     "fwd-bn32": dict(_DEFAULT_D128, block_n=32),
-    # _bwd_kv's programs (KernelConfig.kv_order): the dv program (window dk, dv, then LA's dv)
-    # scheduled before the dfk programs it outweighs ~2 to 1 (the same results bit for bit),
-    # and one program a key block doing both (each LA query tile's fq, dO loaded once;
-    # ptxas: 255 registers, 120 against 68 B of spill); not yet measured
+    # _bwd_kv's programs (KernelConfig.kv_order; 2 by default since session 18): order 0 (the
+    # dfk programs first, the dv program - window dk, dv, then LA's dv, ~2x a dfk program's
+    # work - last), the dv program first (1: the same results bit for bit), one program a key
+    # block doing both (2: each LA query tile's fq, dO loaded once; ptxas 120 against 68 B of
+    # spill). Measured (session 18, call 1, device ms): `_bwd_kv` at 8 x 1k 0.610 / 0.597 /
+    # 0.565; the kernel alone at 1 x 64k 13.31 / 13.31 / 12.92
+    "kv-order0": dict(_DEFAULT_D128, kv_order=0),
     "kv-order1": dict(_DEFAULT_D128, kv_order=1),
-    "kv-order2": dict(_DEFAULT_D128, kv_order=2),
-    # the walked reverse states' u, w sums on the tensor cores (state_sums_mma; ptxas: 203
-    # against 253 registers, no spill, 135 against 70 KB of shared memory); not yet measured
-    "rev-sums-mma": dict(_DEFAULT_D128, state_sums_mma=True),
+    # the LA state kernels' vector sums as row reductions (state_sums_mma False; on by default
+    # since session 18: `_state_rev` at 8 x 1k 0.166 to 0.086 ms with them on, the walked
+    # reverse states only; the forward walk and the split states' sums measured in call 2)
+    "sums-reduced": dict(_DEFAULT_D128, state_sums_mma=False),
+    # session 17's default (both of the above off)
+    "session17": dict(_DEFAULT_D128, kv_order=0, state_sums_mma=False),
 }
 
 

@@ -40,13 +40,15 @@ LAYERS = {LAYER: dict(kernel_du=True), "layer-no-du": dict(kernel_du=False)}
 #: the whole layer with the default tiles changed (``KernelConfig`` fields), timed as the model
 #: would run them: the backward's fused kernels (on by default for D 128 bf16 since session
 #: 17) off, one at a time and both (the separate kernels, as before); ``_bwd_kv``'s program
-#: order (``KernelConfig.kv_order``) 1 and 2; the reverse states' sums on the tensor cores
-#: (``state_sums_mma``)
+#: order (``KernelConfig.kv_order``, 2 by default since session 18) 0 and 1; the state
+#: kernels' sums as row reductions (``state_sums_mma`` off, on since session 18); both as in
+#: session 17
 LAYER_CHANGES = {"layer-no-fuse-q": dict(fuse_q_side=False),
                  "layer-no-fuse-kv": dict(fuse_kv_side=False),
                  "layer-unfused": dict(fuse_q_side=False, fuse_kv_side=False),
-                 "layer-kv-order1": dict(kv_order=1), "layer-kv-order2": dict(kv_order=2),
-                 "layer-rev-sums-mma": dict(state_sums_mma=True)}
+                 "layer-kv-order0": dict(kv_order=0), "layer-kv-order1": dict(kv_order=1),
+                 "layer-sums-reduced": dict(state_sums_mma=False),
+                 "layer-session17": dict(kv_order=0, state_sums_mma=False)}
 LAYERS.update({name: dict(kernel_du=True) for name in LAYER_CHANGES})
 
 
@@ -199,7 +201,8 @@ def main(argv=None) -> int:
                         f"maps included; config 'default' only; 'layer-no-du': it with the q "
                         f"map's backward from dphi; {', '.join(LAYER_CHANGES)}: it with the "
                         f"default tiles changed: the backward's fused kernels off, _bwd_kv's "
-                        f"program order 1 or 2, the reverse states' sums as products)")
+                        f"program order 0 or 1, the state sums as row reductions, "
+                        f"session 17's tiles)")
     p.add_argument("--calls", type=int, default=10)
     add_head_args(p)
     p.add_argument("--out", default=None)

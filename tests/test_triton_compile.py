@@ -42,6 +42,8 @@ F32 = "*fp32"
 MAX_SPILL = 64
 #: the same for ``_bwd_kv`` (``KernelConfig.fuse_kv_side``, on by default at D 128 bf16; seen: 68-76)
 KERNEL_SPILL_FUSED_KV = 96
+#: shared memory one program may have on an H100 / H200 (227 KB: the launch fails past it)
+SMEM_MAX = 227 * 1024
 #: the same for its one-program-a-key-block order (``KernelConfig.kv_order`` 2; seen: 120)
 KERNEL_SPILL_KV_ONE_PROGRAM = 160
 #: the hybrid kernels' integer arguments not divisible by 16 at the 8B shape (4 query heads a
@@ -110,18 +112,23 @@ def hybrid_kernels(dtype: torch.dtype, D: int, F: int, has_swa=True, has_la=True
     fwd_tiles = dict(BM=cfg.block_m, BN=cfg.block_n, P=th.pack_of(cfg, 4))  # the 8B's groups
     dq_tiles = dict(BM=th._dq_block_m(cfg), BN=cfg.bwd_block_n,  # the query-side kernels
                     P=th.dq_pack_of(cfg, 4))
-    yield "state_fwd", th._state_fwd, dict(F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD,
-                                            HAS_KPM=kpm, PREC=prec), (), cfg.state_warps, 3
+    # SM: the vector sums on the tensor cores (``state_sums_mma``, 16-bit inputs only)
+    for sm in (False, True) if dtype != torch.float32 else (False,):
+        yield f"state_fwd{'-sums-mma' if sm else ''}", th._state_fwd, dict(
+            F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD, HAS_KPM=kpm, PREC=prec, SM=sm), (), \
+            cfg.state_warps, th.STATE_FWD_STAGES[sm]
     # split_states (past SPLIT_STATES_MIN_CHUNKS chunks): every chunk's share at once, then the sums
     tile = (cfg.split_tile, cfg.split_tile) if cfg.split_tile else (cfg.state_f, cfg.state_d)
     for reverse in (False, True):
         for tma in (True, False):  # TMA: tensor descriptors (sm_90+); else pointer tensors
             cap = F if tma else 64  # (as _split_states: the pointer path at most 64 x 64)
             SF, SD = min(tile[0], F, cap), min(tile[1], D, cap)
-            yield f"state_local{'-rev' if reverse else ''}{'-tma' if tma else ''}", \
-                th._state_local, dict(F=F, D=D, CS=cfg.state_chunk, BF=SF, BD=SD,
-                                      REVERSE=reverse, HAS_KPM=kpm, PREC=prec, TMA=tma), \
-                (), cfg.state_warps, 3
+            for sm in (False, True) if dtype != torch.float32 else (False,):
+                yield f"state_local{'-rev' if reverse else ''}{'-tma' if tma else ''}" \
+                    f"{'-sums-mma' if sm else ''}", \
+                    th._state_local, dict(F=F, D=D, CS=cfg.state_chunk, BF=SF, BD=SD,
+                                          REVERSE=reverse, HAS_KPM=kpm, PREC=prec, TMA=tma,
+                                          SM=sm), (), cfg.state_warps, 3
     for reverse in (False, True):
         yield f"state_scan{'-rev' if reverse else ''}", th._state_scan, dict(
             BLK=th.SCAN_BLOCK, U=th.SCAN_STEP, REVERSE=reverse), (), 4, 3
@@ -291,6 +298,7 @@ def test_hybrid_kernels_compile_for_sm90(dtype, D, F, flags):
         print(f"{name:12s} {str(dtype)[6:]} D{D} F{F} {flags}: {r}")
         if dtype == torch.bfloat16:
             assert r["spill"] <= MAX_SPILL, (name, r)
+        assert r["smem"] <= SMEM_MAX, (name, r)
 
 
 @pytest.mark.parametrize("D,F", [(128, 256), (64, 128)])

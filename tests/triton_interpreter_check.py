@@ -1034,14 +1034,20 @@ def cases(quick: bool = False):
             per_bh_shift=True)),
         ("kv-order2-not-for-feature-slices", fc, dict(
             cfg=dict(SMALL, grad_f_chunk=16), order=2, fused=False)),
-        # the walked reverse states' u and w sums on the tensor cores
-        # (KernelConfig.state_sums_mma; bf16 only)
+        # the LA state kernels' vector sums on the tensor cores (KernelConfig.state_sums_mma;
+        # bf16 only): walked and split
         ("kernel-state-sums-mma-pad-shifts-bf16", k, dict(
             T=150, window=40, per_bh_shift=True, pad=True, dtype=bf16,
             cfg=dict(SMALL, split_states=False, state_sums_mma=True))),
         ("kernel-state-sums-mma-shared-group3-bf16", k, dict(
             T=70, window=10, H=6, Hkv=2, shared=True, dtype=bf16,
             cfg=dict(SMALL, split_states=False, state_sums_mma=True))),
+        ("kernel-state-sums-mma-split-pad-shifts-bf16", k, dict(
+            T=150, window=40, per_bh_shift=True, pad=True, dtype=bf16,
+            cfg=dict(SMALL, split_states=True, state_sums_mma=True))),
+        ("kernel-8b-tiles-state-sums-mma-split-pad-bf16", k, dict(
+            cfg=dict(d128, state_sums_mma=True, split_states=True), H=8, Hkv=2, T=300,
+            D=128, window=64, pad=True, dtype=bf16, B=1)),
         ("kernel-8b-tiles-state-sums-mma-pad-shared-bf16", k, dict(
             cfg=dict(d128, state_sums_mma=True), H=8, Hkv=2, T=300, D=128, window=64,
             pad=True, shared=True, dtype=bf16, B=1)),

@@ -248,13 +248,17 @@ class KernelConfig:
     #: loaded once for dfk and dv; dv's terms summed in another order) where one dfk program
     #: takes all F features (``_grad_fc`` = F; otherwise 0: the same results, another speed).
     #: ptxas (sm_90a, D 128, F 256, the default's tiles): 0 / 1, 255 registers and 68 B of
-    #: spill; 2, 255 and 120 B
+    #: spill; 2, 255 and 120 B. 2 in ``default_config`` for D >= 128 bf16 since session 18
+    #: (measured there: `_bwd_kv` at 8 x 1k 0.610 ms, 0.597 with 1, 0.565 with 2)
     kv_order: int = 0
-    #: the walked reverse states (``_state_rev``, ``state_rev_stages`` 0, bf16 / fp16 inputs):
-    #: the sums u = sum dden_t fq_t and w = sum dnum_t as tensor-core products (dden split
-    #: into two 16-bit parts: u within ~2^-16 of the fp32 sum) instead of reductions across
-    #: the tile's rows, which each of the walk's (chunk, head) steps does for 128 x 128
-    #: values at the default tiles. Not yet measured
+    #: the LA state kernels (walked, ``_state_fwd`` and ``_state_rev`` at
+    #: ``state_rev_stages`` 0; split, ``_state_local``), bf16 / fp16 inputs: their vector sums
+    #: (z = sum fk_i, the value sums, u = sum dden_t fq_t, w = sum dnum_t) as tensor-core
+    #: products (``_sums_mma``, ``_wsums_mma``: dden split into two 16-bit parts, u within
+    #: ~2^-16 of the fp32 sum; the other sums exact products summed in fp32) instead of
+    #: reductions across the tile's rows, which every step of the walks does for a
+    #: 128 x 128 tile at the default tiles. On in ``default_config`` for D >= 128 bf16 since
+    #: session 18 (measured there: `_state_rev` at 8 x 1k 0.166 to 0.086 ms)
     state_sums_mma: bool = False
 
 
@@ -314,13 +318,19 @@ def default_config(D: int, F: int, dtype: torch.dtype) -> KernelConfig:
     # `_bwd_kv` 0.610; kernel_anatomy, one run; all 12 GPU variants bit for bit against the
     # separate kernels; results/h200_2026-12-04, call 1). D < 128 and fp32 keep them off (not
     # measured there)
+    # ``_bwd_kv`` as one program a key block (``kv_order`` 2) and the state kernels' vector
+    # sums on the tensor cores (``state_sums_mma``) since session 18: the layer at 8 x 1k,
+    # device time, 1.928 ms, 1.878 with the first (`_bwd_kv` 0.610 to 0.565), 1.839 with the
+    # second (`_state_rev` 0.166 to 0.086); the dv program scheduled first (``kv_order`` 1)
+    # 1.910 (`_bwd_kv` 0.597). The kernel alone at 1 x 64k 13.31 to 12.92 ms with the first
+    # (kernel_anatomy and attention_speed.py --tune, one run; results/h200_2026-12-04b, call 1)
     if D >= 128:
         return KernelConfig(block_m=128, block_n=64, state_chunk=128, warps=8, stages=2,
                             bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64,
                             state_warps=8, grad_f_chunk=256, dkv_block_n=64, split_tile=128,
                             dq_block_m=128, pack_heads=4, state_f=128, state_d=128,
                             state_programs=128, dv_block_n=64, fuse_q_side=True,
-                            fuse_kv_side=True)
+                            fuse_kv_side=True, kv_order=2, state_sums_mma=True)
     return KernelConfig(block_m=64, block_n=64, warps=4, stages=2, bwd_block_m=64,
                         bwd_block_n=64, bwd_warps=8, f_chunk=128)
 
@@ -360,9 +370,11 @@ if HAVE_TRITON:
                    sfk_b, sfk_h, sfk_t, sv_b, sv_h, sv_t,
                    T, Hkv, NC,
                    F: tl.constexpr, D: tl.constexpr, CS: tl.constexpr, BF: tl.constexpr,
-                   BD: tl.constexpr, HAS_KPM: tl.constexpr, PREC: tl.constexpr):
+                   BD: tl.constexpr, HAS_KPM: tl.constexpr, PREC: tl.constexpr,
+                   SM: tl.constexpr = 0):
         """S_j = sum_{i < j CS, real} fk_i v_i^T (F x D), z_j = sum fk_i, u_j = sum v_i (the
-        kernel floor's share of the numerator), for j < NC."""
+        kernel floor's share of the numerator), for j < NC. SM: z and u as tensor-core
+        products (``_sums_mma``; ``KernelConfig.state_sums_mma``)."""
         pid_bh = tl.program_id(0)
         pid_f = tl.program_id(1)
         pid_d = tl.program_id(2)
@@ -379,7 +391,13 @@ if HAVE_TRITON:
         S = tl.zeros([BF, BD], dtype=tl.float32)
         z = tl.zeros([BF], dtype=tl.float32)
         vs = tl.zeros([BD], dtype=tl.float32)
+        c16 = tl.arange(0, 16)
+        z16 = tl.zeros([BF, 16], dtype=tl.float32)
+        vs16 = tl.zeros([BD, 16], dtype=tl.float32)
         for j in range(0, NC):
+            if SM:
+                z = _first_cols(z16, c16, 1)
+                vs = _first_cols(vs16, c16, 1)
             _store_state(st_base, z_base, v_sum_base, j, S, z, vs, offs_f, offs_d, pid_f, pid_d,
                          F, D)
             offs_n = j * CS + offs_c
@@ -391,9 +409,14 @@ if HAVE_TRITON:
             v = tl.load(v_base + offs_n[:, None] * sv_t + offs_d[None, :], mask=keep[:, None],
                         other=0.0)
             S += tl.dot(tl.trans(fk), v, input_precision=PREC)
-            z += tl.sum(fk.to(tl.float32), axis=0)
-            if pid_f == 0:
-                vs += tl.sum(v.to(tl.float32), axis=0)
+            if SM:
+                z16 += _sums_mma(fk, c16, CS, PREC)
+                if pid_f == 0:
+                    vs16 += _sums_mma(v, c16, CS, PREC)
+            else:
+                z += tl.sum(fk.to(tl.float32), axis=0)
+                if pid_f == 0:
+                    vs += tl.sum(v.to(tl.float32), axis=0)
 
     @triton.jit
     def _state_local(X, Y, KPM, SHIFT, DDEN, LST, XL, YL,
@@ -401,7 +424,7 @@ if HAVE_TRITON:
                      T, Hkv, G, NC,
                      F: tl.constexpr, D: tl.constexpr, CS: tl.constexpr, BF: tl.constexpr,
                      BD: tl.constexpr, REVERSE: tl.constexpr, HAS_KPM: tl.constexpr,
-                     PREC: tl.constexpr, TMA: tl.constexpr):
+                     PREC: tl.constexpr, TMA: tl.constexpr, SM: tl.constexpr = 0):
         """One chunk's share of the LA states (``split_states``; fp32, summed by
         ``_state_scan``), all chunks in parallel. Forward (X = fk, Y = v, G = 1): chunk j holds
         L_j = sum fk_i v_i^T, sum fk_i and sum v_i over its real keys i in [j CS, (j+1) CS).
@@ -409,7 +432,8 @@ if HAVE_TRITON:
         heads h of the kv head): positions t with t - shift_h in [j CS, (j+1) CS) give
         L_j = sum fq_t dnum_t^T, sum DDEN_t fq_t and sum dnum_t. X and Y are read through
         ``_tile`` (ptxas, sm_90a, D 128, F 256: the reverse loop 104 registers through tensor
-        descriptors, 255 through pointer tensors)."""
+        descriptors, 255 through pointer tensors). SM: the vector sums as tensor-core products
+        (``_sums_mma``, ``_wsums_mma``; ``KernelConfig.state_sums_mma``)."""
         j = tl.program_id(0)
         pid_t = tl.program_id(1)
         pid_bh = tl.program_id(2)  # b * Hkv + hk
@@ -428,6 +452,9 @@ if HAVE_TRITON:
         acc = tl.zeros([BF, BD], dtype=tl.float32)
         xs = tl.zeros([BF], dtype=tl.float32)
         ys = tl.zeros([BD], dtype=tl.float32)
+        c16 = tl.arange(0, 16)
+        xs16 = tl.zeros([BF, 16], dtype=tl.float32)
+        ys16 = tl.zeros([BD, 16], dtype=tl.float32)
         if REVERSE:
             for g in range(0, G):
                 h = hk * G + g
@@ -440,9 +467,18 @@ if HAVE_TRITON:
                     offs_t = t0 + offs_c
                     dd = tl.load(DDEN + bh.to(tl.int64) * T + offs_t, mask=offs_t < T,
                                  other=0.0)
-                    xs += tl.sum(x.to(tl.float32) * dd[:, None], axis=0)
+                    if SM:
+                        xs16 += _wsums_mma(x, dd, c16, PREC)
+                    else:
+                        xs += tl.sum(x.to(tl.float32) * dd[:, None], axis=0)
                 if pid_f == 0:
-                    ys += tl.sum(y.to(tl.float32), axis=0)
+                    if SM:
+                        ys16 += _sums_mma(y, c16, CS, PREC)
+                    else:
+                        ys += tl.sum(y.to(tl.float32), axis=0)
+            if SM:
+                xs = _first_cols(xs16, c16, 2)
+                ys = _first_cols(ys16, c16, 1)
         else:  # one kv head's keys (G = 1), as _state_fwd takes them
             offs_t = j * CS + offs_c
             x = _tile(xsrc, b, hk, j * CS, pid_f * BF, sx_b, sx_h, sx_t, T, CS, BF, TMA)
@@ -452,9 +488,14 @@ if HAVE_TRITON:
                 x = tl.where(keep[:, None], x, 0.0).to(x.dtype)
                 y = tl.where(keep[:, None], y, 0.0).to(y.dtype)
             acc = tl.dot(tl.trans(x), y, input_precision=PREC)
-            xs = tl.sum(x.to(tl.float32), axis=0)
-            if pid_f == 0:
-                ys = tl.sum(y.to(tl.float32), axis=0)
+            if SM:
+                xs = _first_cols(_sums_mma(x, c16, CS, PREC), c16, 1)
+                if pid_f == 0:
+                    ys = _first_cols(_sums_mma(y, c16, CS, PREC), c16, 1)
+            else:
+                xs = tl.sum(x.to(tl.float32), axis=0)
+                if pid_f == 0:
+                    ys = tl.sum(y.to(tl.float32), axis=0)
         base = pid_bh.to(tl.int64) * NC + j
         tl.store(LST + base * F * D + offs_f[:, None] * D + offs_d[None, :], acc)
         if pid_d == 0:
@@ -1065,8 +1106,8 @@ if HAVE_TRITON:
             w16 = tl.zeros([BD, 16], dtype=tl.float32)
             for jj in range(0, NC):
                 j = NC - 1 - jj
-                u = tl.sum(tl.where(c16[None, :] < 2, u16, 0.0), axis=1)
-                w = tl.sum(tl.where(c16[None, :] == 0, w16, 0.0), axis=1)
+                u = _first_cols(u16, c16, 2)
+                w = _first_cols(w16, c16, 1)
                 _store_state(st_base, u_base, w_base, j, R, u, w, offs_f, offs_d, pid_f, pid_d,
                              F, D)
                 for g in range(0, G):
@@ -1094,14 +1135,37 @@ if HAVE_TRITON:
                                    F, D, CS, BF, BD, PREC, TMA)
 
     @triton.jit
+    def _sums_mma(x, c16, CS: tl.constexpr, PREC: tl.constexpr):
+        """The sums over the CS rows of x (CS, N) as a product on the tensor cores: column 0
+        of the returned (N, 16) fp32 (x^T [1, 0 ..]; the products exact, summed in fp32)."""
+        ones = tl.where(c16[None, :] == 0, 1.0, 0.0) + tl.zeros([CS, 16], tl.float32)
+        return tl.dot(tl.trans(x), ones.to(x.dtype), input_precision=PREC)
+
+    @triton.jit
+    def _wsums_mma(x, wt, c16, PREC: tl.constexpr):
+        """sum_t wt_t x_t over the rows of x (CS, N), wt (CS,) fp32, on the tensor cores: the
+        sum of columns 0 and 1 of the returned (N, 16) fp32, x^T [hi, lo, 0 ..] where wt =
+        hi + lo, each rounded to x's 16-bit type (wt exact to ~2^-16 of itself; the products
+        and sums in fp32)."""
+        hi = wt.to(x.dtype).to(tl.float32)
+        lo = (wt - hi).to(x.dtype).to(tl.float32)
+        cols = tl.where(c16[None, :] == 0, hi[:, None],
+                        tl.where(c16[None, :] == 1, lo[:, None], 0.0))
+        return tl.dot(tl.trans(x), cols.to(x.dtype), input_precision=PREC)
+
+    @triton.jit
+    def _first_cols(acc16, c16, N: tl.constexpr):
+        """The sum of the first N columns of an (R, 16) tile (``_sums_mma``: 1,
+        ``_wsums_mma``: 2)."""
+        return tl.sum(tl.where(c16[None, :] < N, acc16, 0.0), axis=1)
+
+    @triton.jit
     def _rev_add_mma(fq_src, dn_src, DDEN, SHIFT, R, u16, w16, b, h, j, pid_f, pid_d, offs_c,
                      sfq_b, sfq_h, sfq_t, T, H, F: tl.constexpr, D: tl.constexpr,
                      CS: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
                      TMA: tl.constexpr):
-        """``_rev_add`` with u and w on the tensor cores: u16 (BF, 16) += fq^T [hi, lo, 0 ..]
-        where DDEN = hi + lo (two 16-bit roundings: u exact to ~2^-16 of DDEN, the products
-        and sums in fp32), and w16 (BD, 16) += dnum^T [1, 0 ..]; u is the sum of u16's first
-        two columns, w w16's first."""
+        """``_rev_add`` with u and w on the tensor cores: u16 (BF, 16) (``_wsums_mma``: u the
+        sum of its first two columns) and w16 (BD, 16) (``_sums_mma``: w its first)."""
         bh = b * H + h
         t0 = j * CS + tl.load(SHIFT + bh)
         fq = _tile(fq_src, b, h, t0, pid_f * BF, sfq_b, sfq_h, sfq_t, T, CS, BF, TMA)
@@ -1111,14 +1175,9 @@ if HAVE_TRITON:
         if pid_d == 0:
             offs_t = t0 + offs_c
             dd = tl.load(DDEN + bh.to(tl.int64) * T + offs_t, mask=offs_t < T, other=0.0)
-            hi = dd.to(fq.dtype).to(tl.float32)
-            lo = (dd - hi).to(fq.dtype).to(tl.float32)
-            cols = tl.where(c16[None, :] == 0, hi[:, None],
-                            tl.where(c16[None, :] == 1, lo[:, None], 0.0))
-            u16 += tl.dot(tl.trans(fq), cols.to(fq.dtype), input_precision=PREC)
+            u16 += _wsums_mma(fq, dd, c16, PREC)
         if pid_f == 0:
-            ones = tl.where(c16[None, :] == 0, 1.0, 0.0) + tl.zeros([CS, 16], tl.float32)
-            w16 += tl.dot(tl.trans(dn), ones.to(dn.dtype), input_precision=PREC)
+            w16 += _sums_mma(dn, c16, CS, PREC)
         return R, u16, w16
 
     @triton.jit
@@ -1593,7 +1652,9 @@ def _split_states(x, y, S, xs, ys, NC, cfg: KernelConfig, *, reverse: bool, kpm_
         x, y, _ptr(kpm_i8, dummy), _ptr(shift, dummy), _ptr(dden, dummy),
         L, xl, yl, *_strides(x), *_strides(y), x.shape[2], Hkv, G, NC,
         F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD, REVERSE=reverse,
-        HAS_KPM=kpm_i8 is not None, PREC=_prec(x.dtype), TMA=tma, num_warps=cfg.state_warps)
+        HAS_KPM=kpm_i8 is not None, PREC=_prec(x.dtype), TMA=tma, SM=_sums_mma_on(cfg, x),
+        num_warps=cfg.state_warps)
+    CALLS["state_sums_mma"] += _sums_mma_on(cfg, x)
     for share, total in ((L, S), (xl, xs), (yl, ys)):
         _scan_chunks(share, total, NC, reverse)
     CALLS["split_states"] += 1
@@ -1630,8 +1691,23 @@ def _la_states(fk, v, kpm_i8, cfg: KernelConfig):
     fast(_state_fwd)[grid](
         fk, v, _ptr(kpm_i8, z), S, z, vs, *_strides(fk), *_strides(v), T, Hkv, NC,
         F=F, D=D, CS=CS, BF=BF, BD=BD, HAS_KPM=kpm_i8 is not None, PREC=_prec(fk.dtype),
-        num_warps=cfg.state_warps)
+        SM=_sums_mma_on(cfg, fk), num_warps=cfg.state_warps,
+        num_stages=STATE_FWD_STAGES[_sums_mma_on(cfg, fk)])
+    CALLS["state_sums_mma"] += _sums_mma_on(cfg, fk)
     return S, z, vs, NC
+
+
+#: ``_state_fwd``'s pipeline stages without / with ``state_sums_mma``: the sums' products
+#: take v transposed, a second copy of each stage's v tile in shared memory (ptxas, sm_90a,
+#: D 128, F 256, 128 x 128 tiles: 160 KB at 3 stages without, 228 KB with, past the 227 KB a
+#: program may have; 164 KB at 2 stages)
+STATE_FWD_STAGES = {False: 3, True: 2}
+
+
+def _sums_mma_on(cfg: KernelConfig, x: torch.Tensor) -> bool:
+    """Whether the LA state kernels take their vector sums on the tensor cores
+    (``KernelConfig.state_sums_mma``: 16-bit inputs only)."""
+    return cfg.state_sums_mma and x.dtype != torch.float32
 
 
 def pack_of(cfg: KernelConfig, G: int, rows: int | None = None,
@@ -1799,7 +1875,7 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
             tma = _use_tma(cfg, fq, dnum)
             # (the pipelined loop through pointer tensors spills: ptxas at D 128 bf16, 92 B)
             rs = cfg.state_rev_stages if tma else 0
-            sm = cfg.state_sums_mma and rs == 0 and fq.dtype != torch.float32
+            sm = _sums_mma_on(cfg, fq) and rs == 0
             fast(_state_rev)[(B * Hkv, F // BF, D // BD)](
                 fq, dnum, dden, shift, R, U, W, *_strides(fq), T, H, G, NC,
                 F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD, PREC=prec, TMA=tma, RS=rs, SM=sm,
