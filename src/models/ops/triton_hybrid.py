@@ -1648,13 +1648,19 @@ def _split_states(x, y, S, xs, ys, NC, cfg: KernelConfig, *, reverse: bool, kpm_
     if not tma:  # pointer tensors in the loop (ptxas, sm_90a: a 128 x 128 tile spills 312 B)
         BF, BD = min(BF, 64), min(BD, 64)
     dummy = xl
+    # the vector sums on the tensor cores, but not in the forward share with a padding mask:
+    # compiled (triton 3.6, sm_90a, through descriptors) it faults with an illegal memory
+    # access on an H200 (session 18, call 4: every padded forward case of B 1-2, T 300 / 384,
+    # and none without padding nor in the reverse share; the interpreter gives the right
+    # values), so that case keeps the row reductions
+    sm = _sums_mma_on(cfg, x) and (reverse or kpm_i8 is None)
     fast(_state_local)[(NC, (F // BF) * (D // BD), B * Hkv)](
         x, y, _ptr(kpm_i8, dummy), _ptr(shift, dummy), _ptr(dden, dummy),
         L, xl, yl, *_strides(x), *_strides(y), x.shape[2], Hkv, G, NC,
         F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD, REVERSE=reverse,
-        HAS_KPM=kpm_i8 is not None, PREC=_prec(x.dtype), TMA=tma, SM=_sums_mma_on(cfg, x),
+        HAS_KPM=kpm_i8 is not None, PREC=_prec(x.dtype), TMA=tma, SM=sm,
         num_warps=cfg.state_warps)
-    CALLS["state_sums_mma"] += _sums_mma_on(cfg, x)
+    CALLS["state_sums_mma"] += sm
     for share, total in ((L, S), (xl, xs), (yl, ys)):
         _scan_chunks(share, total, NC, reverse)
     CALLS["split_states"] += 1
