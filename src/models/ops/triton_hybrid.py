@@ -1213,6 +1213,51 @@ if HAVE_TRITON:
         return R, u, w
 
     @triton.jit
+    def _key_block(KPM, b, T, pid_n, BN: tl.constexpr, HAS_KPM: tl.constexpr):
+        """Key block ``pid_n`` of sequence b in the key-side backward: (its first position, its
+        positions, those inside T, those that are real keys: inside T and not padded)."""
+        i0 = pid_n * BN
+        offs_n = i0 + tl.arange(0, BN)
+        kin = offs_n < T
+        kreal = kin
+        if HAS_KPM:
+            kreal = kreal & (tl.load(KPM + b * T + offs_n, mask=kin, other=0) != 0)
+        return i0, offs_n, kin, kreal
+
+    @triton.jit
+    def _la_key_head(FQ, DO, SHIFT, b, h, H, T, jb, sfq_b, sfq_h, sdo_b, sdo_h,
+                     CS: tl.constexpr):
+        """Query head h of sequence b in a key block's LA gradients: (its rows' offset in the
+        per-query vectors, its shift, its fq and dO bases, q_hi: its queries from the
+        block's first reverse state ``jb`` on are in that state)."""
+        row_base = (b * H + h).to(tl.int64) * T
+        shift = tl.load(SHIFT + b * H + h)
+        fq_base = FQ + b.to(tl.int64) * sfq_b + h.to(tl.int64) * sfq_h
+        do_base = DO + b.to(tl.int64) * sdo_b + h.to(tl.int64) * sdo_h
+        q_hi = tl.minimum(jb * CS + shift, T)
+        return row_base, shift, fq_base, do_base, q_hi
+
+    @triton.jit
+    def _la_key_tile(fq_base, do_base, GF, DDEN, row_base, start, shift, q_hi, offs_n, kreal,
+                     offs_f, offs_d, sfq_t, sdo_t, T, BM: tl.constexpr):
+        """One query tile (start .. start + BM - 1, one head) of a key block's LA gradients:
+        (fq's columns ``offs_f``, dO, GF and DDEN of its rows, the (key, query) pairs that
+        count: the query at least ``shift`` past the key and before q_hi - the reverse state
+        holds the later ones, so a query tile taller than the key tile must not count them
+        twice - and both real)."""
+        offs_m = start + tl.arange(0, BM)
+        qin = offs_m < T
+        fqb = tl.load(fq_base + offs_m[:, None] * sfq_t + offs_f[None, :], mask=qin[:, None],
+                      other=0.0)
+        dob = tl.load(do_base + offs_m[:, None] * sdo_t + offs_d[None, :], mask=qin[:, None],
+                      other=0.0)
+        gf = tl.load(GF + row_base + offs_m, mask=qin, other=0.0)
+        dd = tl.load(DDEN + row_base + offs_m, mask=qin, other=0.0)
+        ok = (offs_m[None, :] - shift >= offs_n[:, None]) & qin[None, :] & \
+            (offs_m[None, :] < q_hi) & kreal[:, None]
+        return fqb, dob, gf, dd, ok
+
+    @triton.jit
     def _dkv_swa_part(Q, K, V, DO, LSE, DELTA, WS, KPM, DK,
                       sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sdo_b, sdo_h, sdo_t,
                       sdk_b, sdk_h, sdk_t,
@@ -1225,13 +1270,8 @@ if HAVE_TRITON:
         Hkv = H // G
         b = pid_bh // Hkv
         hk = pid_bh % Hkv
-        i0 = pid_n * BN
-        offs_n = i0 + tl.arange(0, BN)
+        i0, offs_n, kin, kreal = _key_block(KPM, b, T, pid_n, BN, HAS_KPM)
         offs_d = tl.arange(0, D)
-        kin = offs_n < T
-        kreal = kin
-        if HAS_KPM:
-            kreal = kreal & (tl.load(KPM + b * T + offs_n, mask=kin, other=0) != 0)
         kb = tl.load(K + b.to(tl.int64) * sk_b + hk.to(tl.int64) * sk_h + offs_n[:, None] * sk_t
                      + offs_d[None, :], mask=kin[:, None], other=0.0)
         vb = tl.load(V + b.to(tl.int64) * sv_b + hk.to(tl.int64) * sv_h + offs_n[:, None] * sv_t
@@ -1317,13 +1357,8 @@ if HAVE_TRITON:
         Hkv = H // G
         b = pid_bh // Hkv
         hk = pid_bh % Hkv
-        i0 = pid_n * BN
-        offs_n = i0 + tl.arange(0, BN)
+        i0, offs_n, kin, kreal = _key_block(KPM, b, T, pid_n, BN, HAS_KPM)
         offs_d = tl.arange(0, D)
-        kin = offs_n < T
-        kreal = kin
-        if HAS_KPM:
-            kreal = kreal & (tl.load(KPM + b * T + offs_n, mask=kin, other=0) != 0)
         fk_base = FK + b.to(tl.int64) * sfk_b + hk.to(tl.int64) * sfk_h
         vb = tl.load(V + b.to(tl.int64) * sv_b + hk.to(tl.int64) * sv_h + offs_n[:, None] * sv_t
                      + offs_d[None, :], mask=kin[:, None], other=0.0)
@@ -1340,25 +1375,12 @@ if HAVE_TRITON:
             u = tl.load(UST + pid_bh.to(tl.int64) * NC * F + (jb - 1) * F + offs_f)
             dfk = tl.dot(vb, Rt, input_precision=PREC) + u[None, :]
             for g in range(0, G):
-                h = hk * G + g
-                row_base = (b * H + h).to(tl.int64) * T
-                shift = tl.load(SHIFT + b * H + h)
-                fq_base = FQ + b.to(tl.int64) * sfq_b + h.to(tl.int64) * sfq_h
-                do_base = DO + b.to(tl.int64) * sdo_b + h.to(tl.int64) * sdo_h
-                q_hi = tl.minimum(jb * CS + shift, T)
+                row_base, shift, fq_base, do_base, q_hi = _la_key_head(
+                    FQ, DO, SHIFT, b, hk * G + g, H, T, jb, sfq_b, sfq_h, sdo_b, sdo_h, CS)
                 for start in range(i0 + shift, q_hi, BM):
-                    offs_m = start + tl.arange(0, BM)
-                    qin = offs_m < T
-                    fqb = tl.load(fq_base + offs_m[:, None] * sfq_t + offs_f[None, :],
-                                  mask=qin[:, None], other=0.0)
-                    dob = tl.load(do_base + offs_m[:, None] * sdo_t + offs_d[None, :],
-                                  mask=qin[:, None], other=0.0)
-                    gf = tl.load(GF + row_base + offs_m, mask=qin, other=0.0)
-                    dd = tl.load(DDEN + row_base + offs_m, mask=qin, other=0.0)
-                    # queries from q_hi on are in the reverse state: a query tile taller
-                    # than the key tile overshoots q_hi and must not count them twice
-                    ok = (offs_m[None, :] - shift >= offs_n[:, None]) & qin[None, :] & \
-                        (offs_m[None, :] < q_hi) & kreal[:, None]
+                    fqb, dob, gf, dd, ok = _la_key_tile(
+                        fq_base, do_base, GF, DDEN, row_base, start, shift, q_hi, offs_n,
+                        kreal, offs_f, offs_d, sfq_t, sdo_t, T, BM)
                     daT = tl.dot(vb, tl.trans(dob), input_precision=PREC) * gf[None, :] + \
                         dd[None, :]
                     daT = tl.where(ok, daT, 0.0)
@@ -1376,12 +1398,8 @@ if HAVE_TRITON:
                 R = tl.load(st + offs_f[:, None] * D + offs_d[None, :])  # (FC, D)
                 dv += tl.dot(fkb, R, input_precision=PREC)
             for g in range(0, G):
-                h = hk * G + g
-                row_base = (b * H + h).to(tl.int64) * T
-                shift = tl.load(SHIFT + b * H + h)
-                fq_base = FQ + b.to(tl.int64) * sfq_b + h.to(tl.int64) * sfq_h
-                do_base = DO + b.to(tl.int64) * sdo_b + h.to(tl.int64) * sdo_h
-                q_hi = tl.minimum(jb * CS + shift, T)
+                row_base, shift, fq_base, do_base, q_hi = _la_key_head(
+                    FQ, DO, SHIFT, b, hk * G + g, H, T, jb, sfq_b, sfq_h, sdo_b, sdo_h, CS)
                 for start in range(i0 + shift, q_hi, BM):
                     offs_m = start + tl.arange(0, BM)
                     qin = offs_m < T
@@ -1418,21 +1436,16 @@ if HAVE_TRITON:
                      D: tl.constexpr, F: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                      CS: tl.constexpr, HAS_KPM: tl.constexpr, PREC: tl.constexpr):
         """``_dkv_la_part``'s dfk program (over all F features) and its dv program in one
-        (``KernelConfig.kv_one_program``): each LA query tile's fq and dO are loaded once for
-        both products, dfk += (v dO^T gf + dden) fq and dv += ((fk fq^T + eps) gf) dO, in the
-        two parts' order; dv then adds ``dv_swa`` (the window's share) last, as the dv
-        program does."""
+        (``KernelConfig.kv_order`` 2): each LA query tile's fq and dO are loaded once for both
+        products, dfk += (v dO^T gf + dden) fq and dv += ((fk fq^T + eps) gf) dO. dv starts
+        from ``dv_swa`` (the window's share, which the dv program adds last: another order of
+        the same sums, and 32 registers fewer held through the loop)."""
         Hkv = H // G
         b = pid_bh // Hkv
         hk = pid_bh % Hkv
-        i0 = pid_n * BN
-        offs_n = i0 + tl.arange(0, BN)
+        i0, offs_n, kin, kreal = _key_block(KPM, b, T, pid_n, BN, HAS_KPM)
         offs_d = tl.arange(0, D)
         offs_f = tl.arange(0, F)
-        kin = offs_n < T
-        kreal = kin
-        if HAS_KPM:
-            kreal = kreal & (tl.load(KPM + b * T + offs_n, mask=kin, other=0) != 0)
         vb = tl.load(V + b.to(tl.int64) * sv_b + hk.to(tl.int64) * sv_h + offs_n[:, None] * sv_t
                      + offs_d[None, :], mask=kin[:, None], other=0.0)
         fkb = tl.load(FK + b.to(tl.int64) * sfk_b + hk.to(tl.int64) * sfk_h
@@ -1446,24 +1459,12 @@ if HAVE_TRITON:
         dv = dv_swa + eps * w[None, :]
         dv += tl.dot(fkb, R, input_precision=PREC)
         for g in range(0, G):
-            h = hk * G + g
-            row_base = (b * H + h).to(tl.int64) * T
-            shift = tl.load(SHIFT + b * H + h)
-            fq_base = FQ + b.to(tl.int64) * sfq_b + h.to(tl.int64) * sfq_h
-            do_base = DO + b.to(tl.int64) * sdo_b + h.to(tl.int64) * sdo_h
-            q_hi = tl.minimum(jb * CS + shift, T)
+            row_base, shift, fq_base, do_base, q_hi = _la_key_head(
+                FQ, DO, SHIFT, b, hk * G + g, H, T, jb, sfq_b, sfq_h, sdo_b, sdo_h, CS)
             for start in range(i0 + shift, q_hi, BM):
-                offs_m = start + tl.arange(0, BM)
-                qin = offs_m < T
-                fqb = tl.load(fq_base + offs_m[:, None] * sfq_t + offs_f[None, :],
-                              mask=qin[:, None], other=0.0)
-                dob = tl.load(do_base + offs_m[:, None] * sdo_t + offs_d[None, :],
-                              mask=qin[:, None], other=0.0)
-                gf = tl.load(GF + row_base + offs_m, mask=qin, other=0.0)
-                dd = tl.load(DDEN + row_base + offs_m, mask=qin, other=0.0)
-                # (q_hi: as in ``_dkv_la_part``, the reverse state holds the later queries)
-                ok = (offs_m[None, :] - shift >= offs_n[:, None]) & qin[None, :] & \
-                    (offs_m[None, :] < q_hi) & kreal[:, None]
+                fqb, dob, gf, dd, ok = _la_key_tile(
+                    fq_base, do_base, GF, DDEN, row_base, start, shift, q_hi, offs_n, kreal,
+                    offs_f, offs_d, sfq_t, sdo_t, T, BM)
                 daT = tl.dot(vb, tl.trans(dob), input_precision=PREC) * gf[None, :] + \
                     dd[None, :]
                 daT = tl.where(ok, daT, 0.0)
