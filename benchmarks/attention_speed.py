@@ -640,10 +640,11 @@ TUNE_CONFIGS = {  # None: default_config (D=128 since session 13: fwd 128x64 w8 
     "kv-order0": dict(_DEFAULT_D128, kv_order=0),
     "kv-order1": dict(_DEFAULT_D128, kv_order=1),
     # the LA state kernels' vector sums as row reductions (state_sums_mma False; on by default
-    # since session 18: `_state_rev` at 8 x 1k 0.166 to 0.086 ms with them on, the walked
-    # reverse states only; the forward walk and the split states' sums measured in call 2)
+    # since session 18: at 8 x 1k `_state_rev` 0.166 to 0.086 ms and `_state_fwd` 0.045 to
+    # 0.028 with them on, the layer 1.887 to 1.792; results/h200_2026-12-04b, calls 1-2)
     "sums-reduced": dict(_DEFAULT_D128, state_sums_mma=False),
-    # session 17's default (both of the above off)
+    # session 17's default (both of the above off; the kernel alone at 1 x 64k 13.34 against
+    # the new default's 12.38 ms device, call 2)
     "session17": dict(_DEFAULT_D128, kv_order=0, state_sums_mma=False),
 }
 

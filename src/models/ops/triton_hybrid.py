@@ -1704,10 +1704,9 @@ def _la_states(fk, v, kpm_i8, cfg: KernelConfig):
     return S, z, vs, NC
 
 
-#: ``_state_fwd``'s pipeline stages without / with ``state_sums_mma``: the sums' products
-#: take v transposed, a second copy of each stage's v tile in shared memory (ptxas, sm_90a,
-#: D 128, F 256, 128 x 128 tiles: 160 KB at 3 stages without, 228 KB with, past the 227 KB a
-#: program may have; 164 KB at 2 stages)
+#: ``_state_fwd``'s pipeline stages without / with ``state_sums_mma``: with the sums' products
+#: the kernel needs more shared memory (ptxas, sm_90a, D 128, F 256, 128 x 128 tiles: 160 KB
+#: at 3 stages without them, 228 KB with, past the 227 KB a program may have; 164 KB at 2)
 STATE_FWD_STAGES = {False: 3, True: 2}
 
 
