@@ -44,7 +44,7 @@ MAX_SPILL = 64
 KERNEL_SPILL_FUSED_KV = 96
 #: shared memory one program may have on an H100 / H200 (227 KB: the launch fails past it)
 SMEM_MAX = 227 * 1024
-#: the same for its one-program-a-key-block order (``KernelConfig.kv_order`` 2; seen: 120)
+#: the same for its one-program-a-key-block order (``KernelConfig.kv_order`` 2; seen: 120-148)
 KERNEL_SPILL_KV_ONE_PROGRAM = 160
 #: the hybrid kernels' integer arguments not divisible by 16 at the 8B shape (4 query heads a
 #: kv head, 8 chunks at 8 x 1k, the backward's query-block count): the rest (strides, T, H,
