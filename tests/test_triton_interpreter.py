@@ -6,7 +6,7 @@ against the composed step.
 Needs triton (the CPU set-up installs it: constraints.txt, the ``dev`` extra; skipped where it
 is missing). The kernels run in a subprocess with ``TRITON_INTERPRET=1``
 (tests/triton_interpreter_check.py), so that the interpreter is never switched on in a process
-that runs them on a GPU. All 174 cases take ~17 minutes on two cores, hence ``slow``;
+that runs them on a GPU. All 188 cases take ~20 minutes on two cores, hence ``slow``;
 the ``--quick`` cases (~40 s) run in the default selection.
 """
 
@@ -49,6 +49,16 @@ def _failures(rows: list[dict]) -> list[str]:
 def test_kernels_match_references_quick():
     rows = _run("--quick")
     assert len(rows) == 11
+    bad = _failures(rows)
+    assert not bad, "\n".join(bad)
+
+
+def test_state_sums_on_the_tensor_cores_match_the_row_sums():
+    """``KernelConfig.state_sums_mma`` (on by default at D 128 bf16) against the row
+    reductions, walked and split, with padding: the exact sums to fp32 rounding, u to 2^-14
+    (``state_sums_case``)."""
+    rows = _run("state-sums-walked-pad-bf16", "state-sums-split-pad-bf16")
+    assert len(rows) == 2
     bad = _failures(rows)
     assert not bad, "\n".join(bad)
 

@@ -592,6 +592,53 @@ def fused_case(cid, *, cfg, switch="fuse_q_side", fused: bool = True, B=2, H=4, 
     return out
 
 
+def state_sums_case(cid, *, split: bool, pad: bool = False, B=2, H=4, Hkv=2, T=70, D=16,
+                    F=32, window=10, cfg=SMALL, dtype=torch.bfloat16):
+    """The LA state kernels' vector sums on the tensor cores (``KernelConfig.state_sums_mma``)
+    against their row reductions, bf16 inputs, walked or split: the forward's S, z and value
+    sums (``_la_states``) and the backward's R, u, w (``_la_states_rev``, the reverse states
+    with per-head shifts and a signed DDEN). z, the value sums and w are exact products summed
+    in fp32, so they (and S, R: the same products) must agree to fp32 rounding (2^-20 of their
+    norm); u takes DDEN in two 16-bit parts, so it must agree to 2^-14 of the norm of the sum
+    of |DDEN_t| fq_t (its docstring claims ~2^-16). And the option ran in each state kernel
+    it applies to (not the padded forward split share: ``_split_states``). Errors: 0 within
+    the bound, inf past it."""
+    from hedgecats.models.ops import triton_hybrid as th
+
+    g = torch.Generator().manual_seed(11)
+    fk = torch.softmax(torch.randn(B, Hkv, T, F, generator=g), -1).to(dtype)
+    v = torch.randn(B, Hkv, T, D, generator=g).to(dtype)
+    fq = torch.softmax(torch.randn(B, H, T, F, generator=g), -1).to(dtype)
+    dnum = torch.randn(B, H, T, D, generator=g).to(dtype)
+    dden = torch.randn(B * H, T, generator=g)
+    shift = torch.full((B, H), window, dtype=torch.int32)
+    shift[0, 1] = 0
+    kpm_i8 = _kpm(B, T).to(torch.int8) if pad else None
+
+    def states(on: bool, dd=dden):
+        conf = th.KernelConfig(**{**cfg, "split_states": split, "state_sums_mma": on})
+        before = th.CALLS["state_sums_mma"]
+        S, z, vs, NC = th._la_states(fk, v, kpm_i8, conf)
+        R, U, W = th._la_states_rev(fq, dnum, dd, shift, Hkv, NC, conf)
+        return (S, z, vs, R, U, W), th.CALLS["state_sums_mma"] - before
+
+    got, ran = states(True)
+    want, ran_off = states(False)
+    u_scale = states(False, dden.abs())[0][4].norm()
+
+    def within(a, b, bound, scale=None):
+        scale = b.float().norm() if scale is None else scale
+        return 0.0 if (a.float() - b.float()).norm() <= bound * scale else float("inf")
+
+    exact = 2.0 ** -20
+    out = {n: within(a, b, exact) for n, a, b in zip(("S", "z", "vs", "R"), got, want)}
+    out["w"] = within(got[5], want[5], exact)
+    out["u"] = within(got[4], want[4], 2.0 ** -14, u_scale)
+    out["ran_where_it_applies"] = 0.0 if (ran, ran_off) == (1 if split and pad else 2, 0) \
+        else float("inf")
+    return out
+
+
 def map_du_case(cid, *, B=2, H=4, Hkv=2, T=150, D=16, window=20, activation="softmax",
                 other=False, frozen_q=False, pad=False, cfg=None, dtype=torch.bfloat16,
                 expect_du=True, twice=False, watched=False):
@@ -1042,6 +1089,12 @@ def cases(quick: bool = False):
         ("kernel-state-sums-mma-shared-group3-bf16", k, dict(
             T=70, window=10, H=6, Hkv=2, shared=True, dtype=bf16,
             cfg=dict(SMALL, split_states=False, state_sums_mma=True))),
+        ("state-sums-walked-pad-bf16", state_sums_case, dict(split=False, pad=True,
+                                                              dtype=bf16)),
+        ("state-sums-split-bf16", state_sums_case, dict(split=True, dtype=bf16)),
+        ("state-sums-split-pad-bf16", state_sums_case, dict(split=True, pad=True, dtype=bf16)),
+        ("state-sums-walked-group3-T150-bf16", state_sums_case, dict(split=False, H=6, T=150,
+                                                                      dtype=bf16)),
         ("kernel-state-sums-mma-split-pad-shifts-bf16", k, dict(
             T=150, window=40, per_bh_shift=True, pad=True, dtype=bf16,
             cfg=dict(SMALL, split_states=True, state_sums_mma=True))),

@@ -255,7 +255,8 @@ class KernelConfig:
     #: ``state_rev_stages`` 0; split, ``_state_local``), bf16 / fp16 inputs: their vector sums
     #: (z = sum fk_i, the value sums, u = sum dden_t fq_t, w = sum dnum_t) as tensor-core
     #: products (``_sums_mma``, ``_wsums_mma``: dden split into two 16-bit parts, u within
-    #: ~2^-16 of the fp32 sum; the other sums exact products summed in fp32) instead of
+    #: ~2^-16 of the fp32 sum, tested to 2^-14 under the interpreter, ``state_sums_case``;
+    #: the other sums exact products summed in fp32) instead of
     #: reductions across the tile's rows, which every step of the walks does for a
     #: 128 x 128 tile at the default tiles. On in ``default_config`` for D >= 128 bf16 since
     #: session 18 (measured there: `_state_rev` at 8 x 1k 0.166 to 0.086 ms)
@@ -1710,6 +1711,31 @@ def _la_states(fk, v, kpm_i8, cfg: KernelConfig):
 STATE_FWD_STAGES = {False: 3, True: 2}
 
 
+def _la_states_rev(fq, dnum, dden, shift, Hkv: int, NC: int, cfg: KernelConfig):
+    """The backward's reverse LA states (R, u, w) at every ``state_chunk`` positions, summed
+    over each kv head's query heads (``_state_rev``; split: ``_split_states``)."""
+    B, H, T, F = fq.shape
+    D = dnum.shape[-1]
+    f32 = dict(device=fq.device, dtype=torch.float32)
+    R = torch.empty(B, Hkv, NC, F, D, device=fq.device, dtype=fq.dtype)
+    U = torch.empty(B, Hkv, NC, F, **f32)
+    W = torch.empty(B, Hkv, NC, D, **f32)
+    if use_split_states(cfg, NC):
+        _split_states(fq, dnum, R, U, W, NC, cfg, reverse=True, shift=shift, dden=dden)
+        return R, U, W
+    BF, BD = _state_tile(cfg, B * Hkv, F, D)
+    tma = _use_tma(cfg, fq, dnum)
+    # (the pipelined loop through pointer tensors spills: ptxas at D 128 bf16, 92 B)
+    rs = cfg.state_rev_stages if tma else 0
+    sm = _sums_mma_on(cfg, fq) and rs == 0
+    fast(_state_rev)[(B * Hkv, F // BF, D // BD)](
+        fq, dnum, dden, shift, R, U, W, *_strides(fq), T, H, H // Hkv, NC,
+        F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD, PREC=_prec(fq.dtype), TMA=tma, RS=rs,
+        SM=sm, num_warps=cfg.state_warps)
+    CALLS["state_sums_mma"] += sm
+    return R, U, W
+
+
 def _sums_mma_on(cfg: KernelConfig, x: torch.Tensor) -> bool:
     """Whether the LA state kernels take their vector sums on the tensor cores
     (``KernelConfig.state_sums_mma``: 16-bit inputs only)."""
@@ -1871,22 +1897,7 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
         S = z = vs = None
     if has_la:  # the reverse states first: dnum is freed before dfq is allocated (unless
         # fuse_q allocated it above)
-        R = torch.empty(B, Hkv, NC, F, D, device=dev, dtype=fq.dtype)
-        U = torch.empty(B, Hkv, NC, F, **f32)
-        W = torch.empty(B, Hkv, NC, D, **f32)
-        if use_split_states(cfg, NC):
-            _split_states(fq, dnum, R, U, W, NC, cfg, reverse=True, shift=shift, dden=dden)
-        else:
-            BF, BD = _state_tile(cfg, B * Hkv, F, D)
-            tma = _use_tma(cfg, fq, dnum)
-            # (the pipelined loop through pointer tensors spills: ptxas at D 128 bf16, 92 B)
-            rs = cfg.state_rev_stages if tma else 0
-            sm = _sums_mma_on(cfg, fq) and rs == 0
-            fast(_state_rev)[(B * Hkv, F // BF, D // BD)](
-                fq, dnum, dden, shift, R, U, W, *_strides(fq), T, H, G, NC,
-                F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD, PREC=prec, TMA=tma, RS=rs, SM=sm,
-                num_warps=cfg.state_warps)
-            CALLS["state_sums_mma"] += sm
+        R, U, W = _la_states_rev(fq, dnum, dden, shift, Hkv, NC, cfg)
         dnum = None  # (read by the reverse states only)
     if has_la and not fuse_q:
         dfq, du = _dfq_buffers(B, H, T, F, fq, du_slot if map_du else None)
