@@ -48,7 +48,17 @@ LAYER_CHANGES = {"layer-no-fuse-q": dict(fuse_q_side=False),
                  "layer-unfused": dict(fuse_q_side=False, fuse_kv_side=False),
                  "layer-kv-order0": dict(kv_order=0), "layer-kv-order1": dict(kv_order=1),
                  "layer-sums-reduced": dict(state_sums_mma=False),
-                 "layer-session17": dict(kv_order=0, state_sums_mma=False)}
+                 "layer-session17": dict(kv_order=0, state_sums_mma=False),
+                 # the forward on 64-row, 4-warp programs that two can share a multiprocessor
+                 # (ptxas, sm_90a, launch hints: 241-254 registers, 48-104 KB of shared memory
+                 # against 254 / 192 KB at 128 x 64, 8 warps); stages 1 changes the backward
+                 # kernels' pipelining too (``KernelConfig.stages``): read its forward only
+                 "layer-fwd64-bn32": dict(block_m=64, block_n=32, warps=4),
+                 "layer-fwd64-p2-bn32": dict(block_m=64, block_n=32, warps=4, pack_heads=2),
+                 "layer-fwd64-bn32-ss2": dict(block_m=64, block_n=32, warps=4,
+                                              state_product_stages=2),
+                 "layer-fwd64-s1": dict(block_m=64, warps=4, stages=1),
+                 "layer-fwd64-p2-s1": dict(block_m=64, warps=4, pack_heads=2, stages=1)}
 LAYERS.update({name: dict(kernel_du=True) for name in LAYER_CHANGES})
 
 
