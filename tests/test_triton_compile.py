@@ -46,6 +46,9 @@ KERNEL_SPILL_FUSED_KV = 96
 SMEM_MAX = 227 * 1024
 #: the same for its one-program-a-key-block order (``KernelConfig.kv_order`` 2; seen: 120-148)
 KERNEL_SPILL_KV_ONE_PROGRAM = 160
+#: the most shared memory a program may take for two to share a multiprocessor (228 KB a
+#: multiprocessor, 1 KB of it reserved per program)
+TWO_PROGRAMS_SMEM = 113 * 1024
 #: the hybrid kernels' integer arguments not divisible by 16 at the 8B shape (4 query heads a
 #: kv head, 8 chunks at 8 x 1k, the backward's query-block count): the rest (strides, T, H,
 #: window) are, and a launch marks them so
@@ -253,18 +256,26 @@ def test_fused_key_side_backward_compiles_without_more_spill():
 
 
 def test_pipelined_state_product_compiles_without_spill():
-    """``KernelConfig.state_product_stages`` 2: the forward's (and the recomputing dq pass's)
-    share of the LA state as a pipelined loop over feature slices, at the D 128 bf16 default's
-    tiles with 4 query heads a program: no spill, and more of its loads asynchronous than the
-    unrolled slices' (what the option is for)."""
+    """``KernelConfig.state_product_stages`` 2 (the D 128 bf16 default since session 19): the
+    forward's (and the recomputing dq pass's) share of the LA state as a pipelined loop over
+    feature slices, at the default's forward tiles (64 rows of 4 query heads, 32-key blocks,
+    4 warps) and session 18's (128 x 64, 8 warps): no spill, more of its loads asynchronous
+    than the unrolled slices' (what the option is for), and at the default's tiles at most
+    113 KB of shared memory, so that two programs share a multiprocessor (read on
+    2026-12-04: 248 registers, 80 KB; why the default took these tiles)."""
     ptrs = _pointers(torch.bfloat16)
-    lo = dict(D=128, F=256, FC=64, CS=128, HAS_KPM=False, PREC="tf32", BM=128, BN=64, P=4,
-              SHARED=False, SAVE=True, HAS_SWA=True, HAS_LA=True)
-    got = {ss: compile_report(th._fwd, ptrs, dict(lo, SS=ss), ("scale_log2", "eps"), 8, 2)
-           for ss in (0, 2)}
-    print(f"fwd state product unrolled / pipelined: {got}")
-    assert got[2]["spill"] <= MAX_SPILL, got
-    assert got[2]["async_copies"] > got[0]["async_copies"], got
+    cfg = th.default_config(128, 256, torch.bfloat16)
+    assert cfg.state_product_stages == 2, cfg
+    for BM, BN, warps in ((cfg.block_m, cfg.block_n, cfg.warps), (128, 64, 8)):
+        lo = dict(D=128, F=256, FC=64, CS=128, HAS_KPM=False, PREC="tf32", BM=BM, BN=BN, P=4,
+                  SHARED=False, SAVE=True, HAS_SWA=True, HAS_LA=True)
+        got = {ss: compile_report(th._fwd, ptrs, dict(lo, SS=ss), ("scale_log2", "eps"),
+                                  warps, cfg.stages) for ss in (0, 2)}
+        print(f"fwd {BM} x {BN}, {warps} warps, state product unrolled / pipelined: {got}")
+        assert got[2]["spill"] <= MAX_SPILL, got
+        assert got[2]["async_copies"] > got[0]["async_copies"], got
+        if BM == cfg.block_m:
+            assert got[2]["smem"] <= TWO_PROGRAMS_SMEM, got
     dq = dict(lo, BN=32, NEED_DQ=True, FROM_SAVED=False, STORE_DNUM=True, SS=2)
     del dq["SAVE"]
     r = compile_report(th._bwd_dq, ptrs, dq, ("scale", "scale_log2", "eps"), 8, 2)

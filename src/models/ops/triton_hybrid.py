@@ -325,13 +325,21 @@ def default_config(D: int, F: int, dtype: torch.dtype) -> KernelConfig:
     # second (`_state_rev` 0.166 to 0.086); the dv program scheduled first (``kv_order`` 1)
     # 1.910 (`_bwd_kv` 0.597). The kernel alone at 1 x 64k 13.31 to 12.92 ms with the first
     # (kernel_anatomy and attention_speed.py --tune, one run; results/h200_2026-12-04b, call 1)
+    # The forward on 64-row, 4-warp programs with 32-key blocks and the state product
+    # pipelined (``state_product_stages`` 2) since session 19: ptxas 248 registers, 80 KB of
+    # shared memory (the 128 x 64 8-warp tiles: 254, 192 KB), so two programs share a
+    # multiprocessor where one did. `_fwd` at 8 x 1k 0.281 to 0.249 ms (no grad), 0.318 to
+    # 0.279 saving the branches; the layer's forward 0.452 to 0.420, fwd + bwd 1.793 to 1.754
+    # (kernel_anatomy, one run, variants layer-fwd64-*; the unpipelined 64 x 64 ones 0.290 /
+    # 0.281; results/h200_2026-12-04c, call 1)
     if D >= 128:
-        return KernelConfig(block_m=128, block_n=64, state_chunk=128, warps=8, stages=2,
+        return KernelConfig(block_m=64, block_n=32, state_chunk=128, warps=4, stages=2,
                             bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64,
                             state_warps=8, grad_f_chunk=256, dkv_block_n=64, split_tile=128,
                             dq_block_m=128, pack_heads=4, state_f=128, state_d=128,
                             state_programs=128, dv_block_n=64, fuse_q_side=True,
-                            fuse_kv_side=True, kv_order=2, state_sums_mma=True)
+                            fuse_kv_side=True, kv_order=2, state_sums_mma=True,
+                            state_product_stages=2)
     return KernelConfig(block_m=64, block_n=64, warps=4, stages=2, bwd_block_m=64,
                         bwd_block_n=64, bwd_warps=8, f_chunk=128)
 
