@@ -59,12 +59,11 @@ LAYER_CHANGES = {"layer-no-fuse-q": dict(fuse_q_side=False),
                                               state_product_stages=2),
                  "layer-fwd64-s1": dict(block_m=64, warps=4, stages=1),
                  "layer-fwd64-p2-s1": dict(block_m=64, warps=4, pack_heads=2, stages=1),
-                 # the default's forward over 2 query heads a program (32 positions; ptxas 254
+                 # those tiles over 2 query heads a program (32 positions; ptxas 254
                  # registers, 80 KB), the query-side backward kept at 4
-                 "layer-fwd-p2": dict(pack_heads=2, dq_pack_heads=4),
-                 # session 18's forward tiles (the default before layer-fwd64-bn32-ss2's)
-                 "layer-session18": dict(block_m=128, block_n=64, warps=8,
-                                         state_product_stages=0)}
+                 "layer-fwd64-bn32-ss2-p2": dict(block_m=64, block_n=32, warps=4,
+                                                 state_product_stages=2, pack_heads=2,
+                                                 dq_pack_heads=4)}
 LAYERS.update({name: dict(kernel_du=True) for name in LAYER_CHANGES})
 
 

@@ -13,6 +13,7 @@ and ``triton_phi._tiles`` were chosen.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -256,27 +257,30 @@ def test_fused_key_side_backward_compiles_without_more_spill():
 
 
 def test_pipelined_state_product_compiles_without_spill():
-    """``KernelConfig.state_product_stages`` 2 (the D 128 bf16 default since session 19): the
-    forward's (and the recomputing dq pass's) share of the LA state as a pipelined loop over
-    feature slices, at the default's forward tiles (64 rows of 4 query heads, 32-key blocks,
-    4 warps) and session 18's (128 x 64, 8 warps): no spill, more of its loads asynchronous
-    than the unrolled slices' (what the option is for), and at the default's tiles at most
-    113 KB of shared memory, so that two programs share a multiprocessor (read on
-    2026-12-04: 248 registers, 80 KB; why the default took these tiles)."""
+    """``KernelConfig.state_product_stages`` 2: the forward's (and the recomputing dq pass's)
+    share of the LA state as a pipelined loop over feature slices, at the D 128 bf16 default's
+    forward tiles (128 rows of 4 query heads, 64-key blocks, 8 warps) and at
+    ``TWO_PROGRAM_FORWARD``'s (64 rows, 32-key blocks, 4 warps): no spill, and more of its
+    loads asynchronous than the unrolled slices' (what the option is for); at the latter's,
+    at most 113 KB of shared memory, so that two programs share a multiprocessor (read on
+    2026-12-04: 248 registers, 80 KB; what those tiles are for)."""
     ptrs = _pointers(torch.bfloat16)
     cfg = th.default_config(128, 256, torch.bfloat16)
-    assert cfg.state_product_stages == 2, cfg
-    for BM, BN, warps in ((cfg.block_m, cfg.block_n, cfg.warps), (128, 64, 8)):
-        lo = dict(D=128, F=256, FC=64, CS=128, HAS_KPM=False, PREC="tf32", BM=BM, BN=BN, P=4,
-                  SHARED=False, SAVE=True, HAS_SWA=True, HAS_LA=True)
+    two = dataclasses.replace(cfg, **th.TWO_PROGRAM_FORWARD)
+    assert two.state_product_stages == 2, two
+    for c in (cfg, two):
+        lo = dict(D=128, F=256, FC=64, CS=128, HAS_KPM=False, PREC="tf32", BM=c.block_m,
+                  BN=c.block_n, P=4, SHARED=False, SAVE=True, HAS_SWA=True, HAS_LA=True)
         got = {ss: compile_report(th._fwd, ptrs, dict(lo, SS=ss), ("scale_log2", "eps"),
-                                  warps, cfg.stages) for ss in (0, 2)}
-        print(f"fwd {BM} x {BN}, {warps} warps, state product unrolled / pipelined: {got}")
+                                  c.warps, c.stages) for ss in (0, 2)}
+        print(f"fwd {c.block_m} x {c.block_n}, {c.warps} warps, state product unrolled / "
+              f"pipelined: {got}")
         assert got[2]["spill"] <= MAX_SPILL, got
         assert got[2]["async_copies"] > got[0]["async_copies"], got
-        if BM == cfg.block_m:
+        if c is two:
             assert got[2]["smem"] <= TWO_PROGRAMS_SMEM, got
-    dq = dict(lo, BN=32, NEED_DQ=True, FROM_SAVED=False, STORE_DNUM=True, SS=2)
+    dq = dict(lo, BM=th._dq_block_m(cfg), BN=32, NEED_DQ=True, FROM_SAVED=False,
+              STORE_DNUM=True, SS=2)
     del dq["SAVE"]
     r = compile_report(th._bwd_dq, ptrs, dq, ("scale", "scale_log2", "eps"), 8, 2)
     print(f"bwd_dq recomputing, pipelined state product: {r}")

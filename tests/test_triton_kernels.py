@@ -390,12 +390,14 @@ def test_fused_backward_kernels_give_the_separate_kernels_results(switch, shared
     assert not bad, f"{switch}: the fused kernels' results differ from the separate ones: {bad}"
 
 
-#: options of the default config, each off against on: (``KernelConfig`` changes off, on,
-#: the ``CALLS`` counter that says the option ran)
+#: options of the default config, each off against on: (``KernelConfig`` changes off, on - or
+#: the name of a ``triton_hybrid`` dict of them -, the ``CALLS`` counter that says the option
+#: ran, None where a tile change has none)
 SAME_RESULT_OPTIONS = {"kv_order1": (dict(kv_order=0), dict(kv_order=1), "kv_order_1"),
                        "kv_order2": (dict(kv_order=0), dict(kv_order=2), "kv_order_2"),
                        "state_sums_mma": (dict(state_sums_mma=False), dict(state_sums_mma=True),
-                                          "state_sums_mma")}
+                                          "state_sums_mma"),
+                       "fwd_two_programs": (dict(), "TWO_PROGRAM_FORWARD", None)}
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["fixed", "shared"])
@@ -407,11 +409,17 @@ def test_options_give_the_same_results(option, shared):
     arithmetic) and 2 (the default: one program a key block, ``_dkv_la_both``, dv's terms
     summed in another order) against 0; ``state_sums_mma`` (the default: the state kernels'
     vector sums on the tensor cores, u within ~2^-16 of the fp32 sum) against the row
-    reductions. The report says which results are bit for bit."""
+    reductions; ``TWO_PROGRAM_FORWARD`` (the forward on 64-row 4-warp programs, 32-key
+    blocks, the state product pipelined: the same products, the window's and LA's key blocks
+    summed in other groupings) against the default's forward tiles. The report says which
+    results are bit for bit."""
     off, on, counter = SAME_RESULT_OPTIONS[option]
-    want, ran_off = _run_at_8b_shape(off, [counter], shared, False)
-    got, ran_on = _run_at_8b_shape(on, [counter], shared, False)
-    assert ran_off == [0] and ran_on[0] >= 1, (ran_off, ran_on)
+    if isinstance(on, str):
+        on = getattr(_kernels(), on)
+    counters = [] if counter is None else [counter]
+    want, ran_off = _run_at_8b_shape(off, counters, shared, False)
+    got, ran_on = _run_at_8b_shape(on, counters, shared, False)
+    assert counter is None or (ran_off == [0] and ran_on[0] >= 1), (ran_off, ran_on)
     bad = _same_results(got, want, "options", f"{option}-{'shared' if shared else 'fixed'}")
     assert not bad, f"{option}: results differ with the option on: {bad}"
 

@@ -1051,19 +1051,19 @@ def cases(quick: bool = False):
                                                    T=150, window=40, fused=False)),
         ("fused-both-map-du-pad-bf16", fc, dict(cfg=MAP_DU, switch="both", map_du=True,
                                                 pad=True, dtype=bf16, T=100)),
-        # the GPU's default tiles at the 8B head shape (the forward on 64-row packed query
-        # blocks and 32-key tiles since session 19, the query-side backward on 128-row ones,
-        # 128-position state chunks, F 256 in one dfq / dfk program; the backward's fused
-        # kernels on since session 17) against the reference; with session 18's forward tiles
-        # (128 x 64, the state product unpipelined: tune config session18 of
+        # the GPU's default tiles at the 8B head shape (128-row packed query blocks, 64-key
+        # tiles, 128-position state chunks, F 256 in one dfq / dfk program; the backward's
+        # fused kernels on since session 17) against the reference; with the forward on
+        # 64-row 4-warp programs, 32-key tiles, the state product pipelined
+        # (``TWO_PROGRAM_FORWARD``: tune config fwd-two-programs of
         # benchmarks/attention_speed.py); and both fused backward kernels against the
         # separate ones at them
         ("kernel-8b-tiles-pad-shared-bf16", k, dict(
             cfg=d128, H=8, Hkv=2, T=150, D=128, window=64, pad=True, shared=True,
             dtype=bf16, B=1)),
-        ("kernel-8b-tiles-session18-fwd-pad-shared-bf16", k, dict(
-            cfg=dict(d128, block_m=128, block_n=64, warps=8, state_product_stages=0), H=8,
-            Hkv=2, T=150, D=128, window=64, pad=True, shared=True, dtype=bf16, B=1)),
+        ("kernel-8b-tiles-fwd-two-programs-pad-shared-bf16", k, dict(
+            cfg=dict(d128, **th.TWO_PROGRAM_FORWARD), H=8, Hkv=2, T=150, D=128, window=64,
+            pad=True, shared=True, dtype=bf16, B=1)),
         ("fused-both-8b-tiles-pad-shared-bf16", fc, dict(
             cfg=d128, switch="both", map_du=True, pad=True, shared=True, dtype=bf16,
             H=8, Hkv=2, T=150, D=128, window=64, B=1)),
