@@ -12,7 +12,8 @@ import os
 import torch
 
 __all__ = ["GRID_AXIS_MAX", "HAVE_TRITON", "available", "cast", "cdiv", "ensure_allocator",
-           "errors", "fast", "interpret", "next_pow2", "tl", "tma_ok", "triton", "warn_once"]
+           "errors", "fast", "interpret", "key_block", "next_pow2", "tl", "tma_ok", "triton",
+           "warn_once"]
 
 try:  # the kernel modules define their kernels only where triton imports
     import triton
@@ -25,6 +26,24 @@ except Exception:  # pragma: no cover - no triton; a broken install counts as no
 
 #: CUDA's limit on a launch grid's second and third axes (the first takes up to 2^31 - 1)
 GRID_AXIS_MAX = 65535
+
+
+# ----------------------------------------------------------------------------- device helpers
+if HAVE_TRITON:
+
+    @triton.jit
+    def key_block(KPM, b, T, pid_n, BN: tl.constexpr, HAS_KPM: tl.constexpr):
+        """Key block ``pid_n`` of sequence b in a key-side backward kernel (the hybrid's
+        ``_bwd_kv`` / ``_bwd_dkv_*``, the stage-1 cross-entropy's ``_xent_bwd_dk``): (its first
+        position, its positions, those inside T, those that are real keys: inside T and not
+        padded, ``KPM`` (B, T) int8 nonzero)."""
+        i0 = pid_n * BN
+        offs_n = i0 + tl.arange(0, BN)
+        kin = offs_n < T
+        kreal = kin
+        if HAS_KPM:
+            kreal = kreal & (tl.load(KPM + b * T + offs_n, mask=kin, other=0) != 0)
+        return i0, offs_n, kin, kreal
 
 
 def cdiv(a: int, b: int) -> int:

@@ -356,6 +356,7 @@ def default_config(D: int, F: int, dtype: torch.dtype) -> KernelConfig:
 
 # ============================================================================= the kernels
 if HAVE_TRITON:
+    from .triton_common import key_block  # (defined where triton imports)
 
     @triton.jit
     def _tiles_of(X, s0, s1, s2, N0, N1, T, C, BR: tl.constexpr, BC: tl.constexpr,
@@ -1232,18 +1233,6 @@ if HAVE_TRITON:
         return R, u, w
 
     @triton.jit
-    def _key_block(KPM, b, T, pid_n, BN: tl.constexpr, HAS_KPM: tl.constexpr):
-        """Key block ``pid_n`` of sequence b in the key-side backward: (its first position, its
-        positions, those inside T, those that are real keys: inside T and not padded)."""
-        i0 = pid_n * BN
-        offs_n = i0 + tl.arange(0, BN)
-        kin = offs_n < T
-        kreal = kin
-        if HAS_KPM:
-            kreal = kreal & (tl.load(KPM + b * T + offs_n, mask=kin, other=0) != 0)
-        return i0, offs_n, kin, kreal
-
-    @triton.jit
     def _la_key_head(FQ, DO, SHIFT, b, h, H, T, jb, sfq_b, sfq_h, sdo_b, sdo_h,
                      CS: tl.constexpr):
         """Query head h of sequence b in a key block's LA gradients: (its rows' offset in the
@@ -1289,7 +1278,7 @@ if HAVE_TRITON:
         Hkv = H // G
         b = pid_bh // Hkv
         hk = pid_bh % Hkv
-        i0, offs_n, kin, kreal = _key_block(KPM, b, T, pid_n, BN, HAS_KPM)
+        i0, offs_n, kin, kreal = key_block(KPM, b, T, pid_n, BN, HAS_KPM)
         offs_d = tl.arange(0, D)
         kb = tl.load(K + b.to(tl.int64) * sk_b + hk.to(tl.int64) * sk_h + offs_n[:, None] * sk_t
                      + offs_d[None, :], mask=kin[:, None], other=0.0)
@@ -1376,7 +1365,7 @@ if HAVE_TRITON:
         Hkv = H // G
         b = pid_bh // Hkv
         hk = pid_bh % Hkv
-        i0, offs_n, kin, kreal = _key_block(KPM, b, T, pid_n, BN, HAS_KPM)
+        i0, offs_n, kin, kreal = key_block(KPM, b, T, pid_n, BN, HAS_KPM)
         offs_d = tl.arange(0, D)
         fk_base = FK + b.to(tl.int64) * sfk_b + hk.to(tl.int64) * sfk_h
         vb = tl.load(V + b.to(tl.int64) * sv_b + hk.to(tl.int64) * sv_h + offs_n[:, None] * sv_t
@@ -1462,7 +1451,7 @@ if HAVE_TRITON:
         Hkv = H // G
         b = pid_bh // Hkv
         hk = pid_bh % Hkv
-        i0, offs_n, kin, kreal = _key_block(KPM, b, T, pid_n, BN, HAS_KPM)
+        i0, offs_n, kin, kreal = key_block(KPM, b, T, pid_n, BN, HAS_KPM)
         offs_d = tl.arange(0, D)
         offs_f = tl.arange(0, F)
         vb = tl.load(V + b.to(tl.int64) * sv_b + hk.to(tl.int64) * sv_h + offs_n[:, None] * sv_t

@@ -61,6 +61,7 @@ CALLS = {"forward": 0}  # calls that ran the kernel (tests check the path taken)
 
 
 if HAVE_TRITON:
+    from .triton_common import key_block  # (defined where triton imports)
 
     @triton.jit
     def _xent_fwd(Q, K, FQ, FK, KPM, XE, ENT, LSE, LZ,
@@ -189,14 +190,9 @@ if HAVE_TRITON:
         Hkv = H // G
         b = pid_bh // Hkv
         hk = pid_bh % Hkv
-        i0 = pid_n * BN
-        offs_n = i0 + tl.arange(0, BN)
+        i0, offs_n, kin, kreal = key_block(KPM, b, T, pid_n, BN, HAS_KPM)
         offs_d = tl.arange(0, D)
         offs_f = tl.arange(0, F)
-        kin = offs_n < T
-        kreal = kin
-        if HAS_KPM:
-            kreal = kreal & (tl.load(KPM + b * T + offs_n, mask=kin, other=0) != 0)
         kb = tl.load(K + b.to(tl.int64) * sk_b + hk.to(tl.int64) * sk_h + offs_n[:, None] * sk_t
                      + offs_d[None, :], mask=kin[:, None], other=0.0)
         fkb = tl.load(FK + b.to(tl.int64) * sfk_b + hk.to(tl.int64) * sfk_h
