@@ -139,6 +139,10 @@ def main(argv=None) -> dict:
     p.add_argument("--unfused", action="store_true",
                    help="the backward's fused kernels off (KernelConfig.fuse_q_side and "
                         "fuse_kv_side, on by default at D 128 bf16): the separate kernels")
+    p.add_argument("--maps-share", action="store_true",
+                   help="also the whole call with the k map's output, then both maps' outputs, "
+                        "precomputed (the maps' Functions left out): how much of the host work "
+                        "the maps are")
     p.add_argument("--out", help="write the figures as JSON here")
     a = p.parse_args(argv)
     launches = patch_routing()
@@ -147,6 +151,42 @@ def main(argv=None) -> dict:
 
     with default_tiles_changed(LAYER_CHANGES["layer-unfused"] if a.unfused else None):
         return _measure(a, A, launches)
+
+
+def maps_share(L, A, calls: int) -> dict:
+    """Median microseconds per fwd + bwd of the whole call, of the call with the k map's output
+    precomputed (fk a constant: the k map's Function, launches and backward left out) and with
+    both maps' outputs precomputed; three rounds each, interleaved."""
+    fq0, fk0 = L.phi_q(L.q).detach(), L.phi_k(L.k).detach()
+
+    def run(fq_k):
+        fq, q = fq_k[0](), L.q
+        if isinstance(fq, tuple):
+            fq, q = fq
+        fk, k = fq_k[1](), L.k
+        if isinstance(fk, tuple):
+            fk, k = fk
+        out = A.hybrid_attention(q, k, L.v, fq, fk, window=L.w, scale=L.scale, g=0.5)
+        out.transpose(1, 2).contiguous().backward(L.do)
+        L.zero()
+
+    variants = {
+        "layer": (lambda: L.phi_q(L.q, with_input=True, kernel_du=True),
+                  lambda: L.phi_k(L.k, with_input=True)),
+        "without_k_map": (lambda: L.phi_q(L.q, with_input=True, kernel_du=True), lambda: fk0),
+        "without_maps": (lambda: fq0, lambda: fk0)}
+    got: dict = {name: [] for name in variants}
+    for _ in range(3):
+        for name, fns in variants.items():
+            for _ in range(5):
+                run(fns)
+            ts = []
+            for _ in range(calls):
+                t0 = time.perf_counter()
+                run(fns)
+                ts.append(time.perf_counter() - t0)
+            got[name].append(round(statistics.median(ts) * 1e6, 1))
+    return got
 
 
 def _measure(a, A, launches) -> dict:
@@ -185,6 +225,9 @@ def _measure(a, A, launches) -> dict:
            "triton_launches": per_call, "torch_kernel_ops": dict(ops.kernels),
            "torch_other_ops": sum(ops.other.values())}
     print(json.dumps(res, indent=1))
+    if a.maps_share:
+        res["maps_share_us"] = maps_share(L, A, a.calls)
+        print(json.dumps({"maps_share_us": res["maps_share_us"]}, indent=1))
     if a.profile:
         import cProfile
         import pstats
