@@ -263,7 +263,7 @@ def test_pipelined_state_product_compiles_without_spill():
     ``TWO_PROGRAM_FORWARD``'s (64 rows, 32-key blocks, 4 warps): no spill, and more of its
     loads asynchronous than the unrolled slices' (what the option is for); at the latter's,
     at most 113 KB of shared memory, so that two programs share a multiprocessor (read on
-    2026-12-04: 248 registers, 80 KB; what those tiles are for)."""
+    2026-12-04, saving the branches: 254 registers, 80 KB; what those tiles are for)."""
     ptrs = _pointers(torch.bfloat16)
     cfg = th.default_config(128, 256, torch.bfloat16)
     two = dataclasses.replace(cfg, **th.TWO_PROGRAM_FORWARD)

@@ -265,10 +265,11 @@ class KernelConfig:
 
 #: The forward's tiles at D 128 bf16 that let two programs share a multiprocessor: 64 rows (16
 #: positions of 4 query heads), 32-key blocks, 4 warps, the state product pipelined (ptxas,
-#: sm_90a, launch hints: 248 registers, 80 KB of shared memory, where ``default_config``'s
-#: 128 x 64 8-warp tiles take 254 and 192 KB: one program a multiprocessor, its own 8 warps
-#: the only ones to hide its latency). Measured on one H200 (session 19, call 1,
-#: `kernel_anatomy.py --branches layer,layer-fwd64-bn32-ss2,...`; results/h200_2026-12-04c):
+#: sm_90a, launch hints: 248 registers - 254 saving the branches - and 80 KB of shared memory,
+#: where ``default_config``'s 128 x 64 8-warp tiles take 254 and 192 KB: one program a
+#: multiprocessor, its own 8 warps the only ones to hide its latency). Measured on one H200
+#: (session 19, call 1, `kernel_anatomy.py --branches layer,layer-fwd64-bn32-ss2,...`;
+#: results/h200_2026-12-04c):
 #: `_fwd` at 8 x 1k 0.281 to 0.249 ms (no grad) and 0.318 to 0.279 (saving the branches), the
 #: layer's forward 0.452 to 0.420, fwd + bwd 1.793 to 1.754. Within tolerance of the
 #: reference under Triton's interpreter at the 8B tiles (padding, shared mixer, all 188
