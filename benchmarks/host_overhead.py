@@ -159,22 +159,16 @@ def maps_share(L, A, calls: int) -> dict:
     both maps' outputs precomputed; three rounds each, interleaved."""
     fq0, fk0 = L.phi_q(L.q).detach(), L.phi_k(L.k).detach()
 
-    def run(fq_k):
-        fq, q = fq_k[0](), L.q
-        if isinstance(fq, tuple):
-            fq, q = fq
-        fk, k = fq_k[1](), L.k
-        if isinstance(fk, tuple):
-            fk, k = fk
+    def run(maps):  # maps: two callables, each giving (phi(x), x as the attention takes it)
+        (fq, q), (fk, k) = maps[0](), maps[1]()
         out = A.hybrid_attention(q, k, L.v, fq, fk, window=L.w, scale=L.scale, g=0.5)
         out.transpose(1, 2).contiguous().backward(L.do)
         L.zero()
 
-    variants = {
-        "layer": (lambda: L.phi_q(L.q, with_input=True, kernel_du=True),
-                  lambda: L.phi_k(L.k, with_input=True)),
-        "without_k_map": (lambda: L.phi_q(L.q, with_input=True, kernel_du=True), lambda: fk0),
-        "without_maps": (lambda: fq0, lambda: fk0)}
+    q_map = lambda: L.phi_q(L.q, with_input=True, kernel_du=True)  # noqa: E731
+    variants = {"layer": (q_map, lambda: L.phi_k(L.k, with_input=True)),
+                "without_k_map": (q_map, lambda: (fk0, L.k)),
+                "without_maps": (lambda: (fq0, L.q), lambda: (fk0, L.k))}
     got: dict = {name: [] for name in variants}
     for _ in range(3):
         for name, fns in variants.items():

@@ -1704,12 +1704,12 @@ def _la_states(fk, v, kpm_i8, cfg: KernelConfig):
         return S, z, vs, NC
     BF, BD = _state_tile(cfg, B * Hkv, F, D)
     grid = (B * Hkv, F // BF, D // BD)
+    sm = _sums_mma_on(cfg, fk)
     fast(_state_fwd)[grid](
         fk, v, _ptr(kpm_i8, z), S, z, vs, *_strides(fk), *_strides(v), T, Hkv, NC,
         F=F, D=D, CS=CS, BF=BF, BD=BD, HAS_KPM=kpm_i8 is not None, PREC=_prec(fk.dtype),
-        SM=_sums_mma_on(cfg, fk), num_warps=cfg.state_warps,
-        num_stages=STATE_FWD_STAGES[_sums_mma_on(cfg, fk)])
-    CALLS["state_sums_mma"] += _sums_mma_on(cfg, fk)
+        SM=sm, num_warps=cfg.state_warps, num_stages=STATE_FWD_STAGES[sm])
+    CALLS["state_sums_mma"] += sm
     return S, z, vs, NC
 
 
