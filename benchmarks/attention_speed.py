@@ -324,23 +324,31 @@ class Layer:
         return (fq.sum() + fk.sum()).reshape(1, 1, 1, 1).expand(self.do.shape)
 
     def hybrid(self, mixer="fixed", backend="auto", fq=None, fk=None, pytorch_phi=False,
-               kernel_du=True):
+               kernel_du=True, fold=True):
+        """The layer's attention, (B, T, H, D). Without fq / fk, as the model's layer calls it:
+        the maps handed over as modules (``maps=``: folded into the fused kernel's autograd
+        Function where it takes the call, since 2026-12-04). ``fold=False``: the call before
+        that, the maps run first as their own Functions (q and k handed on through them, the q
+        map's backward from the kernel's du unless ``kernel_du`` is off); ``pytorch_phi``: so,
+        with the maps' PyTorch path."""
         q, k = self.q, self.k
-        if fq is None:  # q and k handed on through the maps, as the model's layer does (and the
-            # q map's backward from the kernel's du: triton_phi.DuSlot)
+        kw = dict(window=self.w, backend=backend, scale=self.scale, **self.mixer_args(mixer))
+        if fq is None and fold and not pytorch_phi:
+            out = hybrid_attention(q, k, self.v, None, None, maps=(self.phi_q, self.phi_k), **kw)
+            return out.transpose(1, 2).contiguous()
+        if fq is None:
             with backends.triton_disabled() if pytorch_phi else contextlib.nullcontext():
                 fq, q = self.phi_q(q, with_input=True, kernel_du=kernel_du)
                 fk, k = self.phi_k(k, with_input=True)
-        out = hybrid_attention(q, k, self.v, fq, fk, window=self.w, backend=backend,
-                               scale=self.scale, **self.mixer_args(mixer))
+        out = hybrid_attention(q, k, self.v, fq, fk, **kw)
         return out.transpose(1, 2).contiguous()
 
     def hybrid_stage1(self):
-        """The layer as stage 1 trains it: the teacher's q, k, v detached, gradients for the
-        feature maps only (the kernels skip the dq / dk / dv passes)."""
+        """The layer as stage 1 trains it (``ops.transfer.hybrid_output_mse``'s call): the
+        teacher's q, k, v detached, the maps handed over as modules, gradients for the feature
+        maps only (the kernels skip the dq / dk / dv passes)."""
         q, k, v = (x.detach() for x in (self.q, self.k, self.v))
-        fq, q = self.phi_q(q, with_input=True, kernel_du=True)  # (as the layer calls it)
-        out = hybrid_attention(q, k, v, fq, self.phi_k(k), window=self.w,
+        out = hybrid_attention(q, k, v, None, None, maps=(self.phi_q, self.phi_k), window=self.w,
                                scale=self.scale, **self.mixer_args("fixed"))
         return out.transpose(1, 2).contiguous()
 

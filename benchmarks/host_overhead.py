@@ -154,21 +154,28 @@ def main(argv=None) -> dict:
 
 
 def maps_share(L, A, calls: int) -> dict:
-    """Median microseconds per fwd + bwd of the whole call, of the call with the k map's output
+    """Median microseconds per fwd + bwd of the layer's call (the maps folded into the kernel's
+    Function), of the call as it was before that (``unfolded``: the maps as their own
+    Functions, their outputs handed to the kernel), of that with the k map's output
     precomputed (fk a constant: the k map's Function, launches and backward left out) and with
     both maps' outputs precomputed; three rounds each, interleaved."""
     fq0, fk0 = L.phi_q(L.q).detach(), L.phi_k(L.k).detach()
 
     def run(maps):  # maps: two callables, each giving (phi(x), x as the attention takes it)
-        (fq, q), (fk, k) = maps[0](), maps[1]()
-        out = A.hybrid_attention(q, k, L.v, fq, fk, window=L.w, scale=L.scale, g=0.5)
+        if maps is None:  # the layer's call
+            out = A.hybrid_attention(L.q, L.k, L.v, None, None, maps=(L.phi_q, L.phi_k),
+                                     window=L.w, scale=L.scale, g=0.5)
+        else:
+            (fq, q), (fk, k) = maps[0](), maps[1]()
+            out = A.hybrid_attention(q, k, L.v, fq, fk, window=L.w, scale=L.scale, g=0.5)
         out.transpose(1, 2).contiguous().backward(L.do)
         L.zero()
 
     q_map = lambda: L.phi_q(L.q, with_input=True, kernel_du=True)  # noqa: E731
-    variants = {"layer": (q_map, lambda: L.phi_k(L.k, with_input=True)),
-                "without_k_map": (q_map, lambda: (fk0, L.k)),
-                "without_maps": (lambda: (fq0, L.q), lambda: (fk0, L.k))}
+    variants = {"layer": None,
+                "unfolded": (q_map, lambda: L.phi_k(L.k, with_input=True)),
+                "unfolded_without_k_map": (q_map, lambda: (fk0, L.k)),
+                "unfolded_without_maps": (lambda: (fq0, L.q), lambda: (fk0, L.k))}
     got: dict = {name: [] for name in variants}
     for _ in range(3):
         for name, fns in variants.items():
@@ -189,34 +196,37 @@ def _measure(a, A, launches) -> dict:
     L = A.Layer(B, T, a.heads, a.kv_heads, 128, 64, torch.bfloat16, "square")
     torch.set_num_threads(1)
 
-    def call(stamps):
+    def call(stamps):  # the layer's call: the maps handed over as modules (maps=)
         t0 = time.perf_counter()
-        fq, q = L.phi_q(L.q, with_input=True, kernel_du=True)
-        fk, k = L.phi_k(L.k, with_input=True)
-        t1 = time.perf_counter()
-        out = A.hybrid_attention(q, k, L.v, fq, fk, window=L.w, scale=L.scale, g=0.5)
+        out = A.hybrid_attention(L.q, L.k, L.v, None, None, maps=(L.phi_q, L.phi_k), window=L.w,
+                                 scale=L.scale, g=0.5)
         out = out.transpose(1, 2).contiguous()
-        t2 = time.perf_counter()
+        t1 = time.perf_counter()
         out.backward(L.do)
         L.zero()
-        t3 = time.perf_counter()
-        stamps.append((t1 - t0, t2 - t1, t3 - t2, t3 - t0))
+        t2 = time.perf_counter()
+        stamps.append((t1 - t0, t2 - t1, t2 - t0))
 
     for _ in range(5):
         call([])
+    from hedgecats.models.ops import triton_hybrid as th
+
     launches.clear()
+    folded = th.CALLS["maps_folded"], th.CALLS["maps_folded_backward"]
     with CountOps() as ops:
         call([])
     per_call = dict(launches)
+    folded = [th.CALLS["maps_folded"] - folded[0], th.CALLS["maps_folded_backward"] - folded[1]]
     stamps: list = []
     for _ in range(a.calls):
         call(stamps)
-    med = [statistics.median(s[i] for s in stamps) * 1e6 for i in range(4)]
+    med = [statistics.median(s[i] for s in stamps) * 1e6 for i in range(3)]
     res = {"shape": a.shape, "heads": [a.heads, a.kv_heads], "calls": a.calls,
            "unfused": a.unfused,
-           "us_per_call": dict(zip(("maps_forward", "attention_forward", "backward", "total"),
+           "us_per_call": dict(zip(("forward", "backward", "total"),
                                    [round(x, 1) for x in med])),
            "triton_launches": per_call, "torch_kernel_ops": dict(ops.kernels),
+           "maps_folded": folded,
            "torch_other_ops": sum(ops.other.values())}
     print(json.dumps(res, indent=1))
     if a.maps_share:

@@ -34,9 +34,12 @@ BRANCHES = {"hybrid": (True, True), "swa": (True, False), "la": (False, True)}
 #: (B, T, H, D) output): every kernel of a training step's attention, the maps' and PyTorch's
 #: included
 LAYER = "layer"
-#: the branch sets that time the whole layer: the model's path, and it with the q map's backward
-#: starting from dphi (``kernel_du`` off: before session 15, for the A/B)
-LAYERS = {LAYER: dict(kernel_du=True), "layer-no-du": dict(kernel_du=False)}
+#: the branch sets that time the whole layer: the model's path (the maps folded into the
+#: kernel's autograd Function, since session 20); the maps as their own Functions (before
+#: session 20, for the A/B); that, with the q map's backward starting from dphi (``kernel_du``
+#: off: before session 15)
+LAYERS = {LAYER: dict(), "layer-unfolded": dict(fold=False),
+          "layer-no-du": dict(fold=False, kernel_du=False)}
 #: the whole layer with the default tiles changed (``KernelConfig`` fields), timed as the model
 #: would run them: the backward's fused kernels (on by default for D 128 bf16 since session
 #: 17) off, one at a time and both (the separate kernels, as before); ``_bwd_kv``'s program
@@ -64,7 +67,7 @@ LAYER_CHANGES = {"layer-no-fuse-q": dict(fuse_q_side=False),
                  "layer-fwd64-bn32-ss2-p2": dict(block_m=64, block_n=32, warps=4,
                                                  state_product_stages=2, pack_heads=2,
                                                  dq_pack_heads=4)}
-LAYERS.update({name: dict(kernel_du=True) for name in LAYER_CHANGES})
+LAYERS.update({name: dict() for name in LAYER_CHANGES})
 
 
 @contextlib.contextmanager

@@ -69,7 +69,7 @@ def host_profile(fn, n: int = 20, rows: int = 30) -> str:
 #: the launch wrapper per kernel, its argument key, the autograd functions' bodies, the maps'
 #: dW product, the TMA check
 HOST_PARTS = (("triton_common", "_key_and_values"), ("triton_common", "tma_ok"),
-              ("triton_phi", "_phi_forward"), ("triton_phi", "_phi_backward"),
+              ("triton_phi", "map_forward"), ("triton_phi", "map_backward"),
               ("triton_phi", "bmm_fp32"), ("triton_hybrid", "_forward"),
               ("triton_hybrid", "_backward"), ("triton_hybrid", "_la_states"),
               ("triton_hybrid", "hybrid_kernel"), ("triton_hybrid", "fused_hybrid"))

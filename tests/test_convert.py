@@ -375,19 +375,27 @@ def test_mixed_dtypes_reach_the_kernels_as_one_dtype(monkeypatch):
     """Under bf16 autocast with an fp32 base, RoPE gives fp32 q, k and the projection a bf16 v;
     the backends take one dtype (mixed calls went to the slow paths on the GPU)."""
     from hedgecats.models import layer
+    from hedgecats.models.ops import hybrid
 
-    seen = []
-    real = layer.hybrid_attention
+    seen, maps_out = [], []
+    real, real_maps = layer.hybrid_attention, hybrid._apply_maps
 
-    def spy(q, k, v, fq, fk, **kw):
-        seen.append((q.dtype, k.dtype, v.dtype, fq.dtype, fk.dtype))
+    def spy(q, k, v, fq, fk, **kw):  # (the layer hands over the maps: fq, fk None)
+        seen.append([q.dtype, k.dtype, v.dtype])
         return real(q, k, v, fq, fk, **kw)
 
+    def spy_maps(maps, q, k):
+        out = real_maps(maps, q, k)
+        maps_out.append([x.dtype for x in out])
+        return out
+
     monkeypatch.setattr(layer, "hybrid_attention", spy)
+    monkeypatch.setattr(hybrid, "_apply_maps", spy_maps)
     model = convert_to_hybrid(tiny(), HybridConfig(window=4))
     with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
         model(ids(T=12))
-    assert seen and all(set(d) == {torch.bfloat16} for d in seen), seen
+    assert seen and len(maps_out) == len(seen)
+    assert all(set(d) == {torch.bfloat16} for d in seen + maps_out), (seen, maps_out)
     q32, v16 = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4, dtype=torch.bfloat16)
     assert {t.dtype for t in layer._common_dtype(q32, q32, v16)} == {torch.float32}  # no autocast
 

@@ -295,6 +295,36 @@ def test_feature_map_hands_its_input_on_unchanged_off_the_kernel():
     assert x_on is x and phi.shape == (1, 4, 5, 16)
 
 
+@pytest.mark.parametrize("mode", ["hybrid", "la_only", "sinks_only"])
+def test_maps_given_as_modules_match_their_features(mode):
+    """``hybrid_attention(q, k, v, None, None, maps=(phi_q, phi_k))``, the converted layer's
+    call, is ``hybrid_attention(q, k, v, phi_q(q), phi_k(k))`` where no fused kernel folds the
+    maps in (here, the CPU): the same output and gradients of q, k, v and both maps. Passing
+    features and maps together is an error that says which to pass."""
+    g = torch.Generator().manual_seed(3)
+    maps = [HedgehogFeatureMap(n, 8, seed=s) for n, s in ((4, 1), (2, 2))]
+    q0, k0, v0 = (torch.randn(2, n, 20, 8, generator=g) for n in (4, 2, 2))
+    kw = dict(window=5, mode=mode, g=0.3, key_padding_mask=torch.arange(20)[None].expand(2, -1)
+              > 2)
+
+    def run(as_modules):
+        q, k, v = (x.clone().requires_grad_() for x in (q0, k0, v0))
+        for m in maps:
+            m.zero_grad()
+        if as_modules:
+            out = hybrid_attention(q, k, v, None, None, maps=maps, **kw)
+        else:
+            out = hybrid_attention(q, k, v, maps[0](q), maps[1](k), **kw)
+        out.square().sum().backward()
+        return [out, q.grad, k.grad, v.grad] + [p.grad for m in maps for p in m.parameters()]
+
+    for a, b in zip(run(True), run(False)):
+        assert (a is None and b is None) or torch.equal(a, b)
+    q = q0.clone()
+    with pytest.raises(ValueError, match="features .* or the maps"):
+        hybrid_attention(q, k0, v0, maps[0](q), maps[1](k0), maps=maps, window=5)
+
+
 def test_du_slot_tells_the_kernels_marker_from_a_summed_gradient():
     """``triton_phi.DuSlot``'s protocol on the CPU (no kernel needed): the map's backward gets
     the kernel's marker itself when the kernel was its output's only consumer (autograd hands

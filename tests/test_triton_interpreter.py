@@ -6,7 +6,7 @@ against the composed step.
 Needs triton (the CPU set-up installs it: constraints.txt, the ``dev`` extra; skipped where it
 is missing). The kernels run in a subprocess with ``TRITON_INTERPRET=1``
 (tests/triton_interpreter_check.py), so that the interpreter is never switched on in a process
-that runs them on a GPU. All 189 cases take ~20 minutes on two cores, hence ``slow``;
+that runs them on a GPU. All 203 cases take ~25 minutes on two cores, hence ``slow``;
 the ``--quick`` cases (~40 s) run in the default selection.
 """
 
@@ -59,6 +59,20 @@ def test_state_sums_on_the_tensor_cores_match_the_row_sums():
     (``state_sums_case``)."""
     rows = _run("state-sums-walked-pad-bf16", "state-sums-split-pad-bf16")
     assert len(rows) == 2
+    bad = _failures(rows)
+    assert not bad, "\n".join(bad)
+
+
+def test_maps_folded_into_the_kernel_match_their_own_functions():
+    """The layer's call: the feature maps inside the fused kernel's autograd Function
+    (``hybrid_attention(maps=...)``) give the output and gradients of the maps run as their own
+    Functions, bit for bit, and of the fp32 reference within tolerance: through the layer's
+    routing with padding, as stage 1 calls it (q, k, v frozen), and where the backward falls
+    back to the reference (``fold_case``)."""
+    ids = ("fold-attention-default-tiles-pad", "fold-hybrid-stage1-pad",
+           "fold-backward-fallback-pad")
+    rows = _run(*ids)
+    assert sorted(r["id"] for r in rows) == sorted(ids)
     bad = _failures(rows)
     assert not bad, "\n".join(bad)
 

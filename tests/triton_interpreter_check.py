@@ -722,6 +722,149 @@ def map_du_case(cid, *, B=2, H=4, Hkv=2, T=150, D=16, window=20, activation="sof
     return {**errors(got, want), "du_path": 0.0 if path_ok else float("inf")}
 
 
+@contextlib.contextmanager
+def _maps_on_their_kernel():
+    """``HedgehogFeatureMap`` modules run the fused map (``triton_phi``) on CPU tensors, as
+    they do on CUDA ones (their ``_fused`` asks for CUDA)."""
+    from hedgecats.models import feature_maps as fm
+    from hedgecats.models.ops import triton_phi as tp
+
+    old = fm.HedgehogFeatureMap._fused
+
+    def fused(self, x, with_input=False, kernel_du=False):
+        return tp.hedgehog_features(x, self.weight, self.bias, self.activation,
+                                    with_input=with_input, kernel_du=kernel_du)
+
+    fm.HedgehogFeatureMap._fused = fused
+    try:
+        yield
+    finally:
+        fm.HedgehogFeatureMap._fused = old
+
+
+def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
+              activation="softmax", pad=False, g_kind="float", ssd=None, frozen=(),
+              cfg=MAP_DU, through="fused", dtype=torch.bfloat16, backward_fails=False,
+              **switches):
+    """The feature maps folded into the fused kernel's autograd Function (``maps=(phi_q,
+    phi_k)``, the layer's call since 2026-12-04) against the call as the layer made it before:
+    the maps run first as their own Functions (``ops.hybrid._apply_maps``: q and k handed on,
+    the q map's du from the kernel), then the kernel. The output and every gradient (q, k, v,
+    both maps' weight and bias, a per-head g) must be bit for bit equal ("same_*": 0 or inf):
+    the same kernels run on the same arguments. Both against the fp32 reference (the maps by
+    ``triton_phi.reference_features``, ``hybrid_attention(backend="reference")``) within the
+    dtype's tolerance; and the fold ran, forward and backward, with the kernel's du where the
+    config gives one. q, k, v as transformers lays them out. ``frozen``: what takes no
+    gradient ("q", "k", "v": stage 1's detached teacher; "maps"). ``through``: "fused" calls
+    ``fused_hybrid(config=cfg)``; "attention" calls ``hybrid_attention`` with the CUDA pieces
+    and the fused kernel (``backends._cuda_ops``) at the default tiles: the layer's routing.
+    ``backward_fails``: every backward kernel launch raises Triton's OutOfResources: both paths'
+    gradients come from the PyTorch reference (``_reference_backward``; folded, the maps'
+    too), each against the fp32 reference, not bit for bit against the other; the fallback is
+    recorded once per backward."""
+    from triton.runtime.errors import OutOfResources
+    from hedgecats.models import HedgehogFeatureMap
+    from hedgecats.models.ops import backends, hybrid
+    from hedgecats.models.ops import triton_hybrid as th
+
+    gen = torch.Generator().manual_seed(7)
+    maps = [HedgehogFeatureMap(n, D, activation, seed=s) for n, s in ((H, 1), (Hkv, 2))]
+    with torch.no_grad():
+        for m in maps:
+            m.bias.normal_(0, 0.5, generator=gen)
+    q0, k0, v0 = (torch.randn(B, T, n, D, generator=gen).transpose(1, 2) for n in (H, Hkv, Hkv))
+    do = torch.randn(B, H, T, D, generator=gen)
+    kpm = _kpm(B, T) if pad else None
+    shared = bool(switches.get("shared_norm"))
+    g0 = (torch.rand(1, H, 1, 1, generator=gen) * 0.8 + 0.1 if g_kind == "head"
+          else 0.1 if shared else 0.3)
+    swa_drop = None
+    if ssd == "head":
+        swa_drop = torch.rand(B, H, 1, 1, generator=gen) < 0.5
+    args = dict(window=window, mode=mode, shared_norm=False, overlap=False, rescale=False,
+                la_span="outside", swa_drop=swa_drop, key_padding_mask=kpm, scale=D ** -0.5,
+                eps=_floors()[1])
+    args.update(switches)
+    ops = backends._cuda_ops("auto", True)
+
+    def kernel(q, k, v, fq, fk, g, **kw):
+        if through == "attention":
+            return hybrid.hybrid_attention(q, k, v, fq, fk, g=g, ops=ops, **args, **kw)
+        out = th.fused_hybrid(q, k, v, fq, fk, g=g, config=th.KernelConfig(**cfg), **args,
+                              **kw)
+        if out is None:
+            raise RuntimeError("fused_hybrid declined a case it should take")
+        return out
+
+    def run(path):
+        cast = torch.float32 if path == "reference" else dtype
+        q, k, v = (x.to(dtype).to(cast).requires_grad_(n not in frozen)
+                   for n, x in zip("qkv", (q0, k0, v0)))
+        for m in maps:
+            m.zero_grad()
+            m.requires_grad_("maps" not in frozen)
+        g = g0.clone().requires_grad_() if torch.is_tensor(g0) else g0
+        if path == "folded":
+            out = kernel(q, k, v, None, None, g, maps=maps)
+        elif path == "unfolded":
+            with _maps_on_their_kernel():
+                fq, fk, q_on, k_on = hybrid._apply_maps(maps, q, k)
+            out = kernel(q_on, k_on, v, fq, fk, g)
+        else:
+            fq, fk = (tp_ref(x, m) for x, m in zip((q, k), maps))
+            a = {n: x for n, x in args.items() if n != "eps"}
+            out = hybrid.hybrid_attention(q, k, v, fq, fk, g=g, backend="reference",
+                                          eps=args["eps"], **a)
+        loss = (out.float() * do).sum()
+        if backward_fails and path != "reference":
+            def fail(*a, **kw):
+                raise OutOfResources(1, 0, "shared memory")
+            real, th._backward = th._backward, fail
+            try:
+                loss.backward()
+            finally:
+                th._backward = real
+        else:
+            loss.backward()
+        res = {"out": out.detach()}
+        res.update({n: x.grad for n, x in zip(("dq", "dk", "dv"), (q, k, v))
+                    if x.requires_grad})
+        if "maps" not in frozen:
+            res.update({"dWq": maps[0].weight.grad, "dbq": maps[0].bias.grad,
+                        "dWk": maps[1].weight.grad, "dbk": maps[1].bias.grad})
+        if torch.is_tensor(g):
+            res["dg"] = g.grad
+        return {n: None if x is None else x.clone() for n, x in res.items()}
+
+    def tp_ref(x, m):
+        from hedgecats.models.ops import triton_phi as tp
+        return tp.reference_features(x, m.weight, m.bias, activation)
+
+    names = ("maps_folded", "maps_folded_backward", "map_du")
+    n_err = len(th.FALLBACK_ERRORS)
+    before = [th.CALLS[n] for n in names]
+    got = run("folded")
+    ran = [th.CALLS[n] - b for n, b in zip(names, before)]
+    before = th.CALLS["map_du"]
+    old = run("unfolded")
+    du_unfolded = th.CALLS["map_du"] - before
+    want = run("reference")
+    out = errors(got, want)
+    if backward_fails:
+        out.update({f"unfolded_{n}": e for n, e in errors(old, want).items()})
+        out["fallbacks_recorded"] = 0.0 if len(th.FALLBACK_ERRORS) == n_err + 2 and \
+            ran == [1, 0, 0] else float("inf")
+        return out
+    for n in want:
+        a, b = got.get(n), old.get(n)
+        same = (a is None and b is None) or (a is not None and b is not None and
+                                              torch.equal(a, b))
+        out[f"same_{n}"] = 0.0 if same else float("inf")
+    # folded once each way, with the kernel's du exactly where the path before the fold used it
+    out["fold_ran"] = 0.0 if ran == [1, 1, du_unfolded] else float("inf")
+    return out
+
+
 def decode_case(cid, *, mode="hybrid", mixer="fixed", rescale=False, pad=False, H=4, Hkv=2,
                 window=8, n_sinks=4, steps=13, dtype=torch.bfloat16):
     """The fused decode step (ops.triton_decode) against the composed one (models.cache._step):
@@ -1112,6 +1255,32 @@ def cases(quick: bool = False):
         ("map-du-fused-q-kv", map_du_case, dict(cfg=dict(MAP_DU, fuse_q_side=True,
                                                          fuse_kv_side=True), pad=True,
                                                 dtype=bf16)),
+        # the maps folded into the fused kernel's Function (the layer's call), bit for bit as
+        # the maps' own Functions then the kernel
+        ("fold-hybrid", fold_case, dict(dtype=bf16)),
+        ("fold-exp-pad-g-per-head", fold_case, dict(dtype=bf16, activation="exp", pad=True,
+                                                    g_kind="head")),
+        ("fold-shared-norm-pad", fold_case, dict(dtype=bf16, shared_norm=True, pad=True,
+                                                 g_kind="head")),
+        ("fold-ssd-head-pad", fold_case, dict(dtype=bf16, ssd="head", pad=True, g_kind="head")),
+        ("fold-swa-only", fold_case, dict(dtype=bf16, mode="swa_only")),
+        ("fold-la-only-all-rescale-stage1", fold_case, dict(
+            dtype=bf16, mode="la_only", la_span="all", overlap=True, rescale=True, window=1,
+            frozen=("q", "k", "v"))),
+        ("fold-hybrid-stage1-pad", fold_case, dict(dtype=bf16, frozen=("q", "k", "v"),
+                                                   pad=True)),
+        ("fold-frozen-maps", fold_case, dict(dtype=bf16, frozen=("maps",), g_kind="head")),
+        ("fold-frozen-v-k", fold_case, dict(dtype=bf16, frozen=("v", "k"))),
+        ("fold-feature-slices-no-du", fold_case, dict(dtype=bf16, cfg=PACKED4_DQ)),
+        ("fold-fused-q-kv-pad", fold_case, dict(
+            dtype=bf16, cfg=dict(MAP_DU, fuse_q_side=True, fuse_kv_side=True), pad=True)),
+        ("fold-attention-default-tiles-pad", fold_case, dict(
+            dtype=bf16, through="attention", pad=True, g_kind="head")),
+        ("fold-backward-fallback-pad", fold_case, dict(dtype=bf16, backward_fails=True,
+                                                       pad=True, g_kind="head")),
+        ("fold-attention-8b-tiles-pad", fold_case, dict(
+            dtype=bf16, through="attention", pad=True, H=8, Hkv=2, T=300, D=128, window=64,
+            B=1)),
         ("phi-softmax", phi_case, dict(dtype=bf16)),
         ("phi-softmax-strided-rect", phi_case, dict(dtype=bf16, strided=True,
                                                     proj="rectangular", D=32)),

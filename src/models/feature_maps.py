@@ -160,6 +160,15 @@ class HedgehogFeatureMap(nn.Module):
         phi = phi.clamp_min(self.floor) if self.floor > 0 else phi
         return (phi, x_in) if with_input else phi
 
+    def kernel_form(self):
+        """``(weight, bias, activation)`` where this map's function is the fused map's
+        (``ops.triton_phi``: no floor, softmax or exp), for a kernel to run it on x of the
+        map's own heads (``triton_hybrid.fold_maps``: the layer's maps inside the hybrid
+        kernel's Function); else ``None``."""
+        if self.floor > 0 or self.activation not in ("softmax", "exp"):
+            return None
+        return self.weight, self.bias, self.activation
+
     def _fused(self, x: torch.Tensor, with_input: bool = False, kernel_du: bool = False):
         """The map as one Triton kernel per direction (``ops.triton_phi``) on CUDA where it
         applies (bf16, softmax / exp, power-of-two dims) and ``backends.triton_enabled()``

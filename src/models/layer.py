@@ -239,16 +239,13 @@ def hedgecats_attention_forward(module: nn.Module, query, key, value, attention_
                    "they were right-padded without a mask (lm-eval), the shorter ones get "
                    "blocks that end at the padded length; evaluate with batch size 1 or pass "
                    "the attention mask")
-    needs_la = rt.mode in ("hybrid", "swa_only", "la_only")
-    fq = fk = None
-    if needs_la:  # (q and k handed on through the maps: their two gradients summed in a kernel;
-        # the q map's backward starts from the du the fused kernel computes: triton_phi.DuSlot)
-        fq, query = module.phi_q(query, with_input=True, kernel_du=True)
-        fk, key = module.phi_k(key, with_input=True)
     swa_drop = _ssd_mask(rt, query.shape[0], query.shape[1], query.device) \
         if module.training and rt.mode == "hybrid" else None
+    # the maps go in as modules: where the fused kernel takes the call they run inside its
+    # autograd Function (``triton_hybrid.fold_maps``), elsewhere hybrid_attention runs them
     out = hybrid_attention(
-        query, key, value, fq, fk, window=rt.window, mode=rt.mode, g=module.mixer(hidden),
+        query, key, value, None, None, maps=(module.phi_q, module.phi_k), window=rt.window,
+        mode=rt.mode, g=module.mixer(hidden),
         shared_norm=module.mixer.shared_norm, overlap=rt.overlap, rescale=rt.rescale,
         la_span=rt.la_span, n_sinks=rt.n_sinks, swa_drop=swa_drop, key_padding_mask=kpm,
         scale=scaling, eps=rt.eps, backend=rt.backend, window_shape=rt.window_shape,

@@ -318,16 +318,18 @@ class Ops:
         self._fused = fused_impl
 
     def fused(self, q, k, v, fq, fk, *, window, mode, g, shared_norm, overlap, rescale, la_span,
-              swa_drop, key_padding_mask, scale, eps):
+              swa_drop, key_padding_mask, scale, eps, maps=None):
         """The whole layer's output (``ops.hybrid.hybrid_attention``'s arguments, checked there)
         from one fused kernel, or ``None`` where this backend has none or it does not cover the
-        call: the caller then composes the pieces."""
+        call: the caller then composes the pieces. ``maps`` ((phi_q, phi_k), fq and fk
+        ``None``): the maps run inside the kernel's call where it can take them, else ``None``
+        (the caller then runs them and calls again with their outputs)."""
         if self._fused is None:
             return None
         return self._fused(q, k, v, fq, fk, window=window, mode=mode, g=g,
                            shared_norm=shared_norm, overlap=overlap, rescale=rescale,
                            la_span=la_span, swa_drop=swa_drop, key_padding_mask=key_padding_mask,
-                           scale=scale, eps=eps)
+                           scale=scale, eps=eps, maps=maps)
 
     def swa(self, q, k, v, *, scale, window, need_lse, key_padding_mask, window_shape="sliding"):
         """``window_shape`` (``ops.windows``): the terraced shapes have no GPU kernel here and run

@@ -85,6 +85,7 @@ def hybrid_attention(
     backend: str = "auto",
     ops: backends.Ops | None = None,
     window_shape: str = "sliding",
+    maps: tuple | None = None,
 ) -> torch.Tensor:
     """Hybrid attention of one layer.
 
@@ -117,6 +118,12 @@ def hybrid_attention(
             pieces add what it keeps of earlier keys (``models.cache``); the mixing and the
             modes stay the ones above.
         window_shape: ``sliding`` (default) | ``terraced`` | ``terraced_end`` (``ops.windows``).
+        maps: ``(phi_q, phi_k)``, the feature maps (``HedgehogFeatureMap``), in place of fq
+            and fk (both ``None``): the converted layer's call. Where the fused kernel takes
+            the call and can fold the maps (``triton_hybrid.fold_maps``), they run inside its
+            autograd Function (one node, the q map's backward from the kernel's du); elsewhere
+            ``fq, q = phi_q(q, with_input=True, kernel_du=True)`` and ``fk, k = phi_k(k,
+            with_input=True)`` run here first. The same values either way.
 
     Returns:
         (B, H, T, D) in q's dtype.
@@ -143,8 +150,23 @@ def hybrid_attention(
             raise ValueError(f"sinks_only needs n_sinks >= 1, got {n_sinks!r}")
         out, _ = ops.sinks(q, k, v, scale=scale, n_sinks=n_sinks, key_padding_mask=key_padding_mask)
         return out.to(dtype)
+    if maps is not None:
+        if fq is not None or fk is not None:
+            raise ValueError("pass the features (fq, fk) or the maps (maps=(phi_q, phi_k)), "
+                             "not both")
+        out = None
+        if isinstance(ops, backends.Ops) and _fused_cannot(window_shape, shared_norm, k,
+                                                           None) is None:
+            out = ops.fused(q, k, v, None, None, window=window, mode=mode, g=g,
+                            shared_norm=shared_norm, overlap=overlap, rescale=rescale,
+                            la_span=la_span, swa_drop=swa_drop,
+                            key_padding_mask=key_padding_mask, scale=scale, eps=eps, maps=maps)
+        if out is not None:
+            return out.to(dtype)
+        fq, fk, q, k = _apply_maps(maps, q, k)
     if fq is None or fk is None:
-        raise ValueError(f"mode {mode!r} runs linear attention: fq and fk are required")
+        raise ValueError(f"mode {mode!r} runs linear attention: fq and fk (or maps) are "
+                         f"required")
 
     # the whole layer in one fused kernel, where the backend has one that covers this call
     # (``backends.Ops.fused``; ``None``: compose the pieces below). It computes the sliding
@@ -207,6 +229,16 @@ def hybrid_attention(
     if swa_drop is not None and mode != "la_only":
         out = torch.where(swa_drop.bool(), la_only_output(), out)
     return out.to(dtype)
+
+
+def _apply_maps(maps, q, k):
+    """(fq, fk, q, k) from the maps (phi_q, phi_k): q and k handed on through them (their two
+    gradients summed in the maps' kernels where those run), the q map's backward from the
+    hybrid kernel's du where both kernels run (``triton_phi.DuSlot``)."""
+    phi_q, phi_k = maps
+    fq, q = phi_q(q, with_input=True, kernel_du=True)
+    fk, k = phi_k(k, with_input=True)
+    return fq, fk, q, k
 
 
 def _fused_cannot(window_shape, shared_norm, k, fk) -> str | None:

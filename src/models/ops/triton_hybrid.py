@@ -87,11 +87,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from . import reference as ref
-from .triton_phi import DU_SLOT_ATTR
+from . import triton_phi
+from .triton_phi import DU_SLOT_ATTR, DuSlot
 from .triton_common import (GRID_AXIS_MAX, HAVE_TRITON, available, cast, cdiv, errors, fast,
                             interpret, next_pow2, record_fallback, tl, tma_ok, triton, warn_once)
 
@@ -108,11 +110,13 @@ FALLBACK_ERRORS: list[str] = []
 #: that went split (``KernelConfig.split_states``), the backwards that took the forward's
 #: LA states instead of building them again (saved with the branches), and those whose dfk
 #: and dv programs ran apart, each at its own key tile (``dkv_block_n`` / ``dv_block_n``);
-#: the backward's fused kernels, counted under their ``KernelConfig`` switches
+#: the backward's fused kernels, counted under their ``KernelConfig`` switches; the calls
+#: that ran the feature maps inside the kernel's Function (``hybrid_kernel(maps=...)``), and
+#: their backwards
 CALLS = {"forward": 0, "dq_pass": 0, "dkv_swa": 0, "dv_la": 0, "factors_from_saved": 0,
          "split_states": 0, "states_from_forward": 0, "dkv_apart": 0, "packed_forward": 0,
          "packed_dq": 0, "map_du": 0, "fuse_q_side": 0, "fuse_kv_side": 0, "kv_order_1": 0,
-         "kv_order_2": 0, "state_sums_mma": 0}
+         "kv_order_2": 0, "state_sums_mma": 0, "maps_folded": 0, "maps_folded_backward": 0}
 
 
 @dataclass(frozen=True)
@@ -2031,10 +2035,42 @@ def _with_retry(phase: str, key: tuple, cfg: KernelConfig, fn):
     return fn(SAFE_CONFIG)
 
 
+class FoldedMaps(NamedTuple):
+    """The layer's two Hedgehog maps as ``hybrid_kernel(maps=...)`` runs them inside its own
+    autograd Function (``fold_maps``): each map's weight (H, D, F/2) and bias (H, F/2), the
+    parameters themselves, and whether its activation is the softmax (else exp)."""
+    wq: torch.Tensor
+    bq: torch.Tensor
+    wk: torch.Tensor
+    bk: torch.Tensor
+    softmax_q: bool
+    softmax_k: bool
+
+
+#: _HybridFn's inputs before the folded maps' (their gradients' positions in its backward)
+_N_KERNEL_INPUTS = 21
+
+
 class _HybridFn(torch.autograd.Function):
+    """The kernels' function of (q, k, v, fq, fk, the mixer's ca / cb / logs); with the maps
+    folded in (``wq, bq, wk, bk, maps_softmax`` given, fq and fk ``None``), of (q, k, v, the
+    maps' weights and biases, the mixer's): the forward computes fq = phi_q(q), fk = phi_k(k)
+    with the maps' kernels (``triton_phi.map_forward``), the backward hands the maps' backward
+    (``triton_phi.map_backward``) the kernel's du for the q map and dfk for the k map, with the
+    attention's dq and dk to add in the maps' kernels. One autograd node for the three; the
+    same kernels, with the same arguments, as the maps' own Functions would launch (the
+    gradients are bit for bit the same: tests/triton_interpreter_check.py ``fold_case``)."""
+
     @staticmethod
     def forward(ctx, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, window, scale,
-                eps, has_swa, has_la, shared, cfg, save, du_slot):
+                eps, has_swa, has_la, shared, cfg, save, du_slot, wq=None, bq=None, wk=None,
+                bk=None, maps_softmax=None):
+        ctx.maps = None
+        if maps_softmax is not None:
+            fq, wqc, bqc = triton_phi.map_forward(q, wq, bq, maps_softmax[0])
+            fk, wkc, bkc = triton_phi.map_forward(k, wk, bk, maps_softmax[1])
+            ctx.maps = (maps_softmax, (wq.dtype, bq.dtype), (wk.dtype, bk.dtype))
+            triton_phi.CALLS["forward"] += 2
         # the state path is part of the problem: a split build that fails to compile at long T
         # must not send short calls (which walk) down the retry chain
         key = (q.dtype, q.shape[-1], fq.shape[-1], has_swa, has_la, shared, kpm_i8 is not None,
@@ -2048,7 +2084,8 @@ class _HybridFn(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, lse, den,
                               *(x for x in (swa_o, la_o) if x is not None),
                               *(() if states is None else states[:3]),
-                              *(() if kpm_i8 is None else (kpm_i8,)))
+                              *(() if kpm_i8 is None else (kpm_i8,)),
+                              *(() if ctx.maps is None else (wqc, bqc, wkc, bkc)))
         ctx.args = dict(window=window, scale=scale, eps=eps, has_swa=has_swa, has_la=has_la,
                         shared=shared, cfg=cfg)
         ctx.has_kpm = kpm_i8 is not None
@@ -2063,7 +2100,8 @@ class _HybridFn(torch.autograd.Function):
         states = None
         if ctx.states_chunk is not None:
             states = (rest.pop(0), rest.pop(0), rest.pop(0), ctx.states_chunk)
-        kpm_i8 = rest[0] if ctx.has_kpm else None
+        kpm_i8 = rest.pop(0) if ctx.has_kpm else None
+        folded = ctx.maps is not None
         a = ctx.args
         do = do if do.stride(-1) == 1 else do.contiguous()
         if do.dtype != q.dtype:
@@ -2073,10 +2111,14 @@ class _HybridFn(torch.autograd.Function):
                kpm_i8 is not None, swa_o is not None or la_o is not None, need,
                use_split_states(a["cfg"], cdiv(q.shape[2], a["cfg"].state_chunk)))
         args = {n: x for n, x in a.items() if n != "cfg"}
-        du_slot = ctx.du_slot if ctx.needs_input_grad[3] else None
+        if folded:  # (the q map's du straight from the kernel: no other consumer of fq)
+            du_slot = DuSlot(q, fq.shape[-1] // 2, ctx.maps[0][0]) if any(
+                _map_needs(ctx, 0)) else None
+        else:
+            du_slot = ctx.du_slot if ctx.needs_input_grad[3] else None
         if du_slot is not None:
             du_slot.clear()  # (nothing stale from a backward whose map's never ran)
-            if du_slot.observed():  # (fq's own gradient asked for: dfq, not the marker)
+            if not folded and du_slot.observed():  # (fq's own gradient asked for: dfq)
                 du_slot = None
         try:
             dq, dk, dv, dfq, dfk, pa, pb = _with_retry("backward", key, a["cfg"], lambda c: (
@@ -2087,11 +2129,14 @@ class _HybridFn(torch.autograd.Function):
             record_fallback(FALLBACK_ERRORS, __name__, "hybrid backward", e, "this call's "
                             "gradients come from the PyTorch reference", phase="backward")
             return _reference_backward(ctx, do, q, k, v, fq, fk, ca, cb, logs, shift, first,
-                                       kpm_i8, a)
-        if dq is None and need[0]:  # no window (la_only): q has no other path
-            dq = torch.zeros_like(q)
+                                       kpm_i8, a, rest if folded else None)
         if dfq is None:
             dfq, dfk = torch.zeros_like(fq), torch.zeros_like(fk)
+        if folded:
+            dq, dk, map_grads = _folded_maps_backward(ctx, q, k, fq, fk, dq, dk, dfq, dfk,
+                                                      du_slot, rest)
+        elif dq is None and need[0]:  # no window (la_only): q has no other path
+            dq = torch.zeros_like(q)
         # the mixer's gradients from the per-block partial sums, only those autograd asks for
         # (a fixed g takes none: two reductions fewer per call)
         want_ca, want_cb, want_logs = ctx.needs_input_grad[5:8]
@@ -2101,50 +2146,110 @@ class _HybridFn(torch.autograd.Function):
             dca = pa.sum(-1) if want_ca else None
             dcb = pb.sum(-1) if want_cb else None
             dlogs = None
+        if folded:
+            return (dq, dk, dv, None, None, dca, dcb, dlogs) + (None,) * 13 + map_grads
         return (dq, dk, dv, dfq, dfk, dca, dcb, dlogs) + (None,) * 13
 
 
-def _reference_backward(ctx, do, q, k, v, fq, fk, ca, cb, logs, shift, first, kpm_i8, a):
+def _folded_maps_backward(ctx, q, k, fq, fk, dq, dk, dfq, dfk, du_slot, saved):
+    """(dq, dk, the gradients of wq, bq, wk, bk and ``maps_softmax``) of ``_HybridFn`` with the
+    maps folded in: each map's backward (``triton_phi.map_backward``) from the kernel's du
+    (q; or its dfq, where the config's dfq programs take a feature slice: no du) and dfk (k),
+    adding the attention's dq / dk in its kernel."""
+    wqc, bqc, wkc, bkc = saved
+    softmax, q_dtypes, k_dtypes = ctx.maps
+    dwq = dbq = dwk = dbk = None
+    if any(_map_needs(ctx, 0)):
+        du, only = du_slot.take(dfq) if du_slot is not None else (None, False)
+        dq, dwq, dbq = triton_phi.map_backward(
+            q, wqc, bqc, fq, dfq, dq, softmax=softmax[0], dtypes=q_dtypes, du=du,
+            du_only=only, need=_map_needs(ctx, 0))
+    if any(_map_needs(ctx, 1)):
+        dk, dwk, dbk = triton_phi.map_backward(
+            k, wkc, bkc, fk, dfk, dk, softmax=softmax[1], dtypes=k_dtypes,
+            need=_map_needs(ctx, 1))
+    CALLS["maps_folded_backward"] += 1
+    return dq, dk, (dwq, dbq, dwk, dbk, None)
+
+
+def _map_needs(ctx, i: int) -> tuple[bool, bool, bool]:
+    """Which of (x, weight, bias) of the folded map i (0: q, 1: k) autograd asks gradients
+    of."""
+    need = ctx.needs_input_grad
+    w = _N_KERNEL_INPUTS + 2 * i
+    return need[i], need[w], need[w + 1]
+
+
+def _reference_backward(ctx, do, q, k, v, fq, fk, ca, cb, logs, shift, first, kpm_i8, a,
+                        folded=None):
+    """The gradients from ``kernel_reference`` (fp32); ``folded``: the maps' weights and
+    biases as the kernels read them (``_HybridFn`` with the maps folded in): the maps run
+    in it too (``triton_phi.reference_features``), and their gradients come back."""
     kpm = None if kpm_i8 is None else kpm_i8.bool()
     with torch.enable_grad():
-        ins = [t.detach().requires_grad_() for t in (q, k, v, fq, fk, ca, cb, logs)]
-        out = kernel_reference(*ins, shift.view(q.shape[0], q.shape[1]), window=a["window"],
-                               scale=a["scale"], eps=a["eps"], key_padding_mask=kpm,
-                               has_swa=a["has_swa"], has_la=a["has_la"], shared=a["shared"])
+        if folded is None:
+            ins = [t.detach().requires_grad_() for t in (q, k, v, fq, fk, ca, cb, logs)]
+            feats = ins[3:5]
+        else:
+            ins = [t.detach().requires_grad_() for t in (q, k, v, ca, cb, logs)]
+            ins += [t.detach().float().requires_grad_() for t in folded]
+            wq, bq, wk, bk = ins[6:]
+            act = ["softmax" if s else "exp" for s in ctx.maps[0]]
+            feats = [triton_phi.reference_features(ins[0], wq, bq, act[0]),
+                     triton_phi.reference_features(ins[1], wk, bk, act[1])]
+        mix = ins[5:8] if folded is None else ins[3:6]
+        out = kernel_reference(*ins[:3], *feats, *mix, shift.view(q.shape[0], q.shape[1]),
+                               window=a["window"], scale=a["scale"], eps=a["eps"],
+                               key_padding_mask=kpm, has_swa=a["has_swa"], has_la=a["has_la"],
+                               shared=a["shared"])
         grads = torch.autograd.grad(out, ins, do.float(), allow_unused=True)
     grads = [torch.zeros_like(t) if g is None else g.to(t.dtype) for g, t in zip(grads, ins)]
-    dq, dk, dv, dfq, dfk, dca, dcb, dlogs = grads
+    if folded is None:
+        dq, dk, dv, dfq, dfk, dca, dcb, dlogs = grads
+        map_grads = ()
+    else:
+        dq, dk, dv, dca, dcb, dlogs = grads[:6]
+        dfq = dfk = None
+        dtypes = (*ctx.maps[1], *ctx.maps[2])  # (the parameters' own)
+        map_grads = tuple(g.to(t) for g, t in zip(grads[6:], dtypes)) + (None,)
     if a["shared"]:
         dca = dcb = None
     else:
         dlogs = None
-    return (dq, dk, dv, dfq, dfk, dca, dcb, dlogs) + (None,) * 13
+    return (dq, dk, dv, dfq, dfk, dca, dcb, dlogs) + (None,) * 13 + map_grads
 
 
 # ============================================================================= entry points
 def hybrid_kernel(q, k, v, fq, fk, ca, cb, logs, shift, *, window: int, scale: float, eps: float,
                   key_padding_mask: torch.Tensor | None = None, has_swa: bool = True,
                   has_la: bool = True, shared: bool = False,
-                  config: KernelConfig | None = None) -> torch.Tensor:
+                  config: KernelConfig | None = None,
+                  maps: FoldedMaps | None = None) -> torch.Tensor:
     """The kernels' own function (see the module docstring), differentiable in q, k, v, fq,
     fk, ca, cb (not ``shared``) and logs (``shared``).
 
     q (B, H, T, D), k, v (B, Hkv, T, D), fq (B, H, T, F), fk (B, Hkv, T, F), one dtype;
     ca, cb, logs (B, H) fp32; shift (B, H) int; key_padding_mask (B, T) bool or None.
+    ``maps`` (``fold_maps``), with fq and fk ``None``: fq = phi_q(q) and fk = phi_k(k) are
+    computed inside this call's autograd Function, which is then differentiable in the maps'
+    weights and biases too (the layer's path: one autograd node instead of three).
     No checks beyond shapes: ``fused_hybrid`` decides what may come here.
     """
     B, H, T, D = q.shape
-    cfg = config or default_config(D, fq.shape[-1], q.dtype)
+    F = fq.shape[-1] if maps is None else 2 * maps.wq.shape[-1]
+    cfg = config or default_config(D, F, q.dtype)
     blocks = (cfg.block_n, cfg.bwd_block_n, _dkv_block_n(cfg), _dv_block_n(cfg))
     if any(cfg.state_chunk % n for n in blocks):
         raise ValueError(f"state_chunk {cfg.state_chunk} must be a multiple of the key blocks "
                          f"(block_n, bwd_block_n, dkv_block_n, dv_block_n: {blocks})")
     # fq as a Hedgehog map's output, unchanged: the map's du from the dfq pass (``DuSlot``;
     # the first kernel given it only)
-    du_slot = getattr(fq, DU_SLOT_ATTR, None) if has_la else None
+    du_slot = getattr(fq, DU_SLOT_ATTR, None) if has_la and maps is None else None
     if du_slot is not None and not du_slot.claim():
         du_slot = None
-    q, k, v, fq, fk = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, fq, fk))
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    if maps is None:
+        fq, fk = (x if x.stride(-1) == 1 else x.contiguous() for x in (fq, fk))
     dev = q.device
     if key_padding_mask is None:
         kpm_i8 = None
@@ -2161,11 +2266,35 @@ def hybrid_kernel(q, k, v, fq, fk, ca, cb, logs, shift, *, window: int, scale: f
     ca, cb, logs = (cast(x, torch.float32).reshape(B * H).contiguous() for x in (ca, cb, logs))
     shift = cast(shift.to(dev), torch.int32).reshape(B * H).contiguous()
     # store the branches for the backward only where one will run
-    save = cfg.save_branches and torch.is_grad_enabled() and any(
-        x.requires_grad for x in (q, k, v, fq, fk, ca, cb, logs))
+    ins = (q, k, v, ca, cb, logs) + ((fq, fk) if maps is None else tuple(maps[:4]))
+    save = cfg.save_branches and torch.is_grad_enabled() and any(x.requires_grad for x in ins)
+    folded = () if maps is None else (*maps[:4], maps[4:])
+    if maps is not None:
+        CALLS["maps_folded"] += 1
     return _HybridFn.apply(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8,
                            int(window), float(scale), float(eps), bool(has_swa), bool(has_la),
-                           bool(shared), cfg, save, du_slot)
+                           bool(shared), cfg, save, du_slot, *folded)
+
+
+def fold_maps(maps, q: torch.Tensor, k: torch.Tensor) -> tuple[FoldedMaps | None, str | None]:
+    """``(FoldedMaps, None)`` where the two feature-map modules ``maps = (phi_q, phi_k)`` can
+    run inside the hybrid kernel's Function on these q (B, H, T, D) and k (B, Hkv, T, D): each
+    map's function is the fused map's (``HedgehogFeatureMap.kernel_form``: no floor, softmax or
+    exp) and its kernel takes x (``triton_phi.unsupported_reason``: bf16, power-of-two dims, one
+    map per head of x), both with the same feature dim; else ``(None, why)``."""
+    forms = []
+    for m, x, name in zip(maps, (q, k), ("phi_q", "phi_k")):
+        form = getattr(m, "kernel_form", lambda: None)()
+        if form is None:
+            return None, f"{name} ({type(m).__name__}) has no fused kernel form"
+        reason = triton_phi.unsupported_reason(x, *form)
+        if reason is not None:
+            return None, f"{name}: {reason}"
+        forms.append(form)
+    (wq, bq, aq), (wk, bk, ak) = forms
+    if wq.shape[-1] != wk.shape[-1]:
+        return None, f"the maps' feature dims differ ({2 * wq.shape[-1]}, {2 * wk.shape[-1]})"
+    return FoldedMaps(wq, bq, wk, bk, aq == "softmax", ak == "softmax"), None
 
 
 def kernel_reference(q, k, v, fq, fk, ca, cb, logs, shift, *, window: int, scale: float,
@@ -2202,15 +2331,18 @@ def kernel_reference(q, k, v, fq, fk, ca, cb, logs, shift, *, window: int, scale
     return out
 
 
-def unsupported_reason(q, k, v, fq, fk, key_padding_mask=None) -> str | None:
-    """Why the fused kernels cannot take these tensors (``None``: they can)."""
+def unsupported_reason(q, k, v, fq, fk, key_padding_mask=None, *,
+                       maps: FoldedMaps | None = None) -> str | None:
+    """Why the fused kernels cannot take these tensors (``None``: they can); ``maps`` in
+    place of fq and fk: the features the folded maps will compute (``fold_maps``: q's and k's
+    dtype, k's heads)."""
     if not available():
         return "triton is not installed or there is no CUDA device"
     if not (q.is_cuda or interpret()):
         return "the fused kernels run on CUDA tensors"
-    if fq is None or fk is None:
+    if maps is None and (fq is None or fk is None):
         return "no feature maps"
-    dtypes = {x.dtype for x in (q, k, v, fq, fk)}
+    dtypes = {x.dtype for x in ((q, k, v) if maps is not None else (q, k, v, fq, fk))}
     if len(dtypes) != 1:
         return f"mixed dtypes {sorted(str(d) for d in dtypes)}"
     dtype = q.dtype
@@ -2218,10 +2350,11 @@ def unsupported_reason(q, k, v, fq, fk, key_padding_mask=None) -> str | None:
         return f"dtype {dtype} (the fused kernels take bf16 and fp32)"
     B, H, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
-    F = fq.shape[-1]
+    F = fq.shape[-1] if maps is None else 2 * maps.wq.shape[-1]
     if Tq != Tk:
         return "fewer queries than keys (KV-cache decoding)"
-    if fk.shape[1] != Hkv or fk.shape[2] != Tk or v.shape[-1] != D or fk.shape[-1] != F:
+    if v.shape[-1] != D or (maps is None and (fk.shape[1] != Hkv or fk.shape[2] != Tk or
+                                              fk.shape[-1] != F)):
         return "shapes of fq/fk/v do not match q/k"
     if H % Hkv:
         return f"{H} query heads are not a multiple of {Hkv} kv heads"
@@ -2256,9 +2389,13 @@ def _per_head(x, B: int, H: int, what: str):
 
 def fused_hybrid(q, k, v, fq, fk, *, window: int, mode: str, g, shared_norm: bool, overlap: bool,
                  rescale: bool, la_span: str, swa_drop, key_padding_mask, scale: float,
-                 eps: float, config: KernelConfig | None = None) -> torch.Tensor | None:
+                 eps: float, config: KernelConfig | None = None,
+                 maps=None) -> torch.Tensor | None:
     """``ops.hybrid.hybrid_attention`` for the modes the kernels cover (same arguments, checked
-    by the caller), or ``None`` (reason logged once) for the caller's piece-by-piece path."""
+    by the caller), or ``None`` (reason logged once) for the caller's piece-by-piece path.
+    ``maps`` ((phi_q, phi_k) modules) with fq and fk ``None``: the maps folded into the
+    kernel's Function (``fold_maps``); ``None`` also where they cannot be (logged once): the
+    caller then runs the maps itself and calls again with fq and fk."""
 
     def no(reason: str):
         warn_once(__name__, f"fused Triton hybrid not used: {reason}; running the "
@@ -2267,7 +2404,16 @@ def fused_hybrid(q, k, v, fq, fk, *, window: int, mode: str, g, shared_norm: boo
 
     if mode not in ("hybrid", "swa_only", "la_only"):
         return None  # sinks / softmax / none need no LA: the pieces are the right tool
-    reason = unsupported_reason(q, k, v, fq, fk, key_padding_mask)
+    folded = None
+    if fq is None and fk is None and maps is not None:
+        if not available() or not (q.is_cuda or interpret()):
+            return None  # (the second call, with the maps' outputs, says why)
+        folded, why = fold_maps(maps, q, k)
+        if folded is None:
+            warn_once(__name__, f"feature maps not folded into the fused hybrid's autograd "
+                      f"Function: {why}; they run as their own modules (same values)")
+            return None
+    reason = unsupported_reason(q, k, v, fq, fk, key_padding_mask, maps=folded)
     if reason is not None:
         return no(reason)
     B, H, T, D = q.shape
@@ -2297,7 +2443,7 @@ def fused_hybrid(q, k, v, fq, fk, *, window: int, mode: str, g, shared_norm: boo
         logs = torch.log(s.clamp_min(1e-30))
         shift = _filled((B, H), shift0, torch.int32, dev)
         out = _launch(q, k, v, fq, fk, zeros, zeros, logs, shift, window, scale, eps,
-                      key_padding_mask, True, True, True, config)
+                      key_padding_mask, True, True, True, config, folded)
         return out
     g_t, g_f = _per_head(g, B, H, "g")
     if g_t is None and g_f is None:
@@ -2323,15 +2469,15 @@ def fused_hybrid(q, k, v, fq, fk, *, window: int, mode: str, g, shared_norm: boo
         shift = torch.where(drop, torch.full_like(shift, shift_la_only), shift)
         has_swa = has_la = True
     return _launch(q, k, v, fq, fk, ca, cb, zeros, shift, window, scale, eps, key_padding_mask,
-                   has_swa, has_la, False, config)
+                   has_swa, has_la, False, config, folded)
 
 
 def _launch(q, k, v, fq, fk, ca, cb, logs, shift, window, scale, eps, kpm, has_swa, has_la,
-            shared, config):
+            shared, config, maps=None):
     try:
         out = hybrid_kernel(q, k, v, fq, fk, ca, cb, logs, shift, window=window, scale=scale,
                             eps=eps, key_padding_mask=kpm, has_swa=has_swa, has_la=has_la,
-                            shared=shared, config=config)
+                            shared=shared, config=config, maps=maps)
         CALLS["forward"] += 1
         return out
     except errors() as e:  # never a crash inside Triton: the caller's path instead

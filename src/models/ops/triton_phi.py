@@ -363,7 +363,7 @@ class DuSlot:
         return du, only
 
 
-def _phi_forward(x, w, bias, softmax):
+def map_forward(x, w, bias, softmax):
     """(y, the weight and bias as the kernel read them: the weight in x's dtype, the bias in
     its own (both contiguous)). The kernel adds the bias in fp32 to the fp32 product: an fp32
     module's bias is read as it is (until 2026-12-04 it was first cast to x's dtype, as the
@@ -386,17 +386,31 @@ def _phi_backward(ctx, dy, dx_in):
     left one in the map's ``DuSlot``."""
     x, wc, bc, y = ctx.saved_tensors
     softmax, w_dtype, b_dtype, slot = ctx.meta
+    du, only_kernel = slot.take(dy) if slot is not None else (None, False)
+    return map_backward(x, wc, bc, y, dy, dx_in, softmax=softmax, dtypes=(w_dtype, b_dtype),
+                        du=du, du_only=only_kernel, need=ctx.needs_input_grad[:3])
+
+
+def map_backward(x, wc, bc, y, dy, dx_in, *, softmax: bool, dtypes: tuple, du=None,
+                 du_only: bool = False, need: tuple = (True, True, True)):
+    """(dx, dW, db) of the map y = phi(x) (``map_forward``'s x, weight and bias as the kernel
+    read them, and y), each None where ``need`` (x, weight, bias) does not ask for it; dW and
+    db in ``dtypes`` (the parameters' own). ``dx_in``: x's gradient from its other consumer
+    (None: none), added in the kernel. ``du``: the map's du as the hybrid kernel computed it
+    (laid out as ``DuSlot.new_du``), alone (``du_only``: dy is not read) or to be added to
+    dy's; None: du from dy. The maps' Functions and the hybrid kernel's Function with the
+    maps folded in (``triton_hybrid.hybrid_kernel(maps=...)``) share it."""
+    w_dtype, b_dtype = dtypes
     B, H, T, D = x.shape
     FH = wc.shape[-1]
-    du, only_kernel = slot.take(dy) if slot is not None else (None, False)
-    du_given = 0 if du is None else 1 if only_kernel else 2
+    du_given = 0 if du is None else 1 if du_only else 2
     if du_given == 1:
         dy = y  # (not read)
     else:
         if dy.stride(-1) != 1:
             dy = dy.contiguous()
         dy = cast(dy, x.dtype)
-    need_dx = ctx.needs_input_grad[0]
+    need_dx = need[0]
     add = need_dx and dx_in is not None
     if add and dx_in.stride(-1) != 1:  # (any float dtype: the kernel reads it into fp32)
         dx_in = dx_in.contiguous()
@@ -423,9 +437,9 @@ def _phi_backward(ctx, dy, dx_in):
     CALLS["du_from_kernel"] += du_given == 1
     CALLS["du_added"] += du_given == 2
     dw = dbias = None
-    if ctx.needs_input_grad[1]:
+    if need[1]:
         dw = cast(reduce_dw(x, du), w_dtype)
-    if ctx.needs_input_grad[2]:
+    if need[2]:
         # summed in fp32 straight from du (CUDA reduces bf16 into fp32 without a copy; the
         # old du.float() made a strided fp32 copy of du: ~60 us per map at 8 x 1k and a
         # 1 GiB transient at 64k, benchmarks/results/h200_2026-12-02b)
@@ -436,7 +450,7 @@ def _phi_backward(ctx, dy, dx_in):
 class _PhiFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, bias, softmax, slot):
-        y, wc, bc = _phi_forward(x, w, bias, softmax)
+        y, wc, bc = map_forward(x, w, bias, softmax)
         ctx.save_for_backward(x, wc, bc, y)  # y: kept by its consumer anyway (the LA kernel)
         ctx.meta = (softmax, w.dtype, bias.dtype, slot)
         return y
@@ -453,7 +467,7 @@ class _PhiWithInputFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, bias, softmax, slot):
-        y, wc, bc = _phi_forward(x, w, bias, softmax)
+        y, wc, bc = map_forward(x, w, bias, softmax)
         ctx.save_for_backward(x, wc, bc, y)
         ctx.meta = (softmax, w.dtype, bias.dtype, slot)
         return y, x.view_as(x)
