@@ -734,6 +734,57 @@ def test_q_map_backward_starts_from_the_kernels_du(other):
     assert got["dq"].stride() == q0.stride()
 
 
+@pytest.mark.parametrize("frozen", [(), ("q", "k", "v")], ids=["stage2", "stage1"])
+def test_maps_folded_into_the_kernel_are_their_own_functions(frozen):
+    """The layer's call (``hybrid_attention(maps=(phi_q, phi_k))``: the maps inside the fused
+    kernel's autograd Function) against the call before it (the maps as their own Functions,
+    q and k handed on, the q map's du from the kernel), Llama-3-8B's head shape, bf16,
+    (B, T, H, D) memory, padding, T not a multiple of the state chunk: the output and every
+    gradient bit for bit (the same kernels on the same arguments), the fold taken both ways.
+    ``stage1``: the teacher's q, k, v detached (the maps' gradients only)."""
+    from hedgecats.models.ops import hybrid as hybrid_mod
+    from hedgecats.models.ops import triton_hybrid as th
+
+    if not th.available():
+        pytest.skip("triton not available")
+    gen = torch.Generator(device=DEVICE).manual_seed(9)
+    H, Hkv, D, B, T = 8, 2, 128, 2, 300
+    maps = [HedgehogFeatureMap(n, D, seed=s).to(DEVICE) for n, s in ((H, 1), (Hkv, 2))]
+    with torch.no_grad():
+        for m in maps:
+            m.bias.normal_(0, 0.3, generator=gen)
+    q0, k0, v0 = (torch.randn(B, T, n, D, device=DEVICE, generator=gen).bfloat16()
+                  .transpose(1, 2) for n in (H, Hkv, Hkv))
+    do = torch.randn(B, H, T, D, device=DEVICE, generator=gen)
+    kpm = torch.ones(B, T, dtype=torch.bool, device=DEVICE)
+    kpm[1, :37] = False
+    kw = dict(window=64, mode="hybrid", g=0.5, key_padding_mask=kpm)
+
+    def run(folded):
+        q, k, v = (x.detach().clone().requires_grad_(n not in frozen)
+                   for n, x in zip("qkv", (q0, k0, v0)))
+        for m in maps:
+            m.zero_grad()
+        if folded:
+            out = hybrid_attention(q, k, v, None, None, maps=maps, **kw)
+        else:
+            fq, fk, q_on, k_on = hybrid_mod._apply_maps(maps, q, k)
+            out = hybrid_attention(q_on, k_on, v, fq, fk, **kw)
+        (out.float() * do).sum().backward()
+        return [out.detach(), q.grad, k.grad, v.grad] + [
+            p.grad.clone() for m in maps for p in (m.weight, m.bias)]
+
+    before = th.CALLS["maps_folded"], th.CALLS["maps_folded_backward"]
+    got = run(True)
+    assert (th.CALLS["maps_folded"], th.CALLS["maps_folded_backward"]) == \
+        (before[0] + 1, before[1] + 1), "the maps were not folded into the kernel's call"
+    want = run(False)
+    names = ("out", "dq", "dk", "dv", "dWq", "dbq", "dWk", "dbk")
+    for name, a, b in zip(names, got, want):
+        assert (a is None and b is None) or torch.equal(a, b), name
+    assert got[1] is None or got[1].stride() == q0.stride()
+
+
 @pytest.mark.parametrize("floor", [0.0, 1e-3])
 def test_feature_map_module_takes_the_fused_kernel(floor):
     """HedgehogFeatureMap on CUDA in bf16 is ops.triton_phi (GQA keys repeated first, the floor

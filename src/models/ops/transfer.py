@@ -169,8 +169,8 @@ def _teacher_output(q, k, v, scale, kpm, backend):
 
 def la_output_mse(q, k, v, fq, fk, *, scale: float | None = None,
                   key_padding_mask: torch.Tensor | None = None, eps: float = LA_EPS,
-                  backend: str = "auto", teacher_output: torch.Tensor | None = None
-                  ) -> torch.Tensor:
+                  backend: str = "auto", teacher_output: torch.Tensor | None = None,
+                  maps=None) -> torch.Tensor:
     """``mean ||O_soft - O_LA||^2`` with LA over all causal keys. Shapes as ``weights_xent``,
     v (B, Hkv, T, D).
 
@@ -181,14 +181,16 @@ def la_output_mse(q, k, v, fq, fk, *, scale: float | None = None,
     dtype, as the layer computes it (before 2026-12-02 the backends that compute LA in fp32 kept
     it so: a bf16 loss then differed by ~5e-5 relative between backends).
     ``teacher_output``: O_soft (B, H, T, D) as the teacher computed it (stage 1 hands it over
-    from the teacher's forward); None: computed here by SDPA."""
+    from the teacher's forward); None: computed here by SDPA. ``maps``: ``(phi_q, phi_k)`` in
+    place of fq and fk (both ``None``), as ``hybrid_attention`` takes them (stage 1's call: the
+    maps inside the fused kernel's Function where it runs)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     o_soft = (_teacher_output(q, k, v, scale, key_padding_mask, backend)
               if teacher_output is None else teacher_output.detach())
     o_la = hybrid_attention(q.detach(), k.detach(), v.detach(), fq, fk, window=1,
                             mode="la_only", la_span="all", overlap=True, rescale=True,
                             key_padding_mask=key_padding_mask, scale=scale, eps=eps,
-                            backend=backend)
+                            backend=backend, maps=maps)
     return _masked_mse(o_la, o_soft, key_padding_mask)
 
 
@@ -196,16 +198,17 @@ def hybrid_output_mse(q, k, v, fq, fk, *, window: int, g=0.5, shared_norm: bool 
                       overlap: bool = False, scale: float | None = None,
                       key_padding_mask: torch.Tensor | None = None, eps: float = LA_EPS,
                       backend: str = "auto", window_shape: str = "sliding",
-                      teacher_output: torch.Tensor | None = None) -> torch.Tensor:
+                      teacher_output: torch.Tensor | None = None, maps=None) -> torch.Tensor:
     """``mean ||O_soft - hybrid||^2``, the hybrid as ``ops.hybrid_attention(mode="hybrid")``
-    (``window_shape``: ``ops.windows``); ``teacher_output`` as in ``la_output_mse``."""
+    (``window_shape``: ``ops.windows``); ``teacher_output`` and ``maps`` as in
+    ``la_output_mse``."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     o_soft = (_teacher_output(q, k, v, scale, key_padding_mask, backend)
               if teacher_output is None else teacher_output.detach())
     o_hyb = hybrid_attention(q.detach(), k.detach(), v.detach(), fq, fk, window=window,
                              mode="hybrid", g=g, shared_norm=shared_norm, overlap=overlap,
                              key_padding_mask=key_padding_mask, scale=scale, eps=eps,
-                             backend=backend, window_shape=window_shape)
+                             backend=backend, window_shape=window_shape, maps=maps)
     return _masked_mse(o_hyb, o_soft, key_padding_mask)
 
 
@@ -235,8 +238,9 @@ def transfer_loss(objective: str, module, query, key, value, key_padding_mask=No
     rt = module.hedgecats
     q, k, v = query.detach(), key.detach(), value.detach()
     scale = getattr(module, "scaling", None)
-    fq, fk = module.phi_q(q), module.phi_k(k)
+    maps = (module.phi_q, module.phi_k)  # (the output objectives hand them to the kernel)
     if objective == "weights_xent":
+        fq, fk = module.phi_q(q), module.phi_k(k)
         xent = weights_xent
         if q.is_cuda and backends.triton_enabled():  # as the fused hybrid kernel (HEDGECATS_TRITON=0: off)
             from . import triton_xent  # (imports this module: a lazy import)
@@ -246,9 +250,11 @@ def transfer_loss(objective: str, module, query, key, value, key_padding_mask=No
                              block=xent_block, return_entropy=True, eps=rt.eps)
         return loss, {"kl": loss.detach() - entropy}
     if objective == "la_output_mse":
-        return la_output_mse(q, k, v, fq, fk, scale=scale, key_padding_mask=key_padding_mask,
-                             eps=rt.eps, backend=rt.backend, teacher_output=teacher_output), {}
-    return hybrid_output_mse(q, k, v, fq, fk, window=rt.window, g=_gate(module, hidden_states),
+        return la_output_mse(q, k, v, None, None, scale=scale,
+                             key_padding_mask=key_padding_mask, eps=rt.eps, backend=rt.backend,
+                             teacher_output=teacher_output, maps=maps), {}
+    return hybrid_output_mse(q, k, v, None, None, window=rt.window,
+                             g=_gate(module, hidden_states), maps=maps,
                              shared_norm=module.mixer.shared_norm, overlap=rt.overlap, scale=scale,
                              key_padding_mask=key_padding_mask, eps=rt.eps,
                              backend=rt.backend, window_shape=rt.window_shape,
