@@ -219,10 +219,17 @@ def main(argv=None):
         if not model:
             do = do.transpose(1, 2).contiguous()
 
-        def layer():  # (grads dropped each call: a model's q, k, v accumulate none)
-            fq, qh = phi_q(q, with_input=True)  # q, k handed on through the maps (the layer)
-            fk, kh = phi_k(k, with_input=True)
-            out = hybrid_attention(qh, kh, v, fq, fk, window=w, backend="auto")
+        def layer(fold: bool = True):  # (grads dropped each call: a model's q, k, v
+            # accumulate none). The layer's call: the maps handed over as modules, folded
+            # into the kernel's Function; ``fold=False``: the call before session 20, the maps
+            # as their own Functions (q, k handed on, the q map's du from the kernel)
+            if fold:
+                out = hybrid_attention(q, k, v, None, None, maps=(phi_q, phi_k), window=w,
+                                       backend="auto")
+            else:
+                fq, qh = phi_q(q, with_input=True, kernel_du=True)
+                fk, kh = phi_k(k, with_input=True)
+                out = hybrid_attention(qh, kh, v, fq, fk, window=w, backend="auto")
             if model:  # the layer's (B, T, H, D) output (models/layer.py)
                 out = out.transpose(1, 2).contiguous()
             out.backward(do)
@@ -230,7 +237,8 @@ def main(argv=None):
 
         def forward():
             with torch.no_grad():
-                hybrid_attention(q, k, v, phi_q(q), phi_k(k), window=w, backend="auto")
+                hybrid_attention(q, k, v, None, None, maps=(phi_q, phi_k), window=w,
+                                 backend="auto")
 
         row = dict(B=B, T=T, layer_ms=round(timed(layer), 3), forward_ms=round(timed(forward), 3))
         if a.host:
@@ -245,7 +253,8 @@ def main(argv=None):
                 out.backward(do)
                 qg.grad = None
 
-            for name, fn in (("layer", layer), ("forward", forward), ("teacher", teacher)):
+            for name, fn in (("layer", layer), ("layer_unfolded", lambda: layer(False)),
+                             ("forward", forward), ("teacher", teacher)):
                 row[f"host_{name}"] = host_and_device_ms(fn)
                 print(f"== B={B} T={T} {name}: {row[f'host_{name}']}", flush=True)
             for name, fn in (("layer", layer), ("forward", forward)):
