@@ -745,7 +745,7 @@ def _maps_on_their_kernel():
 def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
               activation="softmax", pad=False, g_kind="float", ssd=None, frozen=(),
               cfg=MAP_DU, through="fused", dtype=torch.bfloat16, backward_fails=False,
-              **switches):
+              floor=0.0, expect_fold=True, **switches):
     """The feature maps folded into the fused kernel's autograd Function (``maps=(phi_q,
     phi_k)``, the layer's call since 2026-12-04) against the call as the layer made it before:
     the maps run first as their own Functions (``ops.hybrid._apply_maps``: q and k handed on,
@@ -761,14 +761,16 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
     ``backward_fails``: every backward kernel launch raises Triton's OutOfResources: both paths'
     gradients come from the PyTorch reference (``_reference_backward``; folded, the maps'
     too), each against the fp32 reference, not bit for bit against the other; the fallback is
-    recorded once per backward."""
+    recorded once per backward. ``floor`` (the maps'), ``expect_fold=False``: maps the fold
+    must refuse (a floor, fp32): the call runs them as modules, the same path as before."""
     from triton.runtime.errors import OutOfResources
     from hedgecats.models import HedgehogFeatureMap
     from hedgecats.models.ops import backends, hybrid
     from hedgecats.models.ops import triton_hybrid as th
 
     gen = torch.Generator().manual_seed(7)
-    maps = [HedgehogFeatureMap(n, D, activation, seed=s) for n, s in ((H, 1), (Hkv, 2))]
+    maps = [HedgehogFeatureMap(n, D, activation, seed=s, floor=floor)
+            for n, s in ((H, 1), (Hkv, 2))]
     with torch.no_grad():
         for m in maps:
             m.bias.normal_(0, 0.5, generator=gen)
@@ -798,14 +800,15 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
 
     def run(path):
         cast = torch.float32 if path == "reference" else dtype
-        q, k, v = (x.to(dtype).to(cast).requires_grad_(n not in frozen)
-                   for n, x in zip("qkv", (q0, k0, v0)))
+        q, k, v = (x.to(dtype).to(cast).clone().requires_grad_(n not in frozen)
+                   for n, x in zip("qkv", (q0, k0, v0)))  # (clone: fresh leaves each run)
         for m in maps:
             m.zero_grad()
             m.requires_grad_("maps" not in frozen)
         g = g0.clone().requires_grad_() if torch.is_tensor(g0) else g0
         if path == "folded":
-            out = kernel(q, k, v, None, None, g, maps=maps)
+            with _maps_on_their_kernel():  # (where the fold refuses, the modules run)
+                out = kernel(q, k, v, None, None, g, maps=maps)
         elif path == "unfolded":
             with _maps_on_their_kernel():
                 fq, fk, q_on, k_on = hybrid._apply_maps(maps, q, k)
@@ -838,7 +841,7 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
 
     def tp_ref(x, m):
         from hedgecats.models.ops import triton_phi as tp
-        return tp.reference_features(x, m.weight, m.bias, activation)
+        return tp.reference_features(x, m.weight, m.bias, activation).clamp_min(floor)
 
     names = ("maps_folded", "maps_folded_backward", "map_du")
     n_err = len(th.FALLBACK_ERRORS)
@@ -860,8 +863,10 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
         same = (a is None and b is None) or (a is not None and b is not None and
                                               torch.equal(a, b))
         out[f"same_{n}"] = 0.0 if same else float("inf")
-    # folded once each way, with the kernel's du exactly where the path before the fold used it
-    out["fold_ran"] = 0.0 if ran == [1, 1, du_unfolded] else float("inf")
+    # folded once each way (or, refused, not at all), with the kernel's du exactly where the
+    # path before the fold used it
+    folds = [1, 1] if expect_fold else [0, 0]
+    out["fold_ran"] = 0.0 if ran == [*folds, du_unfolded] else float("inf")
     return out
 
 
@@ -1276,6 +1281,11 @@ def cases(quick: bool = False):
             dtype=bf16, cfg=dict(MAP_DU, fuse_q_side=True, fuse_kv_side=True), pad=True)),
         ("fold-attention-default-tiles-pad", fold_case, dict(
             dtype=bf16, through="attention", pad=True, g_kind="head")),
+        ("fold-refused-floor", fold_case, dict(dtype=bf16, floor=1e-3, through="attention",
+                                               expect_fold=False)),
+        ("fold-refused-fp32-attention", fold_case, dict(dtype=torch.float32,
+                                                        through="attention",
+                                                        expect_fold=False)),
         ("fold-backward-fallback-pad", fold_case, dict(dtype=bf16, backward_fails=True,
                                                        pad=True, g_kind="head")),
         ("fold-attention-8b-tiles-pad", fold_case, dict(
