@@ -287,15 +287,11 @@ def saved_states_read_case(cid):
                    "dq_unmoved_ok": rel(bad["dq"], clean["dq"]) < 1e-6})
 
 
-def layer_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=45, D=16, window=8, dtype=torch.float32,
-               pad=False, g_kind="float", ssd=None, cfg=SMALL, **switches):
-    """fused_hybrid (the kernel behind hybrid_attention's modes) vs
-    hybrid_attention(backend="reference"), gradients of q, k, v, fq, fk and a tensor g."""
-    from hedgecats.models.ops import triton_hybrid as th
-    from hedgecats.models.ops.hybrid import hybrid_attention
-
-    q, k, v, fq, fk, do, gen = _inputs(B, H, Hkv, T, D, dtype, 3, "softmax")
-    kpm = _kpm(B, T) if pad else None
+def _layer_call(B, H, D, window, mode, kpm, g_kind, ssd, gen, switches):
+    """(g, the other keyword arguments of ``fused_hybrid`` / ``hybrid_attention``) of a layer
+    case: g a float ("float": 0.1 with ``shared_norm``, else 0.3) or per head ("head", from
+    ``gen``); SSD's drops per sample ("sample") or per (b, h) ("head", from ``gen``);
+    ``switches`` override the rest."""
     if g_kind == "float":
         g0 = 0.1 if switches.get("shared_norm") else 0.3
     else:
@@ -309,6 +305,19 @@ def layer_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=45, D=16, window=8, dty
                 la_span="outside", swa_drop=swa_drop, key_padding_mask=kpm, scale=D ** -0.5,
                 eps=_floors()[1])
     args.update(switches)
+    return g0, args
+
+
+def layer_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=45, D=16, window=8, dtype=torch.float32,
+               pad=False, g_kind="float", ssd=None, cfg=SMALL, **switches):
+    """fused_hybrid (the kernel behind hybrid_attention's modes) vs
+    hybrid_attention(backend="reference"), gradients of q, k, v, fq, fk and a tensor g."""
+    from hedgecats.models.ops import triton_hybrid as th
+    from hedgecats.models.ops.hybrid import hybrid_attention
+
+    q, k, v, fq, fk, do, gen = _inputs(B, H, Hkv, T, D, dtype, 3, "softmax")
+    kpm = _kpm(B, T) if pad else None
+    g0, args = _layer_call(B, H, D, window, mode, kpm, g_kind, ssd, gen, switches)
 
     def run(fn, cast):
         ins = [t.detach().to(cast).clone().requires_grad_() for t in (q, k, v, fq, fk)]
@@ -777,16 +786,7 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
     q0, k0, v0 = (torch.randn(B, T, n, D, generator=gen).transpose(1, 2) for n in (H, Hkv, Hkv))
     do = torch.randn(B, H, T, D, generator=gen)
     kpm = _kpm(B, T) if pad else None
-    shared = bool(switches.get("shared_norm"))
-    g0 = (torch.rand(1, H, 1, 1, generator=gen) * 0.8 + 0.1 if g_kind == "head"
-          else 0.1 if shared else 0.3)
-    swa_drop = None
-    if ssd == "head":
-        swa_drop = torch.rand(B, H, 1, 1, generator=gen) < 0.5
-    args = dict(window=window, mode=mode, shared_norm=False, overlap=False, rescale=False,
-                la_span="outside", swa_drop=swa_drop, key_padding_mask=kpm, scale=D ** -0.5,
-                eps=_floors()[1])
-    args.update(switches)
+    g0, args = _layer_call(B, H, D, window, mode, kpm, g_kind, ssd, gen, switches)
     ops = backends._cuda_ops("auto", True)
 
     def kernel(q, k, v, fq, fk, g, **kw):
