@@ -65,6 +65,25 @@ def host_profile(fn, n: int = 20, rows: int = 30) -> str:
     return buf.getvalue()
 
 
+def host_aten_table(fn, n: int = 20, rows: int = 25) -> tuple[str, list]:
+    """The host (CPU) time of each PyTorch op over ``n`` calls of ``fn``, by its own time
+    (``torch.profiler``, CPU activity only; the backward on autograd's thread included): which
+    aten ops - allocations, the maps' dW GEMM and bias sums, casts - the host pays for, and
+    how often. The profiler's own cost inflates every op alike: read it for ranks and counts.
+    Returns the table and its top rows as dicts (name, calls, self-CPU us per call)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    fn()
+    sync()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(n):
+            fn()
+        sync()
+    ev = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:rows]
+    top = [dict(name=e.key[:120], calls_per_call=round(e.count / n, 2),
+                self_cpu_us_per_call=round(e.self_cpu_time_total / n, 1)) for e in ev]
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows), top
+
+
 #: (module, attribute) of the layer's host path whose wall time ``host_breakdown`` takes:
 #: the launch wrapper per kernel, its argument key, the autograd functions' bodies, the maps'
 #: dW product, the TMA check
@@ -267,6 +286,9 @@ def main(argv=None):
                     print(f"   {part:40s} {r['us']:8.1f} us  x{r['calls']:g}", flush=True)
             for name, fn in (("layer", layer), ("forward", forward)):
                 print(f"== B={B} T={T} {name}: host profile of 20 calls\n{host_profile(fn)}",
+                      flush=True)
+                table, row[f"host_{name}_aten"] = host_aten_table(fn)
+                print(f"== B={B} T={T} {name}: PyTorch ops' host time, 20 calls\n{table}",
                       flush=True)
         for name, fn in (("kernels", layer), ("forward_kernels", forward)):
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

@@ -476,6 +476,27 @@ def test_profile_hybrid_host_breakdown_times_the_parts_and_restores_them():
     assert (tc.tma_ok, tc.FastLaunch._launch) == original
 
 
+def test_profile_hybrid_aten_table_counts_each_op_per_call():
+    """``profile_hybrid.host_aten_table``: the PyTorch ops a call pays host time for, each with
+    its calls and self-CPU microseconds per call (the next GPU call's view of the maps' dW
+    GEMM, bias sums and allocations on the host)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import profile_hybrid as ph
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    import torch
+    a = torch.randn(3, 8, 8)
+
+    def call():
+        torch.bmm(a, a).sum(dim=(0, 2))
+        torch.bmm(a, a)
+    table, top = ph.host_aten_table(call, n=4)
+    got = {r["name"]: r for r in top}
+    assert got["aten::bmm"]["calls_per_call"] == 2.0 and got["aten::sum"]["calls_per_call"] == 1.0
+    assert all(r["self_cpu_us_per_call"] >= 0 for r in top) and "aten::bmm" in table
+
+
 def test_profile_hybrid_host_time_is_the_median_of_repeated_windows(monkeypatch):
     """``profile_hybrid.host_and_device_ms``: the median of several windows of calls and the
     host's range, host_ahead only where every window had the host ahead (one window of 20 calls
