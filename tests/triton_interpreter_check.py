@@ -1226,9 +1226,8 @@ def cases(quick: bool = False):
         ("kv-order2-8b-tiles-pad-shared-bf16", fc, dict(
             cfg=d128, order=2, map_du=True, pad=True, shared=True, dtype=bf16,
             H=8, Hkv=2, T=150, D=128, window=64, B=1)),
-        ("kernel-8b-tiles-kv-order2-pad-shared-bf16", k, dict(
-            cfg=dict(d128, kv_order=2), H=8, Hkv=2, T=150, D=128, window=64, pad=True,
-            shared=True, dtype=bf16, B=1)),
+        # (kv_order 2 against the reference at the 8B tiles: kernel-8b-tiles-pad-shared-bf16,
+        # since it is the default)
         ("kv-order2-pad-shifts-group3", fc, dict(
             cfg=dict(SMALL, grad_f_chunk=32), order=2, H=6, Hkv=2, pad=True,
             per_bh_shift=True)),
