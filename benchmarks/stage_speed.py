@@ -181,9 +181,18 @@ def finetune_step(peft_model, inner, opt, ids, bench: Bench, mode: str):
     return loss.detach()
 
 
-def pytorch_phi(self, x):
-    """HedgehogFeatureMap._fused declining every call: the module's PyTorch path."""
+def pytorch_phi(self, *args, **kwargs):
+    """HedgehogFeatureMap._fused (and kernel_form) declining every call: the module's PyTorch
+    path, the maps not folded into the fused hybrid's Function either."""
     return None
+
+
+@contextlib.contextmanager
+def pytorch_maps():
+    """The feature maps on their PyTorch path for the block (``pytorch_phi``)."""
+    with patched(_FM_CLASS, "_fused", pytorch_phi), patched(_FM_CLASS, "kernel_form",
+                                                            pytorch_phi):
+        yield
 
 
 @contextlib.contextmanager
@@ -226,10 +235,13 @@ def recomputed_branches():
 
 def materialised_student(q, k, v, fq, fk, *, window, mode="hybrid", g=0.5, shared_norm=False,
                          overlap=False, key_padding_mask=None, scale=None, eps=None,
-                         backend="auto", **_):
+                         backend="auto", maps=None, **_):
     """``hybrid_attention``'s signature, computed LoLCATs-style with T x T scores, for the calls
     stage 1 makes with ``hybrid_output_mse`` (mode hybrid, no overlap, no padding); anything
-    else is refused rather than computed as something else."""
+    else is refused rather than computed as something else. ``maps`` (stage 1 hands over the
+    modules): fq = phi_q(q), fk = phi_k(k) first."""
+    if fq is None and maps is not None:
+        fq, fk = maps[0](q), maps[1](k)
     if mode != "hybrid" or overlap or key_padding_mask is not None:
         raise NotImplementedError(f"the materialised student computes mode 'hybrid' without "
                                   f"overlap or padding; got mode={mode!r}, overlap={overlap!r}, "
@@ -338,7 +350,7 @@ def run(a, on_row=None) -> dict:
                     elif patch:
                         stack.enter_context(patched(transfer, *patch))
                     if torch_phi:
-                        stack.enter_context(patched(_FM_CLASS, "_fused", pytorch_phi))
+                        stack.enter_context(pytorch_maps())
                     students = StudentStream(dev) if overlap else None
                     return bench.measure(lambda: transfer_step(model, opt, ids, bench, objective,
                                                                students), tokens)
@@ -371,7 +383,7 @@ def run(a, on_row=None) -> dict:
             attempt(f"finetune/{mode}", T, lambda mode=mode: bench.measure(
                 lambda: finetune_step(peft_model, model, opt, ids, bench, mode), B * T))
         if has_triton() and T == min(int(t) for t in a.seq_lens.split(",")):
-            for tag, variant in (("pytorch phi", lambda: patched(_FM_CLASS, "_fused", pytorch_phi)),
+            for tag, variant in (("pytorch phi", pytorch_maps),
                                  ("recomputed", recomputed_branches)):
                 def row(variant=variant):
                     with variant():
