@@ -67,7 +67,28 @@ LAYER_CHANGES = {"layer-no-fuse-q": dict(fuse_q_side=False),
                  "layer-fwd64-bn32-ss2-p2": dict(block_m=64, block_n=32, warps=4,
                                                  state_product_stages=2, pack_heads=2,
                                                  dq_pack_heads=4)}
-LAYERS.update({name: dict() for name in LAYER_CHANGES})
+#: the whole layer with a module switch of the kernels changed (module, attribute, value):
+#: both maps' backward in one grid (``triton_phi.PAIR_BACKWARD``, off by default)
+LAYER_SWITCHES = {"layer-maps-paired-bwd": ("triton_phi", "PAIR_BACKWARD", True)}
+LAYERS.update({name: dict() for name in (*LAYER_CHANGES, *LAYER_SWITCHES)})
+
+
+@contextlib.contextmanager
+def switch_set(branches: str):
+    """``LAYER_SWITCHES[branches]`` set inside (nothing for other branch sets)."""
+    if branches not in LAYER_SWITCHES:
+        yield
+        return
+    import importlib
+
+    mod_name, attr, value = LAYER_SWITCHES[branches]
+    mod = importlib.import_module(f"hedgecats.models.ops.{mod_name}")
+    old = getattr(mod, attr)
+    setattr(mod, attr, value)
+    try:
+        yield
+    finally:
+        setattr(mod, attr, old)
 
 
 @contextlib.contextmanager
@@ -136,7 +157,8 @@ def anatomy(L: Layer, config: str, branches: str, calls: int, want: dict) -> dic
                 return L.hybrid("fixed", **LAYERS[branches])
 
         def fwd_bwd():
-            fwd().backward(L.do)
+            with switch_set(branches):  # (the module switches act in the backward)
+                fwd().backward(L.do)
             L.zero()
     else:
         fwd, fwd_bwd = _kernel_calls(L, conf, *BRANCHES[branches])

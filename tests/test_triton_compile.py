@@ -186,6 +186,9 @@ def _pointers(dtype):
     types = {n: dt for n in ("Q", "K", "V", "FQ", "FK", "DO", "SST", "OUT", "DQ", "DFQ", "RST",
                              "DK", "DFK", "X", "W", "BIAS", "Y", "DY", "DX", "DU", "DXI", "SWA_O",
                              "LA_O", "DNUM")}
+    # (the feature maps' pair kernels: each map's X, W, BIAS, Y, DY, DX, DU, DXI)
+    types.update({f"{n}{side}": dt for side in "QK"
+                  for n in ("X", "W", "B", "Y", "DY", "DX", "DU", "DXI")})
     types.update({n: F32 for n in ("ZST", "VST", "LSE", "DEN", "CA", "CB", "LOGS", "DELTA",
                                    "WS", "GF", "DDEN", "PA", "PB", "UST", "WST", "DVS", "XE",
                                    "ENT", "LZ", "LST", "XL", "YL", "XS", "YS")})
@@ -350,10 +353,19 @@ def test_feature_map_kernels_compile_for_sm90(D, FH):
         # du from the hybrid kernel (triton_phi.DuSlot): alone, or added to dy's
         (f"phi_bwd-du-given{given}", tp._phi_bwd, True, dict(
             NEED_DX=True, DU_HEADS_FIRST=True, FROM_Y=True, ADD_DXI=True, DU_GIVEN=given))
-        for given in (1, 2)]
+        for given in (1, 2)] + [
+        # a layer's two maps in one grid, as the fused hybrid's Function launches them
+        # (``map_forward_pair``, ``map_backward_pair``: q from the kernel's du, k from dfk)
+        ("phi_fwd_pair", tp._phi_fwd_pair, False, dict(SOFTMAX_Q=True, SOFTMAX_K=True)),
+        ("phi_bwd_pair", tp._phi_bwd_pair, True, dict(
+            FROM_Y=True, SOFTMAX_Q=True, NEED_DX_Q=True, DU_HEADS_FIRST_Q=True, ADD_DXI_Q=True,
+            DU_GIVEN_Q=1, SOFTMAX_K=True, NEED_DX_K=True, DU_HEADS_FIRST_K=True,
+            ADD_DXI_K=True, DU_GIVEN_K=0))]
     for name, fn, backward, flags in variants:
         BM, warps = tp._tiles(D, FH, backward)
-        constexprs = dict(D=D, FH=FH, BM=BM, SOFTMAX=True, PREC="tf32", **flags)
+        constexprs = dict(D=D, FH=FH, BM=BM, PREC="tf32", **flags)
+        if "SOFTMAX_Q" not in flags:
+            constexprs["SOFTMAX"] = True
         r = compile_report(fn, ptrs, constexprs, (), warps, 2)
         print(f"{name:8s} D{D} F/2={FH} {BM} w{warps}: {r}")
         assert r["spill"] <= MAX_SPILL, (name, r)

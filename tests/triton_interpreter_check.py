@@ -754,7 +754,7 @@ def _maps_on_their_kernel():
 def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
               activation="softmax", pad=False, g_kind="float", ssd=None, frozen=(),
               cfg=MAP_DU, through="fused", dtype=torch.bfloat16, backward_fails=False,
-              floor=0.0, expect_fold=True, **switches):
+              floor=0.0, expect_fold=True, pair_backward=False, **switches):
     """The feature maps folded into the fused kernel's autograd Function (``maps=(phi_q,
     phi_k)``, the layer's call since 2026-12-04) against the call as the layer made it before:
     the maps run first as their own Functions (``ops.hybrid._apply_maps``: q and k handed on,
@@ -771,7 +771,9 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
     gradients come from the PyTorch reference (``_reference_backward``; folded, the maps'
     too), each against the fp32 reference, not bit for bit against the other; the fallback is
     recorded once per backward. ``floor`` (the maps'), ``expect_fold=False``: maps the fold
-    must refuse (a floor, fp32): the call runs them as modules, the same path as before."""
+    must refuse (a floor, fp32): the call runs them as modules, the same path as before.
+    Folded, both maps' forward kernels run in one launch; ``pair_backward``
+    (``triton_phi.PAIR_BACKWARD``) their backward too, where both take dx."""
     from triton.runtime.errors import OutOfResources
     from hedgecats.models import HedgehogFeatureMap
     from hedgecats.models.ops import backends, hybrid
@@ -843,11 +845,19 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
         from hedgecats.models.ops import triton_phi as tp
         return tp.reference_features(x, m.weight, m.bias, activation).clamp_min(floor)
 
+    from hedgecats.models.ops import triton_phi as tp
+
     names = ("maps_folded", "maps_folded_backward", "map_du")
     n_err = len(th.FALLBACK_ERRORS)
     before = [th.CALLS[n] for n in names]
-    got = run("folded")
+    pairs = tp.CALLS["pair_forward"], tp.CALLS["pair_backward"]
+    paired, tp.PAIR_BACKWARD = tp.PAIR_BACKWARD, pair_backward
+    try:
+        got = run("folded")
+    finally:
+        tp.PAIR_BACKWARD = paired
     ran = [th.CALLS[n] - b for n, b in zip(names, before)]
+    pairs = [tp.CALLS["pair_forward"] - pairs[0], tp.CALLS["pair_backward"] - pairs[1]]
     before = th.CALLS["map_du"]
     old = run("unfolded")
     du_unfolded = th.CALLS["map_du"] - before
@@ -867,6 +877,11 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
     # path before the fold used it
     folds = [1, 1] if expect_fold else [0, 0]
     out["fold_ran"] = 0.0 if ran == [*folds, du_unfolded] else float("inf")
+    # folded, both maps' forward kernels in one launch, and their backward with
+    # ``pair_backward`` where both maps take dx
+    both_dx = not {"q", "k"} & set(frozen)
+    want_pairs = [1, int(pair_backward and both_dx)] if expect_fold else [0, 0]
+    out["maps_paired"] = 0.0 if pairs == want_pairs else float("inf")
     return out
 
 
@@ -1280,6 +1295,11 @@ def cases(quick: bool = False):
             dtype=bf16, cfg=dict(MAP_DU, fuse_q_side=True, fuse_kv_side=True), pad=True)),
         ("fold-attention-default-tiles-pad", fold_case, dict(
             dtype=bf16, through="attention", pad=True, g_kind="head")),
+        ("fold-paired-backward-pad-exp", fold_case, dict(
+            dtype=bf16, pair_backward=True, pad=True, activation="exp", g_kind="head")),
+        ("fold-paired-backward-8b-tiles-pad", fold_case, dict(
+            dtype=bf16, pair_backward=True, through="attention", pad=True, H=8, Hkv=2, T=300,
+            D=128, window=64, B=1)),
         ("fold-refused-floor", fold_case, dict(dtype=bf16, floor=1e-3, through="attention",
                                                expect_fold=False)),
         ("fold-refused-fp32-attention", fold_case, dict(dtype=torch.float32,

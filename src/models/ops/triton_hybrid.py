@@ -2066,9 +2066,9 @@ class _HybridFn(torch.autograd.Function):
                 eps, has_swa, has_la, shared, cfg, save, du_slot, wq=None, bq=None, wk=None,
                 bk=None, maps_softmax=None):
         ctx.maps = None
-        if maps_softmax is not None:
-            fq, wqc, bqc = triton_phi.map_forward(q, wq, bq, maps_softmax[0])
-            fk, wkc, bkc = triton_phi.map_forward(k, wk, bk, maps_softmax[1])
+        if maps_softmax is not None:  # (both maps in one launch)
+            (fq, wqc, bqc), (fk, wkc, bkc) = triton_phi.map_forward_pair(
+                q, wq, bq, maps_softmax[0], k, wk, bk, maps_softmax[1])
             ctx.maps = (maps_softmax, (wq.dtype, bq.dtype), (wk.dtype, bk.dtype))
             triton_phi.CALLS["forward"] += 2
         # the state path is part of the problem: a split build that fails to compile at long T
@@ -2158,16 +2158,20 @@ def _folded_maps_backward(ctx, q, k, fq, fk, dq, dk, dfq, dfk, du_slot, saved):
     adding the attention's dq / dk in its kernel."""
     wqc, bqc, wkc, bkc = saved
     softmax, q_dtypes, k_dtypes = ctx.maps
-    dwq = dbq = dwk = dbk = None
+    q_side = k_side = None
     if any(_map_needs(ctx, 0)):
         du, only = du_slot.take(dfq) if du_slot is not None else (None, False)
-        dq, dwq, dbq = triton_phi.map_backward(
-            q, wqc, bqc, fq, dfq, dq, softmax=softmax[0], dtypes=q_dtypes, du=du,
-            du_only=only, need=_map_needs(ctx, 0))
+        q_side = dict(x=q, wc=wqc, bc=bqc, y=fq, dy=dfq, dx_in=dq, softmax=softmax[0],
+                      dtypes=q_dtypes, du=du, du_only=only, need=_map_needs(ctx, 0))
     if any(_map_needs(ctx, 1)):
-        dk, dwk, dbk = triton_phi.map_backward(
-            k, wkc, bkc, fk, dfk, dk, softmax=softmax[1], dtypes=k_dtypes,
-            need=_map_needs(ctx, 1))
+        k_side = dict(x=k, wc=wkc, bc=bkc, y=fk, dy=dfk, dx_in=dk, softmax=softmax[1],
+                      dtypes=k_dtypes, need=_map_needs(ctx, 1))
+    got_q, got_k = triton_phi.map_backward_pair(q_side, k_side)  # (one launch where both run)
+    dwq = dbq = dwk = dbk = None
+    if got_q is not None:
+        dq, dwq, dbq = got_q
+    if got_k is not None:
+        dk, dwk, dbk = got_k
     CALLS["maps_folded_backward"] += 1
     return dq, dk, (dwq, dbq, dwk, dbk, None)
 

@@ -52,9 +52,10 @@ __all__ = ["available", "hedgehog_features", "reference_features", "unsupported_
 FALLBACK_ERRORS: list[str] = []
 #: dx: only when x takes a gradient; added: those that added x's other gradient in the kernel
 #: du_from_kernel / du_added: backward passes that started from the hybrid kernel's du (``DuSlot``)
-#: alone / with another consumer's gradient added
+#: alone / with another consumer's gradient added; pair_forward / pair_backward: launches that
+#: ran a layer's two maps in one grid (``map_forward_pair``, ``map_backward_pair``)
 CALLS = {"forward": 0, "backward_dx": 0, "backward_added": 0, "du_from_kernel": 0,
-         "du_added": 0}
+         "du_added": 0, "pair_forward": 0, "pair_backward": 0}
 ACTIVATIONS = ("softmax", "exp")
 
 
@@ -75,11 +76,10 @@ if HAVE_TRITON:
         return a1, a2
 
     @triton.jit
-    def _phi_fwd(X, W, BIAS, Y, sx_b, sx_h, sx_t, T, H,
-                 D: tl.constexpr, FH: tl.constexpr, BM: tl.constexpr, SOFTMAX: tl.constexpr,
-                 PREC: tl.constexpr):
-        pid_bh = tl.program_id(0)  # axis 0: up to 2^31 - 1 (B * H of a large decode batch)
-        pid_m = tl.program_id(1)
+    def _phi_fwd_rows(X, W, BIAS, Y, sx_b, sx_h, sx_t, T, H, pid_bh, pid_m,
+                      D: tl.constexpr, FH: tl.constexpr, BM: tl.constexpr,
+                      SOFTMAX: tl.constexpr, PREC: tl.constexpr):
+        """One program's rows: block ``pid_m`` of (batch row, head) ``pid_bh``."""
         b = pid_bh // H
         h = pid_bh % H
         offs_m = pid_m * BM + tl.arange(0, BM)
@@ -96,12 +96,37 @@ if HAVE_TRITON:
         tl.store(y + FH, a2.to(Y.dtype.element_ty), mask=rows[:, None])
 
     @triton.jit
-    def _phi_bwd(X, W, BIAS, Y, DY, DX, DU, DXI, sx_b, sx_h, sx_t, sdy_b, sdy_h, sdy_t,
-                 sdx_b, sdx_h, sdx_t, sdxi_b, sdxi_h, sdxi_t, T, H, B,
+    def _phi_fwd(X, W, BIAS, Y, sx_b, sx_h, sx_t, T, H,
                  D: tl.constexpr, FH: tl.constexpr, BM: tl.constexpr, SOFTMAX: tl.constexpr,
-                 PREC: tl.constexpr, NEED_DX: tl.constexpr, DU_HEADS_FIRST: tl.constexpr,
-                 FROM_Y: tl.constexpr, ADD_DXI: tl.constexpr, DU_GIVEN: tl.constexpr = 0):
-        """FROM_Y: both activations read from the forward's output Y ((B H, T, F), the input
+                 PREC: tl.constexpr):
+        # axis 0: up to 2^31 - 1 (B * H of a large decode batch)
+        _phi_fwd_rows(X, W, BIAS, Y, sx_b, sx_h, sx_t, T, H, tl.program_id(0),
+                      tl.program_id(1), D, FH, BM, SOFTMAX, PREC)
+
+    @triton.jit
+    def _phi_fwd_pair(XQ, WQ, BQ, YQ, sq_b, sq_h, sq_t, HQ, XK, WK, BK, YK, sk_b, sk_h, sk_t,
+                      HK, NQ, T, D: tl.constexpr, FH: tl.constexpr, BM: tl.constexpr,
+                      SOFTMAX_Q: tl.constexpr, SOFTMAX_K: tl.constexpr, PREC: tl.constexpr):
+        """Both maps of a layer in one grid (``map_forward_pair``): programs 0 .. NQ - 1 of axis
+        0 (NQ = B HQ) run the q map, the rest the k map, each ``_phi_fwd``'s program."""
+        pid = tl.program_id(0)
+        if pid < NQ:
+            _phi_fwd_rows(XQ, WQ, BQ, YQ, sq_b, sq_h, sq_t, T, HQ, pid, tl.program_id(1),
+                          D, FH, BM, SOFTMAX_Q, PREC)
+        else:
+            _phi_fwd_rows(XK, WK, BK, YK, sk_b, sk_h, sk_t, T, HK, pid - NQ, tl.program_id(1),
+                          D, FH, BM, SOFTMAX_K, PREC)
+
+    @triton.jit
+    def _phi_bwd_rows(X, W, BIAS, Y, DY, DX, DU, DXI, sx_b, sx_h, sx_t, sdy_b, sdy_h, sdy_t,
+                      sdx_b, sdx_h, sdx_t, sdxi_b, sdxi_h, sdxi_t, T, H, B, pid_bh, pid_m,
+                      D: tl.constexpr, FH: tl.constexpr, BM: tl.constexpr,
+                      SOFTMAX: tl.constexpr, PREC: tl.constexpr, NEED_DX: tl.constexpr,
+                      DU_HEADS_FIRST: tl.constexpr, FROM_Y: tl.constexpr,
+                      ADD_DXI: tl.constexpr, DU_GIVEN: tl.constexpr):
+        """One program's rows of ``_phi_bwd``: block ``pid_m`` of (batch row, head) ``pid_bh``.
+
+        FROM_Y: both activations read from the forward's output Y ((B H, T, F), the input
         dtype) instead of recomputed from x (one matrix product and the exponentials fewer;
         the activations rounded to the input dtype, as autograd's softmax saves them).
         ADD_DXI: dx = DXI + du W^T, summed in fp32 (DXI: x's gradient from its other consumer,
@@ -109,8 +134,6 @@ if HAVE_TRITON:
         DU_GIVEN (the hybrid kernel wrote du into DU: ``DuSlot``): 1, du read from DU, DY and
         Y not read, du not written (the map's output had no other consumer); 2, du from DY
         as usual plus DU's, written back to DU (another consumer's gradient came in DY)."""
-        pid_bh = tl.program_id(0)  # axis 0: up to 2^31 - 1 (B * H of a large decode batch)
-        pid_m = tl.program_id(1)
         b = pid_bh // H
         h = pid_bh % H
         offs_m = pid_m * BM + tl.arange(0, BM)
@@ -158,10 +181,57 @@ if HAVE_TRITON:
         if DU_GIVEN != 1:
             tl.store(du_ptr, du, mask=rows[:, None])
 
+    @triton.jit
+    def _phi_bwd(X, W, BIAS, Y, DY, DX, DU, DXI, sx_b, sx_h, sx_t, sdy_b, sdy_h, sdy_t,
+                 sdx_b, sdx_h, sdx_t, sdxi_b, sdxi_h, sdxi_t, T, H, B,
+                 D: tl.constexpr, FH: tl.constexpr, BM: tl.constexpr, SOFTMAX: tl.constexpr,
+                 PREC: tl.constexpr, NEED_DX: tl.constexpr, DU_HEADS_FIRST: tl.constexpr,
+                 FROM_Y: tl.constexpr, ADD_DXI: tl.constexpr, DU_GIVEN: tl.constexpr = 0):
+        """The map's backward (``_phi_bwd_rows``), one program per row block and (b, h);
+        axis 0 up to 2^31 - 1 (B * H of a large decode batch)."""
+        _phi_bwd_rows(X, W, BIAS, Y, DY, DX, DU, DXI, sx_b, sx_h, sx_t, sdy_b, sdy_h, sdy_t,
+                      sdx_b, sdx_h, sdx_t, sdxi_b, sdxi_h, sdxi_t, T, H, B, tl.program_id(0),
+                      tl.program_id(1), D, FH, BM, SOFTMAX, PREC, NEED_DX, DU_HEADS_FIRST,
+                      FROM_Y, ADD_DXI, DU_GIVEN)
+
+    @triton.jit
+    def _phi_bwd_pair(XQ, WQ, BQ, YQ, DYQ, DXQ, DUQ, DXIQ, sq0, sq1, sq2, sq3, sq4, sq5, sq6,
+                      sq7, sq8, sq9, sq10, sq11, HQ, XK, WK, BK, YK, DYK, DXK, DUK, DXIK,
+                      sk0, sk1, sk2, sk3, sk4, sk5, sk6, sk7, sk8, sk9, sk10, sk11, HK, NQ, T, B,
+                      D: tl.constexpr, FH: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr,
+                      FROM_Y: tl.constexpr, SOFTMAX_Q: tl.constexpr,
+                      NEED_DX_Q: tl.constexpr, DU_HEADS_FIRST_Q: tl.constexpr,
+                      ADD_DXI_Q: tl.constexpr, DU_GIVEN_Q: tl.constexpr,
+                      SOFTMAX_K: tl.constexpr, NEED_DX_K: tl.constexpr,
+                      DU_HEADS_FIRST_K: tl.constexpr, ADD_DXI_K: tl.constexpr,
+                      DU_GIVEN_K: tl.constexpr):
+        """Both maps' backward in one grid (``map_backward_pair``): programs 0 .. NQ - 1 of
+        axis 0 (NQ = B HQ) the q map's, the rest the k map's, each ``_phi_bwd``'s program with
+        its map's switches; the strides per map in ``_phi_bwd``'s order (x, dy, dx, dxi)."""
+        pid = tl.program_id(0)
+        if pid < NQ:
+            _phi_bwd_rows(XQ, WQ, BQ, YQ, DYQ, DXQ, DUQ, DXIQ, sq0, sq1, sq2, sq3, sq4, sq5,
+                          sq6, sq7, sq8, sq9, sq10, sq11, T, HQ, B, pid, tl.program_id(1), D, FH,
+                          BM, SOFTMAX_Q, PREC, NEED_DX_Q, DU_HEADS_FIRST_Q, FROM_Y, ADD_DXI_Q,
+                          DU_GIVEN_Q)
+        else:
+            _phi_bwd_rows(XK, WK, BK, YK, DYK, DXK, DUK, DXIK, sk0, sk1, sk2, sk3, sk4, sk5,
+                          sk6, sk7, sk8, sk9, sk10, sk11, T, HK, B, pid - NQ, tl.program_id(1),
+                          D, FH, BM, SOFTMAX_K, PREC, NEED_DX_K, DU_HEADS_FIRST_K, FROM_Y,
+                          ADD_DXI_K, DU_GIVEN_K)
+
 
 #: the backward reads the activations from the forward's output instead of recomputing them
 #: (``_phi_bwd``'s FROM_Y); a switch for the A/B of benchmarks/phi_speed.py
 BWD_FROM_OUTPUT = True
+#: ``map_backward_pair`` runs both maps' backward in one grid (``_phi_bwd_pair``). Off: one
+#: launch less on the host, but the pair compiles at the larger side's resources (ptxas,
+#: sm_90a, D = F/2 = 128: 125 registers and 64 KB for the k map's programs against 58 for the
+#: q map's from the kernel's du), which halves the q map's programs a multiprocessor; the
+#: device time that costs is not measured yet (``kernel_anatomy.py --branches
+#: layer-maps-paired-bwd``). The forward's pair has the same resources as each map's kernel
+#: and is always taken.
+PAIR_BACKWARD = False
 
 
 def _prec(dtype):
@@ -363,6 +433,14 @@ class DuSlot:
         return du, only
 
 
+def _forward_operands(x, w, bias):
+    """(y to write, the weight in x's dtype, the bias in its own: both contiguous)."""
+    B, H, T, _ = x.shape
+    wc = cast(w, x.dtype).contiguous()  # (H, D, F/2), as the module casts it
+    y = torch.empty(B, H, T, 2 * w.shape[-1], device=x.device, dtype=x.dtype)
+    return y, wc, bias.contiguous()
+
+
 def map_forward(x, w, bias, softmax):
     """(y, the weight and bias as the kernel read them: the weight in x's dtype, the bias in
     its own (both contiguous)). The kernel adds the bias in fp32 to the fp32 product: an fp32
@@ -370,14 +448,38 @@ def map_forward(x, w, bias, softmax):
     PyTorch path rounds it: a cast kernel a call, and a rounding the fp32 map does not have)."""
     B, H, T, D = x.shape
     FH = w.shape[-1]
-    wc = cast(w, x.dtype).contiguous()  # (H, D, F/2), as the module casts it
-    bc = bias.contiguous()
-    y = torch.empty(B, H, T, 2 * FH, device=x.device, dtype=x.dtype)
+    y, wc, bc = _forward_operands(x, w, bias)
     BM, warps = _tiles(D, FH, backward=False)
     fast(_phi_fwd)[(B * H, cdiv(T, BM))](
         x, wc, bc, y, x.stride(0), x.stride(1), x.stride(2), T, H, D=D, FH=FH, BM=BM,
         SOFTMAX=softmax, PREC=_prec(x.dtype), num_warps=warps)
     return y, wc, bc
+
+
+def _pairable(xq, wq, xk, wk) -> bool:
+    """Whether two maps' kernels can share one grid: the same batch, length, head dim,
+    features per half and input dtype (a layer's q and k maps: heads may differ)."""
+    (Bq, _, Tq, Dq), (Bk, _, Tk, Dk) = xq.shape, xk.shape
+    return (Bq, Tq, Dq, wq.shape[-1], xq.dtype) == (Bk, Tk, Dk, wk.shape[-1], xk.dtype)
+
+
+def map_forward_pair(xq, wq, bq, softmax_q, xk, wk, bk, softmax_k):
+    """``map_forward`` of a layer's two maps, ``((yq, wqc, bqc), (yk, wkc, bkc))``, in one
+    launch (``_phi_fwd_pair``: the same programs in one grid) where ``_pairable``, else two."""
+    if not _pairable(xq, wq, xk, wk):
+        return map_forward(xq, wq, bq, softmax_q), map_forward(xk, wk, bk, softmax_k)
+    B, Hq, T, D = xq.shape
+    Hk, FH = xk.shape[1], wq.shape[-1]
+    yq, wqc, bqc = _forward_operands(xq, wq, bq)
+    yk, wkc, bkc = _forward_operands(xk, wk, bk)
+    BM, warps = _tiles(D, FH, backward=False)
+    fast(_phi_fwd_pair)[(B * (Hq + Hk), cdiv(T, BM))](
+        xq, wqc, bqc, yq, xq.stride(0), xq.stride(1), xq.stride(2), Hq,
+        xk, wkc, bkc, yk, xk.stride(0), xk.stride(1), xk.stride(2), Hk, B * Hq, T,
+        D=D, FH=FH, BM=BM, SOFTMAX_Q=softmax_q, SOFTMAX_K=softmax_k, PREC=_prec(xq.dtype),
+        num_warps=warps)
+    CALLS["pair_forward"] += 1
+    return (yq, wqc, bqc), (yk, wkc, bkc)
 
 
 def _phi_backward(ctx, dy, dx_in):
@@ -400,51 +502,103 @@ def map_backward(x, wc, bc, y, dy, dx_in, *, softmax: bool, dtypes: tuple, du=No
     (laid out as ``DuSlot.new_du``), alone (``du_only``: dy is not read) or to be added to
     dy's; None: du from dy. The maps' Functions and the hybrid kernel's Function with the
     maps folded in (``triton_hybrid.hybrid_kernel(maps=...)``) share it."""
-    w_dtype, b_dtype = dtypes
-    B, H, T, D = x.shape
-    FH = wc.shape[-1]
-    du_given = 0 if du is None else 1 if du_only else 2
-    if du_given == 1:
-        dy = y  # (not read)
+    plan = _MapBackward(x, wc, bc, y, dy, dx_in, softmax=softmax, dtypes=dtypes, du=du,
+                        du_only=du_only, need=need)
+    if plan.launches:
+        plan.launch()
+    return plan.finish()
+
+
+def map_backward_pair(q: dict | None, k: dict | None):
+    """``map_backward`` of a layer's two maps (each side its keyword arguments, or None for a
+    map whose backward nothing asks for), ``((dxq, dWq, dbq) or None, (dxk, dWk, dbk) or
+    None)``: with ``PAIR_BACKWARD``, both kernels in one launch (``_phi_bwd_pair``) where both
+    run and ``_pairable``; else each alone."""
+    plans = [None if a is None else _MapBackward(**a) for a in (q, k)]
+    pq, pk = plans
+    if PAIR_BACKWARD and pq is not None and pk is not None and pq.launches and pk.launches and \
+            _pairable(pq.x, pq.wc, pk.x, pk.wc):
+        B, Hq, T, D = pq.x.shape
+        BM, warps = _tiles(D, pq.FH, backward=True)
+        fast(_phi_bwd_pair)[(B * (Hq + pk.x.shape[1]), cdiv(T, BM))](
+            *pq.args, Hq, *pk.args, pk.x.shape[1], B * Hq, T, B, D=D, FH=pq.FH, BM=BM,
+            PREC=_prec(pq.x.dtype), FROM_Y=BWD_FROM_OUTPUT,
+            **{f"{n}_Q": v for n, v in pq.meta.items()},
+            **{f"{n}_K": v for n, v in pk.meta.items()}, num_warps=warps)
+        CALLS["pair_backward"] += 1
     else:
-        if dy.stride(-1) != 1:
-            dy = dy.contiguous()
-        dy = cast(dy, x.dtype)
-    need_dx = need[0]
-    add = need_dx and dx_in is not None
-    if add and dx_in.stride(-1) != 1:  # (any float dtype: the kernel reads it into fp32)
-        dx_in = dx_in.contiguous()
-    # dx laid out as x (the model's (B, T, H, D) memory: summed with the attention kernel's
-    # dq, laid out so too, and accumulated without a copy)
-    dx = torch.empty_like(x) if need_dx else None
-    if du is None:
-        du, reduce_dw = _du_buffer(x, FH)
-    else:
-        reduce_dw = _dw_reducer(x, FH)
-    BM, warps = _tiles(D, FH, backward=True)
-    if du_given != 1 or need_dx:  # (stage 1 with the kernel's du: du is all dW and db need)
-        fast(_phi_bwd)[(B * H, cdiv(T, BM))](
+        for p in plans:
+            if p is not None and p.launches:
+                p.launch()
+    return tuple(None if p is None else p.finish() for p in plans)
+
+
+class _MapBackward:
+    """One map's backward (``map_backward``): planned here (dy and dx_in as the kernel reads
+    them, dx and du allocated, the kernel's arguments), its kernel launched alone
+    (``launch``) or in one grid with the other map's (``map_backward_pair``), then finished
+    (``finish``: dW and db from du, the counters)."""
+
+    __slots__ = ("x", "wc", "FH", "du", "dx", "reduce_dw", "need", "dtypes", "du_given",
+                 "add", "args", "meta", "launches")
+
+    def __init__(self, x, wc, bc, y, dy, dx_in, *, softmax: bool, dtypes: tuple, du=None,
+                 du_only: bool = False, need: tuple = (True, True, True)):
+        self.x, self.wc, self.FH, self.need, self.dtypes = x, wc, wc.shape[-1], need, dtypes
+        du_given = 0 if du is None else 1 if du_only else 2
+        if du_given == 1:
+            dy = y  # (not read)
+        else:
+            if dy.stride(-1) != 1:
+                dy = dy.contiguous()
+            dy = cast(dy, x.dtype)
+        need_dx = need[0]
+        add = need_dx and dx_in is not None
+        if add and dx_in.stride(-1) != 1:  # (any float dtype: the kernel reads it into fp32)
+            dx_in = dx_in.contiguous()
+        # dx laid out as x (the model's (B, T, H, D) memory: summed with the attention
+        # kernel's dq, laid out so too, and accumulated without a copy)
+        dx = torch.empty_like(x) if need_dx else None
+        if du is None:
+            du, self.reduce_dw = _du_buffer(x, self.FH)
+        else:
+            self.reduce_dw = _dw_reducer(x, self.FH)
+        self.du, self.dx, self.du_given, self.add = du, dx, du_given, add
+        # (stage 1 with the kernel's du: du is all dW and db need, no kernel)
+        self.launches = du_given != 1 or need_dx
+        # ``_phi_bwd``'s arguments before T, H, B (its pair's per map, before H)
+        self.args = (
             x, wc, bc, y, dy, du if dx is None else dx, du, dx_in if add else du,
             x.stride(0), x.stride(1), x.stride(2), dy.stride(0), dy.stride(1), dy.stride(2),
             *((dx.stride(0), dx.stride(1), dx.stride(2)) if need_dx else (0, 0, 0)),
-            *((dx_in.stride(0), dx_in.stride(1), dx_in.stride(2)) if add else (0, 0, 0)),
-            T, H, B, D=D, FH=FH, BM=BM,
-            SOFTMAX=softmax, PREC=_prec(x.dtype), NEED_DX=need_dx,
-            DU_HEADS_FIRST=du.stride(1) > du.stride(0), FROM_Y=BWD_FROM_OUTPUT, ADD_DXI=add,
-            DU_GIVEN=du_given, num_warps=warps)  # (H, B, T, F/2)
-    CALLS["backward_dx"] += need_dx
-    CALLS["backward_added"] += add
-    CALLS["du_from_kernel"] += du_given == 1
-    CALLS["du_added"] += du_given == 2
-    dw = dbias = None
-    if need[1]:
-        dw = cast(reduce_dw(x, du), w_dtype)
-    if need[2]:
-        # summed in fp32 straight from du (CUDA reduces bf16 into fp32 without a copy; the
-        # old du.float() made a strided fp32 copy of du: ~60 us per map at 8 x 1k and a
-        # 1 GiB transient at 64k, benchmarks/results/h200_2026-12-02b)
-        dbias = cast(du.sum(dim=(0, 2), dtype=torch.float32), b_dtype)
-    return dx, dw, dbias
+            *((dx_in.stride(0), dx_in.stride(1), dx_in.stride(2)) if add else (0, 0, 0)))
+        self.meta = dict(SOFTMAX=softmax, NEED_DX=need_dx,
+                         DU_HEADS_FIRST=du.stride(1) > du.stride(0), ADD_DXI=add,
+                         DU_GIVEN=du_given)  # (du (H, B, T, F/2) where heads first)
+
+    def launch(self) -> None:
+        B, H, T, D = self.x.shape
+        BM, warps = _tiles(D, self.FH, backward=True)
+        fast(_phi_bwd)[(B * H, cdiv(T, BM))](
+            *self.args, T, H, B, D=D, FH=self.FH, BM=BM, PREC=_prec(self.x.dtype),
+            FROM_Y=BWD_FROM_OUTPUT, num_warps=warps, **self.meta)
+
+    def finish(self):
+        """(dx, dW, db), each None where not asked for."""
+        need, du, (w_dtype, b_dtype) = self.need, self.du, self.dtypes
+        CALLS["backward_dx"] += need[0]
+        CALLS["backward_added"] += self.add
+        CALLS["du_from_kernel"] += self.du_given == 1
+        CALLS["du_added"] += self.du_given == 2
+        dw = dbias = None
+        if need[1]:
+            dw = cast(self.reduce_dw(self.x, du), w_dtype)
+        if need[2]:
+            # summed in fp32 straight from du (CUDA reduces bf16 into fp32 without a copy; the
+            # old du.float() made a strided fp32 copy of du: ~60 us per map at 8 x 1k and a
+            # 1 GiB transient at 64k, benchmarks/results/h200_2026-12-02b)
+            dbias = cast(du.sum(dim=(0, 2), dtype=torch.float32), b_dtype)
+        return self.dx, dw, dbias
 
 
 class _PhiFn(torch.autograd.Function):
