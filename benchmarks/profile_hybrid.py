@@ -89,6 +89,7 @@ def host_aten_table(fn, n: int = 20, rows: int = 25) -> tuple[str, list]:
 #: dW product, the TMA check
 HOST_PARTS = (("triton_common", "_key_and_values"), ("triton_common", "tma_ok"),
               ("triton_phi", "map_forward"), ("triton_phi", "map_backward"),
+              ("triton_phi", "map_forward_pair"), ("triton_phi", "map_backward_pair"),
               ("triton_phi", "bmm_fp32"), ("triton_hybrid", "_forward"),
               ("triton_hybrid", "_backward"), ("triton_hybrid", "_la_states"),
               ("triton_hybrid", "hybrid_kernel"), ("triton_hybrid", "fused_hybrid"))
