@@ -21,6 +21,10 @@ about 3 GiB for phi_q). Here:
                 it lies: ``_du_buffer``) and db = sum du (fp32). The layer's q map
                 (``kernel_du``): the hybrid kernel's dfq pass computes du itself from its fp32
                 dphi and phi (``DuSlot``); the backward then reads du instead of dy and phi
+    pairs       a layer's two maps in one grid (``map_forward_pair``, ``map_backward_pair``:
+                the same programs, the q map's first), as the hybrid kernel's Function runs
+                them with the maps folded in (``triton_hybrid.fold_maps``); the backward's
+                pair only with ``PAIR_BACKWARD``
 
 Numerics: u stays fp32 until the activations (the PyTorch module rounds it to the input dtype
 first), so the kernel's output is at least as close to the fp32 map as the module's; the
