@@ -19,9 +19,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib
 import json
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 from attention_speed import TUNE_CONFIGS, Layer, add_head_args, device_ms, environment, rel
@@ -73,22 +75,14 @@ LAYER_SWITCHES = {"layer-maps-paired-bwd": ("triton_phi", "PAIR_BACKWARD", True)
 LAYERS.update({name: dict() for name in (*LAYER_CHANGES, *LAYER_SWITCHES)})
 
 
-@contextlib.contextmanager
 def switch_set(branches: str):
-    """``LAYER_SWITCHES[branches]`` set inside (nothing for other branch sets)."""
+    """A context with ``LAYER_SWITCHES[branches]`` set inside (nothing for other branch
+    sets)."""
     if branches not in LAYER_SWITCHES:
-        yield
-        return
-    import importlib
-
+        return contextlib.nullcontext()
     mod_name, attr, value = LAYER_SWITCHES[branches]
-    mod = importlib.import_module(f"hedgecats.models.ops.{mod_name}")
-    old = getattr(mod, attr)
-    setattr(mod, attr, value)
-    try:
-        yield
-    finally:
-        setattr(mod, attr, old)
+    return mock.patch.object(importlib.import_module(f"hedgecats.models.ops.{mod_name}"), attr,
+                             value)
 
 
 @contextlib.contextmanager

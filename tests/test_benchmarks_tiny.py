@@ -476,6 +476,25 @@ def test_profile_hybrid_host_breakdown_times_the_parts_and_restores_them():
     assert (tc.tma_ok, tc.FastLaunch._launch) == original
 
 
+def test_kernel_anatomy_switch_rows_set_their_switch_and_restore_it():
+    """``kernel_anatomy``'s module-switch rows (``LAYER_SWITCHES``: the maps' paired backward)
+    set the switch for the call and put it back; the other rows leave it alone."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import kernel_anatomy as ka
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    from hedgecats.models.ops import triton_phi as tp
+
+    before = tp.PAIR_BACKWARD
+    with ka.switch_set("layer-maps-paired-bwd"):
+        assert tp.PAIR_BACKWARD is True
+    assert tp.PAIR_BACKWARD == before
+    with ka.switch_set("layer"):
+        assert tp.PAIR_BACKWARD == before
+    assert "layer-maps-paired-bwd" in ka.LAYERS
+
+
 def test_profile_hybrid_aten_table_counts_each_op_per_call():
     """``profile_hybrid.host_aten_table``: the PyTorch ops a call pays host time for, each with
     its calls and self-CPU microseconds per call (the next GPU call's view of the maps' dW
