@@ -295,6 +295,17 @@ def test_feature_map_hands_its_input_on_unchanged_off_the_kernel():
     assert x_on is x and phi.shape == (1, 4, 5, 16)
 
 
+def test_feature_map_kernel_form_only_where_the_kernel_is_its_function():
+    """``HedgehogFeatureMap.kernel_form`` (what the fused hybrid folds into its Function): the
+    parameters themselves and the activation for softmax / exp maps without a floor; None for
+    a floor (LoLCATs' imports: the kernel has no clamp) or another activation."""
+    fm = HedgehogFeatureMap(2, 8, "exp", seed=1)
+    w, b, act = fm.kernel_form()
+    assert w is fm.weight and b is fm.bias and act == "exp"
+    assert HedgehogFeatureMap(2, 8, floor=1e-12).kernel_form() is None
+    assert HedgehogFeatureMap(2, 8, "relu").kernel_form() is None
+
+
 @pytest.mark.parametrize("mode", ["hybrid", "la_only", "sinks_only"])
 def test_maps_given_as_modules_match_their_features(mode):
     """``hybrid_attention(q, k, v, None, None, maps=(phi_q, phi_k))``, the converted layer's
