@@ -306,6 +306,23 @@ def test_feature_map_kernel_form_only_where_the_kernel_is_its_function():
     assert HedgehogFeatureMap(2, 8, "relu").kernel_form() is None
 
 
+def test_fold_refuses_maps_the_kernel_would_change():
+    """``triton_hybrid.fold_maps`` says why it leaves the maps to their modules: the fused maps
+    switched off (``HEDGECATS_TRITON=0``: the modules then take their PyTorch path, so folding
+    would change the values), a map that is not the fused map's function (a floor)."""
+    from hedgecats.models.ops import backends
+    from hedgecats.models.ops import triton_hybrid as th
+
+    q, k = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
+    plain = (HedgehogFeatureMap(2, 8), HedgehogFeatureMap(2, 8))
+    with backends.triton_disabled():
+        got, why = th.fold_maps(plain, q, k)
+    assert got is None and "HEDGECATS_TRITON=0" in why
+    floored = (HedgehogFeatureMap(2, 8, floor=1e-12), HedgehogFeatureMap(2, 8))
+    got, why = th.fold_maps(floored, q, k)
+    assert got is None and why.startswith("phi_q") and "floor=1e-12" in why
+
+
 @pytest.mark.parametrize("mode", ["hybrid", "la_only", "sinks_only"])
 def test_maps_given_as_modules_match_their_features(mode):
     """``hybrid_attention(q, k, v, None, None, maps=(phi_q, phi_k))``, the converted layer's

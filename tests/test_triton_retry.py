@@ -17,6 +17,7 @@ class Boom(Exception):
 def retries(monkeypatch):
     monkeypatch.setattr(th, "errors", lambda: (Boom,))
     monkeypatch.setattr(th, "_FAILED", set())
+    monkeypatch.setattr(th, "_SAFE_FAILED", {})
     monkeypatch.setattr(th, "RETRIES", [])
     return th
 
@@ -76,6 +77,23 @@ def test_a_fused_backward_kernel_failing_retries_the_same_tiles_unfused(retries)
 def test_the_safe_tiles_failing_raise(retries):
     with pytest.raises(Boom):
         th._with_retry("forward", ("k",), th.SAFE_CONFIG, _fn({th.SAFE_CONFIG}, []))
+
+
+def test_the_safe_tiles_failing_raise_again_without_compiling(retries):
+    """Where every config of a problem failed, later calls raise the same error at once (each
+    had compiled the safe tiles anew: seconds a call on a device that cannot take them); the
+    layer's call, which tries the fused kernel with its maps folded in and then without, no
+    longer compiles twice. Another problem key still tries its tiles."""
+    cfg = dataclasses.replace(th.KernelConfig(), save_branches=False)
+    tried = []
+    with pytest.raises(Boom):
+        th._with_retry("forward", ("k",), cfg, _fn({cfg, th.SAFE_CONFIG}, tried))
+    assert tried == [cfg, th.SAFE_CONFIG]
+    tried.clear()
+    with pytest.raises(Boom, match="does not fit"):
+        th._with_retry("forward", ("k",), cfg, _fn({cfg, th.SAFE_CONFIG}, tried))
+    assert tried == []
+    assert th._with_retry("forward", ("other",), cfg, _fn(set(), tried)) == cfg
 
 
 def test_record_fallback_logs_the_error_and_warns_once(caplog):

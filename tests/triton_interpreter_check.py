@@ -825,10 +825,17 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
             def fail(*a, **kw):
                 raise OutOfResources(1, 0, "shared memory")
             real, th._backward = th._backward, fail
+            # (what the failures record is this case's: later cases of the same problem key
+            # in this process must compile their own tiles)
+            failed = set(th._FAILED), dict(th._SAFE_FAILED)
             try:
                 loss.backward()
             finally:
                 th._backward = real
+                th._FAILED.clear()
+                th._FAILED.update(failed[0])
+                th._SAFE_FAILED.clear()
+                th._SAFE_FAILED.update(failed[1])
         else:
             loss.backward()
         res = {"out": out.detach()}

@@ -1996,6 +1996,9 @@ SAFE_CONFIG = KernelConfig(block_m=32, block_n=32, state_chunk=64, warps=4, stag
                            tma=False)
 #: (phase, config, problem key) combinations that failed to compile, and the retries made
 _FAILED: set = set()
+#: (phase, problem key) -> the error of ``SAFE_CONFIG`` failing too: raised again at once (a
+#: compile failure is the device's and the tiles', not the call's; each retry compiled anew)
+_SAFE_FAILED: dict = {}
 RETRIES: list[str] = []
 
 
@@ -2021,6 +2024,9 @@ def _with_retry(phase: str, key: tuple, cfg: KernelConfig, fn):
     to recompute them."""
     chain = _retry_chain(cfg)
     errs = errors()
+    safe_failed = _SAFE_FAILED.get((phase, key))
+    if safe_failed is not None:  # (every config of this problem failed here: no new compile)
+        raise safe_failed
     for i, c in enumerate(chain):
         if (phase, c, key) in _FAILED:
             continue
@@ -2032,7 +2038,11 @@ def _with_retry(phase: str, key: tuple, cfg: KernelConfig, fn):
             RETRIES.append(f"{phase} {key}: {type(e).__name__}: {str(e)[:300]}")
             warn_once(__name__, f"fused hybrid {phase}: tiles {c} do not compile here "
                       f"({type(e).__name__}: {str(e)[:200]}); using {nxt}")
-    return fn(SAFE_CONFIG)
+    try:
+        return fn(SAFE_CONFIG)
+    except errs as e:
+        _SAFE_FAILED[(phase, key)] = e
+        raise
 
 
 class FoldedMaps(NamedTuple):
@@ -2055,9 +2065,9 @@ class _HybridFn(torch.autograd.Function):
     """The kernels' function of (q, k, v, fq, fk, the mixer's ca / cb / logs); with the maps
     folded in (``wq, bq, wk, bk, maps_softmax`` given, fq and fk ``None``), of (q, k, v, the
     maps' weights and biases, the mixer's): the forward computes fq = phi_q(q), fk = phi_k(k)
-    with the maps' kernels (``triton_phi.map_forward``), the backward hands the maps' backward
-    (``triton_phi.map_backward``) the kernel's du for the q map and dfk for the k map, with the
-    attention's dq and dk to add in the maps' kernels. One autograd node for the three; the
+    with the maps' kernels in one launch (``triton_phi.map_forward_pair``), the backward hands
+    the maps' backward (``triton_phi.map_backward_pair``) the kernel's du for the q map and dfk
+    for the k map, with the attention's dq and dk to add in the maps' kernels. One autograd node for the three; the
     same kernels, with the same arguments, as the maps' own Functions would launch (the
     gradients are bit for bit the same: tests/triton_interpreter_check.py ``fold_case``)."""
 
@@ -2240,6 +2250,8 @@ def hybrid_kernel(q, k, v, fq, fk, ca, cb, logs, shift, *, window: int, scale: f
     No checks beyond shapes: ``fused_hybrid`` decides what may come here.
     """
     B, H, T, D = q.shape
+    if maps is not None and (fq is not None or fk is not None):
+        raise ValueError("hybrid_kernel takes the features (fq, fk) or the maps, not both")
     F = fq.shape[-1] if maps is None else 2 * maps.wq.shape[-1]
     cfg = config or default_config(D, F, q.dtype)
     blocks = (cfg.block_n, cfg.bwd_block_n, _dkv_block_n(cfg), _dv_block_n(cfg))
@@ -2286,11 +2298,16 @@ def fold_maps(maps, q: torch.Tensor, k: torch.Tensor) -> tuple[FoldedMaps | None
     map's function is the fused map's (``HedgehogFeatureMap.kernel_form``: no floor, softmax or
     exp) and its kernel takes x (``triton_phi.unsupported_reason``: bf16, power-of-two dims, one
     map per head of x), both with the same feature dim; else ``(None, why)``."""
+    from . import backends  # (imports this module lazily)
+
+    if not backends.triton_switched_on():  # (the modules' own fused path: HEDGECATS_TRITON=0)
+        return None, "the fused feature maps are off (HEDGECATS_TRITON=0)"
     forms = []
     for m, x, name in zip(maps, (q, k), ("phi_q", "phi_k")):
         form = getattr(m, "kernel_form", lambda: None)()
         if form is None:
-            return None, f"{name} ({type(m).__name__}) has no fused kernel form"
+            return None, (f"{name} ({m.extra_repr() if hasattr(m, 'extra_repr') else m}) is not "
+                          f"the fused map's function (softmax or exp, no floor)")
         reason = triton_phi.unsupported_reason(x, *form)
         if reason is not None:
             return None, f"{name}: {reason}"
