@@ -69,7 +69,14 @@ it, so no program holds an F-wide operand and an F-wide accumulator at once; the
 programs take ``grad_f_chunk`` (the whole F at D 128 bf16: one D-wide dO . v product per
 block). Tile sizes were chosen from ptxas's register report for sm_90a (``default_config``).
 Tiles that do not compile on a device are replaced once by ``SAFE_CONFIG`` (``RETRIES``); any
-other Triton failure sends the call to the piece-by-piece path (``FALLBACK_ERRORS``).
+other Triton failure sends the call to the piece-by-piece path (``FALLBACK_ERRORS``), and where
+the safe tiles fail too that is remembered per problem (``_SAFE_FAILED``: later calls go to that
+path without compiling again).
+
+The layer's feature maps can run inside the kernels' autograd Function (``fold_maps``,
+``hybrid_kernel(maps=...)``; ``ops.hybrid.hybrid_attention(maps=...)``, the converted layer's
+call): their kernels (``triton_phi``, both maps in one launch) in its forward, their backward
+from the dfq pass's du and dfk in its backward; one autograd node instead of three.
 
 Numerics: matrix products in the input dtype with fp32 accumulation (fp32 inputs: ``tf32x3``,
 three tf32 products, about fp32 accuracy); the stored LA states are in the input dtype (they are
