@@ -17,9 +17,9 @@ short length and 4 query heads (1 x 32: the few PyTorch kernels that compute - t
 cost microseconds), with PyTorch's CPU ops in place of CUDA launches (cheaper: no driver
 call). A proxy to compare versions on one machine, not the GPU host's time.
 
-Prints per phase (the maps' forward, the fused attention's forward, the backward, the whole
-call) the median microseconds per call, and the counts per call of Triton launches and of
-PyTorch ops that reach a device kernel (allocations and views apart).
+Prints per phase (the forward, the backward, the whole call) the median microseconds per
+call, the forward alone under no_grad (evaluation, prefill), and the counts per call of
+Triton launches and of PyTorch ops that reach a device kernel (allocations and views apart).
 """
 
 from __future__ import annotations
@@ -221,10 +221,18 @@ def _measure(a, A, launches) -> dict:
     for _ in range(a.calls):
         call(stamps)
     med = [statistics.median(s[i] for s in stamps) * 1e6 for i in range(3)]
+    no_grad = []  # evaluation, prefill: the forward alone under no_grad
+    with torch.no_grad():
+        for _ in range(a.calls):
+            t0 = time.perf_counter()
+            A.hybrid_attention(L.q, L.k, L.v, None, None, maps=(L.phi_q, L.phi_k), window=L.w,
+                               scale=L.scale, g=0.5)
+            no_grad.append(time.perf_counter() - t0)
     res = {"shape": a.shape, "heads": [a.heads, a.kv_heads], "calls": a.calls,
            "unfused": a.unfused,
            "us_per_call": dict(zip(("forward", "backward", "total"),
                                    [round(x, 1) for x in med])),
+           "us_forward_no_grad": round(statistics.median(no_grad) * 1e6, 1),
            "triton_launches": per_call, "torch_kernel_ops": dict(ops.kernels),
            "maps_folded": folded,
            "torch_other_ops": sum(ops.other.values())}

@@ -741,7 +741,8 @@ def test_maps_folded_into_the_kernel_are_their_own_functions(frozen):
     q and k handed on, the q map's du from the kernel), Llama-3-8B's head shape, bf16,
     (B, T, H, D) memory, padding, T not a multiple of the state chunk: the output and every
     gradient bit for bit (the same kernels on the same arguments), the fold taken both ways.
-    ``stage1``: the teacher's q, k, v detached (the maps' gradients only)."""
+    ``stage1``: the teacher's q, k, v detached (the maps' gradients only). Under no_grad
+    (evaluation, prefill) the forward runs without the autograd Function: the same output."""
     from hedgecats.models.ops import hybrid as hybrid_mod
     from hedgecats.models.ops import triton_hybrid as th
 
@@ -783,6 +784,12 @@ def test_maps_folded_into_the_kernel_are_their_own_functions(frozen):
     for name, a, b in zip(names, got, want):
         assert (a is None and b is None) or torch.equal(a, b), name
     assert got[1] is None or got[1].stride() == q0.stride()
+    # evaluation / prefill: the same forward without the autograd Function, bit for bit
+    before = th.CALLS["forward_without_autograd"]
+    with torch.no_grad():
+        out = hybrid_attention(q0, k0, v0, None, None, maps=maps, **kw)
+    assert th.CALLS["forward_without_autograd"] == before + 1
+    assert torch.equal(out, got[0]), "the forward under no_grad differs from the one under grad"
 
 
 @pytest.mark.parametrize("floor", [0.0, 1e-3])

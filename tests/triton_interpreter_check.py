@@ -808,6 +808,9 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
             m.zero_grad()
             m.requires_grad_("maps" not in frozen)
         g = g0.clone().requires_grad_() if torch.is_tensor(g0) else g0
+        if path == "no_grad":  # (evaluation, prefill: the forward without autograd's node)
+            with torch.no_grad(), _maps_on_their_kernel():
+                return {"out": kernel(q, k, v, None, None, g, maps=maps).clone()}
         if path == "folded":
             with _maps_on_their_kernel():  # (where the fold refuses, the modules run)
                 out = kernel(q, k, v, None, None, g, maps=maps)
@@ -865,6 +868,9 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
         tp.PAIR_BACKWARD = paired
     ran = [th.CALLS[n] - b for n, b in zip(names, before)]
     pairs = [tp.CALLS["pair_forward"] - pairs[0], tp.CALLS["pair_backward"] - pairs[1]]
+    before = th.CALLS["forward_without_autograd"]
+    no_grad = run("no_grad")
+    without_autograd = th.CALLS["forward_without_autograd"] - before
     before = th.CALLS["map_du"]
     old = run("unfolded")
     du_unfolded = th.CALLS["map_du"] - before
@@ -889,6 +895,9 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
     both_dx = not {"q", "k"} & set(frozen)
     want_pairs = [1, int(pair_backward and both_dx)] if expect_fold else [0, 0]
     out["maps_paired"] = 0.0 if pairs == want_pairs else float("inf")
+    # under no_grad the same forward without an autograd Function: the same output, bit for bit
+    out["same_out_no_grad"] = 0.0 if torch.equal(no_grad["out"], got["out"]) else float("inf")
+    out["no_grad_without_autograd"] = 0.0 if without_autograd == 1 else float("inf")
     return out
 
 

@@ -119,11 +119,13 @@ FALLBACK_ERRORS: list[str] = []
 #: and dv programs ran apart, each at its own key tile (``dkv_block_n`` / ``dv_block_n``);
 #: the backward's fused kernels, counted under their ``KernelConfig`` switches; the calls
 #: that ran the feature maps inside the kernel's Function (``hybrid_kernel(maps=...)``), and
-#: their backwards
+#: their backwards; the forwards that ran without an autograd Function (no gradient asked for:
+#: evaluation, prefill)
 CALLS = {"forward": 0, "dq_pass": 0, "dkv_swa": 0, "dv_la": 0, "factors_from_saved": 0,
          "split_states": 0, "states_from_forward": 0, "dkv_apart": 0, "packed_forward": 0,
          "packed_dq": 0, "map_du": 0, "fuse_q_side": 0, "fuse_kv_side": 0, "kv_order_1": 0,
-         "kv_order_2": 0, "state_sums_mma": 0, "maps_folded": 0, "maps_folded_backward": 0}
+         "kv_order_2": 0, "state_sums_mma": 0, "maps_folded": 0, "maps_folded_backward": 0,
+         "forward_without_autograd": 0}
 
 
 @dataclass(frozen=True)
@@ -2068,6 +2070,46 @@ class FoldedMaps(NamedTuple):
 _N_KERNEL_INPUTS = 21
 
 
+class _Forward(NamedTuple):
+    """What ``_function_forward`` gives: the output, the features (the folded maps' outputs
+    where they ran), the maps' weights and biases as their kernels read them (``None`` without
+    folded maps), and what the backward reads (``_forward``'s lse, den, branches, states)."""
+    o: torch.Tensor
+    fq: torch.Tensor
+    fk: torch.Tensor
+    casts: tuple | None
+    lse: torch.Tensor
+    den: torch.Tensor
+    swa_o: torch.Tensor | None
+    la_o: torch.Tensor | None
+    states: tuple | None
+
+
+def _function_forward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, window, scale,
+                      eps, has_swa, has_la, shared, cfg, save, wq=None, bq=None, wk=None,
+                      bk=None, maps_softmax=None) -> _Forward:
+    """The forward of ``_HybridFn``'s function (its arguments, less the du slot): with the maps
+    folded in (``maps_softmax`` given), fq = phi_q(q) and fk = phi_k(k) first, both maps in one
+    launch (``triton_phi.map_forward_pair``); then the kernels (``_forward``, through the tile
+    retry chain). ``hybrid_kernel`` calls it directly where no gradient will be asked for
+    (evaluation, prefill): the same launches, without the autograd Function's host work."""
+    casts = None
+    if maps_softmax is not None:  # (both maps in one launch)
+        (fq, wqc, bqc), (fk, wkc, bkc) = triton_phi.map_forward_pair(
+            q, wq, bq, maps_softmax[0], k, wk, bk, maps_softmax[1])
+        casts = (wqc, bqc, wkc, bkc)
+        triton_phi.CALLS["forward"] += 2
+    # the state path is part of the problem: a split build that fails to compile at long T
+    # must not send short calls (which walk) down the retry chain
+    key = (q.dtype, q.shape[-1], fq.shape[-1], has_swa, has_la, shared, kpm_i8 is not None,
+           save, use_split_states(cfg, cdiv(q.shape[2], cfg.state_chunk)))
+    o, lse, den, swa_o, la_o, states = _with_retry("forward", key, cfg, lambda c: _forward(
+        q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, window=window, scale=scale,
+        eps=eps, has_swa=has_swa, has_la=has_la, shared=shared, cfg=c,
+        save=save and c.save_branches))  # (the retry's SAFE_CONFIG saves nothing)
+    return _Forward(o, fq, fk, casts, lse, den, swa_o, la_o, states)
+
+
 class _HybridFn(torch.autograd.Function):
     """The kernels' function of (q, k, v, fq, fk, the mixer's ca / cb / logs); with the maps
     folded in (``wq, bq, wk, bk, maps_softmax`` given, fq and fk ``None``), of (q, k, v, the
@@ -2082,32 +2124,23 @@ class _HybridFn(torch.autograd.Function):
     def forward(ctx, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, window, scale,
                 eps, has_swa, has_la, shared, cfg, save, du_slot, wq=None, bq=None, wk=None,
                 bk=None, maps_softmax=None):
-        ctx.maps = None
-        if maps_softmax is not None:  # (both maps in one launch)
-            (fq, wqc, bqc), (fk, wkc, bkc) = triton_phi.map_forward_pair(
-                q, wq, bq, maps_softmax[0], k, wk, bk, maps_softmax[1])
-            ctx.maps = (maps_softmax, (wq.dtype, bq.dtype), (wk.dtype, bk.dtype))
-            triton_phi.CALLS["forward"] += 2
-        # the state path is part of the problem: a split build that fails to compile at long T
-        # must not send short calls (which walk) down the retry chain
-        key = (q.dtype, q.shape[-1], fq.shape[-1], has_swa, has_la, shared, kpm_i8 is not None,
-               save, use_split_states(cfg, cdiv(q.shape[2], cfg.state_chunk)))
-        o, lse, den, swa_o, la_o, states = _with_retry("forward", key, cfg, lambda c: _forward(
-            q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, window=window, scale=scale,
-            eps=eps, has_swa=has_swa, has_la=has_la, shared=shared, cfg=c,
-            save=save and c.save_branches))  # (the retry's SAFE_CONFIG saves nothing)
-        ctx.saved_branches = (swa_o is not None, la_o is not None)
-        ctx.states_chunk = None if states is None else states[3]
-        ctx.save_for_backward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, lse, den,
-                              *(x for x in (swa_o, la_o) if x is not None),
-                              *(() if states is None else states[:3]),
+        r = _function_forward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, window,
+                              scale, eps, has_swa, has_la, shared, cfg, save, wq, bq, wk, bk,
+                              maps_softmax)
+        ctx.maps = None if r.casts is None else (
+            maps_softmax, (wq.dtype, bq.dtype), (wk.dtype, bk.dtype))
+        ctx.saved_branches = (r.swa_o is not None, r.la_o is not None)
+        ctx.states_chunk = None if r.states is None else r.states[3]
+        ctx.save_for_backward(q, k, v, r.fq, r.fk, ca, cb, logs, shift, first, cnt, r.lse,
+                              r.den, *(x for x in (r.swa_o, r.la_o) if x is not None),
+                              *(() if r.states is None else r.states[:3]),
                               *(() if kpm_i8 is None else (kpm_i8,)),
-                              *(() if ctx.maps is None else (wqc, bqc, wkc, bkc)))
+                              *(() if r.casts is None else r.casts))
         ctx.args = dict(window=window, scale=scale, eps=eps, has_swa=has_swa, has_la=has_la,
                         shared=shared, cfg=cfg)
         ctx.has_kpm = kpm_i8 is not None
         ctx.du_slot = du_slot
-        return o
+        return r.o
 
     @staticmethod
     def backward(ctx, do):
@@ -2265,11 +2298,6 @@ def hybrid_kernel(q, k, v, fq, fk, ca, cb, logs, shift, *, window: int, scale: f
     if any(cfg.state_chunk % n for n in blocks):
         raise ValueError(f"state_chunk {cfg.state_chunk} must be a multiple of the key blocks "
                          f"(block_n, bwd_block_n, dkv_block_n, dv_block_n: {blocks})")
-    # fq as a Hedgehog map's output, unchanged: the map's du from the dfq pass (``DuSlot``;
-    # the first kernel given it only)
-    du_slot = getattr(fq, DU_SLOT_ATTR, None) if has_la and maps is None else None
-    if du_slot is not None and not du_slot.claim():
-        du_slot = None
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     if maps is None:
         fq, fk = (x if x.stride(-1) == 1 else x.contiguous() for x in (fq, fk))
@@ -2288,15 +2316,23 @@ def hybrid_kernel(q, k, v, fq, fk, ca, cb, logs, shift, *, window: int, scale: f
         cnt = torch.nn.functional.pad(kpm.int().cumsum(1), (1, 0)).to(torch.int32).contiguous()
     ca, cb, logs = (cast(x, torch.float32).reshape(B * H).contiguous() for x in (ca, cb, logs))
     shift = cast(shift.to(dev), torch.int32).reshape(B * H).contiguous()
-    # store the branches for the backward only where one will run
     ins = (q, k, v, ca, cb, logs) + ((fq, fk) if maps is None else tuple(maps[:4]))
-    save = cfg.save_branches and torch.is_grad_enabled() and any(x.requires_grad for x in ins)
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in ins)
     folded = () if maps is None else (*maps[:4], maps[4:])
     if maps is not None:
         CALLS["maps_folded"] += 1
-    return _HybridFn.apply(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8,
-                           int(window), float(scale), float(eps), bool(has_swa), bool(has_la),
-                           bool(shared), cfg, save, du_slot, *folded)
+    args = (q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, int(window), float(scale),
+            float(eps), bool(has_swa), bool(has_la), bool(shared), cfg)
+    if not grad:  # (evaluation, prefill: no autograd node, nothing stored for a backward)
+        CALLS["forward_without_autograd"] += 1
+        return _function_forward(*args, False, *folded).o
+    # fq as a Hedgehog map's output, unchanged: the map's du from the dfq pass (``DuSlot``;
+    # the first kernel given it only)
+    du_slot = getattr(fq, DU_SLOT_ATTR, None) if has_la and maps is None else None
+    if du_slot is not None and not du_slot.claim():
+        du_slot = None
+    # store the branches for the backward (``KernelConfig.save_branches``)
+    return _HybridFn.apply(*args, cfg.save_branches, du_slot, *folded)
 
 
 def fold_maps(maps, q: torch.Tensor, k: torch.Tensor) -> tuple[FoldedMaps | None, str | None]:
