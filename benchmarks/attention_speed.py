@@ -12,7 +12,8 @@ says ``fwd``:
     swa              sliding-window attention alone (the backend's SWA piece: fla, else flex)
     hybrid <mixer>   the converted layer's default path (``backend="auto"``), feature maps
                      included: phi_q(q), phi_k(k), hybrid_attention, for the fixed g, a learned
-                     per-head g and shared_norm mixers
+                     per-head g, shared_norm and an output gate (g = sigmoid(logits) per
+                     position and channel: a kernel call per branch, mixed in PyTorch)
     hybrid pieces    the same through the piece-by-piece path (fla SWA + fla LA, no fused kernel)
     hybrid fixed [stage 1]  the layer as stage 1 trains it: q, k, v detached (the teacher's),
                      gradients for the feature maps only
@@ -293,8 +294,15 @@ class Layer:
         self.params = [self.q, self.k, self.v, self.phi_q.weight, self.phi_k.weight,
                        self.phi_q.bias, self.phi_k.bias]
         self.params += [p for m in self.mixers.values() if m is not None for p in m.parameters()]
+        # an output gate's pre-activation per position and channel, as the model's
+        # OutputGateMixer hands it on ((B, T, H, D) memory; its Linear is not attention)
+        self.gate_logit = (torch.randn(B, T, H, D, device=DEVICE, generator=gen, dtype=dtype)
+                           * 0.5).requires_grad_()
+        self.params.append(self.gate_logit)
 
     def mixer_args(self, mixer):
+        if mixer == "gate":  # g per position and channel: sigmoid(x W + c), (B, H, T, D)
+            return {"g": torch.sigmoid(self.gate_logit).transpose(1, 2), "shared_norm": False}
         m = self.mixers[mixer]
         if m is None:
             return {"g": 0.5, "shared_norm": False}
@@ -443,9 +451,12 @@ def run_shape(a, B, T, results, log):
         ("swa", "fwd+bwd", L.swa, None, "swa"),
         ("swa fwd", "fwd", L.swa, None, "swa"),
     ]
-    for mixer in ("fixed", "learned_head", "shared_norm"):
+    for mixer in ("fixed", "learned_head", "shared_norm", "gate"):
         spec.append((f"hybrid {mixer}", "fwd+bwd", lambda m=mixer: L.hybrid(m), mixer, "hybrid"))
     spec.append(("hybrid fixed fwd", "fwd", lambda: L.hybrid("fixed"), "fixed", "hybrid"))
+    spec.append(("hybrid gate fwd", "fwd", lambda: L.hybrid("gate"), "gate", "hybrid"))
+    # (output gates took this path until 2026-12-05: the before of ``_gated``)
+    spec.append(("hybrid pieces gate", "fwd+bwd", pieces("gate"), "gate", "hybrid"))
     # (no floor: the hybrid's counts the q, k, v gradients this call does not compute)
     spec.append(("hybrid fixed [stage 1]", "fwd+bwd", L.hybrid_stage1, None, None))
     spec.append(("hybrid pieces fixed", "fwd+bwd", pieces("fixed"), "fixed", "hybrid"))

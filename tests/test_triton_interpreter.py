@@ -6,7 +6,7 @@ against the composed step.
 Needs triton (the CPU set-up installs it: constraints.txt, the ``dev`` extra; skipped where it
 is missing). The kernels run in a subprocess with ``TRITON_INTERPRET=1``
 (tests/triton_interpreter_check.py), so that the interpreter is never switched on in a process
-that runs them on a GPU. All 206 cases take ~25 minutes on two cores, hence ``slow``;
+that runs them on a GPU. All 219 cases take ~25 minutes on two cores, hence ``slow``;
 the ``--quick`` cases (~40 s) run in the default selection.
 """
 
@@ -59,6 +59,19 @@ def test_state_sums_on_the_tensor_cores_match_the_row_sums():
     (``state_sums_case``)."""
     rows = _run("state-sums-walked-pad-bf16", "state-sums-split-pad-bf16")
     assert len(rows) == 2
+    bad = _failures(rows)
+    assert not bad, "\n".join(bad)
+
+
+def test_output_gates_take_a_kernel_call_per_branch():
+    """A g per position and channel (output-gate mixers): each branch from its own kernel call,
+    mixed in PyTorch (``triton_hybrid._gated``), against the reference for output and every
+    gradient (g's too), with SSD's per-head drops, rescale and ``la_span="all"`` in hybrid and
+    swa_only mode; and the layer's call, the maps folded into the LA call."""
+    ids = ("layer-gate-ssd-head-rescale-all", "layer-gate-swa-only-rescale-ssd-all",
+           "fold-gate-hybrid-pad")
+    rows = _run(*ids)
+    assert sorted(r["id"] for r in rows) == sorted(ids)
     bad = _failures(rows)
     assert not bad, "\n".join(bad)
 

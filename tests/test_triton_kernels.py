@@ -443,21 +443,41 @@ def test_routing_shared_norm_outside_hybrid_goes_to_the_pieces():
            shared_norm=True, g=0.1)
 
 
-def test_routing_output_gate_goes_to_the_pieces():
-    """A g per channel and position (output-gate mixers)."""
+@pytest.mark.parametrize("mode", ["hybrid", "swa_only", "la_only"])
+def test_output_gate_takes_a_kernel_call_per_branch(mode):
+    """A g per channel and position (output-gate mixers): each branch its own kernel call,
+    mixed in PyTorch (``triton_hybrid._gated``), against the reference: output and the
+    gradients of q, k, v, the maps' weights and g, at the 8B head shape with padding."""
     th = _kernels()
-    B, H, Hkv, T, D = 1, 4, 2, 96, 64
+    B, H, Hkv, T, D = 2, 8, 2, 300, 128
     gen = torch.Generator(device=DEVICE).manual_seed(3)
-    q = torch.randn(B, H, T, D, device=DEVICE, generator=gen).bfloat16()
-    k, v = (torch.randn(B, Hkv, T, D, device=DEVICE, generator=gen).bfloat16() for _ in range(2))
-    fq = HedgehogFeatureMap(H, D).to(DEVICE)(q)
-    fk = HedgehogFeatureMap(Hkv, D).to(DEVICE)(k)
-    g = torch.rand(B, H, T, D, device=DEVICE, generator=gen)
-    calls = th.CALLS["forward"]
-    got = hybrid_attention(q, k, v, fq, fk, window=16, g=g, backend="triton")
-    want = hybrid_attention(q, k, v, fq, fk, window=16, g=g, backend="reference")
-    assert th.CALLS["forward"] == calls
-    assert rel_err(got, want) < 1e-2
+    maps = [HedgehogFeatureMap(n, D, seed=s).to(DEVICE) for n, s in ((H, 1), (Hkv, 2))]
+    q0, k0, v0 = (torch.randn(B, T, n, D, device=DEVICE, generator=gen).bfloat16()
+                  .transpose(1, 2) for n in (H, Hkv, Hkv))
+    g0 = torch.rand(B, H, T, D, device=DEVICE, generator=gen).bfloat16()
+    do = torch.randn(B, H, T, D, device=DEVICE, generator=gen)
+    kpm = torch.ones(B, T, dtype=torch.bool, device=DEVICE)
+    kpm[1, :37] = False
+
+    def run(backend):
+        q, k, v, g = (x.detach().clone().requires_grad_() for x in (q0, k0, v0, g0))
+        for m in maps:
+            m.zero_grad()
+        out = hybrid_attention(q, k, v, None, None, maps=maps, window=64, g=g, mode=mode,
+                               key_padding_mask=kpm, backend=backend)
+        (out.float() * do).sum().backward()
+        return [out.detach(), q.grad, k.grad, v.grad, g.grad] + [m.weight.grad for m in maps]
+
+    calls, gated = th.CALLS["forward"], th.CALLS["gated"]
+    got = run("triton")
+    assert th.CALLS["forward"] - calls == (2 if mode == "hybrid" else 1)
+    assert th.CALLS["gated"] == gated + 1
+    want = run("reference")
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dg", "dWq", "dWk"), got, want):
+        if b is None:  # (swa_only: the maps take no gradient)
+            assert a is None or not a.any(), name
+        else:
+            assert rel_err(a, b) < 2e-2, (name, rel_err(a, b))
 
 
 def test_routing_kv_cache_call_goes_to_the_pieces():

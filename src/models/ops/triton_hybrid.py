@@ -14,10 +14,12 @@ kernels compute, per batch row ``b`` and query head ``h`` (``c_A, c_B, shift`` p
 ``shift`` is ``w`` (non-overlapping), 0 (``overlap``, or ``la_only`` with ``la_span="all"``).
 ``ops.hybrid.hybrid_attention``'s modes map onto it (``fused_hybrid``): ``hybrid``, ``swa_only``
 (no LA pass), ``la_only`` (no SWA pass), SSD (``swa_drop``: a dropped ``(b, h)`` gets
-``c_A = 0`` and the ``la_only`` weight and span) and ``shared_norm`` in ``hybrid`` mode. What it
-does not cover returns ``None`` with the reason logged once, and the caller runs the
-piece-by-piece path: sinks / softmax / none, output-gate mixers (a ``g`` per channel),
-``shared_norm`` outside ``hybrid`` mode or with SSD, KV-cache calls (fewer queries than keys),
+``c_A = 0`` and the ``la_only`` weight and span) and ``shared_norm`` in ``hybrid`` mode.
+Output-gate mixers (a ``g`` per position and channel, which per-head weights cannot carry) take
+one call per branch at weight 1 (SWA with no features, LA with the maps) mixed in PyTorch
+(``_gated``). What it does not cover returns ``None`` with the reason logged once, and the
+caller runs the piece-by-piece path: sinks / softmax / none, ``shared_norm`` outside
+``hybrid`` mode or with SSD, KV-cache calls (fewer queries than keys),
 dtypes other than bf16 / fp32, mixed dtypes, head or feature dims that are not powers of two in
 [16, 128] / [16, 256], CPU tensors.
 
@@ -120,12 +122,12 @@ FALLBACK_ERRORS: list[str] = []
 #: the backward's fused kernels, counted under their ``KernelConfig`` switches; the calls
 #: that ran the feature maps inside the kernel's Function (``hybrid_kernel(maps=...)``), and
 #: their backwards; the forwards that ran without an autograd Function (no gradient asked for:
-#: evaluation, prefill)
+#: evaluation, prefill); the calls of a g per position or channel (``_gated``: a call per branch)
 CALLS = {"forward": 0, "dq_pass": 0, "dkv_swa": 0, "dv_la": 0, "factors_from_saved": 0,
          "split_states": 0, "states_from_forward": 0, "dkv_apart": 0, "packed_forward": 0,
          "packed_dq": 0, "map_du": 0, "fuse_q_side": 0, "fuse_kv_side": 0, "kv_order_1": 0,
          "kv_order_2": 0, "state_sums_mma": 0, "maps_folded": 0, "maps_folded_backward": 0,
-         "forward_without_autograd": 0}
+         "forward_without_autograd": 0, "gated": 0}
 
 
 @dataclass(frozen=True)
@@ -2180,7 +2182,7 @@ class _HybridFn(torch.autograd.Function):
                             "gradients come from the PyTorch reference", phase="backward")
             return _reference_backward(ctx, do, q, k, v, fq, fk, ca, cb, logs, shift, first,
                                        kpm_i8, a, rest if folded else None)
-        if dfq is None:
+        if dfq is None and folded:  # (no LA: the maps' backward takes zeros; autograd, None)
             dfq, dfk = torch.zeros_like(fq), torch.zeros_like(fk)
         if folded:
             dq, dk, map_grads = _folded_maps_backward(ctx, q, k, fq, fk, dq, dk, dfq, dfk,
@@ -2459,7 +2461,9 @@ def fused_hybrid(q, k, v, fq, fk, *, window: int, mode: str, g, shared_norm: boo
     by the caller), or ``None`` (reason logged once) for the caller's piece-by-piece path.
     ``maps`` ((phi_q, phi_k) modules) with fq and fk ``None``: the maps folded into the
     kernel's Function (``fold_maps``); ``None`` also where they cannot be (logged once): the
-    caller then runs the maps itself and calls again with fq and fk."""
+    caller then runs the maps itself and calls again with fq and fk. A call that runs no LA
+    (``swa_only`` without SSD) takes neither features nor maps (``_no_features``); a g per
+    position or channel (an output gate) takes a kernel call per branch (``_gated``)."""
 
     def no(reason: str):
         warn_once(__name__, f"fused Triton hybrid not used: {reason}; running the "
@@ -2469,6 +2473,9 @@ def fused_hybrid(q, k, v, fq, fk, *, window: int, mode: str, g, shared_norm: boo
     if mode not in ("hybrid", "swa_only", "la_only"):
         return None  # sinks / softmax / none need no LA: the pieces are the right tool
     folded = None
+    if mode == "swa_only" and swa_drop is None:  # (no LA: neither the features nor the maps)
+        fq, fk = _no_features(q, k)
+        maps = None
     if fq is None and fk is None and maps is not None:
         if not available() or not (q.is_cuda or interpret()):
             return None  # (the second call, with the maps' outputs, says why)
@@ -2510,8 +2517,17 @@ def fused_hybrid(q, k, v, fq, fk, *, window: int, mode: str, g, shared_norm: boo
                       key_padding_mask, True, True, True, config, folded)
         return out
     g_t, g_f = _per_head(g, B, H, "g")
-    if g_t is None and g_f is None:
-        return no("a mixer g that varies over positions or channels (output gates)")
+    if g_t is None and g_f is None:  # an output gate: each branch its own call, mixed here
+        try:
+            fits = torch.broadcast_shapes(g.shape, q.shape) == q.shape
+        except RuntimeError:
+            fits = False
+        if not fits:
+            return no(f"a mixer g of shape {tuple(g.shape)} (not broadcastable to q's "
+                      f"{tuple(q.shape)})")
+        return _gated(q, k, v, fq, fk, g, mode=mode, rescale=rescale, drop=drop,
+                      shift0=shift0, shift_la_only=shift_la_only, window=window, scale=scale,
+                      eps=eps, kpm=key_padding_mask, config=config, maps=folded)
     gg = g_t if g_t is not None else _filled((B, H), g_f, f32, dev)
     one = _filled((B, H), 1.0, f32, dev)
     if mode == "hybrid":
@@ -2534,6 +2550,63 @@ def fused_hybrid(q, k, v, fq, fk, *, window: int, mode: str, g, shared_norm: boo
         has_swa = has_la = True
     return _launch(q, k, v, fq, fk, ca, cb, zeros, shift, window, scale, eps, key_padding_mask,
                    has_swa, has_la, False, config, folded)
+
+
+def _no_features(q, k):
+    """Stand-ins for fq and fk in a call that runs no LA (``has_la=False``: the kernels read
+    neither): (B, H, T, D) and (B, Hkv, T, D) views of one cached row, nothing allocated, no
+    feature map run (the LA's F does not enter such a call's tiles: ``default_config``)."""
+    (B, H, T, D), Hkv = q.shape, k.shape[1]
+    row = _filled((1, 1, 1, D), 0.0, q.dtype, q.device)
+    return row.expand(B, H, T, D), row.expand(B, Hkv, T, D)
+
+
+def _gated(q, k, v, fq, fk, g, *, mode, rescale, drop, shift0, shift_la_only, window, scale,
+           eps, kpm, config, maps):
+    """``fused_hybrid`` for a g that varies over positions or channels (an output-gate mixer:
+    ``w_swa = g``, ``w_la = 1 - g`` per element, which the kernels' per-head weights cannot
+    carry): ``w_swa * SWA + w_la * LA`` with each branch from its own kernel call at weight 1
+    (SWA: ``has_la=False``, no features; LA: ``has_swa=False``, the maps folded into it where
+    they are), mixed here in PyTorch, which also gives g's gradient. SSD (``drop``, per (b, h)):
+    a dropped head's SWA call weight is 0 and its LA call sees ``la_only``'s keys
+    (``shift_la_only``), weighted as ``la_only`` weighs them. ``None`` where a kernel call
+    declines (the caller's pieces then compute the whole call)."""
+    B, H = q.shape[:2]
+    f32, dev = torch.float32, q.device
+    zeros, one = _filled((B, H), 0.0, f32, dev), _filled((B, H), 1.0, f32, dev)
+    swa = la = None
+    if mode in ("hybrid", "swa_only"):
+        ca = one if drop is None else torch.where(drop, zeros, one)
+        swa = _launch(q, k, v, *_no_features(q, k), ca, zeros, zeros,
+                      _filled((B, H), shift0, torch.int32, dev), window, scale, eps, kpm,
+                      True, False, False, config)
+        if swa is None:
+            return None
+    if mode == "la_only" or drop is not None or mode == "hybrid":
+        if mode == "la_only":
+            cb, shift = one, _filled((B, H), shift_la_only, torch.int32, dev)
+        else:  # (a kept head's LA in the hybrid, none in swa_only; a dropped head's la_only)
+            cb = one if mode == "hybrid" else torch.where(drop, one, zeros)
+            shift = _filled((B, H), shift0, torch.int32, dev)
+            if drop is not None:
+                shift = torch.where(drop, torch.full_like(shift, shift_la_only), shift)
+        la = _launch(q, k, v, fq, fk, zeros, cb, zeros, shift, window, scale, eps, kpm,
+                     False, True, False, config, maps)
+        if la is None:
+            return None
+    CALLS["gated"] += 1
+    # (one op where it can be: each rounds once. A dropped head's SWA and a kept head's LA in
+    # swa_only are 0, so the same formulas hold for every head)
+    if mode == "la_only":
+        return la if rescale else la * (1 - g)
+    if la is None:  # swa_only, no drops
+        return swa if rescale else swa * g
+    if rescale and mode == "swa_only":
+        return swa + la
+    if rescale and drop is not None:  # (a dropped head's LA at weight 1, as la_only's rescale)
+        g = torch.where(drop[:, :, None, None], 0.0, g)
+    # w_swa SWA + w_la LA = LA + g (SWA - LA)
+    return torch.lerp(la, swa, g) if g.dtype == la.dtype else la + g * (swa - la)
 
 
 def _launch(q, k, v, fq, fk, ca, cb, logs, shift, window, scale, eps, kpm, has_swa, has_la,
