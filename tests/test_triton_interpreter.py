@@ -46,6 +46,14 @@ def _failures(rows: list[dict]) -> list[str]:
     return bad
 
 
+def _all_pass(*ids: str) -> None:
+    """Cases ``ids`` run, each within its tolerance."""
+    rows = _run(*ids)
+    assert sorted(r["id"] for r in rows) == sorted(ids)
+    bad = _failures(rows)
+    assert not bad, "\n".join(bad)
+
+
 def test_kernels_match_references_quick():
     rows = _run("--quick")
     assert len(rows) == 11
@@ -57,10 +65,7 @@ def test_state_sums_on_the_tensor_cores_match_the_row_sums():
     """``KernelConfig.state_sums_mma`` (on by default at D 128 bf16) against the row
     reductions, walked and split, with padding: the exact sums to fp32 rounding, u to 2^-14
     (``state_sums_case``)."""
-    rows = _run("state-sums-walked-pad-bf16", "state-sums-split-pad-bf16")
-    assert len(rows) == 2
-    bad = _failures(rows)
-    assert not bad, "\n".join(bad)
+    _all_pass("state-sums-walked-pad-bf16", "state-sums-split-pad-bf16")
 
 
 def test_output_gates_take_a_kernel_call_per_branch():
@@ -68,12 +73,8 @@ def test_output_gates_take_a_kernel_call_per_branch():
     mixed in PyTorch (``triton_hybrid._gated``), against the reference for output and every
     gradient (g's too), with SSD's per-head drops, rescale and ``la_span="all"`` in hybrid and
     swa_only mode; and the layer's call, the maps folded into the LA call."""
-    ids = ("layer-gate-ssd-head-rescale-all", "layer-gate-swa-only-rescale-ssd-all",
-           "fold-gate-hybrid-pad")
-    rows = _run(*ids)
-    assert sorted(r["id"] for r in rows) == sorted(ids)
-    bad = _failures(rows)
-    assert not bad, "\n".join(bad)
+    _all_pass("layer-gate-ssd-head-rescale-all", "layer-gate-swa-only-rescale-ssd-all",
+              "fold-gate-hybrid-pad")
 
 
 def test_maps_folded_into_the_kernel_match_their_own_functions():
@@ -82,12 +83,8 @@ def test_maps_folded_into_the_kernel_match_their_own_functions():
     Functions, bit for bit, and of the fp32 reference within tolerance: through the layer's
     routing with padding, as stage 1 calls it (q, k, v frozen), and where the backward falls
     back to the reference (``fold_case``)."""
-    ids = ("fold-attention-default-tiles-pad", "fold-hybrid-stage1-pad",
-           "fold-backward-fallback-pad")
-    rows = _run(*ids)
-    assert sorted(r["id"] for r in rows) == sorted(ids)
-    bad = _failures(rows)
-    assert not bad, "\n".join(bad)
+    _all_pass("fold-attention-default-tiles-pad", "fold-hybrid-stage1-pad",
+              "fold-backward-fallback-pad")
 
 
 @pytest.mark.slow
