@@ -6,7 +6,7 @@ against the composed step.
 Needs triton (the CPU set-up installs it: constraints.txt, the ``dev`` extra; skipped where it
 is missing). The kernels run in a subprocess with ``TRITON_INTERPRET=1``
 (tests/triton_interpreter_check.py), so that the interpreter is never switched on in a process
-that runs them on a GPU. All 219 cases take ~25 minutes on two cores, hence ``slow``;
+that runs them on a GPU. All 226 cases take ~25 minutes on two cores, hence ``slow``;
 the ``--quick`` cases (~40 s) run in the default selection.
 """
 
@@ -75,6 +75,14 @@ def test_output_gates_take_a_kernel_call_per_branch():
     swa_only mode; and the layer's call, the maps folded into the LA call."""
     _all_pass("layer-gate-ssd-head-rescale-all", "layer-gate-swa-only-rescale-ssd-all",
               "fold-gate-hybrid-pad")
+
+
+def test_a_converted_model_trains_through_the_fused_kernel():
+    """What a stage runs: a converted Llama's loss and backward with every layer on the GPU's
+    path (the fused kernel, the maps folded in), against the fp32 model on the reference
+    pieces (``model_case``): the fixed mixer with padding, and an output gate (a kernel call
+    per branch) with SSD and rescale."""
+    _all_pass("model-fixed-pad", "model-gate-lowrank-ssd-rescale")
 
 
 def test_maps_folded_into_the_kernel_match_their_own_functions():
