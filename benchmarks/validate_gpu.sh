@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# What sessions 20 and 21 built without a GPU, checked and measured on one, in two calls:
+#
+#   bash benchmarks/validate_gpu.sh tests      (~7 min) the kernel GPU tests (the folded maps,
+#       the no-grad forward, output gates, TWO_PROGRAM_FORWARD's fwd_two_programs), then the
+#       recipes through `hedgecats pipeline` and stage 1's side streams
+#   bash benchmarks/validate_gpu.sh measure    (~6 min) the layer at 8 x 1k kernel by kernel
+#       against the call before the fold and with the candidate tiles (kernel_anatomy), its
+#       host work part by part (profile_hybrid --host), and the output-gate rows against the
+#       pieces at 8 x 1k and 1 x 64k (attention_speed)
+#
+# The predictions these are read against: benchmarks/README.md, "Written before measuring"
+# for sessions 20 and 21. Run with the wheels carried (`.whl/`, ../shared/gpu/fetch-wheels.sh).
+# Writes $OUT/r.tgz (every log, JSON and table; the device returns a few files only) and
+# prints the lines to read. Each step has its own time limit; a step cut short keeps what it
+# wrote.
+set -o pipefail
+source benchmarks/gpu_env.sh || exit 1
+OUT=${OUT:-/tmp/out}
+R=$OUT/r
+mkdir -p "$R"
+{
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  git log -1 --format=%H 2>/dev/null
+  git status --short 2>/dev/null | head
+} > "$R/gpu.txt"
+cat "$R/gpu.txt"
+step() { echo "== $1: $(( SECONDS - t0 )) s"; }
+
+case "${1:-}" in
+  tests)
+    t0=$SECONDS
+    GPU_TESTS_TIMEOUT=${KERNEL_TESTS_TIMEOUT:-280} GPU_TESTS_WORKERS=${WORKERS:-14} \
+      OUT=$R/kernels bash benchmarks/gpu_tests.sh tests/test_triton_kernels.py > /dev/null 2>&1
+    grep -E "FAILED|ERROR" "$R/kernels/gpu_tests.log" | head -20
+    tail -1 "$R/kernels/gpu_tests.log"
+    step "kernel tests"
+    t0=$SECONDS
+    GPU_TESTS_TIMEOUT=${RECIPE_TESTS_TIMEOUT:-200} GPU_TESTS_WORKERS=${WORKERS:-14} \
+      OUT=$R/recipes bash benchmarks/gpu_tests.sh tests/test_recipes.py \
+      tests/test_stage1_overlap_gpu.py > /dev/null 2>&1
+    grep -E "FAILED|ERROR" "$R/recipes/gpu_tests.log" | head -20
+    tail -1 "$R/recipes/gpu_tests.log"
+    step "recipe tests"
+    ;;
+  measure)
+    t0=$SECONDS
+    timeout 150 python benchmarks/kernel_anatomy.py --shapes 8x1024 --configs default \
+      --branches layer,layer-unfolded,layer-maps-paired-bwd,layer-fwd64-bn32-ss2 \
+      --out "$R/anatomy" > "$R/anatomy.log" 2>&1
+    grep "^{" "$R/anatomy.log" | python -c "
+import json, sys
+for r in map(json.loads, sys.stdin):
+    print(r.get('branches'), r.get('forward_device_ms'), r.get('fwd_bwd_device_ms'), r.get('error', ''))"
+    step "anatomy"
+    t0=$SECONDS
+    timeout 100 python benchmarks/profile_hybrid.py --shapes 8x1024 --host --no-denominator \
+      --out "$R/profile.json" > "$R/profile.log" 2>&1
+    grep "^==" "$R/profile.log" | head -8
+    step "host profile"
+    t0=$SECONDS
+    timeout 200 python benchmarks/attention_speed.py --shapes 8x1024,1x65536 \
+      --cases "^(teacher|hybrid fixed|hybrid gate|hybrid pieces gate)( fwd)?$" \
+      --out "$R/speed" > "$R/speed.log" 2>&1
+    tail -14 "$R/speed/attention_speed.md"
+    step "gate rows"
+    ;;
+  *)
+    echo "usage: bash benchmarks/validate_gpu.sh tests|measure" >&2
+    exit 2
+    ;;
+esac
+cd "$OUT" && tar czf r.tgz r && rm -rf r
