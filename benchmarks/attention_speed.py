@@ -665,10 +665,10 @@ TUNE_CONFIGS = {  # None: default_config (D=128 since session 13: fwd 128x64 w8 
     # session 17's default (both of the above off; the kernel alone at 1 x 64k 13.34 against
     # the new default's 12.38 ms device, call 2)
     "session17": dict(_DEFAULT_D128, kv_order=0, state_sums_mma=False),
-    # the forward on 64 x 32 tiles, 4 warps, the state product pipelined: two programs a
-    # multiprocessor (th.TWO_PROGRAM_FORWARD; `_fwd` 0.281 to 0.249 ms at 8 x 1k, session 19
-    # call 1, results/h200_2026-12-04c; not yet the default: see there)
-    "fwd-two-programs": dict(_DEFAULT_D128, **th.TWO_PROGRAM_FORWARD),
+    # the forward on 128 x 64 tiles, 8 warps, one program a multiprocessor (th.ONE_PROGRAM_FORWARD:
+    # the default until session 21, which took th.TWO_PROGRAM_FORWARD's; `_fwd` 0.281 against
+    # 0.249 ms at 8 x 1k, session 19 call 1, results/h200_2026-12-04c)
+    "fwd-one-program": dict(_DEFAULT_D128, **th.ONE_PROGRAM_FORWARD),
 }
 
 

@@ -48,7 +48,9 @@ LAYERS = {LAYER: dict(), "layer-unfolded": dict(fold=False),
 #: order (``KernelConfig.kv_order``, 2 by default since session 18) 0 and 1; the state
 #: kernels' sums as row reductions (``state_sums_mma`` off, on since session 18); both as in
 #: session 17
-LAYER_CHANGES = {"layer-no-fuse-q": dict(fuse_q_side=False),
+LAYER_CHANGES = {"layer-fwd128": dict(block_m=128, block_n=64, warps=8,  # (the forward's tiles
+                                     state_product_stages=0),  # before session 21)
+                 "layer-no-fuse-q": dict(fuse_q_side=False),
                  "layer-no-fuse-kv": dict(fuse_kv_side=False),
                  "layer-unfused": dict(fuse_q_side=False, fuse_kv_side=False),
                  "layer-kv-order0": dict(kv_order=0), "layer-kv-order1": dict(kv_order=1),

@@ -4,10 +4,11 @@
 #   bash benchmarks/validate_gpu.sh tests      (~7 min) the kernel GPU tests (the folded maps,
 #       the no-grad forward, output gates, TWO_PROGRAM_FORWARD's fwd_two_programs), then the
 #       recipes through `hedgecats pipeline` and stage 1's side streams
-#   bash benchmarks/validate_gpu.sh measure    (~6 min) the layer at 8 x 1k kernel by kernel
-#       against the call before the fold and with the candidate tiles (kernel_anatomy), its
-#       host work part by part (profile_hybrid --host), and the output-gate rows against the
-#       pieces at 8 x 1k and 1 x 64k (attention_speed)
+#   bash benchmarks/validate_gpu.sh measure    (~8 min) issue 11's five ratios with the
+#       output-gate rows against the pieces beside them (attention_speed: 8 x 1k, 1 x 64k,
+#       2 x 4k), the layer at 8 x 1k kernel by kernel against the forward's tiles before
+#       session 21 and the call before the fold (kernel_anatomy), its host work part by part
+#       (profile_hybrid --host)
 #
 # The predictions these are read against: benchmarks/README.md, "Written before measuring"
 # for sessions 20 and 21. Run with the wheels carried (`.whl/`, ../shared/gpu/fetch-wheels.sh).
@@ -45,26 +46,30 @@ case "${1:-}" in
     step "recipe tests"
     ;;
   measure)
+    # the five ratios (summary.json) with the output-gate rows beside them, no tile sweep
     t0=$SECONDS
-    timeout 150 python benchmarks/kernel_anatomy.py --shapes 8x1024 --configs default \
-      --branches layer,layer-unfolded,layer-maps-paired-bwd,layer-fwd64-bn32-ss2 \
-      --out "$R/anatomy" > "$R/anatomy.log" 2>&1
+    timeout ${SPEED_TIMEOUT:-300} python benchmarks/attention_speed.py \
+      --shapes 8x1024,1x65536,2x4096 --check-max-tokens 8192 \
+      --cases "^(teacher|swa|hybrid fixed|lolcats T x T fixed|hybrid gate|hybrid pieces gate)( fwd)?$" \
+      --out "$R/speed" > "$R/speed.log" 2>&1
+    grep -A8 '"layer_vs_teacher_T1k"' "$R/speed/summary.json" | head -12
+    grep -E "hybrid gate|pieces gate" "$R/speed/attention_speed.md" | head -8
+    step "ratios and gate rows"
+    # the layer at 8 x 1k kernel by kernel: the forward's tiles before session 21, the call
+    # before the fold (session 20)
+    t0=$SECONDS
+    timeout 120 python benchmarks/kernel_anatomy.py --shapes 8x1024 --configs default \
+      --branches layer,layer-fwd128,layer-unfolded --out "$R/anatomy" > "$R/anatomy.log" 2>&1
     grep "^{" "$R/anatomy.log" | python -c "
 import json, sys
 for r in map(json.loads, sys.stdin):
     print(r.get('branches'), r.get('forward_device_ms'), r.get('fwd_bwd_device_ms'), r.get('error', ''))"
     step "anatomy"
     t0=$SECONDS
-    timeout 100 python benchmarks/profile_hybrid.py --shapes 8x1024 --host --no-denominator \
+    timeout 80 python benchmarks/profile_hybrid.py --shapes 8x1024 --host --no-denominator \
       --out "$R/profile.json" > "$R/profile.log" 2>&1
     grep "^==" "$R/profile.log" | head -8
     step "host profile"
-    t0=$SECONDS
-    timeout 200 python benchmarks/attention_speed.py --shapes 8x1024,1x65536 \
-      --cases "^(teacher|hybrid fixed|hybrid gate|hybrid pieces gate)( fwd)?$" \
-      --out "$R/speed" > "$R/speed.log" 2>&1
-    tail -14 "$R/speed/attention_speed.md"
-    step "gate rows"
     ;;
   *)
     echo "usage: bash benchmarks/validate_gpu.sh tests|measure" >&2

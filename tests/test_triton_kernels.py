@@ -397,7 +397,7 @@ SAME_RESULT_OPTIONS = {"kv_order1": (dict(kv_order=0), dict(kv_order=1), "kv_ord
                        "kv_order2": (dict(kv_order=0), dict(kv_order=2), "kv_order_2"),
                        "state_sums_mma": (dict(state_sums_mma=False), dict(state_sums_mma=True),
                                           "state_sums_mma"),
-                       "fwd_two_programs": (dict(), "TWO_PROGRAM_FORWARD", None)}
+                       "fwd_two_programs": ("ONE_PROGRAM_FORWARD", dict(), None)}
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["fixed", "shared"])
@@ -409,13 +409,12 @@ def test_options_give_the_same_results(option, shared):
     arithmetic) and 2 (the default: one program a key block, ``_dkv_la_both``, dv's terms
     summed in another order) against 0; ``state_sums_mma`` (the default: the state kernels'
     vector sums on the tensor cores, u within ~2^-16 of the fp32 sum) against the row
-    reductions; ``TWO_PROGRAM_FORWARD`` (the forward on 64-row 4-warp programs, 32-key
-    blocks, the state product pipelined: the same products, the window's and LA's key blocks
-    summed in other groupings) against the default's forward tiles. The report says which
-    results are bit for bit."""
+    reductions; ``TWO_PROGRAM_FORWARD`` (the default since session 21: the forward on 64-row
+    4-warp programs, 32-key blocks, the state product pipelined: the same products, the
+    window's and LA's key blocks summed in other groupings) against the forward tiles before
+    (``ONE_PROGRAM_FORWARD``). The report says which results are bit for bit."""
     off, on, counter = SAME_RESULT_OPTIONS[option]
-    if isinstance(on, str):
-        on = getattr(_kernels(), on)
+    off, on = (getattr(_kernels(), x) if isinstance(x, str) else x for x in (off, on))
     counters = [] if counter is None else [counter]
     want, ran_off = _run_at_8b_shape(off, counters, shared, False)
     got, ran_on = _run_at_8b_shape(on, counters, shared, False)
@@ -474,7 +473,8 @@ def test_output_gate_takes_a_kernel_call_per_branch(mode):
     assert th.CALLS["gated"] == gated + 1
     want = run("reference")
     for name, a, b in zip(("out", "dq", "dk", "dv", "dg", "dWq", "dWk"), got, want):
-        if b is None:  # (swa_only: the maps take no gradient)
+        if b is None or (name.startswith("dW") and not b.any()):  # (swa_only: the maps
+            # take none; on the reference path they ran, their gradients zeros)
             assert a is None or not a.any(), name
         else:
             assert rel_err(a, b) < 2e-2, (name, rel_err(a, b))

@@ -1339,12 +1339,12 @@ def cases(quick: bool = False):
                                                    T=150, window=40, fused=False)),
         ("fused-both-map-du-pad-bf16", fc, dict(cfg=MAP_DU, switch="both", map_du=True,
                                                 pad=True, dtype=bf16, T=100)),
-        # the GPU's default tiles at the 8B head shape (128-row packed query blocks, 64-key
-        # tiles, 128-position state chunks, F 256 in one dfq / dfk program; the backward's
-        # fused kernels on since session 17) against the reference; with the forward's key
-        # tile at 32 (tune config fwd-bn32 of benchmarks/attention_speed.py); with the
-        # forward on 64-row 4-warp programs, 32-key tiles, the state product pipelined
-        # (``TWO_PROGRAM_FORWARD``: tune config fwd-two-programs); and both fused backward
+        # the GPU's default tiles at the 8B head shape (64-row packed query blocks of 4-warp
+        # programs, 32-key tiles, the state product pipelined since session 21; 128-position
+        # state chunks, F 256 in one dfq / dfk program; the backward's fused kernels on since
+        # session 17) against the reference; with the forward's key tile at 32; with the
+        # forward's tiles before session 21 (128 rows, 64 keys, 8 warps:
+        # ``ONE_PROGRAM_FORWARD``, tune config fwd-one-program); and both fused backward
         # kernels against the separate ones at them
         ("kernel-8b-tiles-pad-shared-bf16", k, dict(
             cfg=d128, H=8, Hkv=2, T=150, D=128, window=64, pad=True, shared=True,
@@ -1352,8 +1352,8 @@ def cases(quick: bool = False):
         ("kernel-8b-tiles-fwd-bn32-pad-shared-bf16", k, dict(
             cfg=dict(d128, block_n=32), H=8, Hkv=2, T=150, D=128, window=64, pad=True,
             shared=True, dtype=bf16, B=1)),
-        ("kernel-8b-tiles-fwd-two-programs-pad-shared-bf16", k, dict(
-            cfg=dict(d128, **th.TWO_PROGRAM_FORWARD), H=8, Hkv=2, T=150, D=128, window=64,
+        ("kernel-8b-tiles-fwd-one-program-pad-shared-bf16", k, dict(
+            cfg=dict(d128, **th.ONE_PROGRAM_FORWARD), H=8, Hkv=2, T=150, D=128, window=64,
             pad=True, shared=True, dtype=bf16, B=1)),
         ("fused-both-8b-tiles-pad-shared-bf16", fc, dict(
             cfg=d128, switch="both", map_du=True, pad=True, shared=True, dtype=bf16,

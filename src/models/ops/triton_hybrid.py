@@ -281,18 +281,19 @@ class KernelConfig:
 #: The forward's tiles at D 128 bf16 that let two programs share a multiprocessor: 64 rows (16
 #: positions of 4 query heads), 32-key blocks, 4 warps, the state product pipelined (ptxas,
 #: sm_90a, launch hints: 248 registers - 254 saving the branches - and 80 KB of shared memory,
-#: where ``default_config``'s 128 x 64 8-warp tiles take 254 and 192 KB: one program a
-#: multiprocessor, its own 8 warps the only ones to hide its latency). Measured on one H200
-#: (session 19, call 1, `kernel_anatomy.py --branches layer,layer-fwd64-bn32-ss2,...`;
+#: where the 128 x 64 8-warp tiles before (``ONE_PROGRAM_FORWARD``) take 254 and 192 KB: one
+#: program a multiprocessor, its own 8 warps the only ones to hide its latency). Measured on
+#: one H200 (session 19, call 1, `kernel_anatomy.py --branches layer,layer-fwd64-bn32-ss2,...`;
 #: results/h200_2026-12-04c):
 #: `_fwd` at 8 x 1k 0.281 to 0.249 ms (no grad) and 0.318 to 0.279 (saving the branches), the
-#: layer's forward 0.452 to 0.420, fwd + bwd 1.793 to 1.754. Within tolerance of the
-#: reference under Triton's interpreter at the 8B tiles (padding, shared mixer, all 188
-#: cases with them as the default). Not the default: the GPU test matrix has not yet run
-#: with them compiled (the session's second GPU call was lost with its machine);
-#: ``tests/test_triton_kernels.py``'s ``test_options_give_the_same_results[fwd_two_programs]``
-#: is the test to pass before ``default_config`` takes them
+#: layer's forward 0.452 to 0.420, fwd + bwd 1.793 to 1.754. ``default_config``'s since
+#: 2026-12-05 (session 21), after the GPU tests passed with them compiled
+#: (``test_options_give_the_same_results[fwd_two_programs-fixed/shared]``, call 1,
+#: results/h200_2026-12-05)
 TWO_PROGRAM_FORWARD = dict(block_m=64, block_n=32, warps=4, state_product_stages=2)
+#: The forward's tiles at D 128 bf16 until 2026-12-05 (sessions 11-20): 128 rows, 64-key
+#: blocks, 8 warps, the state product not pipelined (the A/B of ``TWO_PROGRAM_FORWARD``)
+ONE_PROGRAM_FORWARD = dict(block_m=128, block_n=64, warps=8, state_product_stages=0)
 
 
 @functools.lru_cache(maxsize=64)  # (a KernelConfig is frozen: one per shape, not per call)
@@ -357,12 +358,10 @@ def default_config(D: int, F: int, dtype: torch.dtype) -> KernelConfig:
     # second (`_state_rev` 0.166 to 0.086); the dv program scheduled first (``kv_order`` 1)
     # 1.910 (`_bwd_kv` 0.597). The kernel alone at 1 x 64k 13.31 to 12.92 ms with the first
     # (kernel_anatomy and attention_speed.py --tune, one run; results/h200_2026-12-04b, call 1)
-    # The forward's tiles are not yet ``TWO_PROGRAM_FORWARD``'s (measured faster, not yet
-    # through the GPU test matrix: see there)
+    # The forward on ``TWO_PROGRAM_FORWARD``'s tiles since session 21 (see there)
     if D >= 128:
-        return KernelConfig(block_m=128, block_n=64, state_chunk=128, warps=8, stages=2,
-                            bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64,
-                            state_warps=8, grad_f_chunk=256, dkv_block_n=64, split_tile=128,
+        return KernelConfig(**TWO_PROGRAM_FORWARD, state_chunk=128, stages=2, bwd_block_m=64,
+                            bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8, grad_f_chunk=256, dkv_block_n=64, split_tile=128,
                             dq_block_m=128, pack_heads=4, state_f=128, state_d=128,
                             state_programs=128, dv_block_n=64, fuse_q_side=True,
                             fuse_kv_side=True, kv_order=2, state_sums_mma=True)
@@ -2326,8 +2325,9 @@ def hybrid_kernel(q, k, v, fq, fk, ca, cb, logs, shift, *, window: int, scale: f
     args = (q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, int(window), float(scale),
             float(eps), bool(has_swa), bool(has_la), bool(shared), cfg)
     if not grad:  # (evaluation, prefill: no autograd node, nothing stored for a backward)
+        out = _function_forward(*args, False, *folded).o
         CALLS["forward_without_autograd"] += 1
-        return _function_forward(*args, False, *folded).o
+        return out
     # fq as a Hedgehog map's output, unchanged: the map's du from the dfq pass (``DuSlot``;
     # the first kernel given it only)
     du_slot = getattr(fq, DU_SLOT_ATTR, None) if has_la and maps is None else None
