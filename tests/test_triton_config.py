@@ -86,7 +86,7 @@ def test_forward_packs_the_query_heads_a_group_allows():
     the 8B's groups of 4 all four at the D 128 bf16 default, Qwen2-7B's groups of 7 one, an
     MHA model one; tiles too short for it (fp32's 32 rows) fewer."""
     cfg = th.default_config(128, 256, torch.bfloat16)
-    assert cfg.pack_heads == 4 and cfg.block_m == 128
+    assert cfg.pack_heads == 4 and cfg.block_m == 64  # (16 positions of 4 heads)
     assert [th.pack_of(cfg, g) for g in (1, 2, 3, 4, 6, 7, 8, 16)] == [1, 2, 1, 4, 2, 1, 4, 4]
     fp32 = dataclasses.replace(th.default_config(64, 64, torch.float32), pack_heads=4)
     assert fp32.block_m == 32 and th.pack_of(fp32, 4) == 2  # 16 positions of 2 heads

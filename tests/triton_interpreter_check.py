@@ -994,6 +994,40 @@ def model_case(cid, *, mixer="fixed", mode="hybrid", pad=False, H=4, Hkv=2, wind
     return out
 
 
+def retain_graph_case(cid, *, B=2, H=4, Hkv=2, T=150, D=16, window=20, dtype=torch.bfloat16):
+    """The fused call's backward run twice on one graph (``retain_graph=True``), the maps
+    folded in, bf16, padding: the first reads the branches and LA states the forward kept and
+    lets them go (``_HybridFn`` frees them before the maps' backward); the second finds none
+    and recomputes them. Its gradients (the second minus the first accumulation) against the
+    first's, within the dtype's tolerance, and each backward took its path."""
+    from hedgecats.models import HedgehogFeatureMap
+    from hedgecats.models.ops import triton_hybrid as th
+
+    gen = torch.Generator().manual_seed(8)
+    maps = [HedgehogFeatureMap(n, D, seed=s) for n, s in ((H, 1), (Hkv, 2))]
+    q, k, v = (torch.randn(B, T, n, D, generator=gen).to(dtype).transpose(1, 2)
+               .requires_grad_() for n in (H, Hkv, Hkv))
+    do = torch.randn(B, H, T, D, generator=gen)
+    kpm = _kpm(B, T)
+    g0, args = _layer_call(B, H, D, window, "hybrid", kpm, "float", None, gen, {}, T)
+    with _maps_on_their_kernel():
+        out = th.fused_hybrid(q, k, v, None, None, g=g0, config=th.KernelConfig(**MAP_DU),
+                              maps=maps, **args)
+    loss = (out.float() * do).sum()
+    params = [q, k, v] + [p_ for m in maps for p_ in (m.weight, m.bias)]
+    names = ["dq", "dk", "dv", "dWq", "dbq", "dWk", "dbk"]
+    saved = th.CALLS["factors_from_saved"], th.CALLS["states_from_forward"]
+    loss.backward(retain_graph=True)
+    first = {n: p_.grad.clone() for n, p_ in zip(names, params)}
+    ran_first = th.CALLS["factors_from_saved"] - saved[0], th.CALLS["states_from_forward"] - saved[1]
+    loss.backward()
+    second = {n: p_.grad.float() - first[n].float() for n, p_ in zip(names, params)}
+    ran_second = th.CALLS["factors_from_saved"] - saved[0], th.CALLS["states_from_forward"] - saved[1]
+    out_ = errors(second, {n: x.float() for n, x in first.items()})
+    out_["paths"] = 0.0 if ran_first == (1, 1) and ran_second == (1, 1) else float("inf")
+    return out_
+
+
 def decode_case(cid, *, mode="hybrid", mixer="fixed", rescale=False, pad=False, H=4, Hkv=2,
                 window=8, n_sinks=4, steps=13, dtype=torch.bfloat16):
     """The fused decode step (ops.triton_decode) against the composed one (models.cache._step):
@@ -1463,6 +1497,7 @@ def cases(quick: bool = False):
                                                    frozen_x=True)),
         ("phi-recomputed-backward-exp-strided", phi_case, dict(
             dtype=bf16, from_output=False, activation="exp", strided=True)),
+        ("retain-graph-twice-pad-bf16", retain_graph_case, dict(dtype=bf16)),
         ("model-fixed-pad", model_case, dict(pad=True, dtype=bf16)),
         ("model-learned-head-ssd", model_case, dict(mixer="learned_head", ssd_p=0.5,
                                                            dtype=bf16)),
