@@ -31,6 +31,7 @@ import os
 import statistics
 import sys
 import time
+import weakref
 from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # (triton_common.available() on a CPU)
@@ -55,6 +56,69 @@ class CountOps(TorchDispatchMode):
         name = func.overloadpacket.__name__
         (self.other if name in NO_KERNEL else self.kernels)[name] += 1
         return func(*args, **(kwargs or {}))
+
+
+class LiveBytes(TorchDispatchMode):
+    """The bytes of the tensors PyTorch allocates (each storage once, views apart) alive at
+    each moment, and their peak: the allocations the layer's path makes, with the launches
+    stubbed (the same buffers, their values garbage). A CPU proxy of the GPU's peak memory
+    above the inputs (``torch.cuda.max_memory_allocated``), without the caching allocator's
+    rounding or the libraries' workspaces."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict = {}
+        self.now = self.peak = 0
+
+    def _freed(self, key):
+        self.now -= self.live.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                key = st.data_ptr()
+                if key not in self.live and st.nbytes():
+                    self.live[key] = st.nbytes()
+                    self.now += st.nbytes()
+                    self.peak = max(self.peak, self.now)
+                    weakref.finalize(st, self._freed, key)
+        return out
+
+
+def memory_peaks(A, shape: str) -> dict:
+    """MiB allocated at the peak of the forward and of the whole forward + backward (inputs
+    and parameters apart) of the layer's call (the maps folded into the kernel's Function) and
+    of the call before the fold (the maps as their own Functions), at the 8B's heads (32 / 8,
+    D 128) and ``shape`` (B x T)."""
+    import gc
+
+    from hedgecats.models.ops import hybrid as hybrid_mod
+
+    B, T = map(int, shape.split("x"))
+    L = A.Layer(B, T, 32, 8, 128, 64, torch.bfloat16, "square")
+    do = L.do.transpose(1, 2)
+
+    def run(folded: bool) -> list[float]:
+        L.zero()
+        mode = LiveBytes()
+        with mode:
+            if folded:
+                out = A.hybrid_attention(L.q, L.k, L.v, None, None, maps=(L.phi_q, L.phi_k),
+                                         window=L.w, scale=L.scale, g=0.5)
+            else:
+                fq, fk, q, k = hybrid_mod._apply_maps((L.phi_q, L.phi_k), L.q, L.k)
+                out = A.hybrid_attention(q, k, L.v, fq, fk, window=L.w, scale=L.scale, g=0.5)
+                del fq, fk, q, k
+            forward = mode.peak
+            out.backward(do)
+            del out
+            gc.collect()
+        L.zero()
+        return [round(forward / 2**20, 2), round(mode.peak / 2**20, 2)]
+
+    return {"shape": shape, "layer": run(True), "unfolded": run(False)}
 
 
 def patch_routing():
@@ -143,6 +207,10 @@ def main(argv=None) -> dict:
                    help="also the whole call with the k map's output, then both maps' outputs, "
                         "precomputed (the maps' Functions left out): how much of the host work "
                         "the maps are")
+    p.add_argument("--memory", metavar="BxT", nargs="?", const="1x1024",
+                   help="also the peak MiB allocated over the forward and the fwd + bwd of the "
+                        "layer's call and of the call before the fold, at the 8B's heads and "
+                        "this B x T (default 1x1024): LiveBytes, the launches stubbed")
     p.add_argument("--out", help="write the figures as JSON here")
     a = p.parse_args(argv)
     launches = patch_routing()
@@ -237,6 +305,9 @@ def _measure(a, A, launches) -> dict:
            "maps_folded": folded,
            "torch_other_ops": sum(ops.other.values())}
     print(json.dumps(res, indent=1))
+    if a.memory:
+        res["memory_mib"] = memory_peaks(A, a.memory)
+        print(json.dumps({"memory_mib": res["memory_mib"]}, indent=1))
     if a.maps_share:
         res["maps_share_us"] = maps_share(L, A, a.calls)
         print(json.dumps({"maps_share_us": res["maps_share_us"]}, indent=1))

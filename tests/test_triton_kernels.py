@@ -817,7 +817,10 @@ def test_folded_call_peaks_no_higher_than_the_maps_as_their_own_functions():
     forward + backward, against the call before the fold, at the 8B head shape: no higher. The
     folded backward lets the forward's saved branches and LA states go before the maps'
     backward allocates (until session 21 they lived to the end of the node's backward: the
-    layer at 1 x 64k peaked 0.6 GiB higher than before the fold)."""
+    layer at 1 x 64k peaked 0.6 GiB higher than before the fold). Open: its first run
+    (session 21, call 3, results/h200_2026-12-05) failed with the peaks cut from the log,
+    where the CPU proxy of the same allocations (tests/test_host_work.py, ``--memory``) reads
+    the fold below the call before it; the message gives both phases of both calls."""
     from hedgecats.models.ops import hybrid as hybrid_mod
     from hedgecats.models.ops import triton_hybrid as th
 
@@ -843,14 +846,18 @@ def test_folded_call_peaks_no_higher_than_the_maps_as_their_own_functions():
         else:
             fq, fk, q_on, k_on = hybrid_mod._apply_maps(maps, q, k)
             out = hybrid_attention(q_on, k_on, v, fq, fk, window=64)
+            del fq, fk, q_on, k_on
+        torch.cuda.synchronize()
+        forward = (torch.cuda.max_memory_allocated() - base) / 2**30
         out.backward(do)
         del out
         torch.cuda.synchronize()
-        return (torch.cuda.max_memory_allocated() - base) / 2**30
+        return round(forward, 3), round((torch.cuda.max_memory_allocated() - base) / 2**30, 3)
 
     peak(True), peak(False)  # (compiled, allocator warm)
     folded, unfolded = peak(True), peak(False)
-    assert folded <= unfolded + 0.01, (folded, unfolded)
+    assert folded[1] <= unfolded[1] + 0.01, \
+        f"GiB (forward, fwd + bwd): folded {folded}, before the fold {unfolded}"
 
 
 @pytest.mark.parametrize("floor", [0.0, 1e-3])
