@@ -853,7 +853,7 @@ def update_summary(path: Path, values: dict, env: dict) -> None:
 
 
 #: the paths drawn (row names without " fwd"), in the legend's order
-PLOT_CASES = ("teacher", "swa", "hybrid fixed", "hybrid fixed [pytorch phi]",
+PLOT_CASES = ("teacher", "swa", "hybrid fixed", "hybrid gate", "hybrid fixed [pytorch phi]",
               "lolcats T x T fixed")
 
 

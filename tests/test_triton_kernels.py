@@ -818,7 +818,7 @@ def test_folded_call_peaks_no_higher_than_the_maps_as_their_own_functions():
     folded backward lets the forward's saved branches and LA states go before the maps'
     backward allocates (until session 21 they lived to the end of the node's backward: the
     layer at 1 x 64k peaked 0.6 GiB higher than before the fold). Open: its first run
-    (session 21, call 3, results/h200_2026-12-05) failed with the peaks cut from the log,
+    (session 21, call 4, results/h200_2026-12-05) failed with the peaks cut from the log,
     where the CPU proxy of the same allocations (tests/test_host_work.py, ``--memory``) reads
     the fold below the call before it; the message gives both phases of both calls."""
     from hedgecats.models.ops import hybrid as hybrid_mod
