@@ -361,7 +361,8 @@ def default_config(D: int, F: int, dtype: torch.dtype) -> KernelConfig:
     # The forward on ``TWO_PROGRAM_FORWARD``'s tiles since session 21 (see there)
     if D >= 128:
         return KernelConfig(**TWO_PROGRAM_FORWARD, state_chunk=128, stages=2, bwd_block_m=64,
-                            bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8, grad_f_chunk=256, dkv_block_n=64, split_tile=128,
+                            bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8,
+                            grad_f_chunk=256, dkv_block_n=64, split_tile=128,
                             dq_block_m=128, pack_heads=4, state_f=128, state_d=128,
                             state_programs=128, dv_block_n=64, fuse_q_side=True,
                             fuse_kv_side=True, kv_order=2, state_sums_mma=True)
@@ -2117,9 +2118,10 @@ class _HybridFn(torch.autograd.Function):
     maps' weights and biases, the mixer's): the forward computes fq = phi_q(q), fk = phi_k(k)
     with the maps' kernels in one launch (``triton_phi.map_forward_pair``), the backward hands
     the maps' backward (``triton_phi.map_backward_pair``) the kernel's du for the q map and dfk
-    for the k map, with the attention's dq and dk to add in the maps' kernels. One autograd node for the three; the
-    same kernels, with the same arguments, as the maps' own Functions would launch (the
-    gradients are bit for bit the same: tests/triton_interpreter_check.py ``fold_case``)."""
+    for the k map, with the attention's dq and dk to add in the maps' kernels. One autograd
+    node for the three; the same kernels, with the same arguments, as the maps' own Functions
+    would launch (the gradients are bit for bit the same: tests/triton_interpreter_check.py
+    ``fold_case``)."""
 
     @staticmethod
     def forward(ctx, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, window, scale,
@@ -2606,8 +2608,11 @@ def _gated(q, k, v, fq, fk, g, *, mode, rescale, drop, shift0, shift_la_only, wi
         return swa + la
     if rescale and drop is not None:  # (a dropped head's LA at weight 1, as la_only's rescale)
         g = torch.where(drop[:, :, None, None], 0.0, g)
-    # w_swa SWA + w_la LA = LA + g (SWA - LA)
-    return torch.lerp(la, swa, g) if g.dtype == la.dtype else la + g * (swa - la)
+    # w_swa SWA + w_la LA = LA + g (SWA - LA); a g in another dtype than the branches' (an fp32
+    # g on a bf16 call) mixes in fp32, SWA - LA not rounded first
+    if g.dtype == la.dtype:
+        return torch.lerp(la, swa, g)
+    return torch.lerp(la.float(), swa.float(), g.float())
 
 
 def _launch(q, k, v, fq, fk, ca, cb, logs, shift, window, scale, eps, kpm, has_swa, has_la,
