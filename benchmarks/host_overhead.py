@@ -91,7 +91,9 @@ def memory_peaks(A, shape: str) -> dict:
     """MiB allocated at the peak of the forward and of the whole forward + backward (inputs
     and parameters apart) of the layer's call (the maps folded into the kernel's Function) and
     of the call before the fold (the maps as their own Functions), at the 8B's heads (32 / 8,
-    D 128) and ``shape`` (B x T)."""
+    D 128) and ``shape`` (B x T); and the MiB still alive after the layer's forward under
+    non-reentrant activation checkpointing (as the stages run it: what the backward keeps
+    must go through ``save_for_backward``, which checkpointing discards), beside its output's."""
     import gc
 
     from hedgecats.models.ops import hybrid as hybrid_mod
@@ -118,7 +120,24 @@ def memory_peaks(A, shape: str) -> dict:
         L.zero()
         return [round(forward / 2**20, 2), round(mode.peak / 2**20, 2)]
 
-    return {"shape": shape, "layer": run(True), "unfolded": run(False)}
+    def checkpointed() -> list[float]:  # (MiB alive after the forward, the output's MiB)
+        from torch.utils.checkpoint import checkpoint
+
+        L.zero()
+        mode = LiveBytes()
+        with mode:
+            out = checkpoint(lambda q, k, v: A.hybrid_attention(
+                q, k, v, None, None, maps=(L.phi_q, L.phi_k), window=L.w, scale=L.scale,
+                g=0.5), L.q, L.k, L.v, use_reentrant=False)
+            gc.collect()
+            alive = mode.now
+            out.backward(do)
+            del out
+        L.zero()
+        return [round(alive / 2**20, 2), round(do.numel() * do.element_size() / 2**20, 2)]
+
+    return {"shape": shape, "layer": run(True), "unfolded": run(False),
+            "checkpointed_forward_alive_and_output": checkpointed()}
 
 
 def patch_routing():

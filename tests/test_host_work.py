@@ -72,19 +72,43 @@ def test_the_maps_share_times_the_call_with_and_without_the_maps(tmp_path):
     assert min(got["layer"]) > min(got["unfolded_without_maps"]), got
 
 
-def test_the_folded_call_holds_no_more_memory_than_the_maps_as_their_own_functions(tmp_path):
-    """``--memory``: the bytes PyTorch allocates over the layer's forward + backward (the
-    launches stubbed, the same buffers; ``host_overhead.LiveBytes``), at the 8B's heads and 1 x
-    1k: the maps folded into the kernel's Function peak no higher than before the fold. Until
-    session 21 the folded backward ran the maps' backward while the forward's saved branches and
-    LA states were alive (98.1 against 88.2 MiB here; on an H200 the layer at 1 x 64k peaked
-    0.59 GiB above session 18's); it drops them first (86.2). The forward: no higher either."""
+def _memory(tmp_path) -> dict:
     out = tmp_path / "host.json"
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run([sys.executable, str(SCRIPT), "--calls", "3", "--memory", "1x1024",
                            "--out", str(out)],
                           env=env, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(out.read_text())["memory_mib"]
-    (fwd, total), (fwd_before, total_before) = got["layer"], got["unfolded"]
-    assert fwd <= fwd_before and total <= total_before, got
+    return json.loads(out.read_text())["memory_mib"]
+
+
+@pytest.fixture(scope="module")
+def memory(tmp_path_factory) -> dict:
+    return _memory(tmp_path_factory.mktemp("memory"))
+
+
+def test_a_checkpointed_layer_keeps_nothing_but_its_output(memory):
+    """``--memory``: under non-reentrant activation checkpointing (the stages'), the layer's
+    call keeps alive after its forward only its output: whatever the backward reads goes
+    through ``save_for_backward``, which checkpointing discards (and recomputes). Session 21
+    briefly held the branches and LA states on the Function's context, to drop them early in
+    the backward: 28.1 MiB alive here against the output's 8.0, every layer's through a
+    checkpointed model's forward."""
+    alive, output = memory["checkpointed_forward_alive_and_output"]
+    assert alive <= output + 1.0, memory
+
+
+@pytest.mark.xfail(strict=True, reason="open (session 21): the folded backward runs the maps' "
+                   "backward while the node's saved branches and LA states are alive")
+def test_the_folded_call_holds_no_more_memory_than_the_maps_as_their_own_functions(memory):
+    """``--memory``: the bytes PyTorch allocates over the layer's forward + backward (the
+    launches stubbed, the same buffers; ``host_overhead.LiveBytes``), at the 8B's heads and 1 x
+    1k: the maps folded into the kernel's Function should peak no higher than before the fold.
+    They do (98.1 against 88.2 MiB here; on an H200 the layer at 1 x 64k peaked 0.59 GiB above
+    session 18's): the node's saved branches and LA states live until its backward returns, so
+    through the maps' backward; before the fold autograd freed them between the nodes.
+    Dropping them early from the context (86.2 here) broke activation checkpointing (the test
+    above), so it was taken back; a fix that keeps them saved (the maps' backward in a node of
+    its own, or fewer bytes alive beside it) turns this test green, and strict xfail red."""
+    (fwd, total), (fwd_before, total_before) = memory["layer"], memory["unfolded"]
+    assert fwd <= fwd_before and total <= total_before, memory

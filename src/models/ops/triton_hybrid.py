@@ -2132,13 +2132,16 @@ class _HybridFn(torch.autograd.Function):
                               maps_softmax)
         ctx.maps = None if r.casts is None else (
             maps_softmax, (wq.dtype, bq.dtype), (wk.dtype, bk.dtype))
-        # the branches' outputs and the LA states: the forward's own tensors (no input or
-        # output: no version check to keep), held here so that the backward can let them go
-        # once its kernels have read them, before the folded maps' backward allocates (saved
-        # tensors live until the whole backward returns: +0.6 GiB at 1 x 64k, session 21)
-        ctx.branches, ctx.states = (r.swa_o, r.la_o), r.states
+        # (all through save_for_backward, the branches and states too: held on ctx instead,
+        # the backward could drop them before the folded maps' backward allocates, but
+        # non-reentrant activation checkpointing, which the stages use, discards and recomputes
+        # only saved tensors: every layer's branches would stay alive through the forward)
+        ctx.saved_branches = (r.swa_o is not None, r.la_o is not None)
+        ctx.states_chunk = None if r.states is None else r.states[3]
         ctx.save_for_backward(q, k, v, r.fq, r.fk, ca, cb, logs, shift, first, cnt, r.lse,
-                              r.den, *(() if kpm_i8 is None else (kpm_i8,)),
+                              r.den, *(x for x in (r.swa_o, r.la_o) if x is not None),
+                              *(() if r.states is None else r.states[:3]),
+                              *(() if kpm_i8 is None else (kpm_i8,)),
                               *(() if r.casts is None else r.casts))
         ctx.args = dict(window=window, scale=scale, eps=eps, has_swa=has_swa, has_la=has_la,
                         shared=shared, cfg=cfg)
@@ -2149,10 +2152,11 @@ class _HybridFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, lse, den, *rest = ctx.saved_tensors
-        # taken once: a second backward of the graph (retain_graph) finds none and recomputes
-        # them (the kernels' path without saved branches or states), the same gradients
-        (swa_o, la_o), states = ctx.branches, ctx.states
-        ctx.branches, ctx.states = (None, None), None
+        swa_o = rest.pop(0) if ctx.saved_branches[0] else None
+        la_o = rest.pop(0) if ctx.saved_branches[1] else None
+        states = None
+        if ctx.states_chunk is not None:
+            states = (rest.pop(0), rest.pop(0), rest.pop(0), ctx.states_chunk)
         kpm_i8 = rest.pop(0) if ctx.has_kpm else None
         folded = ctx.maps is not None
         a = ctx.args
@@ -2183,7 +2187,6 @@ class _HybridFn(torch.autograd.Function):
                             "gradients come from the PyTorch reference", phase="backward")
             return _reference_backward(ctx, do, q, k, v, fq, fk, ca, cb, logs, shift, first,
                                        kpm_i8, a, rest if folded else None)
-        swa_o = la_o = states = None  # (read: gone before the maps' backward allocates)
         if dfq is None and folded:  # (no LA: the maps' backward takes zeros; autograd, None)
             dfq, dfk = torch.zeros_like(fq), torch.zeros_like(fk)
         if folded:
