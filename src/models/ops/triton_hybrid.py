@@ -2588,7 +2588,7 @@ def _gated(q, k, v, fq, fk, g, *, mode, rescale, drop, shift0, shift_la_only, wi
                       True, False, False, config)
         if swa is None:
             return None
-    if mode == "la_only" or drop is not None or mode == "hybrid":
+    if mode != "swa_only" or drop is not None:
         if mode == "la_only":
             cb, shift = one, _filled((B, H), shift_la_only, torch.int32, dev)
         else:  # (a kept head's LA in the hybrid, none in swa_only; a dropped head's la_only)
