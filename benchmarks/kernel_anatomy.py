@@ -70,7 +70,12 @@ LAYER_CHANGES = {"layer-fwd128": dict(block_m=128, block_n=64, warps=8,  # (the 
                  # registers, 80 KB), the query-side backward kept at 4
                  "layer-fwd64-bn32-ss2-p2": dict(block_m=64, block_n=32, warps=4,
                                                  state_product_stages=2, pack_heads=2,
-                                                 dq_pack_heads=4)}
+                                                 dq_pack_heads=4),
+                 # the no-grad forward with the q map as its own kernel (before session 22:
+                 # ``map_q_forward``'s A/B), and the q map in ``_fwd`` on 128 x 32 8-warp
+                 # programs (ptxas: 254 registers, no spill, 144 KB: one a multiprocessor)
+                 "layer-no-map-q": dict(map_q_forward=False),
+                 "layer-map-q-fwd128x32": dict(block_m=128, block_n=32, warps=8)}
 #: the whole layer with a module switch of the kernels changed (module, attribute, value):
 #: both maps' backward in one grid (``triton_phi.PAIR_BACKWARD``, off by default)
 LAYER_SWITCHES = {"layer-maps-paired-bwd": ("triton_phi", "PAIR_BACKWARD", True)}

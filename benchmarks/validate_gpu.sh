@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What sessions 20 and 21 built without a GPU, checked and measured on one, in two calls:
+# What sessions 20-22 built without a GPU, checked and measured on one:
 #
 #   bash benchmarks/validate_gpu.sh tests      (~7 min) the kernel GPU tests (the folded maps,
 #       the no-grad forward, output gates, TWO_PROGRAM_FORWARD's fwd_two_programs), then the
@@ -9,6 +9,9 @@
 #       2 x 4k), the layer at 8 x 1k kernel by kernel against the forward's tiles before
 #       session 21 and the call before the fold (kernel_anatomy), its host work part by part
 #       (profile_hybrid --host)
+#   bash benchmarks/validate_gpu.sh forward    (~5 min) session 22's q map inside the no-grad
+#       forward: its GPU tests with the fold, gate and option tests, the layer with it and
+#       without (kernel_anatomy), the forward's ratio at 8 x 1k
 #
 # The predictions these are read against: benchmarks/README.md, "Written before measuring"
 # for sessions 20 and 21. Run with the wheels carried (`.whl/`, ../shared/gpu/fetch-wheels.sh).
@@ -71,8 +74,35 @@ for r in map(json.loads, sys.stdin):
     grep "^==" "$R/profile.log" | head -8
     step "host profile"
     ;;
+  forward)
+    # session 22's change alone (~5 min): the q map inside the no-grad forward's _fwd
+    # (KernelConfig.map_q_forward) tested against the map's kernel and the folded call, the
+    # gate and option tests beside it; the layer at 8 x 1k with it and without; the forward's
+    # ratio at 8 x 1k
+    t0=$SECONDS
+    GPU_TESTS_TIMEOUT=${KERNEL_TESTS_TIMEOUT:-200} GPU_TESTS_WORKERS=${WORKERS:-14} \
+      OUT=$R/kernels bash benchmarks/gpu_tests.sh tests/test_triton_kernels.py \
+      -k "q_map or maps_folded or output_gate or options_give" > /dev/null 2>&1
+    grep -E "FAILED|ERROR" "$R/kernels/gpu_tests.log" | head -20
+    tail -1 "$R/kernels/gpu_tests.log"
+    step "kernel tests"
+    t0=$SECONDS
+    timeout 150 python benchmarks/kernel_anatomy.py --shapes 8x1024 --configs default \
+      --branches layer,layer-no-map-q,layer-map-q-fwd128x32 --out "$R/anatomy" \
+      > "$R/anatomy.log" 2>&1
+    grep "^{" "$R/anatomy.log" | python -c "
+import json, sys
+for r in map(json.loads, sys.stdin):
+    print(r.get('branches'), r.get('forward_device_ms'), r.get('fwd_bwd_device_ms'), r.get('error', ''))"
+    step "anatomy"
+    t0=$SECONDS
+    timeout 150 python benchmarks/attention_speed.py --shapes 8x1024 \
+      --cases "^(teacher|swa|hybrid fixed)( fwd)?$" --out "$R/speed" > "$R/speed.log" 2>&1
+    grep -A8 '"layer_fwd_vs_teacher_T1k"' "$R/speed/summary.json" | head -10
+    step "forward ratio"
+    ;;
   *)
-    echo "usage: bash benchmarks/validate_gpu.sh tests|measure" >&2
+    echo "usage: bash benchmarks/validate_gpu.sh tests|measure|forward" >&2
     exit 2
     ;;
 esac

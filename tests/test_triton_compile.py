@@ -141,6 +141,11 @@ def hybrid_kernels(dtype: torch.dtype, D: int, F: int, has_swa=True, has_la=True
             **lo, **flags, **fwd_tiles, SHARED=shared, SAVE=save,
             SS=cfg.state_product_stages), \
             ("scale_log2", "eps"), cfg.warps, cfg.stages
+    if cfg.map_q_forward and has_la:  # the no-grad forward computing phi_q (map_q_forward)
+        yield "fwd-map-q", th._fwd, dict(
+            **lo, **flags, **fwd_tiles, SHARED=shared, SAVE=False,
+            SS=cfg.state_product_stages, MAP_Q=True), \
+            ("scale_log2", "eps"), cfg.warps, cfg.stages
     # NEED_DQ False: stage 1 (q takes no gradient); FROM_SAVED: factors from the saved branches
     for need_dq, saved in ((True, False), (False, False), (True, True), (False, True)):
         yield f"bwd_dq{'' if need_dq else '-no-dq'}{'-saved' if saved else ''}", th._bwd_dq, \
@@ -192,7 +197,8 @@ def _pointers(dtype):
     types.update({n: F32 for n in ("ZST", "VST", "LSE", "DEN", "CA", "CB", "LOGS", "DELTA",
                                    "WS", "GF", "DDEN", "PA", "PB", "UST", "WST", "DVS", "XE",
                                    "ENT", "LZ", "LST", "XL", "YL", "XS", "YS")})
-    types.update({"CNT": "*i32", "SHIFT": "*i32", "FIRST": "*i32", "KPM": "*i8"})
+    types.update({"CNT": "*i32", "SHIFT": "*i32", "FIRST": "*i32", "KPM": "*i8",
+                  "WQ": dt, "BW": F32})  # (the q map's weight in q's dtype, an fp32 bias)
     return types
 
 
@@ -288,6 +294,23 @@ def test_pipelined_state_product_compiles_without_spill():
     r = compile_report(th._bwd_dq, ptrs, dq, ("scale", "scale_log2", "eps"), 8, 2)
     print(f"bwd_dq recomputing, pipelined state product: {r}")
     assert r["spill"] <= MAX_SPILL, r
+
+
+def test_q_map_in_the_forward_leaves_two_programs_a_multiprocessor():
+    """``KernelConfig.map_q_forward`` (the no-grad forward computing phi_q, on in the D 128
+    bf16 default since session 22) at the default's forward tiles: at most ``MAX_SPILL``, and
+    shared memory for two programs a multiprocessor, what ``TWO_PROGRAM_FORWARD``'s tiles are
+    for (read on 2026-12-05: 255 registers, 36 B of spill, 112 KB; without the map 248, 0,
+    80 KB)."""
+    cfg = th.default_config(128, 256, torch.bfloat16)
+    assert cfg.map_q_forward, cfg
+    lo = dict(D=128, F=256, FC=th._fc(cfg, 256), CS=cfg.state_chunk, HAS_KPM=True,
+              PREC="tf32", BM=cfg.block_m, BN=cfg.block_n, P=th.pack_of(cfg, 4), SHARED=True,
+              SAVE=False, HAS_SWA=True, HAS_LA=True, SS=cfg.state_product_stages, MAP_Q=True)
+    r = compile_report(th._fwd, _pointers(torch.bfloat16), lo, ("scale_log2", "eps"),
+                       cfg.warps, cfg.stages)
+    print(f"fwd-map-q at the default tiles, padding, shared: {r}")
+    assert r["spill"] <= MAX_SPILL and r["smem"] <= TWO_PROGRAMS_SMEM, r
 
 
 HYBRID = [  # dtype, D, F, flags

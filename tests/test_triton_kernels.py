@@ -804,12 +804,81 @@ def test_maps_folded_into_the_kernel_are_their_own_functions(frozen):
     for name, a, b in zip(names, got, want):
         assert (a is None and b is None) or torch.equal(a, b), name
     assert got[1] is None or got[1].stride() == q0.stride()
-    # evaluation / prefill: the same forward without the autograd Function, bit for bit
-    before = th.CALLS["forward_without_autograd"]
+    # evaluation / prefill: the same forward without the autograd Function, bit for bit; with
+    # the q map inside ``_fwd`` (``map_q_forward``, the default here) within rounding of it
+    before = th.CALLS["forward_without_autograd"], th.CALLS["q_map_in_forward"]
     with torch.no_grad():
         out = hybrid_attention(q0, k0, v0, None, None, maps=maps, **kw)
-    assert th.CALLS["forward_without_autograd"] == before + 1
-    assert torch.equal(out, got[0]), "the forward under no_grad differs from the one under grad"
+    assert th.CALLS["forward_without_autograd"] == before[0] + 1
+    if th.CALLS["q_map_in_forward"] > before[1]:
+        err = rel_err(out, got[0])
+        assert err < 4e-3, f"the forward under no_grad (q map in _fwd) differs: {err:.2e}"
+    else:
+        assert torch.equal(out, got[0]), "the forward under no_grad differs from under grad"
+
+
+#: ``test_q_map_in_the_forward_is_the_map_kernels``'s cases: (heads, kv heads, activation,
+#: shared mixer, padding, ``KernelConfig`` changes)
+MAP_Q_CASES = {"pack4": (32, 8, "softmax", False, True, {}),
+               "pack4-exp-shared": (8, 2, "exp", True, True, {}),
+               "pack2": (8, 4, "softmax", False, False, {}),
+               "pack1-shared": (4, 4, "softmax", True, True, {}),
+               "fwd128x32": (8, 2, "softmax", False, True, dict(block_m=128, block_n=32,
+                                                                 warps=8))}
+
+
+@pytest.mark.parametrize("case", list(MAP_Q_CASES))
+def test_q_map_in_the_forward_is_the_map_kernels(case):
+    """``KernelConfig.map_q_forward`` (the default at D 128 bf16 since session 22): the no-grad
+    forward with the maps folded computes phi_q inside ``_fwd`` from q and the map's weight,
+    against the same call with the q map as its own kernel: D 128, F 256, bf16, T not a
+    multiple of the chunk, 4 / 2 / 1 query heads a program, both activations, padding. Within
+    rounding of it (u's products on other tiles) and as close as it to the fp32 oracle (the
+    maps by ``reference_features``, ``kernel_reference``); the mapped path ran, the other
+    did not."""
+    import dataclasses
+
+    from hedgecats.models.ops import triton_phi as tp
+
+    th = _kernels()
+    H, Hkv, act, shared, pad, changes = MAP_Q_CASES[case]
+    B, T, D, window = 2, 333, 128, 64
+    gen = torch.Generator(device=DEVICE).manual_seed(11)
+    maps = [HedgehogFeatureMap(n, D, act, seed=s).to(DEVICE) for n, s in ((H, 1), (Hkv, 2))]
+    with torch.no_grad():
+        for m in maps:
+            m.bias.normal_(0, 0.3, generator=gen)
+    q, k, v = (torch.randn(B, T, n, D, device=DEVICE, generator=gen).bfloat16()
+               .transpose(1, 2) for n in (H, Hkv, Hkv))
+    kpm = None
+    if pad:
+        kpm = torch.ones(B, T, dtype=torch.bool, device=DEVICE)
+        kpm[1, :41] = False
+    g = torch.rand(B, H, device=DEVICE, generator=gen) * 0.8 + 0.1
+    logs = torch.randn(B, H, device=DEVICE, generator=gen)
+    shift = torch.full((B, H), window, dtype=torch.int32, device=DEVICE)
+    folded = th.FoldedMaps(maps[0].weight, maps[0].bias, maps[1].weight, maps[1].bias,
+                           act == "softmax", act == "softmax")
+    kw = dict(window=window, scale=D ** -0.5, eps=1e-6, key_padding_mask=kpm, shared=shared)
+    base = dataclasses.replace(th.default_config(D, 2 * D, torch.bfloat16), **changes)
+
+    def call(on):
+        before = th.CALLS["q_map_in_forward"]
+        with torch.no_grad():
+            out = th.hybrid_kernel(q, k, v, None, None, g, 1 - g, logs, shift, maps=folded,
+                                   config=dataclasses.replace(base, map_q_forward=on), **kw)
+        return out.float(), th.CALLS["q_map_in_forward"] - before
+
+    got, ran = call(True)
+    want, ran_off = call(False)
+    assert (ran, ran_off) == (1, 0), (ran, ran_off)
+    fq, fk = (tp.reference_features(x.float(), m.weight.float(), m.bias.float(), act)
+              for x, m in zip((q, k), maps))
+    oracle = th.kernel_reference(q.float(), k.float(), v.float(), fq, fk, g, 1 - g, logs, shift,
+                                 **kw)
+    err, err_off, err_pair = rel_err(got, oracle), rel_err(want, oracle), rel_err(got, want)
+    assert th.FALLBACK_ERRORS == [], th.FALLBACK_ERRORS
+    assert err_pair < 4e-3 and err <= 1.25 * err_off + 1e-4, (err, err_off, err_pair)
 
 
 @pytest.mark.xfail(strict=True, reason="open (session 21): the folded backward runs the maps' "

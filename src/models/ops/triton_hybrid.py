@@ -122,12 +122,13 @@ FALLBACK_ERRORS: list[str] = []
 #: the backward's fused kernels, counted under their ``KernelConfig`` switches; the calls
 #: that ran the feature maps inside the kernel's Function (``hybrid_kernel(maps=...)``), and
 #: their backwards; the forwards that ran without an autograd Function (no gradient asked for:
-#: evaluation, prefill); the calls of a g per position or channel (``_gated``: a call per branch)
+#: evaluation, prefill); the calls of a g per position or channel (``_gated``: a call per branch);
+#: the forwards that computed phi_q inside ``_fwd`` (``KernelConfig.map_q_forward``)
 CALLS = {"forward": 0, "dq_pass": 0, "dkv_swa": 0, "dv_la": 0, "factors_from_saved": 0,
          "split_states": 0, "states_from_forward": 0, "dkv_apart": 0, "packed_forward": 0,
          "packed_dq": 0, "map_du": 0, "fuse_q_side": 0, "fuse_kv_side": 0, "kv_order_1": 0,
          "kv_order_2": 0, "state_sums_mma": 0, "maps_folded": 0, "maps_folded_backward": 0,
-         "forward_without_autograd": 0, "gated": 0}
+         "forward_without_autograd": 0, "gated": 0, "q_map_in_forward": 0}
 
 
 @dataclass(frozen=True)
@@ -276,6 +277,14 @@ class KernelConfig:
     #: 128 x 128 tile at the default tiles. On in ``default_config`` for D >= 128 bf16 since
     #: session 18 (measured there: `_state_rev` at 8 x 1k 0.166 to 0.086 ms)
     state_sums_mma: bool = False
+    #: with the maps folded in (``hybrid_kernel(maps=...)``) and no backward to follow
+    #: (evaluation, prefill): ``_fwd`` computes phi_q from q itself (``_mapped_q``: each
+    #: packed head's rows times its own weight, the map kernel's activations), held in
+    #: registers, so phi_q (B, H, T, F) is never written nor read back; the k map still runs
+    #: as its own kernel (its output feeds the state kernels too). The features are the map
+    #: kernel's up to the rounding of u's products (another tile shape), so the output is
+    #: within bf16 rounding of the unfolded call's, not bit for bit
+    map_q_forward: bool = False
 
 
 #: The forward's tiles at D 128 bf16 that let two programs share a multiprocessor: 64 rows (16
@@ -359,13 +368,16 @@ def default_config(D: int, F: int, dtype: torch.dtype) -> KernelConfig:
     # 1.910 (`_bwd_kv` 0.597). The kernel alone at 1 x 64k 13.31 to 12.92 ms with the first
     # (kernel_anatomy and attention_speed.py --tune, one run; results/h200_2026-12-04b, call 1)
     # The forward on ``TWO_PROGRAM_FORWARD``'s tiles since session 21 (see there)
+    # The q map inside the no-grad forward's ``_fwd`` (``map_q_forward``) since session 22:
+    # ptxas (sm_90a, launch hints) 255 registers, 36 B of spill, 112 KB of shared memory
     if D >= 128:
         return KernelConfig(**TWO_PROGRAM_FORWARD, state_chunk=128, stages=2, bwd_block_m=64,
                             bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8,
                             grad_f_chunk=256, dkv_block_n=64, split_tile=128,
                             dq_block_m=128, pack_heads=4, state_f=128, state_d=128,
                             state_programs=128, dv_block_n=64, fuse_q_side=True,
-                            fuse_kv_side=True, kv_order=2, state_sums_mma=True)
+                            fuse_kv_side=True, kv_order=2, state_sums_mma=True,
+                            map_q_forward=True)
     return KernelConfig(block_m=64, block_n=64, warps=4, stages=2, bwd_block_m=64,
                         bwd_block_n=64, bwd_warps=8, f_chunk=128)
 
@@ -373,6 +385,7 @@ def default_config(D: int, F: int, dtype: torch.dtype) -> KernelConfig:
 # ============================================================================= the kernels
 if HAVE_TRITON:
     from .triton_common import key_block  # (defined where triton imports)
+    from .triton_phi import _acts as _phi_acts  # (the maps' activations, jit)
 
     @triton.jit
     def _tiles_of(X, s0, s1, s2, N0, N1, T, C, BR: tl.constexpr, BC: tl.constexpr,
@@ -625,11 +638,72 @@ if HAVE_TRITON:
         return num, den
 
     @triton.jit
+    def _state_half(a, st, zt, half, num, den, D: tl.constexpr, FH: tl.constexpr,
+                    PREC: tl.constexpr):
+        """``_state_share`` for features held in registers: half ``half`` of phi_q, a (BM, FH)."""
+        offs_d = tl.arange(0, D)
+        offs_f = half * FH + tl.arange(0, FH)
+        S = tl.load(st + offs_f[:, None] * D + offs_d[None, :])
+        z = tl.load(zt + offs_f)
+        num += tl.dot(a, S, input_precision=PREC)
+        den += tl.sum(a.to(tl.float32) * z[None, :], axis=1)
+        return num, den
+
+    @triton.jit
+    def _stack_rows(x, y):
+        """x's rows, then y's: (2 R, C) from two (R, C)."""
+        j = tl.permute(tl.join(x, y), (2, 0, 1))
+        return tl.reshape(j, (2 * x.shape[0], x.shape[1]))
+
+    @triton.jit
+    def _head_features(Q, WQ, BW, b, h, t0, T, sq_b, sq_h, sq_t, D: tl.constexpr,
+                       FH: tl.constexpr, BQ: tl.constexpr, SOFTMAX: tl.constexpr,
+                       PREC: tl.constexpr):
+        """phi_q of positions t0 .. t0 + BQ - 1 of query head h: its two halves (BQ, FH) in
+        q's dtype, as ``triton_phi._phi_fwd`` writes them (the same products and activations:
+        ``triton_phi._acts``); rows past T hold the features of a zero q (never stored)."""
+        offs_i = t0 + tl.arange(0, BQ)
+        offs_d = tl.arange(0, D)
+        offs_f = tl.arange(0, FH)
+        x = tl.load(Q + b.to(tl.int64) * sq_b + h.to(tl.int64) * sq_h
+                    + offs_i.to(tl.int64)[:, None] * sq_t + offs_d[None, :],
+                    mask=(offs_i < T)[:, None], other=0.0)
+        w = tl.load(WQ + h.to(tl.int64) * D * FH + offs_d[:, None] * FH + offs_f[None, :])
+        bias = tl.load(BW + h * FH + offs_f).to(tl.float32)
+        a1, a2 = _phi_acts(x, w, bias, SOFTMAX, PREC)
+        return a1.to(Q.dtype.element_ty), a2.to(Q.dtype.element_ty)
+
+    @triton.jit
+    def _mapped_q(Q, WQ, BW, b, h0, t0, T, sq_b, sq_h, sq_t, D: tl.constexpr,
+                  FH: tl.constexpr, BQ: tl.constexpr, P: tl.constexpr, SOFTMAX: tl.constexpr,
+                  PREC: tl.constexpr):
+        """phi_q's two halves (P BQ, FH) for a forward program's rows (``_packed_rows``: BQ
+        positions from t0 of each of the P query heads h0 .. h0 + P - 1, head after head):
+        each head's product with its own weight on its BQ rows, then the rows stacked (P in
+        1, 2, 4)."""
+        a1, a2 = _head_features(Q, WQ, BW, b, h0, t0, T, sq_b, sq_h, sq_t, D, FH, BQ,
+                                SOFTMAX, PREC)
+        if P >= 2:
+            b1, b2 = _head_features(Q, WQ, BW, b, h0 + 1, t0, T, sq_b, sq_h, sq_t, D, FH, BQ,
+                                    SOFTMAX, PREC)
+            if P == 4:
+                c1, c2 = _head_features(Q, WQ, BW, b, h0 + 2, t0, T, sq_b, sq_h, sq_t, D, FH,
+                                        BQ, SOFTMAX, PREC)
+                d1, d2 = _head_features(Q, WQ, BW, b, h0 + 3, t0, T, sq_b, sq_h, sq_t, D, FH,
+                                        BQ, SOFTMAX, PREC)
+                a1 = _stack_rows(_stack_rows(a1, b1), _stack_rows(c1, d1))
+                a2 = _stack_rows(_stack_rows(a2, b2), _stack_rows(c2, d2))
+            else:
+                a1 = _stack_rows(a1, b1)
+                a2 = _stack_rows(a2, b2)
+        return a1, a2
+
+    @triton.jit
     def _la_num(FQ, FK, V, SST, ZST, VST, CNT, KPM, b, hk, Hkv, t0, offs_m, fq_rows, shift_r, T,
-                NC, eps, sfk_b, sfk_h, sfk_t, sv_b, sv_h, sv_t,
+                NC, eps, sfk_b, sfk_h, sfk_t, sv_b, sv_h, sv_t, A1, A2,
                 D: tl.constexpr, F: tl.constexpr, FC: tl.constexpr, BM: tl.constexpr,
                 BQ: tl.constexpr, BN: tl.constexpr, CS: tl.constexpr, HAS_KPM: tl.constexpr,
-                PREC: tl.constexpr, SS: tl.constexpr):
+                PREC: tl.constexpr, SS: tl.constexpr, MAPPED: tl.constexpr):
         """Numerator (BM, D) and denominator (BM) of LA over keys i <= t - shift for BM query
         rows of one kv head: row r is position ``offs_m[r]`` (in t0 .. t0 + BQ - 1) of the query
         head whose fq row starts at ``FQ + fq_rows[r]``, with its own ``shift_r[r]`` (the rows
@@ -638,7 +712,9 @@ if HAVE_TRITON:
         floor's share, eps times its value sum and its count of real keys), plus the keys
         between it and t0 + BQ - min(shift), each row masked at its own t - shift. The feature
         dimension is taken FC at a time; the state's share in a pipelined loop when SS > 0
-        (``KernelConfig.state_product_stages``)."""
+        (``KernelConfig.state_product_stages``). MAPPED: the rows' features are not read from
+        FQ but given, A1 and A2 (BM, F / 2), the two halves of phi_q (``_mapped_q``): the
+        feature dimension is then taken a half at a time."""
         offs_d = tl.arange(0, D)
         rows = offs_m < T
         fk_base = FK + b.to(tl.int64) * sfk_b + hk.to(tl.int64) * sfk_h
@@ -650,7 +726,10 @@ if HAVE_TRITON:
         n_state = tl.load(CNT + b * (T + 1) + jst * CS).to(tl.float32)  # real keys < jst CS
         num = tl.zeros([BM, D], dtype=tl.float32) + eps * vsum[None, :]
         den = tl.zeros([BM], dtype=tl.float32) + eps * n_state
-        if SS == 0:  # the slices unrolled: each slice's loads issued where the code reaches them
+        if MAPPED:  # the halves held in registers: one product each
+            num, den = _state_half(A1, st, zt, 0, num, den, D, F // 2, PREC)
+            num, den = _state_half(A2, st, zt, 1, num, den, D, F // 2, PREC)
+        elif SS == 0:  # the slices unrolled: each slice's loads issued where the code reaches them
             for c in tl.static_range(F // FC):
                 num, den = _state_share(FQ, fq_rows, rows, st, zt, c, num, den, D, FC, PREC)
         else:  # a loop the compiler pipelines (SS stages): the next slice's fq and S are
@@ -662,13 +741,23 @@ if HAVE_TRITON:
             offs_n = start + tl.arange(0, BN)
             kin = offs_n < T
             a = tl.zeros([BM, BN], dtype=tl.float32)
-            for c in tl.static_range(F // FC):
-                offs_f = c * FC + tl.arange(0, FC)
-                fq = tl.load(FQ + fq_rows[:, None] + offs_f[None, :], mask=rows[:, None],
-                             other=0.0)
-                fkb = tl.load(fk_base + offs_n[:, None] * sfk_t + offs_f[None, :],
+            if MAPPED:
+                FH: tl.constexpr = F // 2
+                offs_h = tl.arange(0, FH)
+                fk1 = tl.load(fk_base + offs_n[:, None] * sfk_t + offs_h[None, :],
                               mask=kin[:, None], other=0.0)
-                a += tl.dot(fq, tl.trans(fkb), input_precision=PREC)
+                a += tl.dot(A1, tl.trans(fk1), input_precision=PREC)
+                fk2 = tl.load(fk_base + offs_n[:, None] * sfk_t + FH + offs_h[None, :],
+                              mask=kin[:, None], other=0.0)
+                a += tl.dot(A2, tl.trans(fk2), input_precision=PREC)
+            else:
+                for c in tl.static_range(F // FC):
+                    offs_f = c * FC + tl.arange(0, FC)
+                    fq = tl.load(FQ + fq_rows[:, None] + offs_f[None, :], mask=rows[:, None],
+                                 other=0.0)
+                    fkb = tl.load(fk_base + offs_n[:, None] * sfk_t + offs_f[None, :],
+                                  mask=kin[:, None], other=0.0)
+                    a += tl.dot(fq, tl.trans(fkb), input_precision=PREC)
             ok = (offs_n[None, :] <= offs_m[:, None] - shift_r[:, None]) & kin[None, :]
             if HAS_KPM:
                 real = tl.load(KPM + b * T + offs_n, mask=kin, other=0) != 0
@@ -682,19 +771,23 @@ if HAVE_TRITON:
 
     @triton.jit
     def _fwd(Q, K, V, FQ, FK, SST, ZST, VST, CNT, OUT, LSE, DEN, CA, CB, LOGS, SHIFT, FIRST, KPM,
-             SWA_O, LA_O,
+             SWA_O, LA_O, WQ, BW,
              sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
              sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, so_b, so_h, so_t,
              T, H, G, NC, window, scale_log2, eps,
              D: tl.constexpr, F: tl.constexpr, FC: tl.constexpr, BM: tl.constexpr,
              BN: tl.constexpr, CS: tl.constexpr, P: tl.constexpr, HAS_SWA: tl.constexpr,
              HAS_LA: tl.constexpr, SHARED: tl.constexpr, HAS_KPM: tl.constexpr,
-             PREC: tl.constexpr, SAVE: tl.constexpr, SS: tl.constexpr):
+             PREC: tl.constexpr, SAVE: tl.constexpr, SS: tl.constexpr,
+             MAP_Q: tl.constexpr = False, SOFTMAX_Q: tl.constexpr = True):
         """One program: BM query rows, BQ = BM / P positions t0 .. t0 + BQ - 1 of P query heads
         that share a kv head (P divides the group; ``KernelConfig.pack_heads``). The P heads
         read the same keys, values and LA state: one load and one product serves them all, and
         the block's key range (window and the LA keys after its state) spans BQ positions,
-        not BM."""
+        not BM. MAP_Q (``KernelConfig.map_q_forward``, no backward to follow): fq is not read
+        but computed from q, the q map's weight WQ (H, D, F / 2, q's dtype) and bias BW (H,
+        F / 2) with the map's kernel's products and activations (softmax or exp:
+        SOFTMAX_Q), and held in registers: phi_q is never written."""
         LN2: tl.constexpr = 0.6931471805599453
         BQ: tl.constexpr = BM // P
         pid_m = tl.program_id(0)
@@ -716,9 +809,15 @@ if HAVE_TRITON:
         if HAS_LA:
             fq_rows = b.to(tl.int64) * sfq_b + h_r.to(tl.int64) * sfq_h \
                 + offs_m.to(tl.int64) * sfq_t
+            if MAP_Q:
+                a1, a2 = _mapped_q(Q, WQ, BW, b, (pid_g % (H // P)) * P, t0, T,
+                                   sq_b, sq_h, sq_t, D, F // 2, BQ, P, SOFTMAX_Q, PREC)
+            else:
+                a1 = 0
+                a2 = 0
             num, den = _la_num(FQ, FK, V, SST, ZST, VST, CNT, KPM, b, hk, Hkv, t0, offs_m,
                                fq_rows, shift_r, T, NC, eps, sfk_b, sfk_h, sfk_t, sv_b, sv_h,
-                               sv_t, D, F, FC, BM, BQ, BN, CS, HAS_KPM, PREC, SS)
+                               sv_t, a1, a2, D, F, FC, BM, BQ, BN, CS, HAS_KPM, PREC, SS, MAP_Q)
         has_far = (offs_m - shift_r) >= first
         r = tl.where(has_far, 1.0 / tl.maximum(den, eps), 0.0)
         la = num * r[:, None]
@@ -841,7 +940,7 @@ if HAVE_TRITON:
                     + offs_m.to(tl.int64) * sfq_t
                 num, _ = _la_num(FQ, FK, V, SST, ZST, VST, CNT, KPM, b, hk, Hkv, t0, offs_m,
                                  fq_rows, shift_r, T, NC, eps, sfk_b, sfk_h, sfk_t, sv_b, sv_h,
-                                 sv_t, D, F, FC, BM, BQ, BN, CS, HAS_KPM, PREC, SS)
+                                 sv_t, 0, 0, D, F, FC, BM, BQ, BN, CS, HAS_KPM, PREC, SS, False)
                 dot_la = tl.sum(num * do.to(tl.float32), axis=1) * r
         dot_swa = tl.zeros([BM], dtype=tl.float32)
         if HAS_SWA and FROM_SAVED:
@@ -1809,13 +1908,27 @@ def _grad_fc(cfg: KernelConfig, F: int) -> int:
     return min(cfg.grad_f_chunk or cfg.f_chunk, F)
 
 
+def maps_q_in_forward(cfg: KernelConfig, q: torch.Tensor, G: int, has_la: bool) -> bool:
+    """Whether ``_fwd`` computes phi_q itself (``KernelConfig.map_q_forward``) for q (B, H, T,
+    D) in groups of G: the LA branch runs and each of a program's heads has at least 16 rows
+    (``_mapped_q``'s products; P in 1, 2, 4)."""
+    P = pack_of(cfg, G)
+    return cfg.map_q_forward and has_la and P in (1, 2, 4) and cfg.block_m // P >= 16
+
+
 def _forward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, *, window, scale, eps,
-             has_swa, has_la, shared, cfg: KernelConfig, save: bool = False):
+             has_swa, has_la, shared, cfg: KernelConfig, save: bool = False, map_q=None):
     """(out, lse, den, swa_o, la_o, states): the branches' outputs (B H, T, D) and the LA
-    states ``(S, z, u, state_chunk)`` only with ``save`` (else ``None``), for the backward."""
+    states ``(S, z, u, state_chunk)`` only with ``save`` (else ``None``), for the backward.
+    ``map_q`` (the q map's weight in q's dtype, its bias, whether softmax), with fq None: the
+    q map runs in ``_fwd`` where ``maps_q_in_forward`` (no backward may follow: phi_q is not
+    kept), else first, as its own kernel (``triton_phi.map_forward``)."""
     B, H, T, D = q.shape
     Hkv = k.shape[1]
-    F = fq.shape[-1]
+    mapped = fq is None and maps_q_in_forward(cfg, q, H // Hkv, has_la)
+    if fq is None and not mapped:
+        fq = triton_phi.map_forward(q, *map_q)[0]
+    F = 2 * map_q[0].shape[-1] if mapped else fq.shape[-1]
     dummy = torch.empty(1, device=q.device, dtype=q.dtype)
     if has_la:
         S, z, vs, NC = _la_states(fk, v, kpm_i8, cfg)
@@ -1830,14 +1943,18 @@ def _forward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, *, window
     P = pack_of(cfg, H // Hkv)
     CALLS["packed_forward"] += P > 1
     grid = (cdiv(T, cfg.block_m // P), B * H // P)
+    wq, bw = (map_q[0], map_q[1]) if mapped else (dummy, dummy)
+    CALLS["q_map_in_forward"] += mapped
+    fq_ = q if mapped else fq  # (read only where the q map does not run in the kernel)
     fast(_fwd)[grid](
-        q, k, v, fq, fk, S, z, vs, cnt, o, lse, den, ca, cb, logs, shift, first,
-        _ptr(kpm_i8, lse), _ptr(swa_o, o), _ptr(la_o, o),
-        *_strides(q), *_strides(k), *_strides(v), *_strides(fq), *_strides(fk),
+        q, k, v, fq_, fk, S, z, vs, cnt, o, lse, den, ca, cb, logs, shift, first,
+        _ptr(kpm_i8, lse), _ptr(swa_o, o), _ptr(la_o, o), wq, bw,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(fq_), *_strides(fk),
         *_strides(o), T, H, H // Hkv, NC, window, scale * LOG2E, eps,
         D=D, F=F, FC=_fc(cfg, F), BM=cfg.block_m, BN=cfg.block_n, CS=cfg.state_chunk, P=P,
         HAS_SWA=has_swa, HAS_LA=has_la, SHARED=shared, HAS_KPM=kpm_i8 is not None,
-        PREC=_prec(q.dtype), SAVE=save, SS=cfg.state_product_stages, num_warps=cfg.warps,
+        PREC=_prec(q.dtype), SAVE=save, SS=cfg.state_product_stages, MAP_Q=mapped,
+        SOFTMAX_Q=bool(map_q[2]) if mapped else True, num_warps=cfg.warps,
         num_stages=cfg.stages)
     states = (S, z, vs, cfg.state_chunk) if save and has_la else None
     return o, lse, den, swa_o, la_o, states
@@ -2018,8 +2135,11 @@ def _retry_chain(cfg: KernelConfig) -> tuple[KernelConfig, ...]:
     """The configs ``_with_retry`` tries before ``SAFE_CONFIG`` (built once per config: host
     time per call): ``cfg``; its tiles without the fused backward kernels (``fuse_q_side``,
     ``fuse_kv_side``: the separate kernels, each smaller); then also without
-    ``save_branches``."""
+    ``save_branches``. A config with ``map_q_forward`` first tries itself without it (the
+    forward's largest variant: 112 KB of shared memory at the 8B's tiles)."""
     chain = [cfg]
+    if cfg.map_q_forward:
+        chain.append(dataclasses.replace(cfg, map_q_forward=False))
     if cfg.fuse_q_side or cfg.fuse_kv_side:
         chain.append(dataclasses.replace(cfg, fuse_q_side=False, fuse_kv_side=False))
     if cfg.save_branches:
@@ -2089,26 +2209,37 @@ class _Forward(NamedTuple):
 
 def _function_forward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, window, scale,
                       eps, has_swa, has_la, shared, cfg, save, wq=None, bq=None, wk=None,
-                      bk=None, maps_softmax=None) -> _Forward:
+                      bk=None, maps_softmax=None, *, autograd: bool = True) -> _Forward:
     """The forward of ``_HybridFn``'s function (its arguments, less the du slot): with the maps
     folded in (``maps_softmax`` given), fq = phi_q(q) and fk = phi_k(k) first, both maps in one
     launch (``triton_phi.map_forward_pair``); then the kernels (``_forward``, through the tile
     retry chain). ``hybrid_kernel`` calls it directly where no gradient will be asked for
-    (evaluation, prefill): the same launches, without the autograd Function's host work."""
+    (evaluation, prefill; ``autograd`` False): the same launches, without the autograd
+    Function's host work, except that where ``maps_q_in_forward`` the k map runs alone and
+    ``_fwd`` computes phi_q itself (``KernelConfig.map_q_forward``; fq is then ``None``)."""
     casts = None
-    if maps_softmax is not None:  # (both maps in one launch)
+    map_q = None
+    if maps_softmax is not None and not autograd and maps_q_in_forward(
+            cfg, q, q.shape[1] // k.shape[1], has_la):  # (the k map alone)
+        fk, wkc, bkc = triton_phi.map_forward(k, wk, bk, maps_softmax[1])
+        map_q = (cast(wq, q.dtype).contiguous(), bq.contiguous(), maps_softmax[0])
+        casts = (*map_q[:2], wkc, bkc)
+        triton_phi.CALLS["forward"] += 1
+    elif maps_softmax is not None:  # (both maps in one launch)
         (fq, wqc, bqc), (fk, wkc, bkc) = triton_phi.map_forward_pair(
             q, wq, bq, maps_softmax[0], k, wk, bk, maps_softmax[1])
         casts = (wqc, bqc, wkc, bkc)
         triton_phi.CALLS["forward"] += 2
     # the state path is part of the problem: a split build that fails to compile at long T
     # must not send short calls (which walk) down the retry chain
-    key = (q.dtype, q.shape[-1], fq.shape[-1], has_swa, has_la, shared, kpm_i8 is not None,
-           save, use_split_states(cfg, cdiv(q.shape[2], cfg.state_chunk)))
+    F = fk.shape[-1]
+    key = (q.dtype, q.shape[-1], F, has_swa, has_la, shared, kpm_i8 is not None,
+           save, use_split_states(cfg, cdiv(q.shape[2], cfg.state_chunk)), map_q is not None)
     o, lse, den, swa_o, la_o, states = _with_retry("forward", key, cfg, lambda c: _forward(
         q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, window=window, scale=scale,
         eps=eps, has_swa=has_swa, has_la=has_la, shared=shared, cfg=c,
-        save=save and c.save_branches))  # (the retry's SAFE_CONFIG saves nothing)
+        save=save and c.save_branches, map_q=map_q))  # (the retry's SAFE_CONFIG saves nothing
+    # and runs the q map as its own kernel)
     return _Forward(o, fq, fk, casts, lse, den, swa_o, la_o, states)
 
 
@@ -2331,7 +2462,7 @@ def hybrid_kernel(q, k, v, fq, fk, ca, cb, logs, shift, *, window: int, scale: f
     args = (q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, int(window), float(scale),
             float(eps), bool(has_swa), bool(has_la), bool(shared), cfg)
     if not grad:  # (evaluation, prefill: no autograd node, nothing stored for a backward)
-        out = _function_forward(*args, False, *folded).o
+        out = _function_forward(*args, False, *folded, autograd=False).o
         CALLS["forward_without_autograd"] += 1
         return out
     # fq as a Hedgehog map's output, unchanged: the map's du from the dfq pass (``DuSlot``;
