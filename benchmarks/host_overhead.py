@@ -63,28 +63,34 @@ class LiveBytes(TorchDispatchMode):
     each moment, and their peak: the allocations the layer's path makes, with the launches
     stubbed (the same buffers, their values garbage). A CPU proxy of the GPU's peak memory
     above the inputs (``torch.cuda.max_memory_allocated``), without the caching allocator's
-    rounding or the libraries' workspaces."""
+    rounding or the libraries' workspaces. The bytes alive are the storages' sizes as they
+    are at each allocation: a storage emptied in place (``untyped_storage().resize_(0)``, as
+    ``triton_hybrid`` releases the forward's saved branches once the backward has read them)
+    counts from then on as its new size."""
 
     def __init__(self):
         super().__init__()
-        self.live: dict = {}
+        self.live: dict = {}  # id of a storage -> a weak reference to it
         self.now = self.peak = 0
-
-    def _freed(self, key):
-        self.now -= self.live.pop(key, 0)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        new = False
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor):
-                st = t.untyped_storage()
-                key = st.data_ptr()
-                if key not in self.live and st.nbytes():
-                    self.live[key] = st.nbytes()
-                    self.now += st.nbytes()
-                    self.peak = max(self.peak, self.now)
-                    weakref.finalize(st, self._freed, key)
+                st = t.untyped_storage()  # (one Python object per storage, views included)
+                if id(st) not in self.live and st.nbytes():
+                    self.live[id(st)] = weakref.ref(st)
+                    weakref.finalize(st, self.live.pop, id(st), None)
+                    new = True
+        if new:
+            self.now = self.alive()
+            self.peak = max(self.peak, self.now)
         return out
+
+    def alive(self) -> int:
+        """The bytes of the storages alive now, at their current sizes."""
+        return sum(st.nbytes() for ref in list(self.live.values()) if (st := ref()) is not None)
 
 
 def memory_peaks(A, shape: str) -> dict:
@@ -130,7 +136,7 @@ def memory_peaks(A, shape: str) -> dict:
                 q, k, v, None, None, maps=(L.phi_q, L.phi_k), window=L.w, scale=L.scale,
                 g=0.5), L.q, L.k, L.v, use_reentrant=False)
             gc.collect()
-            alive = mode.now
+            alive = mode.alive()
             out.backward(do)
             del out
         L.zero()

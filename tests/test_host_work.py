@@ -98,17 +98,15 @@ def test_a_checkpointed_layer_keeps_nothing_but_its_output(memory):
     assert alive <= output + 1.0, memory
 
 
-@pytest.mark.xfail(strict=True, reason="open (session 21): the folded backward runs the maps' "
-                   "backward while the node's saved branches and LA states are alive")
 def test_the_folded_call_holds_no_more_memory_than_the_maps_as_their_own_functions(memory):
     """``--memory``: the bytes PyTorch allocates over the layer's forward + backward (the
-    launches stubbed, the same buffers; ``host_overhead.LiveBytes``), at the 8B's heads and 1 x
-    1k: the maps folded into the kernel's Function should peak no higher than before the fold.
-    They do (98.1 against 88.2 MiB here; on an H200 the layer at 1 x 64k peaked 0.59 GiB above
-    session 18's): the node's saved branches and LA states live until its backward returns, so
-    through the maps' backward; before the fold autograd freed them between the nodes.
-    Dropping them early from the context (86.2 here) broke activation checkpointing (the test
-    above), so it was taken back; a fix that keeps them saved (the maps' backward in a node of
-    its own, or fewer bytes alive beside it) turns this test green, and strict xfail red."""
+    launches stubbed, the same buffers; ``host_overhead.LiveBytes``, storages at their current
+    sizes), at the 8B's heads and 1 x 1k: the maps folded into the kernel's Function peak no
+    higher than before the fold. Session 21 found them higher (98.1 against 88.2 MiB here; on
+    an H200 the layer at 1 x 64k peaked 0.59 GiB above session 18's): the node's saved
+    branches and LA states live until its backward returns, so through the maps' backward.
+    Dropping them from the context instead broke activation checkpointing (the test above).
+    Since session 22 the backward empties their storage once its kernels have read them
+    (``triton_hybrid._release_saved``; they stay saved tensors): 86.2 MiB."""
     (fwd, total), (fwd_before, total_before) = memory["layer"], memory["unfolded"]
     assert fwd <= fwd_before and total <= total_before, memory

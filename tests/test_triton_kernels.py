@@ -881,17 +881,15 @@ def test_q_map_in_the_forward_is_the_map_kernels(case):
     assert err_pair < 4e-3 and err <= 1.25 * err_off + 1e-4, (err, err_off, err_pair)
 
 
-@pytest.mark.xfail(strict=True, reason="open (session 21): the folded backward runs the maps' "
-                   "backward while the node's saved branches and LA states are alive")
 def test_folded_call_peaks_no_higher_than_the_maps_as_their_own_functions():
     """Peak memory of the layer's call (the maps folded into the kernel's Function) over its
     forward + backward, against the call before the fold, at the 8B head shape: no higher. The
     node's saved branches and LA states live until its backward returns, so through the maps'
-    backward (the layer at 1 x 64k peaked 0.59 GiB above session 18's; session 21, call 2).
-    Open: dropping them early from the context broke activation checkpointing
-    (tests/test_host_work.py) and was taken back; with it this test still failed on the GPU
-    (call 4, its numbers cut from the log), where the CPU proxy of the allocations read the
-    fold lower. The message gives both phases of both calls."""
+    backward: the layer at 1 x 64k peaked 0.59 GiB above session 18's (session 21, call 2),
+    and this test failed. Since session 22 the backward empties their storage once its
+    kernels have read them (``triton_hybrid._release_saved``; the CPU proxy,
+    tests/test_host_work.py, reads 86.2 against 88.2 MiB at 1 x 1k). The message gives both
+    phases of both calls."""
     from hedgecats.models.ops import hybrid as hybrid_mod
     from hedgecats.models.ops import triton_hybrid as th
 

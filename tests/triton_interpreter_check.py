@@ -1009,9 +1009,11 @@ def model_case(cid, *, mixer="fixed", mode="hybrid", pad=False, H=4, Hkv=2, wind
 
 def retain_graph_case(cid, *, B=2, H=4, Hkv=2, T=150, D=16, window=20, dtype=torch.bfloat16):
     """The fused call's backward run twice on one graph (``retain_graph=True``), the maps
-    folded in, bf16, padding: both read the branches and LA states the forward saved. The
+    folded in, bf16, padding. The first reads the branches and LA states the forward saved
+    and then releases them (``triton_hybrid._release_saved``: their storage emptied before the
+    maps' backward); the second finds them released and recomputes what they held. The
     second's gradients (the second accumulation minus the first) against the first's, within
-    the dtype's tolerance, and both backwards took the saved path."""
+    the dtype's tolerance, and the paths: saved, released, then recomputed."""
     from hedgecats.models import HedgehogFeatureMap
     from hedgecats.models.ops import triton_hybrid as th
 
@@ -1028,15 +1030,18 @@ def retain_graph_case(cid, *, B=2, H=4, Hkv=2, T=150, D=16, window=20, dtype=tor
     loss = (out.float() * do).sum()
     params = [q, k, v] + [p_ for m in maps for p_ in (m.weight, m.bias)]
     names = ["dq", "dk", "dv", "dWq", "dbq", "dWk", "dbk"]
-    saved = th.CALLS["factors_from_saved"], th.CALLS["states_from_forward"]
+    counters = ("factors_from_saved", "states_from_forward", "saved_released",
+                "saved_recomputed")
+    saved = [th.CALLS[n] for n in counters]
     loss.backward(retain_graph=True)
     first = {n: p_.grad.clone() for n, p_ in zip(names, params)}
-    ran_first = th.CALLS["factors_from_saved"] - saved[0], th.CALLS["states_from_forward"] - saved[1]
+    ran_first = tuple(th.CALLS[n] - b for n, b in zip(counters, saved))
     loss.backward()
     second = {n: p_.grad.float() - first[n].float() for n, p_ in zip(names, params)}
-    ran_second = th.CALLS["factors_from_saved"] - saved[0], th.CALLS["states_from_forward"] - saved[1]
+    ran_second = tuple(th.CALLS[n] - b for n, b in zip(counters, saved))
     out_ = errors(second, {n: x.float() for n, x in first.items()})
-    out_["paths"] = 0.0 if ran_first == (1, 1) and ran_second == (2, 2) else float("inf")
+    out_["paths"] = 0.0 if ran_first == (1, 1, 1, 0) and ran_second == (1, 1, 1, 1) \
+        else float("inf")
     return out_
 
 

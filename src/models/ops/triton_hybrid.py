@@ -123,12 +123,15 @@ FALLBACK_ERRORS: list[str] = []
 #: that ran the feature maps inside the kernel's Function (``hybrid_kernel(maps=...)``), and
 #: their backwards; the forwards that ran without an autograd Function (no gradient asked for:
 #: evaluation, prefill); the calls of a g per position or channel (``_gated``: a call per branch);
-#: the forwards that computed phi_q inside ``_fwd`` (``KernelConfig.map_q_forward``)
+#: the forwards that computed phi_q inside ``_fwd`` (``KernelConfig.map_q_forward``); the folded
+#: backwards that released the saved branches and states before the maps' backward, and the
+#: backwards that found them released (a second backward, ``retain_graph``) and recomputed
 CALLS = {"forward": 0, "dq_pass": 0, "dkv_swa": 0, "dv_la": 0, "factors_from_saved": 0,
          "split_states": 0, "states_from_forward": 0, "dkv_apart": 0, "packed_forward": 0,
          "packed_dq": 0, "map_du": 0, "fuse_q_side": 0, "fuse_kv_side": 0, "kv_order_1": 0,
          "kv_order_2": 0, "state_sums_mma": 0, "maps_folded": 0, "maps_folded_backward": 0,
-         "forward_without_autograd": 0, "gated": 0, "q_map_in_forward": 0}
+         "forward_without_autograd": 0, "gated": 0, "q_map_in_forward": 0,
+         "saved_released": 0, "saved_recomputed": 0}
 
 
 @dataclass(frozen=True)
@@ -2290,6 +2293,13 @@ class _HybridFn(torch.autograd.Function):
             states = (rest.pop(0), rest.pop(0), rest.pop(0), ctx.states_chunk)
         kpm_i8 = rest.pop(0) if ctx.has_kpm else None
         folded = ctx.maps is not None
+        # a second backward through the graph (retain_graph) after the first released them
+        # (``_release_saved``): the kernels recompute both branches' factors and the states
+        if swa_o is not None and _released(swa_o) or la_o is not None and _released(la_o):
+            swa_o = la_o = None
+            CALLS["saved_recomputed"] += 1
+        if states is not None and _released(states[0]):
+            states = None
         a = ctx.args
         do = do if do.stride(-1) == 1 else do.contiguous()
         if do.dtype != q.dtype:
@@ -2320,7 +2330,9 @@ class _HybridFn(torch.autograd.Function):
                                        kpm_i8, a, rest if folded else None)
         if dfq is None and folded:  # (no LA: the maps' backward takes zeros; autograd, None)
             dfq, dfk = torch.zeros_like(fq), torch.zeros_like(fk)
-        if folded:
+        if folded:  # (the kernels have read the saved branches and states: their memory back
+            # before the maps' backward allocates)
+            _release_saved(swa_o, la_o, *(() if states is None else states[:3]))
             dq, dk, map_grads = _folded_maps_backward(ctx, q, k, fq, fk, dq, dk, dfq, dfk,
                                                       du_slot, rest)
         elif dq is None and need[0]:  # no window (la_only): q has no other path
@@ -2337,6 +2349,27 @@ class _HybridFn(torch.autograd.Function):
         if folded:
             return (dq, dk, dv, None, None, dca, dcb, dlogs) + (None,) * 13 + map_grads
         return (dq, dk, dv, dfq, dfk, dca, dcb, dlogs) + (None,) * 13
+
+
+def _release_saved(*tensors) -> None:
+    """Empty the storage of the forward's saved branches and LA states (``_HybridFn``'s own
+    allocations, read by the backward's kernels by now) in place, as FSDP frees a parameter:
+    a saved tensor lives until its node's backward returns, and with the maps folded in, the
+    maps' backward runs inside that node (at 1 x 64k on the 8B's heads it had peaked 0.59 GiB
+    above the call before the fold, session 21). They stay saved tensors - activation
+    checkpointing discards and recomputes only those - and a second backward through the
+    graph (``retain_graph``) finds them empty (``_released``) and recomputes what they held.
+    On a GPU the caching allocator takes the blocks back in stream order (the kernels that
+    read them were launched on this stream before)."""
+    held = [x for x in tensors if x is not None]
+    for x in held:
+        x.untyped_storage().resize_(0)
+    CALLS["saved_released"] += bool(held)
+
+
+def _released(x: torch.Tensor) -> bool:
+    """Whether ``_release_saved`` emptied ``x``'s storage (a non-empty tensor with none)."""
+    return x.numel() > 0 and x.untyped_storage().nbytes() == 0
 
 
 def _folded_maps_backward(ctx, q, k, fq, fk, dq, dk, dfq, dfk, du_slot, saved):
