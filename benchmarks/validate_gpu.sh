@@ -90,7 +90,7 @@ for r in map(json.loads, sys.stdin):
     step "kernel tests"
     t0=$SECONDS
     timeout 150 python benchmarks/kernel_anatomy.py --shapes 8x1024 --configs default \
-      --branches layer,layer-no-map-q,layer-map-q-fwd128x32 --out "$R/anatomy" \
+      --branches layer,layer-no-map-q,layer-map-q-fwd128x32,layer-cs64 --out "$R/anatomy" \
       > "$R/anatomy.log" 2>&1
     grep "^{" "$R/anatomy.log" | python -c "
 import json, sys
