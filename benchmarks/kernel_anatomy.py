@@ -79,7 +79,9 @@ LAYER_CHANGES = {"layer-fwd128": dict(block_m=128, block_n=64, warps=8,  # (the 
                  # LA states every 64 positions (128 by default): a forward program of 16
                  # positions then walks ~47 keys past its state instead of ~79 (2 key blocks
                  # fewer of 32), for twice the states (``_state_fwd``; the backward's too)
-                 "layer-cs64": dict(state_chunk=64)}
+                 "layer-cs64": dict(state_chunk=64),
+                 # the same for the no-grad forward alone (``forward_state_chunk``)
+                 "layer-fwd-cs64": dict(forward_state_chunk=64)}
 #: the whole layer with a module switch of the kernels changed (module, attribute, value):
 #: both maps' backward in one grid (``triton_phi.PAIR_BACKWARD``, off by default)
 LAYER_SWITCHES = {"layer-maps-paired-bwd": ("triton_phi", "PAIR_BACKWARD", True)}

@@ -9,10 +9,10 @@
 #       2 x 4k), the layer at 8 x 1k kernel by kernel against the forward's tiles before
 #       session 21 and the call before the fold (kernel_anatomy), its host work part by part
 #       (profile_hybrid --host)
-#   bash benchmarks/validate_gpu.sh forward    (~8 min) session 22's q map inside the no-grad
+#   bash benchmarks/validate_gpu.sh forward    (~6 min) session 22's q map inside the no-grad
 #       forward and the fold's released memory: their GPU tests with the fold, gate and
-#       option tests, the layer with the q map in _fwd and without (kernel_anatomy), the five
-#       ratios
+#       option tests, the layer with the q map in _fwd and without and at other LA state
+#       spacings (kernel_anatomy); then `measure` for the ratios
 #
 # The predictions these are read against: benchmarks/README.md, "Written before measuring"
 # for sessions 20 and 21. Run with the wheels carried (`.whl/`, ../shared/gpu/fetch-wheels.sh).
@@ -76,10 +76,10 @@ for r in map(json.loads, sys.stdin):
     step "host profile"
     ;;
   forward)
-    # session 22's changes (~8 min): the q map inside the no-grad forward's _fwd
+    # session 22's changes (~6 min): the q map inside the no-grad forward's _fwd
     # (KernelConfig.map_q_forward) tested against the map's kernel and the folded call, the
     # gate and option tests beside it, the fold's peak (the saved tensors released); the
-    # layer at 8 x 1k with the q map in _fwd and without; the five ratios (no gate rows)
+    # layer at 8 x 1k with the q map in _fwd and without, and at other state spacings
     t0=$SECONDS
     GPU_TESTS_TIMEOUT=${KERNEL_TESTS_TIMEOUT:-200} GPU_TESTS_WORKERS=${WORKERS:-14} \
       OUT=$R/kernels bash benchmarks/gpu_tests.sh tests/test_triton_kernels.py \
@@ -89,21 +89,15 @@ for r in map(json.loads, sys.stdin):
     tail -1 "$R/kernels/gpu_tests.log"
     step "kernel tests"
     t0=$SECONDS
-    timeout 150 python benchmarks/kernel_anatomy.py --shapes 8x1024 --configs default \
-      --branches layer,layer-no-map-q,layer-map-q-fwd128x32,layer-cs64 --out "$R/anatomy" \
+    timeout 240 python benchmarks/kernel_anatomy.py --shapes 8x1024 --configs default \
+      --branches layer,layer-no-map-q,layer-map-q-fwd128x32,layer-cs64,layer-fwd-cs64 \
+      --out "$R/anatomy" \
       > "$R/anatomy.log" 2>&1
     grep "^{" "$R/anatomy.log" | python -c "
 import json, sys
 for r in map(json.loads, sys.stdin):
     print(r.get('branches'), r.get('forward_device_ms'), r.get('fwd_bwd_device_ms'), r.get('error', ''))"
     step "anatomy"
-    t0=$SECONDS
-    timeout ${SPEED_TIMEOUT:-240} python benchmarks/attention_speed.py \
-      --shapes 8x1024,1x65536,2x4096 --check-max-tokens 8192 \
-      --cases "^(teacher|swa|hybrid fixed|lolcats T x T fixed)( fwd)?$" --out "$R/speed" \
-      > "$R/speed.log" 2>&1
-    grep -A8 '"layer_vs_teacher_T1k"' "$R/speed/summary.json" | head -12
-    step "the five ratios"
     ;;
   *)
     echo "usage: bash benchmarks/validate_gpu.sh tests|measure|forward" >&2

@@ -824,7 +824,9 @@ MAP_Q_CASES = {"pack4": (32, 8, "softmax", False, True, {}),
                "pack2": (8, 4, "softmax", False, False, {}),
                "pack1-shared": (4, 4, "softmax", True, True, {}),
                "fwd128x32": (8, 2, "softmax", False, True, dict(block_m=128, block_n=32,
-                                                                 warps=8))}
+                                                                 warps=8)),
+               # the no-grad forward's own state spacing (``forward_state_chunk``)
+               "forward-cs64": (8, 2, "softmax", True, True, dict(forward_state_chunk=64))}
 
 
 @pytest.mark.parametrize("case", list(MAP_Q_CASES))
@@ -879,6 +881,7 @@ def test_q_map_in_the_forward_is_the_map_kernels(case):
     err, err_off, err_pair = rel_err(got, oracle), rel_err(want, oracle), rel_err(got, want)
     assert th.FALLBACK_ERRORS == [], th.FALLBACK_ERRORS
     assert err_pair < 4e-3 and err <= 1.25 * err_off + 1e-4, (err, err_off, err_pair)
+    assert err_off < BF16_VS_ORACLE, err_off
 
 
 def test_folded_call_peaks_no_higher_than_the_maps_as_their_own_functions():

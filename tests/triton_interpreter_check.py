@@ -880,11 +880,12 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
     ran = [th.CALLS[n] - b for n, b in zip(names, before)]
     pairs = [tp.CALLS["pair_forward"] - pairs[0], tp.CALLS["pair_backward"] - pairs[1]]
     before = (th.CALLS["forward_without_autograd"], th.CALLS["forward"],
-              th.CALLS["q_map_in_forward"])
+              th.CALLS["q_map_in_forward"], th.CALLS["forward_state_chunk"])
     no_grad = run("no_grad")
     without_autograd = th.CALLS["forward_without_autograd"] - before[0]
     kernel_calls = th.CALLS["forward"] - before[1]
     q_mapped = th.CALLS["q_map_in_forward"] - before[2]
+    own_chunk = th.CALLS["forward_state_chunk"] - before[3]
     before = th.CALLS["map_du"]
     old = run("unfolded")
     du_unfolded = th.CALLS["map_du"] - before
@@ -921,7 +922,9 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
     # under no_grad the same forward without an autograd Function: the same output, bit for
     # bit; with the q map in ``_fwd``, within rounding of it and of the reference
     out["q_map_in_forward"] = 0.0 if (q_mapped >= 1) == map_q else float("inf")
-    if map_q:
+    want_chunk = bool((cfg or {}).get("forward_state_chunk")) and expect_fold
+    out["forward_state_chunk"] = 0.0 if (own_chunk >= 1) == want_chunk else float("inf")
+    if map_q or want_chunk:  # (sums grouped otherwise)
         out["out_no_grad_vs_folded"] = rel(no_grad["out"], got["out"])
         out["out_no_grad"] = rel(no_grad["out"], want["out"])
     else:
@@ -1507,6 +1510,13 @@ def cases(quick: bool = False):
         ("fold-map-q-8b-tiles-pad", fold_case, dict(
             dtype=bf16, pad=True, H=8, Hkv=2, T=300, D=128, window=64, B=1, map_q=True,
             cfg=dict(d128, map_q_forward=True))),
+        # the no-grad forward's own state spacing (``forward_state_chunk``), with and
+        # without the q map in _fwd
+        ("fold-forward-state-chunk-pad", fold_case, dict(
+            dtype=bf16, pad=True, cfg=dict(MAP_DU, forward_state_chunk=16))),
+        ("fold-forward-state-chunk-map-q-8b-tiles", fold_case, dict(
+            dtype=bf16, pad=True, H=8, Hkv=2, T=300, D=128, window=64, B=1, map_q=True,
+            cfg=dict(d128, forward_state_chunk=64))),
         ("fold-attention-8b-tiles-pad", fold_case, dict(
             dtype=bf16, through="attention", pad=True, H=8, Hkv=2, T=300, D=128, window=64,
             B=1, map_q=True)),

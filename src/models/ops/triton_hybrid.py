@@ -125,13 +125,14 @@ FALLBACK_ERRORS: list[str] = []
 #: evaluation, prefill); the calls of a g per position or channel (``_gated``: a call per branch);
 #: the forwards that computed phi_q inside ``_fwd`` (``KernelConfig.map_q_forward``); the folded
 #: backwards that released the saved branches and states before the maps' backward, and the
-#: backwards that found them released (a second backward, ``retain_graph``) and recomputed
+#: backwards that found them released (a second backward, ``retain_graph``) and recomputed; the
+#: no-grad forwards at their own state spacing (``KernelConfig.forward_state_chunk``)
 CALLS = {"forward": 0, "dq_pass": 0, "dkv_swa": 0, "dv_la": 0, "factors_from_saved": 0,
          "split_states": 0, "states_from_forward": 0, "dkv_apart": 0, "packed_forward": 0,
          "packed_dq": 0, "map_du": 0, "fuse_q_side": 0, "fuse_kv_side": 0, "kv_order_1": 0,
          "kv_order_2": 0, "state_sums_mma": 0, "maps_folded": 0, "maps_folded_backward": 0,
          "forward_without_autograd": 0, "gated": 0, "q_map_in_forward": 0,
-         "saved_released": 0, "saved_recomputed": 0}
+         "saved_released": 0, "saved_recomputed": 0, "forward_state_chunk": 0}
 
 
 @dataclass(frozen=True)
@@ -288,6 +289,13 @@ class KernelConfig:
     #: kernel's up to the rounding of u's products (another tile shape), so the output is
     #: within bf16 rounding of the unfolded call's, not bit for bit
     map_q_forward: bool = False
+    #: the LA state spacing of the forward where no backward follows (evaluation, prefill;
+    #: None: ``state_chunk``): a forward program walks the keys between its state and its
+    #: block, ~state_chunk / 2 + window - its positions on average, so a shorter spacing
+    #: takes fewer key blocks per program for more states (``_state_fwd``). The backward's
+    #: spacing (``state_chunk``) is untouched: its states come from the forward under grad.
+    #: The same sums grouped otherwise (within rounding of ``state_chunk``'s, not bit for bit)
+    forward_state_chunk: int | None = None
 
 
 #: The forward's tiles at D 128 bf16 that let two programs share a multiprocessor: 64 rows (16
@@ -2222,6 +2230,9 @@ def _function_forward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, 
     ``_fwd`` computes phi_q itself (``KernelConfig.map_q_forward``; fq is then ``None``)."""
     casts = None
     map_q = None
+    if not autograd and cfg.forward_state_chunk not in (None, cfg.state_chunk):
+        cfg = _no_grad_config(cfg)
+        CALLS["forward_state_chunk"] += 1
     if maps_softmax is not None and not autograd and maps_q_in_forward(
             cfg, q, q.shape[1] // k.shape[1], has_la):  # (the k map alone)
         fk, wkc, bkc = triton_phi.map_forward(k, wk, bk, maps_softmax[1])
@@ -2244,6 +2255,14 @@ def _function_forward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, 
         save=save and c.save_branches, map_q=map_q))  # (the retry's SAFE_CONFIG saves nothing
     # and runs the q map as its own kernel)
     return _Forward(o, fq, fk, casts, lse, den, swa_o, la_o, states)
+
+
+@functools.lru_cache(maxsize=64)  # (one per config: host time per call)
+def _no_grad_config(cfg: KernelConfig) -> KernelConfig:
+    """``cfg`` for a forward no backward follows: its states every ``forward_state_chunk``
+    positions."""
+    return dataclasses.replace(cfg, state_chunk=cfg.forward_state_chunk,
+                               forward_state_chunk=None)
 
 
 class _HybridFn(torch.autograd.Function):
@@ -2469,6 +2488,9 @@ def hybrid_kernel(q, k, v, fq, fk, ca, cb, logs, shift, *, window: int, scale: f
     if any(cfg.state_chunk % n for n in blocks):
         raise ValueError(f"state_chunk {cfg.state_chunk} must be a multiple of the key blocks "
                          f"(block_n, bwd_block_n, dkv_block_n, dv_block_n: {blocks})")
+    if cfg.forward_state_chunk is not None and cfg.forward_state_chunk % cfg.block_n:
+        raise ValueError(f"forward_state_chunk {cfg.forward_state_chunk} must be a multiple of "
+                         f"the forward's key block (block_n {cfg.block_n})")
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     if maps is None:
         fq, fk = (x if x.stride(-1) == 1 else x.contiguous() for x in (fq, fk))
