@@ -71,11 +71,12 @@ LAYER_CHANGES = {"layer-fwd128": dict(block_m=128, block_n=64, warps=8,  # (the 
                  "layer-fwd64-bn32-ss2-p2": dict(block_m=64, block_n=32, warps=4,
                                                  state_product_stages=2, pack_heads=2,
                                                  dq_pack_heads=4),
-                 # the no-grad forward with the q map as its own kernel (before session 22:
-                 # ``map_q_forward``'s A/B), and the q map in ``_fwd`` on 128 x 32 8-warp
-                 # programs (ptxas: 254 registers, no spill, 144 KB: one a multiprocessor)
-                 "layer-no-map-q": dict(map_q_forward=False),
-                 "layer-map-q-fwd128x32": dict(block_m=128, block_n=32, warps=8),
+                 # the q map inside the no-grad forward's ``_fwd`` (``map_q_forward``, off by
+                 # default: session 22 read it slower), and on 128 x 32 8-warp programs
+                 # (ptxas: 254 registers, no spill, 144 KB: one a multiprocessor)
+                 "layer-map-q": dict(map_q_forward=True),
+                 "layer-map-q-fwd128x32": dict(map_q_forward=True, block_m=128, block_n=32,
+                                               warps=8),
                  # LA states every 64 positions (128 by default): a forward program of 16
                  # positions then walks ~47 keys past its state instead of ~79 (2 key blocks
                  # fewer of 32), for twice the states (``_state_fwd``; the backward's too)

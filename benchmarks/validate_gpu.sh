@@ -13,6 +13,8 @@
 #       forward and the fold's released memory: their GPU tests with the fold, gate and
 #       option tests, the layer with the q map in _fwd and without and at other LA state
 #       spacings (kernel_anatomy); then `measure` for the ratios
+#   bash benchmarks/validate_gpu.sh memory     (~6 min) the fold's memory tests, its peak taken
+#       apart (fold_memory.py), the recipes
 #
 # The predictions these are read against: benchmarks/README.md, "Written before measuring"
 # for sessions 20 and 21. Run with the wheels carried (`.whl/`, ../shared/gpu/fetch-wheels.sh).
@@ -90,7 +92,7 @@ for r in map(json.loads, sys.stdin):
     step "kernel tests"
     t0=$SECONDS
     timeout 240 python benchmarks/kernel_anatomy.py --shapes 8x1024 --configs default \
-      --branches layer,layer-no-map-q,layer-map-q-fwd128x32,layer-cs64,layer-fwd-cs64 \
+      --branches layer,layer-map-q,layer-map-q-fwd128x32,layer-cs64,layer-fwd-cs64 \
       --out "$R/anatomy" \
       > "$R/anatomy.log" 2>&1
     grep "^{" "$R/anatomy.log" | python -c "
@@ -99,8 +101,33 @@ for r in map(json.loads, sys.stdin):
     print(r.get('branches'), r.get('forward_device_ms'), r.get('fwd_bwd_device_ms'), r.get('error', ''))"
     step "anatomy"
     ;;
+  memory)
+    # session 22's second call (~6 min): the fold's memory (the saved branches released, the
+    # maps' dx written over the kernel's dq / dk) - its peak test with the fold and q-map
+    # tests, the peak taken apart by allocation site (fold_memory.py) - then the recipes
+    # through `hedgecats pipeline` (the training backward releases its saved tensors)
+    t0=$SECONDS
+    GPU_TESTS_TIMEOUT=${KERNEL_TESTS_TIMEOUT:-150} GPU_TESTS_WORKERS=${WORKERS:-14} \
+      OUT=$R/kernels bash benchmarks/gpu_tests.sh tests/test_triton_kernels.py \
+      -k "q_map or maps_folded or folded_call_peaks or output_gate" > /dev/null 2>&1
+    grep -E "FAILED|ERROR|AssertionError" "$R/kernels/gpu_tests.log" | head -20
+    tail -1 "$R/kernels/gpu_tests.log"
+    step "kernel tests"
+    t0=$SECONDS
+    timeout 90 python benchmarks/fold_memory.py --shape 1x8192 \
+      --out "$R/fold_memory.json" > "$R/fold_memory.log" 2>&1
+    tail -40 "$R/fold_memory.log"
+    step "fold memory"
+    t0=$SECONDS
+    GPU_TESTS_TIMEOUT=${RECIPE_TESTS_TIMEOUT:-200} GPU_TESTS_WORKERS=${WORKERS:-14} \
+      OUT=$R/recipes bash benchmarks/gpu_tests.sh tests/test_recipes.py \
+      tests/test_stage1_overlap_gpu.py > /dev/null 2>&1
+    grep -E "FAILED|ERROR" "$R/recipes/gpu_tests.log" | head -20
+    tail -1 "$R/recipes/gpu_tests.log"
+    step "recipe tests"
+    ;;
   *)
-    echo "usage: bash benchmarks/validate_gpu.sh tests|measure|forward" >&2
+    echo "usage: bash benchmarks/validate_gpu.sh tests|measure|forward|memory" >&2
     exit 2
     ;;
 esac

@@ -805,7 +805,7 @@ def test_maps_folded_into_the_kernel_are_their_own_functions(frozen):
         assert (a is None and b is None) or torch.equal(a, b), name
     assert got[1] is None or got[1].stride() == q0.stride()
     # evaluation / prefill: the same forward without the autograd Function, bit for bit; with
-    # the q map inside ``_fwd`` (``map_q_forward``, the default here) within rounding of it
+    # the q map inside ``_fwd`` (``map_q_forward``, off by default) within rounding of it
     before = th.CALLS["forward_without_autograd"], th.CALLS["q_map_in_forward"]
     with torch.no_grad():
         out = hybrid_attention(q0, k0, v0, None, None, maps=maps, **kw)
@@ -831,7 +831,7 @@ MAP_Q_CASES = {"pack4": (32, 8, "softmax", False, True, {}),
 
 @pytest.mark.parametrize("case", list(MAP_Q_CASES))
 def test_q_map_in_the_forward_is_the_map_kernels(case):
-    """``KernelConfig.map_q_forward`` (the default at D 128 bf16 since session 22): the no-grad
+    """``KernelConfig.map_q_forward`` (an option, measured slower in session 22): the no-grad
     forward with the maps folded computes phi_q inside ``_fwd`` from q and the map's weight,
     against the same call with the q map as its own kernel: D 128, F 256, bf16, T not a
     multiple of the chunk, 4 / 2 / 1 query heads a program, both activations, padding. Within

@@ -287,14 +287,19 @@ class KernelConfig:
     #: registers, so phi_q (B, H, T, F) is never written nor read back; the k map still runs
     #: as its own kernel (its output feeds the state kernels too). The features are the map
     #: kernel's up to the rounding of u's products (another tile shape), so the output is
-    #: within bf16 rounding of the unfolded call's, not bit for bit
+    #: within bf16 rounding of the unfolded call's, not bit for bit. Off: measured slower on
+    #: an H200 (session 22, 8 x 1k: `_fwd` 0.246 to 0.397 ms against the 0.103 the q map's
+    #: own launch saves; each program loads its 4 heads' weights for 16 rows each, 4 times
+    #: the weight traffic of the map's kernel, and multiplies on 16-row mma.sync tiles)
     map_q_forward: bool = False
     #: the LA state spacing of the forward where no backward follows (evaluation, prefill;
     #: None: ``state_chunk``): a forward program walks the keys between its state and its
     #: block, ~state_chunk / 2 + window - its positions on average, so a shorter spacing
     #: takes fewer key blocks per program for more states (``_state_fwd``). The backward's
     #: spacing (``state_chunk``) is untouched: its states come from the forward under grad.
-    #: The same sums grouped otherwise (within rounding of ``state_chunk``'s, not bit for bit)
+    #: The same sums grouped otherwise (within rounding of ``state_chunk``'s, not bit for bit).
+    #: 64 measured slower at 8 x 1k (session 22: 16 chunks build their states split, 0.15 ms
+    #: against the walk's 0.028, for 0.011 ms less in `_fwd`)
     forward_state_chunk: int | None = None
 
 
@@ -379,16 +384,20 @@ def default_config(D: int, F: int, dtype: torch.dtype) -> KernelConfig:
     # 1.910 (`_bwd_kv` 0.597). The kernel alone at 1 x 64k 13.31 to 12.92 ms with the first
     # (kernel_anatomy and attention_speed.py --tune, one run; results/h200_2026-12-04b, call 1)
     # The forward on ``TWO_PROGRAM_FORWARD``'s tiles since session 21 (see there)
-    # The q map inside the no-grad forward's ``_fwd`` (``map_q_forward``) since session 22:
-    # ptxas (sm_90a, launch hints) 255 registers, 36 B of spill, 112 KB of shared memory
+    # Measured slower and not taken (session 22, kernel_anatomy at 8 x 1k, device time;
+    # results/h200_2026-12-05b): the q map inside the no-grad forward's ``_fwd``
+    # (``map_q_forward``), the forward 0.413 to 0.462 ms (`_fwd` 0.246 to 0.397, the maps'
+    # launch 0.131 to 0.028 for the k map alone), on 128 x 32 8-warp programs 0.508; LA states
+    # every 64 positions (``state_chunk`` or ``forward_state_chunk`` 64, with the q map in
+    # `_fwd`): `_fwd` 0.397 to 0.386, but 16 chunks build their states split (0.15 ms against
+    # `_state_fwd`'s 0.028), the forward 0.58
     if D >= 128:
         return KernelConfig(**TWO_PROGRAM_FORWARD, state_chunk=128, stages=2, bwd_block_m=64,
                             bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8,
                             grad_f_chunk=256, dkv_block_n=64, split_tile=128,
                             dq_block_m=128, pack_heads=4, state_f=128, state_d=128,
                             state_programs=128, dv_block_n=64, fuse_q_side=True,
-                            fuse_kv_side=True, kv_order=2, state_sums_mma=True,
-                            map_q_forward=True)
+                            fuse_kv_side=True, kv_order=2, state_sums_mma=True)
     return KernelConfig(block_m=64, block_n=64, warps=4, stages=2, bwd_block_m=64,
                         bwd_block_n=64, bwd_warps=8, f_chunk=128)
 
@@ -2402,10 +2411,11 @@ def _folded_maps_backward(ctx, q, k, fq, fk, dq, dk, dfq, dfk, du_slot, saved):
     if any(_map_needs(ctx, 0)):
         du, only = du_slot.take(dfq) if du_slot is not None else (None, False)
         q_side = dict(x=q, wc=wqc, bc=bqc, y=fq, dy=dfq, dx_in=dq, softmax=softmax[0],
-                      dtypes=q_dtypes, du=du, du_only=only, need=_map_needs(ctx, 0))
-    if any(_map_needs(ctx, 1)):
+                      dtypes=q_dtypes, du=du, du_only=only, need=_map_needs(ctx, 0),
+                      dx_into_input=True)
+    if any(_map_needs(ctx, 1)):  # (dq, dk: the kernels' own buffers, written over)
         k_side = dict(x=k, wc=wkc, bc=bkc, y=fk, dy=dfk, dx_in=dk, softmax=softmax[1],
-                      dtypes=k_dtypes, need=_map_needs(ctx, 1))
+                      dtypes=k_dtypes, need=_map_needs(ctx, 1), dx_into_input=True)
     got_q, got_k = triton_phi.map_backward_pair(q_side, k_side)  # (one launch where both run)
     dwq = dbq = dwk = dbk = None
     if got_q is not None:

@@ -57,9 +57,10 @@ FALLBACK_ERRORS: list[str] = []
 #: dx: only when x takes a gradient; added: those that added x's other gradient in the kernel
 #: du_from_kernel / du_added: backward passes that started from the hybrid kernel's du (``DuSlot``)
 #: alone / with another consumer's gradient added; pair_forward / pair_backward: launches that
-#: ran a layer's two maps in one grid (``map_forward_pair``, ``map_backward_pair``)
+#: ran a layer's two maps in one grid (``map_forward_pair``, ``map_backward_pair``); dx_in_place:
+#: backward passes that wrote dx over the caller's dx_in (``_MapBackward``'s dx_into_input)
 CALLS = {"forward": 0, "backward_dx": 0, "backward_added": 0, "du_from_kernel": 0,
-         "du_added": 0, "pair_forward": 0, "pair_backward": 0}
+         "du_added": 0, "pair_forward": 0, "pair_backward": 0, "dx_in_place": 0}
 ACTIVATIONS = ("softmax", "exp")
 
 
@@ -547,7 +548,8 @@ class _MapBackward:
                  "add", "args", "meta", "launches")
 
     def __init__(self, x, wc, bc, y, dy, dx_in, *, softmax: bool, dtypes: tuple, du=None,
-                 du_only: bool = False, need: tuple = (True, True, True)):
+                 du_only: bool = False, need: tuple = (True, True, True),
+                 dx_into_input: bool = False):
         self.x, self.wc, self.FH, self.need, self.dtypes = x, wc, wc.shape[-1], need, dtypes
         du_given = 0 if du is None else 1 if du_only else 2
         if du_given == 1:
@@ -561,8 +563,17 @@ class _MapBackward:
         if add and dx_in.stride(-1) != 1:  # (any float dtype: the kernel reads it into fp32)
             dx_in = dx_in.contiguous()
         # dx laid out as x (the model's (B, T, H, D) memory: summed with the attention
-        # kernel's dq, laid out so too, and accumulated without a copy)
-        dx = torch.empty_like(x) if need_dx else None
+        # kernel's dq, laid out so too, and accumulated without a copy). ``dx_into_input``
+        # (the caller owns dx_in: the fused kernel's own dq / dk, ``triton_hybrid``'s folded
+        # maps): dx written over dx_in where their layouts and dtypes agree - each program
+        # reads its tile of dx_in before it writes the same tile - so that no second buffer
+        # of x's size is alive (the call before the fold had autograd free one map's
+        # buffers before the other's backward; folded, both maps run in one node)
+        if add and dx_into_input and dx_in.dtype == x.dtype and dx_in.stride() == x.stride():
+            dx = dx_in
+            CALLS["dx_in_place"] += 1
+        else:
+            dx = torch.empty_like(x) if need_dx else None
         if du is None:
             du, self.reduce_dw = _du_buffer(x, self.FH)
         else:
