@@ -85,7 +85,9 @@ LAYER_CHANGES = {"layer-fwd128": dict(block_m=128, block_n=64, warps=8,  # (the 
                  "layer-fwd-cs64": dict(forward_state_chunk=64)}
 #: the whole layer with a module switch of the kernels changed (module, attribute, value):
 #: both maps' backward in one grid (``triton_phi.PAIR_BACKWARD``, off by default)
-LAYER_SWITCHES = {"layer-maps-paired-bwd": ("triton_phi", "PAIR_BACKWARD", True)}
+LAYER_SWITCHES = {"layer-maps-paired-bwd": ("triton_phi", "PAIR_BACKWARD", True),
+                  # the maps' softmax normalised by a reciprocal per row (``RECIPROCAL_SOFTMAX``)
+                  "layer-phi-rcp": ("triton_phi", "RECIPROCAL_SOFTMAX", True)}
 LAYERS.update({name: dict() for name in (*LAYER_CHANGES, *LAYER_SWITCHES)})
 
 

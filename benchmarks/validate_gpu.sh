@@ -6,9 +6,9 @@
 #       recipes through `hedgecats pipeline` and stage 1's side streams
 #   bash benchmarks/validate_gpu.sh measure    (~8 min) issue 11's five ratios with the
 #       output-gate rows against the pieces beside them (attention_speed: 8 x 1k, 1 x 64k,
-#       2 x 4k), the layer at 8 x 1k kernel by kernel against the forward's tiles before
-#       session 21 and the call before the fold (kernel_anatomy), its host work part by part
-#       (profile_hybrid --host)
+#       2 x 4k), the layer at 8 x 1k kernel by kernel against the maps' softmax normalised
+#       by a reciprocal (triton_phi.RECIPROCAL_SOFTMAX) and the call before the fold
+#       (kernel_anatomy), its host work part by part (profile_hybrid --host)
 #   bash benchmarks/validate_gpu.sh forward    (~6 min) session 22's q map inside the no-grad
 #       forward and the fold's released memory: their GPU tests with the fold, gate and
 #       option tests, the layer with the q map in _fwd and without and at other LA state
@@ -65,7 +65,7 @@ case "${1:-}" in
     # before the fold (session 20)
     t0=$SECONDS
     timeout 120 python benchmarks/kernel_anatomy.py --shapes 8x1024 --configs default \
-      --branches layer,layer-fwd128,layer-unfolded --out "$R/anatomy" > "$R/anatomy.log" 2>&1
+      --branches layer,layer-phi-rcp,layer-unfolded --out "$R/anatomy" > "$R/anatomy.log" 2>&1
     grep "^{" "$R/anatomy.log" | python -c "
 import json, sys
 for r in map(json.loads, sys.stdin):

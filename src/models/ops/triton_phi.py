@@ -67,14 +67,20 @@ ACTIVATIONS = ("softmax", "exp")
 if HAVE_TRITON:
 
     @triton.jit
-    def _acts(x, W, bias, SOFTMAX: tl.constexpr, PREC: tl.constexpr):
-        """Both halves' activations (fp32) of the rows x (BM, D) for one head."""
+    def _acts(x, W, bias, SOFTMAX: tl.constexpr, PREC: tl.constexpr, RCP: tl.constexpr = False):
+        """Both halves' activations (fp32) of the rows x (BM, D) for one head. RCP
+        (``RECIPROCAL_SOFTMAX``): the softmax's normalisation as one reciprocal per row and a
+        product per feature instead of a division per feature."""
         u = tl.dot(x, W, input_precision=PREC) + bias[None, :]
         if SOFTMAX:
             e1 = tl.exp(u - tl.max(u, axis=1)[:, None])
             e2 = tl.exp(tl.min(u, axis=1)[:, None] - u)
-            a1 = e1 / tl.sum(e1, axis=1)[:, None]
-            a2 = e2 / tl.sum(e2, axis=1)[:, None]
+            if RCP:
+                a1 = e1 * (1.0 / tl.sum(e1, axis=1))[:, None]
+                a2 = e2 * (1.0 / tl.sum(e2, axis=1))[:, None]
+            else:
+                a1 = e1 / tl.sum(e1, axis=1)[:, None]
+                a2 = e2 / tl.sum(e2, axis=1)[:, None]
         else:
             a1 = tl.exp(u)
             a2 = tl.exp(-u)
@@ -83,7 +89,7 @@ if HAVE_TRITON:
     @triton.jit
     def _phi_fwd_rows(X, W, BIAS, Y, sx_b, sx_h, sx_t, T, H, pid_bh, pid_m,
                       D: tl.constexpr, FH: tl.constexpr, BM: tl.constexpr,
-                      SOFTMAX: tl.constexpr, PREC: tl.constexpr):
+                      SOFTMAX: tl.constexpr, PREC: tl.constexpr, RCP: tl.constexpr):
         """One program's rows: block ``pid_m`` of (batch row, head) ``pid_bh``."""
         b = pid_bh // H
         h = pid_bh % H
@@ -95,7 +101,7 @@ if HAVE_TRITON:
                     + offs_d[None, :], mask=rows[:, None], other=0.0)
         w = tl.load(W + h.to(tl.int64) * D * FH + offs_d[:, None] * FH + offs_f[None, :])
         bias = tl.load(BIAS + h * FH + offs_f).to(tl.float32)
-        a1, a2 = _acts(x, w, bias, SOFTMAX, PREC)
+        a1, a2 = _acts(x, w, bias, SOFTMAX, PREC, RCP)
         y = Y + (pid_bh.to(tl.int64) * T + offs_m[:, None]) * (2 * FH) + offs_f[None, :]
         tl.store(y, a1.to(Y.dtype.element_ty), mask=rows[:, None])
         tl.store(y + FH, a2.to(Y.dtype.element_ty), mask=rows[:, None])
@@ -103,24 +109,25 @@ if HAVE_TRITON:
     @triton.jit
     def _phi_fwd(X, W, BIAS, Y, sx_b, sx_h, sx_t, T, H,
                  D: tl.constexpr, FH: tl.constexpr, BM: tl.constexpr, SOFTMAX: tl.constexpr,
-                 PREC: tl.constexpr):
+                 PREC: tl.constexpr, RCP: tl.constexpr = False):
         # axis 0: up to 2^31 - 1 (B * H of a large decode batch)
         _phi_fwd_rows(X, W, BIAS, Y, sx_b, sx_h, sx_t, T, H, tl.program_id(0),
-                      tl.program_id(1), D, FH, BM, SOFTMAX, PREC)
+                      tl.program_id(1), D, FH, BM, SOFTMAX, PREC, RCP)
 
     @triton.jit
     def _phi_fwd_pair(XQ, WQ, BQ, YQ, sq_b, sq_h, sq_t, HQ, XK, WK, BK, YK, sk_b, sk_h, sk_t,
                       HK, NQ, T, D: tl.constexpr, FH: tl.constexpr, BM: tl.constexpr,
-                      SOFTMAX_Q: tl.constexpr, SOFTMAX_K: tl.constexpr, PREC: tl.constexpr):
+                      SOFTMAX_Q: tl.constexpr, SOFTMAX_K: tl.constexpr, PREC: tl.constexpr,
+                      RCP: tl.constexpr = False):
         """Both maps of a layer in one grid (``map_forward_pair``): programs 0 .. NQ - 1 of axis
         0 (NQ = B HQ) run the q map, the rest the k map, each ``_phi_fwd``'s program."""
         pid = tl.program_id(0)
         if pid < NQ:
             _phi_fwd_rows(XQ, WQ, BQ, YQ, sq_b, sq_h, sq_t, T, HQ, pid, tl.program_id(1),
-                          D, FH, BM, SOFTMAX_Q, PREC)
+                          D, FH, BM, SOFTMAX_Q, PREC, RCP)
         else:
             _phi_fwd_rows(XK, WK, BK, YK, sk_b, sk_h, sk_t, T, HK, pid - NQ, tl.program_id(1),
-                          D, FH, BM, SOFTMAX_K, PREC)
+                          D, FH, BM, SOFTMAX_K, PREC, RCP)
 
     @triton.jit
     def _phi_bwd_rows(X, W, BIAS, Y, DY, DX, DU, DXI, sx_b, sx_h, sx_t, sdy_b, sdy_h, sdy_t,
@@ -128,7 +135,7 @@ if HAVE_TRITON:
                       D: tl.constexpr, FH: tl.constexpr, BM: tl.constexpr,
                       SOFTMAX: tl.constexpr, PREC: tl.constexpr, NEED_DX: tl.constexpr,
                       DU_HEADS_FIRST: tl.constexpr, FROM_Y: tl.constexpr,
-                      ADD_DXI: tl.constexpr, DU_GIVEN: tl.constexpr):
+                      ADD_DXI: tl.constexpr, DU_GIVEN: tl.constexpr, RCP: tl.constexpr):
         """One program's rows of ``_phi_bwd``: block ``pid_m`` of (batch row, head) ``pid_bh``.
 
         FROM_Y: both activations read from the forward's output Y ((B H, T, F), the input
@@ -161,7 +168,7 @@ if HAVE_TRITON:
                             + offs_m[:, None] * sx_t + offs_d[None, :], mask=rows[:, None],
                             other=0.0)
                 bias = tl.load(BIAS + h * FH + offs_f).to(tl.float32)
-                a1, a2 = _acts(x, w, bias, SOFTMAX, PREC)
+                a1, a2 = _acts(x, w, bias, SOFTMAX, PREC, RCP)
             dy = DY + b.to(tl.int64) * sdy_b + h.to(tl.int64) * sdy_h + offs_m[:, None] * sdy_t \
                 + offs_f[None, :]
             dy1 = tl.load(dy, mask=rows[:, None], other=0.0).to(tl.float32)
@@ -191,13 +198,14 @@ if HAVE_TRITON:
                  sdx_b, sdx_h, sdx_t, sdxi_b, sdxi_h, sdxi_t, T, H, B,
                  D: tl.constexpr, FH: tl.constexpr, BM: tl.constexpr, SOFTMAX: tl.constexpr,
                  PREC: tl.constexpr, NEED_DX: tl.constexpr, DU_HEADS_FIRST: tl.constexpr,
-                 FROM_Y: tl.constexpr, ADD_DXI: tl.constexpr, DU_GIVEN: tl.constexpr = 0):
+                 FROM_Y: tl.constexpr, ADD_DXI: tl.constexpr, DU_GIVEN: tl.constexpr = 0,
+                 RCP: tl.constexpr = False):
         """The map's backward (``_phi_bwd_rows``), one program per row block and (b, h);
         axis 0 up to 2^31 - 1 (B * H of a large decode batch)."""
         _phi_bwd_rows(X, W, BIAS, Y, DY, DX, DU, DXI, sx_b, sx_h, sx_t, sdy_b, sdy_h, sdy_t,
                       sdx_b, sdx_h, sdx_t, sdxi_b, sdxi_h, sdxi_t, T, H, B, tl.program_id(0),
                       tl.program_id(1), D, FH, BM, SOFTMAX, PREC, NEED_DX, DU_HEADS_FIRST,
-                      FROM_Y, ADD_DXI, DU_GIVEN)
+                      FROM_Y, ADD_DXI, DU_GIVEN, RCP)
 
     @triton.jit
     def _phi_bwd_pair(XQ, WQ, BQ, YQ, DYQ, DXQ, DUQ, DXIQ, sq0, sq1, sq2, sq3, sq4, sq5, sq6,
@@ -209,7 +217,7 @@ if HAVE_TRITON:
                       ADD_DXI_Q: tl.constexpr, DU_GIVEN_Q: tl.constexpr,
                       SOFTMAX_K: tl.constexpr, NEED_DX_K: tl.constexpr,
                       DU_HEADS_FIRST_K: tl.constexpr, ADD_DXI_K: tl.constexpr,
-                      DU_GIVEN_K: tl.constexpr):
+                      DU_GIVEN_K: tl.constexpr, RCP: tl.constexpr = False):
         """Both maps' backward in one grid (``map_backward_pair``): programs 0 .. NQ - 1 of
         axis 0 (NQ = B HQ) the q map's, the rest the k map's, each ``_phi_bwd``'s program with
         its map's switches; the strides per map in ``_phi_bwd``'s order (x, dy, dx, dxi)."""
@@ -218,12 +226,12 @@ if HAVE_TRITON:
             _phi_bwd_rows(XQ, WQ, BQ, YQ, DYQ, DXQ, DUQ, DXIQ, sq0, sq1, sq2, sq3, sq4, sq5,
                           sq6, sq7, sq8, sq9, sq10, sq11, T, HQ, B, pid, tl.program_id(1), D, FH,
                           BM, SOFTMAX_Q, PREC, NEED_DX_Q, DU_HEADS_FIRST_Q, FROM_Y, ADD_DXI_Q,
-                          DU_GIVEN_Q)
+                          DU_GIVEN_Q, RCP)
         else:
             _phi_bwd_rows(XK, WK, BK, YK, DYK, DXK, DUK, DXIK, sk0, sk1, sk2, sk3, sk4, sk5,
                           sk6, sk7, sk8, sk9, sk10, sk11, T, HK, B, pid - NQ, tl.program_id(1),
                           D, FH, BM, SOFTMAX_K, PREC, NEED_DX_K, DU_HEADS_FIRST_K, FROM_Y,
-                          ADD_DXI_K, DU_GIVEN_K)
+                          ADD_DXI_K, DU_GIVEN_K, RCP)
 
 
 #: the backward reads the activations from the forward's output instead of recomputing them
@@ -237,6 +245,11 @@ BWD_FROM_OUTPUT = True
 #: layer-maps-paired-bwd``). The forward's pair has the same resources as each map's kernel
 #: and is always taken.
 PAIR_BACKWARD = False
+#: the softmax map's normalisation in its kernels as one reciprocal per row and a product per
+#: feature (``_acts``' RCP) instead of a division per feature (the PyTorch module's): within
+#: fp32 rounding of it, the bf16 output rarely one rounding apart. Off until measured
+#: (``kernel_anatomy.py --branches layer,layer-phi-rcp``)
+RECIPROCAL_SOFTMAX = False
 
 
 def _prec(dtype):
@@ -457,7 +470,7 @@ def map_forward(x, w, bias, softmax):
     BM, warps = _tiles(D, FH, backward=False)
     fast(_phi_fwd)[(B * H, cdiv(T, BM))](
         x, wc, bc, y, x.stride(0), x.stride(1), x.stride(2), T, H, D=D, FH=FH, BM=BM,
-        SOFTMAX=softmax, PREC=_prec(x.dtype), num_warps=warps)
+        SOFTMAX=softmax, PREC=_prec(x.dtype), RCP=RECIPROCAL_SOFTMAX, num_warps=warps)
     return y, wc, bc
 
 
@@ -482,6 +495,7 @@ def map_forward_pair(xq, wq, bq, softmax_q, xk, wk, bk, softmax_k):
         xq, wqc, bqc, yq, xq.stride(0), xq.stride(1), xq.stride(2), Hq,
         xk, wkc, bkc, yk, xk.stride(0), xk.stride(1), xk.stride(2), Hk, B * Hq, T,
         D=D, FH=FH, BM=BM, SOFTMAX_Q=softmax_q, SOFTMAX_K=softmax_k, PREC=_prec(xq.dtype),
+        RCP=RECIPROCAL_SOFTMAX,
         num_warps=warps)
     CALLS["pair_forward"] += 1
     return (yq, wqc, bqc), (yk, wkc, bkc)
@@ -527,7 +541,7 @@ def map_backward_pair(q: dict | None, k: dict | None):
         BM, warps = _tiles(D, pq.FH, backward=True)
         fast(_phi_bwd_pair)[(B * (Hq + pk.x.shape[1]), cdiv(T, BM))](
             *pq.args, Hq, *pk.args, pk.x.shape[1], B * Hq, T, B, D=D, FH=pq.FH, BM=BM,
-            PREC=_prec(pq.x.dtype), FROM_Y=BWD_FROM_OUTPUT,
+            PREC=_prec(pq.x.dtype), FROM_Y=BWD_FROM_OUTPUT, RCP=RECIPROCAL_SOFTMAX,
             **{f"{n}_Q": v for n, v in pq.meta.items()},
             **{f"{n}_K": v for n, v in pk.meta.items()}, num_warps=warps)
         CALLS["pair_backward"] += 1
@@ -596,7 +610,7 @@ class _MapBackward:
         BM, warps = _tiles(D, self.FH, backward=True)
         fast(_phi_bwd)[(B * H, cdiv(T, BM))](
             *self.args, T, H, B, D=D, FH=self.FH, BM=BM, PREC=_prec(self.x.dtype),
-            FROM_Y=BWD_FROM_OUTPUT, num_warps=warps, **self.meta)
+            FROM_Y=BWD_FROM_OUTPUT, RCP=RECIPROCAL_SOFTMAX, num_warps=warps, **self.meta)
 
     def finish(self):
         """(dx, dW, db), each None where not asked for."""
