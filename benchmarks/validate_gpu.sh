@@ -34,22 +34,42 @@ mkdir -p "$R"
 } > "$R/gpu.txt"
 cat "$R/gpu.txt"
 step() { echo "== $1: $(( SECONDS - t0 )) s"; }
+# kernel_tests TIMEOUT [pytest -k expression]: the fused kernels' GPU tests (all, or those)
+kernel_tests() {
+  t0=$SECONDS
+  GPU_TESTS_TIMEOUT=${KERNEL_TESTS_TIMEOUT:-$1} GPU_TESTS_WORKERS=${WORKERS:-14} \
+    OUT=$R/kernels bash benchmarks/gpu_tests.sh tests/test_triton_kernels.py \
+    ${2:+-k "$2"} > /dev/null 2>&1
+  grep -E "FAILED|ERROR|AssertionError" "$R/kernels/gpu_tests.log" | head -20
+  tail -1 "$R/kernels/gpu_tests.log"
+  step "kernel tests"
+}
+# the recipes through `hedgecats pipeline` and stage 1's side streams
+recipe_tests() {
+  t0=$SECONDS
+  GPU_TESTS_TIMEOUT=${RECIPE_TESTS_TIMEOUT:-200} GPU_TESTS_WORKERS=${WORKERS:-14} \
+    OUT=$R/recipes bash benchmarks/gpu_tests.sh tests/test_recipes.py \
+    tests/test_stage1_overlap_gpu.py > /dev/null 2>&1
+  grep -E "FAILED|ERROR" "$R/recipes/gpu_tests.log" | head -20
+  tail -1 "$R/recipes/gpu_tests.log"
+  step "recipe tests"
+}
+# anatomy TIMEOUT BRANCHES: the layer at 8 x 1k kernel by kernel (kernel_anatomy), per variant
+anatomy() {
+  t0=$SECONDS
+  timeout "$1" python benchmarks/kernel_anatomy.py --shapes 8x1024 --configs default \
+    --branches "$2" --out "$R/anatomy" > "$R/anatomy.log" 2>&1
+  grep "^{" "$R/anatomy.log" | python -c "
+import json, sys
+for r in map(json.loads, sys.stdin):
+    print(r.get('branches'), r.get('forward_device_ms'), r.get('fwd_bwd_device_ms'), r.get('error', ''))"
+  step "anatomy"
+}
 
 case "${1:-}" in
   tests)
-    t0=$SECONDS
-    GPU_TESTS_TIMEOUT=${KERNEL_TESTS_TIMEOUT:-280} GPU_TESTS_WORKERS=${WORKERS:-14} \
-      OUT=$R/kernels bash benchmarks/gpu_tests.sh tests/test_triton_kernels.py > /dev/null 2>&1
-    grep -E "FAILED|ERROR" "$R/kernels/gpu_tests.log" | head -20
-    tail -1 "$R/kernels/gpu_tests.log"
-    step "kernel tests"
-    t0=$SECONDS
-    GPU_TESTS_TIMEOUT=${RECIPE_TESTS_TIMEOUT:-200} GPU_TESTS_WORKERS=${WORKERS:-14} \
-      OUT=$R/recipes bash benchmarks/gpu_tests.sh tests/test_recipes.py \
-      tests/test_stage1_overlap_gpu.py > /dev/null 2>&1
-    grep -E "FAILED|ERROR" "$R/recipes/gpu_tests.log" | head -20
-    tail -1 "$R/recipes/gpu_tests.log"
-    step "recipe tests"
+    kernel_tests 280
+    recipe_tests
     ;;
   measure)
     # the five ratios (summary.json) with the output-gate rows beside them, no tile sweep
@@ -61,16 +81,8 @@ case "${1:-}" in
     grep -A8 '"layer_vs_teacher_T1k"' "$R/speed/summary.json" | head -12
     grep -E "hybrid gate|pieces gate" "$R/speed/attention_speed.md" | head -8
     step "ratios and gate rows"
-    # the layer at 8 x 1k kernel by kernel: the forward's tiles before session 21, the call
-    # before the fold (session 20)
-    t0=$SECONDS
-    timeout 120 python benchmarks/kernel_anatomy.py --shapes 8x1024 --configs default \
-      --branches layer,layer-phi-rcp,layer-unfolded --out "$R/anatomy" > "$R/anatomy.log" 2>&1
-    grep "^{" "$R/anatomy.log" | python -c "
-import json, sys
-for r in map(json.loads, sys.stdin):
-    print(r.get('branches'), r.get('forward_device_ms'), r.get('fwd_bwd_device_ms'), r.get('error', ''))"
-    step "anatomy"
+    # the layer against the maps' softmax by a reciprocal and the call before the fold
+    anatomy 120 layer,layer-phi-rcp,layer-unfolded
     t0=$SECONDS
     timeout 80 python benchmarks/profile_hybrid.py --shapes 8x1024 --host --no-denominator \
       --out "$R/profile.json" > "$R/profile.log" 2>&1
@@ -82,49 +94,21 @@ for r in map(json.loads, sys.stdin):
     # (KernelConfig.map_q_forward) tested against the map's kernel and the folded call, the
     # gate and option tests beside it, the fold's peak (the saved tensors released); the
     # layer at 8 x 1k with the q map in _fwd and without, and at other state spacings
-    t0=$SECONDS
-    GPU_TESTS_TIMEOUT=${KERNEL_TESTS_TIMEOUT:-200} GPU_TESTS_WORKERS=${WORKERS:-14} \
-      OUT=$R/kernels bash benchmarks/gpu_tests.sh tests/test_triton_kernels.py \
-      -k "q_map or maps_folded or output_gate or options_give or folded_call_peaks" \
-      > /dev/null 2>&1
-    grep -E "FAILED|ERROR" "$R/kernels/gpu_tests.log" | head -20
-    tail -1 "$R/kernels/gpu_tests.log"
-    step "kernel tests"
-    t0=$SECONDS
-    timeout 240 python benchmarks/kernel_anatomy.py --shapes 8x1024 --configs default \
-      --branches layer,layer-map-q,layer-map-q-fwd128x32,layer-cs64,layer-fwd-cs64 \
-      --out "$R/anatomy" \
-      > "$R/anatomy.log" 2>&1
-    grep "^{" "$R/anatomy.log" | python -c "
-import json, sys
-for r in map(json.loads, sys.stdin):
-    print(r.get('branches'), r.get('forward_device_ms'), r.get('fwd_bwd_device_ms'), r.get('error', ''))"
-    step "anatomy"
+    kernel_tests 200 "q_map or maps_folded or output_gate or options_give or folded_call_peaks"
+    anatomy 240 layer,layer-map-q,layer-map-q-fwd128x32,layer-cs64,layer-fwd-cs64
     ;;
   memory)
     # session 22's second call (~6 min): the fold's memory (the saved branches released, the
     # maps' dx written over the kernel's dq / dk) - its peak test with the fold and q-map
     # tests, the peak taken apart by allocation site (fold_memory.py) - then the recipes
     # through `hedgecats pipeline` (the training backward releases its saved tensors)
-    t0=$SECONDS
-    GPU_TESTS_TIMEOUT=${KERNEL_TESTS_TIMEOUT:-150} GPU_TESTS_WORKERS=${WORKERS:-14} \
-      OUT=$R/kernels bash benchmarks/gpu_tests.sh tests/test_triton_kernels.py \
-      -k "q_map or maps_folded or folded_call_peaks or output_gate" > /dev/null 2>&1
-    grep -E "FAILED|ERROR|AssertionError" "$R/kernels/gpu_tests.log" | head -20
-    tail -1 "$R/kernels/gpu_tests.log"
-    step "kernel tests"
+    kernel_tests 150 "q_map or maps_folded or folded_call_peaks or output_gate"
     t0=$SECONDS
     timeout 90 python benchmarks/fold_memory.py --shape 1x8192 \
       --out "$R/fold_memory.json" > "$R/fold_memory.log" 2>&1
     tail -40 "$R/fold_memory.log"
     step "fold memory"
-    t0=$SECONDS
-    GPU_TESTS_TIMEOUT=${RECIPE_TESTS_TIMEOUT:-200} GPU_TESTS_WORKERS=${WORKERS:-14} \
-      OUT=$R/recipes bash benchmarks/gpu_tests.sh tests/test_recipes.py \
-      tests/test_stage1_overlap_gpu.py > /dev/null 2>&1
-    grep -E "FAILED|ERROR" "$R/recipes/gpu_tests.log" | head -20
-    tail -1 "$R/recipes/gpu_tests.log"
-    step "recipe tests"
+    recipe_tests
     ;;
   *)
     echo "usage: bash benchmarks/validate_gpu.sh tests|measure|forward|memory" >&2
