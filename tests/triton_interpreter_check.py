@@ -1022,6 +1022,48 @@ def model_case(cid, *, mixer="fixed", mode="hybrid", pad=False, H=4, Hkv=2, wind
     return out
 
 
+def checkpointed_case(cid, *, B=2, H=4, Hkv=2, T=150, D=16, window=20, dtype=torch.bfloat16):
+    """The fused call with the maps folded in, under non-reentrant activation checkpointing
+    (``torch.utils.checkpoint``, ``use_reentrant=False``: stage 2's), against the same call
+    without it: the output and every gradient bit for bit (the backward recomputes the forward
+    and reads, then releases, the recomputed branches and states: ``_release_saved``), and
+    the release ran once per backward."""
+    from hedgecats.models import HedgehogFeatureMap
+    from hedgecats.models.ops import triton_hybrid as th
+    from torch.utils.checkpoint import checkpoint
+
+    gen = torch.Generator().manual_seed(9)
+    maps = [HedgehogFeatureMap(n, D, seed=s) for n, s in ((H, 1), (Hkv, 2))]
+    q0, k0, v0 = (torch.randn(B, T, n, D, generator=gen).to(dtype).transpose(1, 2)
+                  for n in (H, Hkv, Hkv))
+    do = torch.randn(B, H, T, D, generator=gen)
+    kpm = _kpm(B, T)
+    g0, args = _layer_call(B, H, D, window, "hybrid", kpm, "float", None, gen, {}, T)
+    names = ["out", "dq", "dk", "dv", "dWq", "dbq", "dWk", "dbk"]
+
+    def call(q, k, v):
+        with _maps_on_their_kernel():
+            return th.fused_hybrid(q, k, v, None, None, g=g0, config=th.KernelConfig(**MAP_DU),
+                                   maps=maps, **args)
+
+    def run(checkpointed: bool):
+        q, k, v = (x.detach().clone().requires_grad_() for x in (q0, k0, v0))
+        for m in maps:
+            m.zero_grad()
+        released = th.CALLS["saved_released"]
+        out = checkpoint(call, q, k, v, use_reentrant=False) if checkpointed else call(q, k, v)
+        (out.float() * do).sum().backward()
+        got = [out.detach(), q.grad, k.grad, v.grad] + [
+            p_.grad.clone() for m in maps for p_ in (m.weight, m.bias)]
+        return dict(zip(names, got)), th.CALLS["saved_released"] - released
+
+    plain, released_plain = run(False)
+    ckpt, released_ckpt = run(True)
+    out = {f"same_{n}": 0.0 if torch.equal(ckpt[n], plain[n]) else float("inf") for n in names}
+    out["released"] = 0.0 if released_plain == released_ckpt == 1 else float("inf")
+    return out
+
+
 def retain_graph_case(cid, *, B=2, H=4, Hkv=2, T=150, D=16, window=20, dtype=torch.bfloat16):
     """The fused call's backward run twice on one graph (``retain_graph=True``), the maps
     folded in, bf16, padding. The first reads the branches and LA states the forward saved
@@ -1558,6 +1600,7 @@ def cases(quick: bool = False):
         ("phi-recomputed-backward-exp-strided", phi_case, dict(
             dtype=bf16, from_output=False, activation="exp", strided=True)),
         ("retain-graph-twice-pad-bf16", retain_graph_case, dict(dtype=bf16)),
+        ("checkpointed-fold-pad-bf16", checkpointed_case, dict(dtype=bf16)),
         ("model-fixed-pad", model_case, dict(pad=True, dtype=bf16)),
         ("model-learned-head-ssd", model_case, dict(mixer="learned_head", ssd_p=0.5,
                                                            dtype=bf16)),
