@@ -804,17 +804,13 @@ def test_maps_folded_into_the_kernel_are_their_own_functions(frozen):
     for name, a, b in zip(names, got, want):
         assert (a is None and b is None) or torch.equal(a, b), name
     assert got[1] is None or got[1].stride() == q0.stride()
-    # evaluation / prefill: the same forward without the autograd Function, bit for bit; with
-    # the q map inside ``_fwd`` (``map_q_forward``, off by default) within rounding of it
-    before = th.CALLS["forward_without_autograd"], th.CALLS["q_map_in_forward"]
+    # evaluation / prefill: the same forward without the autograd Function, bit for bit (the
+    # q map inside ``_fwd``, ``map_q_forward``, is off by default; its own test is below)
+    before = th.CALLS["forward_without_autograd"]
     with torch.no_grad():
         out = hybrid_attention(q0, k0, v0, None, None, maps=maps, **kw)
-    assert th.CALLS["forward_without_autograd"] == before[0] + 1
-    if th.CALLS["q_map_in_forward"] > before[1]:
-        err = rel_err(out, got[0])
-        assert err < 4e-3, f"the forward under no_grad (q map in _fwd) differs: {err:.2e}"
-    else:
-        assert torch.equal(out, got[0]), "the forward under no_grad differs from under grad"
+    assert th.CALLS["forward_without_autograd"] == before + 1
+    assert torch.equal(out, got[0]), "the forward under no_grad differs from the one under grad"
 
 
 #: ``test_q_map_in_the_forward_is_the_map_kernels``'s cases: (heads, kv heads, activation,
@@ -891,8 +887,11 @@ def test_folded_call_peaks_no_higher_than_the_maps_as_their_own_functions():
     backward: the layer at 1 x 64k peaked 0.59 GiB above session 18's (session 21, call 2),
     and this test failed. Since session 22 the backward empties their storage once its
     kernels have read them (``triton_hybrid._release_saved``; the CPU proxy,
-    tests/test_host_work.py, reads 86.2 against 88.2 MiB at 1 x 1k). The message gives both
-    phases of both calls."""
+    tests/test_host_work.py, reads 86.2 against 88.2 MiB at 1 x 1k); with that alone this test
+    still failed on an H200, (0.379, 0.634) against (0.379, 0.603) GiB (session 22, call 1).
+    The maps' dx written over the kernel's dq / dk came after and has not run here yet
+    (``benchmarks/fold_memory.py`` takes the peak apart). The message gives both phases of
+    both calls."""
     from hedgecats.models.ops import hybrid as hybrid_mod
     from hedgecats.models.ops import triton_hybrid as th
 

@@ -298,8 +298,8 @@ class KernelConfig:
     #: takes fewer key blocks per program for more states (``_state_fwd``). The backward's
     #: spacing (``state_chunk``) is untouched: its states come from the forward under grad.
     #: The same sums grouped otherwise (within rounding of ``state_chunk``'s, not bit for bit).
-    #: 64 measured slower at 8 x 1k (session 22: 16 chunks build their states split, 0.15 ms
-    #: against the walk's 0.028, for 0.011 ms less in `_fwd`)
+    #: 64 measured slower at 8 x 1k (session 22, with ``map_q_forward`` on: 16 chunks build
+    #: their states split, 0.15 ms against the walk's 0.028, for 0.011 ms less in `_fwd`)
     forward_state_chunk: int | None = None
 
 
@@ -648,25 +648,21 @@ if HAVE_TRITON:
                      FC: tl.constexpr, PREC: tl.constexpr):
         """The stored state's share of LA over feature slice ``sl`` (FC wide): num += fq S,
         den += fq . z, for the rows whose fq starts at ``FQ + fq_rows``."""
-        offs_d = tl.arange(0, D)
         offs_f = sl * FC + tl.arange(0, FC)
         fq = tl.load(FQ + fq_rows[:, None] + offs_f[None, :], mask=rows[:, None], other=0.0)
+        return _state_slice(fq, st, zt, sl, num, den, D, FC, PREC)
+
+    @triton.jit
+    def _state_slice(fq, st, zt, sl, num, den, D: tl.constexpr, FC: tl.constexpr,
+                     PREC: tl.constexpr):
+        """``_state_share`` for the rows' features of slice ``sl`` given, fq (BM, FC): loaded
+        (``_state_share``) or held in registers (the halves of ``_mapped_q``)."""
+        offs_d = tl.arange(0, D)
+        offs_f = sl * FC + tl.arange(0, FC)
         S = tl.load(st + offs_f[:, None] * D + offs_d[None, :])
         z = tl.load(zt + offs_f)
         num += tl.dot(fq, S, input_precision=PREC)
         den += tl.sum(fq.to(tl.float32) * z[None, :], axis=1)
-        return num, den
-
-    @triton.jit
-    def _state_half(a, st, zt, half, num, den, D: tl.constexpr, FH: tl.constexpr,
-                    PREC: tl.constexpr):
-        """``_state_share`` for features held in registers: half ``half`` of phi_q, a (BM, FH)."""
-        offs_d = tl.arange(0, D)
-        offs_f = half * FH + tl.arange(0, FH)
-        S = tl.load(st + offs_f[:, None] * D + offs_d[None, :])
-        z = tl.load(zt + offs_f)
-        num += tl.dot(a, S, input_precision=PREC)
-        den += tl.sum(a.to(tl.float32) * z[None, :], axis=1)
         return num, den
 
     @triton.jit
@@ -747,8 +743,8 @@ if HAVE_TRITON:
         num = tl.zeros([BM, D], dtype=tl.float32) + eps * vsum[None, :]
         den = tl.zeros([BM], dtype=tl.float32) + eps * n_state
         if MAPPED:  # the halves held in registers: one product each
-            num, den = _state_half(A1, st, zt, 0, num, den, D, F // 2, PREC)
-            num, den = _state_half(A2, st, zt, 1, num, den, D, F // 2, PREC)
+            num, den = _state_slice(A1, st, zt, 0, num, den, D, F // 2, PREC)
+            num, den = _state_slice(A2, st, zt, 1, num, den, D, F // 2, PREC)
         elif SS == 0:  # the slices unrolled: each slice's loads issued where the code reaches them
             for c in tl.static_range(F // FC):
                 num, den = _state_share(FQ, fq_rows, rows, st, zt, c, num, den, D, FC, PREC)
@@ -2245,7 +2241,7 @@ def _function_forward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, 
     if maps_softmax is not None and not autograd and maps_q_in_forward(
             cfg, q, q.shape[1] // k.shape[1], has_la):  # (the k map alone)
         fk, wkc, bkc = triton_phi.map_forward(k, wk, bk, maps_softmax[1])
-        map_q = (cast(wq, q.dtype).contiguous(), bq.contiguous(), maps_softmax[0])
+        map_q = (*triton_phi.kernel_weights(wq, bq, q.dtype), maps_softmax[0])
         casts = (*map_q[:2], wkc, bkc)
         triton_phi.CALLS["forward"] += 1
     elif maps_softmax is not None:  # (both maps in one launch)

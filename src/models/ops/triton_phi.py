@@ -451,12 +451,17 @@ class DuSlot:
         return du, only
 
 
+def kernel_weights(w, bias, dtype):
+    """(the weight (H, D, F/2) in ``dtype``, as the module casts it, the bias in its own), both
+    contiguous: what the maps' kernels read (and ``triton_hybrid``'s q map in ``_fwd``)."""
+    return cast(w, dtype).contiguous(), bias.contiguous()
+
+
 def _forward_operands(x, w, bias):
     """(y to write, the weight in x's dtype, the bias in its own: both contiguous)."""
     B, H, T, _ = x.shape
-    wc = cast(w, x.dtype).contiguous()  # (H, D, F/2), as the module casts it
     y = torch.empty(B, H, T, 2 * w.shape[-1], device=x.device, dtype=x.dtype)
-    return y, wc, bias.contiguous()
+    return (y, *kernel_weights(w, bias, x.dtype))
 
 
 def map_forward(x, w, bias, softmax):
