@@ -82,12 +82,20 @@ LAYER_CHANGES = {"layer-fwd128": dict(block_m=128, block_n=64, warps=8,  # (the 
                  # fewer of 32), for twice the states (``_state_fwd``; the backward's too)
                  "layer-cs64": dict(state_chunk=64),
                  # the same for the no-grad forward alone (``forward_state_chunk``)
-                 "layer-fwd-cs64": dict(forward_state_chunk=64)}
+                 "layer-fwd-cs64": dict(forward_state_chunk=64),
+                 # fq's rows loaded once by each forward program and held for the state's
+                 # product and every key block's (``hold_fq``; ptxas 243-255 registers, no
+                 # spill, 112 KB: still two programs a multiprocessor), grad or not
+                 "layer-hold-fq": dict(hold_fq=True),
+                 # with the maps' softmax normalised by a reciprocal per row too (its
+                 # switch in LAYER_SWITCHES)
+                 "layer-hold-fq-rcp": dict(hold_fq=True)}
 #: the whole layer with a module switch of the kernels changed (module, attribute, value):
 #: both maps' backward in one grid (``triton_phi.PAIR_BACKWARD``, off by default)
 LAYER_SWITCHES = {"layer-maps-paired-bwd": ("triton_phi", "PAIR_BACKWARD", True),
                   # the maps' softmax normalised by a reciprocal per row (``RECIPROCAL_SOFTMAX``)
-                  "layer-phi-rcp": ("triton_phi", "RECIPROCAL_SOFTMAX", True)}
+                  "layer-phi-rcp": ("triton_phi", "RECIPROCAL_SOFTMAX", True),
+                  "layer-hold-fq-rcp": ("triton_phi", "RECIPROCAL_SOFTMAX", True)}
 LAYERS.update({name: dict() for name in (*LAYER_CHANGES, *LAYER_SWITCHES)})
 
 
@@ -153,6 +161,22 @@ def kernel_table(fn, calls: int) -> dict[str, float]:
     return per_launch(events, calls)
 
 
+def layer_calls(L: Layer, branches: str):
+    """(forward, forward + backward) of the layer row ``branches``: its tile changes
+    (``LAYER_CHANGES``) and module switch (``LAYER_SWITCHES``) set around the forward, the
+    switch around the backward too (one may act in either: the maps' softmax reciprocal in
+    the forward, their paired backward in the backward)."""
+    def fwd():
+        with default_tiles_changed(LAYER_CHANGES.get(branches)), switch_set(branches):
+            return L.hybrid("fixed", **LAYERS[branches])
+
+    def fwd_bwd():
+        with switch_set(branches):
+            fwd().backward(L.do)
+        L.zero()
+    return fwd, fwd_bwd
+
+
 def anatomy(L: Layer, config: str, branches: str, calls: int, want: dict) -> dict:
     cfg = TUNE_CONFIGS[config]
     D = L.q.shape[-1]
@@ -162,14 +186,7 @@ def anatomy(L: Layer, config: str, branches: str, calls: int, want: dict) -> dic
             raise ValueError(f"the {branches!r} row runs the model's path, at the default tiles "
                              f"only (config 'default', not {config!r})")
 
-        def fwd():
-            with default_tiles_changed(LAYER_CHANGES.get(branches)):
-                return L.hybrid("fixed", **LAYERS[branches])
-
-        def fwd_bwd():
-            with switch_set(branches):  # (the module switches act in the backward)
-                fwd().backward(L.do)
-            L.zero()
+        fwd, fwd_bwd = layer_calls(L, branches)
     else:
         fwd, fwd_bwd = _kernel_calls(L, conf, *BRANCHES[branches])
 

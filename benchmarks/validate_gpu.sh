@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What sessions 20-22 built without a GPU, checked and measured on one:
+# What sessions 20-23 built without a GPU, checked and measured on one:
 #
 #   bash benchmarks/validate_gpu.sh tests      (~7 min) the kernel GPU tests (the folded maps,
 #       the no-grad forward, output gates, TWO_PROGRAM_FORWARD's fwd_two_programs), then the
@@ -7,17 +7,18 @@
 #   bash benchmarks/validate_gpu.sh measure    (~8 min) issue 11's five ratios with the
 #       output-gate rows against the pieces beside them (attention_speed: 8 x 1k, 1 x 64k,
 #       2 x 4k), the layer at 8 x 1k kernel by kernel against the maps' softmax normalised
-#       by a reciprocal (triton_phi.RECIPROCAL_SOFTMAX) and the call before the fold
-#       (kernel_anatomy), its host work part by part (profile_hybrid --host)
+#       by a reciprocal (triton_phi.RECIPROCAL_SOFTMAX), fq held by the forward's programs
+#       (KernelConfig.hold_fq), both, and the call before the fold (kernel_anatomy), its
+#       host work part by part (profile_hybrid --host)
 #   bash benchmarks/validate_gpu.sh forward    (~6 min) session 22's q map inside the no-grad
 #       forward and the fold's released memory: their GPU tests with the fold, gate and
 #       option tests, the layer with the q map in _fwd and without and at other LA state
 #       spacings (kernel_anatomy); then `measure` for the ratios
 #   bash benchmarks/validate_gpu.sh memory     (~6 min) the fold's memory tests, its peak taken
-#       apart (fold_memory.py), the recipes
+#       apart (fold_memory.py), session 23's held-fq forward tests, the recipes
 #
 # The predictions these are read against: benchmarks/README.md, "Written before measuring"
-# for sessions 20 and 21. Run with the wheels carried (`.whl/`, ../shared/gpu/fetch-wheels.sh).
+# for sessions 20 to 23. Run with the wheels carried (`.whl/`, ../shared/gpu/fetch-wheels.sh).
 # Writes $OUT/r.tgz (every log, JSON and table; the device returns a few files only) and
 # prints the lines to read. Each step has its own time limit; a step cut short keeps what it
 # wrote.
@@ -81,8 +82,9 @@ case "${1:-}" in
     grep -A8 '"layer_vs_teacher_T1k"' "$R/speed/summary.json" | head -12
     grep -E "hybrid gate|pieces gate" "$R/speed/attention_speed.md" | head -8
     step "ratios and gate rows"
-    # the layer against the maps' softmax by a reciprocal and the call before the fold
-    anatomy 120 layer,layer-phi-rcp,layer-unfolded
+    # the layer against the maps' softmax by a reciprocal, fq held by the forward's
+    # programs, both, and the call before the fold
+    anatomy 180 layer,layer-phi-rcp,layer-hold-fq,layer-hold-fq-rcp,layer-unfolded
     t0=$SECONDS
     timeout 80 python benchmarks/profile_hybrid.py --shapes 8x1024 --host --no-denominator \
       --out "$R/profile.json" > "$R/profile.log" 2>&1
@@ -100,9 +102,9 @@ case "${1:-}" in
   memory)
     # session 22's second call (~6 min): the fold's memory (the saved branches released, the
     # maps' dx written over the kernel's dq / dk) - its peak test with the fold and q-map
-    # tests, the peak taken apart by allocation site (fold_memory.py) - then the recipes
+    # tests and session 23's held fq (KernelConfig.hold_fq), the peak taken apart by allocation site (fold_memory.py) - then the recipes
     # through `hedgecats pipeline` (the training backward releases its saved tensors)
-    kernel_tests 150 "q_map or maps_folded or folded_call_peaks or output_gate"
+    kernel_tests 150 "q_map or maps_folded or folded_call_peaks or output_gate or held_fq"
     t0=$SECONDS
     timeout 90 python benchmarks/fold_memory.py --shape 1x8192 \
       --out "$R/fold_memory.json" > "$R/fold_memory.log" 2>&1

@@ -495,6 +495,48 @@ def test_kernel_anatomy_switch_rows_set_their_switch_and_restore_it():
     assert "layer-maps-paired-bwd" in ka.LAYERS
 
 
+def test_kernel_anatomy_layer_rows_time_their_change_in_the_forward_too():
+    """A layer row's forward (timed alone, under no_grad) runs with its module switch and its
+    tile changes set, not only its backward: ``layer-phi-rcp`` changes the maps' forward
+    kernel (until session 23 its forward was timed without it), ``layer-hold-fq-rcp`` sets
+    both; the default row neither."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import kernel_anatomy as ka
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    import torch
+    from hedgecats.models.ops import triton_hybrid as th
+    from hedgecats.models.ops import triton_phi as tp
+
+    seen = []
+
+    class FakeLayer:
+        do = None
+
+        def hybrid(self, mixer, **kw):
+            cfg = th.default_config(128, 256, torch.bfloat16)
+            seen.append((tp.RECIPROCAL_SOFTMAX, cfg.hold_fq))
+
+            class Out:
+                def backward(self, do):
+                    seen.append(("backward", tp.RECIPROCAL_SOFTMAX))
+            return Out()
+
+        def zero(self):
+            pass
+
+    for row, want in (("layer-phi-rcp", (True, False)), ("layer-hold-fq-rcp", (True, True)),
+                      ("layer-hold-fq", (False, True)), ("layer", (False, False))):
+        seen.clear()
+        fwd, fwd_bwd = ka.layer_calls(FakeLayer(), row)
+        fwd()
+        fwd_bwd()
+        assert seen == [want, want, ("backward", want[0])], (row, seen)
+    assert (tp.RECIPROCAL_SOFTMAX, th.default_config(128, 256, torch.bfloat16).hold_fq) == \
+        (False, False)
+
+
 def test_profile_hybrid_aten_table_counts_each_op_per_call():
     """``profile_hybrid.host_aten_table``: the PyTorch ops a call pays host time for, each with
     its calls and self-CPU microseconds per call (the next GPU call's view of the maps' dW

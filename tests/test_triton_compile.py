@@ -296,19 +296,28 @@ def test_pipelined_state_product_compiles_without_spill():
     assert r["spill"] <= MAX_SPILL, r
 
 
-def test_q_map_in_the_forward_leaves_two_programs_a_multiprocessor():
-    """``KernelConfig.map_q_forward`` (the no-grad forward computing phi_q; off by default:
-    measured slower in session 22) at the default's forward tiles: at most ``MAX_SPILL``, and
-    shared memory for two programs a multiprocessor, what ``TWO_PROGRAM_FORWARD``'s tiles are
-    for (read on 2026-12-05: 255 registers, 36 B of spill, 112 KB; without the map 248, 0,
-    80 KB)."""
+#: the forward's options that hold phi_q's rows in a program (both off by default): the q map
+#: computed in ``_fwd`` (``map_q_forward``, the no-grad forward; measured slower in session
+#: 22) and fq loaded once (``hold_fq``, grad or not: SAVE its widest variant)
+HELD_FORWARDS = {"map-q": dict(MAP_Q=True, SAVE=False), "hold-fq": dict(HOLD_FQ=True, SAVE=False),
+                 "hold-fq-save": dict(HOLD_FQ=True, SAVE=True)}
+
+
+@pytest.mark.parametrize("variant", list(HELD_FORWARDS))
+def test_held_rows_leave_two_programs_a_multiprocessor(variant):
+    """The forward with phi_q's rows held (``HELD_FORWARDS``) at the default's forward tiles:
+    at most ``MAX_SPILL``, and shared memory for two programs a multiprocessor, what
+    ``TWO_PROGRAM_FORWARD``'s tiles are for (read on 2026-12-05 with padding and the shared
+    norm: map-q 255 registers, 56 B of spill, 112 KB; hold-fq 243, 0, 112 KB, saving the
+    branches 250, 0, 112 KB; without padding or the shared norm hold-fq 255, 0 and the
+    default 248, 0, 80 KB)."""
     cfg = th.default_config(128, 256, torch.bfloat16)
     lo = dict(D=128, F=256, FC=th._fc(cfg, 256), CS=cfg.state_chunk, HAS_KPM=True,
               PREC="tf32", BM=cfg.block_m, BN=cfg.block_n, P=th.pack_of(cfg, 4), SHARED=True,
-              SAVE=False, HAS_SWA=True, HAS_LA=True, SS=cfg.state_product_stages, MAP_Q=True)
+              HAS_SWA=True, HAS_LA=True, SS=cfg.state_product_stages, **HELD_FORWARDS[variant])
     r = compile_report(th._fwd, _pointers(torch.bfloat16), lo, ("scale_log2", "eps"),
                        cfg.warps, cfg.stages)
-    print(f"fwd-map-q at the default tiles, padding, shared: {r}")
+    print(f"fwd-{variant} at the default tiles, padding, shared: {r}")
     assert r["spill"] <= MAX_SPILL and r["smem"] <= TWO_PROGRAMS_SMEM, r
 
 

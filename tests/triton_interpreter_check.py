@@ -186,7 +186,8 @@ def kernel_case(cid, *, B=2, H=4, Hkv=2, T=50, D=16, window=8, shift=None, share
     out.float().backward(do)
     ran = {n: th.CALLS[n] - calls[n]
            for n in ("dq_pass", "dkv_swa", "dv_la", "factors_from_saved", "split_states",
-                     "states_from_forward", "dkv_apart", "packed_forward", "packed_dq")}
+                     "states_from_forward", "dkv_apart", "packed_forward", "packed_dq",
+                     "held_fq_forward")}
     got = dict(zip(names, [out.detach()] + [x.grad for x in ins]))
     # the output and q, k, v's gradients laid out as their inputs (a view of the model's
     # memory in, the same memory out: no copy in its transpose-reshape or grad accumulation)
@@ -217,6 +218,8 @@ def kernel_case(cid, *, B=2, H=4, Hkv=2, T=50, D=16, window=8, shift=None, share
     # the forward packed query heads exactly where the config and the group allow it
     got["packed_ok"] = ran["packed_forward"] == int(th.pack_of(conf, H // Hkv) > 1)
     got["packed_dq_ok"] = ran["packed_dq"] == int(th.dq_pack_of(conf, H // Hkv) > 1)
+    # fq's rows held for the forward's products exactly where configured (``hold_fq``)
+    got["held_fq_ok"] = ran["held_fq_forward"] == int(conf.hold_fq and has_la)
     for name in frozen:  # a gradient where none was asked for: a wasted pass, or a wrong one
         got[f"{name}_grad_none_ok"] = got.pop(f"d{name}") is None
     ins2 = [t.detach().float().clone().requires_grad_() for t in (q, k, v, fq, fk, ca, cb, logs)]
@@ -876,6 +879,7 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
     before = [th.CALLS[n] for n in names]
     pairs = tp.CALLS["pair_forward"], tp.CALLS["pair_backward"]
     in_place = tp.CALLS["dx_in_place"]
+    held = th.CALLS["held_fq_forward"]
     paired, tp.PAIR_BACKWARD = tp.PAIR_BACKWARD, pair_backward
     try:
         got = run("folded")
@@ -891,6 +895,7 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
     kernel_calls = th.CALLS["forward"] - before[1]
     q_mapped = th.CALLS["q_map_in_forward"] - before[2]
     own_chunk = th.CALLS["forward_state_chunk"] - before[3]
+    held = th.CALLS["held_fq_forward"] - held  # (the folded call's forward and the no-grad one)
     before = th.CALLS["map_du"]
     old = run("unfolded")
     du_unfolded = th.CALLS["map_du"] - before
@@ -935,6 +940,8 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
     # bit; with the q map in ``_fwd``, within rounding of it and of the reference
     out["q_map_in_forward"] = 0.0 if (q_mapped >= 1) == map_q else float("inf")
     want_chunk = bool((cfg or {}).get("forward_state_chunk")) and expect_fold
+    want_held = 2 if (cfg or {}).get("hold_fq") and mode != "swa_only" and not map_q else 0
+    out["held_fq"] = 0.0 if held == want_held else float("inf")
     out["forward_state_chunk"] = 0.0 if (own_chunk >= 1) == want_chunk else float("inf")
     if map_q or want_chunk:  # (sums grouped otherwise)
         out["out_no_grad_vs_folded"] = rel(no_grad["out"], got["out"])
@@ -1571,6 +1578,26 @@ def cases(quick: bool = False):
         ("fold-forward-state-chunk-map-q-8b-tiles", fold_case, dict(
             dtype=bf16, pad=True, H=8, Hkv=2, T=300, D=128, window=64, B=1, map_q=True,
             cfg=dict(d128, forward_state_chunk=64, map_q_forward=True))),
+        # fq's rows loaded once and held for the forward's products (``hold_fq``): fp32 on
+        # the small tiles, overlap and per-head shifts, shared norm with padding, P 4 packed
+        # heads in bf16, the 8B's tiles (with a grad, so with the branches saved), LA alone,
+        # the no-grad forward with the maps folded
+        ("kernel-hold-fq", k, dict(cfg=dict(SMALL, hold_fq=True))),
+        ("kernel-hold-fq-overlap-shifts", k, dict(shift=0, per_bh_shift=True,
+                                                  cfg=dict(SMALL, hold_fq=True))),
+        ("kernel-hold-fq-shared-pad", k, dict(shared=True, pad=True, T=70, window=10,
+                                              cfg=dict(SMALL, hold_fq=True))),
+        ("kernel-hold-fq-packed-pad-bf16", k, dict(T=150, window=20, pad=True, dtype=bf16,
+                                                   cfg=dict(MAP_DU, hold_fq=True))),
+        ("kernel-hold-fq-la-only-bf16", k, dict(has_swa=False, dtype=bf16,
+                                                cfg=dict(PACKED, hold_fq=True))),
+        ("kernel-hold-fq-swa-only", k, dict(has_la=False, cfg=dict(SMALL, hold_fq=True))),
+        ("kernel-hold-fq-8b-tiles-pad-shared-bf16", k, dict(
+            cfg=dict(d128, hold_fq=True), H=8, Hkv=2, T=300, D=128, window=64, pad=True,
+            shared=True, dtype=bf16, B=1)),
+        ("fold-hold-fq-8b-tiles-pad", fold_case, dict(
+            dtype=bf16, pad=True, H=8, Hkv=2, T=300, D=128, window=64, B=1,
+            cfg=dict(d128, hold_fq=True))),
         ("fold-attention-8b-tiles-pad", fold_case, dict(
             dtype=bf16, through="attention", pad=True, H=8, Hkv=2, T=300, D=128, window=64,
             B=1)),

@@ -126,13 +126,15 @@ FALLBACK_ERRORS: list[str] = []
 #: the forwards that computed phi_q inside ``_fwd`` (``KernelConfig.map_q_forward``); the folded
 #: backwards that released the saved branches and states before the maps' backward, and the
 #: backwards that found them released (a second backward, ``retain_graph``) and recomputed; the
-#: no-grad forwards at their own state spacing (``KernelConfig.forward_state_chunk``)
+#: no-grad forwards at their own state spacing (``KernelConfig.forward_state_chunk``); the
+#: forwards that held fq's rows in registers (``KernelConfig.hold_fq``)
 CALLS = {"forward": 0, "dq_pass": 0, "dkv_swa": 0, "dv_la": 0, "factors_from_saved": 0,
          "split_states": 0, "states_from_forward": 0, "dkv_apart": 0, "packed_forward": 0,
          "packed_dq": 0, "map_du": 0, "fuse_q_side": 0, "fuse_kv_side": 0, "kv_order_1": 0,
          "kv_order_2": 0, "state_sums_mma": 0, "maps_folded": 0, "maps_folded_backward": 0,
          "forward_without_autograd": 0, "gated": 0, "q_map_in_forward": 0,
-         "saved_released": 0, "saved_recomputed": 0, "forward_state_chunk": 0}
+         "saved_released": 0, "saved_recomputed": 0, "forward_state_chunk": 0,
+         "held_fq_forward": 0}
 
 
 @dataclass(frozen=True)
@@ -301,6 +303,19 @@ class KernelConfig:
     #: 64 measured slower at 8 x 1k (session 22, with ``map_q_forward`` on: 16 chunks build
     #: their states split, 0.15 ms against the walk's 0.028, for 0.011 ms less in `_fwd`)
     forward_state_chunk: int | None = None
+    #: ``_fwd`` loads each program's fq rows once, as two halves (BM, F / 2) it keeps for the
+    #: state's product and every key block's (``_held_fq``; the products MAP_Q's halves
+    #: take), instead of a ``f_chunk`` slice at a time for the state and again for each key
+    #: block, ~3.5 times in all at 8 x 1k (the keys between a program's state and its
+    #: window). Per forward program at the 8B shape (64 rows, 32-key blocks, states every
+    #: 128): ~330 KB read from L2, of which fq's reloads ~96 KB; `_fwd` reads ~1.3 GB at
+    #: 8 x 1k in 0.246 ms (~5.5 TB/s, near what an H100/H200's L2 delivers), so it may be
+    #: bound by L2 traffic. ptxas (sm_90a, the default's tiles, launch hints): 255 registers,
+    #: no spill, 112 KB of shared memory (the halves staged there once for the products:
+    #: still two programs a multiprocessor); 248 / 0 / 80 KB without. The same sums, the feature dimension in two
+    #: halves instead of ``f_chunk`` slices: within rounding, not bit for bit. Off: not yet
+    #: measured on a GPU (session 23 wrote it with the device withdrawn)
+    hold_fq: bool = False
 
 
 #: The forward's tiles at D 128 bf16 that let two programs share a multiprocessor: 64 rows (16
@@ -715,11 +730,19 @@ if HAVE_TRITON:
         return a1, a2
 
     @triton.jit
+    def _held_fq(FQ, fq_rows, rows, FH: tl.constexpr):
+        """The rows' fq as its two halves (BM, FH), loaded once (``_fwd``'s HOLD_FQ)."""
+        offs_h = tl.arange(0, FH)
+        at = FQ + fq_rows[:, None] + offs_h[None, :]
+        return (tl.load(at, mask=rows[:, None], other=0.0),
+                tl.load(at + FH, mask=rows[:, None], other=0.0))
+
+    @triton.jit
     def _la_num(FQ, FK, V, SST, ZST, VST, CNT, KPM, b, hk, Hkv, t0, offs_m, fq_rows, shift_r, T,
                 NC, eps, sfk_b, sfk_h, sfk_t, sv_b, sv_h, sv_t, A1, A2,
                 D: tl.constexpr, F: tl.constexpr, FC: tl.constexpr, BM: tl.constexpr,
                 BQ: tl.constexpr, BN: tl.constexpr, CS: tl.constexpr, HAS_KPM: tl.constexpr,
-                PREC: tl.constexpr, SS: tl.constexpr, MAPPED: tl.constexpr):
+                PREC: tl.constexpr, SS: tl.constexpr, HELD: tl.constexpr):
         """Numerator (BM, D) and denominator (BM) of LA over keys i <= t - shift for BM query
         rows of one kv head: row r is position ``offs_m[r]`` (in t0 .. t0 + BQ - 1) of the query
         head whose fq row starts at ``FQ + fq_rows[r]``, with its own ``shift_r[r]`` (the rows
@@ -728,9 +751,10 @@ if HAVE_TRITON:
         floor's share, eps times its value sum and its count of real keys), plus the keys
         between it and t0 + BQ - min(shift), each row masked at its own t - shift. The feature
         dimension is taken FC at a time; the state's share in a pipelined loop when SS > 0
-        (``KernelConfig.state_product_stages``). MAPPED: the rows' features are not read from
-        FQ but given, A1 and A2 (BM, F / 2), the two halves of phi_q (``_mapped_q``): the
-        feature dimension is then taken a half at a time."""
+        (``KernelConfig.state_product_stages``). HELD: the rows' features are not read from
+        FQ here but given, A1 and A2 (BM, F / 2), the two halves of phi_q held in registers
+        (computed, ``_mapped_q``, or loaded once, ``_held_fq``): the feature dimension is then
+        taken a half at a time."""
         offs_d = tl.arange(0, D)
         rows = offs_m < T
         fk_base = FK + b.to(tl.int64) * sfk_b + hk.to(tl.int64) * sfk_h
@@ -742,7 +766,7 @@ if HAVE_TRITON:
         n_state = tl.load(CNT + b * (T + 1) + jst * CS).to(tl.float32)  # real keys < jst CS
         num = tl.zeros([BM, D], dtype=tl.float32) + eps * vsum[None, :]
         den = tl.zeros([BM], dtype=tl.float32) + eps * n_state
-        if MAPPED:  # the halves held in registers: one product each
+        if HELD:  # the halves held in registers: one product each
             num, den = _state_slice(A1, st, zt, 0, num, den, D, F // 2, PREC)
             num, den = _state_slice(A2, st, zt, 1, num, den, D, F // 2, PREC)
         elif SS == 0:  # the slices unrolled: each slice's loads issued where the code reaches them
@@ -757,7 +781,7 @@ if HAVE_TRITON:
             offs_n = start + tl.arange(0, BN)
             kin = offs_n < T
             a = tl.zeros([BM, BN], dtype=tl.float32)
-            if MAPPED:
+            if HELD:
                 FH: tl.constexpr = F // 2
                 offs_h = tl.arange(0, FH)
                 fk1 = tl.load(fk_base + offs_n[:, None] * sfk_t + offs_h[None, :],
@@ -795,7 +819,8 @@ if HAVE_TRITON:
              BN: tl.constexpr, CS: tl.constexpr, P: tl.constexpr, HAS_SWA: tl.constexpr,
              HAS_LA: tl.constexpr, SHARED: tl.constexpr, HAS_KPM: tl.constexpr,
              PREC: tl.constexpr, SAVE: tl.constexpr, SS: tl.constexpr,
-             MAP_Q: tl.constexpr = False, SOFTMAX_Q: tl.constexpr = True):
+             MAP_Q: tl.constexpr = False, SOFTMAX_Q: tl.constexpr = True,
+             HOLD_FQ: tl.constexpr = False):
         """One program: BM query rows, BQ = BM / P positions t0 .. t0 + BQ - 1 of P query heads
         that share a kv head (P divides the group; ``KernelConfig.pack_heads``). The P heads
         read the same keys, values and LA state: one load and one product serves them all, and
@@ -803,7 +828,10 @@ if HAVE_TRITON:
         not BM. MAP_Q (``KernelConfig.map_q_forward``, no backward to follow): fq is not read
         but computed from q, the q map's weight WQ (H, D, F / 2, q's dtype) and bias BW (H,
         F / 2) with the map's kernel's products and activations (softmax or exp:
-        SOFTMAX_Q), and held in registers: phi_q is never written."""
+        SOFTMAX_Q), and held in registers: phi_q is never written. HOLD_FQ
+        (``KernelConfig.hold_fq``): fq's rows are loaded once, as two halves held in registers
+        for the state's product and every key block's (the path MAP_Q's halves take), instead
+        of a slice at a time, again for each key block."""
         LN2: tl.constexpr = 0.6931471805599453
         BQ: tl.constexpr = BM // P
         pid_m = tl.program_id(0)
@@ -828,12 +856,15 @@ if HAVE_TRITON:
             if MAP_Q:
                 a1, a2 = _mapped_q(Q, WQ, BW, b, (pid_g % (H // P)) * P, t0, T,
                                    sq_b, sq_h, sq_t, D, F // 2, BQ, P, SOFTMAX_Q, PREC)
+            elif HOLD_FQ:
+                a1, a2 = _held_fq(FQ, fq_rows, rows, F // 2)
             else:
                 a1 = 0
                 a2 = 0
             num, den = _la_num(FQ, FK, V, SST, ZST, VST, CNT, KPM, b, hk, Hkv, t0, offs_m,
                                fq_rows, shift_r, T, NC, eps, sfk_b, sfk_h, sfk_t, sv_b, sv_h,
-                               sv_t, a1, a2, D, F, FC, BM, BQ, BN, CS, HAS_KPM, PREC, SS, MAP_Q)
+                               sv_t, a1, a2, D, F, FC, BM, BQ, BN, CS, HAS_KPM, PREC, SS,
+                               MAP_Q or HOLD_FQ)
         has_far = (offs_m - shift_r) >= first
         r = tl.where(has_far, 1.0 / tl.maximum(den, eps), 0.0)
         la = num * r[:, None]
@@ -1942,6 +1973,7 @@ def _forward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, *, window
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     mapped = fq is None and maps_q_in_forward(cfg, q, H // Hkv, has_la)
+    held = cfg.hold_fq and has_la and not mapped
     if fq is None and not mapped:
         fq = triton_phi.map_forward(q, *map_q)[0]
     F = 2 * map_q[0].shape[-1] if mapped else fq.shape[-1]
@@ -1961,6 +1993,7 @@ def _forward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, *, window
     grid = (cdiv(T, cfg.block_m // P), B * H // P)
     wq, bw = (map_q[0], map_q[1]) if mapped else (dummy, dummy)
     CALLS["q_map_in_forward"] += mapped
+    CALLS["held_fq_forward"] += held
     fq_ = q if mapped else fq  # (read only where the q map does not run in the kernel)
     fast(_fwd)[grid](
         q, k, v, fq_, fk, S, z, vs, cnt, o, lse, den, ca, cb, logs, shift, first,
@@ -1970,7 +2003,7 @@ def _forward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, *, window
         D=D, F=F, FC=_fc(cfg, F), BM=cfg.block_m, BN=cfg.block_n, CS=cfg.state_chunk, P=P,
         HAS_SWA=has_swa, HAS_LA=has_la, SHARED=shared, HAS_KPM=kpm_i8 is not None,
         PREC=_prec(q.dtype), SAVE=save, SS=cfg.state_product_stages, MAP_Q=mapped,
-        SOFTMAX_Q=bool(map_q[2]) if mapped else True, num_warps=cfg.warps,
+        SOFTMAX_Q=bool(map_q[2]) if mapped else True, HOLD_FQ=held, num_warps=cfg.warps,
         num_stages=cfg.stages)
     states = (S, z, vs, cfg.state_chunk) if save and has_la else None
     return o, lse, den, swa_o, la_o, states
@@ -2151,11 +2184,12 @@ def _retry_chain(cfg: KernelConfig) -> tuple[KernelConfig, ...]:
     """The configs ``_with_retry`` tries before ``SAFE_CONFIG`` (built once per config: host
     time per call): ``cfg``; its tiles without the fused backward kernels (``fuse_q_side``,
     ``fuse_kv_side``: the separate kernels, each smaller); then also without
-    ``save_branches``. A config with ``map_q_forward`` first tries itself without it (the
-    forward's largest variant: 112 KB of shared memory at the 8B's tiles)."""
+    ``save_branches``. A config with ``map_q_forward`` or ``hold_fq`` first tries itself
+    without them (the forward's largest variants: 112 KB of shared memory at the 8B's tiles;
+    the sums grouped otherwise, within rounding)."""
     chain = [cfg]
-    if cfg.map_q_forward:
-        chain.append(dataclasses.replace(cfg, map_q_forward=False))
+    if cfg.map_q_forward or cfg.hold_fq:
+        chain.append(dataclasses.replace(cfg, map_q_forward=False, hold_fq=False))
     if cfg.fuse_q_side or cfg.fuse_kv_side:
         chain.append(dataclasses.replace(cfg, fuse_q_side=False, fuse_kv_side=False))
     if cfg.save_branches:
