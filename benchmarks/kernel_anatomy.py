@@ -95,7 +95,9 @@ LAYER_CHANGES = {"layer-fwd128": dict(block_m=128, block_n=64, warps=8,  # (the 
 LAYER_SWITCHES = {"layer-maps-paired-bwd": ("triton_phi", "PAIR_BACKWARD", True),
                   # the maps' softmax normalised by a reciprocal per row (``RECIPROCAL_SOFTMAX``)
                   "layer-phi-rcp": ("triton_phi", "RECIPROCAL_SOFTMAX", True),
-                  "layer-hold-fq-rcp": ("triton_phi", "RECIPROCAL_SOFTMAX", True)}
+                  "layer-hold-fq-rcp": ("triton_phi", "RECIPROCAL_SOFTMAX", True),
+                  # the maps' forward on 32-row 4-warp programs (``FORWARD_TILES``)
+                  "layer-phi32": ("triton_phi", "FORWARD_TILES", (32, 4))}
 LAYERS.update({name: dict() for name in (*LAYER_CHANGES, *LAYER_SWITCHES)})
 
 

@@ -400,6 +400,12 @@ def test_feature_map_kernels_compile_for_sm90(D, FH):
         r = compile_report(fn, ptrs, constexprs, (), warps, 2)
         print(f"{name:8s} D{D} F/2={FH} {BM} w{warps}: {r}")
         assert r["spill"] <= MAX_SPILL, (name, r)
+    # the forward pair on 32-row 4-warp programs (``triton_phi.FORWARD_TILES``' A/B: 103
+    # registers, 41 KB at D = F/2 = 128, four programs a multiprocessor)
+    r = compile_report(tp._phi_fwd_pair, ptrs, dict(D=D, FH=FH, BM=32, PREC="tf32",
+                                                    SOFTMAX_Q=True, SOFTMAX_K=True), (), 4, 2)
+    print(f"phi_fwd_pair D{D} F/2={FH} 32 w4: {r}")
+    assert r["spill"] <= MAX_SPILL and r["registers"] <= 128, r
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])

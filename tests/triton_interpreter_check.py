@@ -483,7 +483,7 @@ def mse_backward_fallback_case(cid):
 
 def phi_case(cid, *, B=2, H=3, T=45, D=16, proj="square", activation="softmax",
              dtype=torch.float32, strided=False, frozen_x=False, heads_first=False,
-             from_output=True, with_input=False, reciprocal=False):
+             from_output=True, with_input=False, reciprocal=False, forward_tiles=None):
     """triton_phi.hedgehog_features vs the fp32 map: values and gradients of x, W, b
     (``frozen_x``: x takes no gradient, as stage 1's teacher q, k; dW, db unchanged;
     ``from_output``: the backward's activations read from the forward's output, the default,
@@ -491,7 +491,8 @@ def phi_case(cid, *, B=2, H=3, T=45, D=16, proj="square", activation="softmax",
     through the map and used by a second consumer (x' * c, c a random tensor, as the
     attention uses q): its gradient added in the map's kernel, against autograd's sum);
     ``reciprocal``: the softmax normalised by a reciprocal per row
-    (``triton_phi.RECIPROCAL_SOFTMAX``)."""
+    (``triton_phi.RECIPROCAL_SOFTMAX``); ``forward_tiles``: the forward's (rows, warps)
+    (``triton_phi.FORWARD_TILES``)."""
     from hedgecats.models import HedgehogFeatureMap
     from hedgecats.models.ops import triton_phi as tp
 
@@ -527,13 +528,14 @@ def phi_case(cid, *, B=2, H=3, T=45, D=16, proj="square", activation="softmax",
     laid_out = []
 
     before, added = tp.CALLS["backward_dx"], tp.CALLS["backward_added"]
-    default = tp.BWD_FROM_OUTPUT, tp.RECIPROCAL_SOFTMAX
-    tp.BWD_FROM_OUTPUT, tp.RECIPROCAL_SOFTMAX = from_output, reciprocal
+    default = tp.BWD_FROM_OUTPUT, tp.RECIPROCAL_SOFTMAX, tp.FORWARD_TILES
+    tp.BWD_FROM_OUTPUT, tp.RECIPROCAL_SOFTMAX, tp.FORWARD_TILES = \
+        from_output, reciprocal, forward_tiles
     try:
         got = run(lambda x: tp.hedgehog_features(x, fm.weight, fm.bias, activation,
                                                  with_input=with_input), dtype)
     finally:
-        tp.BWD_FROM_OUTPUT, tp.RECIPROCAL_SOFTMAX = default
+        tp.BWD_FROM_OUTPUT, tp.RECIPROCAL_SOFTMAX, tp.FORWARD_TILES = default
     dx_passes = tp.CALLS["backward_dx"] - before
     dx_added = tp.CALLS["backward_added"] - added
     want = run(lambda x: tp.reference_features(x, fm.weight, fm.bias, activation),
@@ -1609,6 +1611,9 @@ def cases(quick: bool = False):
         ("phi-softmax-reciprocal-recomputed-strided", phi_case, dict(
             dtype=bf16, reciprocal=True, from_output=False, strided=True)),
         ("phi-frozen-x", phi_case, dict(dtype=bf16, frozen_x=True)),
+        # the forward on 32-row 4-warp programs (``FORWARD_TILES``, the A/B's), 10 blocks
+        ("phi-forward-32x4-T300-strided", phi_case, dict(dtype=bf16, T=300, strided=True,
+                                                         forward_tiles=(32, 4))),
         ("phi-heads-first-layout", phi_case, dict(dtype=bf16, heads_first=True)),
         ("phi-strided-B1", phi_case, dict(dtype=bf16, strided=True, B=1)),
         ("phi-strided-H1", phi_case, dict(dtype=bf16, strided=True, H=1)),

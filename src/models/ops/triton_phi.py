@@ -250,6 +250,12 @@ PAIR_BACKWARD = False
 #: fp32 rounding of it, the bf16 output rarely one rounding apart. Off until measured
 #: (``kernel_anatomy.py --branches layer,layer-phi-rcp``)
 RECIPROCAL_SOFTMAX = False
+#: the forward kernels' (rows a program, warps), or None for ``_tiles``' (64 rows, 8 warps at
+#: the 8B's D = F/2 = 128: ptxas 98 registers, 48 KB, two programs a multiprocessor by their
+#: registers). A switch for the A/B of ``kernel_anatomy.py --branches layer-phi32``: (32, 4)
+#: takes 103 registers and 41 KB (four programs a multiprocessor, the same 16 warps; each
+#: reads the 32 KB weight for half the rows; mma.sync, not wgmma). Not measured yet
+FORWARD_TILES: tuple[int, int] | None = None
 
 
 def _prec(dtype):
@@ -457,6 +463,11 @@ def kernel_weights(w, bias, dtype):
     return cast(w, dtype).contiguous(), bias.contiguous()
 
 
+def _forward_tiles(D: int, FH: int) -> tuple[int, int]:
+    """The forward's (rows a program, warps): ``FORWARD_TILES`` where set, else ``_tiles``'."""
+    return FORWARD_TILES or _tiles(D, FH, backward=False)
+
+
 def _forward_operands(x, w, bias):
     """(y to write, the weight in x's dtype, the bias in its own: both contiguous)."""
     B, H, T, _ = x.shape
@@ -472,7 +483,7 @@ def map_forward(x, w, bias, softmax):
     B, H, T, D = x.shape
     FH = w.shape[-1]
     y, wc, bc = _forward_operands(x, w, bias)
-    BM, warps = _tiles(D, FH, backward=False)
+    BM, warps = _forward_tiles(D, FH)
     fast(_phi_fwd)[(B * H, cdiv(T, BM))](
         x, wc, bc, y, x.stride(0), x.stride(1), x.stride(2), T, H, D=D, FH=FH, BM=BM,
         SOFTMAX=softmax, PREC=_prec(x.dtype), RCP=RECIPROCAL_SOFTMAX, num_warps=warps)
@@ -495,7 +506,7 @@ def map_forward_pair(xq, wq, bq, softmax_q, xk, wk, bk, softmax_k):
     Hk, FH = xk.shape[1], wq.shape[-1]
     yq, wqc, bqc = _forward_operands(xq, wq, bq)
     yk, wkc, bkc = _forward_operands(xk, wk, bk)
-    BM, warps = _tiles(D, FH, backward=False)
+    BM, warps = _forward_tiles(D, FH)
     fast(_phi_fwd_pair)[(B * (Hq + Hk), cdiv(T, BM))](
         xq, wqc, bqc, yq, xq.stride(0), xq.stride(1), xq.stride(2), Hq,
         xk, wkc, bkc, yk, xk.stride(0), xk.stride(1), xk.stride(2), Hk, B * Hq, T,
