@@ -80,6 +80,26 @@ def test_the_key_side_tile_divides_the_state_chunk():
         raise AssertionError("a key tile of 96 against state_chunk 128 was accepted")
 
 
+def test_state_chunks_must_be_powers_of_two():
+    """A state spacing that is a multiple of the key blocks but not a power of two (96) is
+    refused with a message naming it, before any kernel compiles (Triton's tl.arange over the
+    chunk would fail inside the compiler, and the retry chain would fall to the safe tiles)."""
+    base = th.default_config(128, 256, torch.bfloat16)
+    x = torch.zeros(1, 1, 4, 128)
+    f = torch.zeros(1, 1, 4, 256)
+    s = torch.zeros(1, 1)
+    small = dict(block_n=32, bwd_block_n=32, dkv_block_n=32, dv_block_n=32)
+    for change in (dict(small, state_chunk=96), dict(forward_state_chunk=96)):
+        cfg = dataclasses.replace(base, **change)
+        try:
+            th.hybrid_kernel(x, x, x, f, f, s, s, s, s.int(), window=2, scale=1.0, eps=1e-6,
+                             config=cfg)
+        except ValueError as e:
+            assert "power of two" in str(e) and "96" in str(e), e
+        else:
+            raise AssertionError(f"{change} was accepted")
+
+
 def test_forward_packs_the_query_heads_a_group_allows():
     """``pack_of``: the forward takes the query heads of a kv head P at a time (the largest
     power of two dividing the group, at most ``pack_heads``, leaving 16 positions a program):

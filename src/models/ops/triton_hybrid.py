@@ -2528,6 +2528,11 @@ def hybrid_kernel(q, k, v, fq, fk, ca, cb, logs, shift, *, window: int, scale: f
     if any(cfg.state_chunk % n for n in blocks):
         raise ValueError(f"state_chunk {cfg.state_chunk} must be a multiple of the key blocks "
                          f"(block_n, bwd_block_n, dkv_block_n, dv_block_n: {blocks})")
+    for name, n in (("state_chunk", cfg.state_chunk),
+                    ("forward_state_chunk", cfg.forward_state_chunk)):
+        if n is not None and (n <= 0 or n & (n - 1)):  # (the state kernels' tl.arange)
+            raise ValueError(f"{name} {n} must be a power of two (the state kernels take a "
+                             f"chunk's positions as one tile): e.g. 64 or 128")
     if cfg.forward_state_chunk is not None and cfg.forward_state_chunk % cfg.block_n:
         raise ValueError(f"forward_state_chunk {cfg.forward_state_chunk} must be a multiple of "
                          f"the forward's key block (block_n {cfg.block_n})")
