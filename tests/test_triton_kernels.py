@@ -446,7 +446,10 @@ def test_routing_shared_norm_outside_hybrid_goes_to_the_pieces():
 def test_output_gate_takes_a_kernel_call_per_branch(mode):
     """A g per channel and position (output-gate mixers): each branch its own kernel call,
     mixed in PyTorch (``triton_hybrid._gated``), against the reference: output and the
-    gradients of q, k, v, the maps' weights and g, at the 8B head shape with padding."""
+    gradients of q, k, v, the maps' weights and g, at the 8B head shape with padding. Each
+    branch call at weight 1 saves its output as its branch (``GATED_OUTPUT_IS_BRANCH``):
+    bit for bit the results of the calls storing a copy, with one (B, H, T, D) branch less
+    allocated after the forward per such call."""
     th = _kernels()
     B, H, Hkv, T, D = 2, 8, 2, 300, 128
     gen = torch.Generator(device=DEVICE).manual_seed(3)
@@ -458,19 +461,35 @@ def test_output_gate_takes_a_kernel_call_per_branch(mode):
     kpm = torch.ones(B, T, dtype=torch.bool, device=DEVICE)
     kpm[1, :37] = False
 
-    def run(backend):
+    def run(backend, held=None):
         q, k, v, g = (x.detach().clone().requires_grad_() for x in (q0, k0, v0, g0))
         for m in maps:
             m.zero_grad()
+        before = torch.cuda.memory_allocated() if held is not None else 0
         out = hybrid_attention(q, k, v, None, None, maps=maps, window=64, g=g, mode=mode,
                                key_padding_mask=kpm, backend=backend)
+        if held is not None:
+            held.append(torch.cuda.memory_allocated() - before)
         (out.float() * do).sum().backward()
         return [out.detach(), q.grad, k.grad, v.grad, g.grad] + [m.weight.grad for m in maps]
 
     calls, gated = th.CALLS["forward"], th.CALLS["gated"]
-    got = run("triton")
+    on_cuda = torch.device(DEVICE).type == "cuda"
+    held = [] if on_cuda else None
+    got = run("triton", held)
     assert th.CALLS["forward"] - calls == (2 if mode == "hybrid" else 1)
     assert th.CALLS["gated"] == gated + 1
+    copied = [] if on_cuda else None
+    th.GATED_OUTPUT_IS_BRANCH = False
+    try:
+        got_copied = run("triton", copied)
+    finally:
+        th.GATED_OUTPUT_IS_BRANCH = True
+    for a, b in zip(got, got_copied):
+        assert (a is None and b is None) or torch.equal(a, b)
+    if on_cuda:  # (every branch call is at weight 1 here: no SSD)
+        branch = B * H * T * D * 2
+        assert held[0] <= copied[0] - (2 if mode == "hybrid" else 1) * branch, (held, copied)
     want = run("reference")
     for name, a, b in zip(("out", "dq", "dk", "dv", "dg", "dWq", "dWk"), got, want):
         if b is None or (name.startswith("dW") and not b.any()):  # (swa_only: the maps

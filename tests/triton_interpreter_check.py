@@ -315,20 +315,38 @@ def _layer_call(B, H, D, window, mode, kpm, g_kind, ssd, gen, switches, T=None):
 
 
 def layer_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=45, D=16, window=8, dtype=torch.float32,
-               pad=False, g_kind="float", ssd=None, cfg=SMALL, **switches):
+               pad=False, g_kind="float", ssd=None, cfg=SMALL, g_in_dtype=False, **switches):
     """fused_hybrid (the kernel behind hybrid_attention's modes) vs
-    hybrid_attention(backend="reference"), gradients of q, k, v, fq, fk and a tensor g."""
+    hybrid_attention(backend="reference"), gradients of q, k, v, fq, fk and a tensor g. An
+    output gate (``g_kind`` "gate..."): also against its branch calls each storing its own
+    copy of its branch (``triton_hybrid.GATED_OUTPUT_IS_BRANCH`` off), bit for bit, and the
+    memory held after the forward (the storages saved for the backward and the output's)
+    exactly one (B, H, T, D) branch less for each call at weight 1 ("branch_held_once"),
+    where the mix keeps the branches themselves (a g in another dtype than a hybrid call's
+    branches mixes fp32 copies of them: there the branches are transient either way, and
+    the saving is 0). ``g_in_dtype``: a tensor g in the call's dtype (a bf16 model's gate),
+    else fp32."""
     from hedgecats.models.ops import triton_hybrid as th
     from hedgecats.models.ops.hybrid import hybrid_attention
 
     q, k, v, fq, fk, do, gen = _inputs(B, H, Hkv, T, D, dtype, 3, "softmax")
     kpm = _kpm(B, T) if pad else None
     g0, args = _layer_call(B, H, D, window, mode, kpm, g_kind, ssd, gen, switches, T)
+    if g_in_dtype and torch.is_tensor(g0):
+        g0 = g0.to(dtype)
 
-    def run(fn, cast):
+    def run(fn, cast, held=None):
         ins = [t.detach().to(cast).clone().requires_grad_() for t in (q, k, v, fq, fk)]
         gt = g0.clone().requires_grad_() if torch.is_tensor(g0) else g0
-        out = fn(*ins, gt)
+        if held is None:
+            out = fn(*ins, gt)
+        else:  # (each storage saved for the backward, and the output's: bytes by address)
+            def pack(t):
+                held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                return t
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = fn(*ins, gt)
+            held[out.untyped_storage().data_ptr()] = out.untyped_storage().nbytes()
         out.float().backward(do)
         res = {"out": out.detach(), **{n: x.grad for n, x in zip(["dq", "dk", "dv", "dfq", "dfk"],
                                                                   ins)}}
@@ -347,9 +365,31 @@ def layer_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=45, D=16, window=8, dty
         return hybrid_attention(q, k, v, fq, fk, g=g, backend="reference", eps=args["eps"], **a)
 
     gated = th.CALLS["gated"]
-    out = errors(run(fused, dtype), run(reference, torch.float32))
+    held = {}
+    got = run(fused, dtype, held)
+    out = errors(got, run(reference, torch.float32))
     if g_kind.startswith("gate"):  # (a kernel call per branch, mixed in PyTorch)
         out["gated_ran"] = 0.0 if th.CALLS["gated"] == gated + 1 else float("inf")
+        copied = {}
+        th.GATED_OUTPUT_IS_BRANCH = False
+        try:
+            want = run(fused, dtype, copied)
+        finally:
+            th.GATED_OUTPUT_IS_BRANCH = True
+        for n, a in got.items():
+            b = want[n]
+            same = (a is None and b is None) or (a is not None and b is not None and
+                                                  torch.equal(a, b))
+            out[f"same_as_copied_{n}"] = 0.0 if same else float("inf")
+        mode_ = args["mode"]  # (la_only ignores SSD's drops)
+        drop = args["swa_drop"] is not None and mode_ != "la_only"
+        at_one = int(mode_ in ("hybrid", "swa_only") and not drop) + int(
+            mode_ in ("hybrid", "la_only"))
+        branch = B * H * T * D * q.element_size()
+        if mode_ == "hybrid" and g0.dtype != dtype:  # (``_gated``'s lerp of fp32 copies)
+            at_one = 0
+        saved = sum(copied.values()) - sum(held.values())
+        out["branch_held_once"] = 0.0 if saved == at_one * branch else float("inf")
     return out
 
 
@@ -1388,6 +1428,12 @@ def cases(quick: bool = False):
                                                             rescale=True, pad=True)),
         ("layer-gate-bf16-packed4-pad", layer_case, dict(
             g_kind="gate", dtype=bf16, H=8, T=60, pad=True, cfg=PACKED4)),
+        # a bf16 gate on a bf16 call (a bf16 model's): the mix keeps both branches, each
+        # held once (``GATED_OUTPUT_IS_BRANCH``)
+        ("layer-gate-bf16-g-bf16-packed4-pad", layer_case, dict(
+            g_kind="gate", dtype=bf16, H=8, T=60, pad=True, cfg=PACKED4, g_in_dtype=True)),
+        ("layer-gate-bf16-g-bf16-la-only", layer_case, dict(
+            g_kind="gate", mode="la_only", dtype=bf16, cfg=PACKED4, H=8, g_in_dtype=True)),
         ("layer-ssd-head-all", layer_case, dict(ssd="head", la_span="all", pad=True)),
         ("layer-bf16-pad", layer_case, dict(dtype=bf16, pad=True, g_kind="head")),
         ("layer-ssd-head-packed4-pad", layer_case, dict(

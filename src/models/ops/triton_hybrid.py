@@ -166,8 +166,10 @@ class KernelConfig:
     #: ``_bwd_dkv_la`` 0.66 to 0.51 ms, ``_bwd_dfq`` 0.39 to 0.28
     #: (benchmarks/results/h200_2026-12-02d/README.md)
     grad_f_chunk: int | None = None
-    #: the forward stores both branches' outputs (SWA_t and LA_t, (B H, T, D) each, in the input
-    #: dtype) when a backward will follow, and the backward's per-query factors read
+    #: the forward stores both branches' outputs (SWA_t and LA_t, (B, H, T, D) each, in the input
+    #: dtype; a call whose output is its one branch, ``hybrid_kernel``'s ``output_is_branch``,
+    #: saves its output instead) when a backward will follow, and the backward's per-query
+    #: factors read
     #: SWA_t . dO_t and LA_t . dO_t from them instead of recomputing both branches (as flash
     #: attention's rowsum(dO o O)): without dq (stage 1) the dq kernel then does no matrix
     #: products at all. The forward's LA states are kept too (since 2026-12-02's sixth session:
@@ -621,16 +623,16 @@ if HAVE_TRITON:
             carry += tl.sum(share, axis=0)
 
     @triton.jit
-    def _saved_dot(SAVED, DO, t_rows, do_rows, rows, D: tl.constexpr, BM: tl.constexpr):
-        """SAVED_t . dO_t for BM query rows (row r: (B H, T, D) row ``t_rows[r]`` of SAVED, dO
-        at ``DO + do_rows[r]``), the forward's stored branch output read instead of recomputed;
+    def _saved_dot(SAVED, DO, s_rows, do_rows, rows, D: tl.constexpr, BM: tl.constexpr):
+        """SAVED_t . dO_t for BM query rows (row r at ``SAVED + s_rows[r]``, dO at ``DO +
+        do_rows[r]``), the forward's stored branch output read instead of recomputed;
         taken 32 channels at a time (dO re-read from cache) so that no (BM, D) fp32 tile
         is live: a whole-tile version spilled 232-632 bytes per thread in the dq kernel."""
         DC: tl.constexpr = 32 if D > 32 else D
         acc = tl.zeros([BM], dtype=tl.float32)
         for c in tl.static_range(D // DC):
             offs_c = c * DC + tl.arange(0, DC)
-            x = tl.load(SAVED + t_rows[:, None] * D + offs_c[None, :], mask=rows[:, None],
+            x = tl.load(SAVED + s_rows[:, None] + offs_c[None, :], mask=rows[:, None],
                         other=0.0)
             do = tl.load(DO + do_rows[:, None] + offs_c[None, :], mask=rows[:, None], other=0.0)
             acc += tl.sum(x.to(tl.float32) * do.to(tl.float32), axis=1)
@@ -935,7 +937,7 @@ if HAVE_TRITON:
                  DQ, DELTA, WS, GF, DDEN, PA, PB, DNUM,
                  sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
                  sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sdo_b, sdo_h, sdo_t,
-                 sdq_b, sdq_h, sdq_t,
+                 sdq_b, sdq_h, sdq_t, ssv_b, ssv_h, ssv_t,
                  T, H, G, NC, NMB, window, scale, scale_log2, eps,
                  D: tl.constexpr, F: tl.constexpr, FC: tl.constexpr, BM: tl.constexpr,
                  BN: tl.constexpr, CS: tl.constexpr, P: tl.constexpr, HAS_SWA: tl.constexpr,
@@ -949,8 +951,9 @@ if HAVE_TRITON:
         dnum itself ((B H, T, D), the input dtype: the reverse states' matrix operand); PA,
         PB: this block's partial mixer gradients (d c_A, d c_B; or d log s and 0 with
         SHARED). SWA_t . dO_t and LA_t . dO_t come from recomputing both branches (first
-        pass), or with FROM_SAVED from the branches' outputs the forward stored (SWA_O, LA_O:
-        (B H, T, D)). Rows: BM / P positions of P query heads of one kv head
+        pass), or with FROM_SAVED from the branches' outputs the forward stored (SWA_O, LA_O,
+        (B, H, T, D) at strides ssv_*: the forward's own buffers, or the call's output where
+        that is its one branch, ``hybrid_kernel``'s ``output_is_branch``). Rows: BM / P positions of P query heads of one kv head
         (``_packed_rows``, block ``pid_m`` of head group ``pid_g``), as the forward's.
         Returns (dO, GF, DDEN) of the block's rows, for ``_bwd_q``'s dfq part."""
         LN2: tl.constexpr = 0.6931471805599453
@@ -964,6 +967,7 @@ if HAVE_TRITON:
         v_base = V + b.to(tl.int64) * sv_b + hk.to(tl.int64) * sv_h
         t_rows = bh_r.to(tl.int64) * T + offs_m  # each row in the (B H, T) buffers
         do_rows = b.to(tl.int64) * sdo_b + h_r.to(tl.int64) * sdo_h + offs_m.to(tl.int64) * sdo_t
+        s_rows = b.to(tl.int64) * ssv_b + h_r.to(tl.int64) * ssv_h + offs_m.to(tl.int64) * ssv_t
         first = tl.load(FIRST + b)
         shift_r = tl.load(SHIFT + bh_r)
         do = tl.load(DO + do_rows[:, None] + offs_d[None, :], mask=rows[:, None], other=0.0)
@@ -981,7 +985,7 @@ if HAVE_TRITON:
         dot_la = tl.zeros([BM], dtype=tl.float32)
         if HAS_LA:
             if FROM_SAVED:
-                dot_la = _saved_dot(LA_O, DO, t_rows, do_rows, rows, D, BM)
+                dot_la = _saved_dot(LA_O, DO, s_rows, do_rows, rows, D, BM)
             else:
                 fq_rows = b.to(tl.int64) * sfq_b + h_r.to(tl.int64) * sfq_h \
                     + offs_m.to(tl.int64) * sfq_t
@@ -991,7 +995,7 @@ if HAVE_TRITON:
                 dot_la = tl.sum(num * do.to(tl.float32), axis=1) * r
         dot_swa = tl.zeros([BM], dtype=tl.float32)
         if HAS_SWA and FROM_SAVED:
-            dot_swa = _saved_dot(SWA_O, DO, t_rows, do_rows, rows, D, BM)
+            dot_swa = _saved_dot(SWA_O, DO, s_rows, do_rows, rows, D, BM)
         q_rows = b.to(tl.int64) * sq_b + h_r.to(tl.int64) * sq_h + offs_m.to(tl.int64) * sq_t
         if HAS_SWA and not FROM_SAVED:
             q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=rows[:, None], other=0.0)
@@ -1085,7 +1089,7 @@ if HAVE_TRITON:
                 DQ, DELTA, WS, GF, DDEN, PA, PB, DNUM,
                 sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
                 sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sdo_b, sdo_h, sdo_t,
-                sdq_b, sdq_h, sdq_t,
+                sdq_b, sdq_h, sdq_t, ssv_b, ssv_h, ssv_t,
                 T, H, G, NC, NMB, window, scale, scale_log2, eps,
                 D: tl.constexpr, F: tl.constexpr, FC: tl.constexpr, BM: tl.constexpr,
                 BN: tl.constexpr, CS: tl.constexpr, P: tl.constexpr, HAS_SWA: tl.constexpr,
@@ -1096,8 +1100,9 @@ if HAVE_TRITON:
         _dq_part(Q, K, V, FQ, FK, DO, SST, ZST, VST, CNT, LSE, DEN, CA, CB, LOGS, SHIFT, FIRST,
                  KPM, SWA_O, LA_O, DQ, DELTA, WS, GF, DDEN, PA, PB, DNUM, sq_b, sq_h, sq_t, sk_b,
                  sk_h, sk_t, sv_b, sv_h, sv_t, sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sdo_b,
-                 sdo_h, sdo_t, sdq_b, sdq_h, sdq_t, T, H, G, NC, NMB, window, scale, scale_log2,
-                 eps, D, F, FC, BM, BN, CS, P, HAS_SWA, HAS_LA, SHARED, HAS_KPM, PREC, NEED_DQ,
+                 sdo_h, sdo_t, sdq_b, sdq_h, sdq_t, ssv_b, ssv_h, ssv_t, T, H, G, NC, NMB, window,
+                 scale, scale_log2, eps, D, F, FC, BM, BN, CS, P, HAS_SWA, HAS_LA, SHARED,
+                 HAS_KPM, PREC, NEED_DQ,
                  FROM_SAVED, STORE_DNUM, SS, tl.program_id(0), tl.program_id(1))
 
     @triton.jit
@@ -1219,7 +1224,7 @@ if HAVE_TRITON:
                DQ, DELTA, WS, GF, DDEN, PA, PB, DNUM, DFQ, DU,
                sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
                sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sdo_b, sdo_h, sdo_t,
-               sdq_b, sdq_h, sdq_t, sdu_b, sdu_h, sdu_t,
+               sdq_b, sdq_h, sdq_t, ssv_b, ssv_h, ssv_t, sdu_b, sdu_h, sdu_t,
                T, H, G, NC, NMB, window, scale, scale_log2, eps,
                D: tl.constexpr, F: tl.constexpr, FC: tl.constexpr, BM: tl.constexpr,
                BN: tl.constexpr, CS: tl.constexpr, P: tl.constexpr, HAS_SWA: tl.constexpr,
@@ -1239,8 +1244,9 @@ if HAVE_TRITON:
             Q, K, V, FQ, FK, DO, SST, ZST, VST, CNT, LSE, DEN, CA, CB, LOGS, SHIFT, FIRST, KPM,
             SWA_O, LA_O, DQ, DELTA, WS, GF, DDEN, PA, PB, DNUM, sq_b, sq_h, sq_t, sk_b, sk_h,
             sk_t, sv_b, sv_h, sv_t, sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sdo_b, sdo_h,
-            sdo_t, sdq_b, sdq_h, sdq_t, T, H, G, NC, NMB, window, scale, scale_log2, eps, D, F,
-            FC, BM, BN, CS, P, HAS_SWA, HAS_LA, SHARED, HAS_KPM, PREC, NEED_DQ, FROM_SAVED,
+            sdo_t, sdq_b, sdq_h, sdq_t, ssv_b, ssv_h, ssv_t, T, H, G, NC, NMB, window, scale,
+            scale_log2, eps, D, F, FC, BM, BN, CS, P, HAS_SWA, HAS_LA, SHARED, HAS_KPM, PREC,
+            NEED_DQ, FROM_SAVED,
             STORE_DNUM, SS, pid_m, pid_g)
         _dfq_part(FK, V, DO, SST, ZST, GF, DDEN, SHIFT, KPM, DFQ, FQ, DU, sfk_b, sfk_h, sfk_t,
                   sv_b, sv_h, sv_t, sdo_b, sdo_h, sdo_t, sfq_b, sfq_h, sfq_t, sdu_b, sdu_h,
@@ -1964,9 +1970,12 @@ def maps_q_in_forward(cfg: KernelConfig, q: torch.Tensor, G: int, has_la: bool) 
 
 
 def _forward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, *, window, scale, eps,
-             has_swa, has_la, shared, cfg: KernelConfig, save: bool = False, map_q=None):
-    """(out, lse, den, swa_o, la_o, states): the branches' outputs (B H, T, D) and the LA
+             has_swa, has_la, shared, cfg: KernelConfig, save: bool = False, map_q=None,
+             branch_is_output: bool = False):
+    """(out, lse, den, swa_o, la_o, states): the branches' outputs (B, H, T, D) and the LA
     states ``(S, z, u, state_chunk)`` only with ``save`` (else ``None``), for the backward.
+    ``branch_is_output`` (one branch at weight 1: ``hybrid_kernel``'s ``output_is_branch``):
+    with ``save`` that branch is ``out`` itself, not stored a second time.
     ``map_q`` (the q map's weight in q's dtype, its bias, whether softmax), with fq None: the
     q map runs in ``_fwd`` where ``maps_q_in_forward`` (no backward may follow: phi_q is not
     kept), else first, as its own kernel (``triton_phi.map_forward``)."""
@@ -1986,8 +1995,9 @@ def _forward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, *, window
     o = _like(q)
     lse = torch.empty(B * H, T, device=q.device, dtype=torch.float32)
     den = torch.empty(B * H, T, device=q.device, dtype=torch.float32)
-    swa_o = torch.empty(B * H, T, D, device=q.device, dtype=q.dtype) if save and has_swa else None
-    la_o = torch.empty(B * H, T, D, device=q.device, dtype=q.dtype) if save and has_la else None
+    store = save and not branch_is_output  # (the kernel stores the branches: contiguous)
+    swa_o = torch.empty(B, H, T, D, device=q.device, dtype=q.dtype) if store and has_swa else None
+    la_o = torch.empty(B, H, T, D, device=q.device, dtype=q.dtype) if store and has_la else None
     P = pack_of(cfg, H // Hkv)
     CALLS["packed_forward"] += P > 1
     grid = (cdiv(T, cfg.block_m // P), B * H // P)
@@ -2002,10 +2012,12 @@ def _forward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, *, window
         *_strides(o), T, H, H // Hkv, NC, window, scale * LOG2E, eps,
         D=D, F=F, FC=_fc(cfg, F), BM=cfg.block_m, BN=cfg.block_n, CS=cfg.state_chunk, P=P,
         HAS_SWA=has_swa, HAS_LA=has_la, SHARED=shared, HAS_KPM=kpm_i8 is not None,
-        PREC=_prec(q.dtype), SAVE=save, SS=cfg.state_product_stages, MAP_Q=mapped,
+        PREC=_prec(q.dtype), SAVE=store, SS=cfg.state_product_stages, MAP_Q=mapped,
         SOFTMAX_Q=bool(map_q[2]) if mapped else True, HOLD_FQ=held, num_warps=cfg.warps,
         num_stages=cfg.stages)
     states = (S, z, vs, cfg.state_chunk) if save and has_la else None
+    if save and branch_is_output:  # (its values, bit for bit: the other branch adds 0 x 0)
+        swa_o, la_o = (o if has_swa else None), (o if has_la else None)
     return o, lse, den, swa_o, la_o, states
 
 
@@ -2060,8 +2072,10 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
     q_args = (q, k, v, fq, fk, do, S, z, vs, cnt, lse, den, ca, cb, logs, shift, first, kpm,
               _ptr(swa_o, dummy), _ptr(la_o, dummy), _ptr(dq, dummy), delta, ws, gf, dden, pa,
               pb, _ptr(dnum, dummy))
+    saved = swa_o if swa_o is not None else la_o  # (one layout: see ``_forward``)
     q_strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(fq), *_strides(fk),
-                 *_strides(do), *_strides(q if dq is None else dq))
+                 *_strides(do), *_strides(q if dq is None else dq),
+                 *(_strides(saved) if saved is not None else (0, 0, 0)))
     q_scalars = (T, H, G, NC, NMB, window, scale, scale * LOG2E, eps)
     q_meta = dict(D=D, F=F, FC=FC, BM=BMQ, BN=BN, CS=cfg.state_chunk, P=PQ, HAS_SWA=has_swa,
                   HAS_LA=has_la, SHARED=shared, HAS_KPM=has_kpm, PREC=prec,
@@ -2239,7 +2253,7 @@ class FoldedMaps(NamedTuple):
 
 
 #: _HybridFn's inputs before the folded maps' (their gradients' positions in its backward)
-_N_KERNEL_INPUTS = 21
+_N_KERNEL_INPUTS = 22
 
 
 class _Forward(NamedTuple):
@@ -2259,7 +2273,8 @@ class _Forward(NamedTuple):
 
 def _function_forward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, window, scale,
                       eps, has_swa, has_la, shared, cfg, save, wq=None, bq=None, wk=None,
-                      bk=None, maps_softmax=None, *, autograd: bool = True) -> _Forward:
+                      bk=None, maps_softmax=None, *, autograd: bool = True,
+                      branch_is_output: bool = False) -> _Forward:
     """The forward of ``_HybridFn``'s function (its arguments, less the du slot): with the maps
     folded in (``maps_softmax`` given), fq = phi_q(q) and fk = phi_k(k) first, both maps in one
     launch (``triton_phi.map_forward_pair``); then the kernels (``_forward``, through the tile
@@ -2291,7 +2306,8 @@ def _function_forward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, 
     o, lse, den, swa_o, la_o, states = _with_retry("forward", key, cfg, lambda c: _forward(
         q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, window=window, scale=scale,
         eps=eps, has_swa=has_swa, has_la=has_la, shared=shared, cfg=c,
-        save=save and c.save_branches, map_q=map_q))  # (the retry's SAFE_CONFIG saves nothing
+        save=save and c.save_branches, map_q=map_q,
+        branch_is_output=branch_is_output))  # (the retry's SAFE_CONFIG saves nothing
     # and runs the q map as its own kernel)
     return _Forward(o, fq, fk, casts, lse, den, swa_o, la_o, states)
 
@@ -2317,11 +2333,11 @@ class _HybridFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, window, scale,
-                eps, has_swa, has_la, shared, cfg, save, du_slot, wq=None, bq=None, wk=None,
-                bk=None, maps_softmax=None):
+                eps, has_swa, has_la, shared, cfg, save, du_slot, branch_is_output, wq=None,
+                bq=None, wk=None, bk=None, maps_softmax=None):
         r = _function_forward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, window,
                               scale, eps, has_swa, has_la, shared, cfg, save, wq, bq, wk, bk,
-                              maps_softmax)
+                              maps_softmax, branch_is_output=branch_is_output)
         ctx.maps = None if r.casts is None else (
             maps_softmax, (wq.dtype, bq.dtype), (wk.dtype, bk.dtype))
         # (all through save_for_backward, the branches and states too: held on ctx instead,
@@ -2329,6 +2345,9 @@ class _HybridFn(torch.autograd.Function):
         # non-reentrant activation checkpointing, which the stages use, discards and recomputes
         # only saved tensors: every layer's branches would stay alive through the forward)
         ctx.saved_branches = (r.swa_o is not None, r.la_o is not None)
+        # the branch saved is the output (``output_is_branch``): never released by the
+        # backward (whoever holds the output, e.g. an output gate's lerp, still reads it)
+        ctx.branch_is_output = r.o is r.swa_o or r.o is r.la_o
         ctx.states_chunk = None if r.states is None else r.states[3]
         ctx.save_for_backward(q, k, v, r.fq, r.fk, ca, cb, logs, shift, first, cnt, r.lse,
                               r.den, *(x for x in (r.swa_o, r.la_o) if x is not None),
@@ -2390,7 +2409,8 @@ class _HybridFn(torch.autograd.Function):
             dfq, dfk = torch.zeros_like(fq), torch.zeros_like(fk)
         if folded:  # (the kernels have read the saved branches and states: their memory back
             # before the maps' backward allocates)
-            _release_saved(swa_o, la_o, *(() if states is None else states[:3]))
+            _release_saved(*(() if ctx.branch_is_output else (swa_o, la_o)),
+                           *(() if states is None else states[:3]))
             dq, dk, map_grads = _folded_maps_backward(ctx, q, k, fq, fk, dq, dk, dfq, dfk,
                                                       du_slot, rest)
         elif dq is None and need[0]:  # no window (la_only): q has no other path
@@ -2405,8 +2425,8 @@ class _HybridFn(torch.autograd.Function):
             dcb = pb.sum(-1) if want_cb else None
             dlogs = None
         if folded:
-            return (dq, dk, dv, None, None, dca, dcb, dlogs) + (None,) * 13 + map_grads
-        return (dq, dk, dv, dfq, dfk, dca, dcb, dlogs) + (None,) * 13
+            return (dq, dk, dv, None, None, dca, dcb, dlogs) + (None,) * 14 + map_grads
+        return (dq, dk, dv, dfq, dfk, dca, dcb, dlogs) + (None,) * 14
 
 
 def _release_saved(*tensors) -> None:
@@ -2500,7 +2520,7 @@ def _reference_backward(ctx, do, q, k, v, fq, fk, ca, cb, logs, shift, first, kp
         dca = dcb = None
     else:
         dlogs = None
-    return (dq, dk, dv, dfq, dfk, dca, dcb, dlogs) + (None,) * 13 + map_grads
+    return (dq, dk, dv, dfq, dfk, dca, dcb, dlogs) + (None,) * 14 + map_grads
 
 
 # ============================================================================= entry points
@@ -2508,7 +2528,8 @@ def hybrid_kernel(q, k, v, fq, fk, ca, cb, logs, shift, *, window: int, scale: f
                   key_padding_mask: torch.Tensor | None = None, has_swa: bool = True,
                   has_la: bool = True, shared: bool = False,
                   config: KernelConfig | None = None,
-                  maps: FoldedMaps | None = None) -> torch.Tensor:
+                  maps: FoldedMaps | None = None,
+                  output_is_branch: bool = False) -> torch.Tensor:
     """The kernels' own function (see the module docstring), differentiable in q, k, v, fq,
     fk, ca, cb (not ``shared``) and logs (``shared``).
 
@@ -2517,6 +2538,11 @@ def hybrid_kernel(q, k, v, fq, fk, ca, cb, logs, shift, *, window: int, scale: f
     ``maps`` (``fold_maps``), with fq and fk ``None``: fq = phi_q(q) and fk = phi_k(k) are
     computed inside this call's autograd Function, which is then differentiable in the maps'
     weights and biases too (the layer's path: one autograd node instead of three).
+    ``output_is_branch``: the caller promises the call has one branch (``has_swa`` or
+    ``has_la``) at weight 1 for every head (ca 1 without LA, cb 1 without SWA; an output
+    gate's branch calls, ``_gated``): the output is then that branch bit for bit, and the
+    backward reads it as the saved branch instead of a second copy the forward would store
+    (``save_branches``; ~0.5 GiB a branch at 1 x 64k on the 8B's heads).
     No checks beyond shapes: ``fused_hybrid`` decides what may come here.
     """
     B, H, T, D = q.shape
@@ -2533,6 +2559,9 @@ def hybrid_kernel(q, k, v, fq, fk, ca, cb, logs, shift, *, window: int, scale: f
         if n is not None and (n <= 0 or n & (n - 1)):  # (the state kernels' tl.arange)
             raise ValueError(f"{name} {n} must be a power of two (the state kernels take a "
                              f"chunk's positions as one tile): e.g. 64 or 128")
+    if output_is_branch and has_swa == has_la:
+        raise ValueError("output_is_branch needs a call with one branch (has_swa or has_la, "
+                         f"not both nor neither): has_swa={has_swa}, has_la={has_la}")
     if cfg.forward_state_chunk is not None and cfg.forward_state_chunk % cfg.block_n:
         raise ValueError(f"forward_state_chunk {cfg.forward_state_chunk} must be a multiple of "
                          f"the forward's key block (block_n {cfg.block_n})")
@@ -2571,7 +2600,7 @@ def hybrid_kernel(q, k, v, fq, fk, ca, cb, logs, shift, *, window: int, scale: f
     if du_slot is not None and not du_slot.claim():
         du_slot = None
     # store the branches for the backward (``KernelConfig.save_branches``)
-    return _HybridFn.apply(*args, cfg.save_branches, du_slot, *folded)
+    return _HybridFn.apply(*args, cfg.save_branches, du_slot, bool(output_is_branch), *folded)
 
 
 def fold_maps(maps, q: torch.Tensor, k: torch.Tensor) -> tuple[FoldedMaps | None, str | None]:
@@ -2798,6 +2827,15 @@ def _no_features(q, k):
     return row.expand(B, H, T, D), row.expand(B, Hkv, T, D)
 
 
+#: ``_gated``'s branch calls at weight 1 (the SWA call without SSD, the LA call of ``hybrid``
+#: and ``la_only``) save their output as their branch (``hybrid_kernel``'s
+#: ``output_is_branch``): each branch is held once, by the gate's mix (its lerp saves both),
+#: instead of also as the kernel's own saved copy (~1 GiB less at 1 x 64k on the 8B's heads,
+#: where the gated call peaked 1.5 GiB above the fixed mixer's, session 21), and the forward
+#: stores neither. A switch for the A/B (bit for bit either way)
+GATED_OUTPUT_IS_BRANCH = True
+
+
 def _gated(q, k, v, fq, fk, g, *, mode, rescale, drop, shift0, shift_la_only, window, scale,
            eps, kpm, config, maps):
     """``fused_hybrid`` for a g that varies over positions or channels (an output-gate mixer:
@@ -2816,7 +2854,8 @@ def _gated(q, k, v, fq, fk, g, *, mode, rescale, drop, shift0, shift_la_only, wi
         ca = one if drop is None else torch.where(drop, zeros, one)
         swa = _launch(q, k, v, *_no_features(q, k), ca, zeros, zeros,
                       _filled((B, H), shift0, torch.int32, dev), window, scale, eps, kpm,
-                      True, False, False, config)
+                      True, False, False, config,
+                      output_is_branch=GATED_OUTPUT_IS_BRANCH and drop is None)
         if swa is None:
             return None
     if mode != "swa_only" or drop is not None:
@@ -2828,7 +2867,8 @@ def _gated(q, k, v, fq, fk, g, *, mode, rescale, drop, shift0, shift_la_only, wi
             if drop is not None:
                 shift = torch.where(drop, torch.full_like(shift, shift_la_only), shift)
         la = _launch(q, k, v, fq, fk, zeros, cb, zeros, shift, window, scale, eps, kpm,
-                     False, True, False, config, maps)
+                     False, True, False, config, maps,
+                     output_is_branch=GATED_OUTPUT_IS_BRANCH and cb is one)
         if la is None:
             return None
     CALLS["gated"] += 1
@@ -2850,11 +2890,12 @@ def _gated(q, k, v, fq, fk, g, *, mode, rescale, drop, shift0, shift_la_only, wi
 
 
 def _launch(q, k, v, fq, fk, ca, cb, logs, shift, window, scale, eps, kpm, has_swa, has_la,
-            shared, config, maps=None):
+            shared, config, maps=None, output_is_branch=False):
     try:
         out = hybrid_kernel(q, k, v, fq, fk, ca, cb, logs, shift, window=window, scale=scale,
                             eps=eps, key_padding_mask=kpm, has_swa=has_swa, has_la=has_la,
-                            shared=shared, config=config, maps=maps)
+                            shared=shared, config=config, maps=maps,
+                            output_is_branch=output_is_branch)
         CALLS["forward"] += 1
         return out
     except errors() as e:  # never a crash inside Triton: the caller's path instead
