@@ -1071,12 +1071,15 @@ def model_case(cid, *, mixer="fixed", mode="hybrid", pad=False, H=4, Hkv=2, wind
     return out
 
 
-def checkpointed_case(cid, *, B=2, H=4, Hkv=2, T=150, D=16, window=20, dtype=torch.bfloat16):
+def checkpointed_case(cid, *, B=2, H=4, Hkv=2, T=150, D=16, window=20, dtype=torch.bfloat16,
+                      g_kind="float"):
     """The fused call with the maps folded in, under non-reentrant activation checkpointing
     (``torch.utils.checkpoint``, ``use_reentrant=False``: stage 2's), against the same call
     without it: the output and every gradient bit for bit (the backward recomputes the forward
     and reads, then releases, the recomputed branches and states: ``_release_saved``), and
-    the release ran once per backward."""
+    the release ran once per backward. ``g_kind`` "gate": an output gate in the call's dtype
+    (a call per branch, each saving its output as its branch: ``GATED_OUTPUT_IS_BRANCH``;
+    the LA call's, folded, releases its states only), g's gradient compared too."""
     from hedgecats.models import HedgehogFeatureMap
     from hedgecats.models.ops import triton_hybrid as th
     from torch.utils.checkpoint import checkpoint
@@ -1087,23 +1090,28 @@ def checkpointed_case(cid, *, B=2, H=4, Hkv=2, T=150, D=16, window=20, dtype=tor
                   for n in (H, Hkv, Hkv))
     do = torch.randn(B, H, T, D, generator=gen)
     kpm = _kpm(B, T)
-    g0, args = _layer_call(B, H, D, window, "hybrid", kpm, "float", None, gen, {}, T)
-    names = ["out", "dq", "dk", "dv", "dWq", "dbq", "dWk", "dbk"]
+    g0, args = _layer_call(B, H, D, window, "hybrid", kpm, g_kind, None, gen, {}, T)
+    gated = torch.is_tensor(g0)
+    names = ["out", "dq", "dk", "dv", "dWq", "dbq", "dWk", "dbk"] + (["dg"] if gated else [])
 
-    def call(q, k, v):
+    def call(q, k, v, g):
         with _maps_on_their_kernel():
-            return th.fused_hybrid(q, k, v, None, None, g=g0, config=th.KernelConfig(**MAP_DU),
+            return th.fused_hybrid(q, k, v, None, None, g=g, config=th.KernelConfig(**MAP_DU),
                                    maps=maps, **args)
 
     def run(checkpointed: bool):
         q, k, v = (x.detach().clone().requires_grad_() for x in (q0, k0, v0))
+        g = g0.to(dtype).requires_grad_() if gated else g0
         for m in maps:
             m.zero_grad()
-        released = th.CALLS["saved_released"]
-        out = checkpoint(call, q, k, v, use_reentrant=False) if checkpointed else call(q, k, v)
+        released, n_gated = th.CALLS["saved_released"], th.CALLS["gated"]
+        out = checkpoint(call, q, k, v, g, use_reentrant=False) if checkpointed \
+            else call(q, k, v, g)
         (out.float() * do).sum().backward()
         got = [out.detach(), q.grad, k.grad, v.grad] + [
             p_.grad.clone() for m in maps for p_ in (m.weight, m.bias)]
+        got += [g.grad] if gated else []
+        assert th.CALLS["gated"] - n_gated == (1 + checkpointed) * gated, "no gated call"
         return dict(zip(names, got)), th.CALLS["saved_released"] - released
 
     plain, released_plain = run(False)
@@ -1113,13 +1121,17 @@ def checkpointed_case(cid, *, B=2, H=4, Hkv=2, T=150, D=16, window=20, dtype=tor
     return out
 
 
-def retain_graph_case(cid, *, B=2, H=4, Hkv=2, T=150, D=16, window=20, dtype=torch.bfloat16):
+def retain_graph_case(cid, *, B=2, H=4, Hkv=2, T=150, D=16, window=20, dtype=torch.bfloat16,
+                      g_kind="float"):
     """The fused call's backward run twice on one graph (``retain_graph=True``), the maps
     folded in, bf16, padding. The first reads the branches and LA states the forward saved
     and then releases them (``triton_hybrid._release_saved``: their storage emptied before the
     maps' backward); the second finds them released and recomputes what they held. The
     second's gradients (the second accumulation minus the first) against the first's, within
-    the dtype's tolerance, and the paths: saved, released, then recomputed."""
+    the dtype's tolerance, and the paths: saved, released, then recomputed. ``g_kind`` "gate":
+    an output gate in the call's dtype: each branch call saves its output as its branch, never
+    released (the gate's mix reads it in both backwards), so both backwards take the factors
+    from it; the folded LA call releases its states, and the second builds them again."""
     from hedgecats.models import HedgehogFeatureMap
     from hedgecats.models.ops import triton_hybrid as th
 
@@ -1129,7 +1141,10 @@ def retain_graph_case(cid, *, B=2, H=4, Hkv=2, T=150, D=16, window=20, dtype=tor
                .requires_grad_() for n in (H, Hkv, Hkv))
     do = torch.randn(B, H, T, D, generator=gen)
     kpm = _kpm(B, T)
-    g0, args = _layer_call(B, H, D, window, "hybrid", kpm, "float", None, gen, {}, T)
+    g0, args = _layer_call(B, H, D, window, "hybrid", kpm, g_kind, None, gen, {}, T)
+    gated = torch.is_tensor(g0)
+    if gated:
+        g0 = g0.to(dtype)
     with _maps_on_their_kernel():
         out = th.fused_hybrid(q, k, v, None, None, g=g0, config=th.KernelConfig(**MAP_DU),
                               maps=maps, **args)
@@ -1146,8 +1161,8 @@ def retain_graph_case(cid, *, B=2, H=4, Hkv=2, T=150, D=16, window=20, dtype=tor
     second = {n: p_.grad.float() - first[n].float() for n, p_ in zip(names, params)}
     ran_second = tuple(th.CALLS[n] - b for n, b in zip(counters, saved))
     out_ = errors(second, {n: x.float() for n, x in first.items()})
-    out_["paths"] = 0.0 if ran_first == (1, 1, 1, 0) and ran_second == (1, 1, 1, 1) \
-        else float("inf")
+    want = ((2, 1, 1, 0), (4, 1, 1, 0)) if gated else ((1, 1, 1, 0), (1, 1, 1, 1))
+    out_["paths"] = 0.0 if (ran_first, ran_second) == want else float("inf")
     return out_
 
 
@@ -1679,6 +1694,9 @@ def cases(quick: bool = False):
             dtype=bf16, from_output=False, activation="exp", strided=True)),
         ("retain-graph-twice-pad-bf16", retain_graph_case, dict(dtype=bf16)),
         ("checkpointed-fold-pad-bf16", checkpointed_case, dict(dtype=bf16)),
+        ("checkpointed-gate-pad-bf16", checkpointed_case, dict(dtype=bf16, g_kind="gate")),
+        ("retain-graph-twice-gate-pad-bf16", retain_graph_case, dict(dtype=bf16,
+                                                                    g_kind="gate")),
         ("model-fixed-pad", model_case, dict(pad=True, dtype=bf16)),
         ("model-learned-head-ssd", model_case, dict(mixer="learned_head", ssd_p=0.5,
                                                            dtype=bf16)),
