@@ -18,7 +18,8 @@ cost microseconds), with PyTorch's CPU ops in place of CUDA launches (cheaper: n
 call). A proxy to compare versions on one machine, not the GPU host's time.
 
 Prints per phase (the forward, the backward, the whole call) the median microseconds per
-call, the forward alone under no_grad (evaluation, prefill), and the counts per call of
+call, the forward alone under no_grad (evaluation, prefill) and its first launch's latency
+(where an isolated call's GPU waits), and the counts per call of
 Triton launches and of PyTorch ops that reach a device kernel (allocations and views apart).
 """
 
@@ -155,6 +156,7 @@ def patch_routing():
     if not triton_common.HAVE_TRITON:
         raise SystemExit("host_overhead.py needs triton importable (the kernels' definitions)")
     launches = collections.Counter()
+    launches.times = []  # (perf_counter at each launch: the forward's first launch's latency)
     tc = triton_common
 
     class Launcher:  # Triton 3.6's CudaLauncher: its C function called directly (no scratch)
@@ -187,6 +189,7 @@ def patch_routing():
         if not isinstance(self.fn, Kernel):
             self.fn, self.compiled = Kernel(self.fn), True
         launches[self.fn.__name__] += 1
+        launches.times.append(time.perf_counter())
         return launch(self, grid, *args, **kw)
 
     tc.FastLaunch._launch = counted
@@ -316,17 +319,22 @@ def _measure(a, A, launches) -> dict:
         call(stamps)
     med = [statistics.median(s[i] for s in stamps) * 1e6 for i in range(3)]
     no_grad = []  # evaluation, prefill: the forward alone under no_grad
+    first = []  # ... and its first launch's latency (the GPU idles until then in an isolated
+    # call: event timing reads it on top of the device time)
     with torch.no_grad():
         for _ in range(a.calls):
+            launches.times.clear()
             t0 = time.perf_counter()
             A.hybrid_attention(L.q, L.k, L.v, None, None, maps=(L.phi_q, L.phi_k), window=L.w,
                                scale=L.scale, g=0.5)
             no_grad.append(time.perf_counter() - t0)
+            first.append(launches.times[0] - t0)
     res = {"shape": a.shape, "heads": [a.heads, a.kv_heads], "calls": a.calls,
            "unfused": a.unfused,
            "us_per_call": dict(zip(("forward", "backward", "total"),
                                    [round(x, 1) for x in med])),
            "us_forward_no_grad": round(statistics.median(no_grad) * 1e6, 1),
+           "us_to_first_launch_no_grad": round(statistics.median(first) * 1e6, 1),
            "triton_launches": per_call, "torch_kernel_ops": dict(ops.kernels),
            "maps_folded": folded,
            "torch_other_ops": sum(ops.other.values())}

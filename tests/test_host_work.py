@@ -51,6 +51,9 @@ def test_the_layer_launches_what_it_is_counted_for(tmp_path, unfused):
     assert got["torch_kernel_ops"] == TORCH_KERNELS
     assert got["maps_folded"] == [1, 1]  # (forward, backward: the maps in the kernel's node)
     assert got["us_per_call"]["total"] > 0
+    # the no-grad forward's first launch comes before its end (its latency: where an
+    # isolated call's GPU waits)
+    assert 0 < got["us_to_first_launch_no_grad"] < got["us_forward_no_grad"]
 
 
 def test_the_maps_share_times_the_call_with_and_without_the_maps(tmp_path):
