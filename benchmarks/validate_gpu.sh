@@ -84,7 +84,7 @@ case "${1:-}" in
     step "ratios and gate rows"
     # the layer against the maps' softmax by a reciprocal, fq held by the forward's
     # programs, both, and the call before the fold
-    anatomy 200 layer,layer-phi-rcp,layer-phi32,layer-hold-fq,layer-hold-fq-rcp,layer-unfolded
+    anatomy 220 layer,layer-phi-rcp,layer-phi32,layer-w-in-kernel,layer-hold-fq,layer-hold-fq-rcp,layer-unfolded
     t0=$SECONDS
     timeout 80 python benchmarks/profile_hybrid.py --shapes 8x1024 --host --no-denominator \
       --out "$R/profile.json" > "$R/profile.log" 2>&1

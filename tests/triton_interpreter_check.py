@@ -809,7 +809,8 @@ def _maps_on_their_kernel():
 def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
               activation="softmax", pad=False, g_kind="float", ssd=None, frozen=(),
               cfg=MAP_DU, through="fused", dtype=torch.bfloat16, backward_fails=False,
-              floor=0.0, expect_fold=True, pair_backward=False, map_q=False, **switches):
+              floor=0.0, expect_fold=True, pair_backward=False, map_q=False,
+              weights_in_kernel=False, **switches):
     """The feature maps folded into the fused kernel's autograd Function (``maps=(phi_q,
     phi_k)``, the layer's call since 2026-12-04) against the call as the layer made it before:
     the maps run first as their own Functions (``ops.hybrid._apply_maps``: q and k handed on,
@@ -832,7 +833,8 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
     no-grad forward must compute phi_q inside ``_fwd`` (``KernelConfig.map_q_forward``): its
     output then within bf16 rounding of the folded call's and of the fp32 reference (another
     tile shape rounds u's products differently), not bit for bit; without it, no forward
-    may."""
+    may. ``weights_in_kernel``: the folded calls' map pair rounds the maps' fp32 weights in
+    its kernel (``triton_phi.WEIGHTS_IN_KERNEL``), bit for bit the same as the cast before."""
     from triton.runtime.errors import OutOfResources
     from hedgecats.models import HedgehogFeatureMap
     from hedgecats.models.ops import backends, hybrid
@@ -922,17 +924,20 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
     pairs = tp.CALLS["pair_forward"], tp.CALLS["pair_backward"]
     in_place = tp.CALLS["dx_in_place"]
     held = th.CALLS["held_fq_forward"]
-    paired, tp.PAIR_BACKWARD = tp.PAIR_BACKWARD, pair_backward
+    in_kernel = tp.CALLS["weights_in_kernel"]
+    switches_before = tp.PAIR_BACKWARD, tp.WEIGHTS_IN_KERNEL
+    tp.PAIR_BACKWARD, tp.WEIGHTS_IN_KERNEL = pair_backward, weights_in_kernel
     try:
         got = run("folded")
+        ran = [th.CALLS[n] - b for n, b in zip(names, before)]
+        pairs = [tp.CALLS["pair_forward"] - pairs[0], tp.CALLS["pair_backward"] - pairs[1]]
+        in_place = tp.CALLS["dx_in_place"] - in_place
+        before = (th.CALLS["forward_without_autograd"], th.CALLS["forward"],
+                  th.CALLS["q_map_in_forward"], th.CALLS["forward_state_chunk"])
+        no_grad = run("no_grad")
     finally:
-        tp.PAIR_BACKWARD = paired
-    ran = [th.CALLS[n] - b for n, b in zip(names, before)]
-    pairs = [tp.CALLS["pair_forward"] - pairs[0], tp.CALLS["pair_backward"] - pairs[1]]
-    in_place = tp.CALLS["dx_in_place"] - in_place
-    before = (th.CALLS["forward_without_autograd"], th.CALLS["forward"],
-              th.CALLS["q_map_in_forward"], th.CALLS["forward_state_chunk"])
-    no_grad = run("no_grad")
+        tp.PAIR_BACKWARD, tp.WEIGHTS_IN_KERNEL = switches_before
+    in_kernel = tp.CALLS["weights_in_kernel"] - in_kernel
     without_autograd = th.CALLS["forward_without_autograd"] - before[0]
     kernel_calls = th.CALLS["forward"] - before[1]
     q_mapped = th.CALLS["q_map_in_forward"] - before[2]
@@ -984,6 +989,9 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
     want_chunk = bool((cfg or {}).get("forward_state_chunk")) and expect_fold
     want_held = 2 if (cfg or {}).get("hold_fq") and mode != "swa_only" and not map_q else 0
     out["held_fq"] = 0.0 if held == want_held else float("inf")
+    # the pair's kernel rounded the fp32 weights itself in both folded forwards (grad and not)
+    want_in_kernel = 2 if weights_in_kernel and expect_fold and not map_q else 0
+    out["weights_in_kernel"] = 0.0 if in_kernel == want_in_kernel else float("inf")
     out["forward_state_chunk"] = 0.0 if (own_chunk >= 1) == want_chunk else float("inf")
     if map_q or want_chunk:  # (sums grouped otherwise)
         out["out_no_grad_vs_folded"] = rel(no_grad["out"], got["out"])
@@ -1661,6 +1669,13 @@ def cases(quick: bool = False):
         ("fold-hold-fq-8b-tiles-pad", fold_case, dict(
             dtype=bf16, pad=True, H=8, Hkv=2, T=300, D=128, window=64, B=1,
             cfg=dict(d128, hold_fq=True))),
+        # the map pair rounding the maps' fp32 weights in its kernel (``WEIGHTS_IN_KERNEL``):
+        # every result bit for bit the call with the casts before it
+        ("fold-weights-in-kernel-pad", fold_case, dict(dtype=bf16, pad=True,
+                                                       weights_in_kernel=True)),
+        ("fold-weights-in-kernel-8b-tiles-exp-gate", fold_case, dict(
+            dtype=bf16, activation="exp", g_kind="gate", H=8, Hkv=2, T=300, D=128,
+            window=64, B=1, cfg=d128, weights_in_kernel=True)),
         ("fold-attention-8b-tiles-pad", fold_case, dict(
             dtype=bf16, through="attention", pad=True, H=8, Hkv=2, T=300, D=128, window=64,
             B=1)),

@@ -2271,33 +2271,43 @@ class _Forward(NamedTuple):
     states: tuple | None
 
 
+def _map_pair(q, k, wq, bq, wk, bk, maps_softmax) -> tuple:
+    """(fq, fk, the maps' weights and biases as their kernels read them): both folded maps in
+    one launch (``triton_phi.map_forward_pair``)."""
+    (fq, wqc, bqc), (fk, wkc, bkc) = triton_phi.map_forward_pair(
+        q, wq, bq, maps_softmax[0], k, wk, bk, maps_softmax[1])
+    triton_phi.CALLS["forward"] += 2
+    return fq, fk, (wqc, bqc, wkc, bkc)
+
+
 def _function_forward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, window, scale,
                       eps, has_swa, has_la, shared, cfg, save, wq=None, bq=None, wk=None,
                       bk=None, maps_softmax=None, *, autograd: bool = True,
-                      branch_is_output: bool = False) -> _Forward:
+                      branch_is_output: bool = False, premapped=None) -> _Forward:
     """The forward of ``_HybridFn``'s function (its arguments, less the du slot): with the maps
     folded in (``maps_softmax`` given), fq = phi_q(q) and fk = phi_k(k) first, both maps in one
-    launch (``triton_phi.map_forward_pair``); then the kernels (``_forward``, through the tile
-    retry chain). ``hybrid_kernel`` calls it directly where no gradient will be asked for
-    (evaluation, prefill; ``autograd`` False): the same launches, without the autograd
-    Function's host work, except that where ``maps_q_in_forward`` the k map runs alone and
-    ``_fwd`` computes phi_q itself (``KernelConfig.map_q_forward``; fq is then ``None``)."""
+    launch (``_map_pair``; ``premapped``: its result, launched already by ``hybrid_kernel``
+    for a forward without autograd);
+    then the kernels (``_forward``, through the tile retry chain). ``hybrid_kernel`` calls it
+    directly where no gradient will be asked for (evaluation, prefill; ``autograd`` False): the
+    same launches, without the autograd Function's host work, except that where
+    ``maps_q_in_forward`` the k map runs alone and ``_fwd`` computes phi_q itself
+    (``KernelConfig.map_q_forward``; fq is then ``None``)."""
     casts = None
     map_q = None
     if not autograd and cfg.forward_state_chunk not in (None, cfg.state_chunk):
         cfg = _no_grad_config(cfg)
         CALLS["forward_state_chunk"] += 1
-    if maps_softmax is not None and not autograd and maps_q_in_forward(
+    if premapped is not None:
+        fq, fk, casts = premapped
+    elif maps_softmax is not None and not autograd and maps_q_in_forward(
             cfg, q, q.shape[1] // k.shape[1], has_la):  # (the k map alone)
         fk, wkc, bkc = triton_phi.map_forward(k, wk, bk, maps_softmax[1])
         map_q = (*triton_phi.kernel_weights(wq, bq, q.dtype), maps_softmax[0])
         casts = (*map_q[:2], wkc, bkc)
         triton_phi.CALLS["forward"] += 1
     elif maps_softmax is not None:  # (both maps in one launch)
-        (fq, wqc, bqc), (fk, wkc, bkc) = triton_phi.map_forward_pair(
-            q, wq, bq, maps_softmax[0], k, wk, bk, maps_softmax[1])
-        casts = (wqc, bqc, wkc, bkc)
-        triton_phi.CALLS["forward"] += 2
+        fq, fk, casts = _map_pair(q, k, wq, bq, wk, bk, maps_softmax)
     # the state path is part of the problem: a split build that fails to compile at long T
     # must not send short calls (which walk) down the retry chain
     F = fk.shape[-1]
@@ -2456,6 +2466,9 @@ def _folded_maps_backward(ctx, q, k, fq, fk, dq, dk, dfq, dfk, du_slot, saved):
     (q; or its dfq, where the config's dfq programs take a feature slice: no du) and dfk (k),
     adding the attention's dq / dk in its kernel."""
     wqc, bqc, wkc, bkc = saved
+    # (in the inputs' dtype; the fp32 master weights where the map pair's kernel rounded
+    # them itself, ``triton_phi.WEIGHTS_IN_KERNEL``)
+    wqc, wkc = cast(wqc, q.dtype), cast(wkc, k.dtype)
     softmax, q_dtypes, k_dtypes = ctx.maps
     q_side = k_side = None
     if any(_map_needs(ctx, 0)):
@@ -2568,6 +2581,16 @@ def hybrid_kernel(q, k, v, fq, fk, ca, cb, logs, shift, *, window: int, scale: f
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     if maps is None:
         fq, fk = (x if x.stride(-1) == 1 else x.contiguous() for x in (fq, fk))
+    ins = (q, k, v, ca, cb, logs) + ((fq, fk) if maps is None else tuple(maps[:4]))
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in ins)
+    premapped = None
+    if maps is not None and not grad and not maps_q_in_forward(cfg, q, H // k.shape[1], has_la):
+        # evaluation, prefill: the maps' launch first, before the rest of the call's
+        # preparation (an isolated call's GPU waits for its first launch, and its event time
+        # reads that latency: CPU proxy 62 to 54 us, host_overhead.py). Not under grad: there
+        # the host runs ahead of the GPU, and launching outside the Function would need a
+        # no_grad context for the weights' casts (+7 us a call on the proxy)
+        premapped = _map_pair(q, k, *maps[:4], maps[4:])
     dev = q.device
     if key_padding_mask is None:
         kpm_i8 = None
@@ -2583,15 +2606,13 @@ def hybrid_kernel(q, k, v, fq, fk, ca, cb, logs, shift, *, window: int, scale: f
         cnt = torch.nn.functional.pad(kpm.int().cumsum(1), (1, 0)).to(torch.int32).contiguous()
     ca, cb, logs = (cast(x, torch.float32).reshape(B * H).contiguous() for x in (ca, cb, logs))
     shift = cast(shift.to(dev), torch.int32).reshape(B * H).contiguous()
-    ins = (q, k, v, ca, cb, logs) + ((fq, fk) if maps is None else tuple(maps[:4]))
-    grad = torch.is_grad_enabled() and any(x.requires_grad for x in ins)
     folded = () if maps is None else (*maps[:4], maps[4:])
     if maps is not None:
         CALLS["maps_folded"] += 1
     args = (q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, int(window), float(scale),
             float(eps), bool(has_swa), bool(has_la), bool(shared), cfg)
     if not grad:  # (evaluation, prefill: no autograd node, nothing stored for a backward)
-        out = _function_forward(*args, False, *folded, autograd=False).o
+        out = _function_forward(*args, False, *folded, autograd=False, premapped=premapped).o
         CALLS["forward_without_autograd"] += 1
         return out
     # fq as a Hedgehog map's output, unchanged: the map's du from the dfq pass (``DuSlot``;

@@ -58,9 +58,12 @@ FALLBACK_ERRORS: list[str] = []
 #: du_from_kernel / du_added: backward passes that started from the hybrid kernel's du (``DuSlot``)
 #: alone / with another consumer's gradient added; pair_forward / pair_backward: launches that
 #: ran a layer's two maps in one grid (``map_forward_pair``, ``map_backward_pair``); dx_in_place:
-#: backward passes that wrote dx over the caller's dx_in (``_MapBackward``'s dx_into_input)
+#: backward passes that wrote dx over the caller's dx_in (``_MapBackward``'s dx_into_input);
+#: weights_in_kernel: map pairs whose kernel rounded weights of another dtype itself
+#: (``WEIGHTS_IN_KERNEL``)
 CALLS = {"forward": 0, "backward_dx": 0, "backward_added": 0, "du_from_kernel": 0,
-         "du_added": 0, "pair_forward": 0, "pair_backward": 0, "dx_in_place": 0}
+         "du_added": 0, "pair_forward": 0, "pair_backward": 0, "dx_in_place": 0,
+         "weights_in_kernel": 0}
 ACTIVATIONS = ("softmax", "exp")
 
 
@@ -99,7 +102,9 @@ if HAVE_TRITON:
         rows = offs_m < T
         x = tl.load(X + b.to(tl.int64) * sx_b + h.to(tl.int64) * sx_h + offs_m[:, None] * sx_t
                     + offs_d[None, :], mask=rows[:, None], other=0.0)
+        # (W in x's dtype, or in fp32 rounded here as torch's cast rounds it: WEIGHTS_IN_KERNEL)
         w = tl.load(W + h.to(tl.int64) * D * FH + offs_d[:, None] * FH + offs_f[None, :])
+        w = w.to(X.dtype.element_ty)
         bias = tl.load(BIAS + h * FH + offs_f).to(tl.float32)
         a1, a2 = _acts(x, w, bias, SOFTMAX, PREC, RCP)
         y = Y + (pid_bh.to(tl.int64) * T + offs_m[:, None]) * (2 * FH) + offs_f[None, :]
@@ -256,6 +261,16 @@ RECIPROCAL_SOFTMAX = False
 #: takes 103 registers and 41 KB (four programs a multiprocessor, the same 16 warps; each
 #: reads the 32 KB weight for half the rows; mma.sync, not wgmma). Not measured yet
 FORWARD_TILES: tuple[int, int] | None = None
+#: ``map_forward_pair`` hands its kernel the maps' weights as they are (the fp32 master
+#: weights ``convert`` keeps) and the kernel rounds them to x's dtype in its registers, as
+#: torch's cast rounds them (round to nearest even: the same bf16 weights, bit for bit),
+#: instead of a cast kernel per map before the launch. The pair's first launch then comes
+#: ~two casts earlier (an isolated call's GPU waits for it), and a forward without autograd
+#: casts nothing; the folded backward casts them where it needs them
+#: (``triton_hybrid._folded_maps_backward``). Each program reads the 64 KB fp32 weight from
+#: L2 instead of 32 KB (ptxas at D = F/2 = 128: 98 registers, 48 KB either way). Off until
+#: measured (``kernel_anatomy.py --branches layer-w-in-kernel``)
+WEIGHTS_IN_KERNEL = False
 
 
 def _prec(dtype):
@@ -468,10 +483,13 @@ def _forward_tiles(D: int, FH: int) -> tuple[int, int]:
     return FORWARD_TILES or _tiles(D, FH, backward=False)
 
 
-def _forward_operands(x, w, bias):
-    """(y to write, the weight in x's dtype, the bias in its own: both contiguous)."""
+def _forward_operands(x, w, bias, cast_w: bool = True):
+    """(y to write, the weight in x's dtype - as it is without ``cast_w``: the kernel rounds
+    it -, the bias in its own: both contiguous)."""
     B, H, T, _ = x.shape
     y = torch.empty(B, H, T, 2 * w.shape[-1], device=x.device, dtype=x.dtype)
+    if not cast_w:
+        return y, w.contiguous(), bias.contiguous()
     return (y, *kernel_weights(w, bias, x.dtype))
 
 
@@ -499,13 +517,15 @@ def _pairable(xq, wq, xk, wk) -> bool:
 
 def map_forward_pair(xq, wq, bq, softmax_q, xk, wk, bk, softmax_k):
     """``map_forward`` of a layer's two maps, ``((yq, wqc, bqc), (yk, wkc, bkc))``, in one
-    launch (``_phi_fwd_pair``: the same programs in one grid) where ``_pairable``, else two."""
+    launch (``_phi_fwd_pair``: the same programs in one grid) where ``_pairable``, else two.
+    With ``WEIGHTS_IN_KERNEL`` the paired weights come back as they were given (fp32 master
+    weights: the caller casts them where it needs them in x's dtype)."""
     if not _pairable(xq, wq, xk, wk):
         return map_forward(xq, wq, bq, softmax_q), map_forward(xk, wk, bk, softmax_k)
     B, Hq, T, D = xq.shape
     Hk, FH = xk.shape[1], wq.shape[-1]
-    yq, wqc, bqc = _forward_operands(xq, wq, bq)
-    yk, wkc, bkc = _forward_operands(xk, wk, bk)
+    yq, wqc, bqc = _forward_operands(xq, wq, bq, not WEIGHTS_IN_KERNEL)
+    yk, wkc, bkc = _forward_operands(xk, wk, bk, not WEIGHTS_IN_KERNEL)
     BM, warps = _forward_tiles(D, FH)
     fast(_phi_fwd_pair)[(B * (Hq + Hk), cdiv(T, BM))](
         xq, wqc, bqc, yq, xq.stride(0), xq.stride(1), xq.stride(2), Hq,
@@ -514,6 +534,7 @@ def map_forward_pair(xq, wq, bq, softmax_q, xk, wk, bk, softmax_k):
         RCP=RECIPROCAL_SOFTMAX,
         num_warps=warps)
     CALLS["pair_forward"] += 1
+    CALLS["weights_in_kernel"] += WEIGHTS_IN_KERNEL and (wq.dtype, wk.dtype) != (xq.dtype,) * 2
     return (yq, wqc, bqc), (yk, wkc, bkc)
 
 
