@@ -773,17 +773,22 @@ def test_q_map_backward_starts_from_the_kernels_du(other):
     assert got["dq"].stride() == q0.stride()
 
 
+@pytest.mark.parametrize("weights_in_kernel", [False, True], ids=["cast", "w-in-kernel"])
 @pytest.mark.parametrize("frozen", [(), ("q", "k", "v")], ids=["stage2", "stage1"])
-def test_maps_folded_into_the_kernel_are_their_own_functions(frozen):
+def test_maps_folded_into_the_kernel_are_their_own_functions(frozen, weights_in_kernel,
+                                                             monkeypatch):
     """The layer's call (``hybrid_attention(maps=(phi_q, phi_k))``: the maps inside the fused
     kernel's autograd Function) against the call before it (the maps as their own Functions,
     q and k handed on, the q map's du from the kernel), Llama-3-8B's head shape, bf16,
     (B, T, H, D) memory, padding, T not a multiple of the state chunk: the output and every
     gradient bit for bit (the same kernels on the same arguments), the fold taken both ways.
     ``stage1``: the teacher's q, k, v detached (the maps' gradients only). Under no_grad
-    (evaluation, prefill) the forward runs without the autograd Function: the same output."""
+    (evaluation, prefill) the forward runs without the autograd Function: the same output.
+    ``w-in-kernel``: the folded call's map pair rounds the maps' fp32 weights in its kernel
+    (``triton_phi.WEIGHTS_IN_KERNEL``): still bit for bit the call that casts them first."""
     from hedgecats.models.ops import hybrid as hybrid_mod
     from hedgecats.models.ops import triton_hybrid as th
+    from hedgecats.models.ops import triton_phi as tp
 
     if not th.available():
         pytest.skip("triton not available")
@@ -806,7 +811,9 @@ def test_maps_folded_into_the_kernel_are_their_own_functions(frozen):
         for m in maps:
             m.zero_grad()
         if folded:
+            monkeypatch.setattr(tp, "WEIGHTS_IN_KERNEL", weights_in_kernel)
             out = hybrid_attention(q, k, v, None, None, maps=maps, **kw)
+            monkeypatch.setattr(tp, "WEIGHTS_IN_KERNEL", False)
         else:
             fq, fk, q_on, k_on = hybrid_mod._apply_maps(maps, q, k)
             out = hybrid_attention(q_on, k_on, v, fq, fk, **kw)
@@ -815,9 +822,11 @@ def test_maps_folded_into_the_kernel_are_their_own_functions(frozen):
             p.grad.clone() for m in maps for p in (m.weight, m.bias)]
 
     before = th.CALLS["maps_folded"], th.CALLS["maps_folded_backward"]
+    in_kernel = tp.CALLS["weights_in_kernel"]
     got = run(True)
     assert (th.CALLS["maps_folded"], th.CALLS["maps_folded_backward"]) == \
         (before[0] + 1, before[1] + 1), "the maps were not folded into the kernel's call"
+    assert tp.CALLS["weights_in_kernel"] - in_kernel == int(weights_in_kernel)
     want = run(False)
     names = ("out", "dq", "dk", "dv", "dWq", "dbq", "dWk", "dbk")
     for name, a, b in zip(names, got, want):
@@ -826,6 +835,7 @@ def test_maps_folded_into_the_kernel_are_their_own_functions(frozen):
     # evaluation / prefill: the same forward without the autograd Function, bit for bit (the
     # q map inside ``_fwd``, ``map_q_forward``, is off by default; its own test is below)
     before = th.CALLS["forward_without_autograd"]
+    monkeypatch.setattr(tp, "WEIGHTS_IN_KERNEL", weights_in_kernel)
     with torch.no_grad():
         out = hybrid_attention(q0, k0, v0, None, None, maps=maps, **kw)
     assert th.CALLS["forward_without_autograd"] == before + 1
