@@ -842,6 +842,19 @@ def test_maps_folded_into_the_kernel_are_their_own_functions(frozen, weights_in_
     assert torch.equal(out, got[0]), "the forward under no_grad differs from the one under grad"
 
 
+def _kernel_call_inputs(B, H, T, window, pad, gen):
+    """(key padding mask or None, g, log s, shift) of a ``hybrid_kernel`` call: row 1's first
+    41 positions padded, g in [0.1, 0.9) per head, the window's shift."""
+    kpm = None
+    if pad:
+        kpm = torch.ones(B, T, dtype=torch.bool, device=DEVICE)
+        kpm[1, :41] = False
+    g = torch.rand(B, H, device=DEVICE, generator=gen) * 0.8 + 0.1
+    logs = torch.randn(B, H, device=DEVICE, generator=gen)
+    shift = torch.full((B, H), window, dtype=torch.int32, device=DEVICE)
+    return kpm, g, logs, shift
+
+
 #: ``test_q_map_in_the_forward_is_the_map_kernels``'s cases: (heads, kv heads, activation,
 #: shared mixer, padding, ``KernelConfig`` changes)
 MAP_Q_CASES = {"pack4": (32, 8, "softmax", False, True, {}),
@@ -877,13 +890,7 @@ def test_q_map_in_the_forward_is_the_map_kernels(case):
             m.bias.normal_(0, 0.3, generator=gen)
     q, k, v = (torch.randn(B, T, n, D, device=DEVICE, generator=gen).bfloat16()
                .transpose(1, 2) for n in (H, Hkv, Hkv))
-    kpm = None
-    if pad:
-        kpm = torch.ones(B, T, dtype=torch.bool, device=DEVICE)
-        kpm[1, :41] = False
-    g = torch.rand(B, H, device=DEVICE, generator=gen) * 0.8 + 0.1
-    logs = torch.randn(B, H, device=DEVICE, generator=gen)
-    shift = torch.full((B, H), window, dtype=torch.int32, device=DEVICE)
+    kpm, g, logs, shift = _kernel_call_inputs(B, H, T, window, pad, gen)
     folded = th.FoldedMaps(maps[0].weight, maps[0].bias, maps[1].weight, maps[1].bias,
                            act == "softmax", act == "softmax")
     kw = dict(window=window, scale=D ** -0.5, eps=1e-6, key_padding_mask=kpm, shared=shared)
@@ -936,13 +943,7 @@ def test_held_fq_forward_is_the_default_within_rounding(case):
                for n in (H, Hkv, Hkv))
     fq, fk = (torch.rand(B, n, T, 2 * D, device=DEVICE, generator=gen).to(dtype)
               for n in (H, Hkv))
-    kpm = None
-    if pad:
-        kpm = torch.ones(B, T, dtype=torch.bool, device=DEVICE)
-        kpm[1, :41] = False
-    g = torch.rand(B, H, device=DEVICE, generator=gen) * 0.8 + 0.1
-    logs = torch.randn(B, H, device=DEVICE, generator=gen)
-    shift = torch.full((B, H), window, dtype=torch.int32, device=DEVICE)
+    kpm, g, logs, shift = _kernel_call_inputs(B, H, T, window, pad, gen)
     do = torch.randn(B, H, T, D, device=DEVICE, generator=gen)
     kw = dict(window=window, scale=D ** -0.5, eps=1e-6, key_padding_mask=kpm, shared=shared)
     base = th.default_config(D, 2 * D, dtype)
