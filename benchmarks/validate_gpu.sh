@@ -6,10 +6,14 @@
 #       recipes through `hedgecats pipeline` and stage 1's side streams
 #   bash benchmarks/validate_gpu.sh measure    (~8 min) issue 11's five ratios with the
 #       output-gate rows against the pieces beside them (attention_speed: 8 x 1k, 1 x 64k,
-#       2 x 4k), the layer at 8 x 1k kernel by kernel against the maps' softmax normalised
-#       by a reciprocal (triton_phi.RECIPROCAL_SOFTMAX), fq held by the forward's programs
-#       (KernelConfig.hold_fq), both, and the call before the fold (kernel_anatomy), its
+#       2 x 4k), the layer at 8 x 1k kernel by kernel against fq held by the forward's
+#       programs (KernelConfig.hold_fq) and the call before the fold (kernel_anatomy), its
 #       host work part by part (profile_hybrid --host)
+#   bash benchmarks/validate_gpu.sh options    (~6 min) session 22-23's options for the
+#       forward, each against the layer (kernel_anatomy at 8 x 1k): the maps' softmax by a
+#       reciprocal (triton_phi.RECIPROCAL_SOFTMAX), their forward on 32-row programs
+#       (FORWARD_TILES), their fp32 weights rounded in the pair's kernel
+#       (WEIGHTS_IN_KERNEL), fq held (hold_fq), hold_fq with the reciprocal
 #   bash benchmarks/validate_gpu.sh forward    (~6 min) session 22's q map inside the no-grad
 #       forward and the fold's released memory: their GPU tests with the fold, gate and
 #       option tests, the layer with the q map in _fwd and without and at other LA state
@@ -82,14 +86,18 @@ case "${1:-}" in
     grep -A8 '"layer_vs_teacher_T1k"' "$R/speed/summary.json" | head -12
     grep -E "hybrid gate|pieces gate" "$R/speed/attention_speed.md" | head -8
     step "ratios and gate rows"
-    # the layer against the maps' softmax by a reciprocal, fq held by the forward's
-    # programs, both, and the call before the fold
-    anatomy 220 layer,layer-phi-rcp,layer-phi32,layer-w-in-kernel,layer-hold-fq,layer-hold-fq-rcp,layer-unfolded
+    # the layer against fq held by the forward's programs and the call before the fold
+    anatomy 150 layer,layer-hold-fq,layer-unfolded
     t0=$SECONDS
     timeout 80 python benchmarks/profile_hybrid.py --shapes 8x1024 --host --no-denominator \
       --out "$R/profile.json" > "$R/profile.log" 2>&1
     grep "^==" "$R/profile.log" | head -8
     step "host profile"
+    ;;
+  options)
+    # the forward's options of sessions 22-23, each against the layer (predictions:
+    # benchmarks/README.md, session 23)
+    anatomy 330 layer,layer-phi-rcp,layer-phi32,layer-w-in-kernel,layer-hold-fq,layer-hold-fq-rcp
     ;;
   forward)
     # session 22's changes (~6 min): the q map inside the no-grad forward's _fwd
@@ -113,7 +121,7 @@ case "${1:-}" in
     recipe_tests
     ;;
   *)
-    echo "usage: bash benchmarks/validate_gpu.sh tests|measure|forward|memory" >&2
+    echo "usage: bash benchmarks/validate_gpu.sh tests|measure|options|forward|memory" >&2
     exit 2
     ;;
 esac
