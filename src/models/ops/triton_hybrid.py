@@ -308,15 +308,16 @@ class KernelConfig:
     #: ``_fwd`` loads each program's fq rows once, as two halves (BM, F / 2) it keeps for the
     #: state's product and every key block's (``_held_fq``; the products MAP_Q's halves
     #: take), instead of a ``f_chunk`` slice at a time for the state and again for each key
-    #: block, ~3.5 times in all at 8 x 1k (the keys between a program's state and its
-    #: window). Per forward program at the 8B shape (64 rows, 32-key blocks, states every
-    #: 128): ~330 KB read from L2, of which fq's reloads ~96 KB; `_fwd` reads ~1.3 GB at
-    #: 8 x 1k in 0.246 ms (~5.5 TB/s, near what an H100/H200's L2 delivers), so it may be
-    #: bound by L2 traffic. ptxas (sm_90a, the default's tiles, launch hints): 255 registers,
-    #: no spill, 112 KB of shared memory (the halves staged there once for the products:
-    #: still two programs a multiprocessor); 248 / 0 / 80 KB without. The same sums, the feature dimension in two
-    #: halves instead of ``f_chunk`` slices: within rounding, not bit for bit. Off: not yet
-    #: measured on a GPU (session 23 wrote it with the device withdrawn)
+    #: block, ~3.7 times in all at 8 x 1k (the ~2.7 key blocks between a program's state and
+    #: its window). Per forward program at the 8B shape (64 rows, 32-key blocks, states every
+    #: 128): ~310 KB read from L2, of which fq's reloads ~86 KB; `_fwd` reads ~1.3 GB at
+    #: 8 x 1k in 0.246 ms (~5.2 TB/s, near what an H100/H200's L2 delivers), so it may be
+    #: bound by L2 traffic. ptxas (sm_90a, the default's tiles, launch hints): 243-255
+    #: registers, no spill, 112 KB of shared memory (the halves staged there once for the
+    #: products: still two programs a multiprocessor); 248 / 0 / 80 KB without. The same
+    #: sums, the feature dimension in two halves instead of ``f_chunk`` slices: within
+    #: rounding, not bit for bit. Off: not yet measured on a GPU (session 23 wrote it with
+    #: the device withdrawn; the prediction is in benchmarks/README.md)
     hold_fq: bool = False
 
 
@@ -953,8 +954,9 @@ if HAVE_TRITON:
         SHARED). SWA_t . dO_t and LA_t . dO_t come from recomputing both branches (first
         pass), or with FROM_SAVED from the branches' outputs the forward stored (SWA_O, LA_O,
         (B, H, T, D) at strides ssv_*: the forward's own buffers, or the call's output where
-        that is its one branch, ``hybrid_kernel``'s ``output_is_branch``). Rows: BM / P positions of P query heads of one kv head
-        (``_packed_rows``, block ``pid_m`` of head group ``pid_g``), as the forward's.
+        that is its one branch, ``hybrid_kernel``'s ``output_is_branch``). Rows: BM / P
+        positions of P query heads of one kv head (``_packed_rows``, block ``pid_m`` of head
+        group ``pid_g``), as the forward's.
         Returns (dO, GF, DDEN) of the block's rows, for ``_bwd_q``'s dfq part."""
         LN2: tl.constexpr = 0.6931471805599453
         BQ: tl.constexpr = BM // P
@@ -2287,8 +2289,8 @@ def _function_forward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, 
     """The forward of ``_HybridFn``'s function (its arguments, less the du slot): with the maps
     folded in (``maps_softmax`` given), fq = phi_q(q) and fk = phi_k(k) first, both maps in one
     launch (``_map_pair``; ``premapped``: its result, launched already by ``hybrid_kernel``
-    for a forward without autograd);
-    then the kernels (``_forward``, through the tile retry chain). ``hybrid_kernel`` calls it
+    for a forward without autograd); then the kernels (``_forward``, through the tile retry
+    chain). ``hybrid_kernel`` calls it
     directly where no gradient will be asked for (evaluation, prefill; ``autograd`` False): the
     same launches, without the autograd Function's host work, except that where
     ``maps_q_in_forward`` the k map runs alone and ``_fwd`` computes phi_q itself
