@@ -316,8 +316,9 @@ class KernelConfig:
     #: registers, no spill, 112 KB of shared memory (the halves staged there once for the
     #: products: still two programs a multiprocessor); 248 / 0 / 80 KB without. The same
     #: sums, the feature dimension in two halves instead of ``f_chunk`` slices: within
-    #: rounding, not bit for bit. Off: not yet measured on a GPU (session 23 wrote it with
-    #: the device withdrawn; the prediction is in benchmarks/README.md)
+    #: rounding, not bit for bit. Off: measured no faster (session 23, one H100, 8 x 1k,
+    #: `kernel_anatomy --branches layer-hold-fq`: `_fwd` 0.255 to 0.253 ms, where 0.20-0.23
+    #: was predicted; results/h100_2026-12-05c): `_fwd` is not bound by its L2 bytes
     hold_fq: bool = False
 
 

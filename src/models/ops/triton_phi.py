@@ -253,13 +253,16 @@ PAIR_BACKWARD = False
 #: the softmax map's normalisation in its kernels as one reciprocal per row and a product per
 #: feature (``_acts``' RCP) instead of a division per feature (the PyTorch module's): within
 #: fp32 rounding of it, the bf16 output rarely one rounding apart. Off until measured
-#: (``kernel_anatomy.py --branches layer,layer-phi-rcp``)
+#: (``kernel_anatomy.py --branches layer,layer-phi-rcp``): session 23 read the pair 4% faster
+#: (0.138 to 0.132 ms at 8 x 1k, one H100, one run; results/h100_2026-12-05c); its GPU tests
+#: have not run with it on
 RECIPROCAL_SOFTMAX = False
 #: the forward kernels' (rows a program, warps), or None for ``_tiles``' (64 rows, 8 warps at
 #: the 8B's D = F/2 = 128: ptxas 98 registers, 48 KB, two programs a multiprocessor by their
 #: registers). A switch for the A/B of ``kernel_anatomy.py --branches layer-phi32``: (32, 4)
 #: takes 103 registers and 41 KB (four programs a multiprocessor, the same 16 warps; each
-#: reads the 32 KB weight for half the rows; mma.sync, not wgmma). Not measured yet
+#: reads the 32 KB weight for half the rows; mma.sync, not wgmma): the pair 0.138 to 0.134 ms
+#: at 8 x 1k (session 23, one H100, one run: within its noise)
 FORWARD_TILES: tuple[int, int] | None = None
 #: ``map_forward_pair`` hands its kernel the maps' weights as they are (the fp32 master
 #: weights ``convert`` keeps) and the kernel rounds them to x's dtype in its registers, as
@@ -268,8 +271,9 @@ FORWARD_TILES: tuple[int, int] | None = None
 #: ~two casts earlier (an isolated call's GPU waits for it), and a forward without autograd
 #: casts nothing; the folded backward casts them where it needs them
 #: (``triton_hybrid._folded_maps_backward``). Each program reads the 64 KB fp32 weight from
-#: L2 instead of 32 KB (ptxas at D = F/2 = 128: 98 registers, 48 KB either way). Off until
-#: measured (``kernel_anatomy.py --branches layer-w-in-kernel``)
+#: L2 instead of 32 KB (ptxas at D = F/2 = 128: 98 registers, 48 KB either way). Off:
+#: measured slower (session 23, one H100, 8 x 1k, ``kernel_anatomy.py --branches
+#: layer-w-in-kernel``: the pair 0.138 to 0.157 ms against the casts' 0.005 saved)
 WEIGHTS_IN_KERNEL = False
 
 
