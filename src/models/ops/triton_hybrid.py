@@ -2892,7 +2892,8 @@ def _gated(q, k, v, fq, fk, g, *, mode, rescale, drop, shift0, shift_la_only, wi
                 shift = torch.where(drop, torch.full_like(shift, shift_la_only), shift)
         la = _launch(q, k, v, fq, fk, zeros, cb, zeros, shift, window, scale, eps, kpm,
                      False, True, False, config, maps,
-                     output_is_branch=GATED_OUTPUT_IS_BRANCH and cb is one)
+                     output_is_branch=GATED_OUTPUT_IS_BRANCH and mode != "swa_only")
+        # (cb is 1 for every head in hybrid and la_only; in swa_only only a dropped head's)
         if la is None:
             return None
     CALLS["gated"] += 1
