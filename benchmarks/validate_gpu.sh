@@ -18,6 +18,10 @@
 #       forward and the fold's released memory: their GPU tests with the fold, gate and
 #       option tests, the layer with the q map in _fwd and without and at other LA state
 #       spacings (kernel_anatomy); then `measure` for the ratios
+#   bash benchmarks/validate_gpu.sh pair       (~5 min) session 24: the maps' GPU tests with
+#       their softmax normalised by a reciprocal (HEDGECATS_TEST_SWITCHES=
+#       triton_phi.RECIPROCAL_SOFTMAX=True), what bounds the maps' forward pair (phi_bound.py:
+#       the pair against kernels of its grid doing less), the layer with the reciprocal
 #   bash benchmarks/validate_gpu.sh memory     (~6 min) the fold's memory tests, its peak taken
 #       apart (fold_memory.py), session 23's held-fq forward tests, the recipes
 #
@@ -107,6 +111,16 @@ case "${1:-}" in
     kernel_tests 200 "q_map or maps_folded or output_gate or options_give or folded_call_peaks"
     anatomy 240 layer,layer-map-q,layer-map-q-fwd128x32,layer-cs64,layer-fwd-cs64
     ;;
+  pair)
+    HEDGECATS_TEST_SWITCHES=triton_phi.RECIPROCAL_SOFTMAX=True \
+      kernel_tests 170 "feature_map or maps_folded or q_map or folded_call or output_gate or walking"
+    t0=$SECONDS
+    timeout 90 python benchmarks/phi_bound.py --shape 8x1024 --out "$R/phi_bound" \
+      > "$R/phi_bound.log" 2>&1
+    tail -8 "$R/phi_bound.log"
+    step "phi bound"
+    anatomy 150 layer,layer-phi-rcp
+    ;;
   memory)
     # session 22's second call (~6 min): the fold's memory (the saved branches released, the
     # maps' dx written over the kernel's dq / dk) - its peak test with the fold and q-map
@@ -121,7 +135,7 @@ case "${1:-}" in
     recipe_tests
     ;;
   *)
-    echo "usage: bash benchmarks/validate_gpu.sh tests|measure|options|forward|memory" >&2
+    echo "usage: bash benchmarks/validate_gpu.sh tests|measure|options|forward|pair|memory" >&2
     exit 2
     ;;
 esac

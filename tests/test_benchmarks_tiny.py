@@ -577,3 +577,26 @@ def test_profile_hybrid_host_time_is_the_median_of_repeated_windows(monkeypatch)
     got = ph.host_and_device_ms(lambda: None)
     assert got == {"host_ms": 2.0, "device_ms": 1.9, "host_ahead": False,
                    "host_ms_range": [1.5, 9.0], "repeats": 5}
+
+
+def test_phi_bound_rows_compute_what_they_claim(tmp_path):
+    """``phi_bound.py``'s rows (the maps' pair and the kernels of its grid doing less) each
+    check their outputs against PyTorch before they are timed: on the CPU through Triton's
+    interpreter, all within bf16 rounding (the pair against the fp32 map)."""
+    pytest.importorskip("triton")
+    code = ("import sys, json; sys.path[:0] = ['tests', 'benchmarks']\n"
+            "import triton_interpreter_check as t; t._install_shims()\n"
+            "import phi_bound\n"
+            f"r = phi_bound.main(['--shape', '1x40', '--out', {str(tmp_path)!r}])\n"
+            "print('ROWS', json.dumps(r['rows']))\n")
+    env = {**__import__("os").environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, env=env, check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.split("ROWS ", 1)[1])
+    assert {"pair", "pair-rcp", "walk1-tma", "dot", "copy", "read", "write",
+            "torch-cat"} <= set(rows)
+    for name, row in rows.items():
+        assert row["max_rel_err"] < 1e-2, (name, row)
+        assert row["device_ms"] == []  # (no GPU: checked, not timed)
+    assert json.loads((tmp_path / "phi_bound.json").read_text())["shape"] == "1x40"

@@ -1067,6 +1067,43 @@ def test_feature_map_module_takes_the_fused_kernel(floor):
         assert tp.CALLS["forward"] == calls
 
 
+WALKS = {"walk1": dict(FORWARD_WALK=1), "walk1-tma": dict(FORWARD_WALK=1, FORWARD_TMA=True),
+         "walk1-tma-s4": dict(FORWARD_WALK=1, FORWARD_TMA=True, WALK_STAGES=4),
+         "walk2-tma-32x4": dict(FORWARD_WALK=2, FORWARD_TMA=True, FORWARD_TILES=(32, 4))}
+
+
+@pytest.mark.parametrize("walk", list(WALKS))
+@pytest.mark.parametrize("B,T", [(2, 1000), (1, 40)])
+def test_map_pair_on_walking_programs_is_the_grids_bit_for_bit(walk, B, T, monkeypatch):
+    """The maps' forward pair on walking programs (``triton_phi.FORWARD_WALK``, through
+    descriptors with ``FORWARD_TMA``) against one program a block: the same bits (the same
+    arithmetic per row), at the 8B's heads (q map 32, k map 8, D = F/2 = 128), x in (B, T, H,
+    D) memory, T not a multiple of the blocks; and as close to the fp32 map."""
+    from hedgecats.models.ops import triton_phi as tp
+
+    if not tp.available():
+        pytest.skip("triton not available")
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    args = []
+    for H, soft in ((32, True), (8, False)):
+        x = torch.randn(B, T, H, 128, device=DEVICE, generator=gen).bfloat16().transpose(1, 2)
+        args += [x, torch.randn(H, 128, 128, device=DEVICE, generator=gen) / 128 ** 0.5,
+                 torch.randn(H, 128, device=DEVICE, generator=gen) * 0.3, soft]
+    monkeypatch.setattr(tp, "FORWARD_TILES", WALKS[walk].get("FORWARD_TILES"))
+    grid = tp.map_forward_pair(*args)
+    walks = tp.CALLS["forward_walk"], tp.CALLS["forward_tma"]
+    for name, value in WALKS[walk].items():
+        monkeypatch.setattr(tp, name, value)
+    walked = tp.map_forward_pair(*args)
+    assert [tp.CALLS["forward_walk"] - walks[0], tp.CALLS["forward_tma"] - walks[1]] == \
+        [1, int(WALKS[walk].get("FORWARD_TMA", False))]
+    for i, ((yg, *_), (yw, *_)) in enumerate(zip(grid, walked)):
+        assert torch.equal(yg, yw), f"map {'qk'[i]}: the walk's output differs from the grid's"
+        x, w, b, soft = args[4 * i: 4 * i + 4]
+        want = tp.reference_features(x.float(), w, b, "softmax" if soft else "exp")
+        assert ((yw.float() - want).norm() / want.norm()).item() < 1e-2
+
+
 @pytest.mark.parametrize("shape_id,activation", PHI_CASES,
                          ids=[f"{s}-{a}" for s, a in PHI_CASES])
 def test_fused_feature_map(shape_id, activation):

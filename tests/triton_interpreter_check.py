@@ -586,6 +586,49 @@ def phi_case(cid, *, B=2, H=3, T=45, D=16, proj="square", activation="softmax",
             "dx_layout": 0.0 if laid_out[0] else float("inf")}
 
 
+def pair_walk_case(cid, *, B=3, Hq=4, Hk=2, T=150, D=64, per_sm=3, tma=False,
+                   activations=("softmax", "exp"), stages=3, dtype=torch.bfloat16,
+                   several=True):
+    """The maps' forward pair on walking programs (``triton_phi.FORWARD_WALK``: each program
+    a share of one head's row blocks, its weight read once; ``tma``: through tensor
+    descriptors, ``FORWARD_TMA``) against the pair on one program a block: bit for bit (the
+    same arithmetic per row), both maps, and each against the fp32 map. x in (B, T, H, D)
+    memory; T not a multiple of the blocks, heads of both maps split into several programs
+    (``walk_split`` on the interpreter's 4 multiprocessors; ``several``: the split gives
+    several programs a head, several blocks each; every program has a block, every block a
+    program). bf16 only (``dtype``: the tolerance's)."""
+    from hedgecats.models.ops import triton_phi as tp
+
+    g = torch.Generator().manual_seed(21)
+    maps = []
+    for H, act in zip((Hq, Hk), activations):
+        x = torch.randn(B, T, H, D, generator=g).to(dtype).transpose(1, 2)
+        w = torch.randn(H, D, D, generator=g) * D ** -0.5
+        maps.append((x, w, torch.randn(H, D, generator=g) * 0.3, act == "softmax"))
+    args = [a for m in maps for a in m]
+    before = tp.FORWARD_WALK, tp.FORWARD_TMA, tp.WALK_STAGES
+    walks = tp.CALLS["forward_walk"], tp.CALLS["forward_tma"]
+    try:
+        tp.FORWARD_WALK = None
+        grid = tp.map_forward_pair(*args)
+        tp.FORWARD_WALK, tp.FORWARD_TMA, tp.WALK_STAGES = per_sm, tma, stages
+        walked = tp.map_forward_pair(*args)
+    finally:
+        tp.FORWARD_WALK, tp.FORWARD_TMA, tp.WALK_STAGES = before
+    out = {}
+    for name, (x, w, b, soft), (yg, *_), (yw, *_) in zip("qk", maps, grid, walked):
+        out[f"same_y{name}"] = 0.0 if torch.equal(yg, yw) else float("inf")
+        want = tp.reference_features(x.float(), w, b, "softmax" if soft else "exp")
+        out[f"y{name}"] = rel(yw.float(), want)
+    ran = [tp.CALLS["forward_walk"] - walks[0], tp.CALLS["forward_tma"] - walks[1]]
+    out["walked"] = 0.0 if ran == [1, int(tma)] else float("inf")
+    tiles = B * -(-T // tp._forward_tiles(D, D)[0])
+    S, tps = tp.walk_split(tiles, Hq + Hk, per_sm, torch.device("cpu"))
+    covered = (S - 1) * tps < tiles <= S * tps
+    out["split"] = 0.0 if covered and (tps > 1 and S > 1) == several else float("inf")
+    return out
+
+
 #: the backward's fused kernels' ``KernelConfig`` switches (each also its counter in ``CALLS``)
 FUSIONS = ("fuse_q_side", "fuse_kv_side")
 
@@ -810,7 +853,7 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
               activation="softmax", pad=False, g_kind="float", ssd=None, frozen=(),
               cfg=MAP_DU, through="fused", dtype=torch.bfloat16, backward_fails=False,
               floor=0.0, expect_fold=True, pair_backward=False, map_q=False,
-              weights_in_kernel=False, **switches):
+              weights_in_kernel=False, forward_walk=None, forward_tma=False, **switches):
     """The feature maps folded into the fused kernel's autograd Function (``maps=(phi_q,
     phi_k)``, the layer's call since 2026-12-04) against the call as the layer made it before:
     the maps run first as their own Functions (``ops.hybrid._apply_maps``: q and k handed on,
@@ -828,6 +871,8 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
     too), each against the fp32 reference, not bit for bit against the other; the fallback is
     recorded once per backward. ``floor`` (the maps'), ``expect_fold=False``: maps the fold
     must refuse (a floor, fp32): the call runs them as modules, the same path as before.
+    ``forward_walk`` / ``forward_tma``: the folded calls' map pair on walking programs
+    (``triton_phi.FORWARD_WALK`` / ``FORWARD_TMA``): still bit for bit the maps' own kernels.
     Folded, both maps' forward kernels run in one launch; ``pair_backward``
     (``triton_phi.PAIR_BACKWARD``) their backward too, where both take dx. ``map_q``: the
     no-grad forward must compute phi_q inside ``_fwd`` (``KernelConfig.map_q_forward``): its
@@ -925,8 +970,10 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
     in_place = tp.CALLS["dx_in_place"]
     held = th.CALLS["held_fq_forward"]
     in_kernel = tp.CALLS["weights_in_kernel"]
-    switches_before = tp.PAIR_BACKWARD, tp.WEIGHTS_IN_KERNEL
-    tp.PAIR_BACKWARD, tp.WEIGHTS_IN_KERNEL = pair_backward, weights_in_kernel
+    walks = tp.CALLS["forward_walk"], tp.CALLS["forward_tma"]
+    switches_before = tp.PAIR_BACKWARD, tp.WEIGHTS_IN_KERNEL, tp.FORWARD_WALK, tp.FORWARD_TMA
+    tp.PAIR_BACKWARD, tp.WEIGHTS_IN_KERNEL, tp.FORWARD_WALK, tp.FORWARD_TMA = \
+        pair_backward, weights_in_kernel, forward_walk, forward_tma
     try:
         got = run("folded")
         ran = [th.CALLS[n] - b for n, b in zip(names, before)]
@@ -936,8 +983,10 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
                   th.CALLS["q_map_in_forward"], th.CALLS["forward_state_chunk"])
         no_grad = run("no_grad")
     finally:
-        tp.PAIR_BACKWARD, tp.WEIGHTS_IN_KERNEL = switches_before
+        tp.PAIR_BACKWARD, tp.WEIGHTS_IN_KERNEL, tp.FORWARD_WALK, tp.FORWARD_TMA = \
+            switches_before
     in_kernel = tp.CALLS["weights_in_kernel"] - in_kernel
+    walks = [tp.CALLS["forward_walk"] - walks[0], tp.CALLS["forward_tma"] - walks[1]]
     without_autograd = th.CALLS["forward_without_autograd"] - before[0]
     kernel_calls = th.CALLS["forward"] - before[1]
     q_mapped = th.CALLS["q_map_in_forward"] - before[2]
@@ -992,6 +1041,10 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
     # the pair's kernel rounded the fp32 weights itself in both folded forwards (grad and not)
     want_in_kernel = 2 if weights_in_kernel and expect_fold and not map_q else 0
     out["weights_in_kernel"] = 0.0 if in_kernel == want_in_kernel else float("inf")
+    # the pair on walking programs (through descriptors) in both folded forwards
+    want_walks = 2 if forward_walk and expect_fold and not map_q else 0
+    out["forward_walk"] = 0.0 if walks == [want_walks, want_walks * forward_tma] \
+        else float("inf")
     out["forward_state_chunk"] = 0.0 if (own_chunk >= 1) == want_chunk else float("inf")
     if map_q or want_chunk:  # (sums grouped otherwise)
         out["out_no_grad_vs_folded"] = rel(no_grad["out"], got["out"])
@@ -1679,6 +1732,19 @@ def cases(quick: bool = False):
         ("fold-attention-8b-tiles-pad", fold_case, dict(
             dtype=bf16, through="attention", pad=True, H=8, Hkv=2, T=300, D=128, window=64,
             B=1)),
+        # the maps' pair on walking programs (``FORWARD_WALK``), through descriptors
+        # (``FORWARD_TMA``), against one program a block: bit for bit
+        ("pair-walk", pair_walk_case, dict(dtype=bf16)),
+        ("pair-walk-tma", pair_walk_case, dict(dtype=bf16, tma=True)),
+        ("pair-walk-tma-8b-D128-T300", pair_walk_case, dict(
+            dtype=bf16, tma=True, B=2, Hq=4, Hk=1, T=300, D=128, per_sm=2)),
+        ("pair-walk-stages1-B1-T40", pair_walk_case, dict(dtype=bf16, B=1, T=40, stages=1,
+                                                           several=False)),
+        ("fold-forward-walk-tma-8b-tiles-pad", fold_case, dict(
+            dtype=bf16, pad=True, H=8, Hkv=2, T=300, D=128, window=64, B=1, cfg=d128,
+            forward_walk=2, forward_tma=True)),
+        ("fold-forward-walk-pad-exp", fold_case, dict(
+            dtype=bf16, pad=True, activation="exp", forward_walk=3)),
         ("phi-softmax", phi_case, dict(dtype=bf16)),
         ("phi-softmax-strided-rect", phi_case, dict(dtype=bf16, strided=True,
                                                     proj="rectangular", D=32)),

@@ -49,7 +49,7 @@ import weakref
 import torch
 
 from .triton_common import (HAVE_TRITON, available, cast, cdiv, errors, fast, interpret,
-                            record_fallback, tl, triton, warn_once)
+                            record_fallback, tl, tma_ok, triton, warn_once)
 
 __all__ = ["available", "hedgehog_features", "reference_features", "unsupported_reason"]
 
@@ -60,10 +60,11 @@ FALLBACK_ERRORS: list[str] = []
 #: ran a layer's two maps in one grid (``map_forward_pair``, ``map_backward_pair``); dx_in_place:
 #: backward passes that wrote dx over the caller's dx_in (``_MapBackward``'s dx_into_input);
 #: weights_in_kernel: map pairs whose kernel rounded weights of another dtype itself
-#: (``WEIGHTS_IN_KERNEL``)
+#: (``WEIGHTS_IN_KERNEL``); forward_walk / forward_tma: pair launches on walking programs
+#: (``FORWARD_WALK``) / through tensor descriptors (``FORWARD_TMA``)
 CALLS = {"forward": 0, "backward_dx": 0, "backward_added": 0, "du_from_kernel": 0,
          "du_added": 0, "pair_forward": 0, "pair_backward": 0, "dx_in_place": 0,
-         "weights_in_kernel": 0}
+         "weights_in_kernel": 0, "forward_walk": 0, "forward_tma": 0}
 ACTIVATIONS = ("softmax", "exp")
 
 
@@ -90,26 +91,78 @@ if HAVE_TRITON:
         return a1, a2
 
     @triton.jit
+    def _phi_fwd_tile(xsrc, ysrc, w, bias, b, h, t0, T, H, sx_b, sx_h, sx_t,
+                      D: tl.constexpr, FH: tl.constexpr, BM: tl.constexpr,
+                      SOFTMAX: tl.constexpr, PREC: tl.constexpr, RCP: tl.constexpr,
+                      TMA: tl.constexpr):
+        """Rows t0 .. t0 + BM - 1 of (batch row b, head h): phi of x from ``xsrc`` into
+        ``ysrc`` (the tensors, or with TMA their descriptors, ``_phi_fwd_walk``'s)."""
+        offs_m = t0 + tl.arange(0, BM)
+        offs_f = tl.arange(0, FH)
+        rows = offs_m < T
+        if TMA:  # rows past T read as zeros and are not written (the descriptors' bounds)
+            x = xsrc.load([b, h, t0, 0]).reshape(BM, D)
+        else:
+            x = tl.load(xsrc + b.to(tl.int64) * sx_b + h.to(tl.int64) * sx_h
+                        + offs_m[:, None] * sx_t + tl.arange(0, D)[None, :],
+                        mask=rows[:, None], other=0.0)
+        a1, a2 = _acts(x, w, bias, SOFTMAX, PREC, RCP)
+        if TMA:
+            dt = ysrc.dtype
+            ysrc.store([b * H + h, t0, 0], a1.to(dt).reshape(1, BM, FH))
+            ysrc.store([b * H + h, t0, FH], a2.to(dt).reshape(1, BM, FH))
+        else:
+            y = ysrc + ((b * H + h).to(tl.int64) * T + offs_m[:, None]) * (2 * FH) \
+                + offs_f[None, :]
+            tl.store(y, a1.to(ysrc.dtype.element_ty), mask=rows[:, None])
+            tl.store(y + FH, a2.to(ysrc.dtype.element_ty), mask=rows[:, None])
+
+    @triton.jit
+    def _head_weights(X, W, BIAS, h, D: tl.constexpr, FH: tl.constexpr):
+        """Head h's weight (D, F/2) in x's dtype (W in it, or in fp32 rounded here as torch's
+        cast rounds it: ``WEIGHTS_IN_KERNEL``) and bias (F/2, fp32)."""
+        offs_d = tl.arange(0, D)
+        offs_f = tl.arange(0, FH)
+        w = tl.load(W + h.to(tl.int64) * D * FH + offs_d[:, None] * FH + offs_f[None, :])
+        return w.to(X.dtype.element_ty), tl.load(BIAS + h * FH + offs_f).to(tl.float32)
+
+    @triton.jit
     def _phi_fwd_rows(X, W, BIAS, Y, sx_b, sx_h, sx_t, T, H, pid_bh, pid_m,
                       D: tl.constexpr, FH: tl.constexpr, BM: tl.constexpr,
                       SOFTMAX: tl.constexpr, PREC: tl.constexpr, RCP: tl.constexpr):
         """One program's rows: block ``pid_m`` of (batch row, head) ``pid_bh``."""
         b = pid_bh // H
         h = pid_bh % H
-        offs_m = pid_m * BM + tl.arange(0, BM)
-        offs_d = tl.arange(0, D)
-        offs_f = tl.arange(0, FH)
-        rows = offs_m < T
-        x = tl.load(X + b.to(tl.int64) * sx_b + h.to(tl.int64) * sx_h + offs_m[:, None] * sx_t
-                    + offs_d[None, :], mask=rows[:, None], other=0.0)
-        # (W in x's dtype, or in fp32 rounded here as torch's cast rounds it: WEIGHTS_IN_KERNEL)
-        w = tl.load(W + h.to(tl.int64) * D * FH + offs_d[:, None] * FH + offs_f[None, :])
-        w = w.to(X.dtype.element_ty)
-        bias = tl.load(BIAS + h * FH + offs_f).to(tl.float32)
-        a1, a2 = _acts(x, w, bias, SOFTMAX, PREC, RCP)
-        y = Y + (pid_bh.to(tl.int64) * T + offs_m[:, None]) * (2 * FH) + offs_f[None, :]
-        tl.store(y, a1.to(Y.dtype.element_ty), mask=rows[:, None])
-        tl.store(y + FH, a2.to(Y.dtype.element_ty), mask=rows[:, None])
+        w, bias = _head_weights(X, W, BIAS, h, D, FH)
+        _phi_fwd_tile(X, Y, w, bias, b, h, pid_m * BM, T, H, sx_b, sx_h, sx_t, D, FH, BM,
+                      SOFTMAX, PREC, RCP, False)
+
+    @triton.jit
+    def _phi_fwd_walk(X, W, BIAS, Y, sx_b, sx_h, sx_t, T, H, B, h, seg, TPS,
+                      D: tl.constexpr, FH: tl.constexpr, BM: tl.constexpr,
+                      SOFTMAX: tl.constexpr, PREC: tl.constexpr, RCP: tl.constexpr,
+                      TMA: tl.constexpr, NS: tl.constexpr):
+        """One program of ``FORWARD_WALK``: head h's row blocks seg TPS .. (seg + 1) TPS - 1 of
+        its B cdiv(T, BM) (block i: batch row i // cdiv(T, BM)), the head's weight read once,
+        the next blocks' x loaded while this one's activations run (a loop the compiler
+        pipelines, NS stages). TMA: x read and y written through tensor descriptors (the
+        stores asynchronous, out of the registers' way)."""
+        MT = tl.cdiv(T, BM)
+        lo = seg * TPS
+        hi = tl.minimum(lo + TPS, B * MT)
+        w, bias = _head_weights(X, W, BIAS, h, D, FH)
+        if TMA:
+            xsrc = tl.make_tensor_descriptor(X, shape=[B, H, T, D], strides=[sx_b, sx_h, sx_t, 1],
+                                             block_shape=[1, 1, BM, D])
+            ysrc = tl.make_tensor_descriptor(Y, shape=[B * H, T, 2 * FH],
+                                             strides=[T * 2 * FH, 2 * FH, 1],
+                                             block_shape=[1, BM, FH])
+        else:
+            xsrc = X
+            ysrc = Y
+        for i in tl.range(lo, hi, num_stages=NS):
+            _phi_fwd_tile(xsrc, ysrc, w, bias, i // MT, h, (i % MT) * BM, T, H, sx_b, sx_h,
+                          sx_t, D, FH, BM, SOFTMAX, PREC, RCP, TMA)
 
     @triton.jit
     def _phi_fwd(X, W, BIAS, Y, sx_b, sx_h, sx_t, T, H,
@@ -133,6 +186,23 @@ if HAVE_TRITON:
         else:
             _phi_fwd_rows(XK, WK, BK, YK, sk_b, sk_h, sk_t, T, HK, pid - NQ, tl.program_id(1),
                           D, FH, BM, SOFTMAX_K, PREC, RCP)
+
+    @triton.jit
+    def _phi_fwd_pair_walk(XQ, WQ, BQ, YQ, sq_b, sq_h, sq_t, HQ, XK, WK, BK, YK, sk_b, sk_h,
+                           sk_t, HK, B, T, S, TPS, D: tl.constexpr, FH: tl.constexpr,
+                           BM: tl.constexpr, SOFTMAX_Q: tl.constexpr, SOFTMAX_K: tl.constexpr,
+                           PREC: tl.constexpr, RCP: tl.constexpr, TMA: tl.constexpr,
+                           NS: tl.constexpr):
+        """Both maps of a layer on programs that walk their rows (``FORWARD_WALK``): S
+        programs a head, the q map's HQ heads first, each ``_phi_fwd_walk``'s."""
+        pid = tl.program_id(0)
+        u = pid // S
+        if u < HQ:
+            _phi_fwd_walk(XQ, WQ, BQ, YQ, sq_b, sq_h, sq_t, T, HQ, B, u, pid % S, TPS, D, FH,
+                          BM, SOFTMAX_Q, PREC, RCP, TMA, NS)
+        else:
+            _phi_fwd_walk(XK, WK, BK, YK, sk_b, sk_h, sk_t, T, HK, B, u - HQ, pid % S, TPS, D,
+                          FH, BM, SOFTMAX_K, PREC, RCP, TMA, NS)
 
     @triton.jit
     def _phi_bwd_rows(X, W, BIAS, Y, DY, DX, DU, DXI, sx_b, sx_h, sx_t, sdy_b, sdy_h, sdy_t,
@@ -275,6 +345,21 @@ FORWARD_TILES: tuple[int, int] | None = None
 #: measured slower (session 23, one H100, 8 x 1k, ``kernel_anatomy.py --branches
 #: layer-w-in-kernel``: the pair 0.138 to 0.157 ms against the casts' 0.005 saved)
 WEIGHTS_IN_KERNEL = False
+#: the forward pair on programs that each walk a share of one head's rows (``_phi_fwd_walk``):
+#: this many programs a multiprocessor (None: one program a 64-row block, ``_phi_fwd_pair``).
+#: Why: at 8 x 1k the pair moves 252 MB in ~0.13 ms (~1.9 TB/s, its floor ~0.05 ms) and no
+#: tile choice moved it; a one-block program loads, multiplies, then stores, so while its
+#: activations run no load of its is in flight (two 8-warp programs a multiprocessor). A
+#: walking program reads its weight once and loads the next blocks during this one's
+#: activations (``WALK_STAGES``). Off until measured (session 24, ``phi_bound.py``; session
+#: 12's four-block programs, a fixed four a program, read slower: 0.150 to 0.173 ms)
+FORWARD_WALK: int | None = None
+#: the pipelined stages of a walking program's loop (x blocks in flight)
+WALK_STAGES = 3
+#: the walking programs read x and write y through tensor descriptors (TMA: the stores
+#: asynchronous) where ``triton_common.tma_ok`` allows; pointer loads and stores otherwise
+#: (the same values). Off until measured (session 24, ``phi_bound.py``)
+FORWARD_TMA = False
 
 
 def _prec(dtype):
@@ -519,6 +604,21 @@ def _pairable(xq, wq, xk, wk) -> bool:
     return (Bq, Tq, Dq, wq.shape[-1], xq.dtype) == (Bk, Tk, Dk, wk.shape[-1], xk.dtype)
 
 
+@functools.cache
+def _multiprocessors(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def walk_split(tiles: int, heads: int, per_sm: int, device: torch.device) -> tuple[int, int]:
+    """(programs a head S, blocks a program) for ``FORWARD_WALK``: about ``per_sm`` programs a
+    multiprocessor over ``heads`` heads of ``tiles`` blocks each, no program empty (on the
+    interpreter: 4 multiprocessors)."""
+    sms = _multiprocessors(device.index or 0) if device.type == "cuda" else 4
+    per_head = max(1, min(tiles, round(per_sm * sms / heads)))
+    tps = cdiv(tiles, per_head)
+    return cdiv(tiles, tps), tps
+
+
 def map_forward_pair(xq, wq, bq, softmax_q, xk, wk, bk, softmax_k):
     """``map_forward`` of a layer's two maps, ``((yq, wqc, bqc), (yk, wkc, bkc))``, in one
     launch (``_phi_fwd_pair``: the same programs in one grid) where ``_pairable``, else two.
@@ -531,6 +631,20 @@ def map_forward_pair(xq, wq, bq, softmax_q, xk, wk, bk, softmax_k):
     yq, wqc, bqc = _forward_operands(xq, wq, bq, not WEIGHTS_IN_KERNEL)
     yk, wkc, bkc = _forward_operands(xk, wk, bk, not WEIGHTS_IN_KERNEL)
     BM, warps = _forward_tiles(D, FH)
+    if FORWARD_WALK:
+        S, tps = walk_split(B * cdiv(T, BM), Hq + Hk, FORWARD_WALK, xq.device)
+        tma = FORWARD_TMA and tma_ok(xq, xk, yq, yk)
+        fast(_phi_fwd_pair_walk)[((Hq + Hk) * S,)](
+            xq, wqc, bqc, yq, xq.stride(0), xq.stride(1), xq.stride(2), Hq,
+            xk, wkc, bkc, yk, xk.stride(0), xk.stride(1), xk.stride(2), Hk, B, T, S, tps,
+            D=D, FH=FH, BM=BM, SOFTMAX_Q=softmax_q, SOFTMAX_K=softmax_k, PREC=_prec(xq.dtype),
+            RCP=RECIPROCAL_SOFTMAX, TMA=tma, NS=WALK_STAGES, num_warps=warps)
+        CALLS["pair_forward"] += 1
+        CALLS["forward_walk"] += 1
+        CALLS["forward_tma"] += tma
+        CALLS["weights_in_kernel"] += WEIGHTS_IN_KERNEL and \
+            (wq.dtype, wk.dtype) != (xq.dtype,) * 2
+        return (yq, wqc, bqc), (yk, wkc, bkc)
     fast(_phi_fwd_pair)[(B * (Hq + Hk), cdiv(T, BM))](
         xq, wqc, bqc, yq, xq.stride(0), xq.stride(1), xq.stride(2), Hq,
         xk, wkc, bkc, yk, xk.stride(0), xk.stride(1), xk.stride(2), Hk, B * Hq, T,

@@ -1,0 +1,50 @@
+"""``HEDGECATS_TEST_SWITCHES`` (tests/conftest.py): a whole test run with kernel switches set,
+e.g. the GPU matrix with an option that is off by default."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import parse_switches
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_parse_switches_reads_module_name_and_literal():
+    assert parse_switches("") == []
+    assert parse_switches("triton_phi.RECIPROCAL_SOFTMAX=True, triton_phi.FORWARD_TILES=(32, 4)"
+                          ) == [
+        ("triton_phi", "RECIPROCAL_SOFTMAX", True), ("triton_phi", "FORWARD_TILES", (32, 4))]
+
+
+@pytest.mark.parametrize("spec, says", [("triton_phi.RECIPROCAL_SOFTMAX", "module.NAME=value"),
+                                        ("RECIPROCAL_SOFTMAX=True", "module.NAME=value"),
+                                        ("triton_phi.NO_SUCH=1", "no switch 'NO_SUCH'")])
+def test_parse_switches_refuses_what_it_cannot_set(spec, says):
+    with pytest.raises(ValueError, match=says):
+        parse_switches(spec)
+
+
+def test_switch_seen_by_the_tests():
+    """Run by the test below with the variable set; skipped otherwise."""
+    want = os.environ.get("HEDGECATS_TEST_SWITCHES_EXPECT")
+    if want is None:
+        pytest.skip("run by test_a_run_with_switches_sees_them_set")
+    from hedgecats.models.ops import triton_phi
+    assert repr(triton_phi.RECIPROCAL_SOFTMAX) == want
+
+
+def test_a_run_with_switches_sees_them_set():
+    env = {**os.environ, "HEDGECATS_TEST_SWITCHES": "triton_phi.RECIPROCAL_SOFTMAX=True",
+           "HEDGECATS_TEST_SWITCHES_EXPECT": "True"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           f"{Path(__file__).name}::test_switch_seen_by_the_tests"],
+                          cwd=ROOT / "tests", env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-2000:]
+    from hedgecats.models.ops import triton_phi
+    assert triton_phi.RECIPROCAL_SOFTMAX is False  # (this run's own: the default)
