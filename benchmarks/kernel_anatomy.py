@@ -100,18 +100,29 @@ LAYER_SWITCHES = {"layer-maps-paired-bwd": ("triton_phi", "PAIR_BACKWARD", True)
                   "layer-phi32": ("triton_phi", "FORWARD_TILES", (32, 4)),
                   # the map pair rounding the fp32 weights in its kernel: no cast launches
                   # (``WEIGHTS_IN_KERNEL``; each program reads 64 KB of weight, not 32)
-                  "layer-w-in-kernel": ("triton_phi", "WEIGHTS_IN_KERNEL", True)}
+                  "layer-w-in-kernel": ("triton_phi", "WEIGHTS_IN_KERNEL", True),
+                  # the map pair on walking programs (``FORWARD_WALK``: one a multiprocessor,
+                  # through descriptors, ``FORWARD_TMA``; session 24's ``phi_bound.py``)
+                  "layer-walk1-tma": [("triton_phi", "FORWARD_WALK", 1),
+                                      ("triton_phi", "FORWARD_TMA", True)],
+                  "layer-walk1-tma-rcp": [("triton_phi", "FORWARD_WALK", 1),
+                                          ("triton_phi", "FORWARD_TMA", True),
+                                          ("triton_phi", "RECIPROCAL_SOFTMAX", True)]}
 LAYERS.update({name: dict() for name in (*LAYER_CHANGES, *LAYER_SWITCHES)})
 
 
+@contextlib.contextmanager
 def switch_set(branches: str):
-    """A context with ``LAYER_SWITCHES[branches]`` set inside (nothing for other branch
-    sets)."""
-    if branches not in LAYER_SWITCHES:
-        return contextlib.nullcontext()
-    mod_name, attr, value = LAYER_SWITCHES[branches]
-    return mock.patch.object(importlib.import_module(f"hedgecats.models.ops.{mod_name}"), attr,
-                             value)
+    """A context with ``LAYER_SWITCHES[branches]`` (one (module, attribute, value) or a list
+    of them) set inside (nothing for other branch sets)."""
+    switches = LAYER_SWITCHES.get(branches, [])
+    if isinstance(switches, tuple):
+        switches = [switches]
+    with contextlib.ExitStack() as stack:
+        for mod_name, attr, value in switches:
+            stack.enter_context(mock.patch.object(
+                importlib.import_module(f"hedgecats.models.ops.{mod_name}"), attr, value))
+        yield
 
 
 @contextlib.contextmanager

@@ -119,7 +119,7 @@ case "${1:-}" in
       > "$R/phi_bound.log" 2>&1
     tail -8 "$R/phi_bound.log"
     step "phi bound"
-    anatomy 150 layer,layer-phi-rcp
+    anatomy 200 layer,layer-phi-rcp,layer-walk1-tma,layer-walk1-tma-rcp
     ;;
   memory)
     # session 22's second call (~6 min): the fold's memory (the saved branches released, the

@@ -493,6 +493,10 @@ def test_kernel_anatomy_switch_rows_set_their_switch_and_restore_it():
     with ka.switch_set("layer"):
         assert tp.PAIR_BACKWARD == before
     assert "layer-maps-paired-bwd" in ka.LAYERS
+    # a row of several switches sets each and puts each back
+    with ka.switch_set("layer-walk1-tma-rcp"):
+        assert (tp.FORWARD_WALK, tp.FORWARD_TMA, tp.RECIPROCAL_SOFTMAX) == (1, True, True)
+    assert (tp.FORWARD_WALK, tp.FORWARD_TMA, tp.RECIPROCAL_SOFTMAX) == (None, False, False)
 
 
 def test_kernel_anatomy_layer_rows_time_their_change_in_the_forward_too():
