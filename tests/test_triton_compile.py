@@ -406,6 +406,19 @@ def test_feature_map_kernels_compile_for_sm90(D, FH):
                                                     SOFTMAX_Q=True, SOFTMAX_K=True), (), 4, 2)
     print(f"phi_fwd_pair D{D} F/2={FH} 32 w4: {r}")
     assert r["spill"] <= MAX_SPILL and r["registers"] <= 128, r
+    # the pair on walking programs (``triton_phi.FORWARD_WALK``), by pointers and through
+    # descriptors (``FORWARD_TMA``), at the forward's tiles and at 32 x 4 (session 24: at
+    # D = F/2 = 128, 64 x 8 warps, 145-157 registers by pointers, 117-119 and 131 KB through
+    # descriptors; 32 x 4 through descriptors 118 and 66-82 KB), none spilling
+    BM, warps = tp._tiles(D, FH, False)
+    for (bm, w), tma, ns in [((BM, warps), False, tp.WALK_STAGES),
+                             ((BM, warps), True, tp.WALK_STAGES), ((BM, warps), True, 4),
+                             ((32, 4), True, tp.WALK_STAGES)]:
+        r = compile_report(tp._phi_fwd_pair_walk, ptrs, dict(
+            D=D, FH=FH, BM=bm, PREC="tf32", SOFTMAX_Q=True, SOFTMAX_K=True, TMA=tma, NS=ns),
+            (), w, 2)
+        print(f"phi_fwd_pair_walk D{D} F/2={FH} {bm} w{w} tma {tma} stages {ns}: {r}")
+        assert r["spill"] <= MAX_SPILL and r["smem"] <= SMEM_MAX, r
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
