@@ -89,7 +89,12 @@ LAYER_CHANGES = {"layer-fwd128": dict(block_m=128, block_n=64, warps=8,  # (the 
                  "layer-hold-fq": dict(hold_fq=True),
                  # with the maps' softmax normalised by a reciprocal per row too (its
                  # switch in LAYER_SWITCHES)
-                 "layer-hold-fq-rcp": dict(hold_fq=True)}
+                 "layer-hold-fq-rcp": dict(hold_fq=True),
+                 # ``_fwd``'s key-side tiles through tensor descriptors (``fwd_tma``; ptxas
+                 # 254-255 registers, no spill, 82 KB: two programs a multiprocessor), alone
+                 # and with the map pair on walking programs (its switches below)
+                 "layer-fwd-tma": dict(fwd_tma=True),
+                 "layer-fwd-tma-walk1-tma": dict(fwd_tma=True)}
 #: the whole layer with a module switch of the kernels changed (module, attribute, value):
 #: both maps' backward in one grid (``triton_phi.PAIR_BACKWARD``, off by default)
 LAYER_SWITCHES = {"layer-maps-paired-bwd": ("triton_phi", "PAIR_BACKWARD", True),
@@ -105,6 +110,8 @@ LAYER_SWITCHES = {"layer-maps-paired-bwd": ("triton_phi", "PAIR_BACKWARD", True)
                   # through descriptors, ``FORWARD_TMA``; session 24's ``phi_bound.py``)
                   "layer-walk1-tma": [("triton_phi", "FORWARD_WALK", 1),
                                       ("triton_phi", "FORWARD_TMA", True)],
+                  "layer-fwd-tma-walk1-tma": [("triton_phi", "FORWARD_WALK", 1),
+                                              ("triton_phi", "FORWARD_TMA", True)],
                   "layer-walk1-tma-rcp": [("triton_phi", "FORWARD_WALK", 1),
                                           ("triton_phi", "FORWARD_TMA", True),
                                           ("triton_phi", "RECIPROCAL_SOFTMAX", True)]}

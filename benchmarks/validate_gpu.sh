@@ -21,7 +21,9 @@
 #   bash benchmarks/validate_gpu.sh pair       (~5 min) session 24: the maps' GPU tests with
 #       their softmax normalised by a reciprocal (HEDGECATS_TEST_SWITCHES=
 #       triton_phi.RECIPROCAL_SOFTMAX=True), what bounds the maps' forward pair (phi_bound.py:
-#       the pair against kernels of its grid doing less), the layer with the reciprocal
+#       the pair against kernels of its grid doing less), the layer with the reciprocal, the
+#       pair on walking programs (triton_phi.FORWARD_WALK) and _fwd's key tiles through
+#       descriptors (KernelConfig.fwd_tma)
 #   bash benchmarks/validate_gpu.sh memory     (~6 min) the fold's memory tests, its peak taken
 #       apart (fold_memory.py), session 23's held-fq forward tests, the recipes
 #
@@ -113,13 +115,13 @@ case "${1:-}" in
     ;;
   pair)
     HEDGECATS_TEST_SWITCHES=triton_phi.RECIPROCAL_SOFTMAX=True \
-      kernel_tests 170 "feature_map or maps_folded or q_map or folded_call or output_gate or walking"
+      kernel_tests 150 "feature_map or maps_folded or walking or options_give"
     t0=$SECONDS
     timeout 90 python benchmarks/phi_bound.py --shape 8x1024 --out "$R/phi_bound" \
       > "$R/phi_bound.log" 2>&1
     tail -8 "$R/phi_bound.log"
     step "phi bound"
-    anatomy 200 layer,layer-phi-rcp,layer-walk1-tma,layer-walk1-tma-rcp
+    anatomy 260 layer,layer-phi-rcp,layer-walk1-tma,layer-fwd-tma,layer-fwd-tma-walk1-tma
     ;;
   memory)
     # session 22's second call (~6 min): the fold's memory (the saved branches released, the

@@ -397,7 +397,8 @@ SAME_RESULT_OPTIONS = {"kv_order1": (dict(kv_order=0), dict(kv_order=1), "kv_ord
                        "kv_order2": (dict(kv_order=0), dict(kv_order=2), "kv_order_2"),
                        "state_sums_mma": (dict(state_sums_mma=False), dict(state_sums_mma=True),
                                           "state_sums_mma"),
-                       "fwd_two_programs": ("ONE_PROGRAM_FORWARD", dict(), None)}
+                       "fwd_two_programs": ("ONE_PROGRAM_FORWARD", dict(), None),
+                       "fwd_tma": (dict(fwd_tma=False), dict(fwd_tma=True), "forward_tma")}
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["fixed", "shared"])
@@ -412,7 +413,9 @@ def test_options_give_the_same_results(option, shared):
     reductions; ``TWO_PROGRAM_FORWARD`` (the default since session 21: the forward on 64-row
     4-warp programs, 32-key blocks, the state product pipelined: the same products, the
     window's and LA's key blocks summed in other groupings) against the forward tiles before
-    (``ONE_PROGRAM_FORWARD``). The report says which results are bit for bit."""
+    (``ONE_PROGRAM_FORWARD``); ``fwd_tma`` (``_fwd``'s key-side tiles through tensor
+    descriptors: the same values, bit for bit on the interpreter) against the pointer path.
+    The report says which results are bit for bit."""
     off, on, counter = SAME_RESULT_OPTIONS[option]
     off, on = (getattr(_kernels(), x) if isinstance(x, str) else x for x in (off, on))
     counters = [] if counter is None else [counter]

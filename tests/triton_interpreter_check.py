@@ -586,6 +586,49 @@ def phi_case(cid, *, B=2, H=3, T=45, D=16, proj="square", activation="softmax",
             "dx_layout": 0.0 if laid_out[0] else float("inf")}
 
 
+def fwd_tma_case(cid, *, B=2, H=4, Hkv=2, T=70, D=16, window=10, dtype=torch.float32,
+                 cfg=SMALL, pad=False, shared=False, has_swa=True, has_la=True, grad=True):
+    """``_fwd`` reading its key-side tiles through tensor descriptors
+    (``KernelConfig.fwd_tma``) against the pointer path: the output (and with ``grad`` every
+    gradient, the forward then saving its branches) bit for bit, the descriptors taken in
+    both the call's forwards; and against ``kernel_reference`` within the dtype's tolerance."""
+    from hedgecats.models.ops import triton_hybrid as th
+
+    q, k, v, fq, fk, do, g = _inputs(B, H, Hkv, T, D, dtype, 0, "rand")
+    ca, cb, logs = torch.rand(B, H, generator=g), torch.rand(B, H, generator=g), \
+        torch.randn(B, H, generator=g)
+    sh = torch.full((B, H), window, dtype=torch.int32)
+    kw = dict(window=window, scale=D ** -0.5, eps=_floors()[0],
+              key_padding_mask=_kpm(B, T) if pad else None, has_swa=has_swa, has_la=has_la,
+              shared=shared)
+    names = ["out", "dq", "dk", "dv", "dfq", "dfk", "dca", "dcb", "dlogs"]
+
+    def run(tma: bool) -> dict:
+        ins = [t.clone().requires_grad_(grad) for t in (q, k, v, fq, fk, ca, cb, logs)]
+        with torch.set_grad_enabled(grad):
+            out = th.hybrid_kernel(*ins, sh, config=th.KernelConfig(**cfg, fwd_tma=tma), **kw)
+        if grad:
+            out.float().backward(do)
+        return dict(zip(names, [out.detach()] + [x.grad for x in ins]))
+
+    before = th.CALLS["forward_tma"]
+    got = run(True)
+    used = th.CALLS["forward_tma"] - before
+    plain = run(False)
+    ref_in = [t.detach().float().clone().requires_grad_() for t in (q, k, v, fq, fk, ca, cb, logs)]
+    ref = th.kernel_reference(*ref_in, sh, **kw)
+    ref.backward(do)
+    want = dict(zip(names, [ref.detach()] + [x.grad for x in ref_in]))
+    out = errors({n: x for n, x in got.items() if x is not None},
+                 {n: want[n] for n in names if got[n] is not None})
+    for n in names:
+        a, b = got[n], plain[n]
+        out[f"same_{n}"] = 0.0 if (a is None and b is None) or torch.equal(a, b) \
+            else float("inf")
+    out["descriptors_taken"] = 0.0 if used == 1 else float("inf")
+    return out
+
+
 def pair_walk_case(cid, *, B=3, Hq=4, Hk=2, T=150, D=64, per_sm=3, tma=False,
                    activations=("softmax", "exp"), stages=3, dtype=torch.bfloat16,
                    several=True):
@@ -1707,6 +1750,19 @@ def cases(quick: bool = False):
         # heads in bf16, the 8B's tiles (with a grad, so with the branches saved), LA alone,
         # the no-grad forward with the maps folded
         ("kernel-hold-fq", k, dict(cfg=dict(SMALL, hold_fq=True))),
+        # ``_fwd``'s key-side tiles through tensor descriptors (``fwd_tma``): bit for bit the
+        # pointer path, with grad (branches saved) and without, padded (rows past T and
+        # padded keys), shared norm, held fq, LA alone and SWA alone, the 8B's tiles
+        ("fwd-tma", fwd_tma_case, dict()),
+        ("fwd-tma-pad-shared-no-grad", fwd_tma_case, dict(pad=True, shared=True, grad=False)),
+        ("fwd-tma-packed-pad-bf16", fwd_tma_case, dict(T=150, window=20, pad=True, dtype=bf16,
+                                                       cfg=MAP_DU)),
+        ("fwd-tma-hold-fq-bf16", fwd_tma_case, dict(T=150, window=20, dtype=bf16,
+                                                    cfg=dict(PACKED, hold_fq=True))),
+        ("fwd-tma-la-only", fwd_tma_case, dict(has_swa=False)),
+        ("fwd-tma-swa-only", fwd_tma_case, dict(has_la=False)),
+        ("fwd-tma-8b-tiles-pad-bf16", fwd_tma_case, dict(
+            cfg=d128, H=8, Hkv=2, T=300, D=128, window=64, pad=True, dtype=bf16, B=1)),
         ("kernel-hold-fq-overlap-shifts", k, dict(shift=0, per_bh_shift=True,
                                                   cfg=dict(SMALL, hold_fq=True))),
         ("kernel-hold-fq-shared-pad", k, dict(shared=True, pad=True, T=70, window=10,

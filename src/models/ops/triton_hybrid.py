@@ -127,14 +127,15 @@ FALLBACK_ERRORS: list[str] = []
 #: backwards that released the saved branches and states before the maps' backward, and the
 #: backwards that found them released (a second backward, ``retain_graph``) and recomputed; the
 #: no-grad forwards at their own state spacing (``KernelConfig.forward_state_chunk``); the
-#: forwards that held fq's rows in registers (``KernelConfig.hold_fq``)
+#: forwards that held fq's rows in registers (``KernelConfig.hold_fq``); the forwards that read
+#: their key-side tiles through tensor descriptors (``KernelConfig.fwd_tma``)
 CALLS = {"forward": 0, "dq_pass": 0, "dkv_swa": 0, "dv_la": 0, "factors_from_saved": 0,
          "split_states": 0, "states_from_forward": 0, "dkv_apart": 0, "packed_forward": 0,
          "packed_dq": 0, "map_du": 0, "fuse_q_side": 0, "fuse_kv_side": 0, "kv_order_1": 0,
          "kv_order_2": 0, "state_sums_mma": 0, "maps_folded": 0, "maps_folded_backward": 0,
          "forward_without_autograd": 0, "gated": 0, "q_map_in_forward": 0,
          "saved_released": 0, "saved_recomputed": 0, "forward_state_chunk": 0,
-         "held_fq_forward": 0}
+         "held_fq_forward": 0, "forward_tma": 0}
 
 
 @dataclass(frozen=True)
@@ -320,6 +321,15 @@ class KernelConfig:
     #: `kernel_anatomy --branches layer-hold-fq`: `_fwd` 0.255 to 0.253 ms, where 0.20-0.23
     #: was predicted; results/h100_2026-12-05c): `_fwd` is not bound by its L2 bytes
     hold_fq: bool = False
+    #: ``_fwd`` reads its key-side tiles (k and v of the window, fk and v of the LA keys)
+    #: through tensor descriptors (TMA: into shared memory, asynchronously, no pointer tensors
+    #: in registers) where ``triton_common.tma_ok`` allows; by pointers otherwise (the same
+    #: values, bit for bit: rows past T read as zeros either way). Why: `_fwd` is bound neither
+    #: by its products (states every 64, ~20% fewer: -4%, session 22) nor by its L2 bytes
+    #: (``hold_fq``: none, session 23); its key loops issue each block's loads by pointers in
+    #: the 4-warp programs' registers (240-255 a thread). Off until measured (session 24,
+    #: ``kernel_anatomy --branches layer-fwd-tma``)
+    fwd_tma: bool = False
 
 
 #: The forward's tiles at D 128 bf16 that let two programs share a multiprocessor: 64 rows (16
@@ -746,7 +756,8 @@ if HAVE_TRITON:
                 NC, eps, sfk_b, sfk_h, sfk_t, sv_b, sv_h, sv_t, A1, A2,
                 D: tl.constexpr, F: tl.constexpr, FC: tl.constexpr, BM: tl.constexpr,
                 BQ: tl.constexpr, BN: tl.constexpr, CS: tl.constexpr, HAS_KPM: tl.constexpr,
-                PREC: tl.constexpr, SS: tl.constexpr, HELD: tl.constexpr):
+                PREC: tl.constexpr, SS: tl.constexpr, HELD: tl.constexpr,
+                TMA: tl.constexpr = False):
         """Numerator (BM, D) and denominator (BM) of LA over keys i <= t - shift for BM query
         rows of one kv head: row r is position ``offs_m[r]`` (in t0 .. t0 + BQ - 1) of the query
         head whose fq row starts at ``FQ + fq_rows[r]``, with its own ``shift_r[r]`` (the rows
@@ -758,11 +769,17 @@ if HAVE_TRITON:
         (``KernelConfig.state_product_stages``). HELD: the rows' features are not read from
         FQ here but given, A1 and A2 (BM, F / 2), the two halves of phi_q held in registers
         (computed, ``_mapped_q``, or loaded once, ``_held_fq``): the feature dimension is then
-        taken a half at a time."""
+        taken a half at a time. TMA: FK and V are tensor descriptors of (B, Hkv, T, F) with
+        (1, 1, BN, F / 2 held, else FC) blocks and of (B, Hkv, T, D) with (1, 1, BN, D) blocks
+        (``_fwd``'s, ``KernelConfig.fwd_tma``)."""
         offs_d = tl.arange(0, D)
         rows = offs_m < T
-        fk_base = FK + b.to(tl.int64) * sfk_b + hk.to(tl.int64) * sfk_h
-        v_base = V + b.to(tl.int64) * sv_b + hk.to(tl.int64) * sv_h
+        if TMA:
+            fk_base = FK
+            v_base = V
+        else:
+            fk_base = FK + b.to(tl.int64) * sfk_b + hk.to(tl.int64) * sfk_h
+            v_base = V + b.to(tl.int64) * sv_b + hk.to(tl.int64) * sv_h
         jst = tl.minimum(tl.maximum(t0 - tl.max(shift_r, axis=0) + 1, 0) // CS, NC - 1)
         st = SST + (b * Hkv + hk).to(tl.int64) * NC * F * D + jst.to(tl.int64) * F * D
         zt = ZST + (b * Hkv + hk).to(tl.int64) * NC * F + jst * F
@@ -788,19 +805,28 @@ if HAVE_TRITON:
             if HELD:
                 FH: tl.constexpr = F // 2
                 offs_h = tl.arange(0, FH)
-                fk1 = tl.load(fk_base + offs_n[:, None] * sfk_t + offs_h[None, :],
-                              mask=kin[:, None], other=0.0)
+                if TMA:
+                    fk1 = fk_base.load([b, hk, start, 0]).reshape(BN, FH)
+                else:
+                    fk1 = tl.load(fk_base + offs_n[:, None] * sfk_t + offs_h[None, :],
+                                  mask=kin[:, None], other=0.0)
                 a += tl.dot(A1, tl.trans(fk1), input_precision=PREC)
-                fk2 = tl.load(fk_base + offs_n[:, None] * sfk_t + FH + offs_h[None, :],
-                              mask=kin[:, None], other=0.0)
+                if TMA:
+                    fk2 = fk_base.load([b, hk, start, FH]).reshape(BN, FH)
+                else:
+                    fk2 = tl.load(fk_base + offs_n[:, None] * sfk_t + FH + offs_h[None, :],
+                                  mask=kin[:, None], other=0.0)
                 a += tl.dot(A2, tl.trans(fk2), input_precision=PREC)
             else:
                 for c in tl.static_range(F // FC):
                     offs_f = c * FC + tl.arange(0, FC)
                     fq = tl.load(FQ + fq_rows[:, None] + offs_f[None, :], mask=rows[:, None],
                                  other=0.0)
-                    fkb = tl.load(fk_base + offs_n[:, None] * sfk_t + offs_f[None, :],
-                                  mask=kin[:, None], other=0.0)
+                    if TMA:
+                        fkb = fk_base.load([b, hk, start, c * FC]).reshape(BN, FC)
+                    else:
+                        fkb = tl.load(fk_base + offs_n[:, None] * sfk_t + offs_f[None, :],
+                                      mask=kin[:, None], other=0.0)
                     a += tl.dot(fq, tl.trans(fkb), input_precision=PREC)
             ok = (offs_n[None, :] <= offs_m[:, None] - shift_r[:, None]) & kin[None, :]
             if HAS_KPM:
@@ -808,8 +834,11 @@ if HAVE_TRITON:
                 ok = ok & real[None, :]
             a = tl.where(ok, a + eps, 0.0)
             den += tl.sum(a, axis=1)
-            vb = tl.load(v_base + offs_n[:, None] * sv_t + offs_d[None, :], mask=kin[:, None],
-                         other=0.0)
+            if TMA:
+                vb = v_base.load([b, hk, start, 0]).reshape(BN, D)
+            else:
+                vb = tl.load(v_base + offs_n[:, None] * sv_t + offs_d[None, :],
+                             mask=kin[:, None], other=0.0)
             num += tl.dot(a.to(vb.dtype), vb, input_precision=PREC)
         return num, den
 
@@ -818,13 +847,13 @@ if HAVE_TRITON:
              SWA_O, LA_O, WQ, BW,
              sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
              sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, so_b, so_h, so_t,
-             T, H, G, NC, window, scale_log2, eps,
+             T, H, G, NC, window, scale_log2, eps, B,
              D: tl.constexpr, F: tl.constexpr, FC: tl.constexpr, BM: tl.constexpr,
              BN: tl.constexpr, CS: tl.constexpr, P: tl.constexpr, HAS_SWA: tl.constexpr,
              HAS_LA: tl.constexpr, SHARED: tl.constexpr, HAS_KPM: tl.constexpr,
              PREC: tl.constexpr, SAVE: tl.constexpr, SS: tl.constexpr,
              MAP_Q: tl.constexpr = False, SOFTMAX_Q: tl.constexpr = True,
-             HOLD_FQ: tl.constexpr = False):
+             HOLD_FQ: tl.constexpr = False, TMA: tl.constexpr = False):
         """One program: BM query rows, BQ = BM / P positions t0 .. t0 + BQ - 1 of P query heads
         that share a kv head (P divides the group; ``KernelConfig.pack_heads``). The P heads
         read the same keys, values and LA state: one load and one product serves them all, and
@@ -835,7 +864,8 @@ if HAVE_TRITON:
         SOFTMAX_Q), and held in registers: phi_q is never written. HOLD_FQ
         (``KernelConfig.hold_fq``): fq's rows are loaded once, as two halves held in registers
         for the state's product and every key block's (the path MAP_Q's halves take), instead
-        of a slice at a time, again for each key block."""
+        of a slice at a time, again for each key block. TMA (``KernelConfig.fwd_tma``): k, v
+        and fk read through tensor descriptors (B: the batch, their bounds)."""
         LN2: tl.constexpr = 0.6931471805599453
         BQ: tl.constexpr = BM // P
         pid_m = tl.program_id(0)
@@ -849,6 +879,22 @@ if HAVE_TRITON:
         v_base = V + b.to(tl.int64) * sv_b + hk.to(tl.int64) * sv_h
         first = tl.load(FIRST + b)
         shift_r = tl.load(SHIFT + bh_r)
+        if TMA:  # (built outside the loops: the pipeliner cannot predicate their creation)
+            kd = tl.make_tensor_descriptor(K, shape=[B, Hkv, T, D], strides=[sk_b, sk_h, sk_t, 1],
+                                           block_shape=[1, 1, BN, D])
+            vd = tl.make_tensor_descriptor(V, shape=[B, Hkv, T, D], strides=[sv_b, sv_h, sv_t, 1],
+                                           block_shape=[1, 1, BN, D])
+            if HAS_LA:  # (fk a placeholder otherwise)
+                FCK: tl.constexpr = F // 2 if (MAP_Q or HOLD_FQ) else FC
+                fkd = tl.make_tensor_descriptor(FK, shape=[B, Hkv, T, F],
+                                                strides=[sfk_b, sfk_h, sfk_t, 1],
+                                                block_shape=[1, 1, BN, FCK])
+            else:
+                fkd = FK
+        else:
+            kd = K
+            vd = V
+            fkd = FK
 
         # ---- linear attention over keys i <= t - shift (first: its registers are free again
         # before the window's accumulator is live)
@@ -865,10 +911,10 @@ if HAVE_TRITON:
             else:
                 a1 = 0
                 a2 = 0
-            num, den = _la_num(FQ, FK, V, SST, ZST, VST, CNT, KPM, b, hk, Hkv, t0, offs_m,
+            num, den = _la_num(FQ, fkd, vd, SST, ZST, VST, CNT, KPM, b, hk, Hkv, t0, offs_m,
                                fq_rows, shift_r, T, NC, eps, sfk_b, sfk_h, sfk_t, sv_b, sv_h,
                                sv_t, a1, a2, D, F, FC, BM, BQ, BN, CS, HAS_KPM, PREC, SS,
-                               MAP_Q or HOLD_FQ)
+                               MAP_Q or HOLD_FQ, TMA)
         has_far = (offs_m - shift_r) >= first
         r = tl.where(has_far, 1.0 / tl.maximum(den, eps), 0.0)
         la = num * r[:, None]
@@ -886,8 +932,11 @@ if HAVE_TRITON:
             for start in range(lo, hi, BN):
                 offs_n = start + tl.arange(0, BN)
                 kin = offs_n < T
-                kb = tl.load(k_base + offs_n[:, None] * sk_t + offs_d[None, :], mask=kin[:, None],
-                             other=0.0)
+                if TMA:
+                    kb = kd.load([b, hk, start, 0]).reshape(BN, D)
+                else:
+                    kb = tl.load(k_base + offs_n[:, None] * sk_t + offs_d[None, :],
+                                 mask=kin[:, None], other=0.0)
                 s = tl.dot(q, tl.trans(kb), input_precision=PREC) * scale_log2
                 ok = (offs_n[None, :] <= offs_m[:, None]) & \
                      (offs_n[None, :] > offs_m[:, None] - window) & kin[None, :]
@@ -900,8 +949,11 @@ if HAVE_TRITON:
                 alpha = tl.exp2(m_i - m_safe)
                 p = tl.exp2(s - m_safe[:, None])
                 l_i = l_i * alpha + tl.sum(p, axis=1)
-                vb = tl.load(v_base + offs_n[:, None] * sv_t + offs_d[None, :], mask=kin[:, None],
-                             other=0.0)
+                if TMA:
+                    vb = vd.load([b, hk, start, 0]).reshape(BN, D)
+                else:
+                    vb = tl.load(v_base + offs_n[:, None] * sv_t + offs_d[None, :],
+                                 mask=kin[:, None], other=0.0)
                 acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision=PREC)
                 m_i = m_new
         has_win = l_i > 0
@@ -2008,16 +2060,18 @@ def _forward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, *, window
     CALLS["q_map_in_forward"] += mapped
     CALLS["held_fq_forward"] += held
     fq_ = q if mapped else fq  # (read only where the q map does not run in the kernel)
+    tma = cfg.fwd_tma and tma_ok(k, v, *((fk,) if has_la else ()))
+    CALLS["forward_tma"] += tma
     fast(_fwd)[grid](
         q, k, v, fq_, fk, S, z, vs, cnt, o, lse, den, ca, cb, logs, shift, first,
         _ptr(kpm_i8, lse), _ptr(swa_o, o), _ptr(la_o, o), wq, bw,
         *_strides(q), *_strides(k), *_strides(v), *_strides(fq_), *_strides(fk),
-        *_strides(o), T, H, H // Hkv, NC, window, scale * LOG2E, eps,
+        *_strides(o), T, H, H // Hkv, NC, window, scale * LOG2E, eps, B,
         D=D, F=F, FC=_fc(cfg, F), BM=cfg.block_m, BN=cfg.block_n, CS=cfg.state_chunk, P=P,
         HAS_SWA=has_swa, HAS_LA=has_la, SHARED=shared, HAS_KPM=kpm_i8 is not None,
         PREC=_prec(q.dtype), SAVE=store, SS=cfg.state_product_stages, MAP_Q=mapped,
-        SOFTMAX_Q=bool(map_q[2]) if mapped else True, HOLD_FQ=held, num_warps=cfg.warps,
-        num_stages=cfg.stages)
+        SOFTMAX_Q=bool(map_q[2]) if mapped else True, HOLD_FQ=held, TMA=tma,
+        num_warps=cfg.warps, num_stages=cfg.stages)
     states = (S, z, vs, cfg.state_chunk) if save and has_la else None
     if save and branch_is_output:  # (its values, bit for bit: the other branch adds 0 x 0)
         swa_o, la_o = (o if has_swa else None), (o if has_la else None)
