@@ -606,7 +606,8 @@ def fwd_tma_case(cid, *, B=2, H=4, Hkv=2, T=70, D=16, window=10, dtype=torch.flo
     def run(tma: bool) -> dict:
         ins = [t.clone().requires_grad_(grad) for t in (q, k, v, fq, fk, ca, cb, logs)]
         with torch.set_grad_enabled(grad):
-            out = th.hybrid_kernel(*ins, sh, config=th.KernelConfig(**cfg, fwd_tma=tma), **kw)
+            out = th.hybrid_kernel(*ins, sh, config=th.KernelConfig(**{**cfg, "fwd_tma": tma}),
+                                   **kw)
         if grad:
             out.float().backward(do)
         return dict(zip(names, [out.detach()] + [x.grad for x in ins]))
