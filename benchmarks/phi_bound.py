@@ -42,9 +42,9 @@ from hedgecats.models.ops import triton_phi as tp
 from hedgecats.models.ops.triton_common import cdiv, tl, triton
 
 #: the pair's rows: the ``triton_phi`` switches each sets (ptxas, sm_90a, D = F/2 = 128: the
-#: walk at 64 x 8 warps 145-157 registers by pointers (one program a multiprocessor), 117-119
-#: and 131 KB of shared memory through descriptors (one); at 32 x 4 through descriptors 118
-#: and 66-82 KB (two))
+#: walk at 64 x 8 warps 183 registers by pointers (one program a multiprocessor), 170-175
+#: and 131-164 KB of shared memory through descriptors (one); at 32 x 4 through descriptors
+#: 156 and 82 KB (two))
 PAIR_ROWS = {"pair": {}, "pair-rcp": dict(RECIPROCAL_SOFTMAX=True),
              "walk1": dict(FORWARD_WALK=1),
              "walk1-tma": dict(FORWARD_WALK=1, FORWARD_TMA=True),

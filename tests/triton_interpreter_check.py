@@ -638,8 +638,8 @@ def pair_walk_case(cid, *, B=3, Hq=4, Hk=2, T=150, D=64, per_sm=3, tma=False,
     descriptors, ``FORWARD_TMA``) against the pair on one program a block: bit for bit (the
     same arithmetic per row), both maps, and each against the fp32 map. x in (B, T, H, D)
     memory; T not a multiple of the blocks, heads of both maps split into several programs
-    (``walk_split`` on the interpreter's 4 multiprocessors; ``several``: the split gives
-    several programs a head, several blocks each; every program has a block, every block a
+    (``walk_split`` on the interpreter's 4 multiprocessors; ``several``: several programs of
+    several blocks, some spanning two heads; every program has a block, every block a
     program). bf16 only (``dtype``: the tolerance's)."""
     from hedgecats.models.ops import triton_phi as tp
 
@@ -666,10 +666,12 @@ def pair_walk_case(cid, *, B=3, Hq=4, Hk=2, T=150, D=64, per_sm=3, tma=False,
         out[f"y{name}"] = rel(yw.float(), want)
     ran = [tp.CALLS["forward_walk"] - walks[0], tp.CALLS["forward_tma"] - walks[1]]
     out["walked"] = 0.0 if ran == [1, int(tma)] else float("inf")
-    tiles = B * -(-T // tp._forward_tiles(D, D)[0])
-    S, tps = tp.walk_split(tiles, Hq + Hk, per_sm, torch.device("cpu"))
-    covered = (S - 1) * tps < tiles <= S * tps
-    out["split"] = 0.0 if covered and (tps > 1 and S > 1) == several else float("inf")
+    tiles = (Hq + Hk) * B * -(-T // tp._forward_tiles(D, D)[0])
+    programs, tpp = tp.walk_split(tiles, per_sm, torch.device("cpu"))
+    covered = (programs - 1) * tpp < tiles <= programs * tpp
+    spans = tiles // (Hq + Hk) % tpp != 0  # (some program's blocks span two heads)
+    out["split"] = 0.0 if covered and (tpp > 1 and programs > 1 and spans) == several \
+        else float("inf")
     return out
 
 

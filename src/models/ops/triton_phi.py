@@ -138,18 +138,16 @@ if HAVE_TRITON:
                       SOFTMAX, PREC, RCP, False)
 
     @triton.jit
-    def _phi_fwd_walk(X, W, BIAS, Y, sx_b, sx_h, sx_t, T, H, B, h, seg, TPS,
+    def _phi_fwd_walk(X, W, BIAS, Y, sx_b, sx_h, sx_t, T, H, B, h, lo, hi,
                       D: tl.constexpr, FH: tl.constexpr, BM: tl.constexpr,
                       SOFTMAX: tl.constexpr, PREC: tl.constexpr, RCP: tl.constexpr,
                       TMA: tl.constexpr, NS: tl.constexpr):
-        """One program of ``FORWARD_WALK``: head h's row blocks seg TPS .. (seg + 1) TPS - 1 of
-        its B cdiv(T, BM) (block i: batch row i // cdiv(T, BM)), the head's weight read once,
-        the next blocks' x loaded while this one's activations run (a loop the compiler
-        pipelines, NS stages). TMA: x read and y written through tensor descriptors (the
-        stores asynchronous, out of the registers' way)."""
+        """Head h's row blocks lo .. hi - 1 of its B cdiv(T, BM) (block i: batch row
+        i // cdiv(T, BM)) for a program of ``FORWARD_WALK``: the head's weight read once, the
+        next blocks' x loaded while this one's activations run (a loop the compiler pipelines,
+        NS stages). TMA: x read and y written through tensor descriptors (the stores
+        asynchronous, out of the registers' way)."""
         MT = tl.cdiv(T, BM)
-        lo = seg * TPS
-        hi = tl.minimum(lo + TPS, B * MT)
         w, bias = _head_weights(X, W, BIAS, h, D, FH)
         if TMA:
             xsrc = tl.make_tensor_descriptor(X, shape=[B, H, T, D], strides=[sx_b, sx_h, sx_t, 1],
@@ -189,20 +187,27 @@ if HAVE_TRITON:
 
     @triton.jit
     def _phi_fwd_pair_walk(XQ, WQ, BQ, YQ, sq_b, sq_h, sq_t, HQ, XK, WK, BK, YK, sk_b, sk_h,
-                           sk_t, HK, B, T, S, TPS, D: tl.constexpr, FH: tl.constexpr,
+                           sk_t, HK, B, T, TPP, D: tl.constexpr, FH: tl.constexpr,
                            BM: tl.constexpr, SOFTMAX_Q: tl.constexpr, SOFTMAX_K: tl.constexpr,
                            PREC: tl.constexpr, RCP: tl.constexpr, TMA: tl.constexpr,
                            NS: tl.constexpr):
-        """Both maps of a layer on programs that walk their rows (``FORWARD_WALK``): S
-        programs a head, the q map's HQ heads first, each ``_phi_fwd_walk``'s."""
-        pid = tl.program_id(0)
-        u = pid // S
-        if u < HQ:
-            _phi_fwd_walk(XQ, WQ, BQ, YQ, sq_b, sq_h, sq_t, T, HQ, B, u, pid % S, TPS, D, FH,
-                          BM, SOFTMAX_Q, PREC, RCP, TMA, NS)
-        else:
-            _phi_fwd_walk(XK, WK, BK, YK, sk_b, sk_h, sk_t, T, HK, B, u - HQ, pid % S, TPS, D,
-                          FH, BM, SOFTMAX_K, PREC, RCP, TMA, NS)
+        """Both maps of a layer on programs that walk their rows (``FORWARD_WALK``): the
+        blocks of every head in a row (the q map's HQ heads first, B cdiv(T, BM) blocks a
+        head), TPP a program; a program whose blocks span two heads walks each head's share
+        with that head's weight (``_phi_fwd_walk``)."""
+        n = B * tl.cdiv(T, BM)
+        lo = tl.program_id(0) * TPP
+        hi = tl.minimum(lo + TPP, (HQ + HK) * n)
+        for j in range(0, (hi - 1) // n - lo // n + 1):
+            u = lo // n + j
+            a = tl.maximum(lo, u * n) - u * n
+            e = tl.minimum(hi, (u + 1) * n) - u * n
+            if u < HQ:
+                _phi_fwd_walk(XQ, WQ, BQ, YQ, sq_b, sq_h, sq_t, T, HQ, B, u, a, e, D, FH, BM,
+                              SOFTMAX_Q, PREC, RCP, TMA, NS)
+            else:
+                _phi_fwd_walk(XK, WK, BK, YK, sk_b, sk_h, sk_t, T, HK, B, u - HQ, a, e, D, FH,
+                              BM, SOFTMAX_K, PREC, RCP, TMA, NS)
 
     @triton.jit
     def _phi_bwd_rows(X, W, BIAS, Y, DY, DX, DU, DXI, sx_b, sx_h, sx_t, sdy_b, sdy_h, sdy_t,
@@ -345,8 +350,9 @@ FORWARD_TILES: tuple[int, int] | None = None
 #: measured slower (session 23, one H100, 8 x 1k, ``kernel_anatomy.py --branches
 #: layer-w-in-kernel``: the pair 0.138 to 0.157 ms against the casts' 0.005 saved)
 WEIGHTS_IN_KERNEL = False
-#: the forward pair on programs that each walk a share of one head's rows (``_phi_fwd_walk``):
-#: this many programs a multiprocessor (None: one program a 64-row block, ``_phi_fwd_pair``).
+#: the forward pair on programs that each walk an equal share of the heads' row blocks in a
+#: row (``_phi_fwd_pair_walk``; a share spanning two heads reads both weights): this many
+#: programs a multiprocessor (None: one program a 64-row block, ``_phi_fwd_pair``).
 #: Why: at 8 x 1k the pair moves 252 MB in ~0.13 ms (~1.9 TB/s, its floor ~0.05 ms) and no
 #: tile choice moved it; a one-block program loads, multiplies, then stores, so while its
 #: activations run no load of its is in flight (two 8-warp programs a multiprocessor). A
@@ -609,14 +615,13 @@ def _multiprocessors(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def walk_split(tiles: int, heads: int, per_sm: int, device: torch.device) -> tuple[int, int]:
-    """(programs a head S, blocks a program) for ``FORWARD_WALK``: about ``per_sm`` programs a
-    multiprocessor over ``heads`` heads of ``tiles`` blocks each, no program empty (on the
-    interpreter: 4 multiprocessors)."""
+def walk_split(tiles: int, per_sm: int, device: torch.device) -> tuple[int, int]:
+    """(programs, blocks a program) for ``FORWARD_WALK``: ``tiles`` blocks (every head's, in
+    a row) over about ``per_sm`` programs a multiprocessor, each the same share but the last,
+    none empty (on the interpreter: 4 multiprocessors)."""
     sms = _multiprocessors(device.index or 0) if device.type == "cuda" else 4
-    per_head = max(1, min(tiles, round(per_sm * sms / heads)))
-    tps = cdiv(tiles, per_head)
-    return cdiv(tiles, tps), tps
+    tpp = cdiv(tiles, max(1, min(tiles, per_sm * sms)))
+    return cdiv(tiles, tpp), tpp
 
 
 def map_forward_pair(xq, wq, bq, softmax_q, xk, wk, bk, softmax_k):
@@ -632,11 +637,11 @@ def map_forward_pair(xq, wq, bq, softmax_q, xk, wk, bk, softmax_k):
     yk, wkc, bkc = _forward_operands(xk, wk, bk, not WEIGHTS_IN_KERNEL)
     BM, warps = _forward_tiles(D, FH)
     if FORWARD_WALK:
-        S, tps = walk_split(B * cdiv(T, BM), Hq + Hk, FORWARD_WALK, xq.device)
+        programs, tpp = walk_split((Hq + Hk) * B * cdiv(T, BM), FORWARD_WALK, xq.device)
         tma = FORWARD_TMA and tma_ok(xq, xk, yq, yk)
-        fast(_phi_fwd_pair_walk)[((Hq + Hk) * S,)](
+        fast(_phi_fwd_pair_walk)[(programs,)](
             xq, wqc, bqc, yq, xq.stride(0), xq.stride(1), xq.stride(2), Hq,
-            xk, wkc, bkc, yk, xk.stride(0), xk.stride(1), xk.stride(2), Hk, B, T, S, tps,
+            xk, wkc, bkc, yk, xk.stride(0), xk.stride(1), xk.stride(2), Hk, B, T, tpp,
             D=D, FH=FH, BM=BM, SOFTMAX_Q=softmax_q, SOFTMAX_K=softmax_k, PREC=_prec(xq.dtype),
             RCP=RECIPROCAL_SOFTMAX, TMA=tma, NS=WALK_STAGES, num_warps=warps)
         CALLS["pair_forward"] += 1
