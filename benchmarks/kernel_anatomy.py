@@ -114,7 +114,13 @@ LAYER_SWITCHES = {"layer-maps-paired-bwd": ("triton_phi", "PAIR_BACKWARD", True)
                                               ("triton_phi", "FORWARD_TMA", True)],
                   "layer-walk1-tma-rcp": [("triton_phi", "FORWARD_WALK", 1),
                                           ("triton_phi", "FORWARD_TMA", True),
-                                          ("triton_phi", "RECIPROCAL_SOFTMAX", True)]}
+                                          ("triton_phi", "RECIPROCAL_SOFTMAX", True)],
+                  # session 24's defaults taken back: the maps' softmax by divisions, the
+                  # pair on one program a block, and both (the default before session 24)
+                  "layer-div": ("triton_phi", "RECIPROCAL_SOFTMAX", False),
+                  "layer-grid": ("triton_phi", "FORWARD_WALK", None),
+                  "layer-grid-div": [("triton_phi", "FORWARD_WALK", None),
+                                     ("triton_phi", "RECIPROCAL_SOFTMAX", False)]}
 LAYERS.update({name: dict() for name in (*LAYER_CHANGES, *LAYER_SWITCHES)})
 
 

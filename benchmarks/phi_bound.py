@@ -9,10 +9,12 @@ Why: at 8 x 1k the pair reads 84 MB (q, k) and writes 168 MB (phi_q, phi_k) in ~
 heads, k map 8, D = F/2 = 128, bf16, x in the (B, T, H, D) layout transposed as attention
 gets it):
 
-    pair        the maps' kernel (``map_forward_pair``), as the layer runs it
+    pair        the maps' kernel (``map_forward_pair``) on one program a block, the softmax
+                by divisions (the layer's until session 24)
     pair-rcp    ... with ``triton_phi.RECIPROCAL_SOFTMAX``
+    default     ... with the module's defaults (since session 24 the walk and the reciprocal)
     walk*       ... on walking programs (``FORWARD_WALK``: programs a multiprocessor; -tma:
-                ``FORWARD_TMA``; -s4: ``WALK_STAGES`` 4; -32x4: ``FORWARD_TILES`` (32, 4))
+                ``FORWARD_TMA``; -s4: ``WALK_STAGES`` 4; -32x4: ``WALK_TILES`` (32, 4))
     dot         the same grid, loads and stores; u = x W stored in both halves (no activations)
     copy        the same grid; x stored in both halves (no weight, no product)
     read        the same grid; x read, one value a program stored
@@ -41,16 +43,24 @@ from attention_speed import device_ms, environment, rel
 from hedgecats.models.ops import triton_phi as tp
 from hedgecats.models.ops.triton_common import cdiv, tl, triton
 
-#: the pair's rows: the ``triton_phi`` switches each sets (ptxas, sm_90a, D = F/2 = 128: the
-#: walk at 64 x 8 warps 183 registers by pointers (one program a multiprocessor), 170-175
-#: and 131-164 KB of shared memory through descriptors (one); at 32 x 4 through descriptors
-#: 156 and 82 KB (two))
-PAIR_ROWS = {"pair": {}, "pair-rcp": dict(RECIPROCAL_SOFTMAX=True),
-             "walk1": dict(FORWARD_WALK=1),
-             "walk1-tma": dict(FORWARD_WALK=1, FORWARD_TMA=True),
-             "walk1-tma-s4": dict(FORWARD_WALK=1, FORWARD_TMA=True, WALK_STAGES=4),
-             "walk1-tma-rcp": dict(FORWARD_WALK=1, FORWARD_TMA=True, RECIPROCAL_SOFTMAX=True),
-             "walk2-tma-32x4": dict(FORWARD_WALK=2, FORWARD_TMA=True, FORWARD_TILES=(32, 4))}
+#: the pair's rows: the ``triton_phi`` switches each sets over ``PAIR_BASE`` (``default``: the
+#: module's defaults as they are). ptxas, sm_90a, D = F/2 = 128: the walk at 64 x 8 warps
+#: 183 registers by pointers (one program a multiprocessor), 170-175 and 131-164 KB of shared
+#: memory through descriptors (one); at 32 x 4 through descriptors 156 and 82 KB (two), 66 KB
+#: at 2 stages (three)
+PAIR_BASE = dict(FORWARD_WALK=None, FORWARD_TMA=True, WALK_TILES=None, WALK_STAGES=3,
+                 RECIPROCAL_SOFTMAX=False, FORWARD_TILES=None)
+PAIR_ROWS = {"default": None, "pair": {}, "pair-rcp": dict(RECIPROCAL_SOFTMAX=True),
+             "walk1": dict(FORWARD_WALK=1, FORWARD_TMA=False),
+             "walk1-tma": dict(FORWARD_WALK=1),
+             "walk1-tma-s4": dict(FORWARD_WALK=1, WALK_STAGES=4),
+             "walk1-tma-rcp": dict(FORWARD_WALK=1, RECIPROCAL_SOFTMAX=True),
+             "walk2-tma-32x4": dict(FORWARD_WALK=2, WALK_TILES=(32, 4)),
+             "walk2-tma-32x4-rcp": dict(FORWARD_WALK=2, WALK_TILES=(32, 4),
+                                        RECIPROCAL_SOFTMAX=True),
+             "walk2-tma-32x4-s2": dict(FORWARD_WALK=2, WALK_TILES=(32, 4), WALK_STAGES=2),
+             "walk3-tma-32x4-s2": dict(FORWARD_WALK=3, WALK_TILES=(32, 4), WALK_STAGES=2),
+             "walk2-tma-64x4-s2": dict(FORWARD_WALK=2, WALK_TILES=(64, 4), WALK_STAGES=2)}
 ROWS = (*PAIR_ROWS, "dot", "copy", "read", "write", "torch-cat")
 
 
@@ -99,9 +109,11 @@ def row_fn(name: str, inputs):
     """A callable running row ``name`` once over both maps."""
     (xq, wq, bq), (xk, wk, bk) = inputs
     if name in PAIR_ROWS:
+        switches = {} if PAIR_ROWS[name] is None else {**PAIR_BASE, **PAIR_ROWS[name]}
+
         def pair():
-            before = {k: getattr(tp, k) for k in PAIR_ROWS[name]}
-            for k, v in PAIR_ROWS[name].items():
+            before = {k: getattr(tp, k) for k in switches}
+            for k, v in switches.items():
                 setattr(tp, k, v)
             try:
                 return tp.map_forward_pair(xq, wq, bq, True, xk, wk, bk, True)

@@ -24,6 +24,10 @@
 #       the pair against kernels of its grid doing less), the layer with the reciprocal, the
 #       pair on walking programs (triton_phi.FORWARD_WALK) and _fwd's key tiles through
 #       descriptors (KernelConfig.fwd_tma)
+#   bash benchmarks/validate_gpu.sh defaults   (~9 min) session 24's new defaults (the walking
+#       pair, the reciprocal softmax): their GPU tests, phi_bound.py's rows, issue 11's five
+#       ratios with them (attention_speed, no gate rows), the layer against the defaults
+#       before (kernel_anatomy layer,layer-grid-div)
 #   bash benchmarks/validate_gpu.sh memory     (~6 min) the fold's memory tests, its peak taken
 #       apart (fold_memory.py), session 23's held-fq forward tests, the recipes
 #
@@ -123,6 +127,22 @@ case "${1:-}" in
     step "phi bound"
     anatomy 260 layer,layer-phi-rcp,layer-walk1-tma,layer-fwd-tma,layer-fwd-tma-walk1-tma
     ;;
+  defaults)
+    kernel_tests 100 "maps_folded or walking or folded_call or feature_map_module"
+    t0=$SECONDS
+    timeout 60 python benchmarks/phi_bound.py --shape 8x1024 --out "$R/phi_bound" \
+      > "$R/phi_bound.log" 2>&1
+    cat "$R/phi_bound.log" | cut -c1-90
+    step "phi bound"
+    t0=$SECONDS
+    timeout 270 python benchmarks/attention_speed.py \
+      --shapes 8x1024,1x65536,2x4096 --check-max-tokens 8192 \
+      --cases "^(teacher|swa|hybrid fixed|lolcats T x T fixed)( fwd)?$" \
+      --out "$R/speed" > "$R/speed.log" 2>&1
+    grep -A8 '"layer_vs_teacher_T1k"' "$R/speed/summary.json" | head -12
+    step "ratios"
+    anatomy 100 layer,layer-grid-div
+    ;;
   memory)
     # session 22's second call (~6 min): the fold's memory (the saved branches released, the
     # maps' dx written over the kernel's dq / dk) - its peak test with the fold and q-map
@@ -137,7 +157,7 @@ case "${1:-}" in
     recipe_tests
     ;;
   *)
-    echo "usage: bash benchmarks/validate_gpu.sh tests|measure|options|forward|pair|memory" >&2
+    echo "usage: bash benchmarks/validate_gpu.sh tests|measure|options|forward|pair|defaults|memory" >&2
     exit 2
     ;;
 esac

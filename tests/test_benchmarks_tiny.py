@@ -494,9 +494,10 @@ def test_kernel_anatomy_switch_rows_set_their_switch_and_restore_it():
         assert tp.PAIR_BACKWARD == before
     assert "layer-maps-paired-bwd" in ka.LAYERS
     # a row of several switches sets each and puts each back
-    with ka.switch_set("layer-walk1-tma-rcp"):
-        assert (tp.FORWARD_WALK, tp.FORWARD_TMA, tp.RECIPROCAL_SOFTMAX) == (1, True, True)
-    assert (tp.FORWARD_WALK, tp.FORWARD_TMA, tp.RECIPROCAL_SOFTMAX) == (None, False, False)
+    before = tp.FORWARD_WALK, tp.RECIPROCAL_SOFTMAX
+    with ka.switch_set("layer-grid-div"):
+        assert (tp.FORWARD_WALK, tp.RECIPROCAL_SOFTMAX) == (None, False)
+    assert (tp.FORWARD_WALK, tp.RECIPROCAL_SOFTMAX) == before
 
 
 def test_kernel_anatomy_layer_rows_time_their_change_in_the_forward_too():
@@ -530,15 +531,17 @@ def test_kernel_anatomy_layer_rows_time_their_change_in_the_forward_too():
         def zero(self):
             pass
 
-    for row, want in (("layer-phi-rcp", (True, False)), ("layer-hold-fq-rcp", (True, True)),
-                      ("layer-hold-fq", (False, True)), ("layer", (False, False))):
+    default = tp.RECIPROCAL_SOFTMAX  # (on since session 24)
+    for row, want in (("layer-div", (False, False)), ("layer-grid-div", (False, False)),
+                      ("layer-hold-fq-rcp", (True, True)), ("layer-hold-fq", (default, True)),
+                      ("layer", (default, False))):
         seen.clear()
         fwd, fwd_bwd = ka.layer_calls(FakeLayer(), row)
         fwd()
         fwd_bwd()
         assert seen == [want, want, ("backward", want[0])], (row, seen)
     assert (tp.RECIPROCAL_SOFTMAX, th.default_config(128, 256, torch.bfloat16).hold_fq) == \
-        (False, False)
+        (default, False)
 
 
 def test_profile_hybrid_aten_table_counts_each_op_per_call():

@@ -35,11 +35,11 @@ def test_switch_seen_by_the_tests():
     if want is None:
         pytest.skip("run by test_a_run_with_switches_sees_them_set")
     from hedgecats.models.ops import triton_phi
-    assert repr(triton_phi.RECIPROCAL_SOFTMAX) == want
+    assert repr(triton_phi.PAIR_BACKWARD) == want
 
 
 def test_a_run_with_switches_sees_them_set():
-    env = {**os.environ, "HEDGECATS_TEST_SWITCHES": "triton_phi.RECIPROCAL_SOFTMAX=True",
+    env = {**os.environ, "HEDGECATS_TEST_SWITCHES": "triton_phi.PAIR_BACKWARD=True",
            "HEDGECATS_TEST_SWITCHES_EXPECT": "True"}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            f"{Path(__file__).name}::test_switch_seen_by_the_tests"],
@@ -47,4 +47,4 @@ def test_a_run_with_switches_sees_them_set():
                           timeout=300, check=False)
     assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-2000:]
     from hedgecats.models.ops import triton_phi
-    assert triton_phi.RECIPROCAL_SOFTMAX is False  # (this run's own: the default)
+    assert triton_phi.PAIR_BACKWARD is False  # (this run's own: the default)

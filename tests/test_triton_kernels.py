@@ -1070,17 +1070,19 @@ def test_feature_map_module_takes_the_fused_kernel(floor):
         assert tp.CALLS["forward"] == calls
 
 
-WALKS = {"walk1": dict(FORWARD_WALK=1), "walk1-tma": dict(FORWARD_WALK=1, FORWARD_TMA=True),
+WALKS = {"walk1": dict(FORWARD_WALK=1, FORWARD_TMA=False),
+         "walk1-tma": dict(FORWARD_WALK=1, FORWARD_TMA=True),
          "walk1-tma-s4": dict(FORWARD_WALK=1, FORWARD_TMA=True, WALK_STAGES=4),
-         "walk2-tma-32x4": dict(FORWARD_WALK=2, FORWARD_TMA=True, FORWARD_TILES=(32, 4))}
+         "walk2-tma-32x4": dict(FORWARD_WALK=2, FORWARD_TMA=True, WALK_TILES=(32, 4)),
+         "auto": dict(FORWARD_WALK="auto", FORWARD_TMA=True)}  # (the default's plan)
 
 
 @pytest.mark.parametrize("walk", list(WALKS))
 @pytest.mark.parametrize("B,T", [(2, 1000), (1, 40)])
 def test_map_pair_on_walking_programs_is_the_grids_bit_for_bit(walk, B, T, monkeypatch):
     """The maps' forward pair on walking programs (``triton_phi.FORWARD_WALK``, through
-    descriptors with ``FORWARD_TMA``) against one program a block: the same bits (the same
-    arithmetic per row), at the 8B's heads (q map 32, k map 8, D = F/2 = 128), x in (B, T, H,
+    descriptors with ``FORWARD_TMA``; "auto": the default's plan) against one program a
+    block: the same bits (the same arithmetic per row), at the 8B's heads (q map 32, k map 8, D = F/2 = 128), x in (B, T, H,
     D) memory, T not a multiple of the blocks; and as close to the fp32 map."""
     from hedgecats.models.ops import triton_phi as tp
 
@@ -1092,7 +1094,7 @@ def test_map_pair_on_walking_programs_is_the_grids_bit_for_bit(walk, B, T, monke
         x = torch.randn(B, T, H, 128, device=DEVICE, generator=gen).bfloat16().transpose(1, 2)
         args += [x, torch.randn(H, 128, 128, device=DEVICE, generator=gen) / 128 ** 0.5,
                  torch.randn(H, 128, device=DEVICE, generator=gen) * 0.3, soft]
-    monkeypatch.setattr(tp, "FORWARD_TILES", WALKS[walk].get("FORWARD_TILES"))
+    monkeypatch.setattr(tp, "FORWARD_WALK", None)
     grid = tp.map_forward_pair(*args)
     walks = tp.CALLS["forward_walk"], tp.CALLS["forward_tma"]
     for name, value in WALKS[walk].items():

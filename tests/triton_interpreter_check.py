@@ -899,7 +899,7 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
               activation="softmax", pad=False, g_kind="float", ssd=None, frozen=(),
               cfg=MAP_DU, through="fused", dtype=torch.bfloat16, backward_fails=False,
               floor=0.0, expect_fold=True, pair_backward=False, map_q=False,
-              weights_in_kernel=False, forward_walk=None, forward_tma=False, **switches):
+              weights_in_kernel=False, forward_walk="auto", forward_tma=True, **switches):
     """The feature maps folded into the fused kernel's autograd Function (``maps=(phi_q,
     phi_k)``, the layer's call since 2026-12-04) against the call as the layer made it before:
     the maps run first as their own Functions (``ops.hybrid._apply_maps``: q and k handed on,
@@ -918,7 +918,8 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
     recorded once per backward. ``floor`` (the maps'), ``expect_fold=False``: maps the fold
     must refuse (a floor, fp32): the call runs them as modules, the same path as before.
     ``forward_walk`` / ``forward_tma``: the folded calls' map pair on walking programs
-    (``triton_phi.FORWARD_WALK`` / ``FORWARD_TMA``): still bit for bit the maps' own kernels.
+    (``triton_phi.FORWARD_WALK`` / ``FORWARD_TMA``; the defaults: the walk where
+    ``walk_plan`` has one, at D = F/2 = 128): still bit for bit the maps' own kernels.
     Folded, both maps' forward kernels run in one launch; ``pair_backward``
     (``triton_phi.PAIR_BACKWARD``) their backward too, where both take dx. ``map_q``: the
     no-grad forward must compute phi_q inside ``_fwd`` (``KernelConfig.map_q_forward``): its
@@ -1021,6 +1022,7 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
     tp.PAIR_BACKWARD, tp.WEIGHTS_IN_KERNEL, tp.FORWARD_WALK, tp.FORWARD_TMA = \
         pair_backward, weights_in_kernel, forward_walk, forward_tma
     try:
+        walked = tp.walk_plan(D, D) is not None  # (square maps: F/2 = D)
         got = run("folded")
         ran = [th.CALLS[n] - b for n, b in zip(names, before)]
         pairs = [tp.CALLS["pair_forward"] - pairs[0], tp.CALLS["pair_backward"] - pairs[1]]
@@ -1088,7 +1090,7 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
     want_in_kernel = 2 if weights_in_kernel and expect_fold and not map_q else 0
     out["weights_in_kernel"] = 0.0 if in_kernel == want_in_kernel else float("inf")
     # the pair on walking programs (through descriptors) in both folded forwards
-    want_walks = 2 if forward_walk and expect_fold and not map_q else 0
+    want_walks = 2 if walked and expect_fold and not map_q else 0
     out["forward_walk"] = 0.0 if walks == [want_walks, want_walks * forward_tma] \
         else float("inf")
     out["forward_state_chunk"] = 0.0 if (own_chunk >= 1) == want_chunk else float("inf")

@@ -327,11 +327,11 @@ BWD_FROM_OUTPUT = True
 PAIR_BACKWARD = False
 #: the softmax map's normalisation in its kernels as one reciprocal per row and a product per
 #: feature (``_acts``' RCP) instead of a division per feature (the PyTorch module's): within
-#: fp32 rounding of it, the bf16 output rarely one rounding apart. Off until measured
-#: (``kernel_anatomy.py --branches layer,layer-phi-rcp``): session 23 read the pair 4% faster
-#: (0.138 to 0.132 ms at 8 x 1k, one H100, one run; results/h100_2026-12-05c); its GPU tests
-#: have not run with it on
-RECIPROCAL_SOFTMAX = False
+#: fp32 rounding of it, the bf16 output rarely one rounding apart. On since session 24: the
+#: maps' GPU tests passed with it (``validate_gpu.sh pair``: 31 passed, the folded-map, option
+#: and walk tests), and the pair read 0.154 to 0.145 ms at 8 x 1k (``phi_bound.py``, one H100,
+#: two repeats; session 23's anatomy: 0.138 to 0.132; results/h100_2026-12-05d)
+RECIPROCAL_SOFTMAX = True
 #: the forward kernels' (rows a program, warps), or None for ``_tiles``' (64 rows, 8 warps at
 #: the 8B's D = F/2 = 128: ptxas 98 registers, 48 KB, two programs a multiprocessor by their
 #: registers). A switch for the A/B of ``kernel_anatomy.py --branches layer-phi32``: (32, 4)
@@ -352,20 +352,30 @@ FORWARD_TILES: tuple[int, int] | None = None
 WEIGHTS_IN_KERNEL = False
 #: the forward pair on programs that each walk an equal share of the heads' row blocks in a
 #: row (``_phi_fwd_pair_walk``; a share spanning two heads reads both weights): this many
-#: programs a multiprocessor (None: one program a 64-row block, ``_phi_fwd_pair``).
-#: Why: at 8 x 1k the pair moves 252 MB in ~0.13 ms (~1.9 TB/s, its floor ~0.05 ms) and no
-#: tile choice moved it; a one-block program loads, multiplies, then stores, so while its
-#: activations run no load of its is in flight (two 8-warp programs a multiprocessor). A
-#: walking program reads its weight once and loads the next blocks during this one's
-#: activations (``WALK_STAGES``). Off until measured (session 24, ``phi_bound.py``; session
-#: 12's four-block programs, a fixed four a program, read slower: 0.150 to 0.173 ms)
-FORWARD_WALK: int | None = None
+#: programs a multiprocessor on ``WALK_TILES``; "auto": ``WALK_DEFAULTS``' plan for the
+#: shape, where it has one; None: one program a block (``_phi_fwd_pair``). Why: at 8 x 1k
+#: the pair moved 252 MB in 0.154 ms on an H100 where its grid's memory pattern alone (the
+#: same loads and stores, no product: ``phi_bound.py``'s ``copy``) takes 0.094 and the
+#: product adds nothing (``dot`` 0.096): its activations (four row reductions, 256
+#: exponentials a row) ran after its loads and before its stores, in series, in each
+#: one-block program. A walking program loads the next blocks (``WALK_STAGES``) and stores
+#: through descriptors (``FORWARD_TMA``) while this one's activations run.
+FORWARD_WALK: int | str | None = "auto"
 #: the pipelined stages of a walking program's loop (x blocks in flight)
 WALK_STAGES = 3
+#: a walking program's (rows a block, warps); None: the plan's or ``_forward_tiles``'
+WALK_TILES: tuple[int, int] | None = None
 #: the walking programs read x and write y through tensor descriptors (TMA: the stores
 #: asynchronous) where ``triton_common.tma_ok`` allows; pointer loads and stores otherwise
-#: (the same values). Off until measured (session 24, ``phi_bound.py``)
-FORWARD_TMA = False
+#: (the same values). Measured with the walk (session 24): 0.135 against 0.163 ms by pointers
+FORWARD_TMA = True
+#: the walk by default, per (D, F/2): (programs a multiprocessor, rows a block, warps, stages).
+#: (128, 128), the 8B models' square map: two 4-warp programs of 32-row blocks a multiprocessor
+#: (ptxas: 156 registers, 82 KB, mma.sync), measured fastest of session 24's walks at 8 x 1k
+#: (one H100, ``phi_bound.py``, two repeats, the reciprocal off; results/h100_2026-12-05d):
+#: the pair 0.154 ms, walking at one 64 x 8 program a multiprocessor 0.135 (4 stages 0.130),
+#: at two 32 x 4 ones 0.121. Other shapes keep one program a block (not measured)
+WALK_DEFAULTS = {(128, 128): (2, 32, 4, 3)}
 
 
 def _prec(dtype):
@@ -624,6 +634,19 @@ def walk_split(tiles: int, per_sm: int, device: torch.device) -> tuple[int, int]
     return cdiv(tiles, tpp), tpp
 
 
+def walk_plan(D: int, FH: int) -> tuple[int, int, int, int] | None:
+    """(programs a multiprocessor, rows a block, warps, stages) of the walking pair for maps of
+    head dim D and F/2 = FH under ``FORWARD_WALK`` (None: one program a block)."""
+    if FORWARD_WALK == "auto":
+        return WALK_DEFAULTS.get((D, FH))
+    if not FORWARD_WALK:
+        return None
+    if not isinstance(FORWARD_WALK, int):
+        raise ValueError(f"triton_phi.FORWARD_WALK {FORWARD_WALK!r}: a number of programs a "
+                         "multiprocessor, 'auto' or None")
+    return (FORWARD_WALK, *(WALK_TILES or _forward_tiles(D, FH)), WALK_STAGES)
+
+
 def map_forward_pair(xq, wq, bq, softmax_q, xk, wk, bk, softmax_k):
     """``map_forward`` of a layer's two maps, ``((yq, wqc, bqc), (yk, wkc, bkc))``, in one
     launch (``_phi_fwd_pair``: the same programs in one grid) where ``_pairable``, else two.
@@ -635,21 +658,23 @@ def map_forward_pair(xq, wq, bq, softmax_q, xk, wk, bk, softmax_k):
     Hk, FH = xk.shape[1], wq.shape[-1]
     yq, wqc, bqc = _forward_operands(xq, wq, bq, not WEIGHTS_IN_KERNEL)
     yk, wkc, bkc = _forward_operands(xk, wk, bk, not WEIGHTS_IN_KERNEL)
-    BM, warps = _forward_tiles(D, FH)
-    if FORWARD_WALK:
-        programs, tpp = walk_split((Hq + Hk) * B * cdiv(T, BM), FORWARD_WALK, xq.device)
+    plan = walk_plan(D, FH)
+    if plan is not None:
+        per_sm, BM, warps, stages = plan
+        programs, tpp = walk_split((Hq + Hk) * B * cdiv(T, BM), per_sm, xq.device)
         tma = FORWARD_TMA and tma_ok(xq, xk, yq, yk)
         fast(_phi_fwd_pair_walk)[(programs,)](
             xq, wqc, bqc, yq, xq.stride(0), xq.stride(1), xq.stride(2), Hq,
             xk, wkc, bkc, yk, xk.stride(0), xk.stride(1), xk.stride(2), Hk, B, T, tpp,
             D=D, FH=FH, BM=BM, SOFTMAX_Q=softmax_q, SOFTMAX_K=softmax_k, PREC=_prec(xq.dtype),
-            RCP=RECIPROCAL_SOFTMAX, TMA=tma, NS=WALK_STAGES, num_warps=warps)
+            RCP=RECIPROCAL_SOFTMAX, TMA=tma, NS=stages, num_warps=warps)
         CALLS["pair_forward"] += 1
         CALLS["forward_walk"] += 1
         CALLS["forward_tma"] += tma
         CALLS["weights_in_kernel"] += WEIGHTS_IN_KERNEL and \
             (wq.dtype, wk.dtype) != (xq.dtype,) * 2
         return (yq, wqc, bqc), (yk, wkc, bkc)
+    BM, warps = _forward_tiles(D, FH)
     fast(_phi_fwd_pair)[(B * (Hq + Hk), cdiv(T, BM))](
         xq, wqc, bqc, yq, xq.stride(0), xq.stride(1), xq.stride(2), Hq,
         xk, wkc, bkc, yk, xk.stride(0), xk.stride(1), xk.stride(2), Hk, B * Hq, T,
