@@ -136,7 +136,7 @@ case "${1:-}" in
     step "phi bound"
     anatomy 100 layer,layer-grid-div
     t0=$SECONDS
-    timeout 250 python benchmarks/attention_speed.py \
+    timeout ${SPEED_TIMEOUT:-250} python benchmarks/attention_speed.py \
       --shapes 8x1024,1x65536,2x4096 --check-max-tokens 8192 \
       --cases "^(teacher|swa|hybrid fixed|lolcats T x T fixed)( fwd)?$" \
       --out "$R/speed" > "$R/speed.log" 2>&1
