@@ -128,13 +128,7 @@ case "${1:-}" in
     anatomy 260 layer,layer-phi-rcp,layer-walk1-tma,layer-fwd-tma,layer-fwd-tma-walk1-tma
     ;;
   defaults)
-    # the measurements first, the tests last (a call cut short keeps what ran)
-    t0=$SECONDS
-    timeout 60 python benchmarks/phi_bound.py --shape 8x1024 --out "$R/phi_bound" \
-      > "$R/phi_bound.log" 2>&1
-    cut -c1-90 "$R/phi_bound.log"
-    step "phi bound"
-    anatomy 100 layer,layer-grid-div
+    # the ratios first, the tests last (a call cut short keeps what ran)
     t0=$SECONDS
     timeout ${SPEED_TIMEOUT:-250} python benchmarks/attention_speed.py \
       --shapes 8x1024,1x65536,2x4096 --check-max-tokens 8192 \
@@ -142,6 +136,12 @@ case "${1:-}" in
       --out "$R/speed" > "$R/speed.log" 2>&1
     grep -A8 '"layer_vs_teacher_T1k"' "$R/speed/summary.json" | head -12
     step "ratios"
+    t0=$SECONDS
+    timeout 60 python benchmarks/phi_bound.py --shape 8x1024 --out "$R/phi_bound" \
+      > "$R/phi_bound.log" 2>&1
+    cut -c1-90 "$R/phi_bound.log"
+    step "phi bound"
+    anatomy 100 layer,layer-grid-div
     kernel_tests 90 "maps_folded or walking or folded_call or feature_map_module"
     ;;
   memory)
