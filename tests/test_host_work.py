@@ -25,12 +25,13 @@ pytest.importorskip("triton")
 SCRIPT = Path(__file__).parents[1] / "benchmarks" / "host_overhead.py"
 
 #: one forward + backward of the layer (fixed g, no padding), both maps fused (folded into
-#: the kernel's Function: their forward in one launch), the backward's fused kernels on (the
-#: default at D 128 bf16: ``_bwd_q``, ``_bwd_kv``)
-LAUNCHES = {"_phi_fwd_pair": 1, "_state_fwd": 1, "_fwd": 1, "_bwd_q": 1, "_state_rev": 1,
+#: the kernel's Function: their forward in one launch, on walking programs at D = F/2 = 128
+#: since session 24), the backward's fused kernels on (the default at D 128 bf16: ``_bwd_q``,
+#: ``_bwd_kv``)
+LAUNCHES = {"_phi_fwd_pair_walk": 1, "_state_fwd": 1, "_fwd": 1, "_bwd_q": 1, "_state_rev": 1,
             "_bwd_kv": 1, "_phi_bwd": 2, "bmm_fp32 (torch)": 2}
 #: the same with them off (``--unfused``: the separate kernels)
-LAUNCHES_UNFUSED = {"_phi_fwd_pair": 1, "_state_fwd": 1, "_fwd": 1, "_bwd_dq": 1,
+LAUNCHES_UNFUSED = {"_phi_fwd_pair_walk": 1, "_state_fwd": 1, "_fwd": 1, "_bwd_dq": 1,
                     "_state_rev": 1, "_bwd_dfq": 1, "_bwd_dkv_swa": 1, "_bwd_dkv_la": 1,
                     "_phi_bwd": 2, "bmm_fp32 (torch)": 2}
 #: the maps' fp32 weights cast to bf16 (forward; their biases are read in fp32), their bias
