@@ -662,7 +662,8 @@ def map_forward_pair(xq, wq, bq, softmax_q, xk, wk, bk, softmax_k):
     if plan is not None:
         per_sm, BM, warps, stages = plan
         programs, tpp = walk_split((Hq + Hk) * B * cdiv(T, BM), per_sm, xq.device)
-        tma = FORWARD_TMA and tma_ok(xq, xk, yq, yk)
+        # (yq, yk: fresh contiguous allocations, their bases and strides 16-byte multiples)
+        tma = FORWARD_TMA and tma_ok(xq, xk)
         fast(_phi_fwd_pair_walk)[(programs,)](
             xq, wqc, bqc, yq, xq.stride(0), xq.stride(1), xq.stride(2), Hq,
             xk, wkc, bkc, yk, xk.stride(0), xk.stride(1), xk.stride(2), Hk, B, T, tpp,
