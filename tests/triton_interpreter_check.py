@@ -1089,8 +1089,9 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
     # the pair's kernel rounded the fp32 weights itself in both folded forwards (grad and not)
     want_in_kernel = 2 if weights_in_kernel and expect_fold and not map_q else 0
     out["weights_in_kernel"] = 0.0 if in_kernel == want_in_kernel else float("inf")
-    # the pair on walking programs (through descriptors) in both folded forwards
-    want_walks = 2 if walked and expect_fold and not map_q else 0
+    # the pair on walking programs (through descriptors) in both folded forwards (with the q
+    # map in ``_fwd`` the no-grad one runs the k map alone)
+    want_walks = (1 if map_q else 2) if walked and expect_fold else 0
     out["forward_walk"] = 0.0 if walks == [want_walks, want_walks * forward_tma] \
         else float("inf")
     out["forward_state_chunk"] = 0.0 if (own_chunk >= 1) == want_chunk else float("inf")
