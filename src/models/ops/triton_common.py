@@ -128,12 +128,13 @@ def tma_ok(*tensors: torch.Tensor) -> bool:
     if not interpret() and not (torch.cuda.is_available()
                                 and _hopper_or_later(torch.cuda.current_device())):
         return False
-    for t in tensors:
-        size = t.element_size()
-        if t.stride(-1) != 1 or t.data_ptr() % 16 or \
-                any(s * size % 16 for s in t.stride()[:-1]) or \
-                any(s == 0 for s, n in zip(t.stride(), t.shape) if n > 1):  # (expanded)
+    for t in tensors:  # (one pass a tensor: the layer asks on every call)
+        size, strides = t.element_size(), t.stride()
+        if strides[-1] != 1 or t.data_ptr() % 16:
             return False
+        for s, n in zip(strides[:-1], t.shape):
+            if s * size % 16 or (s == 0 and n > 1):  # (s == 0: expanded)
+                return False
     ensure_allocator()
     return True
 
