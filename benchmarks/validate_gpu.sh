@@ -131,7 +131,7 @@ case "${1:-}" in
     # the ratios first, the tests last (a call cut short keeps what ran)
     t0=$SECONDS
     timeout ${SPEED_TIMEOUT:-250} python benchmarks/attention_speed.py \
-      --shapes 8x1024,1x65536,2x4096 --check-max-tokens 8192 \
+      --shapes ${SPEED_SHAPES:-8x1024,1x65536,2x4096} --check-max-tokens 8192 \
       --cases "^(teacher|swa|hybrid fixed|lolcats T x T fixed)( fwd)?$" \
       --out "$R/speed" > "$R/speed.log" 2>&1
     grep -A8 '"layer_vs_teacher_T1k"' "$R/speed/summary.json" | head -12
@@ -141,8 +141,9 @@ case "${1:-}" in
       > "$R/phi_bound.log" 2>&1
     cut -c1-90 "$R/phi_bound.log"
     step "phi bound"
-    anatomy 100 layer,layer-grid-div
-    kernel_tests 90 "maps_folded or walking or folded_call or feature_map_module"
+    [ -n "${SKIP_ANATOMY:-}" ] || anatomy 100 layer,layer-grid-div
+    [ -n "${SKIP_TESTS:-}" ] || \
+      kernel_tests 90 "maps_folded or walking or folded_call or feature_map_module"
     ;;
   memory)
     # session 22's second call (~6 min): the fold's memory (the saved branches released, the
