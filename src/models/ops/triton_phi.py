@@ -658,7 +658,7 @@ def map_forward_pair(xq, wq, bq, softmax_q, xk, wk, bk, softmax_k):
     Hk, FH = xk.shape[1], wq.shape[-1]
     yq, wqc, bqc = _forward_operands(xq, wq, bq, not WEIGHTS_IN_KERNEL)
     yk, wkc, bkc = _forward_operands(xk, wk, bk, not WEIGHTS_IN_KERNEL)
-    plan = walk_plan(D, FH)
+    plan = walk_plan(D, FH) if B * T else None  # (no rows: the grid's empty launch)
     if plan is not None:
         per_sm, BM, warps, stages = plan
         programs, tpp = walk_split((Hq + Hk) * B * cdiv(T, BM), per_sm, xq.device)
