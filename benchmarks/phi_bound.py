@@ -19,15 +19,17 @@ gets it):
     copy        the same grid; x stored in both halves (no weight, no product)
     read        the same grid; x read, one value a program stored
     write       the same grid; both halves of y written (constants), nothing read
-    torch-cat   torch.cat((x, x), -1) into y per map (PyTorch's copy kernels: the bandwidth
-                an elementwise kernel gets for the same bytes)
+    torch-cat   torch.cat((x, x), -1) into y per map (PyTorch's copy kernels; from the
+                transposed x a strided copy: 0.34 ms on an H100 and an H200, session 24, so
+                not the bandwidth reference it was meant to be)
 
 If ``copy`` is as slow as ``pair``, the grid's memory pattern bounds it (the activations are
 free); if ``copy`` is near the floor and ``dot`` is not, the product and its operands' path
 (the weight read per program); if ``dot`` is fast and ``pair`` slow, the activations.
-Each row's median device ms (``attention_speed.device_ms``, the host ahead), twice
-interleaved, and the GB/s of the bytes the pair moves. ``pair`` is checked against
-``reference_features`` first.
+Each row's outputs are checked against what it computes in PyTorch (the pair's rows against
+``reference_features``) before it is timed; then its median device ms
+(``attention_speed.device_ms``, the host ahead), twice interleaved, and the TB/s of the bytes
+the pair moves (for every row: ``read`` and ``write`` move less).
 """
 
 from __future__ import annotations
