@@ -102,6 +102,8 @@ LAYER_SWITCHES = {"layer-maps-paired-bwd": ("triton_phi", "PAIR_BACKWARD", True)
                   "layer-phi-rcp": ("triton_phi", "RECIPROCAL_SOFTMAX", True),
                   "layer-hold-fq-rcp": ("triton_phi", "RECIPROCAL_SOFTMAX", True),
                   # the maps' forward on 32-row 4-warp programs (``FORWARD_TILES``)
+                  # (one program a block only: since session 24 the 8B's maps walk, and
+                  # ``FORWARD_TILES`` no longer reaches their pair; ``layer-grid`` does)
                   "layer-phi32": ("triton_phi", "FORWARD_TILES", (32, 4)),
                   # the map pair rounding the fp32 weights in its kernel: no cast launches
                   # (``WEIGHTS_IN_KERNEL``; each program reads 64 KB of weight, not 32)

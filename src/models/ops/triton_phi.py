@@ -332,7 +332,8 @@ PAIR_BACKWARD = False
 #: and walk tests), and the pair read 0.154 to 0.145 ms at 8 x 1k (``phi_bound.py``, one H100,
 #: two repeats; session 23's anatomy: 0.138 to 0.132; results/h100_2026-12-05d)
 RECIPROCAL_SOFTMAX = True
-#: the forward kernels' (rows a program, warps), or None for ``_tiles``' (64 rows, 8 warps at
+#: the one-block forward kernels' (rows a program, warps; a walking pair takes its plan's,
+#: ``WALK_TILES``), or None for ``_tiles``' (64 rows, 8 warps at
 #: the 8B's D = F/2 = 128: ptxas 98 registers, 48 KB, two programs a multiprocessor by their
 #: registers). A switch for the A/B of ``kernel_anatomy.py --branches layer-phi32``: (32, 4)
 #: takes 103 registers and 41 KB (four programs a multiprocessor, the same 16 warps; each
