@@ -666,7 +666,7 @@ def pair_walk_case(cid, *, B=3, Hq=4, Hk=2, T=150, D=64, per_sm=3, tma=False,
         out[f"y{name}"] = rel(yw.float(), want)
     ran = [tp.CALLS["forward_walk"] - walks[0], tp.CALLS["forward_tma"] - walks[1]]
     out["walked"] = 0.0 if ran == [1, int(tma)] else float("inf")
-    tiles = (Hq + Hk) * B * -(-T // tp._forward_tiles(D, D)[0])
+    tiles = (Hq + Hk) * B * tp.cdiv(T, tp._forward_tiles(D, D)[0])
     programs, tpp = tp.walk_split(tiles, per_sm, torch.device("cpu"))
     covered = (programs - 1) * tpp < tiles <= programs * tpp
     spans = tiles // (Hq + Hk) % tpp != 0  # (some program's blocks span two heads)

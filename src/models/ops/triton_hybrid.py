@@ -327,8 +327,9 @@ class KernelConfig:
     #: values, bit for bit: rows past T read as zeros either way). Why: `_fwd` is bound neither
     #: by its products (states every 64, ~20% fewer: -4%, session 22) nor by its L2 bytes
     #: (``hold_fq``: none, session 23); its key loops issue each block's loads by pointers in
-    #: the 4-warp programs' registers (240-255 a thread). Off until measured (session 24,
-    #: ``kernel_anatomy --branches layer-fwd-tma``)
+    #: the 4-warp programs' registers (240-255 a thread). Off: measured slower (session 24,
+    #: one H100, 8 x 1k, ``kernel_anatomy --branches layer,layer-fwd-tma``: `_fwd` 0.255 to
+    #: 0.312 ms; results/h100_2026-12-05d), so the pointer loads are not what binds `_fwd`
     fwd_tma: bool = False
 
 

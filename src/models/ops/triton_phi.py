@@ -368,7 +368,8 @@ WALK_STAGES = 3
 WALK_TILES: tuple[int, int] | None = None
 #: the walking programs read x and write y through tensor descriptors (TMA: the stores
 #: asynchronous) where ``triton_common.tma_ok`` allows; pointer loads and stores otherwise
-#: (the same values). Measured with the walk (session 24): 0.135 against 0.163 ms by pointers
+#: (the same values). Measured with the walk (session 24, one H100, 8 x 1k, ``phi_bound.py``
+#: rows walk1-tma / walk1; results/h100_2026-12-05d): 0.135 against 0.163 ms by pointers
 FORWARD_TMA = True
 #: the walk by default, per (D, F/2): (programs a multiprocessor, rows a block, warps, stages).
 #: (128, 128), the 8B models' square map: two 4-warp programs of 32-row blocks a multiprocessor
@@ -670,19 +671,15 @@ def map_forward_pair(xq, wq, bq, softmax_q, xk, wk, bk, softmax_k):
             xk, wkc, bkc, yk, xk.stride(0), xk.stride(1), xk.stride(2), Hk, B, T, tpp,
             D=D, FH=FH, BM=BM, SOFTMAX_Q=softmax_q, SOFTMAX_K=softmax_k, PREC=_prec(xq.dtype),
             RCP=RECIPROCAL_SOFTMAX, TMA=tma, NS=stages, num_warps=warps)
-        CALLS["pair_forward"] += 1
         CALLS["forward_walk"] += 1
         CALLS["forward_tma"] += tma
-        CALLS["weights_in_kernel"] += WEIGHTS_IN_KERNEL and \
-            (wq.dtype, wk.dtype) != (xq.dtype,) * 2
-        return (yq, wqc, bqc), (yk, wkc, bkc)
-    BM, warps = _forward_tiles(D, FH)
-    fast(_phi_fwd_pair)[(B * (Hq + Hk), cdiv(T, BM))](
-        xq, wqc, bqc, yq, xq.stride(0), xq.stride(1), xq.stride(2), Hq,
-        xk, wkc, bkc, yk, xk.stride(0), xk.stride(1), xk.stride(2), Hk, B * Hq, T,
-        D=D, FH=FH, BM=BM, SOFTMAX_Q=softmax_q, SOFTMAX_K=softmax_k, PREC=_prec(xq.dtype),
-        RCP=RECIPROCAL_SOFTMAX,
-        num_warps=warps)
+    else:
+        BM, warps = _forward_tiles(D, FH)
+        fast(_phi_fwd_pair)[(B * (Hq + Hk), cdiv(T, BM))](
+            xq, wqc, bqc, yq, xq.stride(0), xq.stride(1), xq.stride(2), Hq,
+            xk, wkc, bkc, yk, xk.stride(0), xk.stride(1), xk.stride(2), Hk, B * Hq, T,
+            D=D, FH=FH, BM=BM, SOFTMAX_Q=softmax_q, SOFTMAX_K=softmax_k, PREC=_prec(xq.dtype),
+            RCP=RECIPROCAL_SOFTMAX, num_warps=warps)
     CALLS["pair_forward"] += 1
     CALLS["weights_in_kernel"] += WEIGHTS_IN_KERNEL and (wq.dtype, wk.dtype) != (xq.dtype,) * 2
     return (yq, wqc, bqc), (yk, wkc, bkc)
