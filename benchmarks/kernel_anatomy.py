@@ -94,7 +94,21 @@ LAYER_CHANGES = {"layer-fwd128": dict(block_m=128, block_n=64, warps=8,  # (the 
                  # 254-255 registers, no spill, 82 KB: two programs a multiprocessor), alone
                  # and with the map pair on walking programs (its switches below)
                  "layer-fwd-tma": dict(fwd_tma=True),
-                 "layer-fwd-tma-walk1-tma": dict(fwd_tma=True)}
+                 "layer-fwd-tma-walk1-tma": dict(fwd_tma=True),
+                 # session 25: more `_fwd` programs a multiprocessor. ptxas (sm_90a, the
+                 # default's tiles, launch hints, no grad): the LA output parked in memory
+                 # through the window's loop (``park_la``) 248 to 218 registers; capped at
+                 # 168 (three 4-warp programs a multiprocessor) 4 B of spill, at 128 (four)
+                 # 156 B; one pipeline stage (``fwd_stages``) 80 to 41 KB of shared memory
+                 # (three need <= 75 KB). Each against its controls: parked alone, one stage
+                 # alone, parked at 168 with two stages (shared memory still two a
+                 # multiprocessor)
+                 "layer-park": dict(park_la=True),
+                 "layer-fwd-s1": dict(fwd_stages=1),
+                 "layer-park-r168": dict(park_la=True, fwd_maxnreg=168),
+                 "layer-park-r168-s1": dict(park_la=True, fwd_maxnreg=168, fwd_stages=1),
+                 "layer-park-r128-s1": dict(park_la=True, fwd_maxnreg=128, fwd_stages=1),
+                 "layer-r168-s1": dict(fwd_maxnreg=168, fwd_stages=1)}
 #: the whole layer with a module switch of the kernels changed (module, attribute, value):
 #: both maps' backward in one grid (``triton_phi.PAIR_BACKWARD``, off by default)
 LAYER_SWITCHES = {"layer-maps-paired-bwd": ("triton_phi", "PAIR_BACKWARD", True),

@@ -28,6 +28,10 @@
 #       pair, the reciprocal softmax): their GPU tests, phi_bound.py's rows, issue 11's five
 #       ratios with them (attention_speed, no gate rows), the layer against the defaults
 #       before (kernel_anatomy layer,layer-grid-div)
+#   bash benchmarks/validate_gpu.sh occupancy  (~8 min) session 25: `_fwd` with more programs a
+#       multiprocessor (KernelConfig.park_la, fwd_maxnreg, fwd_stages) against the layer and
+#       their controls (kernel_anatomy), their GPU tests (options_give, and the walking
+#       pair's), `_fwd`'s time split between its branches (kernel_anatomy hybrid,swa,la)
 #   bash benchmarks/validate_gpu.sh memory     (~6 min) the fold's memory tests, its peak taken
 #       apart (fold_memory.py), session 23's held-fq forward tests, the recipes
 #
@@ -145,6 +149,19 @@ case "${1:-}" in
     [ -n "${SKIP_TESTS:-}" ] || \
       kernel_tests 90 "maps_folded or walking or folded_call or feature_map_module"
     ;;
+  occupancy)
+    # session 25: `_fwd` with more programs a multiprocessor (the LA output parked through the
+    # window's loop, its registers capped, one stage), each against its controls; their GPU
+    # tests; then `_fwd`'s time split between its branches (kernel alone, maps precomputed)
+    anatomy ${ANATOMY_TIMEOUT:-270} \
+      layer,layer-park-r168-s1,layer-park-r128-s1,layer-park,layer-fwd-s1,layer-park-r168
+    [ -n "${SKIP_TESTS:-}" ] || kernel_tests 110 "options_give or walking"
+    t0=$SECONDS
+    timeout 80 python benchmarks/kernel_anatomy.py --shapes 8x1024 --configs default \
+      --branches hybrid,swa,la --out "$R/split" > "$R/split.log" 2>&1
+    grep -A6 "forward" "$R/split/kernel_anatomy.md" | head -9
+    step "branch split"
+    ;;
   memory)
     # session 22's second call (~6 min): the fold's memory (the saved branches released, the
     # maps' dx written over the kernel's dq / dk) - its peak test with the fold and q-map
@@ -159,7 +176,7 @@ case "${1:-}" in
     recipe_tests
     ;;
   *)
-    echo "usage: bash benchmarks/validate_gpu.sh tests|measure|options|forward|pair|defaults|memory" >&2
+    echo "usage: bash benchmarks/validate_gpu.sh tests|measure|options|forward|pair|defaults|occupancy|memory" >&2
     exit 2
     ;;
 esac

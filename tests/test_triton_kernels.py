@@ -398,7 +398,12 @@ SAME_RESULT_OPTIONS = {"kv_order1": (dict(kv_order=0), dict(kv_order=1), "kv_ord
                        "state_sums_mma": (dict(state_sums_mma=False), dict(state_sums_mma=True),
                                           "state_sums_mma"),
                        "fwd_two_programs": ("ONE_PROGRAM_FORWARD", dict(), None),
-                       "fwd_tma": (dict(fwd_tma=False), dict(fwd_tma=True), "forward_tma")}
+                       "fwd_tma": (dict(fwd_tma=False), dict(fwd_tma=True), "forward_tma"),
+                       "park_la": (dict(), dict(park_la=True), "parked_forward"),
+                       "park_la_r168_s1": (dict(), dict(park_la=True, fwd_maxnreg=168,
+                                                        fwd_stages=1), "parked_forward"),
+                       "park_la_r128_s1": (dict(), dict(park_la=True, fwd_maxnreg=128,
+                                                        fwd_stages=1), "parked_forward")}
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["fixed", "shared"])
@@ -414,8 +419,11 @@ def test_options_give_the_same_results(option, shared):
     4-warp programs, 32-key blocks, the state product pipelined: the same products, the
     window's and LA's key blocks summed in other groupings) against the forward tiles before
     (``ONE_PROGRAM_FORWARD``); ``fwd_tma`` (``_fwd``'s key-side tiles through tensor
-    descriptors: the same values, bit for bit on the interpreter) against the pointer path.
-    The report says which results are bit for bit."""
+    descriptors: the same values, bit for bit on the interpreter) against the pointer path;
+    ``park_la`` (the LA output parked in memory through the window's loop: the gradients
+    bit for bit on the interpreter, the output within the LA branch's rounding), alone and
+    with ``_fwd``'s registers capped (``fwd_maxnreg``: what spills, ptxas-compiled only)
+    and one pipeline stage (``fwd_stages``). The report says which results are bit for bit."""
     off, on, counter = SAME_RESULT_OPTIONS[option]
     off, on = (getattr(_kernels(), x) if isinstance(x, str) else x for x in (off, on))
     counters = [] if counter is None else [counter]

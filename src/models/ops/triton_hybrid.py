@@ -135,7 +135,8 @@ CALLS = {"forward": 0, "dq_pass": 0, "dkv_swa": 0, "dv_la": 0, "factors_from_sav
          "kv_order_2": 0, "state_sums_mma": 0, "maps_folded": 0, "maps_folded_backward": 0,
          "forward_without_autograd": 0, "gated": 0, "q_map_in_forward": 0,
          "saved_released": 0, "saved_recomputed": 0, "forward_state_chunk": 0,
-         "held_fq_forward": 0, "forward_tma": 0}
+         "held_fq_forward": 0, "forward_tma": 0,
+         "parked_forward": 0}
 
 
 @dataclass(frozen=True)
@@ -331,6 +332,25 @@ class KernelConfig:
     #: one H100, 8 x 1k, ``kernel_anatomy --branches layer,layer-fwd-tma``: `_fwd` 0.255 to
     #: 0.312 ms; results/h100_2026-12-05d), so the pointer loads are not what binds `_fwd`
     fwd_tma: bool = False
+    #: ``_fwd`` stores each program's LA output (in the output's dtype: into the saved LA
+    #: branch where the branches are saved, else into the output, which the mixer's result
+    #: then overwrites) before the window's pass and reads it back for the mixer (``PARK``),
+    #: so that its (BM, D) fp32 tile is not live through the window's loop. Why: ptxas
+    #: (sm_90a, the default's tiles, launch hints) reads `_fwd` at 248 registers, its LA part
+    #: alone 168 and its window part alone 128: the LA tile held across the window's loop
+    #: sets the peak, and at 248 only two 4-warp programs fit a multiprocessor (three need
+    #: <= 168, with at most 75 KB of shared memory each: ``fwd_maxnreg``, ``fwd_stages``).
+    #: Without saved branches the mixer then takes the LA output rounded to the output's
+    #: dtype (within its rounding, not bit for bit); with them the same values as without.
+    park_la: bool = False
+    #: the register cap ptxas compiles ``_fwd`` to (Triton's ``maxnreg``; None: no cap): 168
+    #: lets three 4-warp programs share a multiprocessor's 64K registers, at the price of
+    #: what spills past it (ptxas at the default's tiles: 172 B a thread without ``park_la``)
+    fwd_maxnreg: int | None = None
+    #: ``_fwd``'s pipeline stages (None: ``stages``): the shared memory its loops' copies
+    #: take (ptxas, the default's tiles: 80 KB at 2, 41 KB at 1; three programs a
+    #: multiprocessor need <= 75 KB)
+    fwd_stages: int | None = None
 
 
 #: The forward's tiles at D 128 bf16 that let two programs share a multiprocessor: 64 rows (16
@@ -854,7 +874,8 @@ if HAVE_TRITON:
              HAS_LA: tl.constexpr, SHARED: tl.constexpr, HAS_KPM: tl.constexpr,
              PREC: tl.constexpr, SAVE: tl.constexpr, SS: tl.constexpr,
              MAP_Q: tl.constexpr = False, SOFTMAX_Q: tl.constexpr = True,
-             HOLD_FQ: tl.constexpr = False, TMA: tl.constexpr = False):
+             HOLD_FQ: tl.constexpr = False, TMA: tl.constexpr = False,
+             PARK: tl.constexpr = False):
         """One program: BM query rows, BQ = BM / P positions t0 .. t0 + BQ - 1 of P query heads
         that share a kv head (P divides the group; ``KernelConfig.pack_heads``). The P heads
         read the same keys, values and LA state: one load and one product serves them all, and
@@ -866,7 +887,10 @@ if HAVE_TRITON:
         (``KernelConfig.hold_fq``): fq's rows are loaded once, as two halves held in registers
         for the state's product and every key block's (the path MAP_Q's halves take), instead
         of a slice at a time, again for each key block. TMA (``KernelConfig.fwd_tma``): k, v
-        and fk read through tensor descriptors (B: the batch, their bounds)."""
+        and fk read through tensor descriptors (B: the batch, their bounds). PARK
+        (``KernelConfig.park_la``): the LA branch's output is stored (into LA_O with SAVE, else
+        into OUT, in their dtype) before the window's pass and read back for the mixer, so
+        that its (BM, D) fp32 tile is not held in registers through the window's loop."""
         LN2: tl.constexpr = 0.6931471805599453
         BQ: tl.constexpr = BM // P
         pid_m = tl.program_id(0)
@@ -919,6 +943,14 @@ if HAVE_TRITON:
         has_far = (offs_m - shift_r) >= first
         r = tl.where(has_far, 1.0 / tl.maximum(den, eps), 0.0)
         la = num * r[:, None]
+        o_rows = b.to(tl.int64) * so_b + h_r.to(tl.int64) * so_h + offs_m.to(tl.int64) * so_t
+        t_rows = bh_r.to(tl.int64) * T + offs_m
+        if PARK:  # (LA_O holds it anyway with SAVE; OUT is overwritten by the mixer's output)
+            if SAVE:
+                park = LA_O + t_rows[:, None] * D + offs_d[None, :]
+            else:
+                park = OUT + o_rows[:, None] + offs_d[None, :]
+            tl.store(park, la.to(park.dtype.element_ty), mask=rows[:, None])
 
         # ---- windowed softmax
         m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
@@ -962,6 +994,9 @@ if HAVE_TRITON:
         lse2 = tl.where(has_win, m_i + tl.log2(tl.where(has_win, l_i, 1.0)), float("-inf"))
 
         # ---- mixer
+        if PARK:  # (every thread's stores visible to the program's threads before the loads)
+            tl.debug_barrier()
+            la = tl.load(park, mask=rows[:, None], other=0.0).to(tl.float32)
         if SHARED:
             logs = tl.load(LOGS + bh_r)
             x = logs + lse2 * LN2 - tl.log(tl.maximum(den, eps))
@@ -973,17 +1008,15 @@ if HAVE_TRITON:
             ca = tl.load(CA + bh_r)
             cb = tl.load(CB + bh_r)
             out = ca[:, None] * swa + cb[:, None] * la
-        o_rows = b.to(tl.int64) * so_b + h_r.to(tl.int64) * so_h + offs_m.to(tl.int64) * so_t
         tl.store(OUT + o_rows[:, None] + offs_d[None, :], out.to(OUT.dtype.element_ty),
                  mask=rows[:, None])
-        t_rows = bh_r.to(tl.int64) * T + offs_m
         tl.store(LSE + t_rows, lse2, mask=rows)
         tl.store(DEN + t_rows, den, mask=rows)
         if SAVE:  # both branches, for the backward's per-query factors
             s_rows = t_rows[:, None] * D + offs_d[None, :]
             if HAS_SWA:
                 tl.store(SWA_O + s_rows, swa.to(SWA_O.dtype.element_ty), mask=rows[:, None])
-            if HAS_LA:
+            if HAS_LA and not PARK:  # (PARK: stored there already)
                 tl.store(LA_O + s_rows, la.to(LA_O.dtype.element_ty), mask=rows[:, None])
 
     @triton.jit
@@ -2063,6 +2096,8 @@ def _forward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, *, window
     fq_ = q if mapped else fq  # (read only where the q map does not run in the kernel)
     tma = cfg.fwd_tma and tma_ok(k, v, *((fk,) if has_la else ()))
     CALLS["forward_tma"] += tma
+    park = cfg.park_la and has_la and has_swa  # (one branch: nothing held across the other)
+    CALLS["parked_forward"] += park
     fast(_fwd)[grid](
         q, k, v, fq_, fk, S, z, vs, cnt, o, lse, den, ca, cb, logs, shift, first,
         _ptr(kpm_i8, lse), _ptr(swa_o, o), _ptr(la_o, o), wq, bw,
@@ -2072,11 +2107,22 @@ def _forward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, *, window
         HAS_SWA=has_swa, HAS_LA=has_la, SHARED=shared, HAS_KPM=kpm_i8 is not None,
         PREC=_prec(q.dtype), SAVE=store, SS=cfg.state_product_stages, MAP_Q=mapped,
         SOFTMAX_Q=bool(map_q[2]) if mapped else True, HOLD_FQ=held, TMA=tma,
-        num_warps=cfg.warps, num_stages=cfg.stages)
+        PARK=park, num_warps=cfg.warps, **_fwd_launch_options(cfg))
     states = (S, z, vs, cfg.state_chunk) if save and has_la else None
     if save and branch_is_output:  # (its values, bit for bit: the other branch adds 0 x 0)
         swa_o, la_o = (o if has_swa else None), (o if has_la else None)
     return o, lse, den, swa_o, la_o, states
+
+
+def _fwd_launch_options(cfg: KernelConfig) -> dict:
+    """``_fwd``'s launch options: its stages, and its register cap where one is set (a
+    cached dict: the layer launches it every call)."""
+    return _launch_options(cfg.fwd_stages or cfg.stages, cfg.fwd_maxnreg)
+
+
+@functools.lru_cache(maxsize=16)
+def _launch_options(stages: int, maxnreg: int | None) -> dict:
+    return {"num_stages": stages, **({} if maxnreg is None else {"maxnreg": maxnreg})}
 
 
 def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse, den, *, window,
