@@ -100,14 +100,15 @@ LAYER_CHANGES = {"layer-fwd128": dict(block_m=128, block_n=64, warps=8,  # (the 
                  # through the window's loop (``park_la``) 248 to 218 registers; capped at
                  # 168 (three 4-warp programs a multiprocessor) 4 B of spill, at 128 (four)
                  # 156 B; one pipeline stage (``fwd_stages``) 80 to 41 KB of shared memory
-                 # (three need <= 75 KB). Each against its controls: parked alone, one stage
-                 # alone, parked at 168 with two stages (shared memory still two a
-                 # multiprocessor)
+                 # (three need <= 75 KB; 16-key blocks at two stages take 56 KB, 4 B of spill
+                 # at 168). Each against its controls: parked alone, one stage alone, parked
+                 # at 168 with two stages (shared memory still two a multiprocessor)
                  "layer-park": dict(park_la=True),
                  "layer-fwd-s1": dict(fwd_stages=1),
                  "layer-park-r168": dict(park_la=True, fwd_maxnreg=168),
                  "layer-park-r168-s1": dict(park_la=True, fwd_maxnreg=168, fwd_stages=1),
                  "layer-park-r128-s1": dict(park_la=True, fwd_maxnreg=128, fwd_stages=1),
+                 "layer-park-r168-bn16": dict(park_la=True, fwd_maxnreg=168, block_n=16),
                  "layer-r168-s1": dict(fwd_maxnreg=168, fwd_stages=1)}
 #: the whole layer with a module switch of the kernels changed (module, attribute, value):
 #: both maps' backward in one grid (``triton_phi.PAIR_BACKWARD``, off by default)

@@ -153,11 +153,11 @@ case "${1:-}" in
     # session 25: `_fwd` with more programs a multiprocessor (the LA output parked through the
     # window's loop, its registers capped, one stage), each against its controls; their GPU
     # tests; then `_fwd`'s time split between its branches (kernel alone, maps precomputed)
-    anatomy ${ANATOMY_TIMEOUT:-270} \
-      layer,layer-park-r168-s1,layer-park-r128-s1,layer-park,layer-fwd-s1,layer-park-r168
-    [ -n "${SKIP_TESTS:-}" ] || kernel_tests 110 "options_give or walking"
+    anatomy ${ANATOMY_TIMEOUT:-300} \
+      layer,layer-park-r168-s1,layer-park-r168-bn16,layer-park-r128-s1,layer-park,layer-fwd-s1
+    [ -n "${SKIP_TESTS:-}" ] || kernel_tests 100 "options_give or walking"
     t0=$SECONDS
-    timeout 80 python benchmarks/kernel_anatomy.py --shapes 8x1024 --configs default \
+    timeout 70 python benchmarks/kernel_anatomy.py --shapes 8x1024 --configs default \
       --branches hybrid,swa,la --out "$R/split" > "$R/split.log" 2>&1
     grep -A6 "forward" "$R/split/kernel_anatomy.md" | head -9
     step "branch split"
