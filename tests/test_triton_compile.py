@@ -68,12 +68,14 @@ def launch_hints(fn, constexprs: dict, floats=(), odd=()) -> dict:
 
 
 def compile_report(fn, pointers: dict, constexprs: dict, floats=(), warps=4, stages=2,
-                   hints: dict | None = None, aligned: bool = True) -> dict:
+                   hints: dict | None = None, aligned: bool = True,
+                   maxnreg: int | None = None) -> dict:
     """Compile ``fn`` for sm_90a; ptxas's resource report of the result. ``hints``: the
     arguments' divisibility attributes; None: ``launch_hints`` with ``ODD_INTS`` when
     ``aligned`` (what a launch at the 8B shape compiles), none at all without it (every pointer
     and integer of unknown alignment: the report sessions before the eleventh read, which
-    over-counted registers and spills and showed no pipelined loads)."""
+    over-counted registers and spills and showed no pipelined loads). ``maxnreg``: ptxas's
+    register cap (``KernelConfig.fwd_maxnreg``)."""
     # a constexpr left out takes its default, as a launch does (not an i32 argument: that
     # compiles both sides of every branch on it, e.g. _bwd_dfq's MAP_DU: 255 registers
     # reported against the 232 of the kernel that runs)
@@ -86,7 +88,8 @@ def compile_report(fn, pointers: dict, constexprs: dict, floats=(), warps=4, sta
         sig[name] = ("constexpr" if name in constexprs else pointers.get(name)
                      or ("fp32" if name in floats else "i32"))
     kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=hints),
-                            target=TARGET, options={"num_warps": warps, "num_stages": stages})
+                            target=TARGET, options={"num_warps": warps, "num_stages": stages,
+                                                    **({"maxnreg": maxnreg} if maxnreg else {})})
     ptx = kernel.asm["ptx"]
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
@@ -319,6 +322,37 @@ def test_held_rows_leave_two_programs_a_multiprocessor(variant):
                        cfg.warps, cfg.stages)
     print(f"fwd-{variant} at the default tiles, padding, shared: {r}")
     assert r["spill"] <= MAX_SPILL and r["smem"] <= TWO_PROGRAMS_SMEM, r
+
+
+#: three 4-warp programs a multiprocessor: at most 168 registers a thread (64K / (3 x 128),
+#: rounded down to ptxas's steps of 8) and 75 KB of shared memory each (228 KB, 1 KB reserved
+#: per program)
+THREE_PROGRAMS = {"registers": 168, "smem": 75 * 1024}
+#: ``park_la``'s forwards (``KernelConfig`` changes from the default's): capped at 168
+#: registers with one stage, and with two stages on 16-key blocks
+PARKED_FORWARDS = {"r168-s1": dict(fwd_maxnreg=168, fwd_stages=1),
+                   "r168-bn16": dict(fwd_maxnreg=168, block_n=16)}
+
+
+@pytest.mark.parametrize("save", [False, True], ids=["no-grad", "save"])
+@pytest.mark.parametrize("variant", list(PARKED_FORWARDS))
+def test_parked_forward_fits_three_programs_a_multiprocessor(variant, save):
+    """``KernelConfig.park_la`` (the LA output parked in memory through the window's loop)
+    under ``fwd_maxnreg`` 168: registers and shared memory for three programs a
+    multiprocessor (``THREE_PROGRAMS``) and at most ``MAX_SPILL`` bytes of spill, with padding
+    and the shared norm, saving the branches or not (read on 2026-12-05: without padding or
+    the shared norm r168-s1 4 B of spill, 41 KB, saving 40 B; r168-bn16 4 B, 56 KB). Without
+    the park the same cap spills 172-228 B (its LA tile held through the window's loop)."""
+    cfg = th.default_config(128, 256, torch.bfloat16)
+    c = dataclasses.replace(cfg, park_la=True, **PARKED_FORWARDS[variant])
+    lo = dict(D=128, F=256, FC=th._fc(c, 256), CS=c.state_chunk, HAS_KPM=True, PREC="tf32",
+              BM=c.block_m, BN=c.block_n, P=th.pack_of(c, 4), SHARED=True, HAS_SWA=True,
+              HAS_LA=True, SS=c.state_product_stages, SAVE=save, PARK=True)
+    r = compile_report(th._fwd, _pointers(torch.bfloat16), lo, ("scale_log2", "eps"), c.warps,
+                       c.fwd_stages or c.stages, maxnreg=c.fwd_maxnreg)
+    print(f"fwd parked {variant}{' saving' if save else ''}, padding, shared: {r}")
+    assert r["registers"] <= THREE_PROGRAMS["registers"] and r["spill"] <= MAX_SPILL, r
+    assert r["smem"] <= THREE_PROGRAMS["smem"], r
 
 
 HYBRID = [  # dtype, D, F, flags
