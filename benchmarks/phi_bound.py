@@ -62,7 +62,10 @@ PAIR_ROWS = {"default": None, "pair": {}, "pair-rcp": dict(RECIPROCAL_SOFTMAX=Tr
                                         RECIPROCAL_SOFTMAX=True),
              "walk2-tma-32x4-s2": dict(FORWARD_WALK=2, WALK_TILES=(32, 4), WALK_STAGES=2),
              "walk3-tma-32x4-s2": dict(FORWARD_WALK=3, WALK_TILES=(32, 4), WALK_STAGES=2),
-             "walk2-tma-64x4-s2": dict(FORWARD_WALK=2, WALK_TILES=(64, 4), WALK_STAGES=2)}
+             "walk2-tma-64x4-s2": dict(FORWARD_WALK=2, WALK_TILES=(64, 4), WALK_STAGES=2),
+             # four stages of the default's walk (~98 KB: still two a multiprocessor)
+             "walk2-tma-32x4-s4-rcp": dict(FORWARD_WALK=2, WALK_TILES=(32, 4), WALK_STAGES=4,
+                                           RECIPROCAL_SOFTMAX=True)}
 ROWS = (*PAIR_ROWS, "dot", "copy", "read", "write", "torch-cat")
 
 

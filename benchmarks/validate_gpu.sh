@@ -161,6 +161,11 @@ case "${1:-}" in
       --branches hybrid,swa,la --out "$R/split" > "$R/split.log" 2>&1
     grep -A6 "forward" "$R/split/kernel_anatomy.md" | head -9
     step "branch split"
+    t0=$SECONDS
+    timeout 50 python benchmarks/phi_bound.py --shape 8x1024 --rows default,walk2-tma-32x4-s4-rcp \
+      --out "$R/phi_bound" > "$R/phi_bound.log" 2>&1
+    cut -c1-90 "$R/phi_bound.log" | tail -4
+    step "phi bound"
     ;;
   memory)
     # session 22's second call (~6 min): the fold's memory (the saved branches released, the
