@@ -153,8 +153,8 @@ case "${1:-}" in
     # session 25: `_fwd` with more programs a multiprocessor (the LA output parked through the
     # window's loop, its registers capped, one stage), each against its controls; their GPU
     # tests; then `_fwd`'s time split between its branches (kernel alone, maps precomputed)
-    anatomy ${ANATOMY_TIMEOUT:-300} \
-      layer,layer-park-r168-s1,layer-park-r168-bn16,layer-park-r128-s1,layer-park,layer-fwd-s1
+    anatomy ${ANATOMY_TIMEOUT:-320} layer,layer-park-r168-s1,layer-w-in-kernel,$(
+      )layer-park-r168-bn16,layer-park-r128-s1,layer-park,layer-fwd-s1
     [ -n "${SKIP_TESTS:-}" ] || kernel_tests 100 "options_give or walking"
     t0=$SECONDS
     timeout 70 python benchmarks/kernel_anatomy.py --shapes 8x1024 --configs default \
