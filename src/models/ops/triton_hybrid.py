@@ -2323,11 +2323,12 @@ def _with_retry(phase: str, key: tuple, cfg: KernelConfig, fn):
     to recompute them."""
     chain = _retry_chain(cfg)
     errs = errors()
-    safe_failed = _SAFE_FAILED.get((phase, key))
+    # (the sets are tested only where not empty: a config's hash is ~40 fields, twice a call)
+    safe_failed = _SAFE_FAILED.get((phase, key)) if _SAFE_FAILED else None
     if safe_failed is not None:  # (every config of this problem failed here: no new compile)
         raise safe_failed
     for i, c in enumerate(chain):
-        if (phase, c, key) in _FAILED:
+        if _FAILED and (phase, c, key) in _FAILED:
             continue
         try:
             return fn(c)

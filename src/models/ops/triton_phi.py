@@ -349,8 +349,23 @@ FORWARD_TILES: tuple[int, int] | None = None
 #: (``triton_hybrid._folded_maps_backward``). Each program reads the 64 KB fp32 weight from
 #: L2 instead of 32 KB (ptxas at D = F/2 = 128: 98 registers, 48 KB either way). Off:
 #: measured slower (session 23, one H100, 8 x 1k, ``kernel_anatomy.py --branches
-#: layer-w-in-kernel``: the pair 0.138 to 0.157 ms against the casts' 0.005 saved)
-WEIGHTS_IN_KERNEL = False
+#: layer-w-in-kernel``: the pair 0.138 to 0.157 ms against the casts' 0.005 saved) on one
+#: program a block. "walk": only where the pair walks (``walk_plan``), whose programs read a
+#: head's weight once a share of ~5 blocks at the 8B's shape (not yet measured on a GPU; the
+#: CPU proxy, ``host_overhead.py --weights-in-kernel``: the no-grad forward's host time 135.6
+#: to 111.8 us, its first launch 61.5 to 42.1)
+WEIGHTS_IN_KERNEL: bool | str = False
+
+
+def weights_in_kernel(walking: bool) -> bool:
+    """Whether the pair's kernel rounds the maps' weights itself (``WEIGHTS_IN_KERNEL``), for a
+    pair that walks or not."""
+    if WEIGHTS_IN_KERNEL in (True, False):
+        return WEIGHTS_IN_KERNEL
+    if WEIGHTS_IN_KERNEL != "walk":
+        raise ValueError(f"triton_phi.WEIGHTS_IN_KERNEL {WEIGHTS_IN_KERNEL!r}: True, False or "
+                         "'walk'")
+    return walking
 #: the forward pair on programs that each walk an equal share of the heads' row blocks in a
 #: row (``_phi_fwd_pair_walk``; a share spanning two heads reads both weights): this many
 #: programs a multiprocessor on ``WALK_TILES``; "auto": ``WALK_DEFAULTS``' plan for the
@@ -652,15 +667,16 @@ def walk_plan(D: int, FH: int) -> tuple[int, int, int, int] | None:
 def map_forward_pair(xq, wq, bq, softmax_q, xk, wk, bk, softmax_k):
     """``map_forward`` of a layer's two maps, ``((yq, wqc, bqc), (yk, wkc, bkc))``, in one
     launch (``_phi_fwd_pair``: the same programs in one grid) where ``_pairable``, else two.
-    With ``WEIGHTS_IN_KERNEL`` the paired weights come back as they were given (fp32 master
+    Where ``weights_in_kernel`` the paired weights come back as they were given (fp32 master
     weights: the caller casts them where it needs them in x's dtype)."""
     if not _pairable(xq, wq, xk, wk):
         return map_forward(xq, wq, bq, softmax_q), map_forward(xk, wk, bk, softmax_k)
     B, Hq, T, D = xq.shape
     Hk, FH = xk.shape[1], wq.shape[-1]
-    yq, wqc, bqc = _forward_operands(xq, wq, bq, not WEIGHTS_IN_KERNEL)
-    yk, wkc, bkc = _forward_operands(xk, wk, bk, not WEIGHTS_IN_KERNEL)
     plan = walk_plan(D, FH) if B * T else None  # (no rows: the grid's empty launch)
+    in_kernel = weights_in_kernel(plan is not None)
+    yq, wqc, bqc = _forward_operands(xq, wq, bq, not in_kernel)
+    yk, wkc, bkc = _forward_operands(xk, wk, bk, not in_kernel)
     if plan is not None:
         per_sm, BM, warps, stages = plan
         programs, tpp = walk_split((Hq + Hk) * B * cdiv(T, BM), per_sm, xq.device)
@@ -681,7 +697,7 @@ def map_forward_pair(xq, wq, bq, softmax_q, xk, wk, bk, softmax_k):
             D=D, FH=FH, BM=BM, SOFTMAX_Q=softmax_q, SOFTMAX_K=softmax_k, PREC=_prec(xq.dtype),
             RCP=RECIPROCAL_SOFTMAX, num_warps=warps)
     CALLS["pair_forward"] += 1
-    CALLS["weights_in_kernel"] += WEIGHTS_IN_KERNEL and (wq.dtype, wk.dtype) != (xq.dtype,) * 2
+    CALLS["weights_in_kernel"] += in_kernel and (wq.dtype, wk.dtype) != (xq.dtype,) * 2
     return (yq, wqc, bqc), (yk, wkc, bkc)
 
 
