@@ -149,13 +149,23 @@ def ensure_allocator() -> None:
     in a ContextVar, so one set on the main thread is not set in autograd's backward threads
     (found on an H200 on 2026-12-03: "no allocator was set" in the backward). One that a
     caller or another library set is kept."""
+    got = _allocator_state()
+    if got is not None:
+        holder, null = got
+        if not isinstance(holder.get(), null):
+            return
+    triton.set_allocator(_scratch)
+
+
+@functools.cache
+def _allocator_state():
+    """(Triton's ContextVar holding the scratch allocator, its NullAllocator class), or None
+    for a Triton without them (imported once: ``tma_ok`` asks on every layer call)."""
     try:
         from triton.runtime import _allocation
-        if not isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-            return
+        return _allocation._allocator, _allocation.NullAllocator
     except (ImportError, AttributeError):  # pragma: no cover - another Triton's internals
-        pass
-    triton.set_allocator(_scratch)
+        return None
 
 
 # ----------------------------------------------------------------------------- launching
