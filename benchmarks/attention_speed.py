@@ -41,9 +41,11 @@ into ``--summary`` (default ``<out>/summary.json``, merged with what is there).
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import dataclasses
 import datetime
+import functools
 import gc
 import json
 import re
@@ -58,6 +60,7 @@ from hedgecats.models import HedgehogFeatureMap, hybrid_attention
 from hedgecats.models.mixers import LearnedHeadMixer, SharedNormMixer
 from hedgecats.models.ops import backends
 from hedgecats.models.ops import reference as ref
+from hedgecats.models.ops import switches as kernel_switches
 from hedgecats.models.ops import triton_hybrid as th
 
 # ----------------------------------------------------------------------------- timing
@@ -946,7 +949,19 @@ def main(argv=None) -> int:
                    "nothing)")
     p.add_argument("--plot", metavar="JSON", default=None,
                    help="only draw attention_speed.png in --out from an attention_speed.json")
+    p.add_argument("--switches", default="", metavar="SPEC",
+                   help="kernel switches set for the whole run, 'module.NAME=value,...' "
+                   "(e.g. triton_phi.WEIGHTS_IN_KERNEL='walk'): an option measured as it would "
+                   "run as the default; recorded in the JSON")
+    p.add_argument("--tiles", default="", metavar="SPEC",
+                   help="the default kernel config's fields changed for the whole run, "
+                   "'field=value,...' (e.g. park_la=True,fwd_maxnreg=168); recorded")
     a = p.parse_args(argv)
+    try:
+        run_switches = kernel_switches.parse(a.switches, "--switches")
+        run_tiles = parse_tiles(a.tiles)
+    except (ValueError, SyntaxError) as e:
+        p.error(str(e))
     unknown = set((a.tune_configs or "").split(",")) - set(TUNE_CONFIGS) - {""}
     if unknown:
         p.error(f"--tune-configs: no such config {', '.join(sorted(unknown))}; choose from "
@@ -974,7 +989,8 @@ def main(argv=None) -> int:
     res = {"command": " ".join(cmd),
            "environment": environment(), "heads": a.heads, "kv_heads": a.kv_heads,
            "head_dim": a.head_dim, "window": a.window, "dtype": a.dtype,
-           "projection": a.projection, "rows": [], "tuning": []}
+           "projection": a.projection, "rows": [], "tuning": [],
+           "switches": a.switches, "tiles": a.tiles}
 
     def log(row):
         if "config" in row:
@@ -1016,6 +1032,15 @@ def main(argv=None) -> int:
         update_summary(Path(a.summary) if a.summary else out / "summary.json", res["ratios"],
                        res["environment"])
 
+    with kernel_switches.applied(run_switches), default_tiles_changed(run_tiles):
+        measure(a, res, log, write)
+    print(json.dumps(res["ratios"], indent=1))
+    return 0
+
+
+def measure(a, res, log, write) -> None:
+    """``main``'s rows, shape by shape, then its tile sweep (``--tune``), written as they
+    come."""
     for shape in filter(None, a.shapes.split(",")):  # (--shapes "": the tile sweep only)
         B, T = map(int, shape.split("x"))
         try:
@@ -1039,8 +1064,39 @@ def main(argv=None) -> int:
                 res["tuning"].append({"B": B, "T": T, "config": "(shape)", "error": f"{e}"[:400]})
             torch.cuda.empty_cache()
             write()
-    print(json.dumps(res["ratios"], indent=1))
-    return 0
+
+
+def parse_tiles(spec: str) -> dict:
+    """``--tiles``' "field=value,..." (``KernelConfig`` fields, values Python literals)."""
+    fields = {f.name for f in dataclasses.fields(th.KernelConfig)}
+    out = {}
+    for item in filter(None, (s.strip() for s in re.split(r",(?=\s*\w+\s*=)", spec))):
+        name, sep, value = item.partition("=")
+        if not sep or name.strip() not in fields:
+            raise ValueError(f"--tiles: {item!r} is not field=value of a KernelConfig field "
+                             f"(e.g. park_la=True)")
+        out[name.strip()] = ast.literal_eval(value.strip())
+    return out
+
+
+@contextlib.contextmanager
+def default_tiles_changed(changes: dict | None):
+    """``triton_hybrid.default_config`` returning its tiles with ``changes`` inside (what the
+    layer's call reaches: ``hybrid_kernel`` asks it when given no config)."""
+    if not changes:
+        yield
+        return
+    base = th.default_config
+
+    @functools.lru_cache(maxsize=64)  # (one config a shape, as the default's: the host time
+    def changed(D, F, dtype):  # of a call with changed tiles is the default's)
+        return dataclasses.replace(base(D, F, dtype), **changes)
+
+    th.default_config = changed
+    try:
+        yield
+    finally:
+        th.default_config = base
 
 
 if __name__ == "__main__":

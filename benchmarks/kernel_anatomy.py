@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import importlib
 import json
 import sys
@@ -26,7 +25,8 @@ from pathlib import Path
 from unittest import mock
 
 import torch
-from attention_speed import TUNE_CONFIGS, Layer, add_head_args, device_ms, environment, rel
+from attention_speed import (TUNE_CONFIGS, Layer, add_head_args, default_tiles_changed,
+                             device_ms, environment, rel)
 from hedgecats.models.ops import reference as ref
 from hedgecats.models.ops import triton_hybrid as th
 
@@ -153,25 +153,6 @@ def switch_set(branches: str):
             stack.enter_context(mock.patch.object(
                 importlib.import_module(f"hedgecats.models.ops.{mod_name}"), attr, value))
         yield
-
-
-@contextlib.contextmanager
-def default_tiles_changed(changes: dict | None):
-    """``triton_hybrid.default_config`` returning its tiles with ``changes`` inside (what the
-    layer's call reaches: ``hybrid_kernel`` asks it when given no config)."""
-    if not changes:
-        yield
-        return
-    base = th.default_config
-
-    def changed(D, F, dtype):
-        return dataclasses.replace(base(D, F, dtype), **changes)
-
-    th.default_config = changed
-    try:
-        yield
-    finally:
-        th.default_config = base
 
 
 def per_launch(events: list[tuple[str, float, float]], calls: int) -> dict[str, float]:

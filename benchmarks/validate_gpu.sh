@@ -28,10 +28,12 @@
 #       pair, the reciprocal softmax): their GPU tests, phi_bound.py's rows, issue 11's five
 #       ratios with them (attention_speed, no gate rows), the layer against the defaults
 #       before (kernel_anatomy layer,layer-grid-div)
-#   bash benchmarks/validate_gpu.sh occupancy  (~8 min) session 25: `_fwd` with more programs a
-#       multiprocessor (KernelConfig.park_la, fwd_maxnreg, fwd_stages) against the layer and
-#       their controls (kernel_anatomy), their GPU tests (options_give, and the walking
-#       pair's), `_fwd`'s time split between its branches (kernel_anatomy hybrid,swa,la)
+#   bash benchmarks/validate_gpu.sh occupancy  (~9 min) session 25: `_fwd` with more programs a
+#       multiprocessor (KernelConfig.park_la, fwd_maxnreg, fwd_stages) and the maps' weights
+#       rounded in the walking pair (triton_phi.WEIGHTS_IN_KERNEL "walk") against the layer
+#       (kernel_anatomy); the T1k ratios with the defaults and with those candidates
+#       (attention_speed --switches / --tiles, one run each); their GPU tests (options_give,
+#       the walking pair's); `_fwd`'s time split between its branches
 #   bash benchmarks/validate_gpu.sh memory     (~6 min) the fold's memory tests, its peak taken
 #       apart (fold_memory.py), session 23's held-fq forward tests, the recipes
 #
@@ -151,21 +153,29 @@ case "${1:-}" in
     ;;
   occupancy)
     # session 25: `_fwd` with more programs a multiprocessor (the LA output parked through the
-    # window's loop, its registers capped, one stage), each against its controls; their GPU
-    # tests; then `_fwd`'s time split between its branches (kernel alone, maps precomputed)
-    anatomy ${ANATOMY_TIMEOUT:-320} layer,layer-park-r168-s1,layer-w-in-kernel,$(
-      )layer-park-r168-bn16,layer-park-r128-s1,layer-park,layer-fwd-s1
+    # window's loop, its registers capped, one stage) and the maps' weights rounded in the
+    # walking pair, each against the layer; the T1k ratios with the defaults and with those
+    # candidates (one run each, here); their GPU tests; `_fwd`'s time split by branch
+    anatomy ${ANATOMY_TIMEOUT:-240} \
+      layer,layer-park-r168-s1,layer-w-in-kernel,layer-park-r168-bn16,layer-park-r128-s1
+    for run in base cand; do
+      t0=$SECONDS
+      extra=()
+      [ $run = cand ] && extra=(--switches "triton_phi.WEIGHTS_IN_KERNEL='walk'" \
+        --tiles "${CAND_TILES:-park_la=True,fwd_maxnreg=168,fwd_stages=1}")
+      timeout ${SPEED_TIMEOUT:-75} python benchmarks/attention_speed.py --shapes 8x1024 \
+        --check-max-tokens 8192 --cases "^(teacher|hybrid fixed)( fwd)?$" "${extra[@]}" \
+        --out "$R/speed-$run" > "$R/speed-$run.log" 2>&1
+      grep -E "^B= 8 T=  1024 (teacher|hybrid fixed)" "$R/speed-$run.log" | cut -c1-100
+      grep -A4 '"layer_vs_teacher_T1k"' "$R/speed-$run/attention_speed.json" | head -5
+      step "speed $run"
+    done
     [ -n "${SKIP_TESTS:-}" ] || kernel_tests 100 "options_give or walking"
     t0=$SECONDS
-    timeout 70 python benchmarks/kernel_anatomy.py --shapes 8x1024 --configs default \
+    timeout 60 python benchmarks/kernel_anatomy.py --shapes 8x1024 --configs default \
       --branches hybrid,swa,la --out "$R/split" > "$R/split.log" 2>&1
     grep -A6 "forward" "$R/split/kernel_anatomy.md" | head -9
     step "branch split"
-    t0=$SECONDS
-    timeout 50 python benchmarks/phi_bound.py --shape 8x1024 --rows default,walk2-tma-32x4-s4-rcp \
-      --out "$R/phi_bound" > "$R/phi_bound.log" 2>&1
-    cut -c1-90 "$R/phi_bound.log" | tail -4
-    step "phi bound"
     ;;
   memory)
     # session 22's second call (~6 min): the fold's memory (the saved branches released, the

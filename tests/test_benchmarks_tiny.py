@@ -607,3 +607,40 @@ def test_phi_bound_rows_compute_what_they_claim(tmp_path):
         assert row["max_rel_err"] < 1e-2, (name, row)
         assert row["device_ms"] == []  # (no GPU: checked, not timed)
     assert json.loads((tmp_path / "phi_bound.json").read_text())["shape"] == "1x40"
+
+
+def test_attention_speed_switches_and_tiles_hold_for_the_run_only(tmp_path, monkeypatch):
+    """``--switches`` (kernel module switches) and ``--tiles`` (the default config's fields)
+    are in effect while the rows are measured, recorded in the JSON, restored after; a field
+    or switch that does not exist is refused before anything runs."""
+    import importlib.util
+
+    import torch
+    from hedgecats.models.ops import triton_hybrid as th
+    from hedgecats.models.ops import triton_phi as tp
+
+    spec = importlib.util.spec_from_file_location("attention_speed",
+                                                  ROOT / "benchmarks" / "attention_speed.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    seen = {}
+
+    def measure(a, res, log, write):
+        cfg = th.default_config(128, 256, torch.bfloat16)
+        seen.update(park=cfg.park_la, cap=cfg.fwd_maxnreg, walk=tp.WEIGHTS_IN_KERNEL,
+                    cached=th.default_config(128, 256, torch.bfloat16) is cfg)
+        write()
+
+    monkeypatch.setattr(bench, "measure", measure)
+    before = th.default_config, tp.WEIGHTS_IN_KERNEL
+    assert bench.main(["--tiny", "--shapes", "2x64", "--out", str(tmp_path),
+                       "--switches", "triton_phi.WEIGHTS_IN_KERNEL='walk'",
+                       "--tiles", "park_la=True, fwd_maxnreg=168"]) == 0
+    assert seen == {"park": True, "cap": 168, "walk": "walk", "cached": True}
+    assert (th.default_config, tp.WEIGHTS_IN_KERNEL) == before
+    res = json.loads((tmp_path / "attention_speed.json").read_text())
+    assert res["switches"] == "triton_phi.WEIGHTS_IN_KERNEL='walk'"
+    assert res["tiles"] == "park_la=True, fwd_maxnreg=168"
+    for bad in (["--tiles", "no_such=1"], ["--switches", "triton_phi.NO_SUCH=1"]):
+        with pytest.raises(SystemExit):
+            bench.main(["--tiny", "--out", str(tmp_path), *bad])
