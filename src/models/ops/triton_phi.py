@@ -366,6 +366,8 @@ def weights_in_kernel(walking: bool) -> bool:
         raise ValueError(f"triton_phi.WEIGHTS_IN_KERNEL {WEIGHTS_IN_KERNEL!r}: True, False or "
                          "'walk'")
     return walking
+
+
 #: the forward pair on programs that each walk an equal share of the heads' row blocks in a
 #: row (``_phi_fwd_pair_walk``; a share spanning two heads reads both weights): this many
 #: programs a multiprocessor on ``WALK_TILES``; "auto": ``WALK_DEFAULTS``' plan for the
