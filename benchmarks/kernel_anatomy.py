@@ -109,6 +109,11 @@ LAYER_CHANGES = {"layer-fwd128": dict(block_m=128, block_n=64, warps=8,  # (the 
                  "layer-park-r168-s1": dict(park_la=True, fwd_maxnreg=168, fwd_stages=1),
                  "layer-park-r128-s1": dict(park_la=True, fwd_maxnreg=128, fwd_stages=1),
                  "layer-park-r168-bn16": dict(park_la=True, fwd_maxnreg=168, block_n=16),
+                 # 128 rows (32 positions of 4 heads) on 8 warps, parked, capped at 128: two
+                 # programs (16 warps) a multiprocessor at two stages (ptxas: 56 B of spill,
+                 # 112 KB; uncapped 190 registers: one)
+                 "layer-park-r128-bm128": dict(park_la=True, fwd_maxnreg=128, block_m=128,
+                                               warps=8),
                  "layer-r168-s1": dict(fwd_maxnreg=168, fwd_stages=1)}
 #: the whole layer with a module switch of the kernels changed (module, attribute, value):
 #: both maps' backward in one grid (``triton_phi.PAIR_BACKWARD``, off by default)

@@ -156,8 +156,9 @@ case "${1:-}" in
     # window's loop, its registers capped, one stage) and the maps' weights rounded in the
     # walking pair, each against the layer; the T1k ratios with the defaults and with those
     # candidates (one run each, here); their GPU tests; `_fwd`'s time split by branch
-    anatomy ${ANATOMY_TIMEOUT:-240} \
-      layer,layer-park-r168-s1,layer-w-in-kernel,layer-park-r168-bn16,layer-park-r128-s1
+    anatomy ${ANATOMY_TIMEOUT:-270} \
+      layer,layer-park-r168-s1,layer-w-in-kernel,layer-park-r168-bn16,layer-park-r128-s1,$(
+      )layer-park-r128-bm128
     for run in base cand; do
       t0=$SECONDS
       extra=()
@@ -170,9 +171,9 @@ case "${1:-}" in
       grep -A4 '"layer_vs_teacher_T1k"' "$R/speed-$run/attention_speed.json" | head -5
       step "speed $run"
     done
-    [ -n "${SKIP_TESTS:-}" ] || kernel_tests 100 "options_give or walking"
+    [ -n "${SKIP_TESTS:-}" ] || kernel_tests 90 "(options_give and park) or walking"
     t0=$SECONDS
-    timeout 60 python benchmarks/kernel_anatomy.py --shapes 8x1024 --configs default \
+    timeout 50 python benchmarks/kernel_anatomy.py --shapes 8x1024 --configs default \
       --branches hybrid,swa,la --out "$R/split" > "$R/split.log" 2>&1
     grep -A6 "forward" "$R/split/kernel_anatomy.md" | head -9
     step "branch split"

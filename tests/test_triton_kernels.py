@@ -405,7 +405,10 @@ SAME_RESULT_OPTIONS = {"kv_order1": (dict(kv_order=0), dict(kv_order=1), "kv_ord
                        "park_la_r128_s1": (dict(), dict(park_la=True, fwd_maxnreg=128,
                                                         fwd_stages=1), "parked_forward"),
                        "park_la_r168_bn16": (dict(), dict(park_la=True, fwd_maxnreg=168,
-                                                          block_n=16), "parked_forward")}
+                                                          block_n=16), "parked_forward"),
+                       "park_la_r128_bm128": (dict(), dict(park_la=True, fwd_maxnreg=128,
+                                                           block_m=128, warps=8),
+                                              "parked_forward")}
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["fixed", "shared"])
