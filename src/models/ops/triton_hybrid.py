@@ -365,10 +365,27 @@ class KernelConfig:
 #: 2026-12-05 (session 21), after the GPU tests passed with them compiled
 #: (``test_options_give_the_same_results[fwd_two_programs-fixed/shared]``, call 1,
 #: results/h200_2026-12-05)
-TWO_PROGRAM_FORWARD = dict(block_m=64, block_n=32, warps=4, state_product_stages=2)
+TWO_PROGRAM_FORWARD = dict(block_m=64, block_n=32, warps=4, state_product_stages=2,
+                           park_la=False, fwd_maxnreg=None)
+#: The forward's tiles at D 128 bf16 since session 25: 128 rows (32 positions of 4 query
+#: heads) on 8 warps, 32-key blocks, the state product pipelined, the LA output parked through
+#: the window's loop (``park_la``) and the registers capped at 128 (``fwd_maxnreg``): ptxas
+#: (sm_90a, launch hints) 128 registers, 56 B of spill, 112 KB, so two programs (16 warps) a
+#: multiprocessor, where ``TWO_PROGRAM_FORWARD``'s take 248 registers and two programs of 4
+#: warps. Measured on one H100 (session 25, one run, `kernel_anatomy --branches
+#: layer,layer-park-r128-bm128`, 8 x 1k, device time; results/h100_2026-12-05f): the layer's
+#: forward 0.409 to 0.388 ms (`_fwd` 0.255 to 0.234), fwd + bwd 1.823 to 1.830 (the saving
+#: forward's `_fwd` 0.289 to 0.294). The other rows of that run: parked on 64 rows capped at
+#: 168 with one stage 0.419, at 128 with one stage 0.421 (more programs, less pipelining:
+#: slower), on 16-key blocks capped at 168 0.394. Its GPU tests passed there
+#: (``test_options_give_the_same_results[park_la_r128_bm128-*]``). Other group sizes (Qwen2's
+#: 7: one head a program, 128 positions) take these tiles unmeasured
+PARKED_FORWARD = dict(block_m=128, block_n=32, warps=8, state_product_stages=2, park_la=True,
+                      fwd_maxnreg=128)
 #: The forward's tiles at D 128 bf16 until 2026-12-05 (sessions 11-20): 128 rows, 64-key
 #: blocks, 8 warps, the state product not pipelined (the A/B of ``TWO_PROGRAM_FORWARD``)
-ONE_PROGRAM_FORWARD = dict(block_m=128, block_n=64, warps=8, state_product_stages=0)
+ONE_PROGRAM_FORWARD = dict(block_m=128, block_n=64, warps=8, state_product_stages=0,
+                           park_la=False, fwd_maxnreg=None)
 
 
 @functools.lru_cache(maxsize=64)  # (a KernelConfig is frozen: one per shape, not per call)
@@ -433,7 +450,8 @@ def default_config(D: int, F: int, dtype: torch.dtype) -> KernelConfig:
     # second (`_state_rev` 0.166 to 0.086); the dv program scheduled first (``kv_order`` 1)
     # 1.910 (`_bwd_kv` 0.597). The kernel alone at 1 x 64k 13.31 to 12.92 ms with the first
     # (kernel_anatomy and attention_speed.py --tune, one run; results/h200_2026-12-04b, call 1)
-    # The forward on ``TWO_PROGRAM_FORWARD``'s tiles since session 21 (see there)
+    # The forward on ``TWO_PROGRAM_FORWARD``'s tiles since session 21 (see there); on
+    # ``PARKED_FORWARD``'s since session 25 (see there)
     # Measured slower and not taken (session 22, kernel_anatomy at 8 x 1k, device time;
     # results/h200_2026-12-05b): the q map inside the no-grad forward's ``_fwd``
     # (``map_q_forward``), the forward 0.413 to 0.462 ms (`_fwd` 0.246 to 0.397, the maps'
@@ -442,7 +460,7 @@ def default_config(D: int, F: int, dtype: torch.dtype) -> KernelConfig:
     # `_fwd`): `_fwd` 0.397 to 0.386, but 16 chunks build their states split (0.15 ms against
     # `_state_fwd`'s 0.028), the forward 0.58
     if D >= 128:
-        return KernelConfig(**TWO_PROGRAM_FORWARD, state_chunk=128, stages=2, bwd_block_m=64,
+        return KernelConfig(**PARKED_FORWARD, state_chunk=128, stages=2, bwd_block_m=64,
                             bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8,
                             grad_f_chunk=256, dkv_block_n=64, split_tile=128,
                             dq_block_m=128, pack_heads=4, state_f=128, state_d=128,
@@ -2107,17 +2125,19 @@ def _forward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, *, window
         HAS_SWA=has_swa, HAS_LA=has_la, SHARED=shared, HAS_KPM=kpm_i8 is not None,
         PREC=_prec(q.dtype), SAVE=store, SS=cfg.state_product_stages, MAP_Q=mapped,
         SOFTMAX_Q=bool(map_q[2]) if mapped else True, HOLD_FQ=held, TMA=tma,
-        PARK=park, num_warps=cfg.warps, **_fwd_launch_options(cfg))
+        PARK=park, num_warps=cfg.warps, **_fwd_launch_options(cfg, not (mapped or held)))
     states = (S, z, vs, cfg.state_chunk) if save and has_la else None
     if save and branch_is_output:  # (its values, bit for bit: the other branch adds 0 x 0)
         swa_o, la_o = (o if has_swa else None), (o if has_la else None)
     return o, lse, den, swa_o, la_o, states
 
 
-def _fwd_launch_options(cfg: KernelConfig) -> dict:
-    """``_fwd``'s launch options: its stages, and its register cap where one is set (a
-    cached dict: the layer launches it every call)."""
-    return _launch_options(cfg.fwd_stages or cfg.stages, cfg.fwd_maxnreg)
+def _fwd_launch_options(cfg: KernelConfig, capped: bool = True) -> dict:
+    """``_fwd``'s launch options: its stages, and its register cap where one is set and
+    ``capped`` (not for the q map in ``_fwd`` nor held fq rows, which hold more: ptxas at
+    ``PARKED_FORWARD``'s cap spills 300-1300 B there; a cached dict: the layer launches it
+    every call)."""
+    return _launch_options(cfg.fwd_stages or cfg.stages, cfg.fwd_maxnreg if capped else None)
 
 
 @functools.lru_cache(maxsize=16)
