@@ -114,10 +114,13 @@ LAYER_CHANGES = {"layer-fwd128": dict(block_m=128, block_n=64, warps=8,  # (the 
                  # 112 KB; uncapped 190 registers: one)
                  "layer-park-r128-bm128": dict(park_la=True, fwd_maxnreg=128, block_m=128,
                                                warps=8),
+                 # session 24's defaults (with its switch below), against session 25's
+                 "layer-s24": dict(th.TWO_PROGRAM_FORWARD),
                  "layer-r168-s1": dict(fwd_maxnreg=168, fwd_stages=1)}
 #: the whole layer with a module switch of the kernels changed (module, attribute, value):
 #: both maps' backward in one grid (``triton_phi.PAIR_BACKWARD``, off by default)
 LAYER_SWITCHES = {"layer-maps-paired-bwd": ("triton_phi", "PAIR_BACKWARD", True),
+                  "layer-s24": ("triton_phi", "WEIGHTS_IN_KERNEL", False),
                   # the maps' softmax normalised by a reciprocal per row (``RECIPROCAL_SOFTMAX``)
                   "layer-phi-rcp": ("triton_phi", "RECIPROCAL_SOFTMAX", True),
                   "layer-hold-fq-rcp": ("triton_phi", "RECIPROCAL_SOFTMAX", True),

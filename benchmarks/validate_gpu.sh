@@ -34,6 +34,8 @@
 #       (kernel_anatomy); the T1k ratios with the defaults and with those candidates
 #       (attention_speed --switches / --tiles, one run each); their GPU tests (options_give,
 #       the walking pair's); `_fwd`'s time split between its branches
+#   bash benchmarks/validate_gpu.sh parked     (~8 min) session 25's defaults: the five ratios,
+#       the layer against session 24's defaults (kernel_anatomy layer,layer-s24), their tests
 #   bash benchmarks/validate_gpu.sh memory     (~6 min) the fold's memory tests, its peak taken
 #       apart (fold_memory.py), session 23's held-fq forward tests, the recipes
 #
@@ -178,6 +180,20 @@ case "${1:-}" in
     grep -A6 "forward" "$R/split/kernel_anatomy.md" | head -9
     step "branch split"
     ;;
+  parked)
+    # session 25's defaults (PARKED_FORWARD, WEIGHTS_IN_KERNEL "walk"): issue 11's five
+    # ratios with them first, then the layer against session 24's defaults, then their tests
+    t0=$SECONDS
+    timeout ${SPEED_TIMEOUT:-250} python benchmarks/attention_speed.py \
+      --shapes ${SPEED_SHAPES:-8x1024,1x65536,2x4096} --check-max-tokens 8192 \
+      --cases "^(teacher|swa|hybrid fixed|lolcats T x T fixed)( fwd)?$" \
+      --out "$R/speed" > "$R/speed.log" 2>&1
+    grep -A8 '"layer_vs_teacher_T1k"' "$R/speed/summary.json" | head -12
+    step "ratios"
+    [ -n "${SKIP_ANATOMY:-}" ] || anatomy 80 layer,layer-s24
+    [ -n "${SKIP_TESTS:-}" ] || kernel_tests ${KERNEL_TESTS_TIMEOUT:-170} \
+      "walking or options_give or maps_folded or folded_call or output_gate or no_grad"
+    ;;
   memory)
     # session 22's second call (~6 min): the fold's memory (the saved branches released, the
     # maps' dx written over the kernel's dq / dk) - its peak test with the fold and q-map
@@ -192,7 +208,7 @@ case "${1:-}" in
     recipe_tests
     ;;
   *)
-    echo "usage: bash benchmarks/validate_gpu.sh tests|measure|options|forward|pair|defaults|occupancy|memory" >&2
+    echo "usage: bash benchmarks/validate_gpu.sh tests|measure|options|forward|pair|defaults|occupancy|parked|memory" >&2
     exit 2
     ;;
 esac
