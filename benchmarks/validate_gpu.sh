@@ -194,6 +194,22 @@ case "${1:-}" in
     [ -n "${SKIP_TESTS:-}" ] || kernel_tests ${KERNEL_TESTS_TIMEOUT:-170} \
       "walking or options_give or maps_folded or folded_call or output_gate or no_grad"
     ;;
+  bisect)
+    # session 25, call 3: the output gate's runs differed from each other with the new
+    # defaults; the same tests with one default at a time set back (module switches for a
+    # whole test session), after the mended fold and walk tests
+    OUT_R=$R
+    kernel_tests 100 "output_gate or maps_folded or walking"
+    S24="{'block_m': 64, 'block_n': 32, 'warps': 4, 'state_product_stages': 2, 'park_la': False, 'fwd_maxnreg': None}"
+    for sw in "triton_phi.WEIGHTS_IN_KERNEL=False" "triton_hybrid.PARKED_FORWARD=$S24" \
+        "triton_phi.WEIGHTS_IN_KERNEL=False,triton_phi.FORWARD_WALK=None"; do
+      echo "== switches: $sw"
+      R=$OUT_R/$(echo "$sw" | cut -c1-40 | tr -c 'a-zA-Z0-9_\n' '_')
+      mkdir -p "$R"
+      HEDGECATS_TEST_SWITCHES="$sw" kernel_tests 60 "output_gate"
+    done
+    R=$OUT_R
+    ;;
   memory)
     # session 22's second call (~6 min): the fold's memory (the saved branches released, the
     # maps' dx written over the kernel's dq / dk) - its peak test with the fold and q-map
@@ -208,7 +224,7 @@ case "${1:-}" in
     recipe_tests
     ;;
   *)
-    echo "usage: bash benchmarks/validate_gpu.sh tests|measure|options|forward|pair|defaults|occupancy|parked|memory" >&2
+    echo "usage: bash benchmarks/validate_gpu.sh tests|measure|options|forward|pair|defaults|occupancy|parked|bisect|memory" >&2
     exit 2
     ;;
 esac

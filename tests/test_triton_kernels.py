@@ -816,7 +816,9 @@ def test_maps_folded_into_the_kernel_are_their_own_functions(frozen, weights_in_
     kernel's autograd Function) against the call before it (the maps as their own Functions,
     q and k handed on, the q map's du from the kernel), Llama-3-8B's head shape, bf16,
     (B, T, H, D) memory, padding, T not a multiple of the state chunk: the output and every
-    gradient bit for bit (the same kernels on the same arguments), the fold taken both ways.
+    gradient bit for bit (the same kernels on the same arguments; the maps of the call before
+    on the tiles the folded pair walks on: on others their products round otherwise, as an
+    H100 read in session 25), the fold taken both ways.
     ``stage1``: the teacher's q, k, v detached (the maps' gradients only). Under no_grad
     (evaluation, prefill) the forward runs without the autograd Function: the same output.
     ``w-in-kernel``: the folded call's map pair rounds the maps' fp32 weights in its kernel
@@ -839,6 +841,8 @@ def test_maps_folded_into_the_kernel_are_their_own_functions(frozen, weights_in_
     kpm = torch.ones(B, T, dtype=torch.bool, device=DEVICE)
     kpm[1, :37] = False
     kw = dict(window=64, mode="hybrid", g=0.5, key_padding_mask=kpm)
+    plan = tp.walk_plan(D, D)  # (the pair walks on its plan's tiles, the grid on its own)
+    pair_tiles = None if plan is None else tuple(plan[1:3])
 
     def run(folded):
         q, k, v = (x.detach().clone().requires_grad_(n not in frozen)
@@ -849,8 +853,10 @@ def test_maps_folded_into_the_kernel_are_their_own_functions(frozen, weights_in_
             monkeypatch.setattr(tp, "WEIGHTS_IN_KERNEL", weights_in_kernel)
             out = hybrid_attention(q, k, v, None, None, maps=maps, **kw)
             monkeypatch.setattr(tp, "WEIGHTS_IN_KERNEL", False)
-        else:
+        else:  # (each map on the tiles the folded call's pair takes: the same products)
+            monkeypatch.setattr(tp, "FORWARD_TILES", pair_tiles)
             fq, fk, q_on, k_on = hybrid_mod._apply_maps(maps, q, k)
+            monkeypatch.setattr(tp, "FORWARD_TILES", None)
             out = hybrid_attention(q_on, k_on, v, fq, fk, **kw)
         (out.float() * do).sum().backward()
         return [out.detach(), q.grad, k.grad, v.grad] + [
