@@ -210,6 +210,17 @@ case "${1:-}" in
     done
     R=$OUT_R
     ;;
+  bisect-gate)
+    # the output gate's test alone, with one default at a time set back (little device time)
+    S24="{'block_m': 64, 'block_n': 32, 'warps': 4, 'state_product_stages': 2, 'park_la': False, 'fwd_maxnreg': None}"
+    for sw in "" "triton_phi.WEIGHTS_IN_KERNEL=False" "triton_hybrid.PARKED_FORWARD=$S24" \
+        "triton_phi.FORWARD_WALK=None"; do
+      echo "== switches: ${sw:-(defaults)}"
+      HEDGECATS_TEST_SWITCHES="$sw" timeout ${BISECT_TIMEOUT:-45} python -m pytest -q -m gpu \
+        -p no:cacheprovider tests/test_triton_kernels.py -k output_gate -n 3 2>&1 \
+        | grep -E "passed|failed|^FAILED" | cut -c1-120
+    done
+    ;;
   memory)
     # session 22's second call (~6 min): the fold's memory (the saved branches released, the
     # maps' dx written over the kernel's dq / dk) - its peak test with the fold and q-map
@@ -224,7 +235,7 @@ case "${1:-}" in
     recipe_tests
     ;;
   *)
-    echo "usage: bash benchmarks/validate_gpu.sh tests|measure|options|forward|pair|defaults|occupancy|parked|bisect|memory" >&2
+    echo "usage: bash benchmarks/validate_gpu.sh tests|measure|options|forward|pair|defaults|occupancy|parked|bisect|bisect-gate|memory" >&2
     exit 2
     ;;
 esac
