@@ -114,7 +114,9 @@ LAYER_CHANGES = {"layer-fwd128": dict(block_m=128, block_n=64, warps=8,  # (the 
                  # 112 KB; uncapped 190 registers: one)
                  "layer-park-r128-bm128": dict(park_la=True, fwd_maxnreg=128, block_m=128,
                                                warps=8),
-                 # session 24's defaults (with its switch below), against session 25's
+                 # session 24's defaults (with its switch below): the defaults again since
+                 # session 25's call 2 (``triton_hybrid.DEFAULT_FORWARD``); there it ran
+                 # against the candidates as defaults
                  "layer-s24": dict(th.TWO_PROGRAM_FORWARD),
                  "layer-r168-s1": dict(fwd_maxnreg=168, fwd_stages=1)}
 #: the whole layer with a module switch of the kernels changed (module, attribute, value):

@@ -34,8 +34,10 @@
 #       (kernel_anatomy); the T1k ratios with the defaults and with those candidates
 #       (attention_speed --switches / --tiles, one run each); their GPU tests (options_give,
 #       the walking pair's); `_fwd`'s time split between its branches
-#   bash benchmarks/validate_gpu.sh parked     (~8 min) session 25's defaults: the five ratios,
-#       the layer against session 24's defaults (kernel_anatomy layer,layer-s24), their tests
+#   bash benchmarks/validate_gpu.sh bisect-gate (~5 min) session 25: the output gate's test with
+#       each of session 25's candidates on alone and both (the run with both failed it)
+#   bash benchmarks/validate_gpu.sh parked     (~9 min) the candidates as defaults: the five
+#       ratios (attention_speed --tiles / --switches), the kernel tests with them
 #   bash benchmarks/validate_gpu.sh memory     (~6 min) the fold's memory tests, its peak taken
 #       apart (fold_memory.py), session 23's held-fq forward tests, the recipes
 #
@@ -180,46 +182,37 @@ case "${1:-}" in
     grep -A6 "forward" "$R/split/kernel_anatomy.md" | head -9
     step "branch split"
     ;;
+  bisect-gate)
+    # session 25's candidates (triton_hybrid.PARKED_FORWARD as DEFAULT_FORWARD, triton_phi.
+    # WEIGHTS_IN_KERNEL "walk"): the output gate's test read different outputs on two
+    # identical calls with both on (call 2). That test alone with the defaults, each on
+    # alone, both, and the pair on one program a block; then the fold's and walk's tests
+    PARKED="{'block_m': 128, 'block_n': 32, 'warps': 8, 'state_product_stages': 2, 'park_la': True, 'fwd_maxnreg': 128}"
+    for sw in "" "triton_phi.WEIGHTS_IN_KERNEL='walk'" "triton_hybrid.DEFAULT_FORWARD=$PARKED" \
+        "triton_hybrid.DEFAULT_FORWARD=$PARKED,triton_phi.WEIGHTS_IN_KERNEL='walk'" \
+        "triton_phi.FORWARD_WALK=None"; do
+      echo "== switches: ${sw:-(defaults)}"
+      HEDGECATS_TEST_SWITCHES="$sw" timeout ${BISECT_TIMEOUT:-60} python -m pytest -q -m gpu \
+        -p no:cacheprovider tests/test_triton_kernels.py -k output_gate -n 3 2>&1 \
+        | grep -E "passed|failed|^FAILED" | cut -c1-120
+    done
+    [ -n "${SKIP_TESTS:-}" ] || kernel_tests 100 "maps_folded or walking"
+    ;;
   parked)
-    # session 25's defaults (PARKED_FORWARD, WEIGHTS_IN_KERNEL "walk"): issue 11's five
-    # ratios with them first, then the layer against session 24's defaults, then their tests
+    # the candidates as defaults (once bisect-gate has cleared them): issue 11's five ratios
+    # with them (attention_speed --tiles / --switches), then the kernel tests with them
+    PARKED="{'block_m': 128, 'block_n': 32, 'warps': 8, 'state_product_stages': 2, 'park_la': True, 'fwd_maxnreg': 128}"
     t0=$SECONDS
     timeout ${SPEED_TIMEOUT:-250} python benchmarks/attention_speed.py \
       --shapes ${SPEED_SHAPES:-8x1024,1x65536,2x4096} --check-max-tokens 8192 \
       --cases "^(teacher|swa|hybrid fixed|lolcats T x T fixed)( fwd)?$" \
-      --out "$R/speed" > "$R/speed.log" 2>&1
+      --tiles "park_la=True,fwd_maxnreg=128,block_m=128,warps=8" \
+      --switches "triton_phi.WEIGHTS_IN_KERNEL='walk'" --out "$R/speed" > "$R/speed.log" 2>&1
     grep -A8 '"layer_vs_teacher_T1k"' "$R/speed/summary.json" | head -12
     step "ratios"
-    [ -n "${SKIP_ANATOMY:-}" ] || anatomy 80 layer,layer-s24
-    [ -n "${SKIP_TESTS:-}" ] || kernel_tests ${KERNEL_TESTS_TIMEOUT:-170} \
-      "walking or options_give or maps_folded or folded_call or output_gate or no_grad"
-    ;;
-  bisect)
-    # session 25, call 3: the output gate's runs differed from each other with the new
-    # defaults; the same tests with one default at a time set back (module switches for a
-    # whole test session), after the mended fold and walk tests
-    OUT_R=$R
-    kernel_tests 100 "output_gate or maps_folded or walking"
-    S24="{'block_m': 64, 'block_n': 32, 'warps': 4, 'state_product_stages': 2, 'park_la': False, 'fwd_maxnreg': None}"
-    for sw in "triton_phi.WEIGHTS_IN_KERNEL=False" "triton_hybrid.PARKED_FORWARD=$S24" \
-        "triton_phi.WEIGHTS_IN_KERNEL=False,triton_phi.FORWARD_WALK=None"; do
-      echo "== switches: $sw"
-      R=$OUT_R/$(echo "$sw" | cut -c1-40 | tr -c 'a-zA-Z0-9_\n' '_')
-      mkdir -p "$R"
-      HEDGECATS_TEST_SWITCHES="$sw" kernel_tests 60 "output_gate"
-    done
-    R=$OUT_R
-    ;;
-  bisect-gate)
-    # the output gate's test alone, with one default at a time set back (little device time)
-    S24="{'block_m': 64, 'block_n': 32, 'warps': 4, 'state_product_stages': 2, 'park_la': False, 'fwd_maxnreg': None}"
-    for sw in "" "triton_phi.WEIGHTS_IN_KERNEL=False" "triton_hybrid.PARKED_FORWARD=$S24" \
-        "triton_phi.FORWARD_WALK=None"; do
-      echo "== switches: ${sw:-(defaults)}"
-      HEDGECATS_TEST_SWITCHES="$sw" timeout ${BISECT_TIMEOUT:-45} python -m pytest -q -m gpu \
-        -p no:cacheprovider tests/test_triton_kernels.py -k output_gate -n 3 2>&1 \
-        | grep -E "passed|failed|^FAILED" | cut -c1-120
-    done
+    [ -n "${SKIP_TESTS:-}" ] || \
+      HEDGECATS_TEST_SWITCHES="triton_hybrid.DEFAULT_FORWARD=$PARKED,triton_phi.WEIGHTS_IN_KERNEL='walk'" \
+      kernel_tests ${KERNEL_TESTS_TIMEOUT:-250}
     ;;
   memory)
     # session 22's second call (~6 min): the fold's memory (the saved branches released, the
@@ -235,7 +228,7 @@ case "${1:-}" in
     recipe_tests
     ;;
   *)
-    echo "usage: bash benchmarks/validate_gpu.sh tests|measure|options|forward|pair|defaults|occupancy|parked|bisect|bisect-gate|memory" >&2
+    echo "usage: bash benchmarks/validate_gpu.sh tests|measure|options|forward|pair|defaults|occupancy|parked|bisect-gate|memory" >&2
     exit 2
     ;;
 esac

@@ -360,7 +360,7 @@ def test_parked_forward_fits_three_programs_a_multiprocessor(variant, save):
     assert r["smem"] <= THREE_PROGRAMS["smem"], r
 
 
-#: spill bytes per thread the default's saving forward may have at its 128-register cap (read:
+#: spill bytes per thread the parked saving forward may have at its 128-register cap (read:
 #: 176, 220 with padding and the shared norm). Measured on one H100 (session 25, 8 x 1k, the
 #: layer's fwd + bwd): that forward's `_fwd` 0.289 to 0.294 ms against session 24's tiles, no
 #: spill, where the no-grad forward gains 0.255 to 0.234 (results/h100_2026-12-05f)
@@ -368,20 +368,20 @@ PARKED_SAVING_SPILL = 224
 
 
 @pytest.mark.parametrize("save", [False, True], ids=["no-grad", "save"])
-def test_default_forward_fits_two_8_warp_programs_a_multiprocessor(save):
-    """The default's forward at D 128 bf16 since session 25 (``PARKED_FORWARD``: 128 rows of 4
+def test_parked_forward_fits_two_8_warp_programs_a_multiprocessor(save):
+    """Session 25's parked forward at D 128 bf16 (``PARKED_FORWARD``: 128 rows of 4
     heads, 8 warps, parked, capped at 128 registers): 128 registers, at most ``MAX_SPILL``
     bytes of spill and shared memory for two programs a multiprocessor, with padding and the
     shared norm, saving the branches or not (read on 2026-12-05: 56 B of spill without padding
     or the shared norm, 64 with both; saving 176 and 220, ``PARKED_SAVING_SPILL``)."""
-    c = th.default_config(128, 256, torch.bfloat16)
+    c = dataclasses.replace(th.default_config(128, 256, torch.bfloat16), **th.PARKED_FORWARD)
     assert c.park_la and c.fwd_maxnreg == 128 and (c.block_m, c.warps) == (128, 8), c
     lo = dict(D=128, F=256, FC=th._fc(c, 256), CS=c.state_chunk, HAS_KPM=True, PREC="tf32",
               BM=c.block_m, BN=c.block_n, P=th.pack_of(c, 4), SHARED=True, HAS_SWA=True,
               HAS_LA=True, SS=c.state_product_stages, SAVE=save, PARK=True)
     r = compile_report(th._fwd, _pointers(torch.bfloat16), lo, ("scale_log2", "eps"), c.warps,
                        c.fwd_stages or c.stages, maxnreg=c.fwd_maxnreg)
-    print(f"default fwd{' saving' if save else ''}, padding, shared: {r}")
+    print(f"parked fwd{' saving' if save else ''}, padding, shared: {r}")
     assert r["registers"] <= 128 and r["spill"] <= (PARKED_SAVING_SPILL if save else MAX_SPILL), r
     assert r["smem"] <= TWO_PROGRAMS_SMEM, r
 

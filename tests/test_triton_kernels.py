@@ -398,8 +398,8 @@ SAME_RESULT_OPTIONS = {"kv_order1": (dict(kv_order=0), dict(kv_order=1), "kv_ord
                        "state_sums_mma": (dict(state_sums_mma=False), dict(state_sums_mma=True),
                                           "state_sums_mma"),
                        "fwd_two_programs": ("ONE_PROGRAM_FORWARD", "TWO_PROGRAM_FORWARD", None),
-                       # the default's forward (``PARKED_FORWARD``) against session 24's
-                       "fwd_parked": ("TWO_PROGRAM_FORWARD", dict(), "parked_forward"),
+                       # session 25's parked forward (``PARKED_FORWARD``) against the default's
+                       "fwd_parked": ("TWO_PROGRAM_FORWARD", "PARKED_FORWARD", "parked_forward"),
                        "fwd_tma": (dict(fwd_tma=False), dict(fwd_tma=True), "forward_tma"),
                        # the parked variants measured in session 25, on session 24's tiles
                        "park_la": ("TWO_PROGRAM_FORWARD", ("TWO_PROGRAM_FORWARD",
@@ -440,10 +440,10 @@ def test_options_give_the_same_results(option, shared):
     ``park_la`` (the LA output parked in memory through the window's loop: the gradients
     bit for bit on the interpreter, the output within the LA branch's rounding) on session
     24's tiles, alone and with ``_fwd``'s registers capped (``fwd_maxnreg``: what spills,
-    ptxas-compiled only) with one pipeline stage (``fwd_stages``) or 16-key blocks; the
-    default's forward since session 25 (``PARKED_FORWARD``: parked, 128 rows, 8 warps, capped
-    at 128) against session 24's (``TWO_PROGRAM_FORWARD``). The report says which results
-    are bit for bit."""
+    ptxas-compiled only) with one pipeline stage (``fwd_stages``) or 16-key blocks; session
+    25's parked forward (``PARKED_FORWARD``: parked, 128 rows, 8 warps, capped at 128) against
+    the default's (``TWO_PROGRAM_FORWARD``). The report says which results are bit for
+    bit."""
     off, on, counter = SAME_RESULT_OPTIONS[option]
     off, on = (_option_changes(x) for x in (off, on))
     counters = [] if counter is None else [counter]

@@ -367,7 +367,8 @@ class KernelConfig:
 #: results/h200_2026-12-05)
 TWO_PROGRAM_FORWARD = dict(block_m=64, block_n=32, warps=4, state_product_stages=2,
                            park_la=False, fwd_maxnreg=None)
-#: The forward's tiles at D 128 bf16 since session 25: 128 rows (32 positions of 4 query
+#: A forward for D 128 bf16 measured faster in session 25, not the default (``DEFAULT_FORWARD``
+#: says why): 128 rows (32 positions of 4 query
 #: heads) on 8 warps, 32-key blocks, the state product pipelined, the LA output parked through
 #: the window's loop (``park_la``) and the registers capped at 128 (``fwd_maxnreg``): ptxas
 #: (sm_90a, launch hints) 128 registers, 56 B of spill, 112 KB, so two programs (16 warps) a
@@ -382,6 +383,15 @@ TWO_PROGRAM_FORWARD = dict(block_m=64, block_n=32, warps=4, state_product_stages
 #: 7: one head a program, 128 positions) take these tiles unmeasured
 PARKED_FORWARD = dict(block_m=128, block_n=32, warps=8, state_product_stages=2, park_la=True,
                       fwd_maxnreg=128)
+#: The forward's tiles ``default_config`` gives at D >= 128 bf16 (read when it first builds a
+#: shape's config: set it before the first call, or clear ``default_config``'s cache).
+#: ``TWO_PROGRAM_FORWARD``: session 25's GPU run of the kernel tests with ``PARKED_FORWARD``
+#: and ``triton_phi.WEIGHTS_IN_KERNEL`` "walk" as defaults (one H100, call 2,
+#: results/h100_2026-12-05g) had the output gate's test read different outputs on two
+#: identical calls (la_only, hybrid) and 80 KB more held (swa_only); no GPU time was left to
+#: find which change, if either, does it (``benchmarks/validate_gpu.sh bisect-gate`` runs
+#: that test with each set on alone), so neither became the default
+DEFAULT_FORWARD = TWO_PROGRAM_FORWARD
 #: The forward's tiles at D 128 bf16 until 2026-12-05 (sessions 11-20): 128 rows, 64-key
 #: blocks, 8 warps, the state product not pipelined (the A/B of ``TWO_PROGRAM_FORWARD``)
 ONE_PROGRAM_FORWARD = dict(block_m=128, block_n=64, warps=8, state_product_stages=0,
@@ -450,8 +460,8 @@ def default_config(D: int, F: int, dtype: torch.dtype) -> KernelConfig:
     # second (`_state_rev` 0.166 to 0.086); the dv program scheduled first (``kv_order`` 1)
     # 1.910 (`_bwd_kv` 0.597). The kernel alone at 1 x 64k 13.31 to 12.92 ms with the first
     # (kernel_anatomy and attention_speed.py --tune, one run; results/h200_2026-12-04b, call 1)
-    # The forward on ``TWO_PROGRAM_FORWARD``'s tiles since session 21 (see there); on
-    # ``PARKED_FORWARD``'s since session 25 (see there)
+    # The forward on ``TWO_PROGRAM_FORWARD``'s tiles since session 21 (see there;
+    # ``DEFAULT_FORWARD``, ``PARKED_FORWARD``: session 25)
     # Measured slower and not taken (session 22, kernel_anatomy at 8 x 1k, device time;
     # results/h200_2026-12-05b): the q map inside the no-grad forward's ``_fwd``
     # (``map_q_forward``), the forward 0.413 to 0.462 ms (`_fwd` 0.246 to 0.397, the maps'
@@ -460,7 +470,7 @@ def default_config(D: int, F: int, dtype: torch.dtype) -> KernelConfig:
     # `_fwd`): `_fwd` 0.397 to 0.386, but 16 chunks build their states split (0.15 ms against
     # `_state_fwd`'s 0.028), the forward 0.58
     if D >= 128:
-        return KernelConfig(**PARKED_FORWARD, state_chunk=128, stages=2, bwd_block_m=64,
+        return KernelConfig(**DEFAULT_FORWARD, state_chunk=128, stages=2, bwd_block_m=64,
                             bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8,
                             grad_f_chunk=256, dkv_block_n=64, split_tile=128,
                             dq_block_m=128, pack_heads=4, state_f=128, state_d=128,

@@ -350,14 +350,15 @@ FORWARD_TILES: tuple[int, int] | None = None
 #: L2 instead of 32 KB (ptxas at D = F/2 = 128: 98 registers, 48 KB either way). Off:
 #: measured slower (session 23, one H100, 8 x 1k, ``kernel_anatomy.py --branches
 #: layer-w-in-kernel``: the pair 0.138 to 0.157 ms against the casts' 0.005 saved) on one
-#: program a block. "walk" (the default since session 25): only where the pair walks
-#: (``walk_plan``), whose programs read a head's weight once a share of ~5 blocks at the 8B's
-#: shape: measured on one H100 (session 25, `kernel_anatomy --branches layer-w-in-kernel`, 8 x
-#: 1k, results/h100_2026-12-05f) the walk 0.111 to 0.114 ms and the two casts (0.005) gone:
-#: the layer's forward 0.409 to 0.405 ms; on the CPU proxy (``host_overhead.py
-#: --weights-in-kernel``) the no-grad forward's host time 135.6 to 111.8 us, its first launch
-#: 61.5 to 42.1
-WEIGHTS_IN_KERNEL: bool | str = "walk"
+#: program a block. "walk": only where the pair walks (``walk_plan``), whose programs read a
+#: head's weight once a share of ~5 blocks at the 8B's shape: measured on one H100 (session
+#: 25, `kernel_anatomy --branches layer-w-in-kernel`, 8 x 1k, results/h100_2026-12-05f) the
+#: walk 0.111 to 0.114 ms and the two casts (0.005) gone: the layer's forward 0.409 to 0.405
+#: ms; on that machine's host 0.616 to 0.517 ms of host time per no-grad forward; on the CPU
+#: proxy (``host_overhead.py --weights-in-kernel``) 135.6 to 111.8 us, its first launch 61.5
+#: to 42.1. Not the default yet: see ``triton_hybrid.DEFAULT_FORWARD`` (the GPU test run with
+#: it and ``PARKED_FORWARD`` on had output-gate failures not yet traced)
+WEIGHTS_IN_KERNEL: bool | str = False
 
 
 def weights_in_kernel(walking: bool) -> bool:
