@@ -338,6 +338,16 @@ PARKED_FORWARDS = {"r168-s1": dict(fwd_maxnreg=168, fwd_stages=1),
                    "r168-bn16": dict(fwd_maxnreg=168, block_n=16)}
 
 
+def _parked_report(c, save: bool) -> dict:
+    """ptxas's report of ``_fwd`` parked (``park_la``) at config ``c``'s tiles, stages and
+    register cap, at the 8B's shape with padding and the shared norm."""
+    lo = dict(D=128, F=256, FC=th._fc(c, 256), CS=c.state_chunk, HAS_KPM=True, PREC="tf32",
+              BM=c.block_m, BN=c.block_n, P=th.pack_of(c, 4), SHARED=True, HAS_SWA=True,
+              HAS_LA=True, SS=c.state_product_stages, SAVE=save, PARK=True)
+    return compile_report(th._fwd, _pointers(torch.bfloat16), lo, ("scale_log2", "eps"),
+                          c.warps, c.fwd_stages or c.stages, maxnreg=c.fwd_maxnreg)
+
+
 @pytest.mark.parametrize("save", [False, True], ids=["no-grad", "save"])
 @pytest.mark.parametrize("variant", list(PARKED_FORWARDS))
 def test_parked_forward_fits_three_programs_a_multiprocessor(variant, save):
@@ -350,11 +360,7 @@ def test_parked_forward_fits_three_programs_a_multiprocessor(variant, save):
     cfg = dataclasses.replace(th.default_config(128, 256, torch.bfloat16),
                               **th.TWO_PROGRAM_FORWARD)
     c = dataclasses.replace(cfg, park_la=True, **PARKED_FORWARDS[variant])
-    lo = dict(D=128, F=256, FC=th._fc(c, 256), CS=c.state_chunk, HAS_KPM=True, PREC="tf32",
-              BM=c.block_m, BN=c.block_n, P=th.pack_of(c, 4), SHARED=True, HAS_SWA=True,
-              HAS_LA=True, SS=c.state_product_stages, SAVE=save, PARK=True)
-    r = compile_report(th._fwd, _pointers(torch.bfloat16), lo, ("scale_log2", "eps"), c.warps,
-                       c.fwd_stages or c.stages, maxnreg=c.fwd_maxnreg)
+    r = _parked_report(c, save)
     print(f"fwd parked {variant}{' saving' if save else ''}, padding, shared: {r}")
     assert r["registers"] <= THREE_PROGRAMS["registers"] and r["spill"] <= MAX_SPILL, r
     assert r["smem"] <= THREE_PROGRAMS["smem"], r
@@ -376,11 +382,7 @@ def test_parked_forward_fits_two_8_warp_programs_a_multiprocessor(save):
     or the shared norm, 64 with both; saving 176 and 220, ``PARKED_SAVING_SPILL``)."""
     c = dataclasses.replace(th.default_config(128, 256, torch.bfloat16), **th.PARKED_FORWARD)
     assert c.park_la and c.fwd_maxnreg == 128 and (c.block_m, c.warps) == (128, 8), c
-    lo = dict(D=128, F=256, FC=th._fc(c, 256), CS=c.state_chunk, HAS_KPM=True, PREC="tf32",
-              BM=c.block_m, BN=c.block_n, P=th.pack_of(c, 4), SHARED=True, HAS_SWA=True,
-              HAS_LA=True, SS=c.state_product_stages, SAVE=save, PARK=True)
-    r = compile_report(th._fwd, _pointers(torch.bfloat16), lo, ("scale_log2", "eps"), c.warps,
-                       c.fwd_stages or c.stages, maxnreg=c.fwd_maxnreg)
+    r = _parked_report(c, save)
     print(f"parked fwd{' saving' if save else ''}, padding, shared: {r}")
     assert r["registers"] <= 128 and r["spill"] <= (PARKED_SAVING_SPILL if save else MAX_SPILL), r
     assert r["smem"] <= TWO_PROGRAMS_SMEM, r
