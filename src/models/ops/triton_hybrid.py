@@ -340,8 +340,9 @@ class KernelConfig:
     #: alone 168 and its window part alone 128: the LA tile held across the window's loop
     #: sets the peak, and at 248 only two 4-warp programs fit a multiprocessor (three need
     #: <= 168, with at most 75 KB of shared memory each: ``fwd_maxnreg``, ``fwd_stages``).
-    #: Without saved branches the mixer then takes the LA output rounded to the output's
-    #: dtype (within its rounding, not bit for bit); with them the same values as without.
+    #: The mixer then takes the LA output rounded to the output's dtype (a 16-bit output:
+    #: within its rounding, not bit for bit); the saved LA branch, and so the gradients, are
+    #: the same as without.
     park_la: bool = False
     #: the register cap ptxas compiles ``_fwd`` to (Triton's ``maxnreg``; None: no cap): 168
     #: lets three 4-warp programs share a multiprocessor's 64K registers, at the price of
