@@ -112,8 +112,7 @@ LAYER_CHANGES = {"layer-fwd128": dict(block_m=128, block_n=64, warps=8,  # (the 
                  # 128 rows (32 positions of 4 heads) on 8 warps, parked, capped at 128: two
                  # programs (16 warps) a multiprocessor at two stages (ptxas: 56 B of spill,
                  # 112 KB; uncapped 190 registers: one)
-                 "layer-park-r128-bm128": dict(park_la=True, fwd_maxnreg=128, block_m=128,
-                                               warps=8),
+                 "layer-park-r128-bm128": dict(th.PARKED_FORWARD),
                  # session 24's defaults (with its switch below): the defaults again since
                  # session 25's call 2 (``triton_hybrid.DEFAULT_FORWARD``); there it ran
                  # against the candidates as defaults

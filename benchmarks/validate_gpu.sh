@@ -79,6 +79,13 @@ recipe_tests() {
   tail -1 "$R/recipes/gpu_tests.log"
   step "recipe tests"
 }
+# parked_forward dict|tiles: triton_hybrid.PARKED_FORWARD as a switch's value
+# (HEDGECATS_TEST_SWITCHES) or as attention_speed's --tiles
+parked_forward() {
+  python -c "import sys; from hedgecats.models.ops import triton_hybrid as th
+d = th.PARKED_FORWARD
+print(repr(d) if sys.argv[1] == 'dict' else ','.join(f'{k}={v!r}' for k, v in d.items()))" "$1"
+}
 # anatomy TIMEOUT BRANCHES: the layer at 8 x 1k kernel by kernel (kernel_anatomy), per variant
 anatomy() {
   t0=$SECONDS
@@ -187,7 +194,7 @@ case "${1:-}" in
     # WEIGHTS_IN_KERNEL "walk"): the output gate's test read different outputs on two
     # identical calls with both on (call 2). That test alone with the defaults, each on
     # alone, both, and the pair on one program a block; then the fold's and walk's tests
-    PARKED="{'block_m': 128, 'block_n': 32, 'warps': 8, 'state_product_stages': 2, 'park_la': True, 'fwd_maxnreg': 128}"
+    PARKED=$(parked_forward dict) || exit 1
     for sw in "" "triton_phi.WEIGHTS_IN_KERNEL='walk'" "triton_hybrid.DEFAULT_FORWARD=$PARKED" \
         "triton_hybrid.DEFAULT_FORWARD=$PARKED,triton_phi.WEIGHTS_IN_KERNEL='walk'" \
         "triton_phi.FORWARD_WALK=None"; do
@@ -201,12 +208,12 @@ case "${1:-}" in
   parked)
     # the candidates as defaults (once bisect-gate has cleared them): issue 11's five ratios
     # with them (attention_speed --tiles / --switches), then the kernel tests with them
-    PARKED="{'block_m': 128, 'block_n': 32, 'warps': 8, 'state_product_stages': 2, 'park_la': True, 'fwd_maxnreg': 128}"
+    PARKED=$(parked_forward dict) || exit 1
     t0=$SECONDS
     timeout ${SPEED_TIMEOUT:-250} python benchmarks/attention_speed.py \
       --shapes ${SPEED_SHAPES:-8x1024,1x65536,2x4096} --check-max-tokens 8192 \
       --cases "^(teacher|swa|hybrid fixed|lolcats T x T fixed)( fwd)?$" \
-      --tiles "park_la=True,fwd_maxnreg=128,block_m=128,warps=8" \
+      --tiles "$(parked_forward tiles)" \
       --switches "triton_phi.WEIGHTS_IN_KERNEL='walk'" --out "$R/speed" > "$R/speed.log" 2>&1
     grep -A8 '"layer_vs_teacher_T1k"' "$R/speed/summary.json" | head -12
     step "ratios"

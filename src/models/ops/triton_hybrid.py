@@ -389,7 +389,9 @@ PARKED_FORWARD = dict(block_m=128, block_n=32, warps=8, state_product_stages=2, 
 #: ``TWO_PROGRAM_FORWARD``: session 25's GPU run of the kernel tests with ``PARKED_FORWARD``
 #: and ``triton_phi.WEIGHTS_IN_KERNEL`` "walk" as defaults (one H100, call 2,
 #: results/h100_2026-12-05g) had the output gate's test read different outputs on two
-#: identical calls (la_only, hybrid) and 80 KB more held (swa_only); no GPU time was left to
+#: identical calls (la_only), on the call saving its output as its branch against the one
+#: storing a copy (hybrid; bit for bit by design) and 80 KB more held (swa_only); no GPU time
+#: was left to
 #: find which change, if either, does it (``benchmarks/validate_gpu.sh bisect-gate`` runs
 #: that test with each set on alone), so neither became the default
 DEFAULT_FORWARD = TWO_PROGRAM_FORWARD
@@ -2145,9 +2147,9 @@ def _forward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, *, window
 
 def _fwd_launch_options(cfg: KernelConfig, capped: bool = True) -> dict:
     """``_fwd``'s launch options: its stages, and its register cap where one is set and
-    ``capped`` (not for the q map in ``_fwd`` nor held fq rows, which hold more: ptxas at
-    ``PARKED_FORWARD``'s cap spills 300-1300 B there; a cached dict: the layer launches it
-    every call)."""
+    ``capped`` (not for the q map in ``_fwd``, where ptxas at ``PARKED_FORWARD``'s cap reads
+    300-1300 B of spill, nor for held fq rows, which hold the same halves: not read capped;
+    a cached dict: the layer launches it every call)."""
     return _launch_options(cfg.fwd_stages or cfg.stages, cfg.fwd_maxnreg if capped else None)
 
 
