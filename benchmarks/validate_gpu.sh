@@ -34,8 +34,9 @@
 #       (kernel_anatomy); the T1k ratios with the defaults and with those candidates
 #       (attention_speed --switches / --tiles, one run each); their GPU tests (options_give,
 #       the walking pair's); `_fwd`'s time split between its branches
-#   bash benchmarks/validate_gpu.sh bisect-gate (~5 min) session 25: the output gate's test with
-#       each of session 25's candidates on alone and both (the run with both failed it)
+#   bash benchmarks/validate_gpu.sh bisect-gate (~6 min) session 25: the output gate's test and
+#       the race / unwritten-memory test with each of session 25's candidates on alone and both
+#       (the run with both failed the gate's)
 #   bash benchmarks/validate_gpu.sh parked     (~9 min) the candidates as defaults: the five
 #       ratios (attention_speed --tiles / --switches), the kernel tests with them
 #   bash benchmarks/validate_gpu.sh memory     (~6 min) the fold's memory tests, its peak taken
@@ -192,16 +193,18 @@ case "${1:-}" in
   bisect-gate)
     # session 25's candidates (triton_hybrid.PARKED_FORWARD as DEFAULT_FORWARD, triton_phi.
     # WEIGHTS_IN_KERNEL "walk"): the output gate's test read different outputs on two
-    # identical calls with both on (call 2). That test alone with the defaults, each on
-    # alone, both, and the pair on one program a block; then the fold's and walk's tests
+    # identical calls with both on (call 2). That test and the one telling a race from a read
+    # of memory nobody wrote (clean twice, then poisoned: test_the_layer_reads_no_memory_
+    # nobody_wrote) with the defaults, each on alone, both, and the pair on one program a
+    # block; then the fold's and walk's tests
     PARKED=$(parked_forward dict) || exit 1
     for sw in "" "triton_phi.WEIGHTS_IN_KERNEL='walk'" "triton_hybrid.DEFAULT_FORWARD=$PARKED" \
         "triton_hybrid.DEFAULT_FORWARD=$PARKED,triton_phi.WEIGHTS_IN_KERNEL='walk'" \
         "triton_phi.FORWARD_WALK=None"; do
       echo "== switches: ${sw:-(defaults)}"
-      HEDGECATS_TEST_SWITCHES="$sw" timeout ${BISECT_TIMEOUT:-60} python -m pytest -q -m gpu \
-        -p no:cacheprovider tests/test_triton_kernels.py -k output_gate -n 3 2>&1 \
-        | grep -E "passed|failed|^FAILED" | cut -c1-120
+      HEDGECATS_TEST_SWITCHES="$sw" timeout ${BISECT_TIMEOUT:-75} python -m pytest -q -m gpu \
+        -p no:cacheprovider tests/test_triton_kernels.py -k "output_gate or nobody_wrote" \
+        -n 4 2>&1 | grep -E "passed|failed|^FAILED|^E  .*(differ|assert)" | cut -c1-160
     done
     [ -n "${SKIP_TESTS:-}" ] || kernel_tests 100 "maps_folded or walking"
     ;;

@@ -534,6 +534,59 @@ def test_output_gate_takes_a_kernel_call_per_branch(mode):
             assert rel_err(a, b) < 2e-2, (name, rel_err(a, b))
 
 
+@pytest.mark.parametrize("mode,mixer", [("hybrid", "fixed"), ("hybrid", "gate"),
+                                        ("la_only", "gate"), ("swa_only", "gate")])
+def test_the_layer_reads_no_memory_nobody_wrote(mode, mixer):
+    """The layer's call (maps folded in, padding, the 8B head shape) three times: twice as
+    usual, then with every uninitialised allocation poisoned (``poison.Poisoned``: NaN, a large
+    integer, True). Output and every gradient must be bit for bit the same each time: two clean
+    calls that differ point to a race or an order the device does not keep (a run's values
+    depend on timing), a poisoned call that differs to a read of memory nobody wrote (they
+    depend on what the allocator hands out). Session 25's GPU run had an output gate's la_only
+    call read a different output on a second identical call: this test tells the two apart."""
+    from poison import Poisoned
+
+    th = _kernels()
+    B, H, Hkv, T, D = 2, 8, 2, 300, 128
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    maps = [HedgehogFeatureMap(n, D, seed=s).to(DEVICE) for n, s in ((H, 1), (Hkv, 2))]
+    q0, k0, v0 = (torch.randn(B, T, n, D, device=DEVICE, generator=gen).bfloat16()
+                  .transpose(1, 2) for n in (H, Hkv, Hkv))
+    g0 = torch.rand(B, H, T, D, device=DEVICE, generator=gen).bfloat16() \
+        if mixer == "gate" else 0.5
+    do = torch.randn(B, H, T, D, device=DEVICE, generator=gen)
+    kpm = torch.ones(B, T, dtype=torch.bool, device=DEVICE)
+    kpm[1, :37] = False
+    names = ("out", "dq", "dk", "dv", "dg", "dWq", "dWk")
+
+    def run():
+        q, k, v = (x.detach().clone().requires_grad_() for x in (q0, k0, v0))
+        g = g0.detach().clone().requires_grad_() if mixer == "gate" else g0
+        for m in maps:
+            m.zero_grad()
+        out = hybrid_attention(q, k, v, None, None, maps=maps, window=64, g=g, mode=mode,
+                               key_padding_mask=kpm, backend="triton")
+        (out.float() * do).sum().backward()
+        return [out.detach(), q.grad, k.grad, v.grad, g.grad if mixer == "gate" else None] + \
+            [m.weight.grad for m in maps]
+
+    calls = th.CALLS["forward"]
+    first, second = run(), run()
+    with Poisoned() as poison:
+        poisoned = run()
+    assert th.CALLS["forward"] > calls and poison.count > 0
+
+    def differ(a, b):
+        return [n for n, x, y in zip(names, a, b)
+                if not ((x is None and y is None) or (x is not None and y is not None
+                                                      and torch.equal(x, y)))]
+
+    raced, unwritten = differ(first, second), differ(first, poisoned)
+    assert not raced, f"two identical calls differ in {raced}: a race or unkept order"
+    assert not unwritten, f"the call with poisoned allocations differs in {unwritten}: " \
+        "a read of memory nobody wrote"
+
+
 def test_routing_kv_cache_call_goes_to_the_pieces():
     """Fewer queries than keys (decoding with a cache)."""
     th = _kernels()

@@ -1,6 +1,6 @@
 """The Triton kernels on CPU through Triton's interpreter, against the PyTorch references.
 
-    TRITON_INTERPRET=1 python tests/triton_interpreter_check.py [--quick] > results.jsonl
+    TRITON_INTERPRET=1 python tests/triton_interpreter_check.py [--quick] [--poison] [ids] > r.jsonl
 
 Run by tests/test_triton_interpreter.py in a subprocess (the interpreter must be switched on
 before the kernels are defined, and must not be on in a process that runs them on a GPU).
@@ -27,6 +27,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import numpy as np
 import torch
+from poison import Poisoned
 
 
 def _install_shims() -> None:
@@ -1605,6 +1606,7 @@ def cases(quick: bool = False):
         ("xent-bf16", xent_case, dict(dtype=bf16, T=64, D=32)),
         ("xent-bf16-default-tiles", xent_case, dict(dtype=bf16, T=150, D=32, bm=None, bn=None)),
         ("xent-entry", xent_entry_case, None),
+        ("poison-canary", poison_canary_case, None),
         # the q map's backward from the du of the kernel's dfq pass (triton_phi.DuSlot)
         ("map-du", map_du_case, dict(cfg=MAP_DU, dtype=bf16)),
         ("map-du-exp-pad", map_du_case, dict(cfg=MAP_DU, activation="exp", pad=True, dtype=bf16)),
@@ -1921,18 +1923,45 @@ def cases(quick: bool = False):
             for cid, fn, kw in out]
 
 
+def poison_canary_case(cid) -> dict:
+    """A host that reads memory nobody wrote: a buffer from ``torch.empty`` of which only the
+    first half is written, then read whole (its NaNs counted: 8 under ``Poisoned``, whatever
+    the leftovers are otherwise). ``--poison`` must report it: the check's own test, where
+    every real case must report nothing."""
+    buf = torch.empty(16)
+    buf[:8] = torch.arange(8, dtype=torch.float32)
+    return {"nan_read": float(torch.isnan(buf).sum())}
+
+
+def _run_case(fn, cid, kw) -> dict:
+    return fn(cid) if kw is None else fn(cid, **kw)
+
+
 def main() -> int:
+    """``--poison``: each case runs twice, as usual and under ``poison.Poisoned`` (every
+    uninitialised allocation filled with NaN / a large integer / True); the row's
+    ``poison_changed`` lists the errors and flags that moved (bit for bit: the interpreter is
+    deterministic), which must be none but for ``poison-canary``'s."""
     _install_shims()
     torch.set_num_threads(2)
     quick = "--quick" in sys.argv
+    poison = "--poison" in sys.argv
     only = [a for a in sys.argv[1:] if not a.startswith("--")]
     for cid, fn, kw, dtype in cases(quick):
         if only and cid not in only:
             continue
         t0 = time.time()
         try:
-            errs = fn(cid) if kw is None else fn(cid, **kw)
+            errs = _run_case(fn, cid, kw)
             row = {"id": cid, "dtype": dtype, "errors": errs, "tol": TOL[dtype]}
+            if poison:
+                with Poisoned() as mode:
+                    bad = _run_case(fn, cid, kw)
+                row["poisoned"] = mode.count
+                row["poison_changed"] = sorted(
+                    n for n in set(errs) | set(bad)
+                    if not (errs.get(n) == bad.get(n)
+                            or (errs.get(n) != errs.get(n) and bad.get(n) != bad.get(n))))
         except Exception as e:  # one failing case must not hide the others
             row = {"id": cid, "dtype": dtype, "error": f"{type(e).__name__}: {e}"[:1000]}
         row["seconds"] = round(time.time() - t0, 1)
