@@ -473,6 +473,43 @@ def test_routing_shared_norm_outside_hybrid_goes_to_the_pieces():
            shared_norm=True, g=0.1)
 
 
+class _LayerAt8BHeads:
+    """A layer's call at the 8B head shape (H 8, Hkv 2, D 128, T 300, window 64), the maps
+    folded in, the second row left-padded by 37: inputs drawn from ``seed`` (q, k, v as views
+    of (B, T, H, D) memory, an output gate g per position and channel, dO)."""
+
+    B, H, Hkv, T, D = 2, 8, 2, 300, 128
+    #: what ``run`` returns, in order
+    NAMES = ("out", "dq", "dk", "dv", "dg", "dWq", "dWk")
+
+    def __init__(self, seed: int):
+        B, H, Hkv, T, D = self.B, self.H, self.Hkv, self.T, self.D
+        gen = torch.Generator(device=DEVICE).manual_seed(seed)
+        self.maps = [HedgehogFeatureMap(n, D, seed=s).to(DEVICE) for n, s in ((H, 1), (Hkv, 2))]
+        self.q, self.k, self.v = (torch.randn(B, T, n, D, device=DEVICE, generator=gen)
+                                  .bfloat16().transpose(1, 2) for n in (H, Hkv, Hkv))
+        self.g = torch.rand(B, H, T, D, device=DEVICE, generator=gen).bfloat16()
+        self.do = torch.randn(B, H, T, D, device=DEVICE, generator=gen)
+        self.kpm = torch.ones(B, T, dtype=torch.bool, device=DEVICE)
+        self.kpm[1, :37] = False
+
+    def run(self, backend: str, mode: str, gated: bool = True, held=None) -> list:
+        """[out, dq, dk, dv, dg, dWq, dWk] of one call (g the gate, or 0.5 without
+        ``gated``: dg None); ``held``: a list to append the bytes the forward left allocated."""
+        q, k, v = (x.detach().clone().requires_grad_() for x in (self.q, self.k, self.v))
+        g = self.g.detach().clone().requires_grad_() if gated else 0.5
+        for m in self.maps:
+            m.zero_grad()
+        before = torch.cuda.memory_allocated() if held is not None else 0
+        out = hybrid_attention(q, k, v, None, None, maps=self.maps, window=64, g=g, mode=mode,
+                               key_padding_mask=self.kpm, backend=backend)
+        if held is not None:
+            held.append(torch.cuda.memory_allocated() - before)
+        (out.float() * self.do).sum().backward()
+        return [out.detach(), q.grad, k.grad, v.grad, g.grad if gated else None] + \
+            [m.weight.grad for m in self.maps]
+
+
 @pytest.mark.parametrize("mode", ["hybrid", "swa_only", "la_only"])
 def test_output_gate_takes_a_kernel_call_per_branch(mode):
     """A g per channel and position (output-gate mixers): each branch its own kernel call,
@@ -482,27 +519,11 @@ def test_output_gate_takes_a_kernel_call_per_branch(mode):
     bit for bit the results of the calls storing a copy, with one (B, H, T, D) branch less
     allocated after the forward per such call."""
     th = _kernels()
-    B, H, Hkv, T, D = 2, 8, 2, 300, 128
-    gen = torch.Generator(device=DEVICE).manual_seed(3)
-    maps = [HedgehogFeatureMap(n, D, seed=s).to(DEVICE) for n, s in ((H, 1), (Hkv, 2))]
-    q0, k0, v0 = (torch.randn(B, T, n, D, device=DEVICE, generator=gen).bfloat16()
-                  .transpose(1, 2) for n in (H, Hkv, Hkv))
-    g0 = torch.rand(B, H, T, D, device=DEVICE, generator=gen).bfloat16()
-    do = torch.randn(B, H, T, D, device=DEVICE, generator=gen)
-    kpm = torch.ones(B, T, dtype=torch.bool, device=DEVICE)
-    kpm[1, :37] = False
+    layer = _LayerAt8BHeads(seed=3)
+    B, H, T, D = layer.B, layer.H, layer.T, layer.D
 
     def run(backend, held=None):
-        q, k, v, g = (x.detach().clone().requires_grad_() for x in (q0, k0, v0, g0))
-        for m in maps:
-            m.zero_grad()
-        before = torch.cuda.memory_allocated() if held is not None else 0
-        out = hybrid_attention(q, k, v, None, None, maps=maps, window=64, g=g, mode=mode,
-                               key_padding_mask=kpm, backend=backend)
-        if held is not None:
-            held.append(torch.cuda.memory_allocated() - before)
-        (out.float() * do).sum().backward()
-        return [out.detach(), q.grad, k.grad, v.grad, g.grad] + [m.weight.grad for m in maps]
+        return layer.run(backend, mode, held=held)
 
     calls, gated = th.CALLS["forward"], th.CALLS["gated"]
     got = run("triton")
@@ -526,7 +547,7 @@ def test_output_gate_takes_a_kernel_call_per_branch(mode):
         branch = B * H * T * D * 2
         assert held[0] <= copied[0] - (2 if mode == "hybrid" else 1) * branch, (held, copied)
     want = run("reference")
-    for name, a, b in zip(("out", "dq", "dk", "dv", "dg", "dWq", "dWk"), got, want):
+    for name, a, b in zip(layer.NAMES, got, want):
         if b is None or (name.startswith("dW") and not b.any()):  # (swa_only: the maps
             # take none; on the reference path they ran, their gradients zeros)
             assert a is None or not a.any(), name
@@ -547,28 +568,10 @@ def test_the_layer_reads_no_memory_nobody_wrote(mode, mixer):
     from poison import Poisoned
 
     th = _kernels()
-    B, H, Hkv, T, D = 2, 8, 2, 300, 128
-    gen = torch.Generator(device=DEVICE).manual_seed(5)
-    maps = [HedgehogFeatureMap(n, D, seed=s).to(DEVICE) for n, s in ((H, 1), (Hkv, 2))]
-    q0, k0, v0 = (torch.randn(B, T, n, D, device=DEVICE, generator=gen).bfloat16()
-                  .transpose(1, 2) for n in (H, Hkv, Hkv))
-    g0 = torch.rand(B, H, T, D, device=DEVICE, generator=gen).bfloat16() \
-        if mixer == "gate" else 0.5
-    do = torch.randn(B, H, T, D, device=DEVICE, generator=gen)
-    kpm = torch.ones(B, T, dtype=torch.bool, device=DEVICE)
-    kpm[1, :37] = False
-    names = ("out", "dq", "dk", "dv", "dg", "dWq", "dWk")
+    layer = _LayerAt8BHeads(seed=5)
 
     def run():
-        q, k, v = (x.detach().clone().requires_grad_() for x in (q0, k0, v0))
-        g = g0.detach().clone().requires_grad_() if mixer == "gate" else g0
-        for m in maps:
-            m.zero_grad()
-        out = hybrid_attention(q, k, v, None, None, maps=maps, window=64, g=g, mode=mode,
-                               key_padding_mask=kpm, backend="triton")
-        (out.float() * do).sum().backward()
-        return [out.detach(), q.grad, k.grad, v.grad, g.grad if mixer == "gate" else None] + \
-            [m.weight.grad for m in maps]
+        return layer.run("triton", mode, gated=mixer == "gate")
 
     calls = th.CALLS["forward"]
     first, second = run(), run()
@@ -577,7 +580,7 @@ def test_the_layer_reads_no_memory_nobody_wrote(mode, mixer):
     assert th.CALLS["forward"] > calls and poison.count > 0
 
     def differ(a, b):
-        return [n for n, x, y in zip(names, a, b)
+        return [n for n, x, y in zip(layer.NAMES, a, b)
                 if not ((x is None and y is None) or (x is not None and y is not None
                                                       and torch.equal(x, y)))]
 
