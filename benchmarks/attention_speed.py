@@ -847,10 +847,16 @@ def markdown(res) -> str:
     return "\n".join(lines) + "\n"
 
 
-def update_summary(path: Path, values: dict, env: dict) -> None:
+def update_summary(path: Path, values: dict, env: dict, changed: dict | None = None) -> None:
+    """``values`` (ratios) into the summary at ``path``, with the GPU and the date; ``changed``:
+    what the run measured other than the defaults (``--switches``, ``--tiles``), kept beside
+    the ratios (and dropped by a run of the defaults)."""
     summary = json.loads(path.read_text()) if path.exists() else {}
     summary.update({k: v for k, v in values.items()})
     summary["gpu"], summary["date"] = env["gpu"], env["date"]
+    summary.pop("layer_changed_from_defaults", None)
+    if changed:
+        summary["layer_changed_from_defaults"] = changed
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(summary, indent=1) + "\n")
 
@@ -955,13 +961,20 @@ def main(argv=None) -> int:
                    "run as the default; recorded in the JSON")
     p.add_argument("--tiles", default="", metavar="SPEC",
                    help="the default kernel config's fields changed for the whole run, "
-                   "'field=value,...' (e.g. park_la=True,fwd_maxnreg=168); recorded")
+                   "'field=value,...' (e.g. park_la=True,fwd_maxnreg=168), in every shape's "
+                   "and dtype's default config (fp32 and D < 128 too, unlike a switch of "
+                   "triton_hybrid.DEFAULT_FORWARD, which D >= 128 in bf16 alone take); "
+                   "recorded")
     a = p.parse_args(argv)
     try:
         run_switches = kernel_switches.parse(a.switches, "--switches")
         run_tiles = parse_tiles(a.tiles)
     except (ValueError, SyntaxError) as e:
         p.error(str(e))
+    if (run_switches or run_tiles) and a.summary:
+        p.error("--summary holds the defaults' ratios (issue 11's targets): a run with "
+                "--switches or --tiles writes its ratios, and what it changed, to "
+                "<out>/summary.json only")
     unknown = set((a.tune_configs or "").split(",")) - set(TUNE_CONFIGS) - {""}
     if unknown:
         p.error(f"--tune-configs: no such config {', '.join(sorted(unknown))}; choose from "
@@ -1029,8 +1042,9 @@ def main(argv=None) -> int:
         (out / "attention_speed.json").write_text(json.dumps(res, indent=1) + "\n")
         (out / "attention_speed.md").write_text(markdown(res))
         plot(res, out / "attention_speed.png")
+        changed = {n: v for n, v in (("switches", a.switches), ("tiles", a.tiles)) if v}
         update_summary(Path(a.summary) if a.summary else out / "summary.json", res["ratios"],
-                       res["environment"])
+                       res["environment"], changed)
 
     with kernel_switches.applied(run_switches), default_tiles_changed(run_tiles):
         measure(a, res, log, write)

@@ -80,12 +80,10 @@ recipe_tests() {
   tail -1 "$R/recipes/gpu_tests.log"
   step "recipe tests"
 }
-# parked_forward dict|tiles: triton_hybrid.PARKED_FORWARD as a switch's value
-# (HEDGECATS_TEST_SWITCHES) or as attention_speed's --tiles
+# parked_forward: triton_hybrid.PARKED_FORWARD as a switch's value (HEDGECATS_TEST_SWITCHES,
+# attention_speed's --switches)
 parked_forward() {
-  python -c "import sys; from hedgecats.models.ops import triton_hybrid as th
-d = th.PARKED_FORWARD
-print(repr(d) if sys.argv[1] == 'dict' else ','.join(f'{k}={v!r}' for k, v in d.items()))" "$1"
+  python -c "from hedgecats.models.ops import triton_hybrid as th; print(repr(th.PARKED_FORWARD))"
 }
 # anatomy TIMEOUT BRANCHES: the layer at 8 x 1k kernel by kernel (kernel_anatomy), per variant
 anatomy() {
@@ -197,7 +195,7 @@ case "${1:-}" in
     # of memory nobody wrote (clean twice, then poisoned: test_the_layer_reads_no_memory_
     # nobody_wrote) with the defaults, each on alone, both, and the pair on one program a
     # block; then the fold's and walk's tests
-    PARKED=$(parked_forward dict) || exit 1
+    PARKED=$(parked_forward) || exit 1
     for sw in "" "triton_phi.WEIGHTS_IN_KERNEL='walk'" "triton_hybrid.DEFAULT_FORWARD=$PARKED" \
         "triton_hybrid.DEFAULT_FORWARD=$PARKED,triton_phi.WEIGHTS_IN_KERNEL='walk'" \
         "triton_phi.FORWARD_WALK=None"; do
@@ -210,18 +208,18 @@ case "${1:-}" in
     ;;
   parked)
     # the candidates as defaults (once bisect-gate has cleared them): issue 11's five ratios
-    # with them (attention_speed --tiles / --switches), then the kernel tests with them
-    PARKED=$(parked_forward dict) || exit 1
+    # with them (attention_speed --switches: DEFAULT_FORWARD itself, which D >= 128 bf16 alone
+    # take, as it would be the default), then the kernel tests with the same switches
+    CANDIDATES="triton_hybrid.DEFAULT_FORWARD=$(parked_forward),triton_phi.WEIGHTS_IN_KERNEL='walk'" \
+      || exit 1
     t0=$SECONDS
     timeout ${SPEED_TIMEOUT:-250} python benchmarks/attention_speed.py \
       --shapes ${SPEED_SHAPES:-8x1024,1x65536,2x4096} --check-max-tokens 8192 \
       --cases "^(teacher|swa|hybrid fixed|lolcats T x T fixed)( fwd)?$" \
-      --tiles "$(parked_forward tiles)" \
-      --switches "triton_phi.WEIGHTS_IN_KERNEL='walk'" --out "$R/speed" > "$R/speed.log" 2>&1
+      --switches "$CANDIDATES" --out "$R/speed" > "$R/speed.log" 2>&1
     grep -A8 '"layer_vs_teacher_T1k"' "$R/speed/summary.json" | head -12
     step "ratios"
-    [ -n "${SKIP_TESTS:-}" ] || \
-      HEDGECATS_TEST_SWITCHES="triton_hybrid.DEFAULT_FORWARD=$PARKED,triton_phi.WEIGHTS_IN_KERNEL='walk'" \
+    [ -n "${SKIP_TESTS:-}" ] || HEDGECATS_TEST_SWITCHES="$CANDIDATES" \
       kernel_tests ${KERNEL_TESTS_TIMEOUT:-250}
     ;;
   memory)

@@ -641,6 +641,17 @@ def test_attention_speed_switches_and_tiles_hold_for_the_run_only(tmp_path, monk
     res = json.loads((tmp_path / "attention_speed.json").read_text())
     assert res["switches"] == "triton_phi.WEIGHTS_IN_KERNEL='walk'"
     assert res["tiles"] == "park_la=True, fwd_maxnreg=168"
-    for bad in (["--tiles", "no_such=1"], ["--switches", "triton_phi.NO_SUCH=1"]):
+    # the ratios of a changed run say so (a run of the defaults drops the mark), and never
+    # reach the summary of record (--summary)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["layer_changed_from_defaults"] == {
+        "switches": "triton_phi.WEIGHTS_IN_KERNEL='walk'", "tiles": "park_la=True, fwd_maxnreg=168"}
+    assert bench.main(["--tiny", "--shapes", "2x64", "--out", str(tmp_path)]) == 0
+    assert "layer_changed_from_defaults" not in json.loads(
+        (tmp_path / "summary.json").read_text())
+    for bad in (["--tiles", "no_such=1"], ["--switches", "triton_phi.NO_SUCH=1"],
+                ["--switches", "no_such_module.X=1"],
+                ["--tiles", "park_la=True", "--summary", str(tmp_path / "of_record.json")]):
         with pytest.raises(SystemExit):
             bench.main(["--tiny", "--out", str(tmp_path), *bad])
+    assert not (tmp_path / "of_record.json").exists()

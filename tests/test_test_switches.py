@@ -23,10 +23,31 @@ def test_parse_switches_reads_module_name_and_literal():
 
 @pytest.mark.parametrize("spec, says", [("triton_phi.RECIPROCAL_SOFTMAX", "module.NAME=value"),
                                         ("RECIPROCAL_SOFTMAX=True", "module.NAME=value"),
-                                        ("triton_phi.NO_SUCH=1", "no switch 'NO_SUCH'")])
+                                        ("triton_phi.NO_SUCH=1", "no switch 'NO_SUCH'"),
+                                        ("no_such_module.X=1", "no module"),
+                                        ("triton_phi.WEIGHTS_IN_KERNEL=walk",
+                                         "not a Python literal")])
 def test_parse_switches_refuses_what_it_cannot_set(spec, says):
     with pytest.raises(ValueError, match=says):
         parse_switches(spec)
+
+
+def test_a_switched_default_forward_reaches_the_configs_built_before_it():
+    """``default_config`` caches a shape's config and reads ``DEFAULT_FORWARD`` only when it
+    builds it: a switch of it must reach a shape asked for before (``attention_speed.py`` asks
+    for the 8B's at import), and must not outlive its run (session 26's review: it did both)."""
+    import torch
+    from hedgecats.models.ops import switches, triton_hybrid as th
+
+    before = th.default_config(128, 256, torch.bfloat16)
+    parked = switches.parse(f"triton_hybrid.DEFAULT_FORWARD={th.PARKED_FORWARD!r}")
+    with switches.applied(parked):
+        inside = th.default_config(128, 256, torch.bfloat16)
+    after = th.default_config(128, 256, torch.bfloat16)
+    assert (inside.block_m, inside.warps, inside.park_la, inside.fwd_maxnreg) == (
+        th.PARKED_FORWARD["block_m"], th.PARKED_FORWARD["warps"], True,
+        th.PARKED_FORWARD["fwd_maxnreg"])
+    assert after == before and not before.park_la
 
 
 def test_switch_seen_by_the_tests():
@@ -39,6 +60,8 @@ def test_switch_seen_by_the_tests():
 
 
 def test_a_run_with_switches_sees_them_set():
+    from hedgecats.models.ops import triton_phi
+    pair_backward = triton_phi.PAIR_BACKWARD
     env = {**os.environ, "HEDGECATS_TEST_SWITCHES": "triton_phi.PAIR_BACKWARD=True",
            "HEDGECATS_TEST_SWITCHES_EXPECT": "True"}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
@@ -47,4 +70,4 @@ def test_a_run_with_switches_sees_them_set():
                           timeout=300, check=False)
     assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-2000:]
     from hedgecats.models.ops import triton_phi
-    assert triton_phi.PAIR_BACKWARD is False  # (this run's own: the default)
+    assert triton_phi.PAIR_BACKWARD is pair_backward  # (this run's own, unchanged)

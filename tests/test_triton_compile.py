@@ -317,7 +317,8 @@ def test_held_rows_leave_two_programs_a_multiprocessor(variant):
     branches 250, 0, 112 KB; without padding or the shared norm hold-fq 255, 0 and the
     default 248, 0, 80 KB)."""
     cfg = dataclasses.replace(th.default_config(128, 256, torch.bfloat16),
-                              **th.TWO_PROGRAM_FORWARD)  # (the default's tiles until session 25)
+                              **th.TWO_PROGRAM_FORWARD)  # (the default's tiles, also in a run
+    # that switches DEFAULT_FORWARD)
     lo = dict(D=128, F=256, FC=th._fc(cfg, 256), CS=cfg.state_chunk, HAS_KPM=True,
               PREC="tf32", BM=cfg.block_m, BN=cfg.block_n, P=th.pack_of(cfg, 4), SHARED=True,
               HAS_SWA=True, HAS_LA=True, SS=cfg.state_product_stages, **HELD_FORWARDS[variant])

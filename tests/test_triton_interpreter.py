@@ -92,9 +92,11 @@ def test_maps_folded_into_the_kernel_match_their_own_functions():
     (``hybrid_attention(maps=...)``) give the output and gradients of the maps run as their own
     Functions, bit for bit, and of the fp32 reference within tolerance: through the layer's
     routing with padding, as stage 1 calls it (q, k, v frozen), and where the backward falls
-    back to the reference (``fold_case``)."""
+    back to the reference (``fold_case``), there with the maps' weights rounded in the pair's
+    kernel too: the fallback reads them rounded, bit for bit the call that cast them first
+    (session 26's review: it read the fp32 masters)."""
     _all_pass("fold-attention-default-tiles-pad", "fold-hybrid-stage1-pad",
-              "fold-backward-fallback-pad")
+              "fold-backward-fallback-pad", "fold-backward-fallback-weights-in-kernel")
 
 
 def test_no_kernel_reads_memory_nobody_wrote():

@@ -1029,6 +1029,18 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
 
     from hedgecats.models.ops import triton_phi as tp
 
+    cast_first = None
+    if backward_fails and weights_in_kernel:  # (the same call, the weights cast first; before
+        # the counters below are read)
+        switches_before = tp.PAIR_BACKWARD, tp.WEIGHTS_IN_KERNEL, tp.FORWARD_WALK, \
+            tp.FORWARD_TMA
+        tp.PAIR_BACKWARD, tp.WEIGHTS_IN_KERNEL, tp.FORWARD_WALK, tp.FORWARD_TMA = \
+            pair_backward, False, forward_walk, forward_tma
+        try:
+            cast_first = run("folded")
+        finally:
+            tp.PAIR_BACKWARD, tp.WEIGHTS_IN_KERNEL, tp.FORWARD_WALK, tp.FORWARD_TMA = \
+                switches_before
     names = ("maps_folded", "maps_folded_backward", "map_du")
     n_err = len(th.FALLBACK_ERRORS)
     before = [th.CALLS[n] for n in names]
@@ -1068,6 +1080,11 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
         out.update({f"unfolded_{n}": e for n, e in errors(old, want).items()})
         out["fallbacks_recorded"] = 0.0 if len(th.FALLBACK_ERRORS) == n_err + 2 and \
             ran == [1, 0, 0] else float("inf")
+        if cast_first is not None:  # (the fallback's maps read the weights the kernel read:
+            # rounded, bit for bit the call that cast them first)
+            out.update({f"same_as_cast_{n}": 0.0 if (a is None and cast_first[n] is None) or
+                        torch.equal(a, cast_first[n]) else float("inf")
+                        for n, a in got.items()})
         return out
     # an output gate: q and k reach both branches' calls; before the fold the window's dq / dk
     # was added to the map's in its kernel (fp32, one rounding), folded autograd adds the two
@@ -1746,6 +1763,8 @@ def cases(quick: bool = False):
                                                         expect_fold=False)),
         ("fold-backward-fallback-pad", fold_case, dict(dtype=bf16, backward_fails=True,
                                                        pad=True, g_kind="head")),
+        ("fold-backward-fallback-weights-in-kernel", fold_case, dict(
+            dtype=bf16, backward_fails=True, weights_in_kernel=True, g_kind="head")),
         # phi_q computed in the no-grad forward's _fwd (``map_q_forward``): P 4, 2, 1 heads a
         # program, the exp map, the shared normaliser, SSD, an output gate (its LA call)
         ("fold-map-q-pad", fold_case, dict(dtype=bf16, pad=True, map_q=True,

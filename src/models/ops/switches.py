@@ -10,6 +10,7 @@ import ast
 import contextlib
 import importlib
 import re
+import sys
 from collections.abc import Iterator
 
 
@@ -25,23 +26,49 @@ def parse(spec: str, source: str = "switches") -> list[tuple[str, str, object]]:
         if not (sep and dot and module and name):
             raise ValueError(f"{source}: {item!r} is not module.NAME=value "
                              "(e.g. triton_phi.RECIPROCAL_SOFTMAX=True)")
-        mod = importlib.import_module(f"hedgecats.models.ops.{module}")
+        try:
+            mod = importlib.import_module(f"hedgecats.models.ops.{module}")
+        except ImportError as e:
+            raise ValueError(f"{source}: {item!r}: no module hedgecats.models.ops.{module} "
+                             f"({e})") from None
         if not hasattr(mod, name):
             raise ValueError(f"{source}: hedgecats.models.ops.{module} has no switch {name!r}")
-        out.append((module, name, ast.literal_eval(value.strip())))
+        try:
+            parsed = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            raise ValueError(f"{source}: {item!r}: the value {value.strip()!r} is not a Python "
+                             "literal (a string needs quotes: NAME='walk', which a shell's own "
+                             "quotes around the whole spec keep)") from None
+        out.append((module, name, parsed))
     return out
+
+
+def _forget_derived() -> None:
+    """Drop what was built from switches' values and cached: ``triton_hybrid.default_config``
+    reads ``DEFAULT_FORWARD`` when it first builds a shape's config and keeps it, so a config
+    built before a switch would outlive it (and one built under it, the switch). Called as
+    ``applied`` sets and restores; applied outside ``attention_speed.default_tiles_changed``
+    (which wraps ``default_config`` while it runs), as the benchmarks nest them."""
+    th = sys.modules.get("hedgecats.models.ops.triton_hybrid")
+    if th is not None:
+        th.default_config.cache_clear()
 
 
 @contextlib.contextmanager
 def applied(switches: list[tuple[str, str, object]]) -> Iterator[None]:
-    """``switches`` (``parse``'s) set inside, the values before restored after."""
+    """``switches`` (``parse``'s) set inside, the values before restored after; the configs
+    cached from the values before forgotten each time (``_forget_derived``)."""
     before = []
     try:
         for module, name, value in switches:
             mod = importlib.import_module(f"hedgecats.models.ops.{module}")
             before.append((mod, name, getattr(mod, name)))
             setattr(mod, name, value)
+        if before:
+            _forget_derived()
         yield
     finally:
         for mod, name, value in reversed(before):
             setattr(mod, name, value)
+        if before:
+            _forget_derived()

@@ -2150,7 +2150,8 @@ def _fwd_launch_options(cfg: KernelConfig, capped: bool = True) -> dict:
     ``capped`` (not for the q map in ``_fwd``, where ptxas at ``PARKED_FORWARD``'s cap reads
     300-1300 B of spill, nor for held fq rows, which hold the same halves: not read capped;
     a cached dict: the layer launches it every call)."""
-    return _launch_options(cfg.fwd_stages or cfg.stages, cfg.fwd_maxnreg if capped else None)
+    stages = cfg.stages if cfg.fwd_stages is None else cfg.fwd_stages
+    return _launch_options(stages, cfg.fwd_maxnreg if capped else None)
 
 
 @functools.lru_cache(maxsize=16)
@@ -2647,7 +2648,12 @@ def _reference_backward(ctx, do, q, k, v, fq, fk, ca, cb, logs, shift, first, kp
             feats = ins[3:5]
         else:
             ins = [t.detach().requires_grad_() for t in (q, k, v, ca, cb, logs)]
-            ins += [t.detach().float().requires_grad_() for t in folded]
+            # (the weights as the kernels read them, in the inputs' dtype: where the pair's
+            # kernel rounded the fp32 master weights itself, ``triton_phi.WEIGHTS_IN_KERNEL``,
+            # ``folded`` holds the masters, rounded here as ``_folded_maps_backward`` does)
+            wq, bq, wk, bk = folded
+            ins += [t.detach().float().requires_grad_()
+                    for t in (cast(wq, q.dtype), bq, cast(wk, k.dtype), bk)]
             wq, bq, wk, bk = ins[6:]
             act = ["softmax" if s else "exp" for s in ctx.maps[0]]
             feats = [triton_phi.reference_features(ins[0], wq, bq, act[0]),
@@ -2710,6 +2716,12 @@ def hybrid_kernel(q, k, v, fq, fk, ca, cb, logs, shift, *, window: int, scale: f
         if n is not None and (n <= 0 or n & (n - 1)):  # (the state kernels' tl.arange)
             raise ValueError(f"{name} {n} must be a power of two (the state kernels take a "
                              f"chunk's positions as one tile): e.g. 64 or 128")
+    if cfg.fwd_maxnreg is not None and not 24 <= cfg.fwd_maxnreg <= 255:
+        raise ValueError(f"fwd_maxnreg {cfg.fwd_maxnreg}: a register cap from 24 to 255 a "
+                         "thread (e.g. 128 or 168), or None for none")
+    if cfg.fwd_stages is not None and cfg.fwd_stages < 1:
+        raise ValueError(f"fwd_stages {cfg.fwd_stages}: at least 1 pipeline stage, or None for "
+                         f"the config's stages ({cfg.stages})")
     if output_is_branch and has_swa == has_la:
         raise ValueError("output_is_branch needs a call with one branch (has_swa or has_la, "
                          f"not both nor neither): has_swa={has_swa}, has_la={has_la}")
