@@ -45,7 +45,23 @@ def _failures(rows: list[dict]) -> list[str]:
             bad.append(f"{r['id']} ({r['dtype']}, tol {r['tol']}): {over}")
         if r.get("poison_changed"):  # (``--poison``: read memory nobody wrote)
             bad.append(f"{r['id']}: moved with its allocations poisoned: {r['poison_changed']}")
+        if r.get("reverse_changed"):  # (``--reverse``: a program read another's write)
+            bad.append(f"{r['id']}: moved with its programs in reverse order: "
+                       f"{r['reverse_changed']}")
     return bad
+
+
+#: the checks' own cases: each must be reported by its check (and by no other)
+CANARIES = {"poison-canary": ("poison_changed", ["nan_read"]),
+            "order-canary": ("reverse_changed", ["reads_before_the_write"])}
+
+
+def _canaries_reported(rows: dict) -> None:
+    """``rows`` (by id) hold both canaries, each reported by its own check alone; removed."""
+    for cid, (field, names) in CANARIES.items():
+        row = rows.pop(cid)
+        other = "reverse_changed" if field == "poison_changed" else "poison_changed"
+        assert row[field] == names and row[other] == [], row
 
 
 def _all_pass(*ids: str) -> None:
@@ -99,33 +115,33 @@ def test_maps_folded_into_the_kernel_match_their_own_functions():
               "fold-backward-fallback-pad", "fold-backward-fallback-weights-in-kernel")
 
 
-def test_no_kernel_reads_memory_nobody_wrote():
-    """``--poison``: each case again with every uninitialised allocation filled with poison (NaN,
-    a large integer, True; ``poison.Poisoned``), its results bit for bit the same, on the
-    paths of session 25's unexplained GPU failures (two identical calls differed there): the
-    forward with the LA output parked (packed heads, padding), the maps' pair on walking
-    programs through descriptors, an output gate's la_only call with padding; and the check
-    reports the canary's read. (With the forward's output rows of neither branch left
-    unstored, an injected defect, it reported ``kernel-pad``'s out: session 26.) The whole
-    suite so: ``test_no_kernel_reads_memory_nobody_wrote_all_cases`` (slow)."""
-    cases = ("poison-canary", "park-la-packed-pad-bf16", "layer-gate-la-only-rescale-pad",
+def test_no_kernel_reads_memory_nobody_wrote_nor_races():
+    """``--poison``: each case again with every uninitialised allocation filled with poison
+    (NaN, a large integer, True; ``poison.Poisoned``); ``--reverse``: again with every launch's
+    programs in reverse order (a program reading what another of the same launch wrote: a race
+    on a GPU). The results bit for bit the same, on the paths of session 25's unexplained GPU
+    failures (two identical calls differed there): the forward with the LA output parked
+    (padding, the shared norm), the maps' pair on walking programs through descriptors, an output
+    gate's la_only call with padding; and each check reports its canary. (With the forward's
+    output rows of neither branch left unstored, an injected defect, ``--poison`` reported
+    ``kernel-pad``'s out: session 26.) The whole suite so:
+    ``test_no_kernel_reads_memory_nobody_wrote_nor_races_all_cases`` (slow)."""
+    cases = (*CANARIES, "park-la-pad-shared-no-grad", "layer-gate-la-only-rescale-pad",
              "pair-walk-tma")
-    rows = {r["id"]: r for r in _run("--poison", *cases)}
+    rows = {r["id"]: r for r in _run("--poison", "--reverse", *cases)}
     assert sorted(rows) == sorted(cases)
-    canary = rows.pop("poison-canary")
-    assert canary["poison_changed"] == ["nan_read"], canary
+    _canaries_reported(rows)
     assert all(r.get("poisoned", 0) > 0 for r in rows.values()), rows
     bad = _failures(list(rows.values()))
     assert not bad, "\n".join(bad)
 
 
 @pytest.mark.slow
-def test_no_kernel_reads_memory_nobody_wrote_all_cases():
-    """Every case under ``--poison`` (twice the all-cases run's time)."""
-    rows = _run("--poison", timeout=4 * 3600)
-    canary = next(r for r in rows if r["id"] == "poison-canary")
-    assert canary["poison_changed"] == ["nan_read"], canary
-    bad = _failures([r for r in rows if r is not canary])
+def test_no_kernel_reads_memory_nobody_wrote_nor_races_all_cases():
+    """Every case under ``--poison`` and ``--reverse`` (three times the all-cases run's time)."""
+    rows = {r["id"]: r for r in _run("--poison", "--reverse", timeout=6 * 3600)}
+    _canaries_reported(rows)
+    bad = _failures(list(rows.values()))
     assert not bad, "\n".join(bad)
 
 

@@ -1,6 +1,7 @@
 """The Triton kernels on CPU through Triton's interpreter, against the PyTorch references.
 
-    TRITON_INTERPRET=1 python tests/triton_interpreter_check.py [--quick] [--poison] [ids] > r.jsonl
+    TRITON_INTERPRET=1 python tests/triton_interpreter_check.py [--quick] [--poison] [--reverse]
+        [ids] > r.jsonl
 
 Run by tests/test_triton_interpreter.py in a subprocess (the interpreter must be switched on
 before the kernels are defined, and must not be on in a process that runs them on a GPU).
@@ -1624,6 +1625,7 @@ def cases(quick: bool = False):
         ("xent-bf16-default-tiles", xent_case, dict(dtype=bf16, T=150, D=32, bm=None, bn=None)),
         ("xent-entry", xent_entry_case, None),
         ("poison-canary", poison_canary_case, None),
+        ("order-canary", order_canary_case, None),
         # the q map's backward from the du of the kernel's dfq pass (triton_phi.DuSlot)
         ("map-du", map_du_case, dict(cfg=MAP_DU, dtype=bf16)),
         ("map-du-exp-pad", map_du_case, dict(cfg=MAP_DU, activation="exp", pad=True, dtype=bf16)),
@@ -1952,19 +1954,75 @@ def poison_canary_case(cid) -> dict:
     return {"nan_read": float(torch.isnan(buf).sum())}
 
 
+def _chain_kernel():
+    """A kernel whose program p writes its slot of X, then reads its predecessor's (p - 1):
+    right only where programs run in order (``order_canary_case``)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def chain(X, Y):
+        p = tl.program_id(0)
+        tl.store(X + p, p + 1)
+        tl.store(Y + p, tl.load(X + p - 1, mask=p > 0, other=0))
+
+    return chain
+
+
+def order_canary_case(cid) -> dict:
+    """Programs that read what another program of the same launch wrote (``_chain_kernel``):
+    in the interpreter's order every read finds its value, in reverse none does. ``--reverse``
+    must report it: the check's own test, where every real case must report nothing."""
+    x, y = torch.zeros(8, dtype=torch.int32), torch.zeros(8, dtype=torch.int32)
+    _chain_kernel()[(8,)](x, y)
+    return {"reads_before_the_write": float((y != torch.arange(8, dtype=torch.int32)).sum())}
+
+
 def _run_case(fn, cid, kw) -> dict:
     return fn(cid) if kw is None else fn(cid, **kw)
 
 
+@contextlib.contextmanager
+def programs_reversed():
+    """Every launch's programs run in the reverse of the interpreter's order (the last program
+    first: each grid index mirrored). A kernel whose programs read what other programs of the
+    same launch write then gives other results: on a GPU its programs run at once, in any
+    order, and that read is a race."""
+    import triton.runtime.interpreter as ti
+
+    builder = ti.InterpreterBuilder
+    set_idx = builder.set_grid_idx
+
+    def mirrored(self, x, y, z):
+        nx, ny, nz = self.grid_dim
+        set_idx(self, nx - 1 - x, ny - 1 - y, nz - 1 - z)
+
+    builder.set_grid_idx = mirrored
+    try:
+        yield
+    finally:
+        builder.set_grid_idx = set_idx
+
+
+def _moved(errs: dict, again: dict) -> list[str]:
+    """The names whose error or flag differs between two runs of a case (NaN equals NaN)."""
+    return sorted(n for n in set(errs) | set(again)
+                  if not (errs.get(n) == again.get(n)
+                          or (errs.get(n) != errs.get(n) and again.get(n) != again.get(n))))
+
+
 def main() -> int:
-    """``--poison``: each case runs twice, as usual and under ``poison.Poisoned`` (every
-    uninitialised allocation filled with NaN / a large integer / True); the row's
-    ``poison_changed`` lists the errors and flags that moved (bit for bit: the interpreter is
-    deterministic), which must be none but for ``poison-canary``'s."""
+    """``--poison``: each case again under ``poison.Poisoned`` (every uninitialised allocation
+    filled with NaN / a large integer / True); ``--reverse``: again with every launch's
+    programs in reverse order (``programs_reversed``). The row's ``poison_changed`` /
+    ``reverse_changed`` list the errors and flags that moved (bit for bit: the interpreter is
+    deterministic), which must be none but for the canaries' own (``poison-canary``'s poison,
+    ``order-canary``'s reverse)."""
     _install_shims()
     torch.set_num_threads(2)
     quick = "--quick" in sys.argv
-    poison = "--poison" in sys.argv
+    again = {"poison": Poisoned, "reverse": programs_reversed}
+    again = {name: ctx for name, ctx in again.items() if f"--{name}" in sys.argv}
     only = [a for a in sys.argv[1:] if not a.startswith("--")]
     for cid, fn, kw, dtype in cases(quick):
         if only and cid not in only:
@@ -1973,14 +2031,11 @@ def main() -> int:
         try:
             errs = _run_case(fn, cid, kw)
             row = {"id": cid, "dtype": dtype, "errors": errs, "tol": TOL[dtype]}
-            if poison:
-                with Poisoned() as mode:
-                    bad = _run_case(fn, cid, kw)
-                row["poisoned"] = mode.count
-                row["poison_changed"] = sorted(
-                    n for n in set(errs) | set(bad)
-                    if not (errs.get(n) == bad.get(n)
-                            or (errs.get(n) != errs.get(n) and bad.get(n) != bad.get(n))))
+            for name, ctx in again.items():
+                with ctx() as mode:
+                    row[f"{name}_changed"] = _moved(errs, _run_case(fn, cid, kw))
+                if name == "poison":
+                    row["poisoned"] = mode.count
         except Exception as e:  # one failing case must not hide the others
             row = {"id": cid, "dtype": dtype, "error": f"{type(e).__name__}: {e}"[:1000]}
         row["seconds"] = round(time.time() - t0, 1)
