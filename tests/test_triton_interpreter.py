@@ -6,7 +6,7 @@ against the composed step.
 Needs triton (the CPU set-up installs it: constraints.txt, the ``dev`` extra; skipped where it
 is missing). The kernels run in a subprocess with ``TRITON_INTERPRET=1``
 (tests/triton_interpreter_check.py), so that the interpreter is never switched on in a process
-that runs them on a GPU. All 275 cases take about an hour on two cores, hence ``slow``;
+that runs them on a GPU. All 277 cases take about an hour on two cores, hence ``slow``;
 the ``--quick`` cases (~40 s) run in the default selection.
 """
 
