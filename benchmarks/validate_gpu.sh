@@ -202,7 +202,7 @@ case "${1:-}" in
       echo "== switches: ${sw:-(defaults)}"
       HEDGECATS_TEST_SWITCHES="$sw" timeout ${BISECT_TIMEOUT:-75} python -m pytest -q -m gpu \
         -p no:cacheprovider tests/test_triton_kernels.py -k "output_gate or nobody_wrote" \
-        -n 4 2>&1 | grep -E "passed|failed|^FAILED|^E  .*(differ|assert)" | cut -c1-160
+        -n 4 2>&1 | grep -E "passed|failed|^FAILED|^E  .*(differ|assert|retried)" | cut -c1-200
     done
     [ -n "${SKIP_TESTS:-}" ] || kernel_tests 100 "maps_folded or walking"
     ;;

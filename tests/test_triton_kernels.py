@@ -493,6 +493,15 @@ class _LayerAt8BHeads:
         self.kpm = torch.ones(B, T, dtype=torch.bool, device=DEVICE)
         self.kpm[1, :37] = False
 
+    @staticmethod
+    def no_retry_since(n_retry: int, n_err: int) -> None:
+        """No tiles retried (``triton_hybrid.RETRIES``: a config that did not compile, its call
+        then on other tiles, other bits) and no call sent to the pieces (``FALLBACK_ERRORS``)
+        since those counts: each would make calls that should agree bit for bit differ."""
+        th = _kernels()
+        retries, errs = th.RETRIES[n_retry:], th.FALLBACK_ERRORS[n_err:]
+        assert not retries and not errs, f"tiles retried: {retries}; fell back: {errs}"
+
     def run(self, backend: str, mode: str, gated: bool = True, held=None) -> list:
         """[out, dq, dk, dv, dg, dWq, dWk] of one call (g the gate, or 0.5 without
         ``gated``: dg None); ``held``: a list to append the bytes the forward left allocated."""
@@ -526,6 +535,7 @@ def test_output_gate_takes_a_kernel_call_per_branch(mode):
         return layer.run(backend, mode, held=held)
 
     calls, gated = th.CALLS["forward"], th.CALLS["gated"]
+    n_retry, n_err = len(th.RETRIES), len(th.FALLBACK_ERRORS)
     got = run("triton")
     assert th.CALLS["forward"] - calls == (2 if mode == "hybrid" else 1)
     assert th.CALLS["gated"] == gated + 1
@@ -540,6 +550,7 @@ def test_output_gate_takes_a_kernel_call_per_branch(mode):
         got_copied = run("triton", copied)
     finally:
         th.GATED_OUTPUT_IS_BRANCH = True
+    layer.no_retry_since(n_retry, n_err)
     for a, b, c in zip(got, got_copied, again):
         assert (a is None and b is None and c is None) or (torch.equal(a, b) and
                                                               torch.equal(a, c))
@@ -564,7 +575,10 @@ def test_the_layer_reads_no_memory_nobody_wrote(mode, mixer):
     calls that differ point to a race or an order the device does not keep (a run's values
     depend on timing), a poisoned call that differs to a read of memory nobody wrote (they
     depend on what the allocator hands out). Session 25's GPU run had an output gate's la_only
-    call read a different output on a second identical call: this test tells the two apart."""
+    call read a different output on a second identical call: this test tells the two apart,
+    and a third cause first: a config that did not compile on the first call (its tiles
+    retried, ``RETRIES``; or the call sent to the pieces), which the gate's test now reports
+    too."""
     from poison import Poisoned
 
     th = _kernels()
@@ -573,11 +587,12 @@ def test_the_layer_reads_no_memory_nobody_wrote(mode, mixer):
     def run():
         return layer.run("triton", mode, gated=mixer == "gate")
 
-    calls = th.CALLS["forward"]
+    calls, n_retry, n_err = th.CALLS["forward"], len(th.RETRIES), len(th.FALLBACK_ERRORS)
     first, second = run(), run()
     with Poisoned() as poison:
         poisoned = run()
     assert th.CALLS["forward"] > calls and poison.count > 0
+    layer.no_retry_since(n_retry, n_err)
 
     def differ(a, b):
         return [n for n, x, y in zip(layer.NAMES, a, b)
