@@ -1946,9 +1946,10 @@ def cases(quick: bool = False):
 
 def poison_canary_case(cid) -> dict:
     """A host that reads memory nobody wrote: a buffer from ``torch.empty`` of which only the
-    first half is written, then read whole (its NaNs counted: 8 under ``Poisoned``, whatever
-    the leftovers are otherwise). ``--poison`` must report it: the check's own test, where
-    every real case must report nothing."""
+    first half is written, then read whole (its NaNs counted: 8 under ``Poisoned``; otherwise
+    whatever the leftovers hold, NaN too where they are an earlier poisoned run's). Under
+    ``--poison`` it must read all 8: the check's own test, where every real case must report
+    nothing."""
     buf = torch.empty(16)
     buf[:8] = torch.arange(8, dtype=torch.float32)
     return {"nan_read": float(torch.isnan(buf).sum())}
@@ -2033,7 +2034,11 @@ def main() -> int:
             row = {"id": cid, "dtype": dtype, "errors": errs, "tol": TOL[dtype]}
             for name, ctx in again.items():
                 with ctx() as mode:
-                    row[f"{name}_changed"] = _moved(errs, _run_case(fn, cid, kw))
+                    rerun = _run_case(fn, cid, kw)
+                row[f"{name}_changed"] = _moved(errs, rerun)
+                if cid.endswith("-canary"):  # (what the rerun itself read: the leftovers of
+                    # an ordinary run may be an earlier poisoned run's)
+                    row[f"{name}_errors"] = rerun
                 if name == "poison":
                     row["poisoned"] = mode.count
         except Exception as e:  # one failing case must not hide the others
