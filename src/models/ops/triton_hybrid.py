@@ -346,7 +346,8 @@ class KernelConfig:
     park_la: bool = False
     #: the register cap ptxas compiles ``_fwd`` to (Triton's ``maxnreg``; None: no cap): 168
     #: lets three 4-warp programs share a multiprocessor's 64K registers, at the price of
-    #: what spills past it (ptxas at the default's tiles: 172 B a thread without ``park_la``)
+    #: what spills past it (ptxas at the default's tiles: 172 B a thread without ``park_la``).
+    #: Not applied where the q map runs in ``_fwd`` nor to held fq rows (``_fwd_launch_options``)
     fwd_maxnreg: int | None = None
     #: ``_fwd``'s pipeline stages (None: ``stages``): the shared memory its loops' copies
     #: take (ptxas, the default's tiles: 80 KB at 2, 41 KB at 1; three programs a
