@@ -38,7 +38,7 @@
 #       the race / unwritten-memory test with each of session 25's candidates on alone and both
 #       (the run with both failed the gate's)
 #   bash benchmarks/validate_gpu.sh parked     (~9 min) the candidates as defaults: the five
-#       ratios (attention_speed --tiles / --switches), the kernel tests with them
+#       ratios (attention_speed --switches), the kernel tests with them
 #   bash benchmarks/validate_gpu.sh memory     (~6 min) the fold's memory tests, its peak taken
 #       apart (fold_memory.py), session 23's held-fq forward tests, the recipes
 #
