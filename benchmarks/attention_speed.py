@@ -41,7 +41,6 @@ into ``--summary`` (default ``<out>/summary.json``, merged with what is there).
 from __future__ import annotations
 
 import argparse
-import ast
 import contextlib
 import dataclasses
 import datetime
@@ -1084,12 +1083,12 @@ def parse_tiles(spec: str) -> dict:
     """``--tiles``' "field=value,..." (``KernelConfig`` fields, values Python literals)."""
     fields = {f.name for f in dataclasses.fields(th.KernelConfig)}
     out = {}
-    for item in filter(None, (s.strip() for s in re.split(r",(?=\s*\w+\s*=)", spec))):
-        name, sep, value = item.partition("=")
-        if not sep or name.strip() not in fields:
+    for item, name, value in kernel_switches.assignments(
+            spec, "--tiles", "field=value (e.g. park_la=True)"):
+        if name not in fields:
             raise ValueError(f"--tiles: {item!r} is not field=value of a KernelConfig field "
                              f"(e.g. park_la=True)")
-        out[name.strip()] = ast.literal_eval(value.strip())
+        out[name] = value
     return out
 
 

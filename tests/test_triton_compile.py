@@ -339,14 +339,18 @@ PARKED_FORWARDS = {"r168-s1": dict(fwd_maxnreg=168, fwd_stages=1),
                    "r168-bn16": dict(fwd_maxnreg=168, block_n=16)}
 
 
-def _parked_report(c, save: bool) -> dict:
+def _parked_report(c, save: bool, has_swa: bool = True, has_la: bool = True) -> dict:
     """ptxas's report of ``_fwd`` parked (``park_la``) at config ``c``'s tiles, stages and
-    register cap, at the 8B's shape with padding and the shared norm."""
+    register cap, at the 8B's shape with padding and the shared norm; with one branch
+    (``has_swa`` / ``has_la``: an output gate's branch call) neither parked nor shared, as
+    ``triton_hybrid._forward`` launches it."""
+    both = has_swa and has_la
     lo = dict(D=128, F=256, FC=th._fc(c, 256), CS=c.state_chunk, HAS_KPM=True, PREC="tf32",
-              BM=c.block_m, BN=c.block_n, P=th.pack_of(c, 4), SHARED=True, HAS_SWA=True,
-              HAS_LA=True, SS=c.state_product_stages, SAVE=save, PARK=True)
+              BM=c.block_m, BN=c.block_n, P=th.pack_of(c, 4), SHARED=both, HAS_SWA=has_swa,
+              HAS_LA=has_la, SS=c.state_product_stages, SAVE=save, PARK=both and c.park_la)
     return compile_report(th._fwd, _pointers(torch.bfloat16), lo, ("scale_log2", "eps"),
-                          c.warps, c.fwd_stages or c.stages, maxnreg=c.fwd_maxnreg)
+                          c.warps, c.stages if c.fwd_stages is None else c.fwd_stages,
+                          maxnreg=c.fwd_maxnreg)
 
 
 @pytest.mark.parametrize("save", [False, True], ids=["no-grad", "save"])
@@ -387,6 +391,21 @@ def test_parked_forward_fits_two_8_warp_programs_a_multiprocessor(save):
     print(f"parked fwd{' saving' if save else ''}, padding, shared: {r}")
     assert r["registers"] <= 128 and r["spill"] <= (PARKED_SAVING_SPILL if save else MAX_SPILL), r
     assert r["smem"] <= TWO_PROGRAMS_SMEM, r
+
+
+@pytest.mark.parametrize("save", [False, True], ids=["no-grad", "save"])
+@pytest.mark.parametrize("branch", ["swa", "la"])
+def test_parked_forward_compiles_for_an_output_gates_branch_calls(branch, save):
+    """``PARKED_FORWARD`` for the output gate's one-branch calls (``triton_hybrid._gated``:
+    SWA alone, LA alone; padding; saving the branch or not), which session 25's GPU run failed
+    with it as the default: they fit a multiprocessor at its 128-register cap (read on
+    2026-12-05: SWA 127-128 registers, 64 KB, no spill; LA 128, 112 KB, 0 / 8 B of spill), so
+    a compile failure and the tiles' retry (``triton_hybrid.RETRIES``) is not what made those
+    calls differ."""
+    c = dataclasses.replace(th.default_config(128, 256, torch.bfloat16), **th.PARKED_FORWARD)
+    r = _parked_report(c, save, has_swa=branch == "swa", has_la=branch == "la")
+    print(f"parked fwd, {branch} alone{' saving' if save else ''}, padding: {r}")
+    assert r["registers"] <= 128 and r["spill"] <= MAX_SPILL and r["smem"] <= SMEM_MAX, r
 
 
 HYBRID = [  # dtype, D, F, flags

@@ -473,6 +473,27 @@ def test_routing_shared_norm_outside_hybrid_goes_to_the_pieces():
            shared_norm=True, g=0.1)
 
 
+def _failure_counts() -> tuple[int, int, int]:
+    """How many tiles were retried (``triton_hybrid.RETRIES``) and calls sent to PyTorch (the
+    hybrid's and the feature maps' ``FALLBACK_ERRORS``) so far (``_no_failures_since``)."""
+    from hedgecats.models.ops import triton_phi as tp
+
+    th = _kernels()
+    return len(th.RETRIES), len(th.FALLBACK_ERRORS), len(tp.FALLBACK_ERRORS)
+
+
+def _no_failures_since(counts: tuple[int, int, int]) -> None:
+    """No tiles retried (a config that did not compile: its call then on other tiles, other
+    bits) and no call sent to PyTorch since ``counts`` (``_failure_counts``): each would make
+    calls that should agree bit for bit differ."""
+    from hedgecats.models.ops import triton_phi as tp
+
+    th = _kernels()
+    got = (th.RETRIES[counts[0]:], th.FALLBACK_ERRORS[counts[1]:],
+           tp.FALLBACK_ERRORS[counts[2]:])
+    assert not any(got), "tiles retried: {}; fell back: {}; maps fell back: {}".format(*got)
+
+
 class _LayerAt8BHeads:
     """A layer's call at the 8B head shape (H 8, Hkv 2, D 128, T 300, window 64), the maps
     folded in, the second row left-padded by 37: inputs drawn from ``seed`` (q, k, v as views
@@ -492,15 +513,6 @@ class _LayerAt8BHeads:
         self.do = torch.randn(B, H, T, D, device=DEVICE, generator=gen)
         self.kpm = torch.ones(B, T, dtype=torch.bool, device=DEVICE)
         self.kpm[1, :37] = False
-
-    @staticmethod
-    def no_retry_since(n_retry: int, n_err: int) -> None:
-        """No tiles retried (``triton_hybrid.RETRIES``: a config that did not compile, its call
-        then on other tiles, other bits) and no call sent to the pieces (``FALLBACK_ERRORS``)
-        since those counts: each would make calls that should agree bit for bit differ."""
-        th = _kernels()
-        retries, errs = th.RETRIES[n_retry:], th.FALLBACK_ERRORS[n_err:]
-        assert not retries and not errs, f"tiles retried: {retries}; fell back: {errs}"
 
     def run(self, backend: str, mode: str, gated: bool = True, held=None) -> list:
         """[out, dq, dk, dv, dg, dWq, dWk] of one call (g the gate, or 0.5 without
@@ -535,7 +547,7 @@ def test_output_gate_takes_a_kernel_call_per_branch(mode):
         return layer.run(backend, mode, held=held)
 
     calls, gated = th.CALLS["forward"], th.CALLS["gated"]
-    n_retry, n_err = len(th.RETRIES), len(th.FALLBACK_ERRORS)
+    failures = _failure_counts()
     got = run("triton")
     assert th.CALLS["forward"] - calls == (2 if mode == "hybrid" else 1)
     assert th.CALLS["gated"] == gated + 1
@@ -550,7 +562,7 @@ def test_output_gate_takes_a_kernel_call_per_branch(mode):
         got_copied = run("triton", copied)
     finally:
         th.GATED_OUTPUT_IS_BRANCH = True
-    layer.no_retry_since(n_retry, n_err)
+    _no_failures_since(failures)
     for a, b, c in zip(got, got_copied, again):
         assert (a is None and b is None and c is None) or (torch.equal(a, b) and
                                                               torch.equal(a, c))
@@ -587,12 +599,12 @@ def test_the_layer_reads_no_memory_nobody_wrote(mode, mixer):
     def run():
         return layer.run("triton", mode, gated=mixer == "gate")
 
-    calls, n_retry, n_err = th.CALLS["forward"], len(th.RETRIES), len(th.FALLBACK_ERRORS)
+    calls, failures = th.CALLS["forward"], _failure_counts()
     first, second = run(), run()
     with Poisoned() as poison:
         poisoned = run()
     assert th.CALLS["forward"] > calls and poison.count > 0
-    layer.no_retry_since(n_retry, n_err)
+    _no_failures_since(failures)
 
     def differ(a, b):
         return [n for n, x, y in zip(layer.NAMES, a, b)

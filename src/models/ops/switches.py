@@ -14,18 +14,37 @@ import sys
 from collections.abc import Iterator
 
 
+def assignments(spec: str, source: str, form: str = "target=value"
+                ) -> list[tuple[str, str, object]]:
+    """``spec``, "target=value,..." (values Python literals), as (item, target, value);
+    ``source`` names where the spec came from in the errors, ``form`` what an item should look
+    like. Shared by ``parse`` and the benchmarks' ``--tiles`` (``KernelConfig`` fields)."""
+    out = []
+    # (split at the commas that start the next "target=": a value may hold commas)
+    for item in filter(None, (s.strip() for s in re.split(r",(?=\s*[\w.]+\s*=)", spec))):
+        target, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"{source}: {item!r} is not {form}")
+        try:
+            parsed = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            raise ValueError(f"{source}: {item!r}: the value {value.strip()!r} is not a Python "
+                             "literal (a string needs quotes: NAME='walk', which a shell's own "
+                             "quotes around the whole spec keep)") from None
+        out.append((item, target.strip(), parsed))
+    return out
+
+
 def parse(spec: str, source: str = "switches") -> list[tuple[str, str, object]]:
     """``spec``, "module.NAME=value,..." (modules of ``hedgecats.models.ops``, values Python
     literals), as (module, attribute, value); ``source`` names where the spec came from in
     the errors."""
+    form = "module.NAME=value (e.g. triton_phi.RECIPROCAL_SOFTMAX=True)"
     out = []
-    # (split at the commas that start the next "module.NAME=": a value may hold commas)
-    for item in filter(None, (s.strip() for s in re.split(r",(?=\s*[\w.]+\s*=)", spec))):
-        target, sep, value = item.partition("=")
-        module, dot, name = target.strip().rpartition(".")
-        if not (sep and dot and module and name):
-            raise ValueError(f"{source}: {item!r} is not module.NAME=value "
-                             "(e.g. triton_phi.RECIPROCAL_SOFTMAX=True)")
+    for item, target, value in assignments(spec, source, form):
+        module, dot, name = target.rpartition(".")
+        if not (dot and module and name):
+            raise ValueError(f"{source}: {item!r} is not {form}")
         try:
             mod = importlib.import_module(f"hedgecats.models.ops.{module}")
         except ImportError as e:
@@ -33,13 +52,7 @@ def parse(spec: str, source: str = "switches") -> list[tuple[str, str, object]]:
                              f"({e})") from None
         if not hasattr(mod, name):
             raise ValueError(f"{source}: hedgecats.models.ops.{module} has no switch {name!r}")
-        try:
-            parsed = ast.literal_eval(value.strip())
-        except (ValueError, SyntaxError):
-            raise ValueError(f"{source}: {item!r}: the value {value.strip()!r} is not a Python "
-                             "literal (a string needs quotes: NAME='walk', which a shell's own "
-                             "quotes around the whole spec keep)") from None
-        out.append((module, name, parsed))
+        out.append((module, name, value))
     return out
 
 
