@@ -57,10 +57,10 @@ from pathlib import Path
 import torch
 from hedgecats.models import HedgehogFeatureMap, hybrid_attention
 from hedgecats.models.mixers import LearnedHeadMixer, SharedNormMixer
-from hedgecats.models.ops import backends
-from hedgecats.models.ops import reference as ref
+from hedgecats.models.ops.hybrid import backends
+from hedgecats.models.ops.hybrid import reference as ref
 from hedgecats.models.ops import switches as kernel_switches
-from hedgecats.models.ops import triton_hybrid as th
+from hedgecats.models.ops.hybrid import kernels as th
 
 # ----------------------------------------------------------------------------- timing
 
@@ -441,7 +441,7 @@ def run_shape(a, B, T, results, log):
     L = Layer(B, T, a.heads, a.kv_heads, a.head_dim, a.window, dtype, a.projection)
     fl = floors(B, a.heads, a.kv_heads, T, a.head_dim, L.F, a.window)
     use_ref = B * T <= a.ref_tokens
-    from hedgecats.models.ops import triton_hybrid as th
+    from hedgecats.models.ops.hybrid import kernels as th
 
     have_triton = backends.available("triton")
 
@@ -682,7 +682,7 @@ TUNE_CONFIGS = {  # None: default_config (D=128 since session 13: fwd 128x64 w8 
 
 def tune(L: Layer, B, T, log, names: list[str] | None = None) -> list[dict]:
     """The fused kernel alone (precomputed feature maps, fixed g) under a few tile configs."""
-    from hedgecats.models.ops import triton_hybrid as th
+    from hedgecats.models.ops.hybrid import kernels as th
 
     fq = L.phi_q(L.q).detach().requires_grad_()
     fk = L.phi_k(L.k).detach().requires_grad_()
@@ -956,7 +956,7 @@ def main(argv=None) -> int:
                    help="only draw attention_speed.png in --out from an attention_speed.json")
     p.add_argument("--switches", default="", metavar="SPEC",
                    help="kernel switches set for the whole run, 'module.NAME=value,...' "
-                   "(e.g. triton_phi.WEIGHTS_IN_KERNEL='walk'): an option measured as it would "
+                   "(e.g. feature_map.kernels.WEIGHTS_IN_KERNEL='walk'): an option measured as it would "
                    "run as the default; recorded in the JSON")
     p.add_argument("--tiles", default="", metavar="SPEC",
                    help="the default kernel config's fields changed for the whole run, "
@@ -1030,7 +1030,7 @@ def main(argv=None) -> int:
     def write():  # after every shape: a run cut short by a time limit keeps what it measured
         res["seconds"] = round(time.time() - t0, 1)
         if backends.available("triton"):
-            from hedgecats.models.ops import triton_hybrid as th
+            from hedgecats.models.ops.hybrid import kernels as th
 
             res["kernel_tile_retries"] = list(th.RETRIES)
             res["kernel_fallback_errors"] = list(th.FALLBACK_ERRORS)

@@ -12,7 +12,7 @@ import time
 
 import torch
 from hedgecats.models import HedgehogFeatureMap, hybrid_attention
-from hedgecats.models.ops import backends
+from hedgecats.models.ops.hybrid import backends
 
 CASES = {
     "hybrid": ("hybrid", {}),

@@ -99,8 +99,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--small", action="store_true", help="H 4, Hkv 2, D 16, F 32, W 8 (CPU)")
     a = ap.parse_args(argv)
-    from hedgecats.models.ops import triton_decode
-    from hedgecats.models.ops.reference import LA_EPS
+    from hedgecats.models.ops.decode import kernels as triton_decode
+    from hedgecats.models.ops.hybrid.reference import LA_EPS
 
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     device = "cpu" if interp else "cuda"

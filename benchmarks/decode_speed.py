@@ -198,7 +198,7 @@ def static_cache_like(model, dyn_cache, batch: int, length: int, capacity: int):
 
 
 def _fused_steps() -> int:
-    from hedgecats.models.ops import triton_decode
+    from hedgecats.models.ops.decode import kernels as triton_decode
 
     return triton_decode.CALLS["step"]
 
@@ -433,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     if not parts <= {"latency", "batch"}:
         p.error(f"--parts {args.parts!r}: choose from latency, batch")
 
-    from hedgecats.models.ops import backends
+    from hedgecats.models.ops.hybrid import backends
 
     model = build(shape, dtype, device, args.window)
     env = {"python": platform.python_version(), "torch": torch.__version__,

@@ -18,7 +18,7 @@ import json
 
 import torch
 from hedgecats.models import HedgehogFeatureMap, hybrid_attention
-from hedgecats.models.ops import hybrid as hybrid_mod
+from hedgecats.models.ops.hybrid import attention as hybrid_mod
 
 
 def _site(frames: list[dict]) -> str:

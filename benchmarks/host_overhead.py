@@ -103,7 +103,7 @@ def memory_peaks(A, shape: str) -> dict:
     must go through ``save_for_backward``, which checkpointing discards), beside its output's."""
     import gc
 
-    from hedgecats.models.ops import hybrid as hybrid_mod
+    from hedgecats.models.ops.hybrid import attention as hybrid_mod
 
     B, T = map(int, shape.split("x"))
     L = A.Layer(B, T, 32, 8, 128, 64, torch.bfloat16, "square")
@@ -151,7 +151,9 @@ def memory_peaks(A, shape: str) -> dict:
 def patch_routing():
     """The layer's CUDA path on CPU tensors, launches stubbed; returns the launch counter."""
     from hedgecats.models import feature_maps as fm
-    from hedgecats.models.ops import backends, triton_common, triton_phi
+    from hedgecats.models.ops import triton_common
+    from hedgecats.models.ops.hybrid import backends
+    from hedgecats.models.ops.feature_map import kernels as triton_phi
 
     if not triton_common.HAVE_TRITON:
         raise SystemExit("host_overhead.py needs triton importable (the kernels' definitions)")
@@ -247,7 +249,7 @@ def main(argv=None) -> dict:
     a = p.parse_args(argv)
     launches = patch_routing()
     import attention_speed as A
-    from hedgecats.models.ops import triton_phi
+    from hedgecats.models.ops.feature_map import kernels as triton_phi
 
     triton_phi.WEIGHTS_IN_KERNEL = a.weights_in_kernel
     from kernel_anatomy import LAYER_CHANGES, default_tiles_changed
@@ -312,7 +314,7 @@ def _measure(a, A, launches) -> dict:
 
     for _ in range(5):
         call([])
-    from hedgecats.models.ops import triton_hybrid as th
+    from hedgecats.models.ops.hybrid import kernels as th
 
     launches.clear()
     folded = th.CALLS["maps_folded"], th.CALLS["maps_folded_backward"]

@@ -27,8 +27,8 @@ from unittest import mock
 import torch
 from attention_speed import (TUNE_CONFIGS, Layer, add_head_args, default_tiles_changed,
                              device_ms, environment, rel)
-from hedgecats.models.ops import reference as ref
-from hedgecats.models.ops import triton_hybrid as th
+from hedgecats.models.ops.hybrid import reference as ref
+from hedgecats.models.ops.hybrid import kernels as th
 
 BRANCHES = {"hybrid": (True, True), "swa": (True, False), "la": (False, True)}
 #: the branch set that times the whole layer as the model runs it (``Layer.hybrid``: both

@@ -40,7 +40,7 @@ for m in ("triton", "fla", "transformers", "peft", "xdist"):
         print(m, getattr(importlib.import_module(m), "__version__", "present"))
     except Exception as e:
         print(m, "MISSING", type(e).__name__)
-from hedgecats.models.ops import backends
+from hedgecats.models.ops.hybrid import backends
 print("backend 'triton' available:", backends.available("triton"),
       "| auto uses the fused kernel:", backends.triton_enabled())
 EOF

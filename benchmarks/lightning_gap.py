@@ -49,7 +49,7 @@ import stage_speed  # noqa: E402
 import torch  # noqa: E402
 from hedgecats.lightning_modules.strategies import ModelParallelStrategy  # noqa: E402
 from hedgecats.models.checkpoint import unwrap  # noqa: E402
-from hedgecats.models.ops import backends  # noqa: E402
+from hedgecats.models.ops.hybrid import backends  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 

@@ -15,8 +15,8 @@ import json
 import torch
 from attention_speed import add_head_args  # benchmarks/ on sys.path as a script
 from hedgecats.models import HedgehogFeatureMap
-from hedgecats.models.ops import triton_hybrid as th
-from hedgecats.models.ops import triton_phi as tp
+from hedgecats.models.ops.hybrid import kernels as th
+from hedgecats.models.ops.feature_map import kernels as tp
 
 
 def peak_above(fn) -> float:

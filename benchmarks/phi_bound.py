@@ -42,7 +42,7 @@ from pathlib import Path
 import attention_speed  # benchmarks/ on sys.path
 import torch
 from attention_speed import device_ms, environment, rel
-from hedgecats.models.ops import triton_phi as tp
+from hedgecats.models.ops.feature_map import kernels as tp
 from hedgecats.models.ops.triton_common import cdiv, tl, triton
 
 #: the pair's rows: the ``triton_phi`` switches each sets over ``PAIR_BASE`` (``default``: the

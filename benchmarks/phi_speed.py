@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 from attention_speed import bench, device_ms, environment, rel  # benchmarks/ on sys.path
-from hedgecats.models.ops import triton_phi as tp
+from hedgecats.models.ops.feature_map import kernels as tp
 
 #: name: (backward reads the forward's output, (rows, warps) of the forward or None for
 #: ``_tiles``'s, the same for the backward). Session 11 (2026-12-03): ptxas's report with the

@@ -21,8 +21,8 @@ import sys
 import torch
 from attention_speed import add_head_args, bench, device_ms, hold_device  # benchmarks/ on sys.path
 from hedgecats.models import HedgehogFeatureMap, hybrid_attention
-from hedgecats.models.ops import backends
-from hedgecats.models.ops import reference as ref
+from hedgecats.models.ops.hybrid import backends
+from hedgecats.models.ops.hybrid import reference as ref
 
 
 def host_and_device_ms(fn, n: int = 20, sleep_ms: float = 200.0, repeats: int = 5) -> dict:

@@ -61,7 +61,7 @@ import torch
 from hedgecats.lightning_modules.student_stream import StudentStream
 from hedgecats.models import HybridConfig, convert_to_hybrid, hybrid_layers, set_attention_mode
 from hedgecats.models.feature_maps import HedgehogFeatureMap as _FM_CLASS
-from hedgecats.models.ops import transfer
+from hedgecats.models.ops.transfer import losses as transfer
 
 LLAMA3_8B = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
              "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256,
@@ -210,7 +210,7 @@ def blocked_xent():
     """Inside, ``transfer_loss`` runs the blocked PyTorch ``weights_xent`` even where it would
     take the fused kernel (CUDA with Triton): the ``[blocked]`` row. Until 2026-12-02 that row
     patched nothing, so on the GPU it measured the fused kernel a second time."""
-    from hedgecats.models.ops import triton_xent
+    from hedgecats.models.ops.transfer import xent as triton_xent
 
     with patched(triton_xent, "weights_xent", transfer.weights_xent):
         yield
@@ -223,7 +223,7 @@ def recomputed_branches():
     ``[recomputed]`` rows, set against the default rows of the same run."""
     import dataclasses
 
-    from hedgecats.models.ops import triton_hybrid
+    from hedgecats.models.ops.hybrid import kernels as triton_hybrid
 
     default = triton_hybrid.default_config
 
@@ -296,7 +296,7 @@ def run(a, on_row=None) -> dict:
         log(row)
 
     def has_triton():
-        from hedgecats.models.ops import backends
+        from hedgecats.models.ops.hybrid import backends
 
         return backends.available("triton")
 
@@ -314,7 +314,7 @@ def run(a, on_row=None) -> dict:
         if T <= a.blocked_xent_max_t:
             variants.append(("transfer/weights_xent [blocked]", "weights_xent", blocked_xent))
         if has_triton():
-            from hedgecats.models.ops import triton_xent
+            from hedgecats.models.ops.transfer import xent as triton_xent
 
             variants.append(("transfer/weights_xent [fused]", "weights_xent",
                              ("weights_xent", triton_xent.weights_xent)))
@@ -326,7 +326,7 @@ def run(a, on_row=None) -> dict:
             variants.append(("transfer/lolcats_tt", "hybrid_output_mse",
                              ("hybrid_attention", materialised_student)))
         if has_triton() and short:
-            from hedgecats.models.ops import triton_xent
+            from hedgecats.models.ops.transfer import xent as triton_xent
 
             # the feature maps' PyTorch path too (the fused map is the default)
             variants.append(("transfer/weights_xent [fused, pytorch phi]", "weights_xent",
@@ -356,7 +356,7 @@ def run(a, on_row=None) -> dict:
                                                                students), tokens)
             attempt(name, T, fn)
         if a.profile and not profile and has_triton():
-            from hedgecats.models.ops import triton_xent
+            from hedgecats.models.ops.transfer import xent as triton_xent
 
             with patched(transfer, "weights_xent", triton_xent.weights_xent):
                 profile.append(profile_step(lambda: transfer_step(model, opt, ids, bench,

@@ -48,7 +48,7 @@ def _legacy_xent_block(q_blk, k, fq_blk, fk, qpos, kpm, scale: float, eps: float
 def _legacy_linear(impl):
     """An ``Ops.linear`` piece with the first version's inference: no kernel floor, the
     normaliser clamped at ``LEGACY_EPS``."""
-    from hedgecats.models.ops.reference import DEN_TINY
+    from hedgecats.models.ops.hybrid.reference import DEN_TINY
 
     def linear(fq, fk, v, *, shift, eps, need_den, key_padding_mask, **kw):
         out, den, has = impl(fq, fk, v, shift=shift, eps=DEN_TINY, need_den=True,
@@ -61,7 +61,8 @@ def _legacy_linear(impl):
 
 def install() -> None:
     from hedgecats.lightning_modules import stages
-    from hedgecats.models.ops import backends, transfer
+    from hedgecats.models.ops.hybrid import backends
+    from hedgecats.models.ops.transfer import losses as transfer
 
     transfer._xent_block = _legacy_xent_block
     for name in ("ref_linear", "fla_linear"):

@@ -20,7 +20,7 @@
 #       spacings (kernel_anatomy); then `measure` for the ratios
 #   bash benchmarks/validate_gpu.sh pair       (~5 min) session 24: the maps' GPU tests with
 #       their softmax normalised by a reciprocal (HEDGECATS_TEST_SWITCHES=
-#       triton_phi.RECIPROCAL_SOFTMAX=True), what bounds the maps' forward pair (phi_bound.py:
+#       feature_map.kernels.RECIPROCAL_SOFTMAX=True), what bounds the maps' forward pair (phi_bound.py:
 #       the pair against kernels of its grid doing less), the layer with the reciprocal, the
 #       pair on walking programs (triton_phi.FORWARD_WALK) and _fwd's key tiles through
 #       descriptors (KernelConfig.fwd_tma)
@@ -134,7 +134,7 @@ case "${1:-}" in
     anatomy 240 layer,layer-map-q,layer-map-q-fwd128x32,layer-cs64,layer-fwd-cs64
     ;;
   pair)
-    HEDGECATS_TEST_SWITCHES=triton_phi.RECIPROCAL_SOFTMAX=True \
+    HEDGECATS_TEST_SWITCHES=feature_map.kernels.RECIPROCAL_SOFTMAX=True \
       kernel_tests 150 "feature_map or maps_folded or walking or options_give"
     t0=$SECONDS
     timeout 90 python benchmarks/phi_bound.py --shape 8x1024 --out "$R/phi_bound" \
@@ -172,7 +172,7 @@ case "${1:-}" in
     for run in base cand; do
       t0=$SECONDS
       extra=()
-      [ $run = cand ] && extra=(--switches "triton_phi.WEIGHTS_IN_KERNEL='walk'" \
+      [ $run = cand ] && extra=(--switches "feature_map.kernels.WEIGHTS_IN_KERNEL='walk'" \
         --tiles "${CAND_TILES:-park_la=True,fwd_maxnreg=168,fwd_stages=1}")
       timeout ${SPEED_TIMEOUT:-75} python benchmarks/attention_speed.py --shapes 8x1024 \
         --check-max-tokens 8192 --cases "^(teacher|hybrid fixed)( fwd)?$" "${extra[@]}" \
@@ -196,9 +196,9 @@ case "${1:-}" in
     # nobody_wrote) with the defaults, each on alone, both, and the pair on one program a
     # block; then the fold's and walk's tests
     PARKED=$(parked_forward) || exit 1
-    for sw in "" "triton_phi.WEIGHTS_IN_KERNEL='walk'" "triton_hybrid.DEFAULT_FORWARD=$PARKED" \
-        "triton_hybrid.DEFAULT_FORWARD=$PARKED,triton_phi.WEIGHTS_IN_KERNEL='walk'" \
-        "triton_phi.FORWARD_WALK=None"; do
+    for sw in "" "feature_map.kernels.WEIGHTS_IN_KERNEL='walk'" "hybrid.kernels.DEFAULT_FORWARD=$PARKED" \
+        "hybrid.kernels.DEFAULT_FORWARD=$PARKED,feature_map.kernels.WEIGHTS_IN_KERNEL='walk'" \
+        "feature_map.kernels.FORWARD_WALK=None"; do
       echo "== switches: ${sw:-(defaults)}"
       HEDGECATS_TEST_SWITCHES="$sw" timeout ${BISECT_TIMEOUT:-75} python -m pytest -q -m gpu \
         -p no:cacheprovider tests/test_triton_kernels.py -k "output_gate or nobody_wrote" \
@@ -210,7 +210,7 @@ case "${1:-}" in
     # the candidates as defaults (once bisect-gate has cleared them): issue 11's five ratios
     # with them (attention_speed --switches: DEFAULT_FORWARD itself, which D >= 128 bf16 alone
     # take, as it would be the default), then the kernel tests with the same switches
-    CANDIDATES="triton_hybrid.DEFAULT_FORWARD=$(parked_forward),triton_phi.WEIGHTS_IN_KERNEL='walk'" \
+    CANDIDATES="hybrid.kernels.DEFAULT_FORWARD=$(parked_forward),feature_map.kernels.WEIGHTS_IN_KERNEL='walk'" \
       || exit 1
     t0=$SECONDS
     timeout ${SPEED_TIMEOUT:-250} python benchmarks/attention_speed.py \

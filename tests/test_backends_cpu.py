@@ -12,8 +12,8 @@ import types
 
 import pytest
 import torch
-from hedgecats.models.ops import backends
-from hedgecats.models.ops import reference as ref
+from hedgecats.models.ops.hybrid import backends
+from hedgecats.models.ops.hybrid import reference as ref
 
 
 def causal_linear_attn(q, k, v, scale=1.0, normalize=False):
@@ -145,7 +145,7 @@ def test_cache_calls_never_reach_flex():
 def test_fused_triton_switch_is_on_unless_set_to_zero(monkeypatch):
     """``auto`` takes the fused Triton kernels wherever Triton is installed (validated on an
     H200, benchmarks/results/kernels_h200/); ``HEDGECATS_TRITON=0`` is the way to run without."""
-    from hedgecats.models.ops import backends
+    from hedgecats.models.ops.hybrid import backends
 
     monkeypatch.setattr(backends, "available", lambda name: name == "triton")
     monkeypatch.delenv("HEDGECATS_TRITON", raising=False)

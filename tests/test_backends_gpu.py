@@ -22,7 +22,7 @@ import pytest
 import torch
 from gpu_report import write_report
 from hedgecats.models import HedgehogFeatureMap, hybrid_attention
-from hedgecats.models.ops import backends
+from hedgecats.models.ops.hybrid import backends
 
 pytestmark = pytest.mark.gpu
 

@@ -25,7 +25,8 @@ def test_stage_speed_blocked_row_runs_the_blocked_xent():
     itself on CUDA (it did until 2026-12-02: the row measured the fused kernel twice)."""
     import importlib.util
 
-    from hedgecats.models.ops import transfer, triton_xent
+    from hedgecats.models.ops.transfer import losses as transfer
+    from hedgecats.models.ops.transfer import xent as triton_xent
 
     spec = importlib.util.spec_from_file_location("stage_speed", ROOT / "benchmarks" / "stage_speed.py")
     bench = importlib.util.module_from_spec(spec)
@@ -43,7 +44,7 @@ def test_stage_speed_recomputed_rows_switch_the_kernel_config():
     import importlib.util
 
     import torch
-    from hedgecats.models.ops import triton_hybrid
+    from hedgecats.models.ops.hybrid import kernels as triton_hybrid
 
     spec = importlib.util.spec_from_file_location("stage_speed", ROOT / "benchmarks" / "stage_speed.py")
     bench = importlib.util.module_from_spec(spec)
@@ -484,7 +485,7 @@ def test_kernel_anatomy_switch_rows_set_their_switch_and_restore_it():
         import kernel_anatomy as ka
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-    from hedgecats.models.ops import triton_phi as tp
+    from hedgecats.models.ops.feature_map import kernels as tp
 
     before = tp.PAIR_BACKWARD
     with ka.switch_set("layer-maps-paired-bwd"):
@@ -511,8 +512,8 @@ def test_kernel_anatomy_layer_rows_time_their_change_in_the_forward_too():
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
     import torch
-    from hedgecats.models.ops import triton_hybrid as th
-    from hedgecats.models.ops import triton_phi as tp
+    from hedgecats.models.ops.hybrid import kernels as th
+    from hedgecats.models.ops.feature_map import kernels as tp
 
     seen = []
 
@@ -616,8 +617,8 @@ def test_attention_speed_switches_and_tiles_hold_for_the_run_only(tmp_path, monk
     import importlib.util
 
     import torch
-    from hedgecats.models.ops import triton_hybrid as th
-    from hedgecats.models.ops import triton_phi as tp
+    from hedgecats.models.ops.hybrid import kernels as th
+    from hedgecats.models.ops.feature_map import kernels as tp
 
     spec = importlib.util.spec_from_file_location("attention_speed",
                                                   ROOT / "benchmarks" / "attention_speed.py")
@@ -634,22 +635,22 @@ def test_attention_speed_switches_and_tiles_hold_for_the_run_only(tmp_path, monk
     monkeypatch.setattr(bench, "measure", measure)
     before = th.default_config, tp.WEIGHTS_IN_KERNEL
     assert bench.main(["--tiny", "--shapes", "2x64", "--out", str(tmp_path),
-                       "--switches", "triton_phi.WEIGHTS_IN_KERNEL='walk'",
+                       "--switches", "feature_map.kernels.WEIGHTS_IN_KERNEL='walk'",
                        "--tiles", "park_la=True, fwd_maxnreg=168"]) == 0
     assert seen == {"park": True, "cap": 168, "walk": "walk", "cached": True}
     assert (th.default_config, tp.WEIGHTS_IN_KERNEL) == before
     res = json.loads((tmp_path / "attention_speed.json").read_text())
-    assert res["switches"] == "triton_phi.WEIGHTS_IN_KERNEL='walk'"
+    assert res["switches"] == "feature_map.kernels.WEIGHTS_IN_KERNEL='walk'"
     assert res["tiles"] == "park_la=True, fwd_maxnreg=168"
     # the ratios of a changed run say so (a run of the defaults drops the mark), and never
     # reach the summary of record (--summary)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["layer_changed_from_defaults"] == {
-        "switches": "triton_phi.WEIGHTS_IN_KERNEL='walk'", "tiles": "park_la=True, fwd_maxnreg=168"}
+        "switches": "feature_map.kernels.WEIGHTS_IN_KERNEL='walk'", "tiles": "park_la=True, fwd_maxnreg=168"}
     assert bench.main(["--tiny", "--shapes", "2x64", "--out", str(tmp_path)]) == 0
     assert "layer_changed_from_defaults" not in json.loads(
         (tmp_path / "summary.json").read_text())
-    for bad in (["--tiles", "no_such=1"], ["--switches", "triton_phi.NO_SUCH=1"],
+    for bad in (["--tiles", "no_such=1"], ["--switches", "feature_map.kernels.NO_SUCH=1"],
                 ["--switches", "no_such_module.X=1"],
                 ["--tiles", "park_la=True", "--summary", str(tmp_path / "of_record.json")]):
         with pytest.raises(SystemExit):

@@ -15,7 +15,7 @@ from hedgecats.models.cache import (
     generated_cache,
     layer_state_bytes,
 )
-from hedgecats.models.ops.reference import linear_attention_chunked
+from hedgecats.models.ops.hybrid.reference import linear_attention_chunked
 from transformers import (
     DynamicCache,
     LlamaConfig,

@@ -217,7 +217,7 @@ def test_observer_that_wants_it_gets_the_teachers_output():
     """An observer marked ``wants_teacher_output`` is called in softmax mode after the
     attention, with its output (B, H, T, D): causal softmax of the q, k, v it sees; the model's
     output is the same as without any observer."""
-    from hedgecats.models.ops.reference import repeat_kv
+    from hedgecats.models.ops.hybrid.reference import repeat_kv
 
     model = convert_to_hybrid(tiny(), HybridConfig(window=4))
     x = ids(T=11)
@@ -375,7 +375,7 @@ def test_mixed_dtypes_reach_the_kernels_as_one_dtype(monkeypatch):
     """Under bf16 autocast with an fp32 base, RoPE gives fp32 q, k and the projection a bf16 v;
     the backends take one dtype (mixed calls went to the slow paths on the GPU)."""
     from hedgecats.models import layer
-    from hedgecats.models.ops import hybrid
+    from hedgecats.models.ops.hybrid import attention as hybrid
 
     seen, maps_out = [], []
     real, real_maps = layer.hybrid_attention, hybrid._apply_maps

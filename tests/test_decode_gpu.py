@@ -216,7 +216,8 @@ HEADS_8B = dict(SHAPE, hidden_size=1024, num_attention_heads=8, num_key_value_he
 def _steps_from(model, cache, x, start, fused: bool):
     """Logits of single-token steps x[:, start:] from a copy of ``cache``, with the fused
     decode step (``ops.triton_decode``) or the composed one."""
-    from hedgecats.models.ops import backends, triton_decode
+    from hedgecats.models.ops.hybrid import backends
+    from hedgecats.models.ops.decode import kernels as triton_decode
 
     cache = copy.deepcopy(cache)
     before = triton_decode.CALLS["step"]
@@ -276,7 +277,7 @@ def test_fused_feature_map_past_the_grid_axis_limit():
     """B * H above 65535 (a large decode batch: 2048 sequences x 32 heads): the feature-map
     kernel's grid put B * H on an axis CUDA limits to 65535 and failed ("invalid argument",
     the decode benchmark's batch search of 2026-12-02); now on the first axis."""
-    from hedgecats.models.ops import triton_phi
+    from hedgecats.models.ops.feature_map import kernels as triton_phi
 
     g = torch.Generator(device="cuda").manual_seed(0)
     B, H, D, FH = 8200, 8, 128, 128
@@ -289,7 +290,7 @@ def test_fused_feature_map_past_the_grid_axis_limit():
 
 
 def test_graphed_decoder_replays_the_fused_step():
-    from hedgecats.models.ops import triton_decode
+    from hedgecats.models.ops.decode import kernels as triton_decode
 
     model = gpu_hybrid(HybridConfig(window=16))
     x = ids(T=60)

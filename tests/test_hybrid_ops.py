@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 from hedgecats.models import MODES, HedgehogFeatureMap, hybrid_attention
-from hedgecats.models.ops.reference import default_eps
+from hedgecats.models.ops.hybrid.reference import default_eps
 
 
 # ----------------------------------------------------------------------------- naive oracle
@@ -310,8 +310,8 @@ def test_fold_refuses_maps_the_kernel_would_change():
     """``triton_hybrid.fold_maps`` says why it leaves the maps to their modules: the fused maps
     switched off (``HEDGECATS_TRITON=0``: the modules then take their PyTorch path, so folding
     would change the values), a map that is not the fused map's function (a floor)."""
-    from hedgecats.models.ops import backends
-    from hedgecats.models.ops import triton_hybrid as th
+    from hedgecats.models.ops.hybrid import backends
+    from hedgecats.models.ops.hybrid import kernels as th
 
     q, k = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
     plain = (HedgehogFeatureMap(2, 8), HedgehogFeatureMap(2, 8))
@@ -360,7 +360,7 @@ def test_du_slot_tells_the_kernels_marker_from_a_summed_gradient():
     when another consumer added its gradient; ``take`` tells the two apart and empties the
     slot; du is laid out as the weight gradient's GEMM reads it in place; a y whose own
     gradient someone watches is ``observed``."""
-    from hedgecats.models.ops.triton_phi import DuSlot
+    from hedgecats.models.ops.feature_map.kernels import DuSlot
 
     x = torch.randn(2, 5, 3, 4).transpose(1, 2)  # (B, H, T, D) view of (B, T, H, D) memory
     slot = DuSlot(x, 6)
@@ -411,7 +411,7 @@ def test_du_slot_tells_the_kernels_marker_from_a_summed_gradient():
 def test_feature_map_attaches_no_slot_off_the_kernel():
     """``kernel_du`` changes nothing where the fused map does not run (CPU): phi(x) carries no
     slot, so no kernel can hand its backward a du."""
-    from hedgecats.models.ops.triton_phi import DU_SLOT_ATTR
+    from hedgecats.models.ops.feature_map.kernels import DU_SLOT_ATTR
 
     fm = HedgehogFeatureMap(2, 8)
     x = torch.randn(1, 2, 5, 8, requires_grad=True)
@@ -467,7 +467,7 @@ def test_the_maps_dw_comes_from_the_gemm_in_fp32(monkeypatch):
     the CPU from fp32 operands; on CUDA the GEMM's own fp32 output (``out_dtype``) where this
     torch has that kernel, else fp32 operands (said once). Asked of the dispatcher, never
     taken from an error of the call itself (an out-of-memory error must reach the caller)."""
-    from hedgecats.models.ops import triton_phi as tp
+    from hedgecats.models.ops.feature_map import kernels as tp
     from test_fast_launch import cuda_like
 
     gen = torch.Generator().manual_seed(0)

@@ -16,7 +16,8 @@ import pytest
 import torch
 from hedgecats.models import HedgehogFeatureMap, hybrid_attention
 from hedgecats.models.lolcats import lolcats_attention, lolcats_feature_map, lolcats_masks
-from hedgecats.models.ops import backends, windows
+from hedgecats.models.ops.hybrid import backends
+from hedgecats.models.ops.hybrid import windows
 
 TYPES = {"lolcats_llama_window_tk": "terraced_end", "lolcats_llama_window_sw": "sliding"}
 NO_FLOOR = torch.finfo(torch.float32).tiny  # LoLCATs' LA has no kernel floor (lolcats.hybrid_config)

@@ -15,7 +15,7 @@ import torch
 from hedgecats.lightning_modules import AttentionTransfer
 from hedgecats.lightning_modules.tiny import save_tiny_llama
 from hedgecats.models.checkpoint import unwrap
-from hedgecats.models.ops.transfer import transfer_loss
+from hedgecats.models.ops.transfer.losses import transfer_loss
 
 pytestmark = pytest.mark.gpu
 

@@ -14,7 +14,7 @@ from hedgecats.lightning_modules import (
 from hedgecats.lightning_modules.tiny import save_tiny_llama
 from hedgecats.models import hybrid_layers
 from hedgecats.models.checkpoint import read_stage, unwrap
-from hedgecats.models.ops.transfer import transfer_loss
+from hedgecats.models.ops.transfer.losses import transfer_loss
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 HYB = {"window": 8}
@@ -100,7 +100,7 @@ def test_output_mse_objectives_take_the_teachers_own_output(base, monkeypatch):
     handed over by the layer, and never run softmax attention a second time per layer
     (``weights_xent`` does not need it); the loss is the one computed from scratch (checked by
     test_per_layer_backward_equals_one_joint_backward)."""
-    from hedgecats.models.ops import transfer
+    from hedgecats.models.ops.transfer import losses as transfer
 
     def second_softmax(*args, **kwargs):
         raise AssertionError("the teacher's attention output was computed again")

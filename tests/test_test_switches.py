@@ -16,16 +16,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_parse_switches_reads_module_name_and_literal():
     assert parse_switches("") == []
-    assert parse_switches("triton_phi.RECIPROCAL_SOFTMAX=True, triton_phi.FORWARD_TILES=(32, 4)"
+    assert parse_switches("feature_map.kernels.RECIPROCAL_SOFTMAX=True, feature_map.kernels.FORWARD_TILES=(32, 4)"
                           ) == [
-        ("triton_phi", "RECIPROCAL_SOFTMAX", True), ("triton_phi", "FORWARD_TILES", (32, 4))]
+        ("feature_map.kernels", "RECIPROCAL_SOFTMAX", True), ("feature_map.kernels", "FORWARD_TILES", (32, 4))]
 
 
 @pytest.mark.parametrize("spec, says", [("triton_phi.RECIPROCAL_SOFTMAX", "module.NAME=value"),
                                         ("RECIPROCAL_SOFTMAX=True", "module.NAME=value"),
-                                        ("triton_phi.NO_SUCH=1", "no switch 'NO_SUCH'"),
+                                        ("feature_map.kernels.NO_SUCH=1", "no switch 'NO_SUCH'"),
                                         ("no_such_module.X=1", "no module"),
-                                        ("triton_phi.WEIGHTS_IN_KERNEL=walk",
+                                        ("feature_map.kernels.WEIGHTS_IN_KERNEL=walk",
                                          "not a Python literal")])
 def test_parse_switches_refuses_what_it_cannot_set(spec, says):
     with pytest.raises(ValueError, match=says):
@@ -37,10 +37,11 @@ def test_a_switched_default_forward_reaches_the_configs_built_before_it():
     builds it: a switch of it must reach a shape asked for before (``attention_speed.py`` asks
     for the 8B's at import), and must not outlive its run (session 26's review: it did both)."""
     import torch
-    from hedgecats.models.ops import switches, triton_hybrid as th
+    from hedgecats.models.ops import switches
+    from hedgecats.models.ops.hybrid import kernels as th
 
     before = th.default_config(128, 256, torch.bfloat16)
-    parked = switches.parse(f"triton_hybrid.DEFAULT_FORWARD={th.PARKED_FORWARD!r}")
+    parked = switches.parse(f"hybrid.kernels.DEFAULT_FORWARD={th.PARKED_FORWARD!r}")
     with switches.applied(parked):
         inside = th.default_config(128, 256, torch.bfloat16)
     after = th.default_config(128, 256, torch.bfloat16)
@@ -55,19 +56,19 @@ def test_switch_seen_by_the_tests():
     want = os.environ.get("HEDGECATS_TEST_SWITCHES_EXPECT")
     if want is None:
         pytest.skip("run by test_a_run_with_switches_sees_them_set")
-    from hedgecats.models.ops import triton_phi
+    from hedgecats.models.ops.feature_map import kernels as triton_phi
     assert repr(triton_phi.PAIR_BACKWARD) == want
 
 
 def test_a_run_with_switches_sees_them_set():
-    from hedgecats.models.ops import triton_phi
+    from hedgecats.models.ops.feature_map import kernels as triton_phi
     pair_backward = triton_phi.PAIR_BACKWARD
-    env = {**os.environ, "HEDGECATS_TEST_SWITCHES": "triton_phi.PAIR_BACKWARD=True",
+    env = {**os.environ, "HEDGECATS_TEST_SWITCHES": "feature_map.kernels.PAIR_BACKWARD=True",
            "HEDGECATS_TEST_SWITCHES_EXPECT": "True"}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            f"{Path(__file__).name}::test_switch_seen_by_the_tests"],
                           cwd=ROOT / "tests", env=env, capture_output=True, text=True,
                           timeout=300, check=False)
     assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-2000:]
-    from hedgecats.models.ops import triton_phi
+    from hedgecats.models.ops.feature_map import kernels as triton_phi
     assert triton_phi.PAIR_BACKWARD is pair_backward  # (this run's own, unchanged)

@@ -115,7 +115,8 @@ def test_legacy_wrapper_restores_the_first_formulas(monkeypatch):
     a row whose products are all below 1e-6) and LA with no floor, normaliser clamped at 1e-6."""
     from hedgecats.lightning_modules import stages
     from hedgecats.models import hybrid_attention
-    from hedgecats.models.ops import backends, transfer
+    from hedgecats.models.ops.hybrid import backends
+    from hedgecats.models.ops.transfer import losses as transfer
 
     for mod, name in ((transfer, "_xent_block"), (backends, "ref_linear"),
                       (backends, "fla_linear"), (backends, "REFERENCE"),

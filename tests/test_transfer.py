@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 from hedgecats.models import HedgehogFeatureMap, hybrid_attention
-from hedgecats.models.ops.reference import repeat_kv
-from hedgecats.models.ops.transfer import (
+from hedgecats.models.ops.hybrid.reference import repeat_kv
+from hedgecats.models.ops.transfer.losses import (
     hybrid_output_mse,
     la_log_weights,
     la_output_mse,
@@ -260,7 +260,7 @@ def test_transfer_health_matches_naive():
     from types import SimpleNamespace
 
     from hedgecats.models.mixers import FixedMixer
-    from hedgecats.models.ops.transfer import transfer_health
+    from hedgecats.models.ops.transfer.losses import transfer_health
 
     q, k, v, kpm, phi_q, phi_k = _inputs(2, 30, 4, 2, 8, True, seed=5)
     module = SimpleNamespace(phi_q=phi_q, phi_k=phi_k, mixer=FixedMixer(0.3),
@@ -298,12 +298,13 @@ def test_transfer_loss_takes_the_fused_xent_only_when_enabled_on_cuda(monkeypatc
     from types import SimpleNamespace
 
     from hedgecats.models.mixers import FixedMixer
-    from hedgecats.models.ops import backends, transfer
+    from hedgecats.models.ops.hybrid import backends
+    from hedgecats.models.ops.transfer import losses as transfer
 
     calls = []
-    fake = types.ModuleType("hedgecats.models.ops.triton_xent")
+    fake = types.ModuleType("hedgecats.models.ops.transfer.xent")
     fake.weights_xent = lambda *a, **kw: calls.append(kw) or transfer.weights_xent(*a, **kw)
-    monkeypatch.setitem(sys.modules, "hedgecats.models.ops.triton_xent", fake)
+    monkeypatch.setitem(sys.modules, "hedgecats.models.ops.transfer.xent", fake)
     q, k, v, _, phi_q, phi_k = _inputs(1, 12, 2, 2, 8, False)
     module = SimpleNamespace(phi_q=phi_q, phi_k=phi_k, mixer=FixedMixer(0.5), scaling=None,
                              hedgecats=SimpleNamespace(window=4, overlap=False, eps=1e-6,
@@ -321,7 +322,7 @@ def test_masked_mse_reference_counts_real_rows_only_and_never_sees_their_nan():
     """The output-MSE loss over real queries only: a padded teacher row holding NaN (what a
     fully masked SDPA row may hold) reaches neither the loss nor the student's gradient, and
     the value is the plain mean over the real rows."""
-    from hedgecats.models.ops.transfer import masked_mse_reference
+    from hedgecats.models.ops.transfer.losses import masked_mse_reference
 
     g = torch.Generator().manual_seed(0)
     B, H, T, D = 2, 3, 9, 4

@@ -29,10 +29,10 @@ pytestmark = pytest.mark.slow
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("the interpreter is on: nothing is compiled", allow_module_level=True)
 
-from hedgecats.models.ops import triton_decode as td
-from hedgecats.models.ops import triton_hybrid as th
-from hedgecats.models.ops import triton_phi as tp
-from hedgecats.models.ops import triton_xent as tx
+from hedgecats.models.ops.decode import kernels as td
+from hedgecats.models.ops.hybrid import kernels as th
+from hedgecats.models.ops.feature_map import kernels as tp
+from hedgecats.models.ops.transfer import xent as tx
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -538,7 +538,7 @@ def test_decode_kernels_compile_for_sm90(dtype):
 
 def test_output_mse_kernels_compile_for_sm90():
     """ops.triton_mse at the 8B head dim: both kernels compile without spills."""
-    from hedgecats.models.ops import triton_mse as tm
+    from hedgecats.models.ops.transfer import mse as tm
 
     ptrs = {"S": "*bf16", "TT": "*bf16", "KPM": "*i8", "PART": F32, "C": F32, "DS": "*bf16"}
     for name, fn in (("mse_fwd", tm._mse_fwd), ("mse_bwd", tm._mse_bwd)):

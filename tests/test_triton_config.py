@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 import torch
-from hedgecats.models.ops import triton_hybrid as th
+from hedgecats.models.ops.hybrid import kernels as th
 
 
 def test_defaults_save_the_branches_and_choose_the_state_path_by_length():

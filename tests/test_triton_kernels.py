@@ -31,7 +31,8 @@ import pytest
 import torch
 from gpu_report import write_report
 from hedgecats.models import HedgehogFeatureMap, hybrid_attention
-from hedgecats.models.ops import backends, transfer
+from hedgecats.models.ops.hybrid import backends
+from hedgecats.models.ops.transfer import losses as transfer
 
 pytestmark = pytest.mark.gpu
 DEVICE = os.environ.get("HEDGECATS_TEST_DEVICE", "cuda")
@@ -98,7 +99,7 @@ def report(**row) -> None:
 
 
 def _kernels():
-    from hedgecats.models.ops import triton_hybrid
+    from hedgecats.models.ops.hybrid import kernels as triton_hybrid
 
     if not backends.available("triton"):
         pytest.skip("triton not available")
@@ -223,7 +224,7 @@ def test_fused_stage1_call_skips_the_unneeded_passes(dtype, case_id):
     mixer's) as the reference's, while the backward passes that only serve dq, dk, dv (the dq
     pass, the window's dk / dv kernel, LA's dv programs) and the feature map's dx do not run."""
     th = _kernels()
-    from hedgecats.models.ops import triton_phi
+    from hedgecats.models.ops.feature_map import kernels as triton_phi
 
     before, dx_before = dict(th.CALLS), triton_phi.CALLS["backward_dx"]
     mode, kw = _switches(case_id)
@@ -326,7 +327,7 @@ def _run_at_8b_shape(changes: dict, counters, shared: bool, frozen: bool):
     the mixer's; how many times each of ``counters`` in ``CALLS`` went up)."""
     import dataclasses
 
-    from hedgecats.models.ops import triton_phi as tp
+    from hedgecats.models.ops.feature_map import kernels as tp
 
     th = _kernels()
     B, H, Hkv, T, D, F, w = SAVED_SHAPE
@@ -476,7 +477,7 @@ def test_routing_shared_norm_outside_hybrid_goes_to_the_pieces():
 def _failure_counts() -> tuple[int, int, int]:
     """How many tiles were retried (``triton_hybrid.RETRIES``) and calls sent to PyTorch (the
     hybrid's and the feature maps' ``FALLBACK_ERRORS``) so far (``_no_failures_since``)."""
-    from hedgecats.models.ops import triton_phi as tp
+    from hedgecats.models.ops.feature_map import kernels as tp
 
     th = _kernels()
     return len(th.RETRIES), len(th.FALLBACK_ERRORS), len(tp.FALLBACK_ERRORS)
@@ -486,7 +487,7 @@ def _no_failures_since(counts: tuple[int, int, int]) -> None:
     """No tiles retried (a config that did not compile: its call then on other tiles, other
     bits) and no call sent to PyTorch since ``counts`` (``_failure_counts``): each would make
     calls that should agree bit for bit differ."""
-    from hedgecats.models.ops import triton_phi as tp
+    from hedgecats.models.ops.feature_map import kernels as tp
 
     th = _kernels()
     got = (th.RETRIES[counts[0]:], th.FALLBACK_ERRORS[counts[1]:],
@@ -728,7 +729,7 @@ def _xent_run(fn, q, k, fq0, fk0, kpm):
 
 
 def xent_check(cid, shape, dtype, pad, *, underflow=False, activation="softmax", eps=None):
-    from hedgecats.models.ops import triton_xent as tx
+    from hedgecats.models.ops.transfer import xent as tx
 
     if not tx.available():
         pytest.skip("triton not available")
@@ -801,7 +802,7 @@ def test_feature_map_hands_its_input_on():
     gradient from its other consumer (here x' * c, as the attention uses q) is added in the
     map's backward kernel; x's gradient as close to the fp32 oracle's as autograd's bf16 sum
     of the two, the map's weight and bias gradients the same as without handing x on."""
-    from hedgecats.models.ops import triton_phi as tp
+    from hedgecats.models.ops.feature_map import kernels as tp
 
     if not tp.available():
         pytest.skip("triton not available")
@@ -845,8 +846,8 @@ def test_q_map_backward_starts_from_the_kernels_du(other):
     (``triton_phi.DuSlot``). The output and dk, dv bit for bit the path without it; dq and
     the q map's weight and bias gradients as close to the fp32 oracle as that path's.
     ``other``: phi(q) feeds a second consumer too, whose gradient must still count."""
-    from hedgecats.models.ops import triton_hybrid as th
-    from hedgecats.models.ops import triton_phi as tp
+    from hedgecats.models.ops.hybrid import kernels as th
+    from hedgecats.models.ops.feature_map import kernels as tp
 
     if not (tp.available() and th.available()):
         pytest.skip("triton not available")
@@ -906,9 +907,9 @@ def test_maps_folded_into_the_kernel_are_their_own_functions(frozen, weights_in_
     (evaluation, prefill) the forward runs without the autograd Function: the same output.
     ``w-in-kernel``: the folded call's map pair rounds the maps' fp32 weights in its kernel
     (``triton_phi.WEIGHTS_IN_KERNEL``): still bit for bit the call that casts them first."""
-    from hedgecats.models.ops import hybrid as hybrid_mod
-    from hedgecats.models.ops import triton_hybrid as th
-    from hedgecats.models.ops import triton_phi as tp
+    from hedgecats.models.ops.hybrid import attention as hybrid_mod
+    from hedgecats.models.ops.hybrid import kernels as th
+    from hedgecats.models.ops.feature_map import kernels as tp
 
     if not th.available():
         pytest.skip("triton not available")
@@ -1002,7 +1003,7 @@ def test_q_map_in_the_forward_is_the_map_kernels(case):
     did not."""
     import dataclasses
 
-    from hedgecats.models.ops import triton_phi as tp
+    from hedgecats.models.ops.feature_map import kernels as tp
 
     th = _kernels()
     H, Hkv, act, shared, pad, changes = MAP_Q_CASES[case]
@@ -1116,8 +1117,8 @@ def test_folded_call_peaks_no_higher_than_the_maps_as_their_own_functions():
     The maps' dx written over the kernel's dq / dk came after and has not run here yet
     (``benchmarks/fold_memory.py`` takes the peak apart). The message gives both phases of
     both calls."""
-    from hedgecats.models.ops import hybrid as hybrid_mod
-    from hedgecats.models.ops import triton_hybrid as th
+    from hedgecats.models.ops.hybrid import attention as hybrid_mod
+    from hedgecats.models.ops.hybrid import kernels as th
 
     if not th.available():
         pytest.skip("triton not available")
@@ -1159,7 +1160,7 @@ def test_folded_call_peaks_no_higher_than_the_maps_as_their_own_functions():
 def test_feature_map_module_takes_the_fused_kernel(floor):
     """HedgehogFeatureMap on CUDA in bf16 is ops.triton_phi (GQA keys repeated first, the floor
     applied after), bit for bit, gradients included; with HEDGECATS_TRITON=0 it is not."""
-    from hedgecats.models.ops import triton_phi as tp
+    from hedgecats.models.ops.feature_map import kernels as tp
 
     if not tp.available():
         pytest.skip("triton not available")
@@ -1204,7 +1205,7 @@ def test_map_pair_on_walking_programs_is_the_grids_bit_for_bit(walk, B, T, monke
     which an H100 read as different bits in session 25): the same bits, at the 8B's heads (q
     map 32, k map 8, D = F/2 = 128), x in (B, T, H, D) memory, T not a multiple of the
     blocks; and each within 1e-2 of the fp32 map."""
-    from hedgecats.models.ops import triton_phi as tp
+    from hedgecats.models.ops.feature_map import kernels as tp
 
     if not tp.available():
         pytest.skip("triton not available")
@@ -1237,7 +1238,7 @@ def test_map_pair_on_walking_programs_is_the_grids_bit_for_bit(walk, B, T, monke
 def test_fused_feature_map(shape_id, activation):
     """ops.triton_phi against the fp32 map, next to the module's own bf16 forward: values and
     gradients of x, W and b; the kernel must be about as close to fp32 as the module is."""
-    from hedgecats.models.ops import triton_phi as tp
+    from hedgecats.models.ops.feature_map import kernels as tp
 
     if not tp.available():
         pytest.skip("triton not available")
@@ -1292,7 +1293,7 @@ def test_output_mse_matches_reference(case, dt):
     """ops.triton_mse.masked_mse (the output-MSE objectives' loss) against
     transfer.masked_mse_reference in fp32 on the same inputs: loss and both tensors'
     gradients; padded teacher rows NaN (what a fully masked SDPA row may hold) reach neither."""
-    from hedgecats.models.ops import triton_mse as tm
+    from hedgecats.models.ops.transfer import mse as tm
 
     if not backends.available("triton"):
         pytest.skip("triton not available")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hedgecats.models.ops import triton_phi as tp
+from hedgecats.models.ops.feature_map import kernels as tp
 
 
 def test_walk_plan_by_default_only_where_measured(monkeypatch):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from hedgecats.models.ops import triton_hybrid as th
+from hedgecats.models.ops.hybrid import kernels as th
 
 
 class Boom(Exception):

@@ -165,7 +165,7 @@ def kernel_case(cid, *, B=2, H=4, Hkv=2, T=50, D=16, window=8, shift=None, share
     ``expect_split``: whether the LA states must have been built split (None: as configured).
     ``model_layout``: q, k, v as (B, H, T, D) views of (B, T, H, D) memory (transformers'
     projections); the output and their gradients must come back in that memory (no copies)."""
-    from hedgecats.models.ops import triton_hybrid as th
+    from hedgecats.models.ops.hybrid import kernels as th
 
     q, k, v, fq, fk, do, g = _inputs(B, H, Hkv, T, D, dtype, seed, features)
     if model_layout:
@@ -238,7 +238,7 @@ def _grads_with_forward_poisoned(poison, T: int):
     """The fused kernel's gradients (q, k, v, fq, fk, ca, cb) at a small shape with the saved
     branches on, clean and with ``poison`` applied to what the forward hands the backward
     (``_forward``'s result tuple in, a changed tuple out)."""
-    from hedgecats.models.ops import triton_hybrid as th
+    from hedgecats.models.ops.hybrid import kernels as th
 
     q, k, v, fq, fk, do, g = _inputs(2, 4, 2, T, 16, torch.float32, 0, "rand")
     ca, cb, logs = torch.rand(2, 4, generator=g), torch.rand(2, 4, generator=g), \
@@ -328,8 +328,8 @@ def layer_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=45, D=16, window=8, dty
     branches mixes fp32 copies of them: there the branches are transient either way, and
     the saving is 0). ``g_in_dtype``: a tensor g in the call's dtype (a bf16 model's gate),
     else fp32."""
-    from hedgecats.models.ops import triton_hybrid as th
-    from hedgecats.models.ops.hybrid import hybrid_attention
+    from hedgecats.models.ops.hybrid import kernels as th
+    from hedgecats.models.ops.hybrid.attention import hybrid_attention
 
     q, k, v, fq, fk, do, gen = _inputs(B, H, Hkv, T, D, dtype, 3, "softmax")
     kpm = _kpm(B, T) if pad else None
@@ -399,8 +399,8 @@ def xent_case(cid, *, B=2, H=4, Hkv=2, T=50, D=16, pad=False, dtype=torch.float3
               features="softmax", projection="square", seed=0, underflow=False, eps=None):
     """triton_xent vs transfer.weights_xent (blocked): value, entropy, dfq, dfk."""
     from hedgecats.models import HedgehogFeatureMap
-    from hedgecats.models.ops import transfer
-    from hedgecats.models.ops import triton_xent as tx
+    from hedgecats.models.ops.transfer import losses as transfer
+    from hedgecats.models.ops.transfer import xent as tx
 
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, H, T, D, generator=g).to(dtype)
@@ -442,8 +442,8 @@ def xent_case(cid, *, B=2, H=4, Hkv=2, T=50, D=16, pad=False, dtype=torch.float3
 
 def xent_entry_case(cid):
     """The public weights_xent (kernel under the interpreter) equals the blocked version."""
-    from hedgecats.models.ops import transfer
-    from hedgecats.models.ops import triton_xent as tx
+    from hedgecats.models.ops.transfer import losses as transfer
+    from hedgecats.models.ops.transfer import xent as tx
 
     g = torch.Generator().manual_seed(5)
     q, k = torch.randn(2, 4, 33, 16, generator=g), torch.randn(2, 2, 33, 16, generator=g)
@@ -460,8 +460,8 @@ def mse_case(cid, *, B=2, H=3, T=70, D=16, pad=False, dtype=torch.float32, sdpa_
     """triton_mse.masked_mse vs transfer.masked_mse_reference (fp32, same inputs): loss and
     the gradients; ``sdpa_layout``: the teacher as SDPA returns it ((B, T, H, D) memory);
     ``nan_in_padding``: the teacher's padded rows NaN (neither loss nor gradient may see it)."""
-    from hedgecats.models.ops import transfer
-    from hedgecats.models.ops import triton_mse as tm
+    from hedgecats.models.ops.transfer import losses as transfer
+    from hedgecats.models.ops.transfer import mse as tm
 
     g = torch.Generator().manual_seed(11)
     s0 = torch.randn(B, H, T, D, generator=g)
@@ -495,8 +495,8 @@ def mse_case(cid, *, B=2, H=3, T=70, D=16, pad=False, dtype=torch.float32, sdpa_
 def mse_backward_fallback_case(cid):
     """A backward kernel that fails in Triton (OutOfResources): the gradient comes from the
     reference instead, the same one, with padded teacher rows NaN."""
-    from hedgecats.models.ops import transfer
-    from hedgecats.models.ops import triton_mse as tm
+    from hedgecats.models.ops.transfer import losses as transfer
+    from hedgecats.models.ops.transfer import mse as tm
     from triton.runtime.errors import OutOfResources
 
     class Failing:
@@ -536,7 +536,7 @@ def phi_case(cid, *, B=2, H=3, T=45, D=16, proj="square", activation="softmax",
     (``triton_phi.RECIPROCAL_SOFTMAX``); ``forward_tiles``: the forward's (rows, warps)
     (``triton_phi.FORWARD_TILES``)."""
     from hedgecats.models import HedgehogFeatureMap
-    from hedgecats.models.ops import triton_phi as tp
+    from hedgecats.models.ops.feature_map import kernels as tp
 
     g = torch.Generator().manual_seed(11)
     fm = HedgehogFeatureMap(H, D, activation, proj, seed=4)
@@ -606,7 +606,7 @@ def fwd_switch_case(cid, *, switch="fwd_tma", B=2, H=4, Hkv=2, T=70, D=16, windo
     dtype the mixer takes the LA output rounded to it: within 2^-8); the switch taken in both
     the call's forwards (``park_la``: where both branches run); and each against
     ``kernel_reference`` within the dtype's tolerance."""
-    from hedgecats.models.ops import triton_hybrid as th
+    from hedgecats.models.ops.hybrid import kernels as th
 
     changes, counter, exact_out = FWD_SWITCHES[switch]
     exact_out = exact_out or dtype == torch.float32
@@ -661,7 +661,7 @@ def pair_walk_case(cid, *, B=3, Hq=4, Hk=2, T=150, D=64, per_sm=3, tma=False,
     (``walk_split`` on the interpreter's 4 multiprocessors; ``several``: several programs of
     several blocks, some spanning two heads; every program has a block, every block a
     program). bf16 only (``dtype``: the tolerance's)."""
-    from hedgecats.models.ops import triton_phi as tp
+    from hedgecats.models.ops.feature_map import kernels as tp
 
     g = torch.Generator().manual_seed(21)
     maps = []
@@ -712,8 +712,8 @@ def fused_case(cid, *, cfg, switch="fuse_q_side", fused: bool = True, B=2, H=4, 
     ``fuse_kv_side``): 1 bit for bit; 2 sums dv's terms in another order, so its errors are
     the relative errors against order 0's results (the case's tolerance applies)."""
     from hedgecats.models import HedgehogFeatureMap
-    from hedgecats.models.ops import triton_hybrid as th
-    from hedgecats.models.ops import triton_phi as tp
+    from hedgecats.models.ops.hybrid import kernels as th
+    from hedgecats.models.ops.feature_map import kernels as tp
 
     q, k, v, fq0, fk0, do, g = _inputs(B, H, Hkv, T, D, dtype, 3, "rand")
     ca, cb, logs = torch.rand(B, H, generator=g), torch.rand(B, H, generator=g), \
@@ -776,7 +776,7 @@ def state_sums_case(cid, *, split: bool, pad: bool = False, B=2, H=4, Hkv=2, T=7
     of |DDEN_t| fq_t (its docstring claims ~2^-16). And the option ran in each state kernel
     it applies to (not the padded forward split share: ``_split_states``). Errors: 0 within
     the bound, inf past it."""
-    from hedgecats.models.ops import triton_hybrid as th
+    from hedgecats.models.ops.hybrid import kernels as th
 
     g = torch.Generator().manual_seed(11)
     fk = torch.softmax(torch.randn(B, Hkv, T, F, generator=g), -1).to(dtype)
@@ -826,8 +826,8 @@ def map_du_case(cid, *, B=2, H=4, Hkv=2, T=150, D=16, window=20, activation="sof
     the first hands du back, the second dfq, added in the map's backward; ``watched``: phi(q)
     retains its gradient: the kernel hands back dfq, which must be the reference's dphi)."""
     from hedgecats.models import HedgehogFeatureMap
-    from hedgecats.models.ops import triton_hybrid as th
-    from hedgecats.models.ops import triton_phi as tp
+    from hedgecats.models.ops.hybrid import kernels as th
+    from hedgecats.models.ops.feature_map import kernels as tp
 
     g = torch.Generator().manual_seed(5)
     maps = [HedgehogFeatureMap(n, D, activation, seed=s) for n, s in ((H, 1), (Hkv, 2))]
@@ -900,7 +900,7 @@ def _maps_on_their_kernel():
     """``HedgehogFeatureMap`` modules run the fused map (``triton_phi``) on CPU tensors, as
     they do on CUDA ones (their ``_fused`` asks for CUDA)."""
     from hedgecats.models import feature_maps as fm
-    from hedgecats.models.ops import triton_phi as tp
+    from hedgecats.models.ops.feature_map import kernels as tp
 
     old = fm.HedgehogFeatureMap._fused
 
@@ -949,8 +949,9 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
     its kernel (``triton_phi.WEIGHTS_IN_KERNEL``), bit for bit the same as the cast before."""
     from triton.runtime.errors import OutOfResources
     from hedgecats.models import HedgehogFeatureMap
-    from hedgecats.models.ops import backends, hybrid
-    from hedgecats.models.ops import triton_hybrid as th
+    from hedgecats.models.ops.hybrid import backends
+    from hedgecats.models.ops.hybrid import attention as hybrid
+    from hedgecats.models.ops.hybrid import kernels as th
 
     gen = torch.Generator().manual_seed(7)
     maps = [HedgehogFeatureMap(n, D, activation, seed=s, floor=floor)
@@ -1025,10 +1026,10 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
         return {n: None if x is None else x.clone() for n, x in res.items()}
 
     def tp_ref(x, m):
-        from hedgecats.models.ops import triton_phi as tp
+        from hedgecats.models.ops.feature_map import kernels as tp
         return tp.reference_features(x, m.weight, m.bias, activation).clamp_min(floor)
 
-    from hedgecats.models.ops import triton_phi as tp
+    from hedgecats.models.ops.feature_map import kernels as tp
 
     cast_first = None
     if backward_fails and weights_in_kernel:  # (the same call, the weights cast first; before
@@ -1155,8 +1156,8 @@ def model_case(cid, *, mixer="fixed", mode="hybrid", pad=False, H=4, Hkv=2, wind
     The feature maps' gradients read ~1.2e-2 from the fp32 model's: the bf16 model's own (on
     the reference pieces it reads 1.07e-2 for ``model-fixed-pad``), not the kernel's."""
     from hedgecats.models import HybridConfig, convert_to_hybrid, set_attention_mode
-    from hedgecats.models.ops import backends
-    from hedgecats.models.ops import triton_hybrid as th
+    from hedgecats.models.ops.hybrid import backends
+    from hedgecats.models.ops.hybrid import kernels as th
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -1228,7 +1229,7 @@ def checkpointed_case(cid, *, B=2, H=4, Hkv=2, T=150, D=16, window=20, dtype=tor
     (a call per branch, each saving its output as its branch: ``GATED_OUTPUT_IS_BRANCH``;
     the LA call's, folded, releases its states only), g's gradient compared too."""
     from hedgecats.models import HedgehogFeatureMap
-    from hedgecats.models.ops import triton_hybrid as th
+    from hedgecats.models.ops.hybrid import kernels as th
     from torch.utils.checkpoint import checkpoint
 
     gen = torch.Generator().manual_seed(9)
@@ -1280,7 +1281,7 @@ def retain_graph_case(cid, *, B=2, H=4, Hkv=2, T=150, D=16, window=20, dtype=tor
     released (the gate's mix reads it in both backwards), so both backwards take the factors
     from it; the folded LA call releases its states, and the second builds them again."""
     from hedgecats.models import HedgehogFeatureMap
-    from hedgecats.models.ops import triton_hybrid as th
+    from hedgecats.models.ops.hybrid import kernels as th
 
     gen = torch.Generator().manual_seed(8)
     maps = [HedgehogFeatureMap(n, D, seed=s) for n, s in ((H, 1), (Hkv, 2))]
@@ -1322,7 +1323,8 @@ def decode_case(cid, *, mode="hybrid", mixer="fixed", rescale=False, pad=False, 
     from hedgecats.models import HybridConfig, convert_to_hybrid, set_attention_mode
     from hedgecats.models.cache import HybridCache
     from hedgecats.models.decode import CACHE_KWARG
-    from hedgecats.models.ops import backends, triton_decode
+    from hedgecats.models.ops.hybrid import backends
+    from hedgecats.models.ops.decode import kernels as triton_decode
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -1378,7 +1380,7 @@ def decode_case(cid, *, mode="hybrid", mixer="fixed", rescale=False, pad=False, 
 
 
 def cases(quick: bool = False):
-    from hedgecats.models.ops import triton_hybrid as th
+    from hedgecats.models.ops.hybrid import kernels as th
 
     bf16 = torch.bfloat16
     # the GPU's default tiles at D 128 in bf16, as a dict

@@ -39,7 +39,7 @@ def parse(spec: str, source: str = "switches") -> list[tuple[str, str, object]]:
     """``spec``, "module.NAME=value,..." (modules of ``hedgecats.models.ops``, values Python
     literals), as (module, attribute, value); ``source`` names where the spec came from in
     the errors."""
-    form = "module.NAME=value (e.g. triton_phi.RECIPROCAL_SOFTMAX=True)"
+    form = "module.NAME=value (e.g. feature_map.kernels.RECIPROCAL_SOFTMAX=True)"
     out = []
     for item, target, value in assignments(spec, source, form):
         module, dot, name = target.rpartition(".")
@@ -62,7 +62,7 @@ def _forget_derived() -> None:
     built before a switch would outlive it (and one built under it, the switch). Called as
     ``applied`` sets and restores; applied outside ``attention_speed.default_tiles_changed``
     (which wraps ``default_config`` while it runs), as the benchmarks nest them."""
-    th = sys.modules.get("hedgecats.models.ops.triton_hybrid")
+    th = sys.modules.get("hedgecats.models.ops.hybrid.kernels")
     if th is not None:
         th.default_config.cache_clear()
 

@@ -71,7 +71,7 @@ def available(name: str) -> bool:
     if name == "flex":
         return importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
     if name == "triton":
-        from . import triton_hybrid
+        from . import kernels as triton_hybrid
 
         return triton_hybrid.available()
     raise ValueError(f"unknown backend {name!r}; valid: {', '.join(BACKENDS)}")
@@ -432,7 +432,7 @@ def triton_disabled():
 
 
 def _fused_triton(q, k, v, fq, fk, **kw):
-    from . import triton_hybrid
+    from . import kernels as triton_hybrid
 
     return triton_hybrid.fused_hybrid(q, k, v, fq, fk, **kw)
 

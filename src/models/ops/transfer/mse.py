@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import torch
 
-from . import transfer
-from .triton_common import (GRID_AXIS_MAX, HAVE_TRITON, available, cdiv, errors, fast, interpret,
+from . import losses as transfer
+from ..triton_common import (GRID_AXIS_MAX, HAVE_TRITON, available, cdiv, errors, fast, interpret,
                             next_pow2, record_fallback, tl, triton, warn_once)
 
 __all__ = ["CALLS", "masked_mse", "unsupported_reason"]

@@ -37,9 +37,9 @@ import inspect
 
 import torch
 
-from . import transfer
-from .reference import DEN_TINY
-from .triton_common import (GRID_AXIS_MAX, HAVE_TRITON, available, cdiv, errors, fast, interpret,
+from . import losses as transfer
+from ..hybrid.reference import DEN_TINY
+from ..triton_common import (GRID_AXIS_MAX, HAVE_TRITON, available, cdiv, errors, fast, interpret,
                             record_fallback, tl, triton, warn_once)
 
 __all__ = ["available", "unsupported_reason", "weights_xent", "xent_rows"]
@@ -61,7 +61,7 @@ CALLS = {"forward": 0}  # calls that ran the kernel (tests check the path taken)
 
 
 if HAVE_TRITON:
-    from .triton_common import key_block  # (defined where triton imports)
+    from ..triton_common import key_block  # (defined where triton imports)
 
     @triton.jit
     def _xent_fwd(Q, K, FQ, FK, KPM, XE, ENT, LSE, LZ,

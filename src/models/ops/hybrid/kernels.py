@@ -101,9 +101,9 @@ from typing import NamedTuple
 import torch
 
 from . import reference as ref
-from . import triton_phi
-from .triton_phi import DU_SLOT_ATTR, DuSlot
-from .triton_common import (GRID_AXIS_MAX, HAVE_TRITON, available, cast, cdiv, errors, fast,
+from ..feature_map import kernels as triton_phi
+from ..feature_map.kernels import DU_SLOT_ATTR, DuSlot
+from ..triton_common import (GRID_AXIS_MAX, HAVE_TRITON, available, cast, cdiv, errors, fast,
                             interpret, next_pow2, record_fallback, tl, tma_ok, triton, warn_once)
 
 __all__ = ["KernelConfig", "available", "fused_hybrid", "hybrid_kernel", "kernel_reference",
@@ -486,8 +486,8 @@ def default_config(D: int, F: int, dtype: torch.dtype) -> KernelConfig:
 
 # ============================================================================= the kernels
 if HAVE_TRITON:
-    from .triton_common import key_block  # (defined where triton imports)
-    from .triton_phi import _acts as _phi_acts  # (the maps' activations, jit)
+    from ..triton_common import key_block  # (defined where triton imports)
+    from ..feature_map.kernels import _acts as _phi_acts  # (the maps' activations, jit)
 
     @triton.jit
     def _tiles_of(X, s0, s1, s2, N0, N1, T, C, BR: tl.constexpr, BC: tl.constexpr,

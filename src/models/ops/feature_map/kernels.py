@@ -48,7 +48,7 @@ import weakref
 
 import torch
 
-from .triton_common import (HAVE_TRITON, available, cast, cdiv, errors, fast, interpret,
+from ..triton_common import (HAVE_TRITON, available, cast, cdiv, errors, fast, interpret,
                             record_fallback, tl, tma_ok, triton, warn_once)
 
 __all__ = ["available", "hedgehog_features", "reference_features", "unsupported_reason"]

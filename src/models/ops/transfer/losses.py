@@ -40,9 +40,9 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from . import backends
-from .hybrid import hybrid_attention
-from .reference import DEN_TINY, LA_EPS, repeat_kv
+from ..hybrid import backends
+from ..hybrid.attention import hybrid_attention
+from ..hybrid.reference import DEN_TINY, LA_EPS, repeat_kv
 
 __all__ = ["OBJECTIVES", "TINY", "hybrid_output_mse", "la_log_weights",
            "la_output_mse", "transfer_health", "transfer_loss", "weights_xent"]
@@ -153,7 +153,7 @@ def _masked_mse(student: torch.Tensor, teacher: torch.Tensor, kpm) -> torch.Tens
     """``masked_mse_reference``, through ``ops.triton_mse`` on CUDA where it applies (and
     ``backends.triton_enabled()``: ``HEDGECATS_TRITON=0`` turns it off)."""
     if student.is_cuda and backends.triton_enabled():
-        from . import triton_mse
+        from . import mse as triton_mse
 
         loss = triton_mse.masked_mse(student, teacher, kpm)
         if loss is not None:
@@ -243,7 +243,7 @@ def transfer_loss(objective: str, module, query, key, value, key_padding_mask=No
         fq, fk = module.phi_q(q), module.phi_k(k)
         xent = weights_xent
         if q.is_cuda and backends.triton_enabled():  # as the fused hybrid kernel (HEDGECATS_TRITON=0: off)
-            from . import triton_xent  # (imports this module: a lazy import)
+            from . import xent as triton_xent  # (imports this module: a lazy import)
 
             xent = triton_xent.weights_xent  # falls back to this blocked version itself
         loss, entropy = xent(q, k, fq, fk, scale=scale, key_padding_mask=key_padding_mask,

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import torch
 
-from .triton_common import (HAVE_TRITON, available, errors, fast, interpret, next_pow2, tl, triton,
+from ..triton_common import (HAVE_TRITON, available, errors, fast, interpret, next_pow2, tl, triton,
                             warn_once)
 
 __all__ = ["decode_step", "unsupported_reason"]

@@ -1,0 +1,1 @@
+"""One-token decode steps of the hybrid layer as Triton kernels (``kernels``)."""

@@ -1,0 +1,1 @@
+"""Hedgehog feature maps as Triton kernels (``kernels``), checked against the PyTorch map."""
