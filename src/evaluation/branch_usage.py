@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 from hedgecats.models import attention_mode, hybrid_attention, hybrid_layers
-from hedgecats.models.ops.windows import outside_limit
+from hedgecats.models.ops.hybrid.windows import outside_limit
 
 log = logging.getLogger(__name__)
 

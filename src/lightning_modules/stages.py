@@ -39,7 +39,7 @@ from ..models.checkpoint import (
 )
 from ..models.checkpointing import checkpointing_mode, enable_checkpointing
 from ..models.lora import LoraSettings
-from ..models.ops.transfer import OBJECTIVES, transfer_health, transfer_loss
+from ..models.ops.transfer.losses import OBJECTIVES, transfer_health, transfer_loss
 from .student_stream import StudentStream
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ from .convert import (
 )
 from .feature_maps import HedgehogFeatureMap
 from .mixers import build_mixer
-from .ops.hybrid import hybrid_attention
+from .ops.hybrid.attention import hybrid_attention
 
 # importing pretrain registers PretrainLlamaForCausalLM ("hedgecats_pretrain") with the Auto
 # classes, so from_pretrained reloads gated / sliding-window teachers wherever models is imported

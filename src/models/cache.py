@@ -54,9 +54,9 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
-from .ops import backends
-from .ops import reference as ref
-from .ops.hybrid import hybrid_attention
+from .ops.hybrid import backends
+from .ops.hybrid import reference as ref
+from .ops.hybrid.attention import hybrid_attention
 
 log = logging.getLogger(__name__)
 
@@ -483,7 +483,7 @@ def _fused_step(layer: HybridLayerCache, module, query, key, value, real, fq,
     (B, 1) flags of the new keys, or ``None`` when the call has no mask (all real)."""
     if not backends.triton_switched_on() or not layer.is_initialized:
         return None
-    from .ops import triton_decode
+    from .ops.decode import kernels as triton_decode
 
     rt = module.hedgecats
     g = common["g"]

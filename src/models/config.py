@@ -12,10 +12,10 @@ from dataclasses import dataclass, field, fields
 
 from .feature_maps import ACTIVATIONS, PROJECTIONS
 from .mixers import MIXERS, SHARED_NORM_SHIFTS
-from .ops.backends import BACKENDS
-from .ops.hybrid import LA_SPANS, MODES
-from .ops.reference import LA_EPS, default_eps
-from .ops.windows import WINDOW_SHAPES
+from .ops.hybrid.backends import BACKENDS
+from .ops.hybrid.attention import LA_SPANS, MODES
+from .ops.hybrid.reference import LA_EPS, default_eps
+from .ops.hybrid.windows import WINDOW_SHAPES
 
 __all__ = [
     "KEY_MAP_HEADS",

@@ -180,7 +180,8 @@ class HedgehogFeatureMap(nn.Module):
         benchmarks/results/speed_h200/attention_speed_8x1k_before_phi_default.md)."""
         if not x.is_cuda or self.activation not in ("softmax", "exp"):
             return None
-        from .ops import backends, triton_phi
+        from .ops.hybrid import backends
+        from .ops.feature_map import kernels as triton_phi
 
         if not backends.triton_enabled():
             return None

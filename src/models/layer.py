@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from .config import HybridConfig
-from .ops.hybrid import hybrid_attention
+from .ops.hybrid.attention import hybrid_attention
 
 log = logging.getLogger(__name__)
 

@@ -69,7 +69,7 @@ from torch import nn
 
 from .config import HybridConfig
 from .feature_maps import PROJECTIONS
-from .ops.reference import DEN_TINY
+from .ops.hybrid.reference import DEN_TINY
 
 log = logging.getLogger(__name__)
 
