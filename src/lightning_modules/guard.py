@@ -27,7 +27,9 @@ it replaces as ``previous.ckpt`` (a hard link: no copy), the fallback when ``las
 be read.
 
 ``StepProgressBar`` shows ``step 12/100`` when the stage is bounded by ``max_steps`` and ``epoch
-1/3`` only when ``max_epochs`` bounds it (Lightning's rich bar printed "Epoch 0/-2").
+1/3`` only when ``max_epochs`` bounds it (Lightning's rich bar printed "Epoch 0/-2"); counting
+steps, it reports the stage's global step against ``max_steps`` with a rate over the stage
+(``step_progress``), across data epochs and from a resume on.
 """
 
 from __future__ import annotations
@@ -36,20 +38,23 @@ import contextlib
 import logging
 import math
 import os
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from ..models.io import atomic_write
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AtomicCheckpointIO", "DivergenceError", "NonFiniteStateError", "StepProgressBar",
-           "TrainingGuard", "parameters_finite", "read_checkpoint_record"]
+__all__ = ["AtomicCheckpointIO", "DivergenceError", "NonFiniteStateError", "StepProgress",
+           "StepProgressBar", "TrainingGuard", "parameters_finite", "read_checkpoint_record",
+           "step_progress"]
 
 PREVIOUS = "previous.ckpt"
 RECORD_KEY = "hedgecats"
@@ -335,9 +340,51 @@ def keep_previous(path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- progress
+class StepProgress(NamedTuple):
+    """What the step bar shows: ``n/total`` steps, ``rate`` steps/s and ``remaining`` seconds
+    (``None`` where not known yet)."""
+
+    n: int
+    total: int | None
+    rate: float | None
+    remaining: float | None
+
+
+def step_progress(global_step: int, max_steps: int | None, *, start_step: int,
+                  start_time: float, now: float) -> StepProgress:
+    """The stage's progress at ``global_step`` of ``max_steps`` (none when it is ``None`` or
+    ``-1``); the rate counts the steps made since this run of the stage started at
+    ``start_step`` / ``start_time`` (so neither a data epoch nor a resume skews it)."""
+    total = max_steps if max_steps is not None and max_steps > 0 else None
+    made, elapsed = global_step - start_step, now - start_time
+    rate = made / elapsed if made > 0 and elapsed > 0 else None
+    remaining = max(0, total - global_step) / rate if rate and total is not None else None
+    return StepProgress(global_step, total, rate, remaining)
+
+
+class _StageTqdm(Tqdm):
+    """A tqdm bar whose rate and time left come from ``step_progress`` over the stage."""
+
+    start_step: int = 0
+    max_steps: int | None = None
+
+    @property
+    def format_dict(self):
+        d = super().format_dict
+        if hasattr(self, "start_t"):
+            p = step_progress(self.n, self.max_steps, start_step=self.start_step,
+                              start_time=self.start_t, now=self._time())
+            d.update(rate=p.rate, initial=self.start_step)
+        return d
+
+
 class StepProgressBar(TQDMProgressBar):
     """TQDM bar counting optimiser steps of ``max_steps`` (``step 12/100``), with the epoch as
-    ``epoch 1`` (or ``epoch 1/3`` when ``max_epochs`` bounds the stage)."""
+    ``epoch 1`` (or ``epoch 1/3`` when ``max_epochs`` bounds the stage).
+
+    Counting steps, one bar lasts the whole stage: it is set up at the start of training (a
+    resumed stage starts mid-epoch, where Lightning calls no epoch hook) and never reset by a
+    data epoch; its rate is ``step_progress``'s, over the steps made since that start."""
 
     @staticmethod
     def _by_steps(trainer: pl.Trainer) -> bool:
@@ -349,14 +396,31 @@ class StepProgressBar(TQDMProgressBar):
             else ""
         return f"epoch {trainer.current_epoch + 1}{bound}"
 
+    def init_train_tqdm(self) -> Tqdm:
+        if not self._by_steps(self.trainer):
+            return super().init_train_tqdm()
+        # Lightning's training bar, counting from the stage's global step to max_steps
+        bar = _StageTqdm(desc=self.train_description, position=2 * self.process_position,
+                         disable=self.is_disabled, leave=True, dynamic_ncols=True,
+                         file=sys.stdout, smoothing=0, bar_format=self.BAR_FORMAT, unit="step",
+                         total=self.trainer.max_steps, initial=self.trainer.global_step)
+        bar.start_step, bar.max_steps = self.trainer.global_step, self.trainer.max_steps
+        return bar
+
+    def on_train_start(self, trainer: pl.Trainer, *_: Any) -> None:
+        super().on_train_start(trainer)
+        self.train_progress_bar.set_description(self._describe(trainer))
+
     def on_train_epoch_start(self, trainer: pl.Trainer, *_: Any) -> None:
-        super().on_train_epoch_start(trainer)
-        bar = self.train_progress_bar
-        if self._by_steps(trainer):
-            bar.total = trainer.max_steps
-            bar.n = trainer.global_step
-            bar.unit = "step"
-        bar.set_description(self._describe(trainer))
+        if not self._by_steps(trainer):
+            super().on_train_epoch_start(trainer)
+        self.train_progress_bar.set_description(self._describe(trainer))
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self._by_steps(trainer):
+            return super().on_train_epoch_end(trainer, pl_module)
+        if not self.train_progress_bar.disable:
+            self.train_progress_bar.set_postfix(self.get_metrics(trainer, pl_module))
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs,
                            batch: Any, batch_idx: int) -> None:
