@@ -27,7 +27,7 @@ test-all: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks experiments scripts
 
 clean:
 	rm -rf $(VENV) runs

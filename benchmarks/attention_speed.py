@@ -1,7 +1,8 @@
 """One attention layer on the GPU, every path the issue compares: time, memory, correctness.
 
-    python benchmarks/attention_speed.py --out benchmarks/results          # all lengths
-    python benchmarks/attention_speed.py --shapes 8x1024,2x4096 --out /tmp/r
+    python -m benchmarks.attention_speed --out DIR                          # all lengths
+    python -m benchmarks.attention_speed --shapes 8x1024,2x4096 --out DIR
+    python -m benchmarks.attention_speed --tiny --out DIR                   # CPU smoke run
 
 Per B x T (H=32, Hkv=8, D=128, window 64, bf16 by default; q, k, v are views of (B, T, H, D)
 tensors, as a transformers model hands them to attention), forward + backward unless the name
@@ -41,187 +42,24 @@ into ``--summary`` (default ``<out>/summary.json``, merged with what is there).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
-import datetime
-import functools
-import gc
 import json
 import re
-import statistics
 import sys
 import time
 import traceback
 from pathlib import Path
 
 import torch
-from hedgecats.models import HedgehogFeatureMap, hybrid_attention
-from hedgecats.models.mixers import LearnedHeadMixer, SharedNormMixer
-from hedgecats.models.ops.hybrid import backends
-from hedgecats.models.ops.hybrid import reference as ref
 from hedgecats.models.ops import switches as kernel_switches
+from hedgecats.models.ops.hybrid import backends
 from hedgecats.models.ops.hybrid import kernels as th
+from hedgecats.models.ops.hybrid import reference as ref
 
-# ----------------------------------------------------------------------------- timing
-
-
-def bench(fn, warmup: int = 3, iters: int = 10) -> tuple[float, float]:
-    """(median ms over ``iters`` CUDA-event-timed calls after ``warmup``, peak GiB)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times), torch.cuda.max_memory_allocated() / 2**30
-
-
-DEVICE = "cuda"  # "cpu" in --tiny mode: host clock, no memory statistics
-
-
-def _sync():
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-
-
-def _timed(fn) -> float:
-    """One call's milliseconds: CUDA events on the GPU, the host clock on the CPU."""
-    if DEVICE != "cuda":
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b)
-
-
-def bench_adaptive(fn, budget_ms: float = 1500.0, max_iters: int = 20) -> dict:
-    """Warm up (twice: compilation, then caches), time one call, then repeat so that the row
-    takes about ``budget_ms``: median, spread, peak memory (absolute and above the start)."""
-    fn()
-    _sync()
-    t0 = time.perf_counter()
-    fn()
-    _sync()
-    one = (time.perf_counter() - t0) * 1e3
-    iters = int(max(3, min(max_iters, budget_ms // max(one, 1e-3))))
-    cuda = DEVICE == "cuda"
-    # what earlier work left in reference cycles goes before the peak is taken: on 2026-12-02
-    # the rows checked against the piece-by-piece path read 21.59 GiB at 64k and the unchecked
-    # shared_norm row of the same layer 8.09 (the check's tensors, freed only by the collector)
-    gc.collect()
-    base = torch.cuda.memory_allocated() if cuda else 0
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    times = [_timed(fn) for _ in range(iters)]
-    peak = torch.cuda.max_memory_allocated() if cuda else 0
-    return {"ms": statistics.median(times), "ms_min": min(times), "ms_max": max(times),
-            "iters": iters, "peak_gib": peak / 2**30, "peak_above_start_gib": (peak - base) / 2**30}
-
-
-def hold_device(ms: float) -> None:
-    """Enqueue a kernel that keeps the GPU busy for ``ms`` milliseconds (its clock's cycles), so
-    that the host's launches after it queue up instead of waiting on the GPU."""
-    torch.cuda._sleep(int(ms * 1e-3 * torch.cuda.get_device_properties(0).clock_rate * 1e3))
-
-
-def device_ms(fn, per_call_ms: float, budget_ms: float = 400.0, max_calls: int = 20,
-              sleep_ms: float | None = None) -> dict:
-    """``fn``'s GPU time per call with the host ahead, and its host (Python + launch) time
-    apart: a sleep kernel holds the GPU while the host enqueues the calls (host time: the CPU
-    clock over them, no sync), which then run back to back (device time: CUDA events around
-    them). An isolated call whose Python and launches take longer than its kernels (the hybrid
-    layer at 8 x 1k: host 2.4-3.1 ms, kernels 2.4-2.6 ms, 2026-12-03) is timed by
-    ``bench_adaptive`` at its host's speed (the same code on two machines: 2.86 and 3.29 ms,
-    the forward 0.83 and 1.20); inside a model the host runs ahead and the GPU time is what a
-    step pays. Calls: ``budget_ms / per_call_ms`` within [3, ``max_calls``]; the sleep lasts
-    ``sleep_ms`` (default: 50 ms + 5 ms a call, ~4 ms of host per call being the most seen).
-    ``host_ahead`` False: the sleep ended before the host had enqueued every call (the device
-    figure then holds launch gaps). None on the CPU. (``profile_hybrid.py --host`` uses it.)"""
-    if DEVICE != "cuda":
-        return {"device_ms": None, "host_ahead": None}
-    n = int(max(3, min(max_calls, budget_ms // max(per_call_ms, 1e-3))))
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    hold_device(50.0 + 5.0 * n if sleep_ms is None else sleep_ms)
-    start.record()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    host = (time.perf_counter() - t0) * 1e3 / n
-    end.record()
-    ahead = not start.query()  # the sleep still ran when the host finished enqueueing
-    torch.cuda.synchronize()
-    return {"device_ms": start.elapsed_time(end) / n, "host_ms": host, "host_ahead": ahead,
-            "device_calls": n}
-
-
-# ----------------------------------------------------------------------------- baselines
-
-
-class _TeacherModule(torch.nn.Module):
-    """What ``sdpa_attention_forward`` reads off a Llama attention module."""
-
-    def __init__(self, groups: int):
-        super().__init__()
-        self.num_key_value_groups = groups
-        self.is_causal = True
-
-
-def teacher_attention(module, q, k, v, scale):
-    """The unconverted model's attention call: (B, H, T, D) in, (B, T, H, D) out."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    return sdpa_attention_forward(module, q, k, v, None, dropout=0.0, scaling=scale)[0]
-
-
-def materialised_hybrid(q, k, v, fq, fk, *, window: int, g=0.5, shared_norm: bool = False,
-                        scale: float | None = None, eps: float = ref.LA_EPS) -> torch.Tensor:
-    """The hybrid computed LoLCATs-style, with T x T score matrices: SWA weights
-    ``exp(s - max)`` on the window, LA weights ``fq.fk + eps`` (the kernel floor,
-    ``ops.reference.LA_EPS``) outside it (non-overlapping), in fp32;
-    shared_norm as LoLCATs (one denominator, factor ``g`` on the softmax terms), otherwise
-    ``g SWA + (1 - g) LA``. (B, H, T, D) in the input dtype. Memory O(B H T^2)."""
-    B, H, T, D = q.shape
-    scale = D ** -0.5 if scale is None else scale
-    k, v, fk = (ref.repeat_kv(x, H) for x in (k, v, fk))
-    t = torch.arange(T, device=q.device)
-    causal = t[None, :] <= t[:, None]
-    win = causal & (t[None, :] > t[:, None] - window)
-    far = t[None, :] <= t[:, None] - window
-    s = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # (B, H, T, T)
-    s = s.masked_fill(~win, float("-inf"))
-    m = s.amax(-1, keepdim=True)  # finite: the diagonal is always in the window
-    a_sm = torch.exp(s - m)
-    a_ln = (torch.matmul(fq, fk.transpose(-1, -2)).float() + eps).masked_fill(~far, 0.0)
-    vf = v.float()
-    if shared_norm:
-        # LoLCATs' shared denominator; the LA terms are scaled by the same exp(-m) as the
-        # softmax terms (LoLCATs' code leaves them unscaled, a different function once logits
-        # are large: see ops.hybrid), so that this computes the function hybrid_attention does
-        f = g if not torch.is_tensor(g) else g.float().view(1, H, 1, 1)
-        a_ln = a_ln * torch.exp(-m)
-        num = torch.matmul(f * a_sm + a_ln, vf)
-        den = (f * a_sm).sum(-1, keepdim=True) + a_ln.sum(-1, keepdim=True)
-        out = num / den
-    else:
-        gg = g if not torch.is_tensor(g) else g.float().view(1, H, 1, 1)
-        swa = torch.matmul(a_sm, vf) / a_sm.sum(-1, keepdim=True)
-        la_den = a_ln.sum(-1, keepdim=True)
-        la = torch.where(la_den > 0, torch.matmul(a_ln, vf) / la_den.clamp_min(1e-30), 0.0)
-        out = gg * swa + (1 - gg) * la
-    return out.to(q.dtype)
-
+from benchmarks import timing
+from benchmarks.layer import (Layer, TUNE_CONFIGS, add_head_args, default_tiles_changed,
+                              parse_tiles, rel, step_fwd, step_fwd_bwd, tile_config)
+from benchmarks.summary import update_summary
+from benchmarks.timing import bench_adaptive, device_ms, environment
 
 # ----------------------------------------------------------------------------- floors
 PEAK_FLOPS = 790e12  # bf16 dense, H200 (this workplace's measured matrix rate)
@@ -267,150 +105,6 @@ def floors(B, H, Hkv, T, D, F, w, bytes_per=2) -> dict:
     return out
 
 
-# ----------------------------------------------------------------------------- the rows
-def rel(a, b) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
-
-
-class Layer:
-    """Inputs and modules of one benchmark shape."""
-
-    def __init__(self, B, T, H, Hkv, D, window, dtype, projection, seed=0):
-        self.B, self.T, self.H, self.Hkv, self.D, self.w = B, T, H, Hkv, D, window
-        self.scale = D ** -0.5
-        gen = torch.Generator(device=DEVICE).manual_seed(seed)
-
-        def leaf(h):  # a view of (B, T, h, D), as the model hands attention its q, k, v
-            x = torch.randn(B, T, h, D, device=DEVICE, generator=gen, dtype=dtype)
-            return x.transpose(1, 2).requires_grad_()
-
-        self.q, self.k, self.v = leaf(H), leaf(Hkv), leaf(Hkv)
-        self.do = torch.randn(B, T, H, D, device=DEVICE, generator=gen, dtype=dtype)
-        self.phi_q = HedgehogFeatureMap(H, D, projection=projection, seed=1).to(DEVICE)
-        self.phi_k = HedgehogFeatureMap(Hkv, D, projection=projection, seed=2).to(DEVICE)
-        self.F = self.phi_q.feature_dim
-        self.mixers = {"fixed": None, "learned_head": LearnedHeadMixer(H, 0.5).to(DEVICE),
-                       "shared_norm": SharedNormMixer(H).to(DEVICE)}
-        self.teacher_module = _TeacherModule(H // Hkv)
-        self.params = [self.q, self.k, self.v, self.phi_q.weight, self.phi_k.weight,
-                       self.phi_q.bias, self.phi_k.bias]
-        self.params += [p for m in self.mixers.values() if m is not None for p in m.parameters()]
-        self.gate_logit = None  # (made by the first gate row: other rows' peaks leave it out)
-
-    def mixer_args(self, mixer):
-        if mixer == "gate":  # g per position and channel: sigmoid(x W + c), (B, H, T, D)
-            if self.gate_logit is None:  # an output gate's pre-activation, as the model's
-                # OutputGateMixer hands it on ((B, T, H, D) memory; its Linear is not attention)
-                gen = torch.Generator(device=DEVICE).manual_seed(5)
-                B, T, H, D = self.do.shape
-                self.gate_logit = (torch.randn(B, T, H, D, device=DEVICE, generator=gen,
-                                               dtype=self.do.dtype) * 0.5).requires_grad_()
-                self.params.append(self.gate_logit)
-            return {"g": torch.sigmoid(self.gate_logit).transpose(1, 2), "shared_norm": False}
-        m = self.mixers[mixer]
-        if m is None:
-            return {"g": 0.5, "shared_norm": False}
-        return {"g": m(None), "shared_norm": m.shared_norm}
-
-    def zero(self):
-        for p in self.params:
-            p.grad = None
-
-    # forward callables, (B, T, H, D) out
-    def teacher(self):
-        return teacher_attention(self.teacher_module, self.q, self.k, self.v, self.scale)
-
-    def features(self, pytorch: bool = False):
-        """(fq, fk): the modules' forward (the fused Triton map, ops.triton_phi, wherever it
-        applies: the default path since 2026-12-02), or with ``pytorch`` their PyTorch path
-        (``backends.triton_disabled()`` around the two calls only; the attention kernel is
-        unaffected)."""
-        if not pytorch:
-            return self.phi_q(self.q), self.phi_k(self.k)
-        with backends.triton_disabled():
-            return self.phi_q(self.q), self.phi_k(self.k)
-
-    def feature_maps(self, pytorch: bool = False):
-        """Both feature maps alone, as one (B, T, H, F)-shaped output for the timing loop."""
-        fq, fk = self.features(pytorch)
-        return (fq.sum() + fk.sum()).reshape(1, 1, 1, 1).expand(self.do.shape)
-
-    def hybrid(self, mixer="fixed", backend="auto", fq=None, fk=None, pytorch_phi=False,
-               kernel_du=True, fold=True):
-        """The layer's attention, (B, T, H, D). Without fq / fk, as the model's layer calls it:
-        the maps handed over as modules (``maps=``: folded into the fused kernel's autograd
-        Function where it takes the call, since 2026-12-04). ``fold=False``: the call before
-        that, the maps run first as their own Functions (q and k handed on through them, the q
-        map's backward from the kernel's du unless ``kernel_du`` is off); ``pytorch_phi``: so,
-        with the maps' PyTorch path."""
-        q, k = self.q, self.k
-        kw = dict(window=self.w, backend=backend, scale=self.scale, **self.mixer_args(mixer))
-        if fq is None and fold and not pytorch_phi:
-            out = hybrid_attention(q, k, self.v, None, None, maps=(self.phi_q, self.phi_k), **kw)
-            return out.transpose(1, 2).contiguous()
-        if fq is None:
-            with backends.triton_disabled() if pytorch_phi else contextlib.nullcontext():
-                fq, q = self.phi_q(q, with_input=True, kernel_du=kernel_du)
-                fk, k = self.phi_k(k, with_input=True)
-        out = hybrid_attention(q, k, self.v, fq, fk, **kw)
-        return out.transpose(1, 2).contiguous()
-
-    def hybrid_stage1(self):
-        """The layer as stage 1 trains it (``ops.transfer.hybrid_output_mse``'s call): the
-        teacher's q, k, v detached, the maps handed over as modules, gradients for the feature
-        maps only (the kernels skip the dq / dk / dv passes)."""
-        q, k, v = (x.detach() for x in (self.q, self.k, self.v))
-        out = hybrid_attention(q, k, v, None, None, maps=(self.phi_q, self.phi_k), window=self.w,
-                               scale=self.scale, **self.mixer_args("fixed"))
-        return out.transpose(1, 2).contiguous()
-
-    def swa(self):
-        ops = backends.select("auto", self.q)
-        out, _ = ops.swa(self.q, self.k, self.v, scale=self.scale, window=self.w, need_lse=False,
-                         key_padding_mask=None)
-        return out.transpose(1, 2).contiguous()
-
-    def lolcats(self, mixer="fixed"):
-        a = self.mixer_args(mixer)
-        out = materialised_hybrid(self.q, self.k, self.v, self.phi_q(self.q), self.phi_k(self.k),
-                                  window=self.w, scale=self.scale, **a)
-        return out.transpose(1, 2).contiguous()
-
-    def reference(self, mixer="fixed"):
-        """fp32 oracle on the same inputs."""
-        q, k, v = (x.detach().float().requires_grad_() for x in (self.q, self.k, self.v))
-        fq, fk = self.phi_q(q), self.phi_k(k)
-        out = hybrid_attention(q, k, v, fq, fk, window=self.w, backend="reference",
-                               scale=self.scale, **self.mixer_args(mixer))
-        return out, (q, k, v)
-
-    def grads_of(self, fwd):
-        """Output and gradients of q, k, v, Wq, Wk for the callable ``fwd``."""
-        self.zero()
-        out = fwd()
-        out.float().backward(self.do.float())
-        res = {"out": out.detach().float(), "dq": self.q.grad, "dk": self.k.grad,
-               "dv": self.v.grad, "dWq": self.phi_q.weight.grad, "dWk": self.phi_k.weight.grad}
-        self.zero()
-        return res
-
-
-def step_fwd_bwd(layer: Layer, fwd):
-    def fn():
-        out = fwd()
-        out.backward(layer.do)
-        layer.zero()
-    return fn
-
-
-def step_fwd(fwd):
-    def fn():
-        with torch.no_grad():
-            fwd()
-    return fn
-
-
 def check_against(layer: Layer, fwd, mixer, use_reference: bool, pieces=None) -> dict:
     """Relative errors of ``fwd``'s output and gradients against the fp32 reference (or,
     for long sequences, the piece-by-piece path)."""
@@ -441,12 +135,10 @@ def run_shape(a, B, T, results, log):
     L = Layer(B, T, a.heads, a.kv_heads, a.head_dim, a.window, dtype, a.projection)
     fl = floors(B, a.heads, a.kv_heads, T, a.head_dim, L.F, a.window)
     use_ref = B * T <= a.ref_tokens
-    from hedgecats.models.ops.hybrid import kernels as th
-
     have_triton = backends.available("triton")
 
     def pieces(mixer="fixed"):
-        be = "reference" if DEVICE == "cpu" else "fla" if backends.available("fla") else "flex"
+        be = "reference" if timing.DEVICE == "cpu" else "fla" if backends.available("fla") else "flex"
         return lambda: L.hybrid(mixer, backend=be)
 
     rows = []
@@ -526,177 +218,21 @@ def run_shape(a, B, T, results, log):
     results["rows"].extend(rows)
 
 
-#: the tiles of session 11's default (D 128 bf16), which the configs after it vary
-_FWD128 = dict(block_m=128, block_n=64, state_chunk=128, warps=8, stages=2, bwd_block_m=64,
-               bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8, grad_f_chunk=256,
-               dkv_block_n=64, split_tile=128)
-
-#: the default tiles at D 128 in bf16 (``default_config``), as a dict for the configs that
-#: change one thing of them
-_DEFAULT_D128 = dataclasses.asdict(th.default_config(128, 256, torch.bfloat16))
-
-TUNE_CONFIGS = {  # None: default_config (D=128 since session 13: fwd 128x64 w8 over 4 query
-    # heads of 32 positions, dq / dfq 128 queries likewise, key-side backward 64x32 w8 with
-    # 64-key dfk / window tiles, walked state tiles 128 x 128 while 128 programs, split-state
-    # tiles 128, f_chunk 64, grad_f_chunk 256: "st128" below); a named one without
-    # grad_f_chunk takes f_chunk (64) for it
-    "default": None,
-    # smaller tiles: no spills at all in ptxas's report, but mma.sync instead of wgmma
-    "fwd32-bwd32": dict(block_m=32, block_n=64, state_chunk=64, warps=8, stages=2,
-                        bwd_block_m=32, bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8),
-    # the default before 2026-12-02 (states every 64 positions; the default is 128 since:
-    # half the stored states, twice the keys between a state and its block)
-    "chunk64": dict(block_m=64, block_n=64, state_chunk=64, warps=8, stages=2,
-                    bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8),
-    # the default's tiles, the backward recomputing both branches' per-query factors instead of
-    # reading the forward's stored SWA_t / LA_t (save_branches off: the default until
-    # 2026-12-02's sixth session; tables before then have a "saved" row, the option on)
-    "recomputed": dict(block_m=64, block_n=64, state_chunk=128, warps=8, stages=2,
-                       bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8,
-                       save_branches=False, dkv_block_n=64, grad_f_chunk=256,
-                       split_tile=128),
-    # the default's tiles, the LA states built split at any length (split_states True; the
-    # default splits past SPLIT_STATES_MIN_CHUNKS chunks only, so at 8 x 1k it walks)
-    "split-states": dict(block_m=64, block_n=64, state_chunk=128, warps=8, stages=2,
-                         bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64,
-                         state_warps=8, split_states=True, dkv_block_n=64, grad_f_chunk=256,
-                         split_tile=128),
-    # the default before 2026-12-02's eighth session: dfq and dfk in 64-wide feature slices,
-    # one program each (the dO . v product computed once per slice; the default since takes
-    # the whole F per program, grad_f_chunk 256)
-    "grad-f64": dict(block_m=64, block_n=64, state_chunk=128, warps=8, stages=2,
-                     bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8),
-    # the default's tiles, every tile read through pointer tensors (tma False: what a GPU
-    # before sm_90 runs) where the default reads some through tensor descriptors (TMA)
-    "no-tma": dict(block_m=64, block_n=64, state_chunk=128, warps=8, stages=2,
-                   bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8,
-                   grad_f_chunk=256, tma=False, dkv_block_n=64,
-                   split_tile=128),
-    # the same, the states walked at any length (split_states False): with "split-states",
-    # where between 8 and 512 chunks the split starts to pay (SPLIT_STATES_MIN_CHUNKS)
-    "walk-states": dict(block_m=64, block_n=64, state_chunk=128, warps=8, stages=2,
-                        bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64,
-                        state_warps=8, split_states=False, dkv_block_n=64, grad_f_chunk=256,
-                        split_tile=128),
-    # the default until session 10 (2026-12-03): the key-side backward on the backward's
-    # 32-key tiles in one launch, the split states on 64 x 64 tiles
-    "session9": dict(block_m=64, block_n=64, state_chunk=128, warps=8, stages=2,
-                     bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8,
-                     grad_f_chunk=256),
-    # the default with one of session 10's two changes taken back: the key-side backward on
-    # 32-key tiles (dkv32), the split states on 64 x 64 tiles (split-64)
-    "dkv32": dict(block_m=64, block_n=64, state_chunk=128, warps=8, stages=2,
-                  bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8,
-                  grad_f_chunk=256, split_tile=128),
-    "split-64": dict(block_m=64, block_n=64, state_chunk=128, warps=8, stages=2,
-                     bwd_block_m=64, bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8,
-                     grad_f_chunk=256, dkv_block_n=64),
-    # session 11 (2026-12-03): ptxas's report with the divisibility hints a real launch gives
-    # (tests/test_triton_compile.py launch_hints) showed no spill at tiles the hint-less report
-    # had ruled out: the forward at 128 queries a program (255 registers, 4 B spill, loads
-    # pipelined; "fwd128", the default of session 11), the backward's key tiles at 64 (one
-    # _bwd_dkv_la launch, its dv programs on wgmma instead of mma.sync)
-    "fwd128": _FWD128,
-    "bwd64": dict(_FWD128, block_m=64, bwd_block_n=64, dkv_block_n=None),
-    "fwd128-bwd64": dict(_FWD128, bwd_block_n=64, dkv_block_n=None),
-    # the query-side backward (dq, dfq) on 128-query tiles (dq_block_m; the key-side kernels
-    # keep 64: they spill at 128); 243 / 254 registers, no spill (ptxas with the launch hints);
-    # the default since session 12 (measured against "fwd128", the default before it)
-    "dq128": dict(_FWD128, dq_block_m=128),
-    # session 12: LA states every 64 positions with the 128-query forward (the intra-chunk
-    # keys of a query block, and the queries of a key block before its reverse state, 192 to
-    # 128; twice the stored states), alone and with the 128-query dq / dfq tiles: both slower
-    # than the default (the forward 0.40 to 0.50 ms at 8 x 1k; results/h200_2026-12-03d)
-    "cs64": dict(_FWD128, state_chunk=64),
-    "dq128-cs64": dict(_FWD128, state_chunk=64, dq_block_m=128),
-    # session 13: the forward with the query heads of a kv head packed into one program
-    # (pack_heads; 128 rows = 32 positions of 4 heads, or 64 of 2): "pack1" is session 12's
-    # default (one head a program). And cs64 with its states walked: session 12's cs64 rows
-    # went split (16 chunks > SPLIT_STATES_MIN_CHUNKS), 0.18 ms more than the walk forward
-    # (kernel_anatomy.py, results/h200_2026-12-03e)
-    "pack1": dict(_FWD128, dq_block_m=128),
-    "pack2": dict(_FWD128, dq_block_m=128, pack_heads=2),
-    "cs64-walk": dict(_FWD128, dq_block_m=128, state_chunk=64, split_states=False),
-    "pack4-cs64-walk": dict(_FWD128, dq_block_m=128, pack_heads=4, state_chunk=64,
-                            split_states=False),
-    # the query-side backward (dq, dfq) packed as the forward (the default since session 13's
-    # call 3) or not ("pack4-dq1": the forward packed only, the default of its call 2)
-    "pack4-dq1": dict(_FWD128, dq_block_m=128, pack_heads=4, dq_pack_heads=1),
-    # session 13, call 4: the forward's products over F in 128-wide slices (f_chunk; 254
-    # registers, no spill, 224 KB of shared memory) and the walked state kernels on larger
-    # tiles (the fq / dnum tiles re-read F / state_f and D / state_d times; 128 x 64: 256
-    # programs at 8 x 1k, 128 x 128: 128). st128 is the default since (state_programs 128)
-    "fc128": dict(_FWD128, dq_block_m=128, pack_heads=4, f_chunk=128),
-    "st128x64": dict(_FWD128, dq_block_m=128, pack_heads=4, state_f=128, state_d=64,
-                     state_programs=0),
-    "st128": dict(_FWD128, dq_block_m=128, pack_heads=4, state_f=128, state_d=128,
-                  state_programs=0),
-    # after session 13's GPU time: the LA state's share in the forward as a pipelined loop over
-    # its feature slices (state_product_stages 2; ptxas: 86 async copies against 58, no
-    # spill), with the default's tiles (st128's at 8 x 1k); measured in session 14: no gain
-    "pipe-state": dict(_FWD128, dq_block_m=128, pack_heads=4, state_f=128, state_d=128,
-                       state_programs=128, state_product_stages=2),
-    # session 14: _bwd_dkv_la's dv programs at 64 keys, in one grid with the dfk programs
-    # (dv_block_n; ptxas: 193 registers, wgmma, no spill, where 32 keys get mma.sync); the
-    # default since (0.406 to 0.394 ms); "dv32" the default before
-    "dv64": dict(_FWD128, dq_block_m=128, pack_heads=4, state_f=128, state_d=128,
-                 state_programs=128, dv_block_n=64),
-    "dv32": dict(_FWD128, dq_block_m=128, pack_heads=4, state_f=128, state_d=128,
-                 state_programs=128),
-    # after session 14's GPU time: the walked reverse states as one loop over (chunk, head)
-    # pairs, pipelined over 2 stages (state_rev_stages; ptxas through descriptors: no spill,
-    # 98 against 69 KB of shared memory); with the default's tiles; not yet measured
-    "rev-flat": dict(_FWD128, dq_block_m=128, pack_heads=4, state_f=128, state_d=128,
-                     state_programs=128, dv_block_n=64, state_rev_stages=2),
-    # the default's tiles without the backward's fused kernels (session 16's _bwd_q: the dq
-    # pass then the dfq pass; _bwd_kv: the window kernel's work in the LA key kernel's dv
-    # programs; on by default since session 17: the layer at 8 x 1k 1.980 to 1.927 ms device,
-    # the kernel alone 1.590 to 1.537; results/h200_2026-12-04, call 1)
-    "unfused": dict(_DEFAULT_D128, fuse_q_side=False, fuse_kv_side=False),
-    # the forward's key tile at 32 (its packed 32-position blocks need the 95 keys t0 - 63 ..
-    # t0 + 31: 3 tiles of 32, where 2 of 64 read 128; ptxas: 254 registers, no spill, 144
-    # against 192 KB of shared memory): measured slower, the forward 0.328 to 0.344 ms device
-    # at 8 x 1k (predicted ~0.26 or slower; results/h200_2026-12-04, call 1). Not taken
-    "fwd-bn32": dict(_DEFAULT_D128, block_n=32),
-    # _bwd_kv's programs (KernelConfig.kv_order; 2 by default since session 18): order 0 (the
-    # dfk programs first, the dv program - window dk, dv, then LA's dv, ~2x a dfk program's
-    # work - last), the dv program first (1: the same results bit for bit), one program a key
-    # block doing both (2: each LA query tile's fq, dO loaded once; ptxas 120 against 68 B of
-    # spill). Measured (session 18, call 1, device ms): `_bwd_kv` at 8 x 1k 0.610 / 0.597 /
-    # 0.565; the kernel alone at 1 x 64k 13.31 / 13.31 / 12.92
-    "kv-order0": dict(_DEFAULT_D128, kv_order=0),
-    "kv-order1": dict(_DEFAULT_D128, kv_order=1),
-    # the LA state kernels' vector sums as row reductions (state_sums_mma False; on by default
-    # since session 18: at 8 x 1k `_state_rev` 0.166 to 0.086 ms and `_state_fwd` 0.045 to
-    # 0.028 with them on, the layer 1.887 to 1.792; results/h200_2026-12-04b, calls 1-2)
-    "sums-reduced": dict(_DEFAULT_D128, state_sums_mma=False),
-    # session 17's default (both of the above off; the kernel alone at 1 x 64k 13.34 against
-    # the new default's 12.38 ms device, call 2)
-    "session17": dict(_DEFAULT_D128, kv_order=0, state_sums_mma=False),
-    # the forward on 128 x 64 tiles, 8 warps, one program a multiprocessor (th.ONE_PROGRAM_FORWARD:
-    # the default until session 21, which took th.TWO_PROGRAM_FORWARD's; `_fwd` 0.281 against
-    # 0.249 ms at 8 x 1k, session 19 call 1, results/h200_2026-12-04c)
-    "fwd-one-program": dict(_DEFAULT_D128, **th.ONE_PROGRAM_FORWARD),
-}
-
-
 def tune(L: Layer, B, T, log, names: list[str] | None = None) -> list[dict]:
-    """The fused kernel alone (precomputed feature maps, fixed g) under a few tile configs."""
-    from hedgecats.models.ops.hybrid import kernels as th
-
+    """The fused kernel alone (precomputed feature maps, fixed g) under ``TUNE_CONFIGS``."""
     fq = L.phi_q(L.q).detach().requires_grad_()
     fk = L.phi_k(L.k).detach().requires_grad_()
     B_, H, T_, D = L.q.shape
-    ones = torch.full((B, H), 0.5, device=DEVICE)
-    shift = torch.full((B, H), L.w, device=DEVICE, dtype=torch.int32)
+    ones = torch.full((B, H), 0.5, device=timing.DEVICE)
+    shift = torch.full((B, H), L.w, device=timing.DEVICE, dtype=torch.int32)
     out_rows = []
     want = want_grads = None
-    for name, cfg in TUNE_CONFIGS.items():
+    for name in TUNE_CONFIGS:
         if names is not None and name not in names:
             continue
-        row = {"B": B, "T": T, "config": name, "tiles": cfg}
+        row = {"B": B, "T": T, "config": name, "tiles": TUNE_CONFIGS[name]}
         try:
-            conf = th.default_config(D, L.F, L.q.dtype) if cfg is None else th.KernelConfig(**cfg)
+            conf = tile_config(name, D, L.F, L.q.dtype)
             row["tiles"] = conf.__dict__
 
             def fwd(q=L.q, k=L.k, v=L.v):
@@ -731,19 +267,6 @@ def tune(L: Layer, B, T, log, names: list[str] | None = None) -> list[dict]:
         out_rows.append(row)
         log(row)
     return out_rows
-
-
-# ----------------------------------------------------------------------------- reporting
-def environment() -> dict:
-    gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (--tiny smoke run)"
-    env = {"gpu": gpu, "torch": torch.__version__,
-           "cuda": torch.version.cuda, "date": datetime.date.today().isoformat()}
-    for mod in ("triton", "fla", "transformers"):
-        try:
-            env[mod] = __import__(mod).__version__
-        except Exception:
-            env[mod] = None
-    return env
 
 
 def _find(rows, T, case):
@@ -846,20 +369,6 @@ def markdown(res) -> str:
     return "\n".join(lines) + "\n"
 
 
-def update_summary(path: Path, values: dict, env: dict, changed: dict | None = None) -> None:
-    """``values`` (ratios) into the summary at ``path``, with the GPU and the date; ``changed``:
-    what the run measured other than the defaults (``--switches``, ``--tiles``), kept beside
-    the ratios (and dropped by a run of the defaults)."""
-    summary = json.loads(path.read_text()) if path.exists() else {}
-    summary.update({k: v for k, v in values.items()})
-    summary["gpu"], summary["date"] = env["gpu"], env["date"]
-    summary.pop("layer_changed_from_defaults", None)
-    if changed:
-        summary["layer_changed_from_defaults"] = changed
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(summary, indent=1) + "\n")
-
-
 #: the paths drawn (row names without " fwd"), in the legend's order
 PLOT_CASES = ("teacher", "swa", "hybrid fixed", "hybrid gate", "hybrid fixed [pytorch phi]",
               "lolcats T x T fixed")
@@ -915,15 +424,6 @@ def plot(res: dict, path: Path) -> Path | None:
     return path
 
 
-def add_head_args(p: argparse.ArgumentParser) -> None:
-    """The layer's head shape and window, Llama-3-8B's by default (``--heads 28 --kv-heads 4``
-    for Qwen2-7B's): the arguments every layer benchmark takes."""
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--window", type=int, default=64)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="8x1024,2x4096,1x65536,1x16384,1x131072",
@@ -947,8 +447,10 @@ def main(argv=None) -> int:
     p.add_argument("--tune-configs", default=None,
                    help="comma-separated names of TUNE_CONFIGS for --tune (default: all; each "
                         "compiles its kernels anew: the whole sweep outlasted 200 s at 8 x 1k)")
-    p.add_argument("--out", default="benchmarks/results")
-    p.add_argument("--summary", default=None, help="default <out>/summary.json")
+    p.add_argument("--out", required=True, help="folder for attention_speed.{json,md,png}")
+    p.add_argument("--summary", default=None,
+                   help="the summary to merge the ratios into (default <out>/summary.json; "
+                   "benchmarks/results/summary.json is the summary of record)")
     p.add_argument("--tiny", action="store_true",
                    help="CPU smoke run of this script: tiny shapes, host clock (numbers mean "
                    "nothing)")
@@ -956,14 +458,12 @@ def main(argv=None) -> int:
                    help="only draw attention_speed.png in --out from an attention_speed.json")
     p.add_argument("--switches", default="", metavar="SPEC",
                    help="kernel switches set for the whole run, 'module.NAME=value,...' "
-                   "(e.g. feature_map.kernels.WEIGHTS_IN_KERNEL='walk'): an option measured as it would "
-                   "run as the default; recorded in the JSON")
+                   "(modules of hedgecats.models.ops, e.g. feature_map.kernels.NAME=True): an "
+                   "option measured as it would run as the default; recorded in the JSON")
     p.add_argument("--tiles", default="", metavar="SPEC",
                    help="the default kernel config's fields changed for the whole run, "
-                   "'field=value,...' (e.g. park_la=True,fwd_maxnreg=168), in every shape's "
-                   "and dtype's default config (fp32 and D < 128 too, unlike a switch of "
-                   "triton_hybrid.DEFAULT_FORWARD, which D >= 128 in bf16 alone take); "
-                   "recorded")
+                   "'field=value,...' (KernelConfig fields, e.g. save_branches=False), in "
+                   "every shape's and dtype's default config; recorded in the JSON")
     a = p.parse_args(argv)
     try:
         run_switches = kernel_switches.parse(a.switches, "--switches")
@@ -971,7 +471,7 @@ def main(argv=None) -> int:
     except (ValueError, SyntaxError) as e:
         p.error(str(e))
     if (run_switches or run_tiles) and a.summary:
-        p.error("--summary holds the defaults' ratios (issue 11's targets): a run with "
+        p.error("--summary holds the defaults' ratios: a run with "
                 "--switches or --tiles writes its ratios, and what it changed, to "
                 "<out>/summary.json only")
     unknown = set((a.tune_configs or "").split(",")) - set(TUNE_CONFIGS) - {""}
@@ -984,9 +484,8 @@ def main(argv=None) -> int:
         png = plot(json.loads(Path(a.plot).read_text()), out / "attention_speed.png")
         print(f"wrote {png}" if png else "nothing to draw (no rows, or no matplotlib)")
         return 0 if png else 1
-    global DEVICE
     if a.tiny:
-        DEVICE = "cpu"
+        timing.DEVICE = "cpu"
         a.heads, a.kv_heads, a.head_dim, a.window = 4, 2, 16, 8
         if a.shapes == p.get_default("shapes"):
             a.shapes = "2x64,1x128"
@@ -997,7 +496,7 @@ def main(argv=None) -> int:
         return 2
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    cmd = ["python", "benchmarks/attention_speed.py", *(argv or sys.argv[1:])]
+    cmd = ["python", "-m", "benchmarks.attention_speed", *(argv or sys.argv[1:])]
     res = {"command": " ".join(cmd),
            "environment": environment(), "heads": a.heads, "kv_heads": a.kv_heads,
            "head_dim": a.head_dim, "window": a.window, "dtype": a.dtype,
@@ -1030,8 +529,6 @@ def main(argv=None) -> int:
     def write():  # after every shape: a run cut short by a time limit keeps what it measured
         res["seconds"] = round(time.time() - t0, 1)
         if backends.available("triton"):
-            from hedgecats.models.ops.hybrid import kernels as th
-
             res["kernel_tile_retries"] = list(th.RETRIES)
             res["kernel_fallback_errors"] = list(th.FALLBACK_ERRORS)
         res["ratios"] = ratios(res["rows"])
@@ -1042,8 +539,13 @@ def main(argv=None) -> int:
         (out / "attention_speed.md").write_text(markdown(res))
         plot(res, out / "attention_speed.png")
         changed = {n: v for n, v in (("switches", a.switches), ("tiles", a.tiles)) if v}
-        update_summary(Path(a.summary) if a.summary else out / "summary.json", res["ratios"],
-                       res["environment"], changed)
+        device = {f"{k}_device": v for k, v in res["ratios_device_time"].items()
+                  if k != "layer_mem_vs_swa_T64k"}  # (memory: the same in both)
+        env = res["environment"]
+        update_summary(Path(a.summary) if a.summary else out / "summary.json",
+                       {**res["ratios"], **device}, f"attention_speed {env['date']}",
+                       {"file": str(out / "attention_speed.json"), "command": res["command"],
+                        "machine": env["gpu"], "date": env["date"]}, changed)
 
     with kernel_switches.applied(run_switches), default_tiles_changed(run_tiles):
         measure(a, res, log, write)
@@ -1078,38 +580,6 @@ def measure(a, res, log, write) -> None:
             torch.cuda.empty_cache()
             write()
 
-
-def parse_tiles(spec: str) -> dict:
-    """``--tiles``' "field=value,..." (``KernelConfig`` fields, values Python literals)."""
-    fields = {f.name for f in dataclasses.fields(th.KernelConfig)}
-    out = {}
-    for item, name, value in kernel_switches.assignments(
-            spec, "--tiles", "field=value (e.g. park_la=True)"):
-        if name not in fields:
-            raise ValueError(f"--tiles: {item!r} is not field=value of a KernelConfig field "
-                             f"(e.g. park_la=True)")
-        out[name] = value
-    return out
-
-
-@contextlib.contextmanager
-def default_tiles_changed(changes: dict | None):
-    """``triton_hybrid.default_config`` returning its tiles with ``changes`` inside (what the
-    layer's call reaches: ``hybrid_kernel`` asks it when given no config)."""
-    if not changes:
-        yield
-        return
-    base = th.default_config
-
-    @functools.lru_cache(maxsize=64)  # (one config a shape, as the default's: the host time
-    def changed(D, F, dtype):  # of a call with changed tiles is the default's)
-        return dataclasses.replace(base(D, F, dtype), **changes)
-
-    th.default_config = changed
-    try:
-        yield
-    finally:
-        th.default_config = base
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Tokens per second of the data pipeline (read parquet, tokenise, pack, shuffle, batch).
 
-    python benchmarks/data_throughput.py --out benchmarks/results/data_throughput.json
+    python -m benchmarks.data_throughput --out benchmarks/results/data_throughput.json
 
 Builds FineWeb-format parquet files from real text every machine has (the Python standard
 library's sources, `python_source_documents`), trains a byte-level BPE tokenizer on part of it
@@ -113,7 +113,7 @@ def main(argv=None) -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     result = {
-        "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+        "command": " ".join(["python -m benchmarks.data_throughput", *sys.argv[1:]]),
         "machine": {
             "cpus": os.cpu_count(),
             "processor": platform.processor() or platform.machine(),

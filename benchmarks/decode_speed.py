@@ -1,14 +1,14 @@
 """Decode speed and cache memory: the hybrid with its HybridCache against the same model in
 ``softmax`` mode with transformers' KV cache (issue 13).
 
-    PYTHONPATH=/tmp/pkg:/tmp/site python benchmarks/decode_speed.py --out $OUT/decode_speed.json
-    python benchmarks/decode_speed.py --tiny --out /tmp/decode_speed.json   # CPU smoke test
+    PYTHONPATH=/tmp/pkg:/tmp/site python -m benchmarks.decode_speed --out $OUT/decode_speed.json
+    python -m benchmarks.decode_speed --tiny --out /tmp/decode_speed.json   # CPU smoke test
 
 Under a time limit per command, run the parts separately and combine them:
 
-    python benchmarks/decode_speed.py --parts latency --out $OUT/decode_latency.json
-    python benchmarks/decode_speed.py --parts batch --out $OUT/decode_batch.json
-    python benchmarks/decode_speed.py --combine decode_latency.json decode_batch.json \
+    python -m benchmarks.decode_speed --parts latency --out $OUT/decode_latency.json
+    python -m benchmarks.decode_speed --parts batch --out $OUT/decode_batch.json
+    python -m benchmarks.decode_speed --combine decode_latency.json decode_batch.json \
         --out decode_speed.json --md decode_speed.md
 
 Model: Llama-3-8B's shape (32 layers, width 4096, 32 heads / 8 KV heads, vocabulary 128256) with
@@ -443,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(env), flush=True)
     latency = run_latency(model, contexts, args, device) if "latency" in parts else []
     batch = run_batch(model, L_batch, args, device) if "batch" in parts else None
-    command = ["python", "benchmarks/decode_speed.py", *(sys.argv[1:] if argv is None else argv)]
+    command = ["python", "-m", "benchmarks.decode_speed", *(sys.argv[1:] if argv is None else argv)]
     result = {"command": " ".join(command), "env": env, "shape": shape, "window": args.window,
               "contexts": contexts, "latency": latency, "batch": batch,
               "targets": targets(latency, batch)}

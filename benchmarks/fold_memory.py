@@ -7,7 +7,7 @@ Python frame). What ``tests/test_triton_kernels.py``'s
 ``test_folded_call_peaks_no_higher_than_the_maps_as_their_own_functions`` compares, taken
 apart; the CPU proxy (``host_overhead.py --memory``) sees PyTorch's allocations only.
 
-    python benchmarks/fold_memory.py --shape 1x8192 --out results.json
+    python -m benchmarks.fold_memory --shape 1x8192 --out results.json
 """
 
 from __future__ import annotations

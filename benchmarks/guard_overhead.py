@@ -9,14 +9,14 @@ and the overhead of the whole second loop against the first (interleaved rounds,
 
 CPU (what was measured here; 2 cores, shared machine)::
 
-    python benchmarks/guard_overhead.py --device cpu --hidden 256 --layers 4 --batch 4 --seq 256
+    python -m benchmarks.guard_overhead --device cpu --hidden 256 --layers 4 --batch 4 --seq 256
 
 GPU (an H200: every parameter trainable, as in teacher pretraining, then LoRA on an
 8B-shaped model, as in stage 2; bf16)::
 
-    python benchmarks/guard_overhead.py --device cuda --dtype bfloat16 --preset llama-1b \\
+    python -m benchmarks.guard_overhead --device cuda --dtype bfloat16 --preset llama-1b \\
         --batch 8 --seq 1024 --out benchmarks/results/guard_overhead_h200_full.json
-    python benchmarks/guard_overhead.py --device cuda --dtype bfloat16 --preset llama-8b \\
+    python -m benchmarks.guard_overhead --device cuda --dtype bfloat16 --preset llama-8b \\
         --trainable lora --batch 4 --seq 1024 --checkpointing \\
         --out benchmarks/results/guard_overhead_h200_lora.json
 """

@@ -1,8 +1,8 @@
 """The hybrid layer's host work per call, on the CPU: Python, PyTorch dispatch and the launch
 arguments, with every Triton launch stubbed out (counted, not run). No GPU needed.
 
-    TRITON_INTERPRET=1 python benchmarks/host_overhead.py            # needs triton importable
-    TRITON_INTERPRET=1 python benchmarks/host_overhead.py --profile  # + cProfile, by own time
+    TRITON_INTERPRET=1 python -m benchmarks.host_overhead            # needs triton importable
+    TRITON_INTERPRET=1 python -m benchmarks.host_overhead --profile  # + cProfile, by own time
 
 Why: at 8 x 1k the layer's host work (2.26 ms per forward + backward on the H200's host,
 session 14) exceeds its GPU time (~2.0 ms), so an isolated call's event timing reads the host.
@@ -30,16 +30,21 @@ import collections
 import json
 import os
 import statistics
-import sys
 import time
 import weakref
 from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # (triton_common.available() on a CPU)
-sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
+from hedgecats.models import hybrid_attention  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from benchmarks import timing  # noqa: E402
+from benchmarks.layer import Layer, default_tiles_changed  # noqa: E402
+
+#: the backward's fused kernels off (``--unfused``): the separate kernels
+UNFUSED = dict(fuse_q_side=False, fuse_kv_side=False)
 
 #: aten ops that launch no device kernel (allocations, views, metadata)
 NO_KERNEL = ("empty", "empty_like", "empty_strided", "view", "t", "transpose", "permute",
@@ -94,7 +99,7 @@ class LiveBytes(TorchDispatchMode):
         return sum(st.nbytes() for ref in list(self.live.values()) if (st := ref()) is not None)
 
 
-def memory_peaks(A, shape: str) -> dict:
+def memory_peaks(shape: str) -> dict:
     """MiB allocated at the peak of the forward and of the whole forward + backward (inputs
     and parameters apart) of the layer's call (the maps folded into the kernel's Function) and
     of the call before the fold (the maps as their own Functions), at the 8B's heads (32 / 8,
@@ -106,7 +111,7 @@ def memory_peaks(A, shape: str) -> dict:
     from hedgecats.models.ops.hybrid import attention as hybrid_mod
 
     B, T = map(int, shape.split("x"))
-    L = A.Layer(B, T, 32, 8, 128, 64, torch.bfloat16, "square")
+    L = Layer(B, T, 32, 8, 128, 64, torch.bfloat16, "square")
     do = L.do.transpose(1, 2)
 
     def run(folded: bool) -> list[float]:
@@ -114,11 +119,11 @@ def memory_peaks(A, shape: str) -> dict:
         mode = LiveBytes()
         with mode:
             if folded:
-                out = A.hybrid_attention(L.q, L.k, L.v, None, None, maps=(L.phi_q, L.phi_k),
+                out = hybrid_attention(L.q, L.k, L.v, None, None, maps=(L.phi_q, L.phi_k),
                                          window=L.w, scale=L.scale, g=0.5)
             else:
                 fq, fk, q, k = hybrid_mod._apply_maps((L.phi_q, L.phi_k), L.q, L.k)
-                out = A.hybrid_attention(q, k, L.v, fq, fk, window=L.w, scale=L.scale, g=0.5)
+                out = hybrid_attention(q, k, L.v, fq, fk, window=L.w, scale=L.scale, g=0.5)
                 del fq, fk, q, k
             forward = mode.peak
             out.backward(do)
@@ -133,7 +138,7 @@ def memory_peaks(A, shape: str) -> dict:
         L.zero()
         mode = LiveBytes()
         with mode:
-            out = checkpoint(lambda q, k, v: A.hybrid_attention(
+            out = checkpoint(lambda q, k, v: hybrid_attention(
                 q, k, v, None, None, maps=(L.phi_q, L.phi_k), window=L.w, scale=L.scale,
                 g=0.5), L.q, L.k, L.v, use_reentrant=False)
             gc.collect()
@@ -248,17 +253,15 @@ def main(argv=None) -> dict:
     p.add_argument("--out", help="write the figures as JSON here")
     a = p.parse_args(argv)
     launches = patch_routing()
-    import attention_speed as A
     from hedgecats.models.ops.feature_map import kernels as triton_phi
 
     triton_phi.WEIGHTS_IN_KERNEL = a.weights_in_kernel
-    from kernel_anatomy import LAYER_CHANGES, default_tiles_changed
+    timing.DEVICE = "cpu"
+    with default_tiles_changed(UNFUSED if a.unfused else None):
+        return _measure(a, launches)
 
-    with default_tiles_changed(LAYER_CHANGES["layer-unfused"] if a.unfused else None):
-        return _measure(a, A, launches)
 
-
-def maps_share(L, A, calls: int) -> dict:
+def maps_share(L, calls: int) -> dict:
     """Median microseconds per fwd + bwd of the layer's call (the maps folded into the kernel's
     Function), of the call as it was before that (``unfolded``: the maps as their own
     Functions, their outputs handed to the kernel), of that with the k map's output
@@ -268,11 +271,11 @@ def maps_share(L, A, calls: int) -> dict:
 
     def run(maps):  # maps: two callables, each giving (phi(x), x as the attention takes it)
         if maps is None:  # the layer's call
-            out = A.hybrid_attention(L.q, L.k, L.v, None, None, maps=(L.phi_q, L.phi_k),
+            out = hybrid_attention(L.q, L.k, L.v, None, None, maps=(L.phi_q, L.phi_k),
                                      window=L.w, scale=L.scale, g=0.5)
         else:
             (fq, q), (fk, k) = maps[0](), maps[1]()
-            out = A.hybrid_attention(q, k, L.v, fq, fk, window=L.w, scale=L.scale, g=0.5)
+            out = hybrid_attention(q, k, L.v, fq, fk, window=L.w, scale=L.scale, g=0.5)
         out.transpose(1, 2).contiguous().backward(L.do)
         L.zero()
 
@@ -295,15 +298,14 @@ def maps_share(L, A, calls: int) -> dict:
     return got
 
 
-def _measure(a, A, launches) -> dict:
-    A.DEVICE = "cpu"
+def _measure(a, launches) -> dict:
     B, T = map(int, a.shape.split("x"))
-    L = A.Layer(B, T, a.heads, a.kv_heads, 128, 64, torch.bfloat16, "square")
+    L = Layer(B, T, a.heads, a.kv_heads, 128, 64, torch.bfloat16, "square")
     torch.set_num_threads(1)
 
     def call(stamps):  # the layer's call: the maps handed over as modules (maps=)
         t0 = time.perf_counter()
-        out = A.hybrid_attention(L.q, L.k, L.v, None, None, maps=(L.phi_q, L.phi_k), window=L.w,
+        out = hybrid_attention(L.q, L.k, L.v, None, None, maps=(L.phi_q, L.phi_k), window=L.w,
                                  scale=L.scale, g=0.5)
         out = out.transpose(1, 2).contiguous()
         t1 = time.perf_counter()
@@ -314,14 +316,14 @@ def _measure(a, A, launches) -> dict:
 
     for _ in range(5):
         call([])
-    from hedgecats.models.ops.hybrid import kernels as th
+    from hedgecats.models.ops.hybrid import config as kconfig
 
     launches.clear()
-    folded = th.CALLS["maps_folded"], th.CALLS["maps_folded_backward"]
+    folded = kconfig.CALLS["maps_folded"], kconfig.CALLS["maps_folded_backward"]
     with CountOps() as ops:
         call([])
     per_call = dict(launches)
-    folded = [th.CALLS["maps_folded"] - folded[0], th.CALLS["maps_folded_backward"] - folded[1]]
+    folded = [kconfig.CALLS["maps_folded"] - folded[0], kconfig.CALLS["maps_folded_backward"] - folded[1]]
     stamps: list = []
     for _ in range(a.calls):
         call(stamps)
@@ -333,7 +335,7 @@ def _measure(a, A, launches) -> dict:
         for _ in range(a.calls):
             launches.times.clear()
             t0 = time.perf_counter()
-            A.hybrid_attention(L.q, L.k, L.v, None, None, maps=(L.phi_q, L.phi_k), window=L.w,
+            hybrid_attention(L.q, L.k, L.v, None, None, maps=(L.phi_q, L.phi_k), window=L.w,
                                scale=L.scale, g=0.5)
             no_grad.append(time.perf_counter() - t0)
             first.append(launches.times[0] - t0)
@@ -348,10 +350,10 @@ def _measure(a, A, launches) -> dict:
            "torch_other_ops": sum(ops.other.values())}
     print(json.dumps(res, indent=1))
     if a.memory:
-        res["memory_mib"] = memory_peaks(A, a.memory)
+        res["memory_mib"] = memory_peaks(a.memory)
         print(json.dumps({"memory_mib": res["memory_mib"]}, indent=1))
     if a.maps_share:
-        res["maps_share_us"] = maps_share(L, A, a.calls)
+        res["maps_share_us"] = maps_share(L, a.calls)
         print(json.dumps({"maps_share_us": res["maps_share_us"]}, indent=1))
     if a.profile:
         import cProfile

@@ -2,8 +2,8 @@
 weights_xent (``--objective`` another); every variant in one process, median of --steps after --warmup, a JSON row written
 after each variant (a run cut short keeps what it measured).
 
-    source benchmarks/gpu_env.sh && python benchmarks/lightning_gap.py --out $OUT     (~4-6 min)
-    python benchmarks/lightning_gap.py --tiny --out /tmp/g                            (CPU smoke)
+    source scripts/gpu_env.sh && python -m benchmarks.lightning_gap --out $OUT     (~4-6 min)
+    python -m benchmarks.lightning_gap --tiny --out /tmp/g                            (CPU smoke)
 
 Lightning (benchmarks/multigpu.py's Transfer, as multigpu_ws1.json measured it):
   L0  as is: ModelParallelStrategy (FSDP2, ws 1), precision 32-true, bf16 maps, fused kernels
@@ -41,16 +41,14 @@ import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # multigpu.py, stage_speed.py
+import lightning.pytorch as pl
+import torch
+from hedgecats.lightning_modules.strategies import ModelParallelStrategy
+from hedgecats.models.structure import unwrap
+from hedgecats.models.ops.hybrid import backends
+from torch.utils.data import DataLoader
 
-import lightning.pytorch as pl  # noqa: E402
-import multigpu  # noqa: E402
-import stage_speed  # noqa: E402
-import torch  # noqa: E402
-from hedgecats.lightning_modules.strategies import ModelParallelStrategy  # noqa: E402
-from hedgecats.models.checkpoint import unwrap  # noqa: E402
-from hedgecats.models.ops.hybrid import backends  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
+from benchmarks import multigpu, stage_speed
 
 
 # ----------------------------------------------------------------------------- Lightning variants
@@ -414,7 +412,7 @@ def main(argv=None):
            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
            "triton_enabled": backends.triton_enabled(),
            "fp32_matmul_precision": torch.get_float32_matmul_precision()}
-    res = {"command": " ".join(["python", "benchmarks/lightning_gap.py", *(argv or sys.argv[1:])]),
+    res = {"command": " ".join(["python", "-m", "benchmarks.lightning_gap", *(argv or sys.argv[1:])]),
            "env": env, "objective": a.objective, "batch": a.batch, "seq_len": a.seq_len, "steps": a.steps,
            "warmup": a.warmup, "rows": {}}
 

@@ -3,7 +3,7 @@ before it: the feature maps' fused forward + backward (with and without dx), the
 gradient's reduction both ways, the fused hybrid kernel with and without ``split_states`` /
 ``save_branches``, and the whole layer. Also prints the kernels' retries and fallbacks.
 
-    python benchmarks/memory_probe.py --shape 1x65536
+    python -m benchmarks.memory_probe --shape 1x65536
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ import dataclasses
 import json
 
 import torch
-from attention_speed import add_head_args  # benchmarks/ on sys.path as a script
 from hedgecats.models import HedgehogFeatureMap
-from hedgecats.models.ops.hybrid import kernels as th
 from hedgecats.models.ops.feature_map import kernels as tp
+from hedgecats.models.ops.hybrid import kernels as th
+
+from benchmarks.layer import add_head_args
 
 
 def peak_above(fn) -> float:

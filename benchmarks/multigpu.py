@@ -2,9 +2,9 @@
 memory, loss curves, checkpoint resume, and loading the stage checkpoint on one device.
 
     # one GPU, then two, same global batch; then compare and load on one GPU
-    NCCL_NVLS_ENABLE=0 python benchmarks/multigpu.py run --devices 1 --out r
-    NCCL_NVLS_ENABLE=0 python benchmarks/multigpu.py run --devices 2 --out r
-    python benchmarks/multigpu.py summarize --out r          # -> r/multigpu.json
+    NCCL_NVLS_ENABLE=0 python -m benchmarks.multigpu run --devices 1 --out r
+    NCCL_NVLS_ENABLE=0 python -m benchmarks.multigpu run --devices 2 --out r
+    python -m benchmarks.multigpu summarize --out r          # -> r/multigpu.json
 
 ``--tiny`` runs the same code on CPU (gloo) with a tiny model: the CI smoke test.
 The base model is a Llama-3-8B-shaped model with random weights (the same seed on every rank),

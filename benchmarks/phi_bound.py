@@ -1,7 +1,7 @@
 """What bounds the maps' forward pair (``triton_phi.map_forward_pair``): the pair against
 kernels of its grid and tiles that do less, in device time, in one run.
 
-    python benchmarks/phi_bound.py --shape 8x1024 --out DIR
+    python -m benchmarks.phi_bound --shape 8x1024 --out DIR
 
 Why: at 8 x 1k the pair reads 84 MB (q, k) and writes 168 MB (phi_q, phi_k) in ~0.13 ms
 (~1.9 TB/s, the HBM's floor ~0.05 ms), and no tile choice moved it (session 14's
@@ -39,11 +39,13 @@ import json
 import sys
 from pathlib import Path
 
-import attention_speed  # benchmarks/ on sys.path
 import torch
-from attention_speed import device_ms, environment, rel
 from hedgecats.models.ops.feature_map import kernels as tp
 from hedgecats.models.ops.triton_common import cdiv, tl, triton
+
+from benchmarks import timing
+from benchmarks.layer import rel
+from benchmarks.timing import device_ms, environment
 
 #: the pair's rows: the ``triton_phi`` switches each sets over ``PAIR_BASE`` (``default``: the
 #: module's defaults as they are). ptxas, sm_90a, D = F/2 = 128: the walk at 64 x 8 warps
@@ -181,11 +183,11 @@ def main(argv=None) -> dict:
         p.error(f"unknown rows {sorted(set(names) - set(ROWS))}: choose from {ROWS}")
     B, T = map(int, a.shape.split("x"))
     cuda = torch.cuda.is_available()
-    attention_speed.DEVICE = "cuda" if cuda else "cpu"
+    timing.DEVICE = "cuda" if cuda else "cpu"
     inputs = maps_inputs(B, T, device="cuda" if cuda else "cpu")  # (CPU: Triton's interpreter)
     res = dict(environment=environment(), shape=a.shape,
                mb_moved=round(pair_bytes(inputs) / 1e6, 1), rows={},
-               command=" ".join(["python", "benchmarks/phi_bound.py"] + (argv or sys.argv[1:])))
+               command=" ".join(["python", "-m", "benchmarks.phi_bound"] + (argv or sys.argv[1:])))
     fns = {n: row_fn(n, inputs) for n in names}
     for n in names:  # each row checked against what it computes before it is timed
         res["rows"][n] = dict(max_rel_err=float(f"{row_error(n, inputs, fns[n]()):.2e}"),

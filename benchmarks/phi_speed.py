@@ -3,13 +3,13 @@ one run: the backward with the activations read from the forward's output or rec
 (``triton_phi.BWD_FROM_OUTPUT``), and other rows per program (``VARIANTS``: the tiles
 ``triton_phi._tiles`` picks, replaced for the row).
 
-    python benchmarks/phi_speed.py --shapes 1x65536,8x1024 [--variants a,b] --out DIR
+    python -m benchmarks.phi_speed --shapes 1x65536,8x1024 [--variants a,b] --out DIR
 
 Per shape (Llama-3-8B heads: the query map over 32 heads, the key map over 8, D = 128,
 square maps), for each variant: the gradients of x, the weight and the bias of both maps
 against ``reference_features`` in fp32 (relative L2 error), then the median milliseconds of
-both maps' forward + backward (CUDA events, ``attention_speed.bench``; and in device time,
-``attention_speed.device_ms``) and of the forward alone.
+both maps' forward + backward (CUDA events, ``timing.bench``; and in device time,
+``timing.device_ms``) and of the forward alone. CUDA only.
 """
 
 from __future__ import annotations
@@ -20,13 +20,15 @@ import sys
 from pathlib import Path
 
 import torch
-from attention_speed import bench, device_ms, environment, rel  # benchmarks/ on sys.path
 from hedgecats.models.ops.feature_map import kernels as tp
 
+from benchmarks.layer import rel
+from benchmarks.timing import bench, device_ms, environment
+
 #: name: (backward reads the forward's output, (rows, warps) of the forward or None for
-#: ``_tiles``'s, the same for the backward). Session 11 (2026-12-03): ptxas's report with the
-#: launch's divisibility hints shows the D 128 / F 256 backward at 64 rows without spill (102
-#: registers, wgmma; 32 rows get mma.sync) and the forward at 128 rows (182)
+#: ``_tiles``'s, the same for the backward). ptxas's report with the launch's divisibility
+#: hints shows the D 128 / F 256 backward at 64 rows without spill (102 registers, wgmma; 32
+#: rows get mma.sync) and the forward at 128 rows (182)
 VARIANTS = {
     "from-output": (True, None, None),
     "recompute": (False, None, None),
@@ -73,7 +75,7 @@ def main(argv=None):
         p.error(f"unknown variants {sorted(unknown)}: choose from {', '.join(VARIANTS)}")
     H, Hkv, D = 32, 8, 128
     res = dict(environment=environment(), rows=[],
-               command=" ".join(["python", "benchmarks/phi_speed.py"] + (argv or sys.argv[1:])))
+               command=" ".join(["python", "-m", "benchmarks.phi_speed"] + (argv or sys.argv[1:])))
     fused = lambda x, w, b: tp.hedgehog_features(x, w, b, "softmax")  # noqa: E731
     default_tiles, default_from_y = tp._tiles, tp.BWD_FROM_OUTPUT
     for shape in a.shapes.split(","):

@@ -1,7 +1,7 @@
 """Where one hybrid layer's time goes (fwd + bwd, bf16, CUDA): a kernel table from
 torch.profiler, and the LA denominator's variants timed and checked in isolation.
 
-    python benchmarks/profile_hybrid.py --out profile.json
+    python -m benchmarks.profile_hybrid --out profile.json
 
 The denominator ``den_t = phi(q_t) . sum_{i <= t - shift} phi(k_i)`` is taken in fp32 by us
 (fla's ``normalize=True`` sums keys in the input dtype). Variants: ``einsum_after_repeat``
@@ -19,10 +19,12 @@ import statistics
 import sys
 
 import torch
-from attention_speed import add_head_args, bench, device_ms, hold_device  # benchmarks/ on sys.path
 from hedgecats.models import HedgehogFeatureMap, hybrid_attention
 from hedgecats.models.ops.hybrid import backends
 from hedgecats.models.ops.hybrid import reference as ref
+
+from benchmarks.layer import add_head_args
+from benchmarks.timing import bench, device_ms, hold_device
 
 
 def host_and_device_ms(fn, n: int = 20, sleep_ms: float = 200.0, repeats: int = 5) -> dict:
@@ -222,7 +224,7 @@ def main(argv=None):
     H, Hkv, D, w, dt = a.heads, a.kv_heads, a.head_dim, a.window, torch.bfloat16
     phi_q, phi_k = HedgehogFeatureMap(H, D).cuda(), HedgehogFeatureMap(Hkv, D).cuda()
     res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, shapes=[], layout=a.layout,
-               command=" ".join(["python", "benchmarks/profile_hybrid.py"] + (argv or sys.argv[1:])))
+               command=" ".join(["python", "-m", "benchmarks.profile_hybrid"] + (argv or sys.argv[1:])))
     for shape in a.shapes.split(","):
         B, T = map(int, shape.split("x"))
         model = a.layout == "model"

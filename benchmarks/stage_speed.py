@@ -1,8 +1,8 @@
 """Stage throughput on one GPU (issue 12 item 1): tokens/s, step time and peak memory of the
 teacher's forward, stage 1 with each objective and stage 2, in one run.
 
-    python benchmarks/stage_speed.py --out benchmarks/results              # 8B shape, T 1k and 4k
-    python benchmarks/stage_speed.py --tiny --out /tmp/s                   # CPU smoke run
+    python -m benchmarks.stage_speed --out DIR              # 8B shape, T 1k and 4k
+    python -m benchmarks.stage_speed --tiny --out DIR       # CPU smoke run
 
 The model is a Llama-3-8B-shaped ``LlamaForCausalLM`` with random weights in bf16 (no hub), built
 once and converted (window 64, the default mixer and feature maps); every measurement runs on it
@@ -62,6 +62,9 @@ from hedgecats.lightning_modules.student_stream import StudentStream
 from hedgecats.models import HybridConfig, convert_to_hybrid, hybrid_layers, set_attention_mode
 from hedgecats.models.feature_maps import HedgehogFeatureMap as _FM_CLASS
 from hedgecats.models.ops.transfer import losses as transfer
+
+from benchmarks.layer import materialised_hybrid
+from benchmarks.summary import update_summary
 
 LLAMA3_8B = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
              "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256,
@@ -246,9 +249,6 @@ def materialised_student(q, k, v, fq, fk, *, window, mode="hybrid", g=0.5, share
         raise NotImplementedError(f"the materialised student computes mode 'hybrid' without "
                                   f"overlap or padding; got mode={mode!r}, overlap={overlap!r}, "
                                   f"padding={key_padding_mask is not None}")
-    sys.path.insert(0, str(Path(__file__).parent))
-    from attention_speed import materialised_hybrid
-
     kw = {} if eps is None else {"eps": eps}
     return materialised_hybrid(q, k, v, fq, fk, window=window, g=g, shared_norm=shared_norm,
                                scale=scale, **kw)
@@ -553,8 +553,10 @@ def main(argv=None) -> int:
                    "at the shortest only, hybrid_output_mse and the T x T student at all)")
     p.add_argument("--profile", action="store_true",
                    help="profile one step each of: fused-xent stage 1, stage 2 hybrid, softmax")
-    p.add_argument("--out", default="benchmarks/results")
-    p.add_argument("--summary", default=None, help="default <out>/summary.json")
+    p.add_argument("--out", required=True, help="folder for stage_speed.{json,md}")
+    p.add_argument("--summary", default=None,
+                   help="the summary to merge the ratios into (default <out>/summary.json; "
+                   "benchmarks/results/summary.json is the summary of record)")
     a = p.parse_args(argv)
     a.seq_lens = a.seq_lens or ("32,64" if a.tiny else "1024,4096")
     a.tokens = a.tokens or (64 if a.tiny else 8192)
@@ -565,7 +567,7 @@ def main(argv=None) -> int:
         print("stage_speed needs a GPU (or --tiny for the CPU smoke run)", file=sys.stderr)
         return 2
     t0 = time.time()
-    res = {"command": " ".join(["python", "benchmarks/stage_speed.py", *(argv or sys.argv[1:])]),
+    res = {"command": " ".join(["python", "-m", "benchmarks.stage_speed", *(argv or sys.argv[1:])]),
            "environment": environment(a.tiny), "model": "tiny" if a.tiny else
            "llama3-8b-shaped (random, bf16)", "tokens": a.tokens, "steps": a.steps,
            "warmup": a.warmup, "window": a.window, "rows": []}
@@ -587,10 +589,10 @@ def main(argv=None) -> int:
         res["seconds"] = round(time.time() - t0, 1)
         (out / "stage_speed.json").write_text(json.dumps(res, indent=1) + "\n")
         (out / "stage_speed.md").write_text(markdown(res))
-        summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-        summary.update(res["ratios"])
-        summary["gpu"], summary["date"] = res["environment"]["gpu"], res["environment"]["date"]
-        summary_path.write_text(json.dumps(summary, indent=1) + "\n")
+        env = res["environment"]
+        update_summary(summary_path, res["ratios"], f"stage_speed {env['date']}",
+                       {"file": str(out / "stage_speed.json"), "command": res["command"],
+                        "machine": env["gpu"], "date": env["date"]})
 
     res.update(run(a, on_row=write))
     write(res["rows"])

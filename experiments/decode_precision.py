@@ -8,7 +8,7 @@ interpreter the same kernels match to 2e-7. This script separates the branches (
 reports whether the compiled PTX holds tensor-core (``mma`` / ``wgmma``) instructions and
 ``tf32`` operands:
 
-    python benchmarks/decode_precision.py [--out results.json]      (CUDA; or TRITON_INTERPRET=1)
+    python -m experiments.decode_precision [--out results.json]      (CUDA; or TRITON_INTERPRET=1)
 
 Cases: Llama-3-8B's head shape (H 32, Hkv 8, D 128, F 256, window 64), B 2, a state of ~1,000
 absorbed keys; mixers g = 0.5 (both branches), g = 1 (SWA only), g = 0 (LA only). The step runs
@@ -25,8 +25,6 @@ import sys
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def random_slot(B, Hkv, W, D, F, n_sinks, dtype, device, gen):
@@ -105,8 +103,7 @@ def main(argv=None) -> int:
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     device = "cpu" if interp else "cuda"
     if interp:  # the interpreter's own bugs, worked around as the CPU kernel tests do
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        from triton_interpreter_check import _install_shims
+        from tests.triton_interpreter_check import _install_shims
 
         _install_shims()
     B, H, Hkv, D, F, W = (2, 4, 2, 16, 32, 8) if a.small else (2, 32, 8, 128, 256, 64)

@@ -1,8 +1,8 @@
 """Which layer's output gate costs a gated hybrid the short tasks? lm-eval accuracy of finished
 testbed runs as trained and with one layer's gate replaced by a constant (its own mean gate,
-measured by ``benchmarks/gate_usage.py``), in ``hybrid`` and ``swa_only`` mode.
+measured by ``experiments/gate_usage.py``), in ``hybrid`` and ``swa_only`` mode.
 
-    python benchmarks/gate_intervention.py RUN [RUN ...] --tasks MC_TASKS_DIR \\
+    python -m experiments.gate_intervention RUN [RUN ...] --tasks MC_TASKS_DIR \\
         --gates gate_usage.json [--layer 0] [--out gate_intervention.json]
 
 RUN: ``<recipe>-s<seed>`` run directories (``finetune/stage.pt``) of a gated-mixer recipe;
@@ -19,8 +19,6 @@ import json
 import statistics
 import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 @contextlib.contextmanager
@@ -53,7 +51,7 @@ def main(argv=None) -> int:
     gates = json.loads(Path(a.gates).read_text())["runs"]
     selection = resolve_tasks([a.tasks])
     specs = [ModeSpec.parse("hybrid"), ModeSpec.parse("swa_only")]
-    res = {"command": "python benchmarks/gate_intervention.py " + " ".join(argv or sys.argv[1:]),
+    res = {"command": "python -m experiments.gate_intervention " + " ".join(argv or sys.argv[1:]),
            "layer": a.layer, "runs": {}}
     for run in a.runs:
         if run not in gates:

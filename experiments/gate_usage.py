@@ -2,7 +2,7 @@
 per channel; LA gets ``1 - g``) of each converted layer, on prompts the window holds whole and on
 long ones, inside and beyond the window.
 
-    python benchmarks/gate_usage.py RUN [RUN ...] --tasks MC_TASKS_DIR [--out gate_usage.json]
+    python -m experiments.gate_usage RUN [RUN ...] --tasks MC_TASKS_DIR [--out gate_usage.json]
 
 RUN: a finished testbed run directory (``<recipe>-s<seed>`` with ``finetune/stage.pt``) or a
 stage checkpoint; MC_TASKS_DIR: the testbed's multiple-choice tasks
@@ -26,8 +26,6 @@ import sys
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _contexts(tasks: Path, name: str, limit: int) -> list[str]:
@@ -85,7 +83,7 @@ def main(argv=None) -> int:
     far = _contexts(tasks, "recall_mc_far", a.prompts)
     if not short or not far:
         raise SystemExit(f"{tasks}: no recall_mc_short*/recall_mc_far jsonl files")
-    res = {"command": "python benchmarks/gate_usage.py " + " ".join(argv or sys.argv[1:]),
+    res = {"command": "python -m experiments.gate_usage " + " ".join(argv or sys.argv[1:]),
            "prompts": {"short": len(short), "far": len(far)}, "runs": {}}
     for run in a.runs:
         p = Path(run)

@@ -1,10 +1,10 @@
 """The pretraining study at testbed scale (docs/method.md#pretraining-study; issue 15, item 4).
 
-    bash benchmarks/gated_swa.sh --variants full,swa_large,swa_large_gate      # one GPU call
-    bash benchmarks/gated_swa.sh --variants swa_small,swa_small_gate           # another
-    bash benchmarks/gated_swa.sh --variants swa_large_lowrank,swa_large_prope_lowrank
-    python benchmarks/gated_swa.py --merge a/gated_swa.json b/gated_swa.json c/gated_swa.json
-    python benchmarks/gated_swa.py --tiny               # CPU smoke test (seconds)
+    bash scripts/gated_swa.sh --variants full,swa_large,swa_large_gate      # one GPU call
+    bash scripts/gated_swa.sh --variants swa_small,swa_small_gate           # another
+    bash scripts/gated_swa.sh --variants swa_large_lowrank,swa_large_prope_lowrank
+    python -m experiments.gated_swa --merge a/gated_swa.json b/gated_swa.json c/gated_swa.json
+    python -m experiments.gated_swa --tiny               # CPU smoke test (seconds)
 
 Seven teachers pretrained from scratch on the testbed teacher's recall corpus and budget (task
 ``marker``, 6,000 steps x 32 x 1,024 tokens at lr 3e-3: the budget in which the testbed teacher
@@ -595,7 +595,7 @@ def _merge(paths: list[str], out: Path) -> int:
     if len(set(seen)) != len(seen):
         twice = sorted({x for x in seen if seen.count(x) > 1})
         raise SystemExit(f"the files repeat runs (variant, seed): {twice}")
-    meta = {**files[0]["meta"], "command": " ".join(["python", "benchmarks/gated_swa.py",
+    meta = {**files[0]["meta"], "command": " ".join(["python", "-m", "experiments.gated_swa",
                                                       "--merge", *paths]),
             "seeds": ",".join(str(s) for s in sorted({r["seed"] for r in runs})),
             "wall_s": sum(f["meta"]["wall_s"] for f in files)}
@@ -639,7 +639,7 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     ok = [r for r in results if "error" not in r]
-    meta = {"command": " ".join(["python", "benchmarks/gated_swa.py", *argv]),
+    meta = {"command": " ".join(["python", "-m", "experiments.gated_swa", *argv]),
             "device": ok[0]["device"] if ok else "n/a", "torch": torch.__version__,
             "transformers": transformers.__version__,
             "wall_s": round(time.perf_counter() - t0, 1), "steps": a.steps,

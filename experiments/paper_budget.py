@@ -1,13 +1,13 @@
 """The paper's training budget in wall time and GPU-hours per recipe (issue 12, item 4), from the
 measured stage throughputs, on one H200 and extrapolated to eight.
 
-    python benchmarks/paper_budget.py [--stage-speed STAGE_SPEED_JSON] [--multigpu MULTIGPU_JSON]
+    python -m experiments.paper_budget [--stage-speed STAGE_SPEED_JSON] [--multigpu MULTIGPU_JSON]
         [--lightning-gap LIGHTNING_GAP_JSON ...] [--lightning-run MULTIGPU_RUN_WS1_JSON]
-        [--out benchmarks/results/paper_budget]
+        [--out experiments/results/paper_budget]
 
-(defaults: the latest committed measurements, ``DEFAULTS``)
+(defaults: the measurements in benchmarks/results, ``DEFAULTS``)
 
-The paper's budget (docs/method.md, PAPER.md section 5-6): stage 1 one epoch, stage 2 1-5 epochs
+The paper's budget (docs/method.md; the paper's sections 5-6): stage 1 one epoch, stage 2 1-5 epochs
 of ~25M tokens (FineWeb-Edu, 1,024-token sequences); per recipe:
 
     lolcats            stage 1 hybrid-output MSE (rectangular map), stage 2 hybrid LoRA 1-5 epochs
@@ -30,23 +30,24 @@ that it holds at eight is an assumption), and evaluation is not counted.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 EPOCH_TOKENS = 25_000_000
-#: the latest committed measurements
+#: the measurements of record
 DEFAULTS = {
-    # (rebuilt from the run's log: the device left the JSON out; its README says so)
-    "stage_speed": "benchmarks/results/h200_2026-12-02d/call3/stage/stage_speed_from_log.json",
+    "stage_speed": "benchmarks/results/stage_speed.json",
     "multigpu": "benchmarks/results/multigpu.json",
-    # stage 1 through Lightning, one JSON per objective (each names its own; older ones, without
-    # the key, measured weights_xent)
-    "lightning_gap": ["benchmarks/results/h200_2026-12-02/after/lightning_gap.json",
-                      "benchmarks/results/h200_2026-12-02c/call5/lightning_gap.json"],
-    # both stages through Lightning at one GPU (multigpu.py run --devices 1; stage 1 with
-    # weights_xent), the newest measurement: it wins over the two above for what it measured
-    "lightning_run": "benchmarks/results/h200_2026-12-02d/call3/mg/ws1.json",
+    # stage 1 through Lightning, one JSON per objective (each names its own; one without the
+    # key measured weights_xent)
+    "lightning_gap": ["benchmarks/results/lightning_gap_weights_xent.json",
+                      "benchmarks/results/lightning_gap.json"],
+    # both stages through Lightning at one GPU (multigpu run --devices 1; stage 1 with
+    # weights_xent), newer than the two above: it wins for what it measured
+    "lightning_run": "benchmarks/results/multigpu_1gpu.json",
 }
 
 #: recipe -> (stage-1 objective row, stage-2 epochs (min, max), stage-2 row)
@@ -228,11 +229,15 @@ def main(argv=None) -> int:
                "transfer_lightning": {k: where(v)
                                       for k, v in lightning["transfer_source"].items()},
                "finetune_lightning": where(lightning["finetune_source"])}
-    md = markdown(rows, tp, eff, sources, lightning)
+    command = " ".join(["python -m experiments.paper_budget", *(sys.argv[1:] if argv is None
+                                                                else argv)])
+    md = (f"# The paper's training budget per recipe\n\n`{command}` "
+          f"({datetime.date.today().isoformat()}; the measurements named below)\n\n"
+          + markdown(rows, tp, eff, sources, lightning))
     print(md)
     if a.out:
         Path(f"{a.out}.json").write_text(json.dumps(
-            {"command": "python benchmarks/paper_budget.py " + " ".join(argv or []),
+            {"command": command,
              "epoch_tokens": EPOCH_TOKENS, "throughputs": tp, "scaling_2gpu": eff,
              "lightning_1gpu_tokens_per_s": lightning,
              "sources": sources, "rows": rows}, indent=1))

@@ -1,18 +1,18 @@
 """The GPU testbed (docs/testbed.md): teacher, every recipe x seeds, and the report.
 
-    python benchmarks/testbed.py run --root runs/testbed --seeds 0,1,2 --jobs 7
-    python benchmarks/testbed.py run --root runs/testbed --legacy-objective \\
+    python -m experiments.testbed run --root runs/testbed --seeds 0,1,2 --jobs 7
+    python -m experiments.testbed run --root runs/testbed --legacy-objective \\
         --recipes hedgecats,ssd_dropout,ssd_window,ssd_fixed        # the "before" of issue 20
-    python benchmarks/testbed.py run --root R --no-mc ...    # then, anywhere:
-    python benchmarks/testbed.py mc --root R --jobs 2 --device cpu
-    python benchmarks/testbed.py report --root runs/testbed --out docs/testbed
+    python -m experiments.testbed run --root R --no-mc ...    # then, anywhere:
+    python -m experiments.testbed mc --root R --jobs 2 --device cpu
+    python -m experiments.testbed report --root runs/testbed --out docs/testbed
 
 ``run`` writes the multiple-choice tasks (``<root>/mc_tasks``), trains the teacher through
 ``hedgecats pipeline configs/testbed/teacher.yaml`` unless ``--teacher`` names one, then runs
 ``hedgecats pipeline configs/testbed/<recipe>.yaml --seed S`` for every recipe and seed, ``--jobs``
 of them at once (small models leave one GPU mostly idle: concurrent pipelines share it), each
 into ``<root>/<recipe>-s<S>`` (``<root>/legacy/...`` with ``--legacy-objective``, which runs
-``benchmarks/testbed_legacy.py``), logs in ``<root>/logs``. Finished pipelines are skipped by the
+``experiments/testbed_legacy.py``), logs in ``<root>/logs``. Finished pipelines are skipped by the
 pipeline itself on a re-run. ``report`` reads every run's ``results.json`` (and ``mc/results.json``)
 and writes ``testbed.json``, ``testbed.md`` and two plots (far recall per mode per recipe;
 Delta_LA per recipe), every number a mean +- std over the seeds found, with the seed count.
@@ -80,7 +80,7 @@ def _without_mc(config: Path, out_dir: Path) -> Path:
     kept = [e for e in spec.get("evaluate") or [] if e.get("kind") != "command"]
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / config.name
-    path.write_text(f"# {config.name} without its multiple-choice step (benchmarks/testbed.py "
+    path.write_text(f"# {config.name} without its multiple-choice step (experiments/testbed.py "
                     "run --no-mc)\n" + yaml.safe_dump({"extends": str(config.resolve()),
                                                        "evaluate": kept}, sort_keys=False))
     return path
@@ -541,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--set", action="append", metavar="PATH=VALUE",
                    help="passed to every pipeline (hedgecats pipeline --set), repeatable")
     r.add_argument("--legacy-objective", action="store_true",
-                   help="the first weights_xent (benchmarks/testbed_legacy.py), into <root>/legacy")
+                   help="the first weights_xent (experiments/testbed_legacy.py), into <root>/legacy")
     r.add_argument("--no-mc", action="store_true",
                    help="leave out the multiple-choice step (run it later with `mc`)")
     r.set_defaults(fn=cmd_run)

@@ -2,7 +2,7 @@
 finished testbed runs, aggregated over seeds: how much of the hybrid's output comes from LA where
 it can see a key.
 
-    python benchmarks/testbed_branch_usage.py RUN [RUN ...] --text FILE [--out branch_usage.json]
+    python -m experiments.testbed_branch_usage RUN [RUN ...] --text FILE [--out branch_usage.json]
 
 RUN: ``<recipe>-s<seed>`` run directories (``finetune/stage.pt``); FILE: the text to run (the
 testbed's byte-level data, e.g. far multiple-choice contexts joined, up to ``--tokens``). Prints a
@@ -21,8 +21,6 @@ import sys
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _spread(values: list[float]) -> str:
@@ -121,7 +119,7 @@ def main(argv=None) -> int:
     print(md)
     if a.out:
         Path(a.out).write_text(json.dumps({
-            "command": "python benchmarks/testbed_branch_usage.py " + " ".join(argv or sys.argv[1:]),
+            "command": "python -m experiments.testbed_branch_usage " + " ".join(argv or sys.argv[1:]),
             "table": md, "runs": measured, "at_query": at_query}, indent=1))
     return 0
 

@@ -1,6 +1,6 @@
 """``hedgecats`` with the first version's weights cross-entropy, for before / after comparisons.
 
-    python benchmarks/testbed_legacy.py pipeline configs/testbed/hedgecats.yaml --output ...
+    python -m experiments.testbed_legacy pipeline configs/testbed/hedgecats.yaml --output ...
 
 The first ``weights_xent`` floored each kernel value at ``eps`` = 1e-6 in the numerator but the
 normaliser only as a sum, and inference floored the LA denominator at 1e-6: once every product

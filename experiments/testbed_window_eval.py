@@ -1,6 +1,6 @@
 """Near / far recall of finished testbed runs at their own final window and at another one.
 
-    python benchmarks/testbed_window_eval.py --root /tmp/testbed --runs ssd_fixed-s0,hedgecats-s0 \\
+    python -m experiments.testbed_window_eval --root /tmp/testbed --runs ssd_fixed-s0,hedgecats-s0 \\
         --window 64 --docs 64 --out ssd_recall_window64.json
 
 An SSD run ends at its last phase's window (16 for ``ssd_fixed``, 32 for ``ssd_dropout``) and
@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     p.add_argument("--docs", type=int, default=64)
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
-    out = {"command": "python benchmarks/testbed_window_eval.py " + " ".join(
+    out = {"command": "python -m experiments.testbed_window_eval " + " ".join(
                argv if argv is not None else __import__("sys").argv[1:]),
            "docs": a.docs, "runs": {}}
     for run in a.runs.split(","):

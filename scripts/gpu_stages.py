@@ -1,7 +1,7 @@
 """Run each training stage a few steps on a Llama-3-8B-shaped model with random weights.
 
-    PYTHONPATH=/tmp/pkg python benchmarks/gpu_stages.py            # one GPU, bf16, T=1024
-    python benchmarks/gpu_stages.py --tiny                          # CPU smoke test (seconds)
+    PYTHONPATH=/tmp/pkg python scripts/gpu_stages.py            # one GPU, bf16, T=1024
+    python scripts/gpu_stages.py --tiny                          # CPU smoke test (seconds)
 
 For AttentionTransfer and HybridFinetune: tokens/s (median step time after warm-up, all tokens
 of the micro-batch) and peak GPU memory, through Lightning exactly as the pipelines run them
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     stages = {"transfer": BenchTransfer, "finetune": BenchFinetune}
     results = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                "torch": torch.__version__, "model": "tiny" if tiny else "llama3-8b-shaped (random)",
-               "command": " ".join(["python", "benchmarks/gpu_stages.py", *(argv or sys.argv[1:])]),
+               "command": " ".join(["python", "scripts/gpu_stages.py", *(argv or sys.argv[1:])]),
                "stages": []}
     for name in args.stages.split(","):
         if name not in stages:

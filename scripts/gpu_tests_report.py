@@ -2,7 +2,7 @@
 ``HEDGECATS_GPU_REPORT=DIR`` is set: the backend matrix (tests/test_backends_gpu.py, rows with a
 ``backend``) and the fused-kernel cases (tests/test_triton_kernels.py, rows with a ``test``).
 
-    python benchmarks/gpu_tests_report.py DIR > gpu_tests.md       (or a .jsonl file)
+    python scripts/gpu_tests_report.py DIR > gpu_tests.md       (or a .jsonl file)
 
 Rows of a run cut by its time limit are all that were written; the header counts them.
 """

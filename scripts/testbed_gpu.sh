@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The testbed on the GPU machine, in one device call (docs/testbed.md; CI never has a GPU).
 #
-#   bash benchmarks/testbed_gpu.sh [--smoke] [--teacher] [--seeds 0,1,2] [--recipes all]
+#   bash scripts/testbed_gpu.sh [--smoke] [--teacher] [--seeds 0,1,2] [--recipes all]
 #                                  [--legacy] [--jobs N] [--budget SECONDS]
 #
 #   --smoke    first: every recipe file through hedgecats pipeline on tiny models
@@ -10,13 +10,13 @@
 #              the smoke tests run, and send it back as $OUT/teacher.tar.part-* (else the
 #              teacher is read from .testbed/teacher.tar.part-*, carried from an earlier call)
 #   --seeds / --recipes / --legacy / --jobs / --steps T,F (transfer, finetune; default 200,250)
-#              / --mc-docs N: benchmarks/testbed.py run (skipped without --seeds)
+#              / --mc-docs N: experiments/testbed.py run (skipped without --seeds)
 #   --legacy-recipes R1,R2  beside the main run, the same seeds of these recipes with the first
 #              weights_xent (--legacy-objective, into <root>/legacy; report in report/legacy):
 #              the controlled before/after of issue 20 in one call
 #   --budget   stop starting new work after this many seconds (default 540)
 # Results: $OUT/testbed_runs.tgz.part-* (every run's results.json, mc/, config.yaml, metrics.csv, logs),
-# $OUT/report.tgz (benchmarks/testbed.py report), $OUT/testbed_gpu.log. Wheels: .whl (carried).
+# $OUT/report.tgz (experiments/testbed.py report), $OUT/testbed_gpu.log. Wheels: .whl (carried).
 set -u -o pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 START=$(date +%s)
@@ -33,7 +33,7 @@ left() { echo $(( BUDGET - ($(date +%s) - START) )); }
 LOG=$OUT/testbed_gpu.log
 exec > >(tee -a "$LOG") 2>&1
 
-source benchmarks/gpu_env.sh || exit 1
+source scripts/gpu_env.sh || exit 1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton, fla, lightning, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'fla', fla.__version__, 'lightning', lightning.__version__, 'transformers', transformers.__version__)"
 ROOT=/tmp/testbed; mkdir -p $ROOT
@@ -66,21 +66,21 @@ if [ -n "$SEEDS" ] && [ -d "$TEACHER_DIR" ] && [ "$(left)" -gt 120 ]; then
   echo "== recipes seeds $SEEDS ($RECIPES, $JOBS at once) at $(( $(date +%s) - START )) s"
   if [ -n "$LEGACY_RECIPES" ]; then
     echo "== beside it: legacy objective, $LEGACY_RECIPES seeds $SEEDS"
-    timeout $(( $(left) - 30 )) python3 benchmarks/testbed.py run --root $ROOT \
+    timeout $(( $(left) - 30 )) python3 -m experiments.testbed run --root $ROOT \
       --teacher $TEACHER_DIR --seeds $SEEDS --recipes $LEGACY_RECIPES --jobs 8 \
       --legacy-objective --transfer-steps ${STEPS%,*} --finetune-steps ${STEPS#*,} \
       --mc-docs $MC > $ROOT/legacy_run.log 2>&1 &
     LPID=$!
   fi
-  timeout $(( $(left) - 30 )) python3 benchmarks/testbed.py run --root $ROOT \
+  timeout $(( $(left) - 30 )) python3 -m experiments.testbed run --root $ROOT \
     --teacher $TEACHER_DIR --seeds $SEEDS --recipes $RECIPES --jobs $JOBS $LEGACY \
     --transfer-steps ${STEPS%,*} --finetune-steps ${STEPS#*,} --mc-docs $MC
   echo "testbed rc=$?"
   if [ -n "$LEGACY_RECIPES" ]; then wait $LPID; echo "legacy rc=$?"; cat $ROOT/legacy_run.log; fi
-  python3 benchmarks/testbed.py recover --root $ROOT  # runs stopped in their last evaluation
-  python3 benchmarks/testbed.py report --root $ROOT --out $ROOT/report 2>&1 | tail -80
+  python3 -m experiments.testbed recover --root $ROOT  # runs stopped in their last evaluation
+  python3 -m experiments.testbed report --root $ROOT --out $ROOT/report 2>&1 | tail -80
   if [ -d $ROOT/legacy ]; then
-    python3 benchmarks/testbed.py report --root $ROOT/legacy --out $ROOT/report/legacy 2>&1 | tail -40
+    python3 -m experiments.testbed report --root $ROOT/legacy --out $ROOT/report/legacy 2>&1 | tail -40
   fi
   (cd $ROOT && tar -czf $OUT/report.tgz report 2>/dev/null)
 fi

@@ -286,7 +286,7 @@ def _check_export(model, path: Path) -> None:
     import torch
 
     from .models import attention_mode
-    from .models.checkpoint import unwrap
+    from .models.structure import unwrap
     from .models.config import MODES
     from .models.hf import load_pretrained_hybrid
 

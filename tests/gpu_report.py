@@ -1,5 +1,5 @@
 """The GPU tests' case reports: with ``HEDGECATS_GPU_REPORT=DIR`` set, each case's errors are
-appended as a JSON line to ``DIR/<xdist worker>.jsonl`` (``benchmarks/gpu_tests_report.py``
+appended as a JSON line to ``DIR/<xdist worker>.jsonl`` (``scripts/gpu_tests_report.py``
 turns the folder into tables). Used by tests/test_backends_gpu.py and tests/test_triton_kernels.py."""
 
 from __future__ import annotations

@@ -1,36 +1,48 @@
-"""The GPU benchmark scripts run end to end on CPU in their ``--tiny`` smoke modes and write the
-JSON, markdown and summary keys the issues name (the numbers themselves mean nothing on CPU)."""
+"""The benchmarks (``python -m benchmarks.<name>``) run end to end on CPU in their ``--tiny``
+smoke modes and write the JSON, markdown and summary keys the issues name (the numbers
+themselves mean nothing on CPU); their pieces do what they claim; the paper-budget study reads
+the committed measurements."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from benchmarks import timing
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args],
-                          capture_output=True, text=True, timeout=600, cwd=cwd, check=False)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+def _command(module: str, *args: str, cwd: Path, check: bool = True
+             ) -> subprocess.CompletedProcess:
+    """``python -m <module> args`` as documented, run in ``cwd`` with the repository's
+    packages importable (as from its root)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+                          timeout=600, cwd=cwd, env=env, check=False)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc
+
+
+def _run_record(summary: dict, key: str) -> dict:
+    """The record (file, command, machine, date) of the run that measured ``key``."""
+    return summary["runs"][summary["measured_by"][key]]
 
 
 def test_stage_speed_blocked_row_runs_the_blocked_xent():
     """The ``[blocked]`` row must not take the fused kernel that ``transfer_loss`` picks by
-    itself on CUDA (it did until 2026-12-02: the row measured the fused kernel twice)."""
-    import importlib.util
-
+    itself on CUDA (else the row measures the fused kernel twice)."""
     from hedgecats.models.ops.transfer import losses as transfer
     from hedgecats.models.ops.transfer import xent as triton_xent
 
-    spec = importlib.util.spec_from_file_location("stage_speed", ROOT / "benchmarks" / "stage_speed.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from benchmarks import stage_speed as bench
     fused = triton_xent.weights_xent
     assert fused is not transfer.weights_xent
     with bench.blocked_xent():
@@ -41,31 +53,23 @@ def test_stage_speed_blocked_row_runs_the_blocked_xent():
 def test_stage_speed_recomputed_rows_switch_the_kernel_config():
     """The ``[recomputed]`` rows run the fused kernel's default tiles with save_branches off
     (a kernel call takes ``default_config`` at call time), and only inside the row."""
-    import importlib.util
-
     import torch
-    from hedgecats.models.ops.hybrid import kernels as triton_hybrid
+    from hedgecats.models.ops.hybrid import config as kconfig
 
-    spec = importlib.util.spec_from_file_location("stage_speed", ROOT / "benchmarks" / "stage_speed.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    default = triton_hybrid.default_config(128, 256, torch.bfloat16)
+    from benchmarks import stage_speed as bench
+    default = kconfig.default_config(128, 256, torch.bfloat16)
     assert default.save_branches
     with bench.recomputed_branches():
-        cfg = triton_hybrid.default_config(128, 256, torch.bfloat16)
+        cfg = kconfig.default_config(128, 256, torch.bfloat16)
         assert not cfg.save_branches and cfg == default.__class__(**{**default.__dict__,
                                                                      "save_branches": False})
-    assert triton_hybrid.default_config(128, 256, torch.bfloat16) == default
+    assert kconfig.default_config(128, 256, torch.bfloat16) == default
 
 
 def test_stage_speed_t4k_ratio_only_from_a_4k_run():
     """``transfer_vs_lolcats_T4k`` is the ratio at 4k or None: a run of ``--seq-lens 1024``
-    wrote its 1k ratio under the key (2.30 where 4k gives ~5.9, 2026-12-02)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("stage_speed", ROOT / "benchmarks" / "stage_speed.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    must not write its 1k ratio under the key."""
+    from benchmarks import stage_speed as bench
     rows = [{"name": n, "T": T, "tokens_per_s": tps, "peak_gib": 1.0}
             for n, T, tps in [("transfer/hybrid_output_mse", 1024, 2.0),
                               ("transfer/lolcats_tt", 1024, 1.0),
@@ -76,9 +80,9 @@ def test_stage_speed_t4k_ratio_only_from_a_4k_run():
 
 
 def test_lightning_gap_tiny(tmp_path):
-    """benchmarks/lightning_gap.py (stage 1 through Lightning against the stage harness) on CPU:
+    """benchmarks.lightning_gap (stage 1 through Lightning against the stage harness) on CPU:
     a Lightning row, a harness row with the kernels off, and a reading that needs both."""
-    _run("lightning_gap.py", "--tiny", "--only", "L0,L3,S2", "--out", str(tmp_path), cwd=tmp_path)
+    _command("benchmarks.lightning_gap", "--tiny", "--only", "L0,L3,S2", "--out", str(tmp_path), cwd=tmp_path)
     res = json.loads((tmp_path / "lightning_gap.json").read_text())
     assert list(res["rows"]) == ["L0", "S2", "L3"]
     for r in res["rows"].values():
@@ -90,7 +94,7 @@ def test_lightning_gap_tiny(tmp_path):
 
 
 def test_stage_speed_tiny(tmp_path):
-    _run("stage_speed.py", "--tiny", "--out", str(tmp_path), cwd=tmp_path)
+    _command("benchmarks.stage_speed", "--tiny", "--out", str(tmp_path), cwd=tmp_path)
     res = json.loads((tmp_path / "stage_speed.json").read_text())
     names = {(r["name"], r["T"]) for r in res["rows"]}
     for T in (32, 64):
@@ -107,14 +111,18 @@ def test_stage_speed_tiny(tmp_path):
     for key in ("transfer_xent_vs_teacher_forward", "transfer_mse_vs_teacher_forward",
                 "lora_vs_softmax_lora", "transfer_vs_lolcats_T4k"):
         assert summary[key] > 0, key
-    for key in ("transfer_peak_gib_over_teacher", "scaling_efficiency_transfer_2gpu",
-                "scaling_efficiency_lora_2gpu", "gpu", "date"):
-        assert key in summary
+        run = _run_record(summary, key)
+        assert run["command"].startswith("python -m benchmarks.stage_speed --tiny")
+        assert run["machine"] and run["date"] and run["file"].endswith("stage_speed.json")
+    assert "transfer_peak_gib_over_teacher" in summary
+    # not measured by this script (one device): no value, rather than a null beside others
+    assert "scaling_efficiency_transfer_2gpu" not in summary
     assert "| finetune/softmax |" in (tmp_path / "stage_speed.md").read_text()
 
 
 def test_attention_speed_tiny(tmp_path):
-    _run("attention_speed.py", "--tiny", "--shapes", "2x64", "--out", str(tmp_path), cwd=tmp_path)
+    _command("benchmarks.attention_speed", "--tiny", "--shapes", "2x64,1x1024", "--out",
+             str(tmp_path), cwd=tmp_path)
     res = json.loads((tmp_path / "attention_speed.json").read_text())
     cases = {r["case"] for r in res["rows"]}
     assert {"teacher", "teacher fwd", "swa", "hybrid fixed", "hybrid learned_head",
@@ -125,23 +133,23 @@ def test_attention_speed_tiny(tmp_path):
     for r in res["rows"]:
         if "check" in r:  # bf16 on CPU against the fp32 oracle
             assert max(r["check"]["rel_err"].values()) < 2.5e-2, r
-    summary = json.loads((tmp_path / "summary.json").read_text())
     for key in ("layer_vs_teacher_T1k", "layer_vs_teacher_T64k", "layer_fwd_vs_teacher_T1k",
-                "layer_mem_vs_swa_T64k", "layer_vs_lolcats_T4k", "gpu", "date"):
-        assert key in summary
+                "layer_mem_vs_swa_T64k", "layer_vs_lolcats_T4k"):
+        assert key in res["ratios"], key
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["layer_vs_teacher_T1k"] > 0 and summary["layer_fwd_vs_teacher_T1k"] > 0
+    run = _run_record(summary, "layer_vs_teacher_T1k")
+    assert run["command"].startswith("python -m benchmarks.attention_speed --tiny")
+    assert run["machine"] == res["environment"]["gpu"] and run["date"]
     assert (tmp_path / "attention_speed.png").stat().st_size > 10_000  # drawn with every report
 
 
 def test_attention_speed_plot_from_the_committed_measurement(tmp_path):
-    """--plot redraws the figure of docs/performance.md from a results JSON, fwd rows of the
-    bracketed cases ("hybrid fixed fwd [pytorch phi]") included."""
-    import importlib.util
+    """--plot redraws the figure of docs/performance.md from a results JSON; fwd rows of the
+    bracketed cases ("hybrid fixed fwd [pytorch phi]") are drawn too."""
+    from benchmarks import attention_speed as bench
 
-    spec = importlib.util.spec_from_file_location("attention_speed",
-                                                  ROOT / "benchmarks" / "attention_speed.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    src = ROOT / "benchmarks" / "results" / "speed_h200" / "attention_speed.json"
+    src = ROOT / "benchmarks" / "results" / "attention_speed.json"
     assert bench.main(["--plot", str(src), "--out", str(tmp_path)]) == 0
     assert (tmp_path / "attention_speed.png").stat().st_size > 10_000
     lines = []
@@ -153,9 +161,13 @@ def test_attention_speed_plot_from_the_committed_measurement(tmp_path):
         lines.append(kw.get("label"))
         return orig(self, *args, **kw)
 
+    rows = [dict(B=8, T=T, case=case, ms=1.0, peak_gib=1.0) for T in (1024, 4096)
+            for case in ("teacher", "hybrid fixed [pytorch phi]",
+                         "hybrid fixed fwd [pytorch phi]")]
+    res = {**json.loads(src.read_text()), "rows": rows}
     matplotlib.axes.Axes.plot = spy
     try:
-        bench.plot(json.loads(src.read_text()), tmp_path / "again.png")
+        bench.plot(res, tmp_path / "again.png")
     finally:
         matplotlib.axes.Axes.plot = orig
     assert "hybrid fixed [pytorch phi] (fwd)" in lines and "teacher (fwd+bwd)" in lines
@@ -163,19 +175,14 @@ def test_attention_speed_plot_from_the_committed_measurement(tmp_path):
 
 def test_attention_speed_rows_collect_garbage_before_their_peak(monkeypatch):
     """bench_adaptive runs the cyclic garbage collector before it takes a row's memory base and
-    peak: the 2026-12-02 64k rows checked against the pieces read 21.59 GiB, the unchecked row of
-    the same layer 8.09 (the check's tensors, held in a reference cycle until collected)."""
+    peak: a correctness check's tensors held in a reference cycle would otherwise count in the
+    next row's peak."""
     import gc
-    import importlib.util
     import weakref
 
     import torch
 
-    spec = importlib.util.spec_from_file_location("attention_speed",
-                                                  ROOT / "benchmarks" / "attention_speed.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(timing, "DEVICE", "cpu")
 
     class Holder:  # a cycle holding a tensor, as a frame / traceback pair would
         pass
@@ -186,7 +193,7 @@ def test_attention_speed_rows_collect_garbage_before_their_peak(monkeypatch):
     gc.disable()  # so that only an explicit collection frees it
     try:
         assert alive() is not None
-        bench.bench_adaptive(lambda: None, budget_ms=1.0)
+        timing.bench_adaptive(lambda: None, budget_ms=1.0)
         assert alive() is None
     finally:
         gc.enable()
@@ -194,8 +201,7 @@ def test_attention_speed_rows_collect_garbage_before_their_peak(monkeypatch):
 
 def test_gpu_tests_report_renders_both_row_formats(tmp_path):
     """One report folder gets rows from the backend matrix and from the fused-kernel tests
-    (the GPU call of 2026-12-02 crashed on a kernel row's missing 'backend', a later one on a
-    row's missing 'case'): both tables."""
+    (a kernel row has no 'backend', some rows no 'case'): both tables."""
     errs = {n: 1e-3 for n in ("out", "dq", "dk", "dv", "dWq", "dWk")}
     rows = [{"case": "hybrid", "dtype": "torch.bfloat16", "shape": [2, 8, 2, 300, 128, 64],
              "backend": "fla", "vs_reference_same_dtype": errs, "vs_fp32_oracle": errs,
@@ -203,12 +209,11 @@ def test_gpu_tests_report_renders_both_row_formats(tmp_path):
             {"test": "hybrid", "case": "shared_norm", "shape": "B2-H8-Hkv2-T300-D128-w64-F256",
              "dtype": "torch.bfloat16", "fused_calls": 1, "vs_reference_same_dtype": errs,
              "vs_fp32_oracle": errs, "triton_errors": [], "tile_retries": [], "seconds": 1.0},
-            # the saved-branches rows of 2026-12-02's sixth session had no case / shape / dtype
-            # (KeyError 'case'): such a row still renders
+            # a row without case / shape / dtype still renders
             {"test": "saved_branches", "shared": False, "frozen": True,
              "saved_vs_fp32": errs}]
     (tmp_path / "gw0.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_tests_report.py"),
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_tests_report.py"),
                           str(tmp_path)], capture_output=True, text=True, check=True).stdout
     assert "## Backend matrix (tests/test_backends_gpu.py): 1 cases" in out
     assert "## Fused kernels (tests/test_triton_kernels.py): 2 cases" in out
@@ -216,19 +221,19 @@ def test_gpu_tests_report_renders_both_row_formats(tmp_path):
 
 
 def test_gpu_tests_report_without_a_report_folder(tmp_path):
-    """Tests that write no rows leave no report folder (session 11's first GPU call: the
-    script crashed with FileNotFoundError after the tests had passed): it says so instead."""
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_tests_report.py"),
+    """Tests that write no rows leave no report folder: the report says so instead of
+    failing after the tests have passed."""
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_tests_report.py"),
                           str(tmp_path / "missing")], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "no case reports"
 
 
 def test_paper_budget_from_the_committed_measurements(tmp_path):
-    """benchmarks/paper_budget.py on the committed stage throughputs: every recipe, hours that
+    """experiments.paper_budget on the committed stage throughputs: every recipe, hours that
     follow from tokens / (tokens/s), and the eight-GPU extrapolation from the 2-GPU efficiency."""
     out = tmp_path / "budget"
-    _run("paper_budget.py", "--out", str(out), cwd=ROOT)
+    _command("experiments.paper_budget", "--out", str(out), cwd=tmp_path)
     res = json.loads(Path(f"{out}.json").read_text())
     rows = {r["recipe"]: r for r in res["rows"]}
     assert set(rows) == {"lolcats", "inference_hybrid", "hedgecats", "ssd_dropout", "ssd_window",
@@ -253,90 +258,6 @@ def test_paper_budget_from_the_committed_measurements(tmp_path):
         assert abs(rows[recipe]["total_h_1gpu_lightning"][0] - want) < 1e-9
 
 
-def test_gate_usage_reads_the_gates_of_a_converted_model():
-    """benchmarks/gate_usage.py's measurement on a fresh gated conversion (gates start at the
-    fixed g = 0.5 exactly) and its refusal of a mixer without a gate."""
-    import importlib.util
-
-    import pytest
-    import torch
-    from hedgecats.models import HybridConfig, convert_to_hybrid
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    spec = importlib.util.spec_from_file_location("gate_usage", ROOT / "benchmarks" /
-                                                  "gate_usage.py")
-    gu = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gu)
-
-    class Tok:  # bytes as ids, as the testbed's byte-level tokenizer
-        def __call__(self, text, return_tensors=None):
-            return type("Enc", (), {"input_ids": torch.tensor([list(text.encode())])})()
-
-    def model(mixer):
-        torch.manual_seed(0)
-        m = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=48,
-                                         num_hidden_layers=2, num_attention_heads=4,
-                                         num_key_value_heads=2))
-        return convert_to_hybrid(m.eval(), HybridConfig(window=4, mixer=mixer))
-
-    stats = gu.gate_stats(model("gate_lowrank"), Tok(), ["abc", "a longer prompt"], window=4)
-    assert set(stats) == {0, 1}
-    for s in stats.values():
-        assert s["mean_g_first_window"] == pytest.approx(0.5)
-        assert s["mean_g_beyond_window"] == pytest.approx(0.5)
-        assert s["share_below_0.25"] == 0.0
-    with pytest.raises(SystemExit, match="not an output gate"):
-        gu.gate_stats(model("fixed"), Tok(), ["abc"], window=4)
-
-
-def test_testbed_branch_usage_table_aggregates_seeds():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "tbu", ROOT / "benchmarks" / "testbed_branch_usage.py")
-    tbu = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tbu)
-    measured = {f"/x/lolcats-s{s}": {"layers": [{"layer": 0, "la_share": [0.4 + s / 5] * 2},
-                                                {"layer": 1, "la_share": [0.2, 0.2]}]}
-                for s in (0, 1)}
-    md = tbu.table(measured)
-    assert "| recipe (seeds) | layer 0 | layer 1 | mean |" in md
-    assert "| lolcats (2) | 0.50 ± 0.14 | 0.20 ± 0.00 | 0.35 ± 0.07 |" in md
-    at_query = {f"/x/lolcats-s{s}": {0: {"la_share_last": 0.6, "la_share_other": 0.2 + s / 5},
-                                     1: {"la_share_last": 0.4, "la_share_other": 0.2}}
-                for s in (0, 1)}
-    assert "| lolcats (2) | 0.50 ± 0.00 | 0.25 ± 0.07 |" in tbu.query_table(at_query)
-
-
-def test_gate_intervention_swaps_one_layers_mixer_and_restores_it():
-    import importlib.util
-
-    import torch
-    from hedgecats.models import HybridConfig, convert_to_hybrid, hybrid_layers
-    from hedgecats.models.mixers import FixedMixer, OutputGateMixer
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    spec = importlib.util.spec_from_file_location("gi", ROOT / "benchmarks" /
-                                                  "gate_intervention.py")
-    gi = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gi)
-    torch.manual_seed(0)
-    model = convert_to_hybrid(LlamaForCausalLM(LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2)).eval(),
-        HybridConfig(window=4, mixer="gate_elementwise"))
-    layers = dict(hybrid_layers(model))
-    x = torch.randint(0, 64, (1, 12))
-    with torch.no_grad():
-        before = model(x).logits
-        with gi.constant_gate(model, 0, 0.5):
-            assert isinstance(layers[0].mixer, FixedMixer) and layers[0].mixer.g == 0.5
-            assert isinstance(layers[1].mixer, OutputGateMixer)
-            during = model(x).logits  # a fresh gate is 0.5 everywhere: the same function
-        assert isinstance(layers[0].mixer, OutputGateMixer)
-        torch.testing.assert_close(during, before, rtol=1e-5, atol=1e-5)
-
-
 def test_paper_budget_takes_the_lightning_figures_of_the_files_named(tmp_path):
     """A --multigpu file of one's own gives the Lightning column its one-GPU figures (the
     committed newer run does not override a file the user named)."""
@@ -346,8 +267,8 @@ def test_paper_budget_takes_the_lightning_figures_of_the_files_named(tmp_path):
                                 "hybrid_finetune": {"scaling_efficiency": 0.9}}}}
     (tmp_path / "mg.json").write_text(json.dumps(mg))
     out = tmp_path / "budget"
-    _run("paper_budget.py", "--multigpu", str(tmp_path / "mg.json"), "--lightning-gap",
-         "--out", str(out), cwd=ROOT)
+    _command("experiments.paper_budget", "--multigpu", str(tmp_path / "mg.json"),
+             "--lightning-gap", "--out", str(out), cwd=tmp_path)
     res = json.loads(Path(f"{out}.json").read_text())
     assert res["lightning_1gpu_tokens_per_s"]["transfer"] == {"weights_xent": 10_000}
     assert res["lightning_1gpu_tokens_per_s"]["finetune"] == 5_000
@@ -356,15 +277,10 @@ def test_paper_budget_takes_the_lightning_figures_of_the_files_named(tmp_path):
 
 def test_attention_speed_ratios_in_device_time(monkeypatch):
     """The issue's time ratios from each row's GPU time with the host ahead (``device_ms``),
-    beside the event timings: the 8 x 1k layer is host-bound, its event ratio read 2.85x and
-    4.09x with one code on two machines (2026-12-03), its device time 3.3x on both. The memory
-    ratio is the same in both; a row without a device time (the CPU) gives no ratio."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("attention_speed",
-                                                  ROOT / "benchmarks" / "attention_speed.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    beside the event timings (an isolated call of a host-bound layer reads its host in events,
+    differently on two machines with one code). The memory ratio is the same in both; a row
+    without a device time (the CPU) gives no ratio."""
+    from benchmarks import attention_speed as bench
     rows = [dict(B=8, T=1024, case="teacher", ms=1.0, device_ms=0.73, peak_gib=1.0),
             dict(B=8, T=1024, case="hybrid fixed", ms=2.86, device_ms=2.4, peak_gib=2.0),
             dict(B=8, T=1024, case="teacher fwd", ms=0.2, device_ms=None, peak_gib=1.0),
@@ -377,41 +293,26 @@ def test_attention_speed_ratios_in_device_time(monkeypatch):
         2.4 / 0.73, 4)
     assert events["layer_fwd_vs_teacher_T1k"] == 4.0 and device["layer_fwd_vs_teacher_T1k"] is None
     assert events["layer_mem_vs_swa_T64k"] == device["layer_mem_vs_swa_T64k"] == round(8 / 6, 4)
-    monkeypatch.setattr(bench, "DEVICE", "cpu")  # (--tiny: no device time to take)
-    assert bench.device_ms(lambda: None, 1.0) == {"device_ms": None, "host_ahead": None}
+    monkeypatch.setattr(timing, "DEVICE", "cpu")  # (--tiny: no device time to take)
+    assert timing.device_ms(lambda: None, 1.0) == {"device_ms": None, "host_ahead": None}
 
 
 def test_kernel_anatomy_refuses_unknown_configs_and_tables_its_rows(tmp_path):
-    """kernel_anatomy.py (GPU only) names what it does not know before touching a GPU, and its
+    """kernel_anatomy (GPU only) names what it does not know before touching a GPU, and its
     markdown puts every kernel of every config / branch set in one table per phase, a failed
     row as its error."""
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_anatomy.py"),
-                           "--configs", "default,nope"], capture_output=True, text=True,
-                          timeout=300, cwd=tmp_path, check=False)
-    assert proc.returncode == 2 and "unknown config 'nope'" in proc.stderr, proc.stderr[-1500:]
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_anatomy.py"),
-                           "--heads", "28", "--kv-heads", "8"], capture_output=True, text=True,
-                          timeout=300, cwd=tmp_path, check=False)
-    assert proc.returncode == 2 and "not a multiple of --kv-heads 8" in proc.stderr, \
-        proc.stderr[-1500:]
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_anatomy.py"),
-                           "--configs", "default,dv32", "--branches", "hybrid,layer"],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False)
-    assert proc.returncode == 2 and "--configs default alone" in proc.stderr, \
-        proc.stderr[-1500:]
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import kernel_anatomy as ka
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    for args, says in ((["--configs", "default,nope"], "unknown config 'nope'"),
+                       (["--heads", "28", "--kv-heads", "8"], "not a multiple of --kv-heads 8"),
+                       (["--configs", "default,recomputed", "--branches", "hybrid,layer"],
+                        "--configs default alone"),
+                       (["--branches", "layer,layer-changed"], "needs --tiles or --switches"),
+                       (["--branches", "layer-changed", "--tiles", "no_such=1"],
+                        "not field=value of a KernelConfig field")):
+        proc = _command("benchmarks.kernel_anatomy", *args, cwd=tmp_path, check=False)
+        assert proc.returncode == 2 and says in proc.stderr, (args, proc.stderr[-1500:])
+    from benchmarks import kernel_anatomy as ka
+
     assert set(ka.BRANCHES) == {"hybrid", "swa", "la"} and ka.LAYER == "layer"
-    # a layer row with the default tiles changed (a default switch off), and only inside it
-    import torch
-    assert ka.th.default_config(128, 256, torch.bfloat16).fuse_q_side
-    with ka.default_tiles_changed(ka.LAYER_CHANGES["layer-no-fuse-q"]):
-        got = ka.th.default_config(128, 256, torch.bfloat16)
-        assert not got.fuse_q_side and got.fuse_kv_side
-    assert ka.th.default_config(128, 256, torch.bfloat16).fuse_q_side
     rows = [{"config": "default", "branches": "hybrid", "forward_device_ms": 0.34,
              "forward_kernels": {"_fwd": 0.28, "_state_fwd": 0.05},
              "fwd_bwd_device_ms": 1.6, "fwd_bwd_kernels": {"_fwd": 0.31, "_bwd_dq": 0.24}},
@@ -432,11 +333,7 @@ def test_kernel_anatomy_refuses_unknown_configs_and_tables_its_rows(tmp_path):
 def test_kernel_anatomy_splits_a_kernel_launched_twice_a_call():
     """A kernel launched twice a call (``_bwd_dkv_la``: its dfk, then its dv launch) gets a row
     per launch, in launch order, device ms per call; kernels launched once keep their name."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import kernel_anatomy as ka
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    from benchmarks import kernel_anatomy as ka
     call = [("_fwd", 0.0, 300.0), ("_bwd_dkv_la", 400.0, 250.0), ("_bwd_dkv_la", 700.0, 150.0)]
     events = [(n, s + 1000.0 * c, d) for c in range(2) for n, s, d in call]
     events.reverse()  # the profiler's order is not the launch order: sorted by start
@@ -451,11 +348,7 @@ def test_profile_hybrid_host_breakdown_times_the_parts_and_restores_them():
     """``profile_hybrid.host_breakdown``: each part of the layer's host path the call reaches
     through its module (and each kernel's FastLaunch launch) gets its microseconds and calls
     per call; the originals are back afterwards, also when the call raises."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import profile_hybrid as ph
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    from benchmarks import profile_hybrid as ph
     import torch
     from hedgecats.models.ops import triton_common as tc
 
@@ -477,83 +370,55 @@ def test_profile_hybrid_host_breakdown_times_the_parts_and_restores_them():
     assert (tc.tma_ok, tc.FastLaunch._launch) == original
 
 
-def test_kernel_anatomy_switch_rows_set_their_switch_and_restore_it():
-    """``kernel_anatomy``'s module-switch rows (``LAYER_SWITCHES``: the maps' paired backward)
-    set the switch for the call and put it back; the other rows leave it alone."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import kernel_anatomy as ka
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    from hedgecats.models.ops.feature_map import kernels as tp
-
-    before = tp.PAIR_BACKWARD
-    with ka.switch_set("layer-maps-paired-bwd"):
-        assert tp.PAIR_BACKWARD is True
-    assert tp.PAIR_BACKWARD == before
-    with ka.switch_set("layer"):
-        assert tp.PAIR_BACKWARD == before
-    assert "layer-maps-paired-bwd" in ka.LAYERS
-    # a row of several switches sets each and puts each back
-    before = tp.FORWARD_WALK, tp.RECIPROCAL_SOFTMAX
-    with ka.switch_set("layer-grid-div"):
-        assert (tp.FORWARD_WALK, tp.RECIPROCAL_SOFTMAX) == (None, False)
-    assert (tp.FORWARD_WALK, tp.RECIPROCAL_SOFTMAX) == before
-
-
-def test_kernel_anatomy_layer_rows_time_their_change_in_the_forward_too():
-    """A layer row's forward (timed alone, under no_grad) runs with its module switch and its
-    tile changes set, not only its backward: ``layer-phi-rcp`` changes the maps' forward
-    kernel (until session 23 its forward was timed without it), ``layer-hold-fq-rcp`` sets
-    both; the default row neither."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import kernel_anatomy as ka
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+def test_kernel_anatomy_changed_row_times_its_change_in_forward_and_backward():
+    """The ``layer-changed`` row runs its forward (timed alone, under no_grad) and its backward
+    with ``--tiles`` and ``--switches`` set, and puts both back; the other layer rows run the
+    defaults."""
     import torch
+    from hedgecats.models.ops import switches as kernel_switches
     from hedgecats.models.ops.hybrid import kernels as th
-    from hedgecats.models.ops.feature_map import kernels as tp
 
+    from benchmarks import kernel_anatomy as ka
+
+    switch = kernel_switches.parse(f"hybrid.kernels.SPLIT_STATES_MIN_CHUNKS="
+                                   f"{th.SPLIT_STATES_MIN_CHUNKS + 1}")
+    default = th.default_config(128, 256, torch.bfloat16), th.SPLIT_STATES_MIN_CHUNKS
     seen = []
+
+    def state():
+        return (th.default_config(128, 256, torch.bfloat16).save_branches,
+                th.SPLIT_STATES_MIN_CHUNKS)
 
     class FakeLayer:
         do = None
 
         def hybrid(self, mixer, **kw):
-            cfg = th.default_config(128, 256, torch.bfloat16)
-            seen.append((tp.RECIPROCAL_SOFTMAX, cfg.hold_fq))
+            seen.append(state())
 
             class Out:
                 def backward(self, do):
-                    seen.append(("backward", tp.RECIPROCAL_SOFTMAX))
+                    seen.append(("backward", *state()))
             return Out()
 
         def zero(self):
             pass
 
-    default = tp.RECIPROCAL_SOFTMAX  # (on since session 24)
-    for row, want in (("layer-div", (False, False)), ("layer-grid-div", (False, False)),
-                      ("layer-hold-fq-rcp", (True, True)), ("layer-hold-fq", (default, True)),
-                      ("layer", (default, False))):
+    changed = (False, default[1] + 1)
+    for row, want in ((ka.LAYER_CHANGED, changed), (ka.LAYER, state()),
+                      ("layer-unfolded", state())):
         seen.clear()
-        fwd, fwd_bwd = ka.layer_calls(FakeLayer(), row)
+        fwd, fwd_bwd = ka.layer_calls(FakeLayer(), row, {"save_branches": False}, switch)
         fwd()
         fwd_bwd()
-        assert seen == [want, want, ("backward", want[0])], (row, seen)
-    assert (tp.RECIPROCAL_SOFTMAX, th.default_config(128, 256, torch.bfloat16).hold_fq) == \
-        (default, False)
+        assert seen == [want, want, ("backward", *want)], (row, seen)
+    assert (th.default_config(128, 256, torch.bfloat16), th.SPLIT_STATES_MIN_CHUNKS) == default
 
 
 def test_profile_hybrid_aten_table_counts_each_op_per_call():
     """``profile_hybrid.host_aten_table``: the PyTorch ops a call pays host time for, each with
     its calls and self-CPU microseconds per call (the next GPU call's view of the maps' dW
     GEMM, bias sums and allocations on the host)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import profile_hybrid as ph
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    from benchmarks import profile_hybrid as ph
     import torch
     a = torch.randn(3, 8, 8)
 
@@ -570,11 +435,7 @@ def test_profile_hybrid_host_time_is_the_median_of_repeated_windows(monkeypatch)
     """``profile_hybrid.host_and_device_ms``: the median of several windows of calls and the
     host's range, host_ahead only where every window had the host ahead (one window of 20 calls
     read the same code's host 1.83 and 2.06 ms on an H200's host)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import profile_hybrid as ph
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    from benchmarks import profile_hybrid as ph
     windows = iter([(2.0, 1.9, True), (9.0, 1.9, True), (1.5, 2.0, False), (2.2, 1.9, True),
                     (1.8, 1.8, True)])
 
@@ -588,13 +449,13 @@ def test_profile_hybrid_host_time_is_the_median_of_repeated_windows(monkeypatch)
 
 
 def test_phi_bound_rows_compute_what_they_claim(tmp_path):
-    """``phi_bound.py``'s rows (the maps' pair and the kernels of its grid doing less) each
+    """``phi_bound``'s rows (the maps' pair and the kernels of its grid doing less) each
     check their outputs against PyTorch before they are timed: on the CPU through Triton's
     interpreter, all within bf16 rounding (the pair against the fp32 map)."""
     pytest.importorskip("triton")
-    code = ("import sys, json; sys.path[:0] = ['tests', 'benchmarks']\n"
-            "import triton_interpreter_check as t; t._install_shims()\n"
-            "import phi_bound\n"
+    code = ("import json\n"
+            "from tests.triton_interpreter_check import _install_shims; _install_shims()\n"
+            "from benchmarks import phi_bound\n"
             f"r = phi_bound.main(['--shape', '1x40', '--out', {str(tmp_path)!r}])\n"
             "print('ROWS', json.dumps(r['rows']))\n")
     env = {**__import__("os").environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
@@ -612,47 +473,77 @@ def test_phi_bound_rows_compute_what_they_claim(tmp_path):
 
 def test_attention_speed_switches_and_tiles_hold_for_the_run_only(tmp_path, monkeypatch):
     """``--switches`` (kernel module switches) and ``--tiles`` (the default config's fields)
-    are in effect while the rows are measured, recorded in the JSON, restored after; a field
-    or switch that does not exist is refused before anything runs."""
-    import importlib.util
-
+    are in effect while the rows are measured, recorded in the JSON and in the summary's
+    record of the run, restored after; a field or switch that does not exist is refused
+    before anything runs, and so is a changed run's ratios in the summary of record."""
     import torch
     from hedgecats.models.ops.hybrid import kernels as th
-    from hedgecats.models.ops.feature_map import kernels as tp
 
-    spec = importlib.util.spec_from_file_location("attention_speed",
-                                                  ROOT / "benchmarks" / "attention_speed.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from benchmarks import attention_speed as bench
+
     seen = {}
+    chunks = th.SPLIT_STATES_MIN_CHUNKS + 1
 
     def measure(a, res, log, write):
         cfg = th.default_config(128, 256, torch.bfloat16)
-        seen.update(park=cfg.park_la, cap=cfg.fwd_maxnreg, walk=tp.WEIGHTS_IN_KERNEL,
+        seen.update(saved=cfg.save_branches, chunks=th.SPLIT_STATES_MIN_CHUNKS,
                     cached=th.default_config(128, 256, torch.bfloat16) is cfg)
+        res["rows"] += [dict(B=1, T=1024, case=case, ms=ms, peak_gib=1.0)
+                        for case, ms in (("teacher", 1.0), ("hybrid fixed", 2.0))]
         write()
 
     monkeypatch.setattr(bench, "measure", measure)
-    before = th.default_config, tp.WEIGHTS_IN_KERNEL
+    before = th.default_config, th.SPLIT_STATES_MIN_CHUNKS
+    switches = f"hybrid.kernels.SPLIT_STATES_MIN_CHUNKS={chunks}"
     assert bench.main(["--tiny", "--shapes", "2x64", "--out", str(tmp_path),
-                       "--switches", "feature_map.kernels.WEIGHTS_IN_KERNEL='walk'",
-                       "--tiles", "park_la=True, fwd_maxnreg=168"]) == 0
-    assert seen == {"park": True, "cap": 168, "walk": "walk", "cached": True}
-    assert (th.default_config, tp.WEIGHTS_IN_KERNEL) == before
+                       "--switches", switches, "--tiles", "save_branches=False"]) == 0
+    assert seen == {"saved": False, "chunks": chunks, "cached": True}
+    assert (th.default_config, th.SPLIT_STATES_MIN_CHUNKS) == before
     res = json.loads((tmp_path / "attention_speed.json").read_text())
-    assert res["switches"] == "feature_map.kernels.WEIGHTS_IN_KERNEL='walk'"
-    assert res["tiles"] == "park_la=True, fwd_maxnreg=168"
-    # the ratios of a changed run say so (a run of the defaults drops the mark), and never
-    # reach the summary of record (--summary)
+    assert res["switches"] == switches and res["tiles"] == "save_branches=False"
+    # the ratios of a changed run say so in their run's record (a run of the defaults drops
+    # the mark), and never reach the summary of record (--summary)
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["layer_changed_from_defaults"] == {
-        "switches": "feature_map.kernels.WEIGHTS_IN_KERNEL='walk'", "tiles": "park_la=True, fwd_maxnreg=168"}
+    assert summary["layer_vs_teacher_T1k"] == 2.0
+    assert _run_record(summary, "layer_vs_teacher_T1k")["changed_from_defaults"] == {
+        "switches": switches, "tiles": "save_branches=False"}
     assert bench.main(["--tiny", "--shapes", "2x64", "--out", str(tmp_path)]) == 0
-    assert "layer_changed_from_defaults" not in json.loads(
-        (tmp_path / "summary.json").read_text())
-    for bad in (["--tiles", "no_such=1"], ["--switches", "feature_map.kernels.NO_SUCH=1"],
+    assert "changed_from_defaults" not in _run_record(
+        json.loads((tmp_path / "summary.json").read_text()), "layer_vs_teacher_T1k")
+    for bad in (["--tiles", "no_such=1"], ["--switches", "hybrid.kernels.NO_SUCH=1"],
                 ["--switches", "no_such_module.X=1"],
-                ["--tiles", "park_la=True", "--summary", str(tmp_path / "of_record.json")]):
+                ["--tiles", "save_branches=False", "--summary", str(tmp_path / "of_record.json")]):
         with pytest.raises(SystemExit):
             bench.main(["--tiny", "--out", str(tmp_path), *bad])
     assert not (tmp_path / "of_record.json").exists()
+
+
+def test_summary_holds_one_value_per_key_and_the_run_that_measured_it(tmp_path):
+    """A run's ratios replace the keys it measured (None: not measured, the older value
+    stays); each key names its run, each run its record; a run no key refers to any more
+    is dropped."""
+    from benchmarks.summary import update_summary
+
+    path = tmp_path / "summary.json"
+    old = {"file": "a.json", "command": "c1", "machine": "m1", "date": "d1"}
+    new = {"file": "b.json", "command": "c2", "machine": "m2", "date": "d2"}
+    update_summary(path, {"x": 1.0, "y": 2.0}, "first", old)
+    update_summary(path, {"x": 3.0, "y": None}, "second", new)
+    summary = json.loads(path.read_text())
+    assert (summary["x"], summary["y"]) == (3.0, 2.0)
+    assert summary["measured_by"] == {"x": "second", "y": "first"}
+    assert summary["runs"] == {"first": old, "second": new}
+    update_summary(path, {"y": 4.0}, "third", old)
+    assert set(json.loads(path.read_text())["runs"]) == {"second", "third"}
+
+
+def test_summary_of_record_names_a_committed_run_for_every_key():
+    """benchmarks/results/summary.json: one value per key, each measured by a run whose
+    file is committed and which names its command, machine and date."""
+    summary = json.loads((ROOT / "benchmarks" / "results" / "summary.json").read_text())
+    values = {k for k in summary if k not in ("measured_by", "runs")}
+    assert values == set(summary["measured_by"])
+    for key in values:
+        run = _run_record(summary, key)
+        assert (ROOT / run["file"]).exists(), run
+        assert run["command"] and run["machine"] and run["date"], run

@@ -14,7 +14,8 @@ from hedgecats.export import resolve_stage, results_table, stage_chain
 from hedgecats.generate import parse_switch
 from hedgecats.lightning_modules.tiny import save_tiny_llama
 from hedgecats.models import attention_mode
-from hedgecats.models.checkpoint import build_hybrid, load_hybrid, save_stage, stage_tensors, unwrap
+from hedgecats.models.checkpoint import build_hybrid, load_hybrid, save_stage, stage_tensors
+from hedgecats.models.structure import unwrap
 
 HYB = {"window": 4, "layer_windows": {1: 6}, "mixer": "learned_head"}
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}

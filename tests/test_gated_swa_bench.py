@@ -1,23 +1,20 @@
-"""benchmarks/gated_swa.py on CPU (--tiny): every variant in-process, then the GPU's way (each
+"""experiments.gated_swa on CPU (--tiny): every variant in-process, then the GPU's way (each
 run a subprocess, the package imported through a symlink to src/ as on the device machine), and
 the merge of two reports into one over seeds."""
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+from experiments import gated_swa
+
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "gated_swa.py"
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("gated_swa", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return gated_swa
 
 
 def test_every_variant_trains_and_is_reported(tmp_path):
@@ -52,10 +49,10 @@ def test_runs_as_processes_and_reports_merge(tmp_path):
     pkg = tmp_path / "pkg"
     pkg.mkdir()
     (pkg / "hedgecats").symlink_to(ROOT / "src")
-    env = {**os.environ, "PYTHONPATH": str(pkg), "OUT": str(tmp_path / "b"),
-           "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(pkg), str(ROOT)]),
+           "OUT": str(tmp_path / "b"), "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--tiny", "--parallel", "2", "--seeds", "1",
+        [sys.executable, "-m", "experiments.gated_swa", "--tiny", "--parallel", "2", "--seeds", "1",
          "--variants", "swa_large_prope_lowrank", "--work", str(tmp_path / "w")],
         env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

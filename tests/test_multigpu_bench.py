@@ -1,9 +1,10 @@
-"""benchmarks/multigpu.py on CPU (gloo, tiny model): FSDP2 at world sizes 1 and 2 gives the same
+"""benchmarks.multigpu on CPU (gloo, tiny model): FSDP2 at world sizes 1 and 2 gives the same
 losses, resumes a sharded checkpoint, and its stage checkpoint loads on one device."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,13 +17,15 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_fsdp2_one_vs_two_processes(tmp_path):
-    script = str(ROOT / "benchmarks" / "multigpu.py")
+    command = [sys.executable, "-m", "benchmarks.multigpu"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     for ws in (1, 2):
-        subprocess.run([sys.executable, script, "run", "--tiny", "--devices", str(ws),
-                        "--steps", "3", "--warmup", "1", "--out", str(tmp_path)],
-                       check=True, timeout=600, capture_output=True)
-    subprocess.run([sys.executable, script, "summarize", "--tiny", "--out", str(tmp_path)],
-                   check=True, timeout=300, capture_output=True)
+        subprocess.run([*command, "run", "--tiny", "--devices", str(ws), "--steps", "3",
+                        "--warmup", "1", "--out", str(tmp_path)],
+                       check=True, timeout=600, capture_output=True, cwd=tmp_path, env=env)
+    subprocess.run([*command, "summarize", "--tiny", "--out", str(tmp_path)],
+                   check=True, timeout=300, capture_output=True, cwd=tmp_path, env=env)
     summary = json.loads((tmp_path / "multigpu.json").read_text())
     for stage in ("attention_transfer", "hybrid_finetune"):
         two = summary["world_sizes"]["2"][stage]

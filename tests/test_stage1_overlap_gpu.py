@@ -14,7 +14,7 @@ import pytest
 import torch
 from hedgecats.lightning_modules import AttentionTransfer
 from hedgecats.lightning_modules.tiny import save_tiny_llama
-from hedgecats.models.checkpoint import unwrap
+from hedgecats.models.structure import unwrap
 from hedgecats.models.ops.transfer.losses import transfer_loss
 
 pytestmark = pytest.mark.gpu

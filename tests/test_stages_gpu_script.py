@@ -1,4 +1,4 @@
-"""benchmarks/gpu_stages.py runs end to end on CPU (--tiny), imported the way the GPU machine
+"""scripts/gpu_stages.py runs end to end on CPU (--tiny), imported the way the GPU machine
 imports the package: a ``hedgecats`` symlink to src/ on PYTHONPATH, nothing installed."""
 
 import json
@@ -18,7 +18,7 @@ def test_gpu_stages_script_tiny(tmp_path):
            "PYTHONWARNINGS": "ignore"}
     code = ("import runpy, sys, hedgecats; print('PKG', hedgecats.__file__); "
             f"sys.argv = ['gpu_stages.py', '--tiny']; "
-            f"runpy.run_path({str(ROOT / 'benchmarks' / 'gpu_stages.py')!r}, run_name='__main__')")
+            f"runpy.run_path({str(ROOT / 'scripts' / 'gpu_stages.py')!r}, run_name='__main__')")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=300, cwd=tmp_path, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]

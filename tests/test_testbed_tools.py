@@ -1,25 +1,20 @@
-"""benchmarks/testbed.py (recover, report) and benchmarks/testbed_legacy.py, on CPU."""
+"""The testbed's tools on CPU: experiments.testbed (recover, report), experiments.testbed_legacy,
+and the follow-up studies' measurements (experiments.gate_usage, gate_intervention,
+testbed_branch_usage)."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import io
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module(f"experiments.{name}")
 
 
 def _printed_table(rows: dict) -> str:
@@ -228,3 +223,71 @@ def test_report_plots_every_figure_with_few_recipes(tmp_path):
     for name in ("far_recall.png", "short_mc.png", "delta_la.png"):
         data = (tmp_path / "r" / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
+
+
+def test_gate_usage_reads_the_gates_of_a_converted_model():
+    """experiments.gate_usage's measurement on a fresh gated conversion (gates start at the
+    fixed g = 0.5 exactly) and its refusal of a mixer without a gate."""
+    from hedgecats.models import HybridConfig, convert_to_hybrid
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from experiments import gate_usage as gu
+
+    class Tok:  # bytes as ids, as the testbed's byte-level tokenizer
+        def __call__(self, text, return_tensors=None):
+            return type("Enc", (), {"input_ids": torch.tensor([list(text.encode())])})()
+
+    def model(mixer):
+        torch.manual_seed(0)
+        m = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=48,
+                                         num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2))
+        return convert_to_hybrid(m.eval(), HybridConfig(window=4, mixer=mixer))
+
+    stats = gu.gate_stats(model("gate_lowrank"), Tok(), ["abc", "a longer prompt"], window=4)
+    assert set(stats) == {0, 1}
+    for s in stats.values():
+        assert s["mean_g_first_window"] == pytest.approx(0.5)
+        assert s["mean_g_beyond_window"] == pytest.approx(0.5)
+        assert s["share_below_0.25"] == 0.0
+    with pytest.raises(SystemExit, match="not an output gate"):
+        gu.gate_stats(model("fixed"), Tok(), ["abc"], window=4)
+
+
+def test_testbed_branch_usage_table_aggregates_seeds():
+    from experiments import testbed_branch_usage as tbu
+
+    measured = {f"/x/lolcats-s{s}": {"layers": [{"layer": 0, "la_share": [0.4 + s / 5] * 2},
+                                                {"layer": 1, "la_share": [0.2, 0.2]}]}
+                for s in (0, 1)}
+    md = tbu.table(measured)
+    assert "| recipe (seeds) | layer 0 | layer 1 | mean |" in md
+    assert "| lolcats (2) | 0.50 ± 0.14 | 0.20 ± 0.00 | 0.35 ± 0.07 |" in md
+    at_query = {f"/x/lolcats-s{s}": {0: {"la_share_last": 0.6, "la_share_other": 0.2 + s / 5},
+                                     1: {"la_share_last": 0.4, "la_share_other": 0.2}}
+                for s in (0, 1)}
+    assert "| lolcats (2) | 0.50 ± 0.00 | 0.25 ± 0.07 |" in tbu.query_table(at_query)
+
+
+def test_gate_intervention_swaps_one_layers_mixer_and_restores_it():
+    from hedgecats.models import HybridConfig, convert_to_hybrid, hybrid_layers
+    from hedgecats.models.mixers import FixedMixer, OutputGateMixer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from experiments import gate_intervention as gi
+
+    torch.manual_seed(0)
+    model = convert_to_hybrid(LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2)).eval(),
+        HybridConfig(window=4, mixer="gate_elementwise"))
+    layers = dict(hybrid_layers(model))
+    x = torch.randint(0, 64, (1, 12))
+    with torch.no_grad():
+        before = model(x).logits
+        with gi.constant_gate(model, 0, 0.5):
+            assert isinstance(layers[0].mixer, FixedMixer) and layers[0].mixer.g == 0.5
+            assert isinstance(layers[1].mixer, OutputGateMixer)
+            during = model(x).logits  # a fresh gate is 0.5 everywhere: the same function
+        assert isinstance(layers[0].mixer, OutputGateMixer)
+        torch.testing.assert_close(during, before, rtol=1e-5, atol=1e-5)

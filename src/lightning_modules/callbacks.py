@@ -18,7 +18,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from ..models import hybrid_layers, set_attention_mode
-from ..models.checkpoint import unwrap
+from ..models.structure import unwrap
 from ..models.config import SWITCHES
 from .stages import NonFiniteLossError
 
