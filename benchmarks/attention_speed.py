@@ -174,8 +174,7 @@ def run_shape(a, B, T, results, log):
             spec.append((f"lolcats T x T {mixer}", "fwd+bwd", lambda m=mixer: L.lolcats(m), mixer,
                          "lolcats"))
     # an output gate (its (B, T, H, D) input made by the first of these rows: last, so that no
-    # other row's peak memory holds it); the pieces took such calls until 2026-12-05 (the
-    # before of ``triton_hybrid._gated``)
+    # other row's peak memory holds it), on the fused kernel and through the pieces
     spec += [("hybrid gate", "fwd+bwd", lambda: L.hybrid("gate"), "gate", "hybrid"),
              ("hybrid gate fwd", "fwd", lambda: L.hybrid("gate"), "gate", "hybrid"),
              ("hybrid pieces gate", "fwd+bwd", pieces("gate"), "gate", "hybrid")]

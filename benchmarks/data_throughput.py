@@ -1,6 +1,6 @@
 """Tokens per second of the data pipeline (read parquet, tokenise, pack, shuffle, batch).
 
-    python -m benchmarks.data_throughput --out benchmarks/results/data_throughput.json
+    python -m benchmarks.data_throughput --tokens 4194304 --out FILE
 
 Builds FineWeb-format parquet files from real text every machine has (the Python standard
 library's sources, `python_source_documents`), trains a byte-level BPE tokenizer on part of it
@@ -8,7 +8,8 @@ with `tokenizers` (GPT-2 / Llama-3 family; the vocabulary size is `--vocab`), an
 `FineWebEduDataModule`'s train loader (seq_len 1024, shuffle buffer 1024, the defaults) with each
 tokenizer (BPE and the byte tokenizer) and each `--workers` value. Time runs from `iter()` to the
 last batch, worker start-up included; the steady rate leaves out the first batch. The bar: an 8B
-model trains at about 11k tokens/s on one H200 (DESIGN.md), so the pipeline must deliver more.
+model trains at about 11k tokens/s on one H200 (docs/performance.md: stage 2 at ~9k), so the
+pipeline must deliver more.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from hedgecats.data import (
     write_fineweb_files,
 )
 
-NEEDED_TOKENS_PER_S = 11_000  # 8B forward+backward on one H200 (DESIGN.md)
+NEEDED_TOKENS_PER_S = 11_000  # an 8B model's forward + backward on one H200
 
 
 def measure(tokenizer, files, *, workers, tokens, seq_len, batch, shuffle_buffer) -> dict:

@@ -15,10 +15,10 @@ GPU (an H200: every parameter trainable, as in teacher pretraining, then LoRA on
 8B-shaped model, as in stage 2; bf16)::
 
     python -m benchmarks.guard_overhead --device cuda --dtype bfloat16 --preset llama-1b \\
-        --batch 8 --seq 1024 --out benchmarks/results/guard_overhead_h200_full.json
+        --batch 8 --seq 1024 --out FILE
     python -m benchmarks.guard_overhead --device cuda --dtype bfloat16 --preset llama-8b \\
         --trainable lora --batch 4 --seq 1024 --checkpointing \\
-        --out benchmarks/results/guard_overhead_h200_lora.json
+        --out FILE
 """
 
 from __future__ import annotations

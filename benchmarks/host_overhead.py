@@ -4,8 +4,8 @@ arguments, with every Triton launch stubbed out (counted, not run). No GPU neede
     TRITON_INTERPRET=1 python -m benchmarks.host_overhead            # needs triton importable
     TRITON_INTERPRET=1 python -m benchmarks.host_overhead --profile  # + cProfile, by own time
 
-Why: at 8 x 1k the layer's host work (2.26 ms per forward + backward on the H200's host,
-session 14) exceeds its GPU time (~2.0 ms), so an isolated call's event timing reads the host.
+Why: at 8 x 1k the layer's host work per forward + backward is about its GPU time (1.7 ms on
+an H200's host), so an isolated call's event timing can read the host.
 What runs here is the layer's CUDA path (the fused feature maps, ``hybrid_attention`` through
 ``triton_hybrid``) on CPU tensors: the routing that sends CPU tensors to the reference is
 patched to take the fused path, the maps' dW product (``triton_phi.bmm_fp32``) returns an

@@ -5,18 +5,16 @@ after each variant (a run cut short keeps what it measured).
     source scripts/gpu_env.sh && python -m benchmarks.lightning_gap --out $OUT     (~4-6 min)
     python -m benchmarks.lightning_gap --tiny --out /tmp/g                            (CPU smoke)
 
-Lightning (benchmarks/multigpu.py's Transfer, as multigpu_ws1.json measured it):
+Lightning (benchmarks.multigpu's Transfer):
   L0  as is: ModelParallelStrategy (FSDP2, ws 1), precision 32-true, bf16 maps, fused kernels
-  L1  L0 under HEDGECATS_TRITON=0: blocked PyTorch xent + PyTorch maps, no autocast (11-29 path)
+  L1  L0 under HEDGECATS_TRITON=0: blocked PyTorch xent + PyTorch maps, no autocast
   L1t L1 with TF32 matmuls (set_float32_matmul_precision('high')): how much of L1 is fp32 GEMMs
   L3  L0 without the 65 self.log calls per step (AttentionTransfer._log_losses)
   L4  L0 without FSDP2 (strategy 'auto': one device, manual_backward)
   L5  L3 + L4 (what is left: Lightning's loop)
   L6  the recipes' precision: bf16-mixed, fp32 maps (configs/pipelines/base/hedgecats.yaml)
-  (L2, stage 1 without its per-layer host sync, is L0 since 2026-12-02: AttentionTransfer no
-  longer checks each layer's loss on the host.)
 stage_speed.transfer_step on one unsharded model (no Lightning):
-  S0  bf16 autocast, fp32 maps (the 2026-12-02 stage_speed.md row)
+  S0  bf16 autocast, fp32 maps (stage_speed's row)
   S1  S0 with the blocked xent (stage_speed.blocked_xent; the fused feature map stays, as in
       stage_speed's fixed '[blocked]' row)
   S2  no autocast, bf16 maps (Lightning L0's numerics without Lightning)

@@ -29,10 +29,9 @@ from benchmarks.timing import bench, device_ms, hold_device
 
 def host_and_device_ms(fn, n: int = 20, sleep_ms: float = 200.0, repeats: int = 5) -> dict:
     """``fn``'s host (Python + launch) and device time per call apart, over ``n`` calls
-    enqueued behind a ``sleep_ms`` sleep kernel (``attention_speed.device_ms``), ``repeats``
-    times: the medians, and the host's range (one window of 20 calls is noisy on the GPU
-    machines' hosts: the same code read 1.83 and 2.06 ms, the teacher 0.18 to 0.51, session
-    17's call 3). When host > device, an isolated call is launch-bound and a timing of it
+    enqueued behind a ``sleep_ms`` sleep kernel (``timing.device_ms``), ``repeats``
+    times: the medians, and the host's range (one window of 20 calls is noisy on a shared
+    host: the same code can read 10% apart). When host > device, an isolated call is launch-bound and a timing of it
     with events measures the host; inside a model the host runs ahead while the GPU does the
     layer's other work."""
     got = [device_ms(fn, per_call_ms=0.0, max_calls=n, sleep_ms=sleep_ms)
@@ -104,8 +103,7 @@ def host_breakdown(fn, n: int = 20, sleep_ms: float = 200.0) -> dict:
     warm-up, the whole call's host time beside them (``total``; the backward on autograd's
     thread included: the main thread waits for it). The calls are enqueued behind a
     ``sleep_ms`` sleep kernel (on CUDA): with the GPU running them, a host faster than the GPU
-    waits inside the launches once the launch queue fills (session 17's first breakdown read
-    70-100 us for one launch so). Where the host work of a launch-bound layer goes, without
+    waits inside the launches once the launch queue fills (then one launch reads 70-100 us). Where the host work of a launch-bound layer goes, without
     cProfile's per-call inflation of small Python functions."""
     import importlib
     import time as _time
@@ -181,7 +179,7 @@ def triton_path_host_ms(fn) -> dict:
 
 
 def timed(fn) -> float:
-    """Median milliseconds of ``fn`` (``attention_speed.bench``: 3 warm-up runs, median of 10)."""
+    """Median milliseconds of ``fn`` (``timing.bench``: 3 warm-up runs, median of 10)."""
     return bench(fn, warmup=3, iters=10)[0]
 
 
@@ -243,8 +241,8 @@ def main(argv=None):
 
         def layer(fold: bool = True):  # (grads dropped each call: a model's q, k, v
             # accumulate none). The layer's call: the maps handed over as modules, folded
-            # into the kernel's Function; ``fold=False``: the call before session 20, the maps
-            # as their own Functions (q, k handed on, the q map's du from the kernel)
+            # into the kernel's Function; ``fold=False``: the maps as their own Functions
+            # (q, k handed on, the q map's du from the kernel)
             if fold:
                 out = hybrid_attention(q, k, v, None, None, maps=(phi_q, phi_k), window=w,
                                        backend="auto")

@@ -1,7 +1,7 @@
 """Stage throughput on one GPU (issue 12 item 1): tokens/s, step time and peak memory of the
 teacher's forward, stage 1 with each objective and stage 2, in one run.
 
-    python -m benchmarks.stage_speed --out DIR              # 8B shape, T 1k and 4k
+    python -m benchmarks.stage_speed --out DIR              # 8B shape, T 1k and 4k (one GPU)
     python -m benchmarks.stage_speed --tiny --out DIR       # CPU smoke run
 
 The model is a Llama-3-8B-shaped ``LlamaForCausalLM`` with random weights in bf16 (no hub), built
@@ -18,8 +18,7 @@ optimiser step), peak memory over the timed steps.
                              feature maps. ``weights_xent`` runs the blocked PyTorch version
                              (``[blocked]``) and the fused kernel (``[fused]``, ops.triton_xent,
                              patched in for this row); ``la_output_mse`` takes the fused hybrid
-                             kernel (la_only, every causal key) since 2026-12-02 (before: fla's
-                             pieces, and a ``[fused]`` row patched it in)
+                             kernel (la_only, every causal key)
     transfer/lolcats_tt      hybrid_output_mse with a LoLCATs-style materialised T x T student
     finetune/hybrid          stage 2: peft LoRA (r 8 on q, k, v, o), activation checkpointing,
                              next-token loss, the layers in hybrid mode (SSD off)
@@ -28,14 +27,11 @@ optimiser step), peak memory over the timed steps.
                              checkpointing, and with only the MLP blocks checkpointed
                              (``activation_checkpointing="mlp"``; shortest T)
     <...> [recomputed]       the same with ``KernelConfig.save_branches`` off (the backward
-                             recomputes both branches: the default until 2026-12-02's sixth
-                             session; rows measured before then name the option on "[saved
-                             branches]")
+                             recomputes both branches: less memory, more time)
     <...> [overlap]          the same with each layer's student on a side stream beside the
                              teacher forward (``AttentionTransfer(overlap_student=True)``)
-    <...> [pytorch phi]      the same with the feature maps' PyTorch path (the fused map,
-                             ops.triton_phi, is the modules' default on CUDA since 2026-12-02;
-                             rows measured before then name the fused one "[fused phi]")
+    <...> [pytorch phi]      the same with the feature maps' PyTorch path (the fused map is
+                             the modules' default on CUDA)
 
 Results: ``stage_speed.json`` and ``stage_speed.md`` in ``--out``, and the issue's ratios in
 ``--summary`` (default ``<out>/summary.json``, merged with attention_speed's). ``--profile``
@@ -211,8 +207,8 @@ def patched(obj, name, value):
 @contextlib.contextmanager
 def blocked_xent():
     """Inside, ``transfer_loss`` runs the blocked PyTorch ``weights_xent`` even where it would
-    take the fused kernel (CUDA with Triton): the ``[blocked]`` row. Until 2026-12-02 that row
-    patched nothing, so on the GPU it measured the fused kernel a second time."""
+    take the fused kernel (CUDA with Triton): the ``[blocked]`` row (without the patch it would
+    measure the fused kernel a second time)."""
     from hedgecats.models.ops.transfer import xent as triton_xent
 
     with patched(triton_xent, "weights_xent", transfer.weights_xent):
@@ -576,8 +572,8 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     summary_path = Path(a.summary) if a.summary else out / "summary.json"
 
-    # the T4k ratio at a shorter length would be another number under the same key (a run of
-    # --seq-lens 1024 wrote its 1k ratio there, 2026-12-02); the tiny smoke run has no 4k
+    # the T4k ratio at a shorter length would be another number under the same key; the tiny
+    # smoke run has no 4k
     long = max(lens) if a.tiny or max(lens) >= 4096 else None
 
     def write(rows):  # after every row: a run cut short by a time limit keeps what it measured
