@@ -44,6 +44,7 @@ Signals, divergence, damaged files, exit statuses: docs/reliability.md.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shlex
 import sys
@@ -135,8 +136,7 @@ def _pipeline_main(argv: list[str]) -> int:
 
     # noise that says nothing about this run: stage 1 optimises by hand on purpose, and the
     # stages pass their ckpt_path explicitly
-    for msg in ("Using ModelCheckpoint with manual optimization", r".*\.fit\(ckpt_path=",
-                "isinstance.treespec, LeafSpec"):
+    for msg in ("Using ModelCheckpoint with manual optimization", r".*\.fit\(ckpt_path="):
         warnings.filterwarnings("ignore", message=msg)
     overrides = list(a.overrides or [])
     if a.loggers:
@@ -203,8 +203,45 @@ def _error_line(err: BaseException) -> tuple[int, str]:
     return EXIT_FAILED, f"error: {type(err).__name__}: {text}{hint}"
 
 
+# ----------------------------------------------------------------------------- foreign noise
+#: warnings of other libraries that no user of this command can act on: (message regex,
+#: category, emitting module regex); each is matched by all three, so the same libraries' other
+#: warnings, and ours, still show
+FOREIGN_WARNINGS = (
+    # Lightning's pytree helper builds torch's deprecated LeafSpec
+    (r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning,
+     r"lightning\.pytorch\.utilities\._pytree$"),
+    # peft reads transformers' deprecated alias when it wraps a model in LoRA
+    (r"`is_gradient_checkpointing` is deprecated", FutureWarning,
+     r"transformers\.modeling_utils$"),
+)
+#: Lightning's info loggers, and the start of the advertisements they print for every Trainer
+ADVERTISING_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
+ADVERTISEMENTS = ("💡 Tip: For seamless cloud",)
+
+
+class _NoAdvertisements(logging.Filter):
+    """Drop Lightning's tips to install its cloud products; every other record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(ADVERTISEMENTS)
+
+
+def quiet_foreign_noise() -> None:
+    """Silence ``FOREIGN_WARNINGS`` and ``ADVERTISEMENTS`` for this process (idempotent)."""
+    import warnings
+
+    for message, category, module in FOREIGN_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
+    for name in ADVERTISING_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _NoAdvertisements) for f in logger.filters):
+            logger.addFilter(_NoAdvertisements())
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    quiet_foreign_noise()
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0
