@@ -12,9 +12,15 @@ tokenizer, and a ``README.md`` model card: base model, recipe, the stages that l
 
 A run directory (``hedgecats pipeline --output``) holds one directory per stage; the stage
 exported is the one ``results.json`` evaluated, else the last of the ``init_from`` chain, and a
-run whose stages do not form one chain must be given the ``stage.pt`` itself. An existing,
-non-empty output directory is only replaced with ``--overwrite`` (written beside it first, then
-swapped in, so a failed export leaves it as it was).
+run whose stages do not form one chain must be given the ``stage.pt`` itself. A run with a
+stage that started but did not finish (``checkpoints/`` without ``done``) is refused, naming
+it: finish it, or name the stage to export.
+
+The output: an earlier export (a ``config.json`` of a hedgecats hybrid) is only replaced with
+``--overwrite``; a file, or a non-empty directory that is not an export, is refused unless
+``--force`` (the pipeline's rule for ``--output``). The directory is written beside the old
+one, then swapped in: a failed export (a full disk, a read-only location: one line in the
+pipeline's wording, exit 1) leaves it as it was. Files follow the umask.
 """
 
 from __future__ import annotations
@@ -30,9 +36,35 @@ import yaml
 
 log = logging.getLogger(__name__)
 
-__all__ = ["export", "main", "model_card", "resolve_stage", "stage_chain"]
+__all__ = ["check_output", "export", "main", "missing_local_path", "model_card",
+           "resolve_stage", "stage_chain"]
 
 STAGE_FILE = "stage.pt"
+#: what the pipeline writes when a stage finished (``hedgecats.pipeline.rundir.DONE_FILE``)
+DONE_FILE = "done"
+#: suffixes that only a local file has (a hub id has none)
+_LOCAL_SUFFIXES = (".pt", ".ckpt", ".safetensors", ".json", ".yaml", ".yml", ".parquet",
+                   ".jsonl", ".txt")
+
+
+def missing_local_path(name: str) -> str | None:
+    """A message when ``name`` can only mean a local path and nothing is there; ``None`` when it
+    exists or may be a hub id. A hub id is ``name`` or ``org/name``; ``runs/x`` counts as local
+    when ``runs/`` exists here, so a mistyped run is not tried on the hub (five retries, then a
+    long traceback)."""
+    p = Path(name).expanduser()
+    if p.exists():
+        return None
+    first = Path(name).parts[0] if Path(name).parts else ""
+    local = (name.startswith(("/", "./", "../", "~")) or name.count("/") >= 2
+             or name.endswith(_LOCAL_SUFFIXES)
+             or (name.count("/") == 1 and Path(first).expanduser().is_dir()))
+    if not local:
+        return None
+    parent = next((q for q in p.parents if q.exists()), None)
+    where = f" (the nearest existing directory is {str(parent)!r})" if parent not in (
+        None, Path("."), Path("/")) else ""
+    return f"{name!r} does not exist: no such file or directory{where}"
 
 
 # ----------------------------------------------------------------------------- finding the stage
@@ -60,6 +92,7 @@ def resolve_stage(source: str | os.PathLike) -> tuple[Path, Path | None]:
     if not stages:
         raise ValueError(f"{str(source)!r} holds no stage checkpoint (no {STAGE_FILE} in it or "
                          f"in a directory under it): not a stage or run directory")
+    _refuse_unfinished(p, source)
     hybrids = {s: _read_stage(s) for s in stages}
     hybrids = {s: d for s, d in hybrids.items() if d.get("hybrid_config") is not None}
     if not hybrids:
@@ -76,6 +109,22 @@ def resolve_stage(source: str | os.PathLike) -> tuple[Path, Path | None]:
         raise ValueError(f"{str(source)!r}: cannot tell which stage to export (stages "
                          f"{[s.parent.name for s in ends]} each end a chain); pass the stage.pt")
     return ends[0], p
+
+
+def _refuse_unfinished(run: Path, source) -> None:
+    """A run directory with a stage that started training and has no ``done``: exporting
+    "the last stage" would silently take the one before it."""
+    unfinished = sorted(d.name for d in run.iterdir()
+                        if d.is_dir() and (d / "checkpoints").is_dir() and not (d / DONE_FILE).exists())
+    if unfinished:
+        finished = sorted(d.name for d in run.iterdir() if (d / STAGE_FILE).is_file()
+                          and d.name not in unfinished)
+        names = ", ".join(repr(n) for n in unfinished)
+        raise ValueError(
+            f"{str(source)!r}: stage {names} did not finish (checkpoints but no {DONE_FILE}), so "
+            f"the run's last stage cannot be exported: run the pipeline again to finish it, or "
+            f"export a finished stage by naming it"
+            + (f" ({', '.join(str(run / n) for n in finished)})" if finished else ""))
 
 
 def _run_dir_of(stage_pt: Path) -> Path | None:
@@ -232,10 +281,12 @@ def _lora_text(lora: str | None) -> str:
 def export(source: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False,
            lora: str = "merge", base_model: str | None = None, results: str | None = None,
            check: bool = False, push_to_hub: str | None = None, private: bool | None = None,
-           device: str = "cpu") -> Path:
+           device: str = "cpu", force: bool = False) -> Path:
     """Export a stage (file, stage directory or run directory) to ``out``; returns ``out``.
 
     Args:
+        overwrite: replace an earlier export at ``out``.
+        force: replace whatever ``out`` is (a file, a directory that is not an export).
         lora: ``merge`` (default) or ``adapter``; ignored (the card says so) without LoRA.
         base_model: load the base model from here instead of the path recorded in the stage.
         results: a ``results.json`` for the card (default: the run directory's).
@@ -245,14 +296,11 @@ def export(source: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool
     """
     from .models.checkpoint import load_hybrid
     from .models.hf import hybrid_section, save_hybrid
-    from .models.io import atomic_directory
+    from .models.io import WriteFailedError, atomic_directory, write_failed
 
     if lora not in ("merge", "adapter"):
         raise ValueError(f"lora={lora!r}; valid: merge, adapter")
-    out = Path(out).expanduser()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
-        raise FileExistsError(f"{str(out)!r} exists and is not empty: pass --overwrite to "
-                              f"replace it, or choose another directory")
+    out = check_output(out, overwrite=overwrite, force=force)
     stage_pt, run_dir = resolve_stage(source)
     model, tokenizer, info = load_hybrid(stage_pt, merge_lora=False, base_model=base_model,
                                          device=device)
@@ -265,20 +313,82 @@ def export(source: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool
     res = json.loads(res_path.read_text()) if res_path is not None and res_path.is_file() else None
     if results and res is None:
         raise FileNotFoundError(f"--results {results!r} does not exist")
-    with atomic_directory(out) as tmp:
-        save_hybrid(model, tmp, lora=lora_used)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        card = model_card(name=push_to_hub or out.name, section=hybrid_section(model, None),
-                          chain=chain, lora=lora_used, results=res,
-                          results_source=str(res_path) if res is not None else None,
-                          recipe=(res or {}).get("pipeline") or (run_dir.name if run_dir else None))
-        (tmp / "README.md").write_text(card)
-        if check:
-            _check_export(model, tmp)
+    card = model_card(name=push_to_hub or out.name, section=hybrid_section(model, None),
+                      chain=chain, lora=lora_used, results=res,
+                      results_source=str(res_path) if res is not None else None,
+                      recipe=(res or {}).get("pipeline") or (run_dir.name if run_dir else None))
+    try:
+        if out.is_file():  # --force: atomic_directory replaces directories
+            out.unlink()
+        with atomic_directory(out) as tmp:
+            save_hybrid(model, tmp, lora=lora_used)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+            (tmp / "README.md").write_text(card)
+            if check:
+                _check_export(model, tmp)
+    except Exception as err:
+        cause = _os_error(err)
+        if cause is None or isinstance(err, WriteFailedError):
+            raise
+        raise write_failed(out, cause, "nothing was written" if not out.exists() else
+                           "the directory there is as it was") from err
     if push_to_hub:
         push(out, push_to_hub, private=private)
     return out
+
+
+def _os_error(err: BaseException) -> OSError | None:
+    """The operating system's error behind a failed write: ``err`` itself, or the one that
+    safetensors' writer reports in its own exception type (``... (os error 28)``)."""
+    if isinstance(err, OSError):
+        return err
+    import re
+
+    m = re.search(r"os error (\d+)", str(err))
+    if m and type(err).__name__ == "SafetensorError":
+        return OSError(int(m.group(1)), os.strerror(int(m.group(1))))
+    return None
+
+
+def _is_export(path: Path) -> bool:
+    """A directory that ``hedgecats export`` (or ``save_pretrained`` of a hybrid) wrote."""
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg, dict) and str(cfg.get("model_type", "")).startswith("hedgecats_")
+
+
+def check_output(out: str | os.PathLike, *, overwrite: bool = False, force: bool = False) -> Path:
+    """``out`` as a Path, or an error saying why it may not be written (before any model is
+    loaded): an earlier export needs ``overwrite``; a file or a non-empty directory that is not
+    an export needs ``force``; the nearest existing directory must be writable."""
+    out = Path(out).expanduser()
+    if out.is_file() and not force:
+        raise FileExistsError(f"{str(out)!r} is a file, not a directory: choose a directory, or "
+                              f"pass --force to replace the file")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        if not _is_export(out):
+            raise FileExistsError(
+                f"{str(out)!r} is not empty and is not a hedgecats export (no config.json of a "
+                f"hybrid): export would delete everything in it. Choose another directory, or "
+                f"pass --force to replace it")
+        if not overwrite:
+            raise FileExistsError(f"{str(out)!r} exists and is not empty: pass --overwrite to "
+                                  f"replace that export, or choose another directory")
+    parent = next(q for q in (out, *out.parents) if q.exists()) if not out.exists() \
+        else out.parent
+    if not os.access(parent, os.W_OK):
+        from .models.io import write_failed
+
+        raise write_failed(out, PermissionError(13, f"{str(parent)!r} is not writable"),
+                           "nothing was written")
+    return out
+
+
+class ExportCheckError(RuntimeError):
+    """``--check``: the reloaded export does not reproduce the stage's logits."""
 
 
 def _check_export(model, path: Path) -> None:
@@ -300,7 +410,7 @@ def _check_export(model, path: Path) -> None:
             with attention_mode(unwrap(ref), mode), attention_mode(loaded, mode):
                 a, b = ref(input_ids=x).logits, loaded(input_ids=x).logits
             if not torch.equal(a, b):
-                raise RuntimeError(f"the export at {str(path)!r} does not reproduce the stage in "
+                raise ExportCheckError(f"the export does not reproduce the stage in "
                                    f"mode {mode!r} (max |diff| {(a - b).abs().max().item():.3g})")
 
 
@@ -322,10 +432,14 @@ def push(path: Path, repo_id: str, *, private: bool | None = None) -> None:
 
 # ----------------------------------------------------------------------------- command line
 def main(argv: list[str]) -> int:
+    from .models.io import WriteFailedError
+
     p = argparse.ArgumentParser(prog="hedgecats export", description=__doc__.split("\n\n")[0])
     p.add_argument("source", help="a stage.pt, a stage directory or a run directory")
     p.add_argument("out", help="the directory to write (a transformers model directory)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing directory")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier export")
+    p.add_argument("--force", action="store_true",
+                   help="replace OUT even if it is a file or a directory that is not an export")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--merge-lora", dest="lora", action="store_const", const="merge",
                    help="merge LoRA into the weights (default)")
@@ -342,9 +456,22 @@ def main(argv: list[str]) -> int:
     try:
         out = export(a.source, a.out, overwrite=a.overwrite, lora=a.lora or "merge",
                      base_model=a.base_model, results=a.results, check=a.check,
-                     push_to_hub=a.push_to_hub, private=a.private, device=a.device)
+                     push_to_hub=a.push_to_hub, private=a.private, device=a.device,
+                     force=a.force)
     except (FileExistsError, FileNotFoundError, ValueError, KeyError) as err:
         print(f"hedgecats export: {err}", file=sys.stderr)
         return 2
+    except ExportCheckError as err:  # raised inside the export's temporary directory
+        print(f"hedgecats export: check failed: {err}; nothing was written to {a.out!r}",
+              file=sys.stderr)
+        return 1
+    except WriteFailedError as err:  # a full disk, a read-only location: as the pipeline says
+        print(f"hedgecats export: {' '.join(str(err).split())}", file=sys.stderr)
+        return 1
     print(f"exported to {out}")
+    if a.check:
+        from .models.config import MODES
+
+        print(f"check passed: the reloaded export gives the stage's logits bit for bit in every "
+              f"mode ({', '.join(MODES)})")
     return 0

@@ -67,24 +67,32 @@ def load_for_generation(spec: str, *, device: str, dtype: str = "auto",
     import torch
     from transformers import AutoTokenizer
 
-    from .export import resolve_stage
+    from .export import missing_local_path, resolve_stage
+    from .models import hf
     from .models.checkpoint import load_hybrid
-    from .models.hf import load_pretrained_hybrid, read_hybrid_config
+    from .models.hf import read_hybrid_config
 
+    missing = missing_local_path(spec)
+    if missing:
+        raise FileNotFoundError(f"--model {missing}")
     torch_dtype = None if dtype == "auto" else getattr(torch, dtype)
     p = Path(spec).expanduser()
     tok = None
     if p.is_dir() and (p / "config.json").is_file():
         read_hybrid_config(p)
-        model = load_pretrained_hybrid(str(p), dtype=torch_dtype or "auto")
+        model = hf.load_pretrained_hybrid(str(p), dtype=torch_dtype or "auto")
         tok_source = str(p)
     elif p.exists():
         stage_pt, _ = resolve_stage(p)
         model, tok, info = load_hybrid(stage_pt, device=device, dtype=torch_dtype,
                                        base_model=base_model)
         tok_source = base_model or info["base_model"]
-    else:
-        model = load_pretrained_hybrid(spec, dtype=torch_dtype or "auto")
+    else:  # a hub id
+        try:
+            model = hf.load_pretrained_hybrid(spec, dtype=torch_dtype or "auto")
+        except OSError as err:  # not on the hub, or the hub cannot be reached
+            raise ValueError(f"--model {spec!r} is not a local path, and the hub does not give "
+                             f"it: {str(err).splitlines()[0][:300]}") from err
         tok_source = spec
     if tokenizer is not None or tok is None:
         try:
@@ -125,6 +133,7 @@ def run(a, out=None, err=None) -> None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
     kw = _generate_kwargs(a, tok)
+    _check_not_empty(prompts, tok)
     if a.seed is not None:
         torch.manual_seed(a.seed)
     n_new, t0, cache_bytes = 0, time.perf_counter(), None
@@ -152,6 +161,16 @@ def run(a, out=None, err=None) -> None:
             if cache_bytes is not None else "full KV cache")
     print(f"[{len(prompts)} prompt(s), {n_new} new tokens in {dt:.1f} s "
           f"({n_new / max(dt, 1e-9):.1f} tokens/s); {kind}]", file=err)
+
+
+def _check_not_empty(prompts: list[str], tok) -> None:
+    """Each prompt gives at least one token (a tokenizer that adds BOS makes '' a valid
+    prompt; one that adds nothing leaves nothing to continue)."""
+    for i, prompt in enumerate(prompts, 1):
+        if not tok(prompt)["input_ids"]:
+            raise ValueError(f"prompt {i} is empty ({prompt!r} gives no token with this "
+                             "tokenizer, which adds no BOS token): there is nothing to continue; "
+                             "give some text")
 
 
 class _Streamer(TextStreamer):

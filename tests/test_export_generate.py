@@ -117,10 +117,12 @@ def test_export_refuses_to_overwrite_and_bad_sources(run_dir, tmp_path, capsys):
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     assert main(["export", str(run_dir), str(out)]) == 2
-    assert "exists and is not empty: pass --overwrite" in capsys.readouterr().err
+    assert "is not empty and is not a hedgecats export" in capsys.readouterr().err
     assert (out / "keep.txt").read_text() == "mine"
-    assert main(["export", str(run_dir / "transfer"), str(out), "--overwrite"]) == 0
+    assert main(["export", str(run_dir / "transfer"), str(out), "--force"]) == 0
     assert not (out / "keep.txt").exists() and (out / "config.json").is_file()
+    assert main(["export", str(run_dir), str(out)]) == 2  # an earlier export: --overwrite
+    assert "exists and is not empty: pass --overwrite" in capsys.readouterr().err
     assert main(["export", str(out), str(tmp_path / "x")]) == 2
     assert "is a transformers model directory, not a stage" in capsys.readouterr().err
     assert main(["export", str(tmp_path / "nowhere"), str(tmp_path / "x")]) == 2
@@ -243,3 +245,116 @@ def test_cli_usage_lists_the_new_commands(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
     assert "hedgecats export" in out and "hedgecats generate" in out
+
+
+# ----------------------------------------------------------------------------- issue 50
+def _one_line(err: str, command: str) -> str:
+    """The error is one line without a traceback (stderr also carries progress bars)."""
+    lines = [x for x in err.splitlines() if x.startswith(f"hedgecats {command}:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_export_overwrite_refuses_a_directory_that_is_not_an_export(run_dir, tmp_path, capsys):
+    """--overwrite replaces an earlier export only; other files need --force (the pipeline's
+    rule for --output)."""
+    proj = tmp_path / "proj"
+    (proj / "sub").mkdir(parents=True)
+    (proj / "main.py").write_text("code")
+    assert main(["export", str(run_dir), str(proj), "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert "is not empty and is not a hedgecats export" in err and "--force" in err
+    assert (proj / "main.py").read_text() == "code" and (proj / "sub").is_dir()
+    (tmp_path / "afile").write_text("x")
+    assert main(["export", str(run_dir), str(tmp_path / "afile"), "--overwrite"]) == 2
+    assert "is a file" in capsys.readouterr().err
+    assert (tmp_path / "afile").read_text() == "x"
+    # an earlier export is replaced with --overwrite; anything else with --force
+    exp = tmp_path / "exp"
+    assert main(["export", str(run_dir), str(exp)]) == 0
+    assert main(["export", str(run_dir / "transfer"), str(exp), "--overwrite"]) == 0
+    assert main(["export", str(run_dir), str(proj), "--force"]) == 0
+    assert not (proj / "main.py").exists() and (proj / "config.json").is_file()
+
+
+def test_export_of_a_run_with_an_unfinished_stage_names_it(run_dir, tmp_path, capsys):
+    """A run whose last stage did not finish is refused naming the stage, instead of
+    exporting the stage before it with exit 0; naming a finished stage still works."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    (run / "finetune" / "stage.pt").unlink()  # interrupted: a checkpoint, no stage.pt, no done
+    (run / "finetune" / "checkpoints").mkdir()
+    (run / "finetune" / "checkpoints" / "last.ckpt").write_bytes(b"ckpt")
+    assert main(["export", str(run), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "stage 'finetune'" in err and "did not finish" in err and "transfer" in err
+    assert not (tmp_path / "out").exists()
+    assert main(["export", str(run / "transfer"), str(tmp_path / "out")]) == 0
+
+
+def test_exported_files_follow_the_umask(run_dir, tmp_path):
+    """safetensors writes its file 0600 through a temporary file; the export follows the umask
+    like every other file."""
+    import os
+
+    old = os.umask(0o022)
+    try:
+        assert main(["export", str(run_dir), str(tmp_path / "out")]) == 0
+    finally:
+        os.umask(old)
+    out = tmp_path / "out"
+    assert out.stat().st_mode & 0o777 == 0o755
+    for p in out.rglob("*"):
+        assert p.stat().st_mode & 0o777 == (0o755 if p.is_dir() else 0o644), p
+
+
+def test_generate_one_line_errors(run_dir, exported, tmp_path, capsys, monkeypatch):
+    import hedgecats.models.hf as hf
+
+    # an empty prompt (this tokenizer adds no BOS token: nothing to continue)
+    assert main(["generate", "--model", str(exported), ""]) == 2
+    assert "prompt 1 is empty" in _one_line(capsys.readouterr().err, "generate")
+    # a local path that does not exist is not tried on the hub
+    monkeypatch.setattr(hf, "load_pretrained_hybrid",
+                        lambda *a, **k: pytest.fail("a missing local path went to the hub"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    for spec in ("runs/nope", str(tmp_path / "nope"), "./nope"):
+        assert main(["generate", "--model", spec, "x"]) == 2
+        line = _one_line(capsys.readouterr().err, "generate")
+        assert "does not exist" in line and repr(spec) in line, line
+
+
+def test_export_write_failures_are_one_line(run_dir, tmp_path, capsys, monkeypatch):
+    """A read-only location and a full disk: one line in the pipeline's wording, exit 1, nothing
+    left behind."""
+    import errno
+    import os
+    import subprocess
+    import sys
+
+    import hedgecats.models.hf as hf
+
+    def read_only(*a, **k):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(hf, "save_hybrid", read_only)
+    assert main(["export", str(run_dir), str(tmp_path / "ro")]) == 1
+    line = _one_line(capsys.readouterr().err, "export")
+    assert f"could not write '{tmp_path / 'ro'}' (Read-only file system)" in line
+    assert not (tmp_path / "ro").exists() and list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    out = tmp_path / "full"
+    code = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (20000, resource.RLIM_INFINITY)); "
+            "from hedgecats.cli import main; "
+            f"sys.exit(main(['export', {str(run_dir)!r}, {str(out)!r}]))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=240, check=False, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("hedgecats export:")]
+    assert proc.returncode == 1 and len(lines) == 1 and "Traceback" not in proc.stderr, \
+        proc.stderr[-3000:]
+    assert f"could not write '{out}'" in lines[0] and "the disk is full" in lines[0]
+    assert not out.exists() and list(tmp_path.iterdir()) == []

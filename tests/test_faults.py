@@ -705,7 +705,7 @@ def test_output_that_is_a_file_or_not_a_run(tmp_path, capsys):
 
 
 def test_run_directories_follow_the_umask(tmp_path, capsys, finished):
-    out = copy_run(finished, tmp_path / "run", ("teacher",))
+    out = copy_run(finished, tmp_path / "run", ())
     cfg = make_spec(tmp_path / "p.yaml")
     old = os.umask(0o022)
     try:
@@ -717,6 +717,9 @@ def test_run_directories_follow_the_umask(tmp_path, capsys, finished):
         assert d.stat().st_mode & 0o777 == 0o755
     assert (out / "results.json").stat().st_mode & 0o777 == 0o644
     assert (out / "transfer" / "stage.pt").stat().st_mode & 0o777 == 0o644
+    # safetensors writes 0600 through a temporary file (issue 50, item 5)
+    for f in (out / "teacher" / "model").iterdir():
+        assert f.stat().st_mode & 0o777 == 0o644, f
 
 
 def test_evaluate_output_follows_the_umask(tmp_path):

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 __all__ = ["WriteFailedError", "atomic_write", "atomic_write_bytes", "atomic_write_text",
-           "file_digest", "fsync_dir"]
+           "file_digest", "follow_umask", "fsync_dir", "write_failed"]
 
 #: errors that mean "the disk would not take it": the message says so
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
@@ -28,6 +28,37 @@ _NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 class WriteFailedError(OSError):
     """A file could not be written completely (disk full, quota, file-size limit, permission);
     its previous version, if any, is intact and no partial file is left behind."""
+
+
+def write_failed(path: str | os.PathLike, err: OSError, left: str) -> WriteFailedError:
+    """The error for a write of ``path`` that failed with ``err``: what happened, why, what is
+    left (``left``: "its previous version is intact", "nothing was left") and what to do."""
+    if err.errno in _NO_SPACE:
+        why = "the disk is full, a quota or a file-size limit was reached"
+        todo = "free space (or fix the cause) and run again"
+    elif err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        why = "the location is not writable"
+        todo = "choose a writable location (or fix its permissions) and run again"
+    else:
+        why, todo = "the write failed", "fix the cause and run again"
+    failed = WriteFailedError(f"could not write {str(path)!r} ({err.strerror or err}): {why}; "
+                              f"{left} -- {todo}")
+    failed.errno = err.errno
+    return failed
+
+
+def follow_umask(root: str | os.PathLike) -> None:
+    """Give ``root`` and everything under it the modes the umask makes (0644 / 0755 under
+    022): writers that go through a private temporary file (safetensors: 0600) or
+    ``mkdtemp`` (0700) would otherwise leave files that colleagues on a shared cluster cannot
+    read. Symbolic links are left alone."""
+    umask = os.umask(0)
+    os.umask(umask)
+    root = Path(root)
+    paths = [root, *root.rglob("*")] if root.is_dir() else [root]
+    for p in paths:
+        if not p.is_symlink():
+            p.chmod((0o777 if p.is_dir() else 0o666) & ~umask)
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -62,14 +93,8 @@ def atomic_write(path: str | os.PathLike) -> Iterator[BinaryIO]:
         with contextlib.suppress(OSError):
             tmp.unlink()
         if isinstance(err, OSError) and not isinstance(err, WriteFailedError):
-            why = "the disk is full, a quota or a file-size limit was reached" \
-                if err.errno in _NO_SPACE else "the write failed"
-            failed = WriteFailedError(
-                f"could not write {str(path)!r} ({err.strerror or err}): {why}; "
-                f"{'its previous version is intact' if path.exists() else 'nothing was left'}"
-                " -- free space (or fix the cause) and run again")
-            failed.errno = err.errno
-            raise failed from err
+            raise write_failed(path, err, "its previous version is intact" if path.exists()
+                               else "nothing was left") from err
         raise
     fsync_dir(path.parent)
 
@@ -78,15 +103,13 @@ def atomic_write(path: str | os.PathLike) -> Iterator[BinaryIO]:
 def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
     """Yield an empty sibling directory to fill; on a clean exit it replaces ``path`` (an existing
     one is moved aside first, then removed), on an error it is removed and ``path`` is left as it
-    was. The directory follows the umask (``mkdtemp`` alone would make it 0700)."""
+    was. The directory and its files follow the umask (``follow_umask``)."""
     final = Path(path)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)
     try:
         yield tmp
+        follow_umask(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

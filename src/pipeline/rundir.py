@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..models.io import atomic_write_text, file_digest
+from ..models.io import atomic_write_text, file_digest, follow_umask
 from .errors import CorruptRunError, RunDirError, RunLockedError
 
 __all__ = ["DONE_FILE", "LOCK_FILE", "MARKER_FILE", "RunLock", "acquire_lock", "check_output",
@@ -233,7 +233,9 @@ def _describe_files(paths: list[Path], root: Path) -> dict[str, dict]:
 def write_done(stage_dir: Path, *, fit: dict, inputs: dict[str, str], extra: dict | None = None
                ) -> dict:
     """Write ``done``: the (portable) config, the inputs' digests, every output's size and
-    sha256."""
+    sha256. The outputs are first given the umask's modes (safetensors writes 0600)."""
+    for p in stage_outputs(stage_dir):
+        follow_umask(p)
     record = {"format": DONE_FORMAT, "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "files": _describe_files(stage_outputs(stage_dir), stage_dir),
               "inputs": inputs, "fit": fit, **(extra or {})}
