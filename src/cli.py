@@ -1,14 +1,8 @@
-"""The ``hedgecats`` command.
-
-    hedgecats fit|validate|test --config stage.yaml [...]   one stage through LightningCLI
-    hedgecats pipeline configs/pipelines/tiny.yaml [--output DIR] [--seed N] [--var K=V]
-              [--set PATH=VALUE] [--dry-run] [--restart-changed | --resume-changed]
-    hedgecats --version
-    hedgecats evaluate ...                                   hedgecats.evaluation.cli
-    hedgecats export STAGE_OR_RUN OUT [--keep-adapter] ...   hedgecats.export (a hybrid directory)
-    hedgecats generate --model MODEL [PROMPT ...] ...        hedgecats.generate
-    hedgecats import-lolcats --base M --distill CKPT [--lora CKPT] OUT
-                                                             hedgecats.import_lolcats
+"""The ``hedgecats`` command: ``COMMANDS`` names its subcommands, each with a one-line
+description and its usage (``hedgecats --help`` prints them; ``hedgecats COMMAND --help`` the
+subcommand's options). ``fit|validate|test`` run one stage through LightningCLI; ``evaluate``,
+``export``, ``generate`` and ``import-lolcats`` live in ``hedgecats.evaluation.cli``,
+``hedgecats.export``, ``hedgecats.generate`` and ``hedgecats.import_lolcats``.
 
 A pipeline YAML names its stages in order; each has a LightningCLI ``fit`` config
 (``model`` / ``data`` / ``trainer`` with ``class_path`` / ``init_args``). Strings may use
@@ -56,7 +50,40 @@ from .pipeline.spec import parse_vars as _parse_vars
 
 __all__ = ["load_pipeline", "main", "run_pipeline"]
 
-USAGE = __doc__.split("\n\n")[1]
+#: subcommand -> (one-line description, usage); ``main`` dispatches every one of them
+COMMANDS: dict[str, tuple[str, str]] = {
+    "pipeline": ("run a recipe's stages in order (resuming an interrupted one), then evaluate",
+                 "hedgecats pipeline RECIPE.yaml [--output DIR] [--seed N] [--var NAME=VALUE]\n"
+                 "    [--set PATH=VALUE] [--dry-run] [--restart-changed | --resume-changed]"),
+    "fit": ("train one stage from a LightningCLI config (model / data / trainer)",
+            "hedgecats fit --config STAGE.yaml [--model.help CLASS] [...]"),
+    "validate": ("run one stage's validation loop from a LightningCLI config",
+                 "hedgecats validate --config STAGE.yaml [...]"),
+    "test": ("run one stage's test loop from a LightningCLI config",
+             "hedgecats test --config STAGE.yaml [...]"),
+    "evaluate": ("score a model in every attention mode: lm-eval tasks, retrieval, branch usage",
+                 "hedgecats evaluate --model MODEL [--tasks T,...] [--modes M,...] "
+                 "[--retrieval] [...]"),
+    "export": ("write a finished stage as a transformers model directory with a model card",
+               "hedgecats export STAGE_OR_RUN OUT [--keep-adapter] [--check] [--overwrite]"),
+    "generate": ("generate text with a converted model and its constant-memory cache",
+                 "hedgecats generate --model MODEL [PROMPT ...] [--mode MODE] [...]"),
+    "import-lolcats": ("convert a released LoLCATs checkpoint into a hedgecats model directory",
+                       "hedgecats import-lolcats --base MODEL --distill CKPT [--lora CKPT] OUT"),
+}
+
+
+def usage() -> str:
+    """What ``hedgecats --help`` prints: the usage line, then each subcommand."""
+    width = max(map(len, COMMANDS)) + 2
+    lines = ["usage: hedgecats COMMAND [ARGS ...] | --version | --help", "",
+             "Convert pretrained Transformers into hybrids of linear attention (Hedgehog feature "
+             "maps)", "and sliding-window softmax attention.", "", "commands:"]
+    for name, (summary, synopsis) in COMMANDS.items():
+        lines.append(f"  {name:<{width}}{summary}")
+        lines += [" " * (width + 4) + part for part in synopsis.split("\n")]
+    lines += ["", "Run 'hedgecats COMMAND --help' for a command's options."]
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- one stage: fit
@@ -243,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     quiet_foreign_noise()
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
+        print(usage())
         return 0
     if argv[0] in ("--version", "-V", "version"):
         from . import __version__
@@ -272,7 +299,12 @@ def main(argv: list[str] | None = None) -> int:
         from .import_lolcats import main as import_main
 
         return import_main(rest)
-    print(f"unknown command {cmd!r}\n{USAGE}", file=sys.stderr)
+    import difflib
+
+    near = difflib.get_close_matches(cmd, COMMANDS, n=1)
+    hint = f"; did you mean {near[0]!r}?" if near else ""
+    print(f"hedgecats: unknown command {cmd!r}{hint} Commands: {', '.join(COMMANDS)} "
+          "(hedgecats --help describes each)", file=sys.stderr)
     return 2
 
 
