@@ -400,7 +400,7 @@ class StepProgressBar(TQDMProgressBar):
         if not self._by_steps(self.trainer):
             return super().init_train_tqdm()
         # Lightning's training bar, counting from the stage's global step to max_steps
-        bar = _StageTqdm(desc=self.train_description, position=2 * self.process_position,
+        bar = _StageTqdm(desc=self._describe(self.trainer), position=2 * self.process_position,
                          disable=self.is_disabled, leave=True, dynamic_ncols=True,
                          file=sys.stdout, smoothing=0, bar_format=self.BAR_FORMAT, unit="step",
                          total=self.trainer.max_steps, initial=self.trainer.global_step)
