@@ -376,18 +376,18 @@ def test_kernel_anatomy_changed_row_times_its_change_in_forward_and_backward():
     defaults."""
     import torch
     from hedgecats.models.ops import switches as kernel_switches
-    from hedgecats.models.ops.hybrid import kernels as th
+    from hedgecats.models.ops.hybrid import config as kconfig
 
     from benchmarks import kernel_anatomy as ka
 
     switch = kernel_switches.parse(f"hybrid.kernels.SPLIT_STATES_MIN_CHUNKS="
-                                   f"{th.SPLIT_STATES_MIN_CHUNKS + 1}")
-    default = th.default_config(128, 256, torch.bfloat16), th.SPLIT_STATES_MIN_CHUNKS
+                                   f"{kconfig.SPLIT_STATES_MIN_CHUNKS + 1}")
+    default = kconfig.default_config(128, 256, torch.bfloat16), kconfig.SPLIT_STATES_MIN_CHUNKS
     seen = []
 
     def state():
-        return (th.default_config(128, 256, torch.bfloat16).save_branches,
-                th.SPLIT_STATES_MIN_CHUNKS)
+        return (kconfig.default_config(128, 256, torch.bfloat16).save_branches,
+                kconfig.SPLIT_STATES_MIN_CHUNKS)
 
     class FakeLayer:
         do = None
@@ -411,7 +411,7 @@ def test_kernel_anatomy_changed_row_times_its_change_in_forward_and_backward():
         fwd()
         fwd_bwd()
         assert seen == [want, want, ("backward", *want)], (row, seen)
-    assert (th.default_config(128, 256, torch.bfloat16), th.SPLIT_STATES_MIN_CHUNKS) == default
+    assert (kconfig.default_config(128, 256, torch.bfloat16), kconfig.SPLIT_STATES_MIN_CHUNKS) == default
 
 
 def test_profile_hybrid_aten_table_counts_each_op_per_call():
@@ -477,28 +477,28 @@ def test_attention_speed_switches_and_tiles_hold_for_the_run_only(tmp_path, monk
     record of the run, restored after; a field or switch that does not exist is refused
     before anything runs, and so is a changed run's ratios in the summary of record."""
     import torch
-    from hedgecats.models.ops.hybrid import kernels as th
+    from hedgecats.models.ops.hybrid import config as kconfig
 
     from benchmarks import attention_speed as bench
 
     seen = {}
-    chunks = th.SPLIT_STATES_MIN_CHUNKS + 1
+    chunks = kconfig.SPLIT_STATES_MIN_CHUNKS + 1
 
     def measure(a, res, log, write):
-        cfg = th.default_config(128, 256, torch.bfloat16)
-        seen.update(saved=cfg.save_branches, chunks=th.SPLIT_STATES_MIN_CHUNKS,
-                    cached=th.default_config(128, 256, torch.bfloat16) is cfg)
+        cfg = kconfig.default_config(128, 256, torch.bfloat16)
+        seen.update(saved=cfg.save_branches, chunks=kconfig.SPLIT_STATES_MIN_CHUNKS,
+                    cached=kconfig.default_config(128, 256, torch.bfloat16) is cfg)
         res["rows"] += [dict(B=1, T=1024, case=case, ms=ms, peak_gib=1.0)
                         for case, ms in (("teacher", 1.0), ("hybrid fixed", 2.0))]
         write()
 
     monkeypatch.setattr(bench, "measure", measure)
-    before = th.default_config, th.SPLIT_STATES_MIN_CHUNKS
+    before = kconfig.default_config, kconfig.SPLIT_STATES_MIN_CHUNKS
     switches = f"hybrid.kernels.SPLIT_STATES_MIN_CHUNKS={chunks}"
     assert bench.main(["--tiny", "--shapes", "2x64", "--out", str(tmp_path),
                        "--switches", switches, "--tiles", "save_branches=False"]) == 0
     assert seen == {"saved": False, "chunks": chunks, "cached": True}
-    assert (th.default_config, th.SPLIT_STATES_MIN_CHUNKS) == before
+    assert (kconfig.default_config, kconfig.SPLIT_STATES_MIN_CHUNKS) == before
     res = json.loads((tmp_path / "attention_speed.json").read_text())
     assert res["switches"] == switches and res["tiles"] == "save_branches=False"
     # the ratios of a changed run say so in their run's record (a run of the defaults drops

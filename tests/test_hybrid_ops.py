@@ -311,15 +311,15 @@ def test_fold_refuses_maps_the_kernel_would_change():
     switched off (``HEDGECATS_TRITON=0``: the modules then take their PyTorch path, so folding
     would change the values), a map that is not the fused map's function (a floor)."""
     from hedgecats.models.ops.hybrid import backends
-    from hedgecats.models.ops.hybrid import kernels as th
+    from hedgecats.models.ops.hybrid import dispatch as kdispatch
 
     q, k = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
     plain = (HedgehogFeatureMap(2, 8), HedgehogFeatureMap(2, 8))
     with backends.triton_disabled():
-        got, why = th.fold_maps(plain, q, k)
+        got, why = kdispatch.fold_maps(plain, q, k)
     assert got is None and "HEDGECATS_TRITON=0" in why
     floored = (HedgehogFeatureMap(2, 8, floor=1e-12), HedgehogFeatureMap(2, 8))
-    got, why = th.fold_maps(floored, q, k)
+    got, why = kdispatch.fold_maps(floored, q, k)
     assert got is None and why.startswith("phi_q") and "floor=1e-12" in why
 
 

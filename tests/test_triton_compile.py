@@ -30,7 +30,10 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("the interpreter is on: nothing is compiled", allow_module_level=True)
 
 from hedgecats.models.ops.decode import kernels as td
-from hedgecats.models.ops.hybrid import kernels as th
+from hedgecats.models.ops.hybrid import backward as kbackward
+from hedgecats.models.ops.hybrid import config as kconfig
+from hedgecats.models.ops.hybrid import forward as kforward
+from hedgecats.models.ops.hybrid import states as kstates
 from hedgecats.models.ops.feature_map import kernels as tp
 from hedgecats.models.ops.transfer import xent as tx
 from triton.backends.compiler import GPUTarget
@@ -110,20 +113,20 @@ def compile_report(fn, pointers: dict, constexprs: dict, floats=(), warps=4, sta
 
 def hybrid_kernels(dtype: torch.dtype, D: int, F: int, has_swa=True, has_la=True, shared=False,
                    kpm=False):
-    cfg = th.default_config(D, F, dtype)
-    prec = th._prec(dtype)
-    FC = th._fc(cfg, F)
-    BF, BD = th._state_tile(cfg, 64, F, D)
+    cfg = kconfig.default_config(D, F, dtype)
+    prec = kstates._prec(dtype)
+    FC = kconfig._fc(cfg, F)
+    BF, BD = kconfig._state_tile(cfg, 64, F, D)
     lo = dict(D=D, F=F, FC=FC, CS=cfg.state_chunk, HAS_KPM=kpm, PREC=prec)
     flags = dict(HAS_SWA=has_swa, HAS_LA=has_la)
-    fwd_tiles = dict(BM=cfg.block_m, BN=cfg.block_n, P=th.pack_of(cfg, 4))  # the 8B's groups
-    dq_tiles = dict(BM=th._dq_block_m(cfg), BN=cfg.bwd_block_n,  # the query-side kernels
-                    P=th.dq_pack_of(cfg, 4))
+    fwd_tiles = dict(BM=cfg.block_m, BN=cfg.block_n, P=kconfig.pack_of(cfg, 4))  # the 8B's groups
+    dq_tiles = dict(BM=kconfig._dq_block_m(cfg), BN=cfg.bwd_block_n,  # the query-side kernels
+                    P=kconfig.dq_pack_of(cfg, 4))
     # SM: the vector sums on the tensor cores (``state_sums_mma``, 16-bit inputs only)
     for sm in (False, True) if dtype != torch.float32 else (False,):
-        yield f"state_fwd{'-sums-mma' if sm else ''}", th._state_fwd, dict(
+        yield f"state_fwd{'-sums-mma' if sm else ''}", kstates._state_fwd, dict(
             F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD, HAS_KPM=kpm, PREC=prec, SM=sm), (), \
-            cfg.state_warps, th.STATE_FWD_STAGES[sm]
+            cfg.state_warps, kstates.STATE_FWD_STAGES[sm]
     # split_states (past SPLIT_STATES_MIN_CHUNKS chunks): every chunk's share at once, then the sums
     tile = (cfg.split_tile, cfg.split_tile) if cfg.split_tile else (cfg.state_f, cfg.state_d)
     for reverse in (False, True):
@@ -133,59 +136,59 @@ def hybrid_kernels(dtype: torch.dtype, D: int, F: int, has_swa=True, has_la=True
             for sm in (False, True) if dtype != torch.float32 else (False,):
                 yield f"state_local{'-rev' if reverse else ''}{'-tma' if tma else ''}" \
                     f"{'-sums-mma' if sm else ''}", \
-                    th._state_local, dict(F=F, D=D, CS=cfg.state_chunk, BF=SF, BD=SD,
+                    kstates._state_local, dict(F=F, D=D, CS=cfg.state_chunk, BF=SF, BD=SD,
                                           REVERSE=reverse, HAS_KPM=kpm, PREC=prec, TMA=tma,
                                           SM=sm), (), cfg.state_warps, 3
     for reverse in (False, True):
-        yield f"state_scan{'-rev' if reverse else ''}", th._state_scan, dict(
-            BLK=th.SCAN_BLOCK, U=th.SCAN_STEP, REVERSE=reverse), (), 4, 3
+        yield f"state_scan{'-rev' if reverse else ''}", kstates._state_scan, dict(
+            BLK=kstates.SCAN_BLOCK, U=kstates.SCAN_STEP, REVERSE=reverse), (), 4, 3
     park = cfg.park_la and has_swa and has_la  # (as ``_forward`` decides)
     for save in (False, True):  # True: the branches stored for the backward (save_branches)
-        yield f"fwd{'-save' if save else ''}", th._fwd, dict(
+        yield f"fwd{'-save' if save else ''}", kforward._fwd, dict(
             **lo, **flags, **fwd_tiles, SHARED=shared, SAVE=save,
             SS=cfg.state_product_stages, PARK=park), \
             ("scale_log2", "eps"), cfg.warps, (cfg.fwd_stages or cfg.stages, cfg.fwd_maxnreg)
     if has_la and dtype != torch.float32:  # the no-grad forward computing phi_q (map_q_forward)
-        yield "fwd-map-q", th._fwd, dict(
+        yield "fwd-map-q", kforward._fwd, dict(
             **lo, **flags, **fwd_tiles, SHARED=shared, SAVE=False,
             SS=cfg.state_product_stages, MAP_Q=True, PARK=park), \
             ("scale_log2", "eps"), cfg.warps, cfg.fwd_stages or cfg.stages  # (not capped)
     # NEED_DQ False: stage 1 (q takes no gradient); FROM_SAVED: factors from the saved branches
     for need_dq, saved in ((True, False), (False, False), (True, True), (False, True)):
-        yield f"bwd_dq{'' if need_dq else '-no-dq'}{'-saved' if saved else ''}", th._bwd_dq, \
+        yield f"bwd_dq{'' if need_dq else '-no-dq'}{'-saved' if saved else ''}", kbackward._bwd_dq, \
             dict(**lo, **flags, **dq_tiles, SHARED=shared, NEED_DQ=need_dq,
                  FROM_SAVED=saved, STORE_DNUM=has_la, SS=cfg.state_product_stages), \
             ("scale", "scale_log2", "eps"), \
             cfg.bwd_warps, cfg.stages
     if has_la:
-        grad = dict(lo, FC=th._grad_fc(cfg, F))  # the dfq / dfk programs' feature slice
-        yield "bwd_dfq", th._bwd_dfq, dict(**grad, **dq_tiles), (), cfg.bwd_warps, cfg.stages
+        grad = dict(lo, FC=kconfig._grad_fc(cfg, F))  # the dfq / dfk programs' feature slice
+        yield "bwd_dfq", kbackward._bwd_dfq, dict(**grad, **dq_tiles), (), cfg.bwd_warps, cfg.stages
         for tma in (True, False):
-            yield f"state_rev{'-tma' if tma else ''}", th._state_rev, dict(
+            yield f"state_rev{'-tma' if tma else ''}", kstates._state_rev, dict(
                 F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD, PREC=prec, TMA=tma,
                 RS=cfg.state_rev_stages if tma else 0), (), cfg.state_warps, 3
         # the reverse walk as one pipelined loop (``state_rev_stages``; descriptors only)
-        yield "state_rev-tma-flat", th._state_rev, dict(
+        yield "state_rev-tma-flat", kstates._state_rev, dict(
             F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD, PREC=prec, TMA=True, RS=2), (), \
             cfg.state_warps, 3
         if dtype != torch.float32:  # u and w on the tensor cores (``state_sums_mma``)
             for tma in (True, False):
-                yield f"state_rev-sums-mma{'-tma' if tma else ''}", th._state_rev, dict(
+                yield f"state_rev-sums-mma{'-tma' if tma else ''}", kstates._state_rev, dict(
                     F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD, PREC=prec, TMA=tma, RS=0,
                     SM=True), (), cfg.state_warps, 3
         la = dict(**grad, BM=cfg.bwd_block_m, ADD_DVS=has_swa)
-        if th._dkv_block_n(cfg) == th._dv_block_n(cfg):  # dfk and dv programs in one grid
-            yield "bwd_dkv_la", th._bwd_dkv_la, dict(**la, BN=th._dkv_block_n(cfg), PART=0), \
+        if kconfig._dkv_block_n(cfg) == kconfig._dv_block_n(cfg):  # dfk and dv programs in one grid
+            yield "bwd_dkv_la", kbackward._bwd_dkv_la, dict(**la, BN=kconfig._dkv_block_n(cfg), PART=0), \
                 ("eps",), cfg.bwd_warps, cfg.stages
         else:  # the dfk programs at dkv_block_n, the dv programs at dv_block_n, apart
-            yield "bwd_dkv_la-dfk", th._bwd_dkv_la, dict(**la, BN=th._dkv_block_n(cfg),
+            yield "bwd_dkv_la-dfk", kbackward._bwd_dkv_la, dict(**la, BN=kconfig._dkv_block_n(cfg),
                                                          PART=1), \
                 ("eps",), cfg.bwd_warps, cfg.stages
-            yield "bwd_dkv_la-dv", th._bwd_dkv_la, dict(**la, BN=th._dv_block_n(cfg), PART=2), \
+            yield "bwd_dkv_la-dv", kbackward._bwd_dkv_la, dict(**la, BN=kconfig._dv_block_n(cfg), PART=2), \
                 ("eps",), cfg.bwd_warps, cfg.stages
     if has_swa:
-        yield "bwd_dkv_swa", th._bwd_dkv_swa, dict(D=D, BM=cfg.bwd_block_m,
-                                                   BN=th._dkv_block_n(cfg), HAS_KPM=kpm,
+        yield "bwd_dkv_swa", kbackward._bwd_dkv_swa, dict(D=D, BM=cfg.bwd_block_m,
+                                                   BN=kconfig._dkv_block_n(cfg), HAS_KPM=kpm,
                                                    PREC=prec), \
             ("scale", "scale_log2"), cfg.bwd_warps, cfg.stages
 
@@ -214,14 +217,14 @@ def test_query_side_backward_at_128_queries_compiles_without_spill():
     for shared, kpm in ((False, False), (True, True)):
         lo = dict(D=128, F=256, CS=128, HAS_KPM=kpm, PREC="tf32", BM=128, BN=32, P=4)
         for need_dq, saved in ((True, True), (False, True), (True, False)):
-            r = compile_report(th._bwd_dq, ptrs, dict(
+            r = compile_report(kbackward._bwd_dq, ptrs, dict(
                 lo, FC=64, HAS_SWA=True, HAS_LA=True, SHARED=shared, NEED_DQ=need_dq,
                 FROM_SAVED=saved, STORE_DNUM=True, SS=0), ("scale", "scale_log2", "eps"), 8, 2)
             print(f"bwd_dq 128 shared={shared} dq={need_dq} saved={saved}: {r}")
             assert r["spill"] <= MAX_SPILL, r
         # MAP_DU: the q map's du instead of dfq (the layer's path: triton_phi.DuSlot)
         for map_du, softmax in ((False, True), (True, True), (True, False)):
-            r = compile_report(th._bwd_dfq, ptrs, dict(lo, FC=256, MAP_DU=map_du,
+            r = compile_report(kbackward._bwd_dfq, ptrs, dict(lo, FC=256, MAP_DU=map_du,
                                                       SOFTMAX=softmax), (), 8, 2)
             print(f"bwd_dfq 128 kpm={kpm} map_du={map_du} softmax={softmax}: {r}")
             assert r["spill"] <= MAX_SPILL, r
@@ -239,7 +242,7 @@ def test_fused_query_side_backward_compiles_without_spill():
                                                 (True, True, True, True, True),
                                                 (False, False, False, True, True),
                                                 (False, False, True, False, True)):
-        r = compile_report(th._bwd_q, ptrs, dict(
+        r = compile_report(kbackward._bwd_q, ptrs, dict(
             D=128, F=256, FC=64, CS=128, HAS_KPM=kpm, PREC="tf32", BM=128, BN=32, P=4,
             HAS_SWA=True, HAS_LA=True, SHARED=shared, NEED_DQ=need_dq, FROM_SAVED=saved,
             STORE_DNUM=True, SS=0, MAP_DU=map_du, SOFTMAX=True),
@@ -258,11 +261,11 @@ def test_fused_key_side_backward_compiles_without_more_spill():
     against a launch and an fp32 buffer's write and read fewer; whether it pays is the GPU's
     to say (``KERNEL_SPILL_FUSED_KV`` bounds it meanwhile)."""
     ptrs = dict(_pointers(torch.bfloat16), DV="*bf16")
-    cfg = th.default_config(128, 256, torch.bfloat16)
+    cfg = kconfig.default_config(128, 256, torch.bfloat16)
     for kpm, order in ((False, 0), (True, 0), (False, 1), (False, 2), (True, 2)):
-        r = compile_report(th._bwd_kv, ptrs, dict(
-            D=128, F=256, FC=th._grad_fc(cfg, 256), BM=cfg.bwd_block_m,
-            BN=th._dkv_block_n(cfg), CS=cfg.state_chunk, HAS_KPM=kpm, PREC="tf32",
+        r = compile_report(kbackward._bwd_kv, ptrs, dict(
+            D=128, F=256, FC=kconfig._grad_fc(cfg, 256), BM=cfg.bwd_block_m,
+            BN=kconfig._dkv_block_n(cfg), CS=cfg.state_chunk, HAS_KPM=kpm, PREC="tf32",
             ORDER=order), ("scale", "scale_log2", "eps"), cfg.bwd_warps, cfg.stages)
         print(f"bwd_kv kpm={kpm} order={order}: {r}")
         assert r["spill"] <= (KERNEL_SPILL_KV_ONE_PROGRAM if order == 2 else
@@ -278,13 +281,13 @@ def test_pipelined_state_product_compiles_without_spill():
     at most 113 KB of shared memory, so that two programs share a multiprocessor (read on
     2026-12-04, saving the branches: 254 registers, 80 KB; what those tiles are for)."""
     ptrs = _pointers(torch.bfloat16)
-    cfg = th.default_config(128, 256, torch.bfloat16)
-    two = dataclasses.replace(cfg, **th.TWO_PROGRAM_FORWARD)
+    cfg = kconfig.default_config(128, 256, torch.bfloat16)
+    two = dataclasses.replace(cfg, **kconfig.TWO_PROGRAM_FORWARD)
     assert two.state_product_stages == 2, two
     for c in (cfg, two):
         lo = dict(D=128, F=256, FC=64, CS=128, HAS_KPM=False, PREC="tf32", BM=c.block_m,
                   BN=c.block_n, P=4, SHARED=False, SAVE=True, HAS_SWA=True, HAS_LA=True)
-        got = {ss: compile_report(th._fwd, ptrs, dict(lo, SS=ss), ("scale_log2", "eps"),
+        got = {ss: compile_report(kforward._fwd, ptrs, dict(lo, SS=ss), ("scale_log2", "eps"),
                                   c.warps, c.stages) for ss in (0, 2)}
         print(f"fwd {c.block_m} x {c.block_n}, {c.warps} warps, state product unrolled / "
               f"pipelined: {got}")
@@ -292,10 +295,10 @@ def test_pipelined_state_product_compiles_without_spill():
         assert got[2]["async_copies"] > got[0]["async_copies"], got
         if c is two:
             assert got[2]["smem"] <= TWO_PROGRAMS_SMEM, got
-    dq = dict(lo, BM=th._dq_block_m(cfg), BN=32, NEED_DQ=True, FROM_SAVED=False,
+    dq = dict(lo, BM=kconfig._dq_block_m(cfg), BN=32, NEED_DQ=True, FROM_SAVED=False,
               STORE_DNUM=True, SS=2)
     del dq["SAVE"]
-    r = compile_report(th._bwd_dq, ptrs, dq, ("scale", "scale_log2", "eps"), 8, 2)
+    r = compile_report(kbackward._bwd_dq, ptrs, dq, ("scale", "scale_log2", "eps"), 8, 2)
     print(f"bwd_dq recomputing, pipelined state product: {r}")
     assert r["spill"] <= MAX_SPILL, r
 
@@ -316,13 +319,13 @@ def test_held_rows_leave_two_programs_a_multiprocessor(variant):
     norm: map-q 255 registers, 56 B of spill, 112 KB; hold-fq 243, 0, 112 KB, saving the
     branches 250, 0, 112 KB; without padding or the shared norm hold-fq 255, 0 and the
     default 248, 0, 80 KB)."""
-    cfg = dataclasses.replace(th.default_config(128, 256, torch.bfloat16),
-                              **th.TWO_PROGRAM_FORWARD)  # (the default's tiles, also in a run
+    cfg = dataclasses.replace(kconfig.default_config(128, 256, torch.bfloat16),
+                              **kconfig.TWO_PROGRAM_FORWARD)  # (the default's tiles, also in a run
     # that switches DEFAULT_FORWARD)
-    lo = dict(D=128, F=256, FC=th._fc(cfg, 256), CS=cfg.state_chunk, HAS_KPM=True,
-              PREC="tf32", BM=cfg.block_m, BN=cfg.block_n, P=th.pack_of(cfg, 4), SHARED=True,
+    lo = dict(D=128, F=256, FC=kconfig._fc(cfg, 256), CS=cfg.state_chunk, HAS_KPM=True,
+              PREC="tf32", BM=cfg.block_m, BN=cfg.block_n, P=kconfig.pack_of(cfg, 4), SHARED=True,
               HAS_SWA=True, HAS_LA=True, SS=cfg.state_product_stages, **HELD_FORWARDS[variant])
-    r = compile_report(th._fwd, _pointers(torch.bfloat16), lo, ("scale_log2", "eps"),
+    r = compile_report(kforward._fwd, _pointers(torch.bfloat16), lo, ("scale_log2", "eps"),
                        cfg.warps, cfg.stages)
     print(f"fwd-{variant} at the default tiles, padding, shared: {r}")
     assert r["spill"] <= MAX_SPILL and r["smem"] <= TWO_PROGRAMS_SMEM, r
@@ -345,10 +348,10 @@ def _parked_report(c, save: bool, has_swa: bool = True, has_la: bool = True) -> 
     (``has_swa`` / ``has_la``: an output gate's branch call) neither parked nor shared, as
     ``triton_hybrid._forward`` launches it."""
     both = has_swa and has_la
-    lo = dict(D=128, F=256, FC=th._fc(c, 256), CS=c.state_chunk, HAS_KPM=True, PREC="tf32",
-              BM=c.block_m, BN=c.block_n, P=th.pack_of(c, 4), SHARED=both, HAS_SWA=has_swa,
+    lo = dict(D=128, F=256, FC=kconfig._fc(c, 256), CS=c.state_chunk, HAS_KPM=True, PREC="tf32",
+              BM=c.block_m, BN=c.block_n, P=kconfig.pack_of(c, 4), SHARED=both, HAS_SWA=has_swa,
               HAS_LA=has_la, SS=c.state_product_stages, SAVE=save, PARK=both and c.park_la)
-    return compile_report(th._fwd, _pointers(torch.bfloat16), lo, ("scale_log2", "eps"),
+    return compile_report(kforward._fwd, _pointers(torch.bfloat16), lo, ("scale_log2", "eps"),
                           c.warps, c.stages if c.fwd_stages is None else c.fwd_stages,
                           maxnreg=c.fwd_maxnreg)
 
@@ -362,8 +365,8 @@ def test_parked_forward_fits_three_programs_a_multiprocessor(variant, save):
     and the shared norm, saving the branches or not (read on 2026-12-05: without padding or
     the shared norm r168-s1 4 B of spill, 41 KB, saving 40 B; r168-bn16 4 B, 56 KB). Without
     the park the same cap spills 172-228 B (its LA tile held through the window's loop)."""
-    cfg = dataclasses.replace(th.default_config(128, 256, torch.bfloat16),
-                              **th.TWO_PROGRAM_FORWARD)
+    cfg = dataclasses.replace(kconfig.default_config(128, 256, torch.bfloat16),
+                              **kconfig.TWO_PROGRAM_FORWARD)
     c = dataclasses.replace(cfg, park_la=True, **PARKED_FORWARDS[variant])
     r = _parked_report(c, save)
     print(f"fwd parked {variant}{' saving' if save else ''}, padding, shared: {r}")
@@ -385,7 +388,7 @@ def test_parked_forward_fits_two_8_warp_programs_a_multiprocessor(save):
     bytes of spill and shared memory for two programs a multiprocessor, with padding and the
     shared norm, saving the branches or not (read on 2026-12-05: 56 B of spill without padding
     or the shared norm, 64 with both; saving 176 and 220, ``PARKED_SAVING_SPILL``)."""
-    c = dataclasses.replace(th.default_config(128, 256, torch.bfloat16), **th.PARKED_FORWARD)
+    c = dataclasses.replace(kconfig.default_config(128, 256, torch.bfloat16), **kconfig.PARKED_FORWARD)
     assert c.park_la and c.fwd_maxnreg == 128 and (c.block_m, c.warps) == (128, 8), c
     r = _parked_report(c, save)
     print(f"parked fwd{' saving' if save else ''}, padding, shared: {r}")
@@ -402,7 +405,7 @@ def test_parked_forward_compiles_for_an_output_gates_branch_calls(branch, save):
     2026-12-05: SWA 127-128 registers, 64 KB, no spill; LA 128, 112 KB, 0 / 8 B of spill), so
     a compile failure and the tiles' retry (``triton_hybrid.RETRIES``) is not what made those
     calls differ."""
-    c = dataclasses.replace(th.default_config(128, 256, torch.bfloat16), **th.PARKED_FORWARD)
+    c = dataclasses.replace(kconfig.default_config(128, 256, torch.bfloat16), **kconfig.PARKED_FORWARD)
     r = _parked_report(c, save, has_swa=branch == "swa", has_la=branch == "la")
     print(f"parked fwd, {branch} alone{' saving' if save else ''}, padding: {r}")
     assert r["registers"] <= 128 and r["spill"] <= MAX_SPILL and r["smem"] <= SMEM_MAX, r

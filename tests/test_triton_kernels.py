@@ -99,12 +99,8 @@ def report(**row) -> None:
 
 
 def _kernels():
-    from hedgecats.models.ops.hybrid import kernels as triton_hybrid
-
     if not backends.available("triton"):
         pytest.skip("triton not available")
-    return triton_hybrid
-
 
 def run(backend, shape, dtype, mode, *, pad=None, strided=False, seed=0, frozen=False, **kw):
     """Output and gradients (q, k, v, both feature-map weights, and g when it is a tensor) of
@@ -151,22 +147,23 @@ def errors(got: dict, want: dict) -> dict:
 
 
 def check(cid, shape_id, dtype, mode, *, expect_fused=True, **kw):
-    th = _kernels()
+    _kernels()
+    from hedgecats.models.ops.hybrid import config as kconfig
     shape = SHAPES[shape_id] if isinstance(shape_id, str) else shape_id
     t0 = time.time()
     oracle = run("reference", shape, torch.float32, mode, **kw)
     same = oracle if dtype == torch.float32 else run("reference", shape, dtype, mode, **kw)
-    calls, n_err, n_retry = th.CALLS["forward"], len(th.FALLBACK_ERRORS), len(th.RETRIES)
+    calls, n_err, n_retry = kconfig.CALLS["forward"], len(kconfig.FALLBACK_ERRORS), len(kconfig.RETRIES)
     got = run("triton", shape, dtype, mode, **kw)
-    fused = th.CALLS["forward"] - calls
-    new_errors = th.FALLBACK_ERRORS[n_err:]
+    fused = kconfig.CALLS["forward"] - calls
+    new_errors = kconfig.FALLBACK_ERRORS[n_err:]
     vs_same, vs_oracle = errors(got, same), errors(got, oracle)
     ref_vs_oracle = errors(same, oracle)
     report(test="hybrid", case=cid, shape=str(shape_id), dtype=str(dtype), fused_calls=fused,
            vs_reference_same_dtype={n: float(f"{e:.2e}") for n, e in vs_same.items()},
            vs_fp32_oracle={n: float(f"{e:.2e}") for n, e in vs_oracle.items()},
            reference_same_dtype_vs_oracle={n: float(f"{e:.2e}") for n, e in ref_vs_oracle.items()},
-           triton_errors=new_errors, tile_retries=th.RETRIES[n_retry:],
+           triton_errors=new_errors, tile_retries=kconfig.RETRIES[n_retry:],
            seconds=round(time.time() - t0, 2))
     assert not new_errors, f"Triton failed and the call fell back: {new_errors}"
     assert (fused > 0) == expect_fused, \
@@ -223,14 +220,15 @@ def test_fused_stage1_call_skips_the_unneeded_passes(dtype, case_id):
     """Stage 1 trains the feature maps on the teacher's detached q, k, v: dWq, dWk (and the
     mixer's) as the reference's, while the backward passes that only serve dq, dk, dv (the dq
     pass, the window's dk / dv kernel, LA's dv programs) and the feature map's dx do not run."""
-    th = _kernels()
+    _kernels()
+    from hedgecats.models.ops.hybrid import config as kconfig
     from hedgecats.models.ops.feature_map import kernels as triton_phi
 
-    before, dx_before = dict(th.CALLS), triton_phi.CALLS["backward_dx"]
+    before, dx_before = dict(kconfig.CALLS), triton_phi.CALLS["backward_dx"]
     mode, kw = _switches(case_id)
     check(f"stage1-{case_id}", "B2-H8-Hkv2-T300-D128-w64-F256", dtype, mode, frozen=True, **kw)
     # (la_only has no window: its dq pass and window kernel never run; dv_la is what it tests)
-    ran = {n: th.CALLS[n] - before[n] for n in ("dq_pass", "dkv_swa", "dv_la")}
+    ran = {n: kconfig.CALLS[n] - before[n] for n in ("dq_pass", "dkv_swa", "dv_la")}
     assert ran == {"dq_pass": 0, "dkv_swa": 0, "dv_la": 0}, ran
     if dtype == torch.bfloat16:  # (the fused feature map takes bf16 only)
         assert triton_phi.CALLS["backward_dx"] == dx_before
@@ -268,7 +266,10 @@ def test_kernel_options_match_the_reference(option, shared, frozen):
     option-off call meets, and the option's path actually taken."""
     import dataclasses
 
-    th = _kernels()
+    _kernels()
+    from hedgecats.models.ops.hybrid import config as kconfig
+    from hedgecats.models.ops.hybrid import function as kfunction
+    from hedgecats.models.ops.hybrid import reference as kreference
     B, H, Hkv, T, D, F, w = SAVED_SHAPE
     gen = torch.Generator(device=DEVICE).manual_seed(7)
 
@@ -294,17 +295,17 @@ def test_kernel_options_match_the_reference(option, shared, frozen):
         return {"out": out.detach().float(), **{n: x.grad.float() for n, x in zip(names, ins)
                                                 if n in trained and x.grad is not None}}
 
-    base = dataclasses.replace(th.default_config(D, F, torch.bfloat16), save_branches=True,
+    base = dataclasses.replace(kconfig.default_config(D, F, torch.bfloat16), save_branches=True,
                                split_states=False)
     on, off = (dataclasses.replace(base, **{option: flag}) for flag in (True, False))
     counter, adds = OPTIONS[option]
-    before = th.CALLS[counter]
-    got = grads(lambda *x: th.hybrid_kernel(*x[:5], *(t.float() for t in x[5:]), shift,
+    before = kconfig.CALLS[counter]
+    got = grads(lambda *x: kfunction.hybrid_kernel(*x[:5], *(t.float() for t in x[5:]), shift,
                                             config=on, **kw), torch.bfloat16)
-    assert th.CALLS[counter] == before + adds, (counter, th.CALLS[counter] - before)
-    plain = grads(lambda *x: th.hybrid_kernel(*x[:5], *(t.float() for t in x[5:]), shift,
+    assert kconfig.CALLS[counter] == before + adds, (counter, kconfig.CALLS[counter] - before)
+    plain = grads(lambda *x: kfunction.hybrid_kernel(*x[:5], *(t.float() for t in x[5:]), shift,
                                               config=off, **kw), torch.bfloat16)
-    want = grads(lambda *x: th.kernel_reference(*x, shift, **kw), torch.float32)
+    want = grads(lambda *x: kreference.kernel_reference(*x, shift, **kw), torch.float32)
     errs = {n: rel_err(got[n], want[n]) for n in want if want[n].abs().max() > 0}
     errs_plain = {n: rel_err(plain[n], want[n]) for n in errs}
     case = f"{'shared' if shared else 'fixed'}-{'stage1' if frozen else 'all-grads'}"
@@ -329,7 +330,9 @@ def _run_at_8b_shape(changes: dict, counters, shared: bool, frozen: bool):
 
     from hedgecats.models.ops.feature_map import kernels as tp
 
-    th = _kernels()
+    _kernels()
+    from hedgecats.models.ops.hybrid import config as kconfig
+    from hedgecats.models.ops.hybrid import function as kfunction
     B, H, Hkv, T, D, F, w = SAVED_SHAPE
     gen = torch.Generator(device=DEVICE).manual_seed(9)
     maps = [HedgehogFeatureMap(n, D, seed=s).to(DEVICE) for n, s in ((H, 1), (Hkv, 2))]
@@ -346,11 +349,11 @@ def _run_at_8b_shape(changes: dict, counters, shared: bool, frozen: bool):
     mix = [x.clone().requires_grad_() for x in (ca, cb, logs)]
     fq = tp.hedgehog_features(ins[0], maps[0].weight, maps[0].bias, kernel_du=True)
     fk = tp.hedgehog_features(ins[1], maps[1].weight, maps[1].bias)
-    cfg = dataclasses.replace(th.default_config(D, F, torch.bfloat16), **changes)
-    before = [th.CALLS[n] for n in counters]
-    out = th.hybrid_kernel(*ins, fq, fk, *mix, shift, config=cfg, **kw)
+    cfg = dataclasses.replace(kconfig.default_config(D, F, torch.bfloat16), **changes)
+    before = [kconfig.CALLS[n] for n in counters]
+    out = kfunction.hybrid_kernel(*ins, fq, fk, *mix, shift, config=cfg, **kw)
     out.backward(do)
-    ran = [th.CALLS[n] - b for n, b in zip(counters, before)]
+    ran = [kconfig.CALLS[n] - b for n, b in zip(counters, before)]
     grads = {"out": out.detach(), **{n: x.grad for n, x in zip("qkv", ins)},
              **{n: x.grad for n, x in zip(("ca", "cb", "logs"), mix)},
              "dWq": maps[0].weight.grad, "dbq": maps[0].bias.grad,
@@ -479,8 +482,9 @@ def _failure_counts() -> tuple[int, int, int]:
     hybrid's and the feature maps' ``FALLBACK_ERRORS``) so far (``_no_failures_since``)."""
     from hedgecats.models.ops.feature_map import kernels as tp
 
-    th = _kernels()
-    return len(th.RETRIES), len(th.FALLBACK_ERRORS), len(tp.FALLBACK_ERRORS)
+    _kernels()
+    from hedgecats.models.ops.hybrid import config as kconfig
+    return len(kconfig.RETRIES), len(kconfig.FALLBACK_ERRORS), len(tp.FALLBACK_ERRORS)
 
 
 def _no_failures_since(counts: tuple[int, int, int]) -> None:
@@ -489,8 +493,9 @@ def _no_failures_since(counts: tuple[int, int, int]) -> None:
     calls that should agree bit for bit differ."""
     from hedgecats.models.ops.feature_map import kernels as tp
 
-    th = _kernels()
-    got = (th.RETRIES[counts[0]:], th.FALLBACK_ERRORS[counts[1]:],
+    _kernels()
+    from hedgecats.models.ops.hybrid import config as kconfig
+    got = (kconfig.RETRIES[counts[0]:], kconfig.FALLBACK_ERRORS[counts[1]:],
            tp.FALLBACK_ERRORS[counts[2]:])
     assert not any(got), "tiles retried: {}; fell back: {}; maps fell back: {}".format(*got)
 
@@ -540,29 +545,31 @@ def test_output_gate_takes_a_kernel_call_per_branch(mode):
     branch call at weight 1 saves its output as its branch (``GATED_OUTPUT_IS_BRANCH``):
     bit for bit the results of the calls storing a copy, with one (B, H, T, D) branch less
     allocated after the forward per such call."""
-    th = _kernels()
+    _kernels()
+    from hedgecats.models.ops.hybrid import config as kconfig
+    from hedgecats.models.ops.hybrid import gated as kgated
     layer = _LayerAt8BHeads(seed=3)
     B, H, T, D = layer.B, layer.H, layer.T, layer.D
 
     def run(backend, held=None):
         return layer.run(backend, mode, held=held)
 
-    calls, gated = th.CALLS["forward"], th.CALLS["gated"]
+    calls, gated = kconfig.CALLS["forward"], kconfig.CALLS["gated"]
     failures = _failure_counts()
     got = run("triton")
-    assert th.CALLS["forward"] - calls == (2 if mode == "hybrid" else 1)
-    assert th.CALLS["gated"] == gated + 1
+    assert kconfig.CALLS["forward"] - calls == (2 if mode == "hybrid" else 1)
+    assert kconfig.CALLS["gated"] == gated + 1
     # the bytes allocated by the forward, each way, after the first call made the cached
     # constants (``_filled``: 1.5-2 KB that the first call alone allocates)
     on_cuda = torch.device(DEVICE).type == "cuda"
     held = [] if on_cuda else None
     again = run("triton", held)
     copied = [] if on_cuda else None
-    th.GATED_OUTPUT_IS_BRANCH = False
+    kgated.GATED_OUTPUT_IS_BRANCH = False
     try:
         got_copied = run("triton", copied)
     finally:
-        th.GATED_OUTPUT_IS_BRANCH = True
+        kgated.GATED_OUTPUT_IS_BRANCH = True
     _no_failures_since(failures)
     for a, b, c in zip(got, got_copied, again):
         assert (a is None and b is None and c is None) or (torch.equal(a, b) and
@@ -594,17 +601,18 @@ def test_the_layer_reads_no_memory_nobody_wrote(mode, mixer):
     too."""
     from poison import Poisoned
 
-    th = _kernels()
+    _kernels()
+    from hedgecats.models.ops.hybrid import config as kconfig
     layer = _LayerAt8BHeads(seed=5)
 
     def run():
         return layer.run("triton", mode, gated=mixer == "gate")
 
-    calls, failures = th.CALLS["forward"], _failure_counts()
+    calls, failures = kconfig.CALLS["forward"], _failure_counts()
     first, second = run(), run()
     with Poisoned() as poison:
         poisoned = run()
-    assert th.CALLS["forward"] > calls and poison.count > 0
+    assert kconfig.CALLS["forward"] > calls and poison.count > 0
     _no_failures_since(failures)
 
     def differ(a, b):
@@ -620,27 +628,29 @@ def test_the_layer_reads_no_memory_nobody_wrote(mode, mixer):
 
 def test_routing_kv_cache_call_goes_to_the_pieces():
     """Fewer queries than keys (decoding with a cache)."""
-    th = _kernels()
+    _kernels()
+    from hedgecats.models.ops.hybrid import config as kconfig
     B, H, Hkv, T, D = 1, 4, 2, 96, 64
     gen = torch.Generator(device=DEVICE).manual_seed(4)
     q = torch.randn(B, H, 1, D, device=DEVICE, generator=gen).bfloat16()
     k, v = (torch.randn(B, Hkv, T, D, device=DEVICE, generator=gen).bfloat16() for _ in range(2))
     fq = HedgehogFeatureMap(H, D).to(DEVICE)(q)
     fk = HedgehogFeatureMap(Hkv, D).to(DEVICE)(k)
-    calls = th.CALLS["forward"]
+    calls = kconfig.CALLS["forward"]
     got = hybrid_attention(q, k, v, fq, fk, window=16, backend="triton")
     want = hybrid_attention(q, k, v, fq, fk, window=16, backend="reference")
-    assert th.CALLS["forward"] == calls
+    assert kconfig.CALLS["forward"] == calls
     assert rel_err(got, want) < 1e-2
 
 
 def test_auto_uses_the_fused_kernel():
-    th = _kernels()
+    _kernels()
+    from hedgecats.models.ops.hybrid import config as kconfig
     assert backends.triton_enabled()
-    calls = th.CALLS["forward"]
+    calls = kconfig.CALLS["forward"]
     shape = (1, 4, 2, 128, 64, 16, "square")
     run("auto", shape, torch.bfloat16, "hybrid")
-    assert th.CALLS["forward"] == calls + 1
+    assert kconfig.CALLS["forward"] == calls + 1
 
 
 def test_output_and_gradients_stay_in_the_models_memory():
@@ -649,7 +659,8 @@ def test_output_and_gradients_stay_in_the_models_memory():
     reach q, k, v (the kernel's plus the feature maps'), in that memory, so that neither the
     layer's transpose-reshape nor autograd copies them (the kernel wrote contiguous (B, H, T,
     D) tensors until 2026-12-03: ~0.5 ms of copies per layer at 64k)."""
-    th = _kernels()
+    _kernels()
+    from hedgecats.models.ops.hybrid import config as kconfig
     B, H, Hkv, T, D = 2, 8, 2, 300, 128
     gen = torch.Generator(device=DEVICE).manual_seed(7)
     base = {n: torch.randn(B, T, h, D, device=DEVICE, generator=gen).bfloat16().requires_grad_()
@@ -660,9 +671,9 @@ def test_output_and_gradients_stay_in_the_models_memory():
         x.register_hook(lambda g, n=n: seen.__setitem__(n, g.stride()))
     phi_q = HedgehogFeatureMap(H, D, seed=1).to(DEVICE)
     phi_k = HedgehogFeatureMap(Hkv, D, seed=2).to(DEVICE)
-    calls = th.CALLS["forward"]
+    calls = kconfig.CALLS["forward"]
     out = hybrid_attention(q, k, v, phi_q(q), phi_k(k), window=64)
-    assert th.CALLS["forward"] == calls + 1, "the fused kernel did not run"
+    assert kconfig.CALLS["forward"] == calls + 1, "the fused kernel did not run"
     assert out.stride() == q.stride() and out.transpose(1, 2).is_contiguous()
     out.float().square().sum().backward()
     assert seen == {"q": q.stride(), "k": k.stride(), "v": v.stride()}, seen
@@ -676,7 +687,8 @@ def test_fast_launch_gives_tritons_results_bit_for_bit(monkeypatch):
     through the fast path, which then runs their own handles."""
     from hedgecats.models.ops import triton_common as tc
 
-    th = _kernels()
+    _kernels()
+    from hedgecats.models.ops.hybrid import config as kconfig
     B, H, Hkv, T, D = 2, 8, 2, 300, 128
     gen = torch.Generator(device=DEVICE).manual_seed(11)
     phi_q = HedgehogFeatureMap(H, D, seed=1).to(DEVICE)
@@ -697,13 +709,13 @@ def test_fast_launch_gives_tritons_results_bit_for_bit(monkeypatch):
         x = inputs(offset)
         assert (x["q"].data_ptr() % 16 == 0) == (offset == 0)
         monkeypatch.setattr(tc, "FAST_LAUNCH", False)
-        calls = th.CALLS["forward"]
+        calls = kconfig.CALLS["forward"]
         want = step(x)
         monkeypatch.setattr(tc, "FAST_LAUNCH", True)
         step(x)  # (first launch of each key: Triton's path, the handle cached)
         fast = tc.LAUNCHES["fast"]
         got = step(x)
-        assert th.CALLS["forward"] == calls + 3, "the fused kernel did not run"
+        assert kconfig.CALLS["forward"] == calls + 3, "the fused kernel did not run"
         assert tc.LAUNCHES["fast"] >= fast + 8, "the cached handles were not used"
         for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
             assert torch.equal(a, b), (offset, name, (a.float() - b.float()).abs().max())
@@ -846,10 +858,11 @@ def test_q_map_backward_starts_from_the_kernels_du(other):
     (``triton_phi.DuSlot``). The output and dk, dv bit for bit the path without it; dq and
     the q map's weight and bias gradients as close to the fp32 oracle as that path's.
     ``other``: phi(q) feeds a second consumer too, whose gradient must still count."""
-    from hedgecats.models.ops.hybrid import kernels as th
+    from hedgecats.models.ops.hybrid import config as kconfig
+    from hedgecats.models.ops.hybrid import dispatch as kdispatch
     from hedgecats.models.ops.feature_map import kernels as tp
 
-    if not (tp.available() and th.available()):
+    if not (tp.available() and kdispatch.available()):
         pytest.skip("triton not available")
     gen = torch.Generator(device=DEVICE).manual_seed(8)
     H, Hkv, D, B, T = 8, 2, 128, 2, 300
@@ -875,13 +888,13 @@ def test_q_map_backward_starts_from_the_kernels_du(other):
                 "dWq": fq_map.weight.grad.clone(), "dbq": fq_map.bias.grad.clone(),
                 "dWk": fk_map.weight.grad.clone()}
 
-    before = dict(tp.CALLS), th.CALLS["map_du"]
+    before = dict(tp.CALLS), kconfig.CALLS["map_du"]
     got = run(torch.bfloat16, True)
-    assert th.CALLS["map_du"] == before[1] + 1, "the kernel did not compute the q map's du"
+    assert kconfig.CALLS["map_du"] == before[1] + 1, "the kernel did not compute the q map's du"
     taken = "du_added" if other else "du_from_kernel"
     assert tp.CALLS[taken] == before[0][taken] + 1, f"the map's backward did not take du ({taken})"
     plain = run(torch.bfloat16, False)
-    assert th.CALLS["map_du"] == before[1] + 1, "kernel_du=False still computed du"
+    assert kconfig.CALLS["map_du"] == before[1] + 1, "kernel_du=False still computed du"
     with backends.triton_disabled():
         oracle = run(torch.float32, False)
     for name in ("out", "dk", "dv", "dWk"):
@@ -908,10 +921,11 @@ def test_maps_folded_into_the_kernel_are_their_own_functions(frozen, weights_in_
     ``w-in-kernel``: the folded call's map pair rounds the maps' fp32 weights in its kernel
     (``triton_phi.WEIGHTS_IN_KERNEL``): still bit for bit the call that casts them first."""
     from hedgecats.models.ops.hybrid import attention as hybrid_mod
-    from hedgecats.models.ops.hybrid import kernels as th
+    from hedgecats.models.ops.hybrid import config as kconfig
+    from hedgecats.models.ops.hybrid import dispatch as kdispatch
     from hedgecats.models.ops.feature_map import kernels as tp
 
-    if not th.available():
+    if not kdispatch.available():
         pytest.skip("triton not available")
     gen = torch.Generator(device=DEVICE).manual_seed(9)
     H, Hkv, D, B, T = 8, 2, 128, 2, 300
@@ -946,10 +960,10 @@ def test_maps_folded_into_the_kernel_are_their_own_functions(frozen, weights_in_
         return [out.detach(), q.grad, k.grad, v.grad] + [
             p.grad.clone() for m in maps for p in (m.weight, m.bias)]
 
-    before = th.CALLS["maps_folded"], th.CALLS["maps_folded_backward"]
+    before = kconfig.CALLS["maps_folded"], kconfig.CALLS["maps_folded_backward"]
     in_kernel = tp.CALLS["weights_in_kernel"]
     got = run(True)
-    assert (th.CALLS["maps_folded"], th.CALLS["maps_folded_backward"]) == \
+    assert (kconfig.CALLS["maps_folded"], kconfig.CALLS["maps_folded_backward"]) == \
         (before[0] + 1, before[1] + 1), "the maps were not folded into the kernel's call"
     assert tp.CALLS["weights_in_kernel"] - in_kernel == int(weights_in_kernel)
     want = run(False)
@@ -959,11 +973,11 @@ def test_maps_folded_into_the_kernel_are_their_own_functions(frozen, weights_in_
     assert got[1] is None or got[1].stride() == q0.stride()
     # evaluation / prefill: the same forward without the autograd Function, bit for bit (the
     # q map inside ``_fwd``, ``map_q_forward``, is off by default; its own test is below)
-    before = th.CALLS["forward_without_autograd"]
+    before = kconfig.CALLS["forward_without_autograd"]
     monkeypatch.setattr(tp, "WEIGHTS_IN_KERNEL", weights_in_kernel)
     with torch.no_grad():
         out = hybrid_attention(q0, k0, v0, None, None, maps=maps, **kw)
-    assert th.CALLS["forward_without_autograd"] == before + 1
+    assert kconfig.CALLS["forward_without_autograd"] == before + 1
     assert torch.equal(out, got[0]), "the forward under no_grad differs from the one under grad"
 
 
@@ -1005,7 +1019,10 @@ def test_q_map_in_the_forward_is_the_map_kernels(case):
 
     from hedgecats.models.ops.feature_map import kernels as tp
 
-    th = _kernels()
+    _kernels()
+    from hedgecats.models.ops.hybrid import config as kconfig
+    from hedgecats.models.ops.hybrid import function as kfunction
+    from hedgecats.models.ops.hybrid import reference as kreference
     H, Hkv, act, shared, pad, changes = MAP_Q_CASES[case]
     B, T, D, window = 2, 333, 128, 64
     gen = torch.Generator(device=DEVICE).manual_seed(11)
@@ -1016,27 +1033,27 @@ def test_q_map_in_the_forward_is_the_map_kernels(case):
     q, k, v = (torch.randn(B, T, n, D, device=DEVICE, generator=gen).bfloat16()
                .transpose(1, 2) for n in (H, Hkv, Hkv))
     kpm, g, logs, shift = _kernel_call_inputs(B, H, T, window, pad, gen)
-    folded = th.FoldedMaps(maps[0].weight, maps[0].bias, maps[1].weight, maps[1].bias,
+    folded = kfunction.FoldedMaps(maps[0].weight, maps[0].bias, maps[1].weight, maps[1].bias,
                            act == "softmax", act == "softmax")
     kw = dict(window=window, scale=D ** -0.5, eps=1e-6, key_padding_mask=kpm, shared=shared)
-    base = dataclasses.replace(th.default_config(D, 2 * D, torch.bfloat16), **changes)
+    base = dataclasses.replace(kconfig.default_config(D, 2 * D, torch.bfloat16), **changes)
 
     def call(on):
-        before = th.CALLS["q_map_in_forward"]
+        before = kconfig.CALLS["q_map_in_forward"]
         with torch.no_grad():
-            out = th.hybrid_kernel(q, k, v, None, None, g, 1 - g, logs, shift, maps=folded,
+            out = kfunction.hybrid_kernel(q, k, v, None, None, g, 1 - g, logs, shift, maps=folded,
                                    config=dataclasses.replace(base, map_q_forward=on), **kw)
-        return out.float(), th.CALLS["q_map_in_forward"] - before
+        return out.float(), kconfig.CALLS["q_map_in_forward"] - before
 
     got, ran = call(True)
     want, ran_off = call(False)
     assert (ran, ran_off) == (1, 0), (ran, ran_off)
     fq, fk = (tp.reference_features(x.float(), m.weight.float(), m.bias.float(), act)
               for x, m in zip((q, k), maps))
-    oracle = th.kernel_reference(q.float(), k.float(), v.float(), fq, fk, g, 1 - g, logs, shift,
+    oracle = kreference.kernel_reference(q.float(), k.float(), v.float(), fq, fk, g, 1 - g, logs, shift,
                                  **kw)
     err, err_off, err_pair = rel_err(got, oracle), rel_err(want, oracle), rel_err(got, want)
-    assert th.FALLBACK_ERRORS == [], th.FALLBACK_ERRORS
+    assert kconfig.FALLBACK_ERRORS == [], kconfig.FALLBACK_ERRORS
     assert err_pair < 4e-3 and err <= 1.25 * err_off + 1e-4, (err, err_off, err_pair)
     assert err_off < BF16_VS_ORACLE, err_off
 
@@ -1059,7 +1076,10 @@ def test_held_fq_forward_is_the_default_within_rounding(case):
     T not a multiple of the chunk, padding, grad (the branches saved) and no grad."""
     import dataclasses
 
-    th = _kernels()
+    _kernels()
+    from hedgecats.models.ops.hybrid import config as kconfig
+    from hedgecats.models.ops.hybrid import function as kfunction
+    from hedgecats.models.ops.hybrid import reference as kreference
     H, Hkv, dtype, shared, pad, grad = HOLD_FQ_CASES[case]
     B, T, window = 2, 333, 64
     D = 128 if dtype == torch.bfloat16 else 64
@@ -1071,11 +1091,11 @@ def test_held_fq_forward_is_the_default_within_rounding(case):
     kpm, g, logs, shift = _kernel_call_inputs(B, H, T, window, pad, gen)
     do = torch.randn(B, H, T, D, device=DEVICE, generator=gen)
     kw = dict(window=window, scale=D ** -0.5, eps=1e-6, key_padding_mask=kpm, shared=shared)
-    base = th.default_config(D, 2 * D, dtype)
+    base = kconfig.default_config(D, 2 * D, dtype)
 
     def call(fn, hold=None):
         ins = [x.detach().clone().requires_grad_(grad) for x in (q, k, v, fq, fk, g, logs)]
-        before = th.CALLS["held_fq_forward"]
+        before = kconfig.CALLS["held_fq_forward"]
         with torch.set_grad_enabled(grad):
             if hold is None:
                 out = fn(*ins[:5], ins[5], 1 - ins[5], ins[6], shift, **kw)
@@ -1087,14 +1107,14 @@ def test_held_fq_forward_is_the_default_within_rounding(case):
             out.float().backward(do)
             grads = [x.grad for x in ins]
         return [out.float()] + [None if x is None else x.float() for x in grads], \
-            th.CALLS["held_fq_forward"] - before
+            kconfig.CALLS["held_fq_forward"] - before
 
-    got, ran = call(th.hybrid_kernel, True)
-    want, ran_off = call(th.hybrid_kernel, False)
-    oracle, _ = call(lambda *a, **k: th.kernel_reference(*(x.float() if x.is_floating_point()
+    got, ran = call(kfunction.hybrid_kernel, True)
+    want, ran_off = call(kfunction.hybrid_kernel, False)
+    oracle, _ = call(lambda *a, **k: kreference.kernel_reference(*(x.float() if x.is_floating_point()
                                                          else x for x in a), **k))
     assert (ran, ran_off) == (1, 0), (ran, ran_off)
-    assert th.FALLBACK_ERRORS == [], th.FALLBACK_ERRORS
+    assert kconfig.FALLBACK_ERRORS == [], kconfig.FALLBACK_ERRORS
     names = ("out", "dq", "dk", "dv", "dfq", "dfk", "dg", "dlogs")
     tol = 4e-3 if dtype == torch.bfloat16 else 1e-5
     for name, a, b, o in zip(names, got, want, oracle):
@@ -1118,9 +1138,9 @@ def test_folded_call_peaks_no_higher_than_the_maps_as_their_own_functions():
     (``benchmarks/fold_memory.py`` takes the peak apart). The message gives both phases of
     both calls."""
     from hedgecats.models.ops.hybrid import attention as hybrid_mod
-    from hedgecats.models.ops.hybrid import kernels as th
+    from hedgecats.models.ops.hybrid import dispatch as kdispatch
 
-    if not th.available():
+    if not kdispatch.available():
         pytest.skip("triton not available")
     gen = torch.Generator(device=DEVICE).manual_seed(12)
     H, Hkv, D, B, T = 32, 8, 128, 1, 8192

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from hedgecats.models.ops.hybrid import kernels as th
+from hedgecats.models.ops.hybrid import config as kconfig
 
 
 class Boom(Exception):
@@ -15,11 +15,11 @@ class Boom(Exception):
 
 @pytest.fixture
 def retries(monkeypatch):
-    monkeypatch.setattr(th, "errors", lambda: (Boom,))
-    monkeypatch.setattr(th, "_FAILED", set())
-    monkeypatch.setattr(th, "_SAFE_FAILED", {})
-    monkeypatch.setattr(th, "RETRIES", [])
-    return th
+    monkeypatch.setattr(kconfig, "errors", lambda: (Boom,))
+    monkeypatch.setattr(kconfig, "_FAILED", set())
+    monkeypatch.setattr(kconfig, "_SAFE_FAILED", {})
+    monkeypatch.setattr(kconfig, "RETRIES", [])
+    return kconfig
 
 
 def _fn(failing, tried):
@@ -32,28 +32,28 @@ def _fn(failing, tried):
 
 
 def test_saved_branches_failing_retries_the_same_tiles_without_them(retries):
-    cfg = dataclasses.replace(th.KernelConfig(), save_branches=True)
+    cfg = dataclasses.replace(kconfig.KernelConfig(), save_branches=True)
     plain = dataclasses.replace(cfg, save_branches=False)
     tried = []
-    assert th._with_retry("forward", ("k",), cfg, _fn({cfg}, tried)) == plain
-    assert tried == [cfg, plain] and len(th.RETRIES) == 1
+    assert kconfig._with_retry("forward", ("k",), cfg, _fn({cfg}, tried)) == plain
+    assert tried == [cfg, plain] and len(kconfig.RETRIES) == 1
     tried.clear()  # once failed, never tried again for this problem
-    assert th._with_retry("forward", ("k",), cfg, _fn({cfg}, tried)) == plain
+    assert kconfig._with_retry("forward", ("k",), cfg, _fn({cfg}, tried)) == plain
     assert tried == [plain]
 
 
 def test_both_failing_fall_back_to_the_safe_tiles_once(retries):
-    cfg = dataclasses.replace(th.KernelConfig(), save_branches=True)
+    cfg = dataclasses.replace(kconfig.KernelConfig(), save_branches=True)
     plain = dataclasses.replace(cfg, save_branches=False)
     tried = []
-    assert th._with_retry("backward", ("k",), cfg, _fn({cfg, plain}, tried)) == th.SAFE_CONFIG
-    assert tried == [cfg, plain, th.SAFE_CONFIG] and len(th.RETRIES) == 2
+    assert kconfig._with_retry("backward", ("k",), cfg, _fn({cfg, plain}, tried)) == kconfig.SAFE_CONFIG
+    assert tried == [cfg, plain, kconfig.SAFE_CONFIG] and len(kconfig.RETRIES) == 2
     tried.clear()
-    th._with_retry("backward", ("k",), cfg, _fn({cfg, plain}, tried))
-    assert tried == [th.SAFE_CONFIG]
+    kconfig._with_retry("backward", ("k",), cfg, _fn({cfg, plain}, tried))
+    assert tried == [kconfig.SAFE_CONFIG]
     # another problem key (e.g. the backward without dq) tries its own tiles again
     tried.clear()
-    th._with_retry("backward", ("other",), cfg, _fn(set(), tried))
+    kconfig._with_retry("backward", ("other",), cfg, _fn(set(), tried))
     assert tried == [cfg]
 
 
@@ -61,16 +61,16 @@ def test_a_fused_backward_kernel_failing_retries_the_same_tiles_unfused(retries)
     """A config with the backward's fused kernels on (``fuse_q_side``, ``fuse_kv_side``) that
     does not compile falls back to the same tiles with the separate kernels, then to those
     without saved branches, before the safe tiles (not straight to the safe, smaller ones)."""
-    cfg = dataclasses.replace(th.KernelConfig(), save_branches=True, fuse_q_side=True,
+    cfg = dataclasses.replace(kconfig.KernelConfig(), save_branches=True, fuse_q_side=True,
                               fuse_kv_side=True)
     unfused = dataclasses.replace(cfg, fuse_q_side=False, fuse_kv_side=False)
     plain = dataclasses.replace(unfused, save_branches=False)
-    assert th._retry_chain(cfg) == (cfg, unfused, plain)
+    assert kconfig._retry_chain(cfg) == (cfg, unfused, plain)
     tried = []
-    assert th._with_retry("backward", ("k",), cfg, _fn({cfg}, tried)) == unfused
-    assert tried == [cfg, unfused] and len(th.RETRIES) == 1
+    assert kconfig._with_retry("backward", ("k",), cfg, _fn({cfg}, tried)) == unfused
+    assert tried == [cfg, unfused] and len(kconfig.RETRIES) == 1
     tried.clear()
-    assert th._with_retry("backward", ("k2",), cfg, _fn({cfg, unfused}, tried)) == plain
+    assert kconfig._with_retry("backward", ("k2",), cfg, _fn({cfg, unfused}, tried)) == plain
     assert tried == [cfg, unfused, plain]
 
 
@@ -78,17 +78,17 @@ def test_a_fused_backward_kernel_failing_retries_the_same_tiles_unfused(retries)
 def test_a_held_rows_forward_failing_retries_the_same_tiles_without_it(retries, option):
     """The forward's variants that hold phi_q's rows (112 KB of shared memory at the 8B's
     tiles: past what some GPUs give a program) fall back to the same tiles without them."""
-    cfg = dataclasses.replace(th.KernelConfig(), **{option: True})
+    cfg = dataclasses.replace(kconfig.KernelConfig(), **{option: True})
     plain = dataclasses.replace(cfg, **{option: False})
-    assert th._retry_chain(cfg)[:2] == (cfg, plain)
+    assert kconfig._retry_chain(cfg)[:2] == (cfg, plain)
     tried = []
-    assert th._with_retry("forward", ("k",), cfg, _fn({cfg}, tried)) == plain
-    assert tried == [cfg, plain] and len(th.RETRIES) == 1
+    assert kconfig._with_retry("forward", ("k",), cfg, _fn({cfg}, tried)) == plain
+    assert tried == [cfg, plain] and len(kconfig.RETRIES) == 1
 
 
 def test_the_safe_tiles_failing_raise(retries):
     with pytest.raises(Boom):
-        th._with_retry("forward", ("k",), th.SAFE_CONFIG, _fn({th.SAFE_CONFIG}, []))
+        kconfig._with_retry("forward", ("k",), kconfig.SAFE_CONFIG, _fn({kconfig.SAFE_CONFIG}, []))
 
 
 def test_the_safe_tiles_failing_raise_again_without_compiling(retries):
@@ -96,16 +96,16 @@ def test_the_safe_tiles_failing_raise_again_without_compiling(retries):
     had compiled the safe tiles anew: seconds a call on a device that cannot take them); the
     layer's call, which tries the fused kernel with its maps folded in and then without, no
     longer compiles twice. Another problem key still tries its tiles."""
-    cfg = dataclasses.replace(th.KernelConfig(), save_branches=False)
+    cfg = dataclasses.replace(kconfig.KernelConfig(), save_branches=False)
     tried = []
     with pytest.raises(Boom):
-        th._with_retry("forward", ("k",), cfg, _fn({cfg, th.SAFE_CONFIG}, tried))
-    assert tried == [cfg, th.SAFE_CONFIG]
+        kconfig._with_retry("forward", ("k",), cfg, _fn({cfg, kconfig.SAFE_CONFIG}, tried))
+    assert tried == [cfg, kconfig.SAFE_CONFIG]
     tried.clear()
     with pytest.raises(Boom, match="does not fit"):
-        th._with_retry("forward", ("k",), cfg, _fn({cfg, th.SAFE_CONFIG}, tried))
+        kconfig._with_retry("forward", ("k",), cfg, _fn({cfg, kconfig.SAFE_CONFIG}, tried))
     assert tried == []
-    assert th._with_retry("forward", ("other",), cfg, _fn(set(), tried)) == cfg
+    assert kconfig._with_retry("forward", ("other",), cfg, _fn(set(), tried)) == cfg
 
 
 def test_record_fallback_logs_the_error_and_warns_once(caplog):

@@ -165,7 +165,9 @@ def kernel_case(cid, *, B=2, H=4, Hkv=2, T=50, D=16, window=8, shift=None, share
     ``expect_split``: whether the LA states must have been built split (None: as configured).
     ``model_layout``: q, k, v as (B, H, T, D) views of (B, T, H, D) memory (transformers'
     projections); the output and their gradients must come back in that memory (no copies)."""
-    from hedgecats.models.ops.hybrid import kernels as th
+    from hedgecats.models.ops.hybrid import config as kconfig
+    from hedgecats.models.ops.hybrid import function as kfunction
+    from hedgecats.models.ops.hybrid import reference as kreference
 
     q, k, v, fq, fk, do, g = _inputs(B, H, Hkv, T, D, dtype, seed, features)
     if model_layout:
@@ -183,10 +185,10 @@ def kernel_case(cid, *, B=2, H=4, Hkv=2, T=50, D=16, window=8, shift=None, share
     names = ["out", "dq", "dk", "dv", "dfq", "dfk", "dca", "dcb", "dlogs"]
     ins = [t.clone().requires_grad_(name[1:] not in frozen)
            for name, t in zip(names[1:], (q, k, v, fq, fk, ca, cb, logs))]
-    calls = dict(th.CALLS)
-    out = th.hybrid_kernel(*ins, sh, config=th.KernelConfig(**cfg), **kw)
+    calls = dict(kconfig.CALLS)
+    out = kfunction.hybrid_kernel(*ins, sh, config=kconfig.KernelConfig(**cfg), **kw)
     out.float().backward(do)
-    ran = {n: th.CALLS[n] - calls[n]
+    ran = {n: kconfig.CALLS[n] - calls[n]
            for n in ("dq_pass", "dkv_swa", "dv_la", "factors_from_saved", "split_states",
                      "states_from_forward", "dkv_apart", "packed_forward", "packed_dq",
                      "held_fq_forward")}
@@ -204,28 +206,28 @@ def kernel_case(cid, *, B=2, H=4, Hkv=2, T=50, D=16, window=8, shift=None, share
             got[f"{n}_skipped_ok"] = ran[n] == 0
     # the saved branches were read (not silently recomputed), and only when configured
     got["factors_from_saved_ok"] = ran["factors_from_saved"] == int(
-        th.KernelConfig(**cfg).save_branches)
+        kconfig.KernelConfig(**cfg).save_branches)
     # the backward takes the forward's LA states when they were saved (with the branches)
-    conf = th.KernelConfig(**cfg)
+    conf = kconfig.KernelConfig(**cfg)
     reused = has_la and conf.save_branches
     got["states_from_forward_ok"] = ran["states_from_forward"] == int(reused)
     # the LA states split (the forward's, the backward's own unless reused, the reverse ones)
     # exactly where configured or, by default, past SPLIT_STATES_MIN_CHUNKS chunks
-    split = has_la and th.use_split_states(conf, -(-T // conf.state_chunk))
+    split = has_la and kconfig.use_split_states(conf, -(-T // conf.state_chunk))
     got["split_states_ok"] = ran["split_states"] == ((2 if reused else 3) if split else 0) and (
         expect_split is None or split == expect_split)
     # the dfk programs at their own key tile exactly where one is configured
-    apart = has_la and th._dkv_block_n(conf) != th._dv_block_n(conf)
+    apart = has_la and kconfig._dkv_block_n(conf) != kconfig._dv_block_n(conf)
     got["dkv_apart_ok"] = ran["dkv_apart"] == int(apart)
     # the forward packed query heads exactly where the config and the group allow it
-    got["packed_ok"] = ran["packed_forward"] == int(th.pack_of(conf, H // Hkv) > 1)
-    got["packed_dq_ok"] = ran["packed_dq"] == int(th.dq_pack_of(conf, H // Hkv) > 1)
+    got["packed_ok"] = ran["packed_forward"] == int(kconfig.pack_of(conf, H // Hkv) > 1)
+    got["packed_dq_ok"] = ran["packed_dq"] == int(kconfig.dq_pack_of(conf, H // Hkv) > 1)
     # fq's rows held for the forward's products exactly where configured (``hold_fq``)
     got["held_fq_ok"] = ran["held_fq_forward"] == int(conf.hold_fq and has_la)
     for name in frozen:  # a gradient where none was asked for: a wasted pass, or a wrong one
         got[f"{name}_grad_none_ok"] = got.pop(f"d{name}") is None
     ins2 = [t.detach().float().clone().requires_grad_() for t in (q, k, v, fq, fk, ca, cb, logs)]
-    ref = th.kernel_reference(*ins2, sh, **kw)
+    ref = kreference.kernel_reference(*ins2, sh, **kw)
     ref.backward(do)
     want = dict(zip(names, [ref.detach()] + [x.grad for x in ins2]))
     flags = {n: 0.0 if got.pop(n) else float("inf") for n in list(got) if n.endswith("_ok")}
@@ -238,28 +240,30 @@ def _grads_with_forward_poisoned(poison, T: int):
     """The fused kernel's gradients (q, k, v, fq, fk, ca, cb) at a small shape with the saved
     branches on, clean and with ``poison`` applied to what the forward hands the backward
     (``_forward``'s result tuple in, a changed tuple out)."""
-    from hedgecats.models.ops.hybrid import kernels as th
+    from hedgecats.models.ops.hybrid import config as kconfig
+    from hedgecats.models.ops.hybrid import forward as kforward
+    from hedgecats.models.ops.hybrid import function as kfunction
 
     q, k, v, fq, fk, do, g = _inputs(2, 4, 2, T, 16, torch.float32, 0, "rand")
     ca, cb, logs = torch.rand(2, 4, generator=g), torch.rand(2, 4, generator=g), \
         torch.randn(2, 4, generator=g)
     sh = torch.full((2, 4), 8, dtype=torch.int32)
-    cfg = th.KernelConfig(**SMALL, save_branches=True)
+    cfg = kconfig.KernelConfig(**SMALL, save_branches=True)
     names = ["dq", "dk", "dv", "dfq", "dfk", "dca", "dcb"]
 
     def grads():
         ins = [t.clone().requires_grad_() for t in (q, k, v, fq, fk, ca, cb, logs)]
-        out = th.hybrid_kernel(*ins, sh, window=8, scale=16 ** -0.5, eps=0.3, config=cfg)
+        out = kfunction.hybrid_kernel(*ins, sh, window=8, scale=16 ** -0.5, eps=0.3, config=cfg)
         out.backward(do)
         return dict(zip(names, (x.grad for x in ins)))
 
     clean = grads()
-    forward = th._forward
-    th._forward = lambda *a, **kw: poison(forward(*a, **kw))
+    forward = kforward._forward
+    kforward._forward = lambda *a, **kw: poison(forward(*a, **kw))
     try:
         bad = grads()
     finally:
-        th._forward = forward
+        kforward._forward = forward
     return clean, bad
 
 
@@ -328,7 +332,9 @@ def layer_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=45, D=16, window=8, dty
     branches mixes fp32 copies of them: there the branches are transient either way, and
     the saving is 0). ``g_in_dtype``: a tensor g in the call's dtype (a bf16 model's gate),
     else fp32."""
-    from hedgecats.models.ops.hybrid import kernels as th
+    from hedgecats.models.ops.hybrid import config as kconfig
+    from hedgecats.models.ops.hybrid import dispatch as kdispatch
+    from hedgecats.models.ops.hybrid import gated as kgated
     from hedgecats.models.ops.hybrid.attention import hybrid_attention
 
     q, k, v, fq, fk, do, gen = _inputs(B, H, Hkv, T, D, dtype, 3, "softmax")
@@ -357,7 +363,7 @@ def layer_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=45, D=16, window=8, dty
         return res
 
     def fused(q, k, v, fq, fk, g):
-        out = th.fused_hybrid(q, k, v, fq, fk, g=g, config=th.KernelConfig(**cfg), **args)
+        out = kdispatch.fused_hybrid(q, k, v, fq, fk, g=g, config=kconfig.KernelConfig(**cfg), **args)
         if out is None:
             raise RuntimeError("fused_hybrid declined a case it should take")
         return out
@@ -366,18 +372,18 @@ def layer_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=45, D=16, window=8, dty
         a = {k_: v_ for k_, v_ in args.items() if k_ != "eps"}
         return hybrid_attention(q, k, v, fq, fk, g=g, backend="reference", eps=args["eps"], **a)
 
-    gated = th.CALLS["gated"]
+    gated = kconfig.CALLS["gated"]
     held = {}
     got = run(fused, dtype, held)
     out = errors(got, run(reference, torch.float32))
     if g_kind.startswith("gate"):  # (a kernel call per branch, mixed in PyTorch)
-        out["gated_ran"] = 0.0 if th.CALLS["gated"] == gated + 1 else float("inf")
+        out["gated_ran"] = 0.0 if kconfig.CALLS["gated"] == gated + 1 else float("inf")
         copied = {}
-        th.GATED_OUTPUT_IS_BRANCH = False
+        kgated.GATED_OUTPUT_IS_BRANCH = False
         try:
             want = run(fused, dtype, copied)
         finally:
-            th.GATED_OUTPUT_IS_BRANCH = True
+            kgated.GATED_OUTPUT_IS_BRANCH = True
         for n, a in got.items():
             b = want[n]
             same = (a is None and b is None) or (a is not None and b is not None and
@@ -606,7 +612,9 @@ def fwd_switch_case(cid, *, switch="fwd_tma", B=2, H=4, Hkv=2, T=70, D=16, windo
     dtype the mixer takes the LA output rounded to it: within 2^-8); the switch taken in both
     the call's forwards (``park_la``: where both branches run); and each against
     ``kernel_reference`` within the dtype's tolerance."""
-    from hedgecats.models.ops.hybrid import kernels as th
+    from hedgecats.models.ops.hybrid import config as kconfig
+    from hedgecats.models.ops.hybrid import function as kfunction
+    from hedgecats.models.ops.hybrid import reference as kreference
 
     changes, counter, exact_out = FWD_SWITCHES[switch]
     exact_out = exact_out or dtype == torch.float32
@@ -623,18 +631,18 @@ def fwd_switch_case(cid, *, switch="fwd_tma", B=2, H=4, Hkv=2, T=70, D=16, windo
     def run(on: bool) -> dict:
         ins = [t.clone().requires_grad_(grad) for t in (q, k, v, fq, fk, ca, cb, logs)]
         with torch.set_grad_enabled(grad):
-            out = th.hybrid_kernel(*ins, sh, config=th.KernelConfig(**{**cfg, **(
+            out = kfunction.hybrid_kernel(*ins, sh, config=kconfig.KernelConfig(**{**cfg, **(
                 changes if on else {})}), **kw)
         if grad:
             out.float().backward(do)
         return dict(zip(names, [out.detach()] + [x.grad for x in ins]))
 
-    before = th.CALLS[counter]
+    before = kconfig.CALLS[counter]
     got = run(True)
-    used = th.CALLS[counter] - before
+    used = kconfig.CALLS[counter] - before
     plain = run(False)
     ref_in = [t.detach().float().clone().requires_grad_() for t in (q, k, v, fq, fk, ca, cb, logs)]
-    ref = th.kernel_reference(*ref_in, sh, **kw)
+    ref = kreference.kernel_reference(*ref_in, sh, **kw)
     ref.backward(do)
     want = dict(zip(names, [ref.detach()] + [x.grad for x in ref_in]))
     out = errors({n: x for n, x in got.items() if x is not None},
@@ -712,7 +720,8 @@ def fused_case(cid, *, cfg, switch="fuse_q_side", fused: bool = True, B=2, H=4, 
     ``fuse_kv_side``): 1 bit for bit; 2 sums dv's terms in another order, so its errors are
     the relative errors against order 0's results (the case's tolerance applies)."""
     from hedgecats.models import HedgehogFeatureMap
-    from hedgecats.models.ops.hybrid import kernels as th
+    from hedgecats.models.ops.hybrid import config as kconfig
+    from hedgecats.models.ops.hybrid import function as kfunction
     from hedgecats.models.ops.feature_map import kernels as tp
 
     q, k, v, fq0, fk0, do, g = _inputs(B, H, Hkv, T, D, dtype, 3, "rand")
@@ -738,16 +747,16 @@ def fused_case(cid, *, cfg, switch="fuse_q_side", fused: bool = True, B=2, H=4, 
         switches = list(FUSIONS) if switch == "both" else [switch]
         if order:
             switches = [f"kv_order_{order}"]
-            conf = th.KernelConfig(**{**cfg, "fuse_kv_side": True,
+            conf = kconfig.KernelConfig(**{**cfg, "fuse_kv_side": True,
                                       "kv_order": order if fuse else 0})
         else:
-            conf = th.KernelConfig(**{**cfg, **{n: fuse for n in switches}})
-        before = [th.CALLS[n] for n in switches]
-        out = th.hybrid_kernel(*ins, fq, fk, *mix, sh, config=conf, **args)
+            conf = kconfig.KernelConfig(**{**cfg, **{n: fuse for n in switches}})
+        before = [kconfig.CALLS[n] for n in switches]
+        out = kfunction.hybrid_kernel(*ins, fq, fk, *mix, sh, config=conf, **args)
         out.float().backward(do)
         grads = [out.detach()] + [x.grad for x in ins + mix]
         grads += [m.weight.grad for m in maps] if map_du else [fq.grad, fk.grad]
-        return grads, [th.CALLS[n] - b for n, b in zip(switches, before)]
+        return grads, [kconfig.CALLS[n] - b for n, b in zip(switches, before)]
 
     want, ran_off = run(False)
     got, ran_on = run(True)
@@ -776,7 +785,8 @@ def state_sums_case(cid, *, split: bool, pad: bool = False, B=2, H=4, Hkv=2, T=7
     of |DDEN_t| fq_t (its docstring claims ~2^-16). And the option ran in each state kernel
     it applies to (not the padded forward split share: ``_split_states``). Errors: 0 within
     the bound, inf past it."""
-    from hedgecats.models.ops.hybrid import kernels as th
+    from hedgecats.models.ops.hybrid import config as kconfig
+    from hedgecats.models.ops.hybrid import states as kstates
 
     g = torch.Generator().manual_seed(11)
     fk = torch.softmax(torch.randn(B, Hkv, T, F, generator=g), -1).to(dtype)
@@ -789,11 +799,11 @@ def state_sums_case(cid, *, split: bool, pad: bool = False, B=2, H=4, Hkv=2, T=7
     kpm_i8 = _kpm(B, T).to(torch.int8) if pad else None
 
     def states(on: bool, dd=dden):
-        conf = th.KernelConfig(**{**cfg, "split_states": split, "state_sums_mma": on})
-        before = th.CALLS["state_sums_mma"]
-        S, z, vs, NC = th._la_states(fk, v, kpm_i8, conf)
-        R, U, W = th._la_states_rev(fq, dnum, dd, shift, Hkv, NC, conf)
-        return (S, z, vs, R, U, W), th.CALLS["state_sums_mma"] - before
+        conf = kconfig.KernelConfig(**{**cfg, "split_states": split, "state_sums_mma": on})
+        before = kconfig.CALLS["state_sums_mma"]
+        S, z, vs, NC = kstates._la_states(fk, v, kpm_i8, conf)
+        R, U, W = kstates._la_states_rev(fq, dnum, dd, shift, Hkv, NC, conf)
+        return (S, z, vs, R, U, W), kconfig.CALLS["state_sums_mma"] - before
 
     got, ran = states(True)
     want, ran_off = states(False)
@@ -826,7 +836,9 @@ def map_du_case(cid, *, B=2, H=4, Hkv=2, T=150, D=16, window=20, activation="sof
     the first hands du back, the second dfq, added in the map's backward; ``watched``: phi(q)
     retains its gradient: the kernel hands back dfq, which must be the reference's dphi)."""
     from hedgecats.models import HedgehogFeatureMap
-    from hedgecats.models.ops.hybrid import kernels as th
+    from hedgecats.models.ops.hybrid import config as kconfig
+    from hedgecats.models.ops.hybrid import function as kfunction
+    from hedgecats.models.ops.hybrid import reference as kreference
     from hedgecats.models.ops.feature_map import kernels as tp
 
     g = torch.Generator().manual_seed(5)
@@ -857,19 +869,19 @@ def map_du_case(cid, *, B=2, H=4, Hkv=2, T=150, D=16, window=20, activation="sof
                                       with_input=not frozen_q, kernel_du=True)
             fq, q_on = (fq, q) if frozen_q else fq
             fk, k_on = tp.hedgehog_features(k, mk.weight, mk.bias, activation, with_input=True)
-            out = th.hybrid_kernel(q_on, k_on, v, fq, fk, ca, cb, logs, sh,
-                                   config=th.KernelConfig(**cfg), **kw)
+            out = kfunction.hybrid_kernel(q_on, k_on, v, fq, fk, ca, cb, logs, sh,
+                                   config=kconfig.KernelConfig(**cfg), **kw)
             if twice:
-                out = out + th.hybrid_kernel(q_on, k_on, v, fq, fk, ca, cb, logs, sh,
-                                             config=th.KernelConfig(**cfg), **kw)
+                out = out + kfunction.hybrid_kernel(q_on, k_on, v, fq, fk, ca, cb, logs, sh,
+                                             config=kconfig.KernelConfig(**cfg), **kw)
             if watched:
                 fq.retain_grad()
         else:
             fq = tp.reference_features(q, mq.weight, mq.bias, activation)
             fk = tp.reference_features(k, mk.weight, mk.bias, activation)
-            out = th.kernel_reference(q, k, v, fq, fk, ca, cb, logs, sh, **kw)
+            out = kreference.kernel_reference(q, k, v, fq, fk, ca, cb, logs, sh, **kw)
             if twice:
-                out = out + th.kernel_reference(q, k, v, fq, fk, ca, cb, logs, sh, **kw)
+                out = out + kreference.kernel_reference(q, k, v, fq, fk, ca, cb, logs, sh, **kw)
             if watched:
                 fq.retain_grad()
         loss = (out.float() * do).sum()
@@ -881,11 +893,11 @@ def map_du_case(cid, *, B=2, H=4, Hkv=2, T=150, D=16, window=20, activation="sof
                 "dWk": mk.weight.grad.clone(), "dbk": mk.bias.grad.clone(),
                 **({"dfq": fq.grad} if watched else {})}
 
-    before = dict(tp.CALLS), dict(th.CALLS)
+    before = dict(tp.CALLS), dict(kconfig.CALLS)
     got = run(True)
     ran = {"du_from_kernel": tp.CALLS["du_from_kernel"] - before[0]["du_from_kernel"],
            "du_added": tp.CALLS["du_added"] - before[0]["du_added"],
-           "map_du": th.CALLS["map_du"] - before[1]["map_du"]}
+           "map_du": kconfig.CALLS["map_du"] - before[1]["map_du"]}
     want = run(False)
     # the kernel computed du exactly where it could, and the map's backward took it: alone,
     # or added to the du of the other consumer's gradient
@@ -951,7 +963,9 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
     from hedgecats.models import HedgehogFeatureMap
     from hedgecats.models.ops.hybrid import backends
     from hedgecats.models.ops.hybrid import attention as hybrid
-    from hedgecats.models.ops.hybrid import kernels as th
+    from hedgecats.models.ops.hybrid import backward as kbackward
+    from hedgecats.models.ops.hybrid import config as kconfig
+    from hedgecats.models.ops.hybrid import dispatch as kdispatch
 
     gen = torch.Generator().manual_seed(7)
     maps = [HedgehogFeatureMap(n, D, activation, seed=s, floor=floor)
@@ -968,7 +982,7 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
     def kernel(q, k, v, fq, fk, g, **kw):
         if through == "attention":
             return hybrid.hybrid_attention(q, k, v, fq, fk, g=g, ops=ops, **args, **kw)
-        out = th.fused_hybrid(q, k, v, fq, fk, g=g, config=th.KernelConfig(**cfg), **args,
+        out = kdispatch.fused_hybrid(q, k, v, fq, fk, g=g, config=kconfig.KernelConfig(**cfg), **args,
                               **kw)
         if out is None:
             raise RuntimeError("fused_hybrid declined a case it should take")
@@ -1001,18 +1015,18 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
         if backward_fails and path != "reference":
             def fail(*a, **kw):
                 raise OutOfResources(1, 0, "shared memory")
-            real, th._backward = th._backward, fail
+            real, kbackward._backward = kbackward._backward, fail
             # (what the failures record is this case's: later cases of the same problem key
             # in this process must compile their own tiles)
-            failed = set(th._FAILED), dict(th._SAFE_FAILED)
+            failed = set(kconfig._FAILED), dict(kconfig._SAFE_FAILED)
             try:
                 loss.backward()
             finally:
-                th._backward = real
-                th._FAILED.clear()
-                th._FAILED.update(failed[0])
-                th._SAFE_FAILED.clear()
-                th._SAFE_FAILED.update(failed[1])
+                kbackward._backward = real
+                kconfig._FAILED.clear()
+                kconfig._FAILED.update(failed[0])
+                kconfig._SAFE_FAILED.clear()
+                kconfig._SAFE_FAILED.update(failed[1])
         else:
             loss.backward()
         res = {"out": out.detach()}
@@ -1044,11 +1058,11 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
             tp.PAIR_BACKWARD, tp.WEIGHTS_IN_KERNEL, tp.FORWARD_WALK, tp.FORWARD_TMA = \
                 switches_before
     names = ("maps_folded", "maps_folded_backward", "map_du")
-    n_err = len(th.FALLBACK_ERRORS)
-    before = [th.CALLS[n] for n in names]
+    n_err = len(kconfig.FALLBACK_ERRORS)
+    before = [kconfig.CALLS[n] for n in names]
     pairs = tp.CALLS["pair_forward"], tp.CALLS["pair_backward"]
     in_place = tp.CALLS["dx_in_place"]
-    held = th.CALLS["held_fq_forward"]
+    held = kconfig.CALLS["held_fq_forward"]
     in_kernel = tp.CALLS["weights_in_kernel"]
     walks = tp.CALLS["forward_walk"], tp.CALLS["forward_tma"]
     switches_before = tp.PAIR_BACKWARD, tp.WEIGHTS_IN_KERNEL, tp.FORWARD_WALK, tp.FORWARD_TMA
@@ -1057,30 +1071,30 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
     try:
         walked = tp.walk_plan(D, D) is not None  # (square maps: F/2 = D)
         got = run("folded")
-        ran = [th.CALLS[n] - b for n, b in zip(names, before)]
+        ran = [kconfig.CALLS[n] - b for n, b in zip(names, before)]
         pairs = [tp.CALLS["pair_forward"] - pairs[0], tp.CALLS["pair_backward"] - pairs[1]]
         in_place = tp.CALLS["dx_in_place"] - in_place
-        before = (th.CALLS["forward_without_autograd"], th.CALLS["forward"],
-                  th.CALLS["q_map_in_forward"], th.CALLS["forward_state_chunk"])
+        before = (kconfig.CALLS["forward_without_autograd"], kconfig.CALLS["forward"],
+                  kconfig.CALLS["q_map_in_forward"], kconfig.CALLS["forward_state_chunk"])
         no_grad = run("no_grad")
     finally:
         tp.PAIR_BACKWARD, tp.WEIGHTS_IN_KERNEL, tp.FORWARD_WALK, tp.FORWARD_TMA = \
             switches_before
     in_kernel = tp.CALLS["weights_in_kernel"] - in_kernel
     walks = [tp.CALLS["forward_walk"] - walks[0], tp.CALLS["forward_tma"] - walks[1]]
-    without_autograd = th.CALLS["forward_without_autograd"] - before[0]
-    kernel_calls = th.CALLS["forward"] - before[1]
-    q_mapped = th.CALLS["q_map_in_forward"] - before[2]
-    own_chunk = th.CALLS["forward_state_chunk"] - before[3]
-    held = th.CALLS["held_fq_forward"] - held  # (the folded call's forward and the no-grad one)
-    before = th.CALLS["map_du"]
+    without_autograd = kconfig.CALLS["forward_without_autograd"] - before[0]
+    kernel_calls = kconfig.CALLS["forward"] - before[1]
+    q_mapped = kconfig.CALLS["q_map_in_forward"] - before[2]
+    own_chunk = kconfig.CALLS["forward_state_chunk"] - before[3]
+    held = kconfig.CALLS["held_fq_forward"] - held  # (the folded call's forward and the no-grad one)
+    before = kconfig.CALLS["map_du"]
     old = run("unfolded")
-    du_unfolded = th.CALLS["map_du"] - before
+    du_unfolded = kconfig.CALLS["map_du"] - before
     want = run("reference")
     out = errors(got, want)
     if backward_fails:
         out.update({f"unfolded_{n}": e for n, e in errors(old, want).items()})
-        out["fallbacks_recorded"] = 0.0 if len(th.FALLBACK_ERRORS) == n_err + 2 and \
+        out["fallbacks_recorded"] = 0.0 if len(kconfig.FALLBACK_ERRORS) == n_err + 2 and \
             ran == [1, 0, 0] else float("inf")
         if cast_first is not None:  # (the fallback's maps read the weights the kernel read:
             # rounded, bit for bit the call that cast them first)
@@ -1157,7 +1171,7 @@ def model_case(cid, *, mixer="fixed", mode="hybrid", pad=False, H=4, Hkv=2, wind
     the reference pieces it reads 1.07e-2 for ``model-fixed-pad``), not the kernel's."""
     from hedgecats.models import HybridConfig, convert_to_hybrid, set_attention_mode
     from hedgecats.models.ops.hybrid import backends
-    from hedgecats.models.ops.hybrid import kernels as th
+    from hedgecats.models.ops.hybrid import config as kconfig
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -1208,9 +1222,9 @@ def model_case(cid, *, mixer="fixed", mode="hybrid", pad=False, H=4, Hkv=2, wind
         res.update({f"d_{k}": torch.cat(v) for k, v in grads.items()})
         return res
 
-    calls = th.CALLS["forward"], th.CALLS["gated"]
+    calls = kconfig.CALLS["forward"], kconfig.CALLS["gated"]
     got = run(True)
-    calls = th.CALLS["forward"] - calls[0], th.CALLS["gated"] - calls[1]
+    calls = kconfig.CALLS["forward"] - calls[0], kconfig.CALLS["gated"] - calls[1]
     want = run(False)
     out = errors(got, want)
     gated = mixer.startswith("gate")
@@ -1229,7 +1243,8 @@ def checkpointed_case(cid, *, B=2, H=4, Hkv=2, T=150, D=16, window=20, dtype=tor
     (a call per branch, each saving its output as its branch: ``GATED_OUTPUT_IS_BRANCH``;
     the LA call's, folded, releases its states only), g's gradient compared too."""
     from hedgecats.models import HedgehogFeatureMap
-    from hedgecats.models.ops.hybrid import kernels as th
+    from hedgecats.models.ops.hybrid import config as kconfig
+    from hedgecats.models.ops.hybrid import dispatch as kdispatch
     from torch.utils.checkpoint import checkpoint
 
     gen = torch.Generator().manual_seed(9)
@@ -1244,7 +1259,7 @@ def checkpointed_case(cid, *, B=2, H=4, Hkv=2, T=150, D=16, window=20, dtype=tor
 
     def call(q, k, v, g):
         with _maps_on_their_kernel():
-            return th.fused_hybrid(q, k, v, None, None, g=g, config=th.KernelConfig(**MAP_DU),
+            return kdispatch.fused_hybrid(q, k, v, None, None, g=g, config=kconfig.KernelConfig(**MAP_DU),
                                    maps=maps, **args)
 
     def run(checkpointed: bool):
@@ -1252,15 +1267,15 @@ def checkpointed_case(cid, *, B=2, H=4, Hkv=2, T=150, D=16, window=20, dtype=tor
         g = g0.to(dtype).requires_grad_() if gated else g0
         for m in maps:
             m.zero_grad()
-        released, n_gated = th.CALLS["saved_released"], th.CALLS["gated"]
+        released, n_gated = kconfig.CALLS["saved_released"], kconfig.CALLS["gated"]
         out = checkpoint(call, q, k, v, g, use_reentrant=False) if checkpointed \
             else call(q, k, v, g)
         (out.float() * do).sum().backward()
         got = [out.detach(), q.grad, k.grad, v.grad] + [
             p_.grad.clone() for m in maps for p_ in (m.weight, m.bias)]
         got += [g.grad] if gated else []
-        assert th.CALLS["gated"] - n_gated == (1 + checkpointed) * gated, "no gated call"
-        return dict(zip(names, got)), th.CALLS["saved_released"] - released
+        assert kconfig.CALLS["gated"] - n_gated == (1 + checkpointed) * gated, "no gated call"
+        return dict(zip(names, got)), kconfig.CALLS["saved_released"] - released
 
     plain, released_plain = run(False)
     ckpt, released_ckpt = run(True)
@@ -1281,7 +1296,8 @@ def retain_graph_case(cid, *, B=2, H=4, Hkv=2, T=150, D=16, window=20, dtype=tor
     released (the gate's mix reads it in both backwards), so both backwards take the factors
     from it; the folded LA call releases its states, and the second builds them again."""
     from hedgecats.models import HedgehogFeatureMap
-    from hedgecats.models.ops.hybrid import kernels as th
+    from hedgecats.models.ops.hybrid import config as kconfig
+    from hedgecats.models.ops.hybrid import dispatch as kdispatch
 
     gen = torch.Generator().manual_seed(8)
     maps = [HedgehogFeatureMap(n, D, seed=s) for n, s in ((H, 1), (Hkv, 2))]
@@ -1294,20 +1310,20 @@ def retain_graph_case(cid, *, B=2, H=4, Hkv=2, T=150, D=16, window=20, dtype=tor
     if gated:
         g0 = g0.to(dtype)
     with _maps_on_their_kernel():
-        out = th.fused_hybrid(q, k, v, None, None, g=g0, config=th.KernelConfig(**MAP_DU),
+        out = kdispatch.fused_hybrid(q, k, v, None, None, g=g0, config=kconfig.KernelConfig(**MAP_DU),
                               maps=maps, **args)
     loss = (out.float() * do).sum()
     params = [q, k, v] + [p_ for m in maps for p_ in (m.weight, m.bias)]
     names = ["dq", "dk", "dv", "dWq", "dbq", "dWk", "dbk"]
     counters = ("factors_from_saved", "states_from_forward", "saved_released",
                 "saved_recomputed")
-    saved = [th.CALLS[n] for n in counters]
+    saved = [kconfig.CALLS[n] for n in counters]
     loss.backward(retain_graph=True)
     first = {n: p_.grad.clone() for n, p_ in zip(names, params)}
-    ran_first = tuple(th.CALLS[n] - b for n, b in zip(counters, saved))
+    ran_first = tuple(kconfig.CALLS[n] - b for n, b in zip(counters, saved))
     loss.backward()
     second = {n: p_.grad.float() - first[n].float() for n, p_ in zip(names, params)}
-    ran_second = tuple(th.CALLS[n] - b for n, b in zip(counters, saved))
+    ran_second = tuple(kconfig.CALLS[n] - b for n, b in zip(counters, saved))
     out_ = errors(second, {n: x.float() for n, x in first.items()})
     want = ((2, 1, 1, 0), (4, 1, 1, 0)) if gated else ((1, 1, 1, 0), (1, 1, 1, 1))
     out_["paths"] = 0.0 if (ran_first, ran_second) == want else float("inf")
@@ -1380,11 +1396,11 @@ def decode_case(cid, *, mode="hybrid", mixer="fixed", rescale=False, pad=False, 
 
 
 def cases(quick: bool = False):
-    from hedgecats.models.ops.hybrid import kernels as th
+    from hedgecats.models.ops.hybrid import config as kconfig
 
     bf16 = torch.bfloat16
     # the GPU's default tiles at D 128 in bf16, as a dict
-    d128 = dataclasses.asdict(th.default_config(128, 256, bf16))
+    d128 = dataclasses.asdict(kconfig.default_config(128, 256, bf16))
     k = kernel_case
     fc = fused_case
     out = [
@@ -1682,7 +1698,7 @@ def cases(quick: bool = False):
             cfg=dict(d128, block_n=32), H=8, Hkv=2, T=150, D=128, window=64, pad=True,
             shared=True, dtype=bf16, B=1)),
         ("kernel-8b-tiles-fwd-one-program-pad-shared-bf16", k, dict(
-            cfg=dict(d128, **th.ONE_PROGRAM_FORWARD), H=8, Hkv=2, T=150, D=128, window=64,
+            cfg=dict(d128, **kconfig.ONE_PROGRAM_FORWARD), H=8, Hkv=2, T=150, D=128, window=64,
             pad=True, shared=True, dtype=bf16, B=1)),
         ("fused-both-8b-tiles-pad-shared-bf16", fc, dict(
             cfg=d128, switch="both", map_du=True, pad=True, shared=True, dtype=bf16,

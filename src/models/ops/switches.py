@@ -62,7 +62,7 @@ def _forget_derived() -> None:
     built before a switch would outlive it (and one built under it, the switch). Called as
     ``applied`` sets and restores; applied outside ``attention_speed.default_tiles_changed``
     (which wraps ``default_config`` while it runs), as the benchmarks nest them."""
-    th = sys.modules.get("hedgecats.models.ops.hybrid.kernels")
+    th = sys.modules.get("hedgecats.models.ops.hybrid.config")
     if th is not None:
         th.default_config.cache_clear()
 

@@ -44,6 +44,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from .. import triton_common
 from . import reference as ref
 from . import windows
 
@@ -71,9 +72,7 @@ def available(name: str) -> bool:
     if name == "flex":
         return importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
     if name == "triton":
-        from . import kernels as triton_hybrid
-
-        return triton_hybrid.available()
+        return triton_common.available()
     raise ValueError(f"unknown backend {name!r}; valid: {', '.join(BACKENDS)}")
 
 
@@ -432,9 +431,9 @@ def triton_disabled():
 
 
 def _fused_triton(q, k, v, fq, fk, **kw):
-    from . import kernels as triton_hybrid
+    from . import dispatch
 
-    return triton_hybrid.fused_hybrid(q, k, v, fq, fk, **kw)
+    return dispatch.fused_hybrid(q, k, v, fq, fk, **kw)
 
 
 @functools.cache

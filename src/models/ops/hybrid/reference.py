@@ -221,3 +221,38 @@ def _count_valid(valid: torch.Tensor | None, lo: int, hi: int, B: int, device) -
     if valid is None:
         return torch.full((B, 1), hi - lo, dtype=torch.long, device=device)
     return valid[:, 0, lo:hi].sum(dim=-1, keepdim=True).long()
+
+
+def kernel_reference(q, k, v, fq, fk, ca, cb, logs, shift, *, window: int, scale: float,
+                     eps: float, key_padding_mask=None, has_swa: bool = True, has_la: bool = True,
+                     shared: bool = False) -> torch.Tensor:
+    """``hybrid_kernel``'s function in plain PyTorch (fp32), built from ``ops.reference``:
+    the interpreter tests' oracle and the backward's fallback. Returns (B, H, T, D) fp32."""
+    B, H, T, D = q.shape
+    swa, lse = softmax_attention_blocked(q, k, v, scale=scale, window=window,
+                                             key_padding_mask=key_padding_mask)
+    shift = shift.reshape(B, H).to(q.device)
+    la = torch.zeros(B, H, T, D, device=q.device)
+    den = torch.zeros(B, H, T, device=q.device)
+    has = torch.zeros(B, H, T, dtype=torch.bool, device=q.device)
+    if has_la:
+        for s in sorted({int(x) for x in shift.flatten().tolist()}):
+            o_s, d_s, h_s = linear_attention_chunked(fq, fk, v, shift=s, eps=eps,
+                                                         key_padding_mask=key_padding_mask)
+            sel = (shift == s)[..., None]  # (B, H, 1)
+            la = torch.where(sel[..., None], o_s, la)
+            den = torch.where(sel, d_s, den)
+            has = torch.where(sel, h_s, has)
+    if shared:
+        alpha = torch.sigmoid(logs.reshape(B, H, 1).float() + lse - torch.log(den.clamp_min(eps)))
+        alpha = torch.where(has, alpha, torch.ones_like(alpha))
+        alpha = torch.where(torch.isfinite(lse), alpha, torch.zeros_like(alpha))[..., None]
+        return alpha * swa + (1 - alpha) * la
+    ca, cb = ca.reshape(B, H, 1, 1).float(), cb.reshape(B, H, 1, 1).float()
+    out = torch.zeros_like(swa)
+    if has_swa:
+        out = out + ca * swa
+    if has_la:
+        out = out + cb * la
+    return out
+
