@@ -5,8 +5,9 @@ Importing it registers the hybrid model classes with transformers' ``AutoConfig`
 ``AutoModelForCausalLM.from_pretrained``.
 """
 
-__version__ = "0.1.0"
-
 from .models.hf import register as _register
+from .version import __version__
+
+__all__ = ["__version__"]
 
 _register()

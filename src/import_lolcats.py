@@ -73,13 +73,13 @@ def _lora_alpha_from(finetune_config: str | os.PathLike) -> tuple[float, int | N
 
 
 def _base_shapes(model) -> dict:
-    from .models.convert import _decoder_layers, _head_dims
+    from .models.structure import decoder_layers, head_dims
 
-    H, Hkv, D, _ = _head_dims(model.config)
-    attn = _decoder_layers(model)[0].self_attn
+    H, Hkv, D, _ = head_dims(model.config)
+    attn = decoder_layers(model)[0].self_attn
     mods = {name: (getattr(attn, name).in_features, getattr(attn, name).out_features)
             for name in LORA_MODULES if hasattr(attn, name)}
-    return {"num_layers": len(_decoder_layers(model)), "num_heads": H, "kv_heads": Hkv,
+    return {"num_layers": len(decoder_layers(model)), "num_heads": H, "kv_heads": Hkv,
             "head_dim": D, "lora_modules": mods}
 
 

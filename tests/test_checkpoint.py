@@ -12,8 +12,8 @@ from hedgecats.models.checkpoint import (
     load_tensors,
     read_stage,
     save_stage,
-    unwrap,
 )
+from hedgecats.models.structure import unwrap
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 HYB = {"window": 4, "mixer": "learned_head"}

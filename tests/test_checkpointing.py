@@ -87,7 +87,8 @@ def test_finetune_with_mlp_checkpointing_through_fit(tmp_path):
     """HybridFinetune(activation_checkpointing="mlp") trains through Trainer.fit, its MLPs
     checkpointed, and writes its stage checkpoint."""
     from hedgecats.lightning_modules.tiny import save_tiny_llama
-    from hedgecats.models.checkpoint import read_stage, unwrap
+    from hedgecats.models.checkpoint import read_stage
+    from hedgecats.models.structure import unwrap
     from test_stages import _dm, _trainer
 
     base = str(save_tiny_llama(tmp_path / "tiny"))

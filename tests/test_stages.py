@@ -13,7 +13,8 @@ from hedgecats.lightning_modules import (
 )
 from hedgecats.lightning_modules.tiny import save_tiny_llama
 from hedgecats.models import hybrid_layers
-from hedgecats.models.checkpoint import read_stage, unwrap
+from hedgecats.models.checkpoint import read_stage
+from hedgecats.models.structure import unwrap
 from hedgecats.models.ops.transfer.losses import transfer_loss
 from lightning.pytorch.callbacks import ModelCheckpoint
 

@@ -28,7 +28,7 @@ def _worker(stage: str, strategy: str, base: str, root: str, steps: int, ckpt: s
         RecallDataModule,
         ScheduledSlidingWindowDropout,
     )
-    from hedgecats.models.checkpoint import unwrap
+    from hedgecats.models.structure import unwrap
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     pl.seed_everything(0)

@@ -12,7 +12,8 @@ from hedgecats.lightning_modules import (
 )
 from hedgecats.lightning_modules.tiny import save_tiny_llama
 from hedgecats.models import hybrid_layers
-from hedgecats.models.checkpoint import read_stage, unwrap
+from hedgecats.models.checkpoint import read_stage
+from hedgecats.models.structure import unwrap
 
 
 @pytest.mark.parametrize("name,want", [

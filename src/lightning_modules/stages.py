@@ -35,11 +35,11 @@ from ..models.checkpoint import (
     resolve_dtype,
     save_stage,
     stage_tensors,
-    unwrap,
 )
 from ..models.checkpointing import checkpointing_mode, enable_checkpointing
 from ..models.lora import LoraSettings
 from ..models.ops.transfer.losses import OBJECTIVES, transfer_health, transfer_loss
+from ..models.structure import unwrap
 from .student_stream import StudentStream
 
 log = logging.getLogger(__name__)

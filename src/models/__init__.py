@@ -4,13 +4,7 @@ Never imports lightning (DESIGN.md, layering).
 """
 
 from .config import LA_SPANS, MODES, SWITCHES, HybridConfig, parse_variant, validate_switches
-from .convert import (
-    attention_mode,
-    convert_to_hybrid,
-    hybrid_layers,
-    hybrid_parameter_names,
-    set_attention_mode,
-)
+from .convert import attention_mode, convert_to_hybrid, set_attention_mode
 from .feature_maps import HedgehogFeatureMap
 from .mixers import build_mixer
 from .ops.hybrid.attention import hybrid_attention
@@ -18,6 +12,7 @@ from .ops.hybrid.attention import hybrid_attention
 # importing pretrain registers PretrainLlamaForCausalLM ("hedgecats_pretrain") with the Auto
 # classes, so from_pretrained reloads gated / sliding-window teachers wherever models is imported
 from .pretrain import PretrainConfig, build_pretrain_model, load_pretrained
+from .structure import hybrid_layers, hybrid_parameter_names
 
 __all__ = [
     "LA_SPANS",

@@ -57,6 +57,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 from .ops.hybrid import backends
 from .ops.hybrid import reference as ref
 from .ops.hybrid.attention import hybrid_attention
+from .structure import decoder_layers, unwrap
 
 log = logging.getLogger(__name__)
 
@@ -275,13 +276,10 @@ class HybridCache(Cache):
     """
 
     def __init__(self, model: nn.Module) -> None:
-        from .checkpoint import unwrap
-        from .convert import _decoder_layers
-
         inner = unwrap(model)
         layers = []
         self.full_layers = []
-        for i, layer in enumerate(_decoder_layers(inner)):
+        for i, layer in enumerate(decoder_layers(inner)):
             attn = layer.self_attn
             rt = getattr(attn, "hedgecats", None)
             if rt is None:

@@ -34,10 +34,12 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .config import HybridConfig
-from .convert import convert_to_hybrid, hybrid_parameter_names
+from .convert import convert_to_hybrid
 from .io import atomic_write
+from .structure import hybrid_parameter_names, unwrap
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +54,6 @@ __all__ = [
     "resolve_base_model",
     "save_stage",
     "stage_tensors",
-    "unwrap",
 ]
 
 FORMAT = "hedgecats-stage/1"
@@ -76,12 +77,6 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str | None = None
         valid = [*(["auto"] if device is not None else []), *DTYPES, *DTYPE_ALIASES]
         raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(valid)}")
     return DTYPES[name]
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The transformers model inside a peft ``PeftModel`` (LoRA layers stay injected)."""
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -181,8 +176,6 @@ def build_hybrid(base_model: str, *, revision: str | None = None,
     Every base parameter is frozen; the caller decides what trains. Returns the ``PeftModel``
     when there is LoRA, else the transformers model.
     """
-    from transformers import AutoModelForCausalLM
-
     check_local_model(base_model)
     model = AutoModelForCausalLM.from_pretrained(base_model, revision=revision,
                                                  dtype=resolve_dtype(dtype))
@@ -201,7 +194,7 @@ def build_hybrid(base_model: str, *, revision: str | None = None,
 
 def add_lora(model: nn.Module, lora_config: dict) -> nn.Module:
     """Wrap with peft LoRA (``lora_config``: ``peft.LoraConfig`` keyword arguments)."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig, get_peft_model  # only with LoRA: peft is slow to import
 
     cfg = dict(lora_config)
     cfg.setdefault("task_type", "CAUSAL_LM")
@@ -272,8 +265,6 @@ def load_hybrid(path: str | os.PathLike, *, device: str | torch.device = "cpu",
     model.eval()
     tokenizer = None
     try:
-        from transformers import AutoTokenizer
-
         tokenizer = AutoTokenizer.from_pretrained(base, revision=payload["revision"])
     except (OSError, ValueError) as err:  # a base model saved without a tokenizer
         log.info("no tokenizer for %r (%s)", base, err)

@@ -59,9 +59,11 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from .. import __version__
+from ..version import __version__
+from .cache import HybridCache, unsupported_reason
 from .config import HybridConfig
-from .convert import hybrid_layers
+from .layer import convert_layers
+from .structure import family, hybrid_layers, unwrap
 
 log = logging.getLogger(__name__)
 
@@ -137,9 +139,8 @@ class HybridCausalLM:
         section = _validate_section(getattr(config, "hybrid", None),
                                     where=getattr(config, "_name_or_path", "") or "the config")
         super().__init__(config, *args, **kwargs)
-        from .convert import convert_to_hybrid
-
-        convert_to_hybrid(self, HybridConfig.from_dict(section["config"]))
+        # the layers only: the model's class is already the hybrid one
+        convert_layers(self, HybridConfig.from_dict(section["config"]))
 
     # ------------------------------------------------------------------ saving
     def save_pretrained(self, save_directory, *args, state_dict=None, hybrid_adapter=None,
@@ -198,8 +199,6 @@ class HybridCausalLM:
         """transformers' cache choice, then its default ``DynamicCache`` replaced by a
         ``HybridCache`` unless a converted layer runs ``softmax`` (which reads every key: the
         full cache stays, and a warning says so). A user's own cache is kept."""
-        from .cache import HybridCache
-
         impl = generation_config.cache_implementation
         if impl not in (None, "dynamic") and _full_cache_reason(self) is None:
             raise ValueError(
@@ -239,8 +238,6 @@ def _full_cache_reason(model: nn.Module) -> str | None:
     """Why ``generate`` must keep every key (a ``DynamicCache``), or ``None``: a converted layer
     in mode ``softmax`` (it reads every key), or one the ``HybridCache`` cannot serve
     (``cache.unsupported_reason``: a terraced window, key maps per query head under GQA)."""
-    from .cache import unsupported_reason
-
     for i, a in hybrid_layers(model):
         if a.hedgecats.mode == "softmax":
             return "a converted layer runs mode 'softmax', which reads every earlier key"
@@ -321,8 +318,6 @@ def _validate_section(section, where: str) -> dict:
 def live_hybrid_config(model: nn.Module) -> HybridConfig:
     """The ``HybridConfig`` the converted layers run with now: the conversion's architecture
     and the layers' current switches (their windows become ``window`` + ``layer_windows``)."""
-    from .checkpoint import unwrap
-
     inner = unwrap(model)
     layers = dict(hybrid_layers(inner))
     if not layers:
@@ -344,25 +339,17 @@ def live_hybrid_config(model: nn.Module) -> HybridConfig:
 
 def hybrid_section(model: nn.Module, adapter: str | None = None) -> dict:
     """The ``hybrid`` section describing ``model`` as it runs now (module docstring)."""
-    from .checkpoint import unwrap
-
     inner = unwrap(model)
     base_windows = {a.__dict__.get("hedgecats_base_window") for _, a in hybrid_layers(inner)}
-    return {"format": FORMAT, "family": _family(inner.config),
+    return {"format": FORMAT, "family": family(inner.config),
             "config": live_hybrid_config(inner).to_dict(),
             "base_sliding_window": next(iter(base_windows)), "adapter": adapter,
             "hedgecats_version": __version__}
 
 
-def _family(config) -> str:
-    return getattr(type(config), "hedgecats_family", None) or config.model_type
-
-
 def pretrained_config(model: nn.Module, adapter: str | None = None):
     """The config ``save_pretrained`` writes: the base config's fields, the hybrid class's
     ``model_type``, the live ``hybrid`` section."""
-    from .checkpoint import unwrap
-
     inner = unwrap(model)
     cls = type(inner).config_class
     fields = {k: v for k, v in inner.config.to_dict().items()
@@ -386,8 +373,6 @@ def save_hybrid(model: nn.Module, save_directory: str | os.PathLike, *, lora: st
             adapter in ``<dir>/adapter/``. ``None`` with LoRA present is an error.
         kwargs: passed on to ``save_pretrained`` (``max_shard_size``, ``push_to_hub``, ...).
     """
-    from .checkpoint import unwrap
-
     inner = unwrap(model)
     if not isinstance(inner, HybridCausalLM):
         raise ValueError(f"{type(inner).__name__} is not a hedgecats hybrid: convert it with "

@@ -1,5 +1,6 @@
-"""The layer tier: the ``"hedgecats"`` attention function every converted ``self_attn`` runs,
-and its per-layer runtime (``LayerRuntime``). ``models.convert`` installs them (conversion);
+"""The layer tier: what makes a decoder layer's ``self_attn`` a hybrid one (``convert_layers``),
+its per-layer runtime (``LayerRuntime``), and the ``"hedgecats"`` attention function it runs.
+``models.convert`` is the public entry (``convert_to_hybrid``: this, plus the hybrid class);
 ``models.ops`` computes (kernels); this module wires one layer's call to the ops.
 
 Where a converted model keeps its state (plain Python attributes, never parameters; nothing
@@ -11,12 +12,14 @@ here is in the state dict, so checkpoints hold only the weights of ``phi_q`` / `
 * ``self_attn.hedgecats``: the layer's ``LayerRuntime``, whose fields are ``HybridConfig``'s
   runtime fields (``LAYER_FIELDS``: the switches ``set_attention_mode`` changes, and the window
   shape) plus ``layer_idx`` and the ``observer`` hook. A layer without it was not converted.
-* ``self_attn.__dict__`` (outside ``nn.Module``'s registries, so neither a submodule nor a
-  buffer): ``"hedgecats_base_window"``, the base model's own sliding window, set at conversion
-  on *every* layer (unconverted ones too, which have no runtime); and two values that live
-  for one call only, put there by forward pre-hooks and popped by the attention function:
-  ``"_hedgecats_input"`` (the layer input, for gated mixers) and ``"_hedgecats_cache"`` (the
-  bound ``HybridCache`` slot).
+* ``self_attn.__dict__["hedgecats_base_window"]`` (outside ``nn.Module``'s registries, so
+  neither a submodule nor a buffer): the base model's own sliding window, set at conversion on
+  *every* layer (unconverted ones too, which have no runtime).
+
+What one call needs besides (the layer input, for gated mixers; the bound ``HybridCache``
+slot) travels with the call: a forward pre-hook of the converted ``self_attn`` adds them to its
+keyword arguments (``hedgecats_input``, ``hedgecats_cache``), which transformers' attention
+modules hand on to the attention function.
 """
 
 from __future__ import annotations
@@ -28,9 +31,16 @@ from dataclasses import field, fields, make_dataclass
 
 import torch
 from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .cache import HybridCache, cached_attention
 from .config import HybridConfig
+from .feature_maps import HedgehogFeatureMap, feature_dim
+from .mixers import build_mixer
 from .ops.hybrid.attention import hybrid_attention
+from .structure import HYBRID_PARTS, decoder_layers, head_dims
 
 log = logging.getLogger(__name__)
 
@@ -39,13 +49,12 @@ __all__ = [
     "LAYER_FIELDS",
     "LayerRuntime",
     "check_positions",
+    "convert_layers",
     "hedgecats_attention_forward",
-    "install",
     "register",
 ]
 
 ATTN_IMPLEMENTATION = "hedgecats"
-_GATED_MIXERS = ("gate_elementwise", "gate_lowrank")
 
 #: the ``HybridConfig`` fields one converted layer carries at run time: the runtime switches
 #: (``HybridConfig.RUNTIME``; ``window`` per layer, from ``window_for``) and the window shape
@@ -191,23 +200,24 @@ def _ssd_mask(rt: LayerRuntime, B: int, H: int, device) -> torch.Tensor | None:
 
 
 def hedgecats_attention_forward(module: nn.Module, query, key, value, attention_mask,
-                                dropout: float = 0.0, scaling: float | None = None, **kwargs):
-    """The ``"hedgecats"`` attention implementation: (B, H, T, D) in, (B, T, H, D) out."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+                                dropout: float = 0.0, scaling: float | None = None, *,
+                                hedgecats_input: torch.Tensor | None = None,
+                                hedgecats_cache=None, **kwargs):
+    """The ``"hedgecats"`` attention implementation: (B, H, T, D) in, (B, T, H, D) out.
 
+    ``hedgecats_input`` (the layer input, for gated mixers) and ``hedgecats_cache`` (the
+    layer's bound ``HybridLayerCache``) come from the converted ``self_attn``'s forward
+    pre-hook (``_call_inputs``) through the module's keyword arguments."""
     rt: LayerRuntime | None = getattr(module, "hedgecats", None)
-    hidden = module.__dict__.pop("_hedgecats_input", None)
+    hidden = hedgecats_input
     base_window = module.__dict__.get("hedgecats_base_window")
     if rt is None:  # a layer left unconverted
         return sdpa_attention_forward(module, query, key, value,
                                       _with_window(attention_mask, query, key, base_window),
                                       dropout=dropout, scaling=scaling, **kwargs)
-    cache_slot = module.__dict__.pop("_hedgecats_cache", None)  # bound by _bind_cache
-    if cache_slot is not None:  # constant-memory cache: only the new tokens' keys came in
-        from .cache import cached_attention
-
+    if hedgecats_cache is not None:  # constant-memory cache: only the new tokens' keys came in
         query, key, value = _common_dtype(query, key, value)
-        out = cached_attention(cache_slot, module, query, key, value, attention_mask,
+        out = cached_attention(hedgecats_cache, module, query, key, value, attention_mask,
                                g=module.mixer(hidden), scale=scaling,
                                swa_drop=_ssd_mask(rt, query.shape[0], query.shape[1], query.device)
                                if module.training and rt.mode == "hybrid" else None)
@@ -267,11 +277,6 @@ def _warn_once(msg: str) -> None:
     log.warning(msg)
 
 
-def _stash_input(module: nn.Module, args, kwargs) -> None:
-    """Forward pre-hook: keep the layer input for output-gate mixers."""
-    module.__dict__["_hedgecats_input"] = kwargs.get("hidden_states", args[0] if args else None)
-
-
 def _call_cache(kwargs: dict):
     """The cache a decoder call carries (``cache`` since transformers 5.24, before that
     ``past_key_values``)."""
@@ -279,26 +284,25 @@ def _call_cache(kwargs: dict):
     return kwargs.get("past_key_values") if cache is None else cache
 
 
-def _bind_cache(module: nn.Module, args, kwargs) -> None:
-    """Forward pre-hook of a converted ``self_attn``: with a ``HybridCache`` in the call, check
-    and bind the layer's slot (``models.cache``); the attention function then uses it."""
-    from .cache import HybridCache
-
+def _call_inputs(module: nn.Module, args, kwargs):
+    """Forward pre-hook of a converted ``self_attn``: hand the attention function what this
+    call needs besides q, k and v, as keyword arguments of the call: the layer input for
+    output-gate mixers (``hedgecats_input``), and, with a ``HybridCache`` in the call, the
+    layer's slot, checked and bound (``hedgecats_cache``, ``HybridCache.bind``)."""
+    extra = {}
+    if module.mixer.needs_input:
+        extra["hedgecats_input"] = kwargs.get("hidden_states", args[0] if args else None)
     cache = _call_cache(kwargs)
     if isinstance(cache, HybridCache):
-        module.__dict__["_hedgecats_cache"] = cache.bind(module.hedgecats.layer_idx, module)
-    else:
-        module.__dict__.pop("_hedgecats_cache", None)
+        extra["hedgecats_cache"] = cache.bind(module.hedgecats.layer_idx, module)
+    return (args, {**kwargs, **extra}) if extra else None
 
 
-def install(attn: nn.Module, config: HybridConfig, layer_idx: int) -> None:
+def _install(attn: nn.Module, config: HybridConfig, layer_idx: int) -> None:
     """Give a ``self_attn`` (its ``phi_q``, ``phi_k`` and ``mixer`` already added) its runtime
-    and the forward pre-hooks the attention function reads: the layer input for gated mixers,
-    the bound ``HybridCache`` slot."""
+    and the forward pre-hook that passes the attention function its per-call inputs."""
     attn.hedgecats = LayerRuntime.from_config(config, layer_idx)
-    if config.mixer in _GATED_MIXERS:
-        attn.register_forward_pre_hook(_stash_input, with_kwargs=True)
-    attn.register_forward_pre_hook(_bind_cache, with_kwargs=True)
+    attn.register_forward_pre_hook(_call_inputs, with_kwargs=True)
 
 
 def check_positions(model: nn.Module, args, kwargs) -> None:
@@ -332,9 +336,82 @@ def check_positions(model: nn.Module, args, kwargs) -> None:
 
 def register() -> None:
     """Register the attention function (and its mask) with transformers as ``\"hedgecats\"``."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
     AttentionInterface.register(ATTN_IMPLEMENTATION, hedgecats_attention_forward)
     # without a mask entry the attention mask arrives as None even with padding
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+
+
+# ----------------------------------------------------------------------------- conversion
+def _base_sliding_window(cfg) -> int | None:
+    """The window of the base model's own softmax attention, if it has one (Mistral-7B-v0.1:
+    4096; later Mistrals and Llama: None). Models with per-layer window types (Qwen2 with
+    ``use_sliding_window``) are refused: their masks are built per layer type at init."""
+    layer_types = getattr(cfg, "layer_types", None) or []
+    if "sliding_attention" in layer_types:
+        raise ValueError(
+            f"{cfg.model_type} with sliding-window layers (use_sliding_window=True) is not "
+            f"supported: convert a model whose layers use full attention")
+    section = getattr(cfg, "hybrid", None)
+    if isinstance(section, dict):  # a saved hybrid: the window was lifted at conversion
+        return section.get("base_sliding_window")
+    return getattr(cfg, "sliding_window", None) if cfg.model_type == "mistral" else None
+
+
+def convert_layers(model: nn.Module, config: HybridConfig) -> list[int]:
+    """Make the layers ``config`` names hybrid, in place; return their indices.
+
+    All checks run before anything is built: an unsupported family, a layer index out of range,
+    a head dimension the rectangular projection cannot halve, a layer already converted raise
+    ``ValueError``. Each converted ``self_attn`` gets ``phi_q``, ``phi_k`` and ``mixer`` (fp32
+    master weights on its device), its runtime and its pre-hook; the model routes attention
+    through ``"hedgecats"``, records ``config`` and refuses positions past its
+    ``max_position_embeddings`` (``check_positions``). The model's class is
+    ``models.convert``'s business (``convert_to_hybrid``)."""
+    if not isinstance(config, HybridConfig):
+        raise TypeError(f"config must be a HybridConfig, got {type(config).__name__}")
+    layers = decoder_layers(model)
+    H, Hkv, D, hidden = head_dims(model.config)
+    feature_dim(D, config.feature_projection)  # raises if D cannot be halved
+    n = len(layers)
+    todo = list(range(n)) if config.layers is None else sorted(config.layers)
+    bad = [i for i in todo + list(config.layer_windows or {}) if not 0 <= i < n]
+    if bad:
+        raise ValueError(f"layer indices {sorted(set(bad))} are out of range for a model of {n} "
+                         f"layers")
+    already = [i for i in todo if hasattr(layers[i].self_attn, "hedgecats")]
+    if already:
+        raise ValueError(f"layers {already} are already converted; convert a fresh model")
+    base_window = _base_sliding_window(model.config)
+
+    register()
+    for i in todo:
+        attn = layers[i].self_attn
+        ref = attn.q_proj.weight
+        seed = (config.seed or 0) + 2 * i  # None: 0
+        attn.phi_q = HedgehogFeatureMap(H, D, config.feature_activation, config.feature_projection,
+                                        config.feature_init_std, seed=seed,
+                                        floor=config.feature_floor)
+        attn.phi_k = HedgehogFeatureMap(H if config.key_map_heads == "query" else Hkv, D,
+                                        config.feature_activation, config.feature_projection,
+                                        config.feature_init_std, seed=seed + 1,
+                                        floor=config.feature_floor, input_heads=Hkv)
+        attn.mixer = build_mixer(config.mixer, hidden_size=hidden, num_heads=H, head_dim=D,
+                                 g=config.g, gate_rank=config.gate_rank,
+                                 shared_norm_init=config.shared_norm_init, seed=seed,
+                                 shared_norm_shift=config.shared_norm_shift)
+        for name in HYBRID_PARTS:  # fp32 master weights on the layer's device
+            getattr(attn, name).to(device=ref.device, dtype=torch.float32)
+        _install(attn, config, i)
+    if base_window is not None:
+        # our attention function applies the base model's window to its softmax attention;
+        # transformers must neither mask nor evict the older keys linear attention reads
+        for layer in layers:
+            layer.self_attn.__dict__["hedgecats_base_window"] = base_window
+        model.config.sliding_window = None
+        log.info("the base model's sliding window (%d) is applied by the hedgecats attention "
+                 "function; config.sliding_window set to None so that caches keep every key",
+                 base_window)
+    model.hedgecats_config = config
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    model.register_forward_pre_hook(check_positions, with_kwargs=True)
+    return todo

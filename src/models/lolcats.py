@@ -65,11 +65,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+import yaml
 from torch import nn
 
 from .config import HybridConfig
 from .feature_maps import PROJECTIONS
 from .ops.hybrid.reference import DEN_TINY
+from .structure import hybrid_layers
 
 log = logging.getLogger(__name__)
 
@@ -211,8 +213,6 @@ class LolcatsSettings:
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides) -> LolcatsSettings:
-        import yaml
-
         p = Path(path).expanduser()
         if not p.is_file():
             raise FileNotFoundError(f"LoLCATs model config {str(path)!r} does not exist")
@@ -446,8 +446,6 @@ def load_into(model: nn.Module, w: LolcatsWeights, settings: LolcatsSettings) ->
     returns the layers filled. The model's feature maps take LoLCATs' matrices as they are (the
     same (H, D, f) layout and einsum), the scalar bias fills every feature of our per-feature
     bias, ``window_factors`` becomes the mixer's ``logit_factor``."""
-    from .convert import hybrid_layers
-
     done = []
     for i, attn in hybrid_layers(model):
         for which, phi in (("q", attn.phi_q), ("k", attn.phi_k)):

@@ -34,6 +34,7 @@ def logit(p: float) -> float:
 
 class FixedMixer(nn.Module):
     shared_norm = False
+    needs_input = False  # forward ignores the layer input
 
     def __init__(self, g: float = 0.5) -> None:
         super().__init__()
@@ -48,6 +49,7 @@ class FixedMixer(nn.Module):
 
 class LearnedHeadMixer(nn.Module):
     shared_norm = False
+    needs_input = False
 
     def __init__(self, num_heads: int, g: float = 0.5) -> None:
         super().__init__()
@@ -70,6 +72,7 @@ class SharedNormMixer(nn.Module):
     ``"window_max"`` instead of ``True``, which is what ``hybrid_attention`` takes."""
 
     shared_norm: bool | str = True
+    needs_input = False
 
     def __init__(self, num_heads: int, init: float = 0.1, shift: str = "none") -> None:
         super().__init__()
