@@ -26,7 +26,7 @@ import torch
 from hedgecats.lightning_modules.stages import AttentionTransfer, HybridFinetune
 from hedgecats.lightning_modules.strategies import ModelParallelStrategy
 from hedgecats.models import HybridConfig, convert_to_hybrid
-from hedgecats.models.checkpoint import add_lora, load_tensors, read_stage
+from hedgecats.models.stage_files import add_lora, load_tensors, read_stage
 from torch.utils.data import DataLoader, Dataset
 
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,

@@ -362,7 +362,7 @@ def run(a, on_row=None) -> dict:
                                                               "hybrid_output_mse"), T, bench,
                                         "transfer/hybrid_output_mse"))
     # stage 2 on the same model: LoRA added once (it cannot be taken off)
-    from hedgecats.models.checkpoint import add_lora
+    from hedgecats.models.stage_files import add_lora
 
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     for p in phi:
@@ -389,7 +389,7 @@ def run(a, on_row=None) -> dict:
         if T == min(int(t) for t in a.seq_lens.split(",")):
             # both modes without activation checkpointing, and with only the MLP blocks
             # checkpointed (HybridFinetune(activation_checkpointing="mlp"))
-            from hedgecats.models.checkpointing import checkpoint_mlps, uncheckpoint_mlps
+            from hedgecats.models.activation_checkpointing import checkpoint_mlps, uncheckpoint_mlps
 
             model.gradient_checkpointing_disable()
             try:

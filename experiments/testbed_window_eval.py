@@ -24,7 +24,7 @@ def evaluate_run(stage_dir: Path, window: int, n_docs: int, modes=("swa_only", "
     import yaml
     from hedgecats.data.recall_bytes import RecallDataModule
     from hedgecats.evaluation.recall import evaluate_recall
-    from hedgecats.models.checkpoint import load_hybrid
+    from hedgecats.models.stage_files import load_hybrid
 
     model, _, info = load_hybrid(stage_dir / "stage.pt")
     final = info["hybrid_config"]["window"]

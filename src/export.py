@@ -69,7 +69,7 @@ def missing_local_path(name: str) -> str | None:
 
 # ----------------------------------------------------------------------------- finding the stage
 def _read_stage(path: Path) -> dict:
-    from .models.checkpoint import read_stage
+    from .models.stage_files import read_stage
 
     return read_stage(path)
 
@@ -294,7 +294,7 @@ def export(source: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool
         push_to_hub: a repo id: the exported model goes up through transformers' own
             ``push_to_hub`` (and the tokenizer's), then the model card.
     """
-    from .models.checkpoint import load_hybrid
+    from .models.stage_files import load_hybrid
     from .models.hf import hybrid_section, save_hybrid
     from .models.io import WriteFailedError, atomic_directory, write_failed
 

@@ -69,7 +69,7 @@ def load_for_generation(spec: str, *, device: str, dtype: str = "auto",
 
     from .export import missing_local_path, resolve_stage
     from .models import hf
-    from .models.checkpoint import load_hybrid
+    from .models.stage_files import load_hybrid
     from .models.hf import read_hybrid_config
 
     missing = missing_local_path(spec)

@@ -2,7 +2,7 @@
 
 import yaml
 from hedgecats.cli import main
-from hedgecats.lightning_modules.tiny import save_tiny_llama
+from fixtures.tiny import save_tiny_llama
 
 
 def test_usage_and_unknown_command(capsys):
@@ -80,7 +80,7 @@ def test_seed_reaches_the_feature_maps_of_stage_1(tmp_path):
     """--seed N is every stage's seed_everything, and a hybrid without its own seed takes it:
     two seeds of a recipe no longer share their stage 1."""
     import torch
-    from hedgecats.models.checkpoint import read_stage
+    from hedgecats.models.stage_files import read_stage
 
     base = save_tiny_llama(tmp_path / "base")
     path = _two_stage_pipeline(tmp_path, base)

@@ -98,7 +98,7 @@ def test_bad_hybrid_yaml(ws, tmp_path, capsys):
 
 def _stage(ws: Path, name: str, base_model: str, seed: int = 3) -> Path:
     """A real stage checkpoint (``save_stage``) of the tiny model, recording ``base_model``."""
-    from hedgecats.models.checkpoint import save_stage
+    from hedgecats.models.stage_files import save_stage
     from transformers import AutoModelForCausalLM
 
     cfg = HybridConfig(window=8, seed=seed)

@@ -14,8 +14,8 @@ from hedgecats.cli import main
 @pytest.fixture(scope="module")
 def stage_pt(tmp_path_factory) -> Path:
     """A transfer stage of a tiny Llama (no LoRA)."""
-    from hedgecats.lightning_modules.tiny import save_tiny_llama
-    from hedgecats.models.checkpoint import build_hybrid, save_stage
+    from fixtures.tiny import save_tiny_llama
+    from hedgecats.models.stage_files import build_hybrid, save_stage
 
     root = tmp_path_factory.mktemp("stage")
     base = str(save_tiny_llama(root / "base"))

@@ -451,7 +451,7 @@ def test_a_moved_run_still_resumes_skips_and_evaluates(tmp_path, capsys, finishe
     assert "resume from checkpoints/last.ckpt (step 2)" in text
     results = json.loads((moved / "results.json").read_text())
     assert results["results"]["teacher"]["n_far"] > 0  # the teacher found in the moved run
-    from hedgecats.models.checkpoint import read_stage
+    from hedgecats.models.stage_files import read_stage
 
     rel = read_stage(moved / "finetune" / "stage.pt")["base_model_relative"]
     assert rel == "../teacher/model"
@@ -513,7 +513,7 @@ def test_damaged_outputs_of_a_done_stage(tmp_path, capsys, finished, damage):
         (out / "transfer" / "done").unlink()
         rc, text, err = run(capsys, cfg, out)
         assert rc == 0, err
-        from hedgecats.models.checkpoint import read_stage
+        from hedgecats.models.stage_files import read_stage
 
         assert read_stage(out / "transfer" / "stage.pt")["tensors"]
 

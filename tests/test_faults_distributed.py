@@ -86,7 +86,7 @@ def test_sharded_checkpoints_are_written_whole_with_a_previous_one(tmp_path):
     import sys
 
     from hedgecats.lightning_modules.guard import read_checkpoint_record
-    from hedgecats.lightning_modules.tiny import save_tiny_llama
+    from fixtures.tiny import save_tiny_llama
 
     base = save_tiny_llama(tmp_path / "base")
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}

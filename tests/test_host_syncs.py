@@ -16,9 +16,9 @@ from collections import Counter
 import pytest
 import torch
 from hedgecats.lightning_modules import AttentionTransfer
-from hedgecats.lightning_modules.tiny import save_tiny_llama
+from fixtures.tiny import save_tiny_llama
 from hedgecats.models import HybridConfig, convert_to_hybrid
-from hedgecats.models.checkpointing import enable_checkpointing
+from hedgecats.models.activation_checkpointing import enable_checkpointing
 from test_convert import SMALL
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM

@@ -169,7 +169,7 @@ def test_loggers_csv_by_default_and_extras_named(tmp_path, capsys):
 
 
 def test_plain_fit_resume_keeps_the_earlier_metrics(tmp_path):
-    from hedgecats.lightning_modules.tiny import save_tiny_llama
+    from fixtures.tiny import save_tiny_llama
 
     base = save_tiny_llama(tmp_path / "base")
     cfg = {

@@ -43,7 +43,7 @@ def assets(tmp_path_factory):
     """Tiny bases of both families (byte tokenizer), local FineWeb-Edu files, local tasks."""
     from hedgecats.data import byte_level_tokenizer, filler_documents, write_fineweb_files
     from hedgecats.data.recall_bytes import write_recall_mc_tasks
-    from hedgecats.lightning_modules.tiny import save_tiny_llama
+    from fixtures.tiny import save_tiny_llama
     from transformers import MistralConfig, MistralForCausalLM
 
     root = tmp_path_factory.mktemp("recipes")

@@ -13,7 +13,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from hedgecats.lightning_modules import AttentionTransfer
-from hedgecats.lightning_modules.tiny import save_tiny_llama
+from fixtures.tiny import save_tiny_llama
 from hedgecats.models.structure import unwrap
 from hedgecats.models.ops.transfer.losses import transfer_loss
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 import yaml
-from hedgecats.models import HybridConfig, checkpoint, convert_to_hybrid
-from hedgecats.models.checkpoint import resolve_dtype
+from hedgecats.models import HybridConfig, convert_to_hybrid, stage_files
+from hedgecats.models.stage_files import resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def check_base_model(base: str | None, expected: str | None, what: str = "--expe
 
 
 def _load_hybrid(path: str, device: str, dtype: torch.dtype):
-    return checkpoint.load_hybrid(path, device=device, dtype=dtype)
+    return stage_files.load_hybrid(path, device=device, dtype=dtype)
 
 
 def is_stage_checkpoint(spec: str) -> bool:
@@ -96,7 +96,7 @@ def peek_stage(spec: str) -> dict:
     """A stage checkpoint's dict (tensors included, on CPU: they are small), without building
     the model; raises ``ValueError`` if it cannot be read."""
     try:
-        return checkpoint.read_stage(stage_checkpoint_path(spec))
+        return stage_files.read_stage(stage_checkpoint_path(spec))
     except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
         raise ValueError(f"cannot read stage checkpoint {spec!r}: {e}") from e
 

@@ -46,7 +46,7 @@ def _evaluate_recall(spec: dict, ev: dict, console) -> dict:
 
     from ..evaluation.recall import EVAL_MODES, evaluate_recall, format_table, recall_summary
     from ..models import HybridConfig, convert_to_hybrid
-    from ..models.checkpoint import load_hybrid
+    from ..models.stage_files import load_hybrid
     from ..models.config import parse_variant_mapping
 
     output = Path(spec["output"])

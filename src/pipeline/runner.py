@@ -279,7 +279,7 @@ def stage_digest(path: Path) -> str:
     directory moves without changing the stage."""
     import hashlib
 
-    from ..models.checkpoint import read_stage
+    from ..models.stage_files import read_stage
 
     payload = read_stage(path)
     h = hashlib.sha256(json.dumps([payload.get("hybrid_config"), payload.get("lora_config"),
