@@ -40,8 +40,13 @@ from .ablation import ModeSpec, is_converted
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BUCKETS", "ProbeDocument", "default_distances", "format_retrieval_markdown",
-           "make_probe_documents", "probe_window", "retrieval_probe", "score_documents"]
+__all__ = ["BUCKETS", "TEACHER_FLOOR", "ProbeDocument", "default_distances",
+           "format_retrieval_markdown", "make_probe_documents", "probe_window", "retrieval_probe",
+           "score_documents", "teacher_verdict"]
+
+#: below this exact-match percentage in its best bucket, the teacher (mode ``softmax``, the
+#: original attention) has not learned what the probe asks, and no row can be read
+TEACHER_FLOOR = 10.0
 
 SCORING = ("greedy exact match of the queried value (argmax at every value token given the true "
            "prefix = greedy decoding); token accuracy alongside")
@@ -204,8 +209,27 @@ def retrieval_probe(model, tokenizer, specs: list[ModeSpec], *, window: int | No
             "distance_unit": "tokens of the model's tokenizer", "modes": modes}
 
 
+def teacher_verdict(r: dict) -> str | None:
+    """A line saying the probe does not fit the model when its teacher (the ``softmax`` row)
+    scores under ``TEACHER_FLOOR`` in every bucket with facts; ``None`` otherwise."""
+    row = r["modes"].get("softmax")
+    scores = [c["accuracy"] for c in (row or {}).values() if c["n"]]
+    if not scores or max(scores) >= TEACHER_FLOOR:
+        return None
+    best = max(scores)
+    said = "0" if best == 0 else f"at most {best:.1f}%"
+    return (f"**The teacher scores {said}: this probe does not fit this model.** Mode "
+            f"`softmax` (the original attention) does not recall the probe's facts (\"The code "
+            f"for KEY is VALUE.\": natural language, 5-digit values) at any distance measured, "
+            f"so no row above says what the branches carry. Evaluate recall on the "
+            f"documents the model learned instead: the pipeline's `evaluate:` section with "
+            f"`kind: recall` (configs/pipelines/tiny.yaml), which scores near and far recalls of "
+            f"its training corpus in every mode.")
+
+
 def format_retrieval_markdown(r: dict) -> list[str]:
-    """Rows = modes, columns = buckets; cells 'exact% (n)'."""
+    """Rows = modes, columns = buckets; cells 'exact% (n)'; a line under the table when the
+    teacher scores ~0 (``teacher_verdict``)."""
     head = [f"{b} (d {'<' if b == 'inside' else '>='} "
             f"{dict(zip(BUCKETS, ('w', 'w', '4w', '16w')))[b]})" for b in BUCKETS]
     lines = ["## Retrieval beyond the window", "",
@@ -219,6 +243,9 @@ def format_retrieval_markdown(r: dict) -> list[str]:
             cells.append("n/a (n=0)" if not c["n"] else
                          f"{c['accuracy']:.1f} ({c['token_accuracy']:.1f}, n={c['n']})")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    verdict = teacher_verdict(r)
+    if verdict:
+        lines += ["", verdict]
     first = next(iter(r["modes"].values()), {})
     empty = [b for b in BUCKETS if first and not first[b]["n"]]
     if empty:
