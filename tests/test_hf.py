@@ -16,7 +16,7 @@ import pytest
 import torch
 from hedgecats.models import HybridConfig, attention_mode, convert_to_hybrid, set_attention_mode
 from hedgecats.models.cache import HybridCache, generated_cache
-from hedgecats.models.checkpoint import add_lora
+from hedgecats.models.stage_files import add_lora
 from hedgecats.models.hf import (
     HedgecatsLlamaForCausalLM,
     hybrid_section,

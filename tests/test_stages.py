@@ -11,9 +11,9 @@ from hedgecats.lightning_modules import (
     RecallDataModule,
     TeacherPretraining,
 )
-from hedgecats.lightning_modules.tiny import save_tiny_llama
+from fixtures.tiny import save_tiny_llama
 from hedgecats.models import hybrid_layers
-from hedgecats.models.checkpoint import read_stage
+from hedgecats.models.stage_files import read_stage
 from hedgecats.models.structure import unwrap
 from hedgecats.models.ops.transfer.losses import transfer_loss
 from lightning.pytorch.callbacks import ModelCheckpoint

@@ -82,7 +82,7 @@ def _run(tmp_path, *args) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    from hedgecats.lightning_modules.tiny import save_tiny_llama
+    from fixtures.tiny import save_tiny_llama
 
     return str(save_tiny_llama(tmp_path_factory.mktemp("base") / "tiny"))
 
@@ -112,7 +112,7 @@ def test_fsdp2_runs_each_stage(stage, base, tmp_path):
     for r in (0, 1):
         assert len(res[r]["losses"]) == 2
         assert all(torch.isfinite(torch.tensor(x[2])) for x in res[r]["losses"])
-    from hedgecats.models.checkpoint import read_stage
+    from hedgecats.models.stage_files import read_stage
 
     payload = read_stage(tmp_path / "f" / "stage.pt")
     assert all(torch.isfinite(t).all() for t in payload["tensors"].values())
@@ -127,7 +127,7 @@ def test_fsdp2_finetune_with_mlp_checkpointing_matches_without(base, tmp_path):
     for r in (0, 1):
         assert [x[2] for x in mlp[r]["losses"]] == pytest.approx(
             [x[2] for x in plain[r]["losses"]], rel=1e-5)
-    from hedgecats.models.checkpoint import read_stage
+    from hedgecats.models.stage_files import read_stage
 
     a, b = (read_stage(tmp_path / d / "stage.pt")["tensors"] for d in ("p", "m"))
     assert a.keys() == b.keys() and a

@@ -14,7 +14,7 @@ from hedgecats.lightning_modules import (
     RecallDataModule,
     ScheduledSlidingWindowDropout,
 )
-from hedgecats.lightning_modules.tiny import save_tiny_llama
+from fixtures.tiny import save_tiny_llama
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 HYB = {"window": 8}

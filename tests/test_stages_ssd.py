@@ -10,9 +10,9 @@ from hedgecats.lightning_modules import (
     resolve_ssd_schedule,
     ssd_schedule,
 )
-from hedgecats.lightning_modules.tiny import save_tiny_llama
+from fixtures.tiny import save_tiny_llama
 from hedgecats.models import hybrid_layers
-from hedgecats.models.checkpoint import read_stage
+from hedgecats.models.stage_files import read_stage
 from hedgecats.models.structure import unwrap
 
 

@@ -8,7 +8,7 @@ Every stage builds its model in ``configure_model`` from a model id/path (``from
 plus a ``HybridConfig`` dict, then loads ``init_from`` (the previous stage's ``stage.pt``) with
 exact key checks. Lightning checkpoints (for ``ckpt_path`` resume) keep only the trainable
 tensors; the frozen base is reloaded from its id. At the end of ``fit`` the stage writes
-``<default_root_dir>/stage.pt`` (format in ``hedgecats.models.checkpoint``).
+``<default_root_dir>/stage.pt`` (format in ``hedgecats.models.stage_files``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from torch import nn
 
 from ..data.tokenization import BYTE_EOS_ID, BYTE_PAD_ID, BYTE_VOCAB_SIZE
 from ..models import HybridConfig, hybrid_layers, hybrid_parameter_names, set_attention_mode
-from ..models.checkpoint import (
+from ..models.stage_files import (
     add_lora,
     build_hybrid,
     read_stage,
@@ -36,7 +36,7 @@ from ..models.checkpoint import (
     save_stage,
     stage_tensors,
 )
-from ..models.checkpointing import checkpointing_mode, enable_checkpointing
+from ..models.activation_checkpointing import checkpointing_mode, enable_checkpointing
 from ..models.lora import LoraSettings
 from ..models.ops.transfer.losses import OBJECTIVES, transfer_health, transfer_loss
 from ..models.structure import unwrap
@@ -196,7 +196,7 @@ class HybridStage(_Stage):
             if payload["lora_config"] is not None:
                 raise ValueError(f"init_from={h.init_from!r} carries LoRA weights; a stage "
                                  "starting from it would silently drop them")
-            from ..models.checkpoint import load_tensors
+            from ..models.stage_files import load_tensors
 
             load_tensors(model, payload["tensors"], required=hybrid_parameter_names(model))
             log.info("loaded %d tensors from %s", len(payload["tensors"]), h.init_from)
@@ -674,7 +674,7 @@ class HybridFinetune(_NextTokenLoss, HybridStage):
         activation_checkpointing: ``false``; ``true`` (= ``"layer"``: whole decoder layers run
             again in the backward, transformers' own); ``"mlp"``: only their MLP blocks, the
             attention's activations kept (the hybrid attention then runs once a step; more
-            memory than ``true``, less than none: ``models.checkpointing``).
+            memory than ``true``, less than none: ``models.activation_checkpointing``).
     Other arguments: see ``HybridStage``.
     """
 

@@ -3,9 +3,9 @@
 import pytest
 import torch
 from hedgecats.data.tokenization import BYTE_PAD_ID
-from hedgecats.lightning_modules.tiny import save_tiny_llama
+from fixtures.tiny import save_tiny_llama
 from hedgecats.models import hybrid_parameter_names
-from hedgecats.models.checkpoint import (
+from hedgecats.models.stage_files import (
     FORMAT,
     build_hybrid,
     load_hybrid,

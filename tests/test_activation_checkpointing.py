@@ -1,4 +1,4 @@
-"""Stage 2's activation checkpointing (models.checkpointing): whole layers or MLP blocks only,
+"""Stage 2's activation checkpointing (models.activation_checkpointing): whole layers or MLP blocks only,
 the same gradients as none, and what runs twice."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 from hedgecats.lightning_modules import HybridFinetune
 from hedgecats.models import HybridConfig, convert_to_hybrid
-from hedgecats.models.checkpoint import add_lora
-from hedgecats.models.checkpointing import (checkpointing_mode, enable_checkpointing,
+from hedgecats.models.stage_files import add_lora
+from hedgecats.models.activation_checkpointing import (checkpointing_mode, enable_checkpointing,
                                             uncheckpoint_mlps)
 from test_convert import FAMILIES, ids, tiny
 
@@ -86,8 +86,8 @@ def test_bad_checkpointing_value_fails_before_building():
 def test_finetune_with_mlp_checkpointing_through_fit(tmp_path):
     """HybridFinetune(activation_checkpointing="mlp") trains through Trainer.fit, its MLPs
     checkpointed, and writes its stage checkpoint."""
-    from hedgecats.lightning_modules.tiny import save_tiny_llama
-    from hedgecats.models.checkpoint import read_stage
+    from fixtures.tiny import save_tiny_llama
+    from hedgecats.models.stage_files import read_stage
     from hedgecats.models.structure import unwrap
     from test_stages import _dm, _trainer
 
