@@ -210,3 +210,62 @@ def test_atomic_dir_replaces_only_on_success(tmp_path):
         raise RuntimeError("boom")
     assert (out / "a").read_text() == "1"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]
+
+
+# ----------------------------------------------------------------------------- issue 50
+@pytest.fixture
+def no_scoring(monkeypatch):
+    """Fails the test if a model is scored (lm-eval or a probe) before the error."""
+    def scored(*a, **k):
+        pytest.fail("a model was scored before the error")
+
+    monkeypatch.setattr(cli, "run_modes", scored)
+    monkeypatch.setattr(cli, "_probes", scored)
+
+
+def test_a_missing_model_path_says_it_does_not_exist(ws, tmp_path, capsys, no_scoring,
+                                                     monkeypatch):
+    """Not "not a converted model": the path is named as missing (item 9)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    for spec in ("runs/nope", str(tmp_path / "nope" / "stage.pt")):
+        err = _fails(["--model", spec, "--tasks", str(ws / "tasks")], tmp_path / "o", capsys,
+                     f"--model {spec!r} does not exist")
+        assert "converted" not in err
+
+
+def test_every_argument_is_checked_before_a_model_is_scored(ws, tmp_path, capsys, no_scoring):
+    """Arguments that failed only after every lm-eval task had run (item 3)."""
+    base = ["--model", str(ws / "model"), "--hybrid", str(ws / "hybrid.yaml"), "--tasks",
+            str(ws / "tasks"), "--modes", "hybrid"]
+    _fails(base + ["--baseline", str(tmp_path / "no-baseline")], tmp_path / "o", capsys,
+           "--baseline", "does not exist")
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("caf\xe9 ".encode("latin-1") * 50)
+    _fails(base + ["--branch-usage", "--branch-usage-text", str(latin1)], tmp_path / "o", capsys,
+           f"--branch-usage-text {str(latin1)!r} is not UTF-8 text")
+    for flag, value in (("--retrieval-window", "0"), ("--retrieval-max-length", "0"),
+                        ("--max-length", "0"), ("--limit", "0"), ("--bootstrap-iters", "-1")):
+        _fails(base + ["--retrieval", flag, value], tmp_path / "o", capsys, f"{flag}={value}")
+
+
+def test_branch_usage_on_a_model_with_fewer_positions_than_tokens(ws, tmp_path, capsys):
+    """--branch-usage-tokens (default 1,024) beyond max_position_embeddings: the sample is cut
+    to the model's positions, as --retrieval cuts its documents, and the results say so; it
+    failed after every lm-eval task had run, writing nothing (item 3)."""
+    import json
+    import shutil
+
+    short = tmp_path / "short"
+    shutil.copytree(ws / "model", short)
+    cfg = json.loads((short / "config.json").read_text())
+    cfg["max_position_embeddings"] = 200
+    (short / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "o"
+    rc = cli.main(["--model", str(short), "--hybrid", str(ws / "hybrid.yaml"), "--tasks",
+                   str(ws / "tasks" / "toy_acc.yaml"), "--modes", "hybrid", "--limit", "2",
+                   "--bootstrap-iters", "0", "--branch-usage", "--output", str(out), "-q"])
+    assert rc == 0, capsys.readouterr().err
+    usage = json.loads((out / "results.json").read_text())["branch_usage"]
+    assert usage["n_tokens"] == 200 and usage["max_tokens"] == 1024
+    assert "cut to max_position_embeddings=200" in usage["note"]

@@ -63,6 +63,12 @@ def branch_usage(model, tokenizer, *, text: str | None = None, max_tokens: int =
                  mode: str = "hybrid", text_source: str | None = None, device=None) -> dict:
     """Measure branch shares on ``text`` (default: ``default_text``), cut to ``max_tokens``.
 
+    ``max_tokens`` past the model's ``max_position_embeddings`` is cut to it, as the retrieval
+    probe cuts its documents: a researcher asking for the default 1,024 tokens of a model with
+    fewer positions wants the measurement over the positions it has (RoPE and the feature maps
+    never saw the others, and a converted model refuses them), not an error after every lm-eval
+    task has run. The section records both numbers and says so (``note``).
+
     Returns the ``branch_usage`` section of ``results.json``: per converted layer, per head.
     """
     layers = list(hybrid_layers(model))
@@ -72,10 +78,17 @@ def branch_usage(model, tokenizer, *, text: str | None = None, max_tokens: int =
         raise ValueError(f"branch usage runs in a mode with both branches' inputs: hybrid, "
                          f"swa_only or la_only, not {mode!r}")
     min_window = min(a.hedgecats.window for _, a in layers)
+    positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    n_tokens, note = max_tokens, None
+    if isinstance(positions, int) and max_tokens > positions:
+        n_tokens = positions
+        note = (f"the sample is cut to max_position_embeddings={positions} tokens (asked: "
+                f"{max_tokens}): the model has no later positions")
+        log.warning("branch usage: %s", note)
     if text is None:
-        text = default_text(tokenizer, max_tokens, min_window)
+        text = default_text(tokenizer, n_tokens, min_window)
         text_source = text_source or "recall-corpus document (hedgecats.data.recall, seed 0)"
-    ids = tokenizer(text, return_tensors="pt")["input_ids"][:, :max_tokens]
+    ids = tokenizer(text, return_tensors="pt")["input_ids"][:, :n_tokens]
     device = device or next(model.parameters()).device
     ids = ids.to(device)
 
@@ -117,6 +130,7 @@ def branch_usage(model, tokenizer, *, text: str | None = None, max_tokens: int =
             "mean_norm_la": (s["la"] / max(s["n_far"], 1)).tolist(),
         })
     return {"mode": mode, "text_source": text_source or "given text", "n_tokens": int(ids.shape[1]),
+            "max_tokens": max_tokens, "note": note,
             "definition": "la_share = sum_t ||w_la LA_t|| / sum_t (||w_swa SWA_t|| + ||w_la LA_t||) "
                           "per head, over positions where LA sees a key",
             "layers": out_layers}
@@ -157,7 +171,8 @@ def format_branch_usage_markdown(bu: dict) -> list[str]:
     """Per layer: mean, min and max LA share over heads (every head is in results.json)."""
     lines = ["## Branch usage", "",
              (f"LA share of the branch output norms, mode {bu['mode']}, {bu['n_tokens']} tokens of "
-              f"{bu['text_source']}; {bu['definition']}. Heatmap: branch_usage.png."), "",
+              f"{bu['text_source']}; {bu['definition']}. Heatmap: branch_usage.png."
+              + (f" Note: {bu['note']}." if bu.get("note") else "")), "",
              "| layer | window | LA share mean | min | max |", "| ---: | ---: | ---: | ---: | ---: |"]
     for layer in bu["layers"]:
         v = [x for x in layer["la_share"] if x is not None]

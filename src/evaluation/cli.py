@@ -245,11 +245,52 @@ def _probes(args, loaded, specs, device, say) -> dict:
         from .branch_usage import branch_usage
 
         say("branch usage (mode hybrid)")
-        text = Path(args.branch_usage_text).read_text() if args.branch_usage_text else None
         out["branch_usage"] = branch_usage(
-            loaded.model, loaded.tokenizer, text=text, max_tokens=args.branch_usage_tokens,
-            text_source=args.branch_usage_text, device=device)
+            loaded.model, loaded.tokenizer, text=args.branch_usage_sample,
+            max_tokens=args.branch_usage_tokens, text_source=args.branch_usage_text,
+            device=device)
     return out
+
+
+def _check_paths(args) -> None:
+    """A ``--model`` or ``--baseline`` that can only be a local path and is not there: said so,
+    instead of "not a converted model" or a hub error after every task has run."""
+    from ..export import missing_local_path
+
+    for flag, values in (("--model", args.models), ("--baseline", [args.baseline])):
+        for value in values:
+            missing = missing_local_path(value) if value else None
+            if missing:
+                raise ValueError(f"{flag} {missing}")
+
+
+def _branch_usage_sample(args) -> str | None:
+    """The text of ``--branch-usage-text``, read now (a file that is not UTF-8 text fails
+    here, not after the lm-eval tasks)."""
+    if not args.branch_usage_text:
+        return None
+    path = Path(args.branch_usage_text)
+    if not path.is_file():
+        raise ValueError(f"--branch-usage-text {args.branch_usage_text!r} is not a file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"--branch-usage-text {args.branch_usage_text!r} is not UTF-8 text "
+                         f"({err.reason} at byte {err.start}); re-encode it as UTF-8") from None
+
+
+def _check_numbers(args) -> None:
+    """Numbers that lm-eval or a probe would refuse only once it runs."""
+    for flag, value, low in (("--retrieval-docs", args.retrieval_docs, 1),
+                             ("--retrieval-window", args.retrieval_window, 1),
+                             ("--retrieval-max-length", args.retrieval_max_length, 2),
+                             ("--max-length", args.max_length, 1),
+                             ("--bootstrap-iters", args.bootstrap_iters, 0)):
+        if value is not None and value < low:
+            raise ValueError(f"{flag}={value!r} must be >= {low}")
+    if args.limit is not None and not args.limit > 0:
+        raise ValueError(f"--limit={args.limit!r} must be > 0 (documents per task, or a fraction "
+                         "below 1)")
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> dict:
@@ -268,7 +309,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
 
     say = (lambda *_: None) if args.quiet else (lambda msg: print(msg, flush=True))
     started = time.time()
-    # ---- check every input before loading anything
+    # ---- check every input before loading anything: after this, only a model or a task that
+    # cannot be loaded stops the run before the results are written
+    _check_paths(args)
     specs: list[ModeSpec] = parse_modes(args.modes)
     overrides = parse_metric_overrides(args.metric)
     out_dir = check_output_dir(args.output, args.overwrite)
@@ -311,12 +354,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
                          "(the window that defines the distance buckets)")
     if args.branch_usage and hybrid is None and not is_stage_checkpoint(args.model):
         raise ValueError("--branch-usage needs a converted model: a stage checkpoint, or --hybrid")
-    if args.branch_usage_text and not Path(args.branch_usage_text).is_file():
-        raise ValueError(f"--branch-usage-text {args.branch_usage_text!r} is not a file")
+    args.branch_usage_sample = _branch_usage_sample(args)
     if args.branch_usage_tokens < 2:
         raise ValueError(f"--branch-usage-tokens={args.branch_usage_tokens!r} must be >= 2")
-    if args.retrieval_docs < 1:
-        raise ValueError(f"--retrieval-docs={args.retrieval_docs!r} must be >= 1")
+    _check_numbers(args)
     if args.seeds and hybrid is None:
         raise ValueError("--seeds re-initialises the feature maps and needs --hybrid; a stage "
                          "checkpoint has trained ones (give one --model per training seed "
