@@ -653,6 +653,22 @@ MISTAKES = {
                                                                     "finetune", "modes": ["x"]}]),
                       "evaluate[1].modes: 'x' is not a mode"),
     "unknown logger": (None, "loggers entry neptune is not valid", {"loggers": ["neptune"]}),
+    # issue 50, item 8: values that failed only after the model had loaded
+    "batch size 0": (lambda s: _stage(s, "teacher")["data"]["init_args"].update(batch_size=0),
+                     "stages.teacher.fit.data: RecallDataModule: batch_size=0 must be an "
+                     "integer >= 1"),
+    "max_steps 0": (lambda s: _stage(s, "transfer")["trainer"].update(max_steps=0),
+                    "stages.transfer.fit.trainer.max_steps=0 trains nothing"),
+    "val_check_interval": (lambda s: _stage(s, "transfer")["trainer"].update(
+        val_check_interval=1000), ("stages.transfer.fit.trainer.val_check_interval=1000 is "
+                                   "longer than an epoch (16 batches")),
+    # issue 50, item 9: errors that did not say enough
+    "trainer typo": (lambda s: _stage(s, "transfer")["trainer"].update(max_step=3),
+                     ("stages.transfer.fit.trainer: 'max_step' is not an argument of Trainer; "
+                      "did you mean 'max_steps'?")),
+    "positions": (lambda s: _stage(s, "transfer")["data"]["init_args"].update(seq_len=2048),
+                  ("stages.transfer.fit.data.init_args.seq_len=2048 is longer than the "
+                   "model's max_position_embeddings=1024 (stage 'teacher')")),
 }
 
 

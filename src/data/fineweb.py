@@ -228,6 +228,11 @@ class FineWebEduDataModule(ResumableTrainData, pl.LightningDataModule):
     def steps_per_epoch(self) -> int:
         return (self.plan or self._plan(self._world()[1])).steps_per_epoch
 
+    def train_batches_per_epoch(self, world_size: int = 1) -> int:
+        """Micro-batches of one epoch on each of ``world_size`` processes, without reading
+        data (raises for batch sizes that do not divide, as ``setup`` does)."""
+        return self._plan(world_size).train_batches
+
     # -- Lightning hooks -----------------------------------------------------------------------
 
     def setup(self, stage: str | None = None) -> None:

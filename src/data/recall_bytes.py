@@ -268,6 +268,9 @@ class RecallDataModule(ResumableTrainData, pl.LightningDataModule):
                  num_test: int = 256, batch_size: int = 16, seed: int = 0,
                  shuffle: bool = True) -> None:
         super().__init__()
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size={batch_size!r} must be an integer >= 1 (documents per "
+                             "batch and process)")
         self.save_hyperparameters()
         self.tokenizer = None
         self._splits: dict[str, RecallCorpus] = {}
@@ -308,6 +311,12 @@ class RecallDataModule(ResumableTrainData, pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", self.hparams.shuffle)
+
+    def train_batches_per_epoch(self, world_size: int = 1) -> int:
+        """Batches of one epoch on each of ``world_size`` processes (the sampler pads the
+        shards to equal length), without generating the corpus."""
+        per_rank = -(-self.hparams.num_train // world_size)
+        return -(-per_rank // self.hparams.batch_size)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader("val", False)

@@ -328,8 +328,8 @@ def check_positions(model: nn.Module, args, kwargs) -> None:
     if last >= limit:
         raise ValueError(
             f"position {last} is past the base model's max_position_embeddings={limit}: the "
-            f"context (prompt + generated tokens) is longer than the positions the model was "
-            f"trained on; shorten the prompt or max_new_tokens")
+            f"input is longer than the positions the model was trained on; shorten it (in "
+            f"training: the data's seq_len; in generation: the prompt or max_new_tokens)")
 
 
 

@@ -256,6 +256,10 @@ def _check_stage(spec: dict, st: dict, i: int, warn) -> None:
         raise ConfigError(f"{where}.fit.trainer.enable_checkpointing=false: a pipeline stage "
                           "always checkpoints (that is how it resumes); remove the key and set "
                           "checkpoint_every_n_steps instead")
+    from lightning.pytorch import Trainer
+
+    _check_keys(Trainer, trainer, f"{where}.fit.trainer")  # jsonargparse names no near key
+    _check_budget(trainer, f"{where}.fit.trainer")
     for j, cb in enumerate(trainer.get("callbacks") or []):
         _check_class_spec(cb, f"{where}.fit.trainer.callbacks[{j}]", "Callback")
     for key in ("logger", "strategy", "plugins"):
@@ -272,12 +276,138 @@ def _check_stage(spec: dict, st: dict, i: int, warn) -> None:
     cfg = stage_config(spec, st, Path(spec["output"]) / st["name"], attempt=0)
     try:
         with contextlib.redirect_stderr(io.StringIO()):
-            build_cli(cfg, parse_only=True)
+            cli = build_cli(cfg, parse_only=True)
     except ConfigError:
         raise
     except (Exception, SystemExit) as err:
-        raise ConfigError(f"{where}.fit: {_condense(err)}") from err
+        raise ConfigError(f"{where}.fit{_instantiated(err)}: {_condense(err)}") from err
+    _check_epoch(getattr(cli.config_init, "data", None), trainer, where)
+    _check_positions(spec, st, where)
     _warn_window(st, where, warn)
+
+
+def _instantiated(err: BaseException) -> str:
+    """``.data: RecallDataModule`` when ``err`` was raised while a stage's model or data class
+    was built (jsonargparse reports it as a union that did not validate, naming the base class
+    and the class_path); ``""`` otherwise (a parse error names its own key)."""
+    text = str(err)
+    cls = re.search(r"Given value: Namespace\(class_path='([^']+)'", text)
+    base = re.search(r"Subtypes: \[<class '[\w.]+\.(LightningDataModule|LightningModule)'>", text)
+    if not cls or not base:
+        return ""
+    section = "data" if base.group(1) == "LightningDataModule" else "model"
+    return f".{section}: {cls.group(1).rsplit('.', 1)[-1]}"
+
+
+# ----------------------------------------------------------------------------- lengths
+def _check_budget(trainer: dict, at: str) -> None:
+    """A stage that would train nothing (Lightning accepts it, then fails or skips silently
+    after the model has loaded)."""
+    for key, unbounded in (("max_steps", -1), ("max_epochs", -1)):
+        v = trainer.get(key)
+        if isinstance(v, bool) or not isinstance(v, int):
+            continue  # absent, null, or a wrong type that jsonargparse reports
+        if v == 0 or v < unbounded:
+            raise ConfigError(f"{at}.{key}={v} trains nothing: give the number of "
+                              f"{'optimiser steps' if key == 'max_steps' else 'epochs'} (>= 1), "
+                              f"or -1 for no limit")
+
+
+def _world_size(trainer: dict) -> int:
+    """Processes a stage trains on, from its trainer config (``auto``: every visible GPU, or
+    one CPU process)."""
+    devices, nodes = trainer.get("devices", "auto"), trainer.get("num_nodes", 1)
+    if isinstance(devices, list):
+        n = len(devices)
+    elif isinstance(devices, int) and not isinstance(devices, bool) and devices > 0:
+        n = devices
+    elif str(trainer.get("accelerator", "auto")) == "cpu":
+        n = 1
+    else:
+        import torch
+
+        n = max(1, torch.cuda.device_count())
+    return n * (nodes if isinstance(nodes, int) and nodes > 0 else 1)
+
+
+def _check_epoch(dm, trainer: dict, where: str) -> None:
+    """An integer ``val_check_interval`` longer than an epoch: Lightning refuses it only once
+    the data is set up (the model loaded). The DataModules of this package tell their epoch's
+    length without reading data (``train_batches_per_epoch``)."""
+    vci = trainer.get("val_check_interval")
+    count = getattr(dm, "train_batches_per_epoch", None)
+    if isinstance(vci, bool) or not isinstance(vci, int) or count is None \
+            or "check_val_every_n_epoch" in trainer and trainer["check_val_every_n_epoch"] is None \
+            or trainer.get("limit_val_batches", 1) in (0, 0.0):
+        return
+    world = _world_size(trainer)
+    try:
+        n = count(world)
+    except ValueError as err:
+        raise ConfigError(f"{where}.fit.data: {type(dm).__name__}: {err}") from err
+    limit = trainer.get("limit_train_batches")
+    if isinstance(limit, int) and not isinstance(limit, bool):
+        n = min(n, limit)
+    elif isinstance(limit, float):
+        n = int(n * limit)
+    if vci > n:
+        raise ConfigError(
+            f"{where}.fit.trainer.val_check_interval={vci} is longer than an epoch ({n} batches "
+            f"per process{f' on {world} processes' if world > 1 else ''}): Lightning would refuse "
+            f"it after loading the model. Give at most {n}, or set "
+            "check_val_every_n_epoch: null to count batches across epochs")
+
+
+def _model_positions(spec: dict, st: dict, seen: frozenset = frozenset()
+                     ) -> tuple[int, str] | None:
+    """``(max_position_embeddings, where it comes from)`` of the model a stage trains, when it
+    can be known without loading anything: the stage's own argument (a model built from
+    scratch), a local model's config.json, or the stage that writes the model it reads."""
+    model = st["fit"].get("model")
+    if not isinstance(model, dict) or st["name"] in seen:
+        return None
+    args = model.get("init_args") or {}
+    with contextlib.suppress(ConfigError):
+        cls = _resolve(model.get("class_path"), "", "LightningModule")
+        param = inspect.signature(cls.__init__).parameters.get("max_position_embeddings")
+        if param is not None:
+            n = args.get("max_position_embeddings", param.default)
+            return (n, "this stage's model.init_args.max_position_embeddings") \
+                if isinstance(n, int) else None
+    out = Path(spec["output"])
+    for key in ("model_name_or_path", "init_from"):
+        value = args.get(key)
+        if not isinstance(value, str) or not value:
+            continue
+        path = Path(value).expanduser()
+        if str(path).startswith(str(out) + "/"):
+            producer = next((s for s in spec["stages"]
+                             if s["name"] == path.relative_to(out).parts[0]), None)
+            found = producer and _model_positions(spec, producer, seen | {st["name"]})
+            if found:
+                return found[0], f"stage {producer['name']!r}" if found[1].startswith(
+                    "this stage") else found[1]
+        elif (path / "config.json").is_file():
+            with contextlib.suppress(OSError, ValueError):
+                import json
+
+                n = json.loads((path / "config.json").read_text()).get("max_position_embeddings")
+                if isinstance(n, int):
+                    return n, f"{str(path / 'config.json')!r}"
+    return None
+
+
+def _check_positions(spec: dict, st: dict, where: str) -> None:
+    """A data ``seq_len`` past the model's positions: RoPE never saw them, and a converted
+    model refuses them at its first batch (with advice meant for generation)."""
+    data = st["fit"].get("data")
+    seq_len = ((data.get("init_args") or {}) if isinstance(data, dict) else {}).get("seq_len")
+    found = _model_positions(spec, st) if isinstance(seq_len, int) else None
+    if found and seq_len > found[0]:
+        raise ConfigError(
+            f"{where}.fit.data.init_args.seq_len={seq_len} is longer than the model's "
+            f"max_position_embeddings={found[0]} ({found[1]}): positions past it were never "
+            f"trained, and a converted model refuses them. Give a seq_len of at most {found[0]}")
 
 
 def _warn_window(st: dict, where: str, warn) -> None:
