@@ -222,3 +222,26 @@ def test_fineweb_records_have_the_columns(tmp_path):
         "score",
         "int_score",
     ]
+
+
+# --- issue 50, item 9: errors that name the file -------------------------------------------
+
+
+def test_a_truncated_parquet_shard_is_named(tok, good):
+    shard = good[1]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=f"data file '{shard}' cannot be read as parquet"):
+        datamodule(tok, good).setup("fit")
+
+
+@pytest.mark.parametrize("garbage", ["{not json", '{"model": {"type": "Sideways"}}'])
+def test_a_garbage_tokenizer_file_is_named(tmp_path, garbage):
+    from hedgecats.data import load_tokenizer
+
+    d = tmp_path / "tok"
+    byte_level_tokenizer(save_dir=d)
+    (d / "tokenizer.json").write_text(garbage)
+    with pytest.raises(ValueError, match=f"cannot load the tokenizer '{d}': "
+                                         f"'{d / 'tokenizer.json'}'"):
+        load_tokenizer(d)

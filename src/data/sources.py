@@ -80,9 +80,17 @@ def _file_format(files: Sequence[str]) -> str:
 def _num_rows_and_columns(path: str, fmt: str) -> tuple[int, list[str]]:
     """Row count (exact for parquet, 0 or 1 meaning empty/non-empty for json) and column names."""
     if fmt == "parquet":
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        meta = pq.ParquetFile(path)
+        try:
+            meta = pq.ParquetFile(path)
+        except (pa.ArrowInvalid, OSError) as e:  # pyarrow's message names no file
+            raise ValueError(
+                f"data file {path!r} cannot be read as parquet ({e}); it is truncated or "
+                "damaged (an interrupted download or copy?): fetch or write it again, or "
+                "leave it out of data_files"
+            ) from e
         return meta.metadata.num_rows, list(meta.schema_arrow.names)
     with open(path, "rb") as f:
         for raw in f:

@@ -125,7 +125,12 @@ def load_tokenizer(
     if isinstance(tokenizer, PreTrainedTokenizerBase):
         return tokenizer
     if isinstance(tokenizer, (str, Path, os.PathLike)):
-        return AutoTokenizer.from_pretrained(str(tokenizer))
+        try:
+            return AutoTokenizer.from_pretrained(str(tokenizer))
+        except OSError:
+            raise  # not found: transformers' message names the path or id
+        except Exception as err:  # a damaged file: the error names neither it nor the tokenizer
+            raise ValueError(unreadable_tokenizer(tokenizer, err)) from err
     raise TypeError(
         "tokenizer must be a path, a hub id or a PreTrainedTokenizerBase, "
         f"got {type(tokenizer).__name__}"
@@ -153,3 +158,34 @@ def pad_token_id(tokenizer: PreTrainedTokenizerBase, eos_id: int) -> int:
     """The id written in padded positions (masked out anyway): the pad token, else EOS."""
     pad = tokenizer.pad_token_id
     return int(pad) if pad is not None else eos_id
+
+
+#: the files of a saved tokenizer, the one read first first
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model")
+
+
+def unreadable_tokenizer(tokenizer: str | os.PathLike, err: BaseException) -> str:
+    """The message for a tokenizer that exists but cannot be loaded: which file is at fault
+    (the first of its JSON files that does not parse, else ``tokenizer.json``) and what to do."""
+    import json
+
+    where = Path(tokenizer).expanduser()
+    culprit = None
+    if where.is_dir():
+        present = [where / f for f in _TOKENIZER_FILES if (where / f).is_file()]
+        for f in present:
+            if f.suffix == ".json":
+                try:
+                    json.loads(f.read_text())
+                except (ValueError, UnicodeDecodeError):
+                    culprit = f
+                    break
+        if culprit is None and present:
+            culprit = present[0]
+    what = f"{str(culprit)!r} is damaged or not a tokenizer file" if culprit else \
+        "its files are damaged"
+    reason = (str(err).splitlines() or [""])[0][:200]
+    return (f"cannot load the tokenizer {str(tokenizer)!r}: {what} ({type(err).__name__}: "
+            f"{reason}); restore it (save the tokenizer again with save_pretrained) or point "
+            "tokenizer at another one")
