@@ -277,6 +277,29 @@ def test_sigkill_leaves_a_run_that_resumes_and_a_stale_lock_taken_over(tmp_path,
     assert not list(out.rglob(".*.tmp-*"))
 
 
+def test_sigterm_during_start_up_prints_a_line(tmp_path):
+    """A scheduler's SIGTERM while the pipeline validates and plans (before any stage): one
+    line and exit 143, nothing written (it died silently with 143; issue 50, item 9)."""
+    cfg = make_spec(tmp_path / "p.yaml")
+    out = tmp_path / "run"
+    code = ("import os, signal, sys\n"
+            "import hedgecats.pipeline.validate as v\n"
+            "real = v.validate_pipeline\n"
+            "def signalled(*a, **k):\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    return real(*a, **k)\n"
+            "v.validate_pipeline = signalled\n"
+            "from hedgecats.cli import main\n"
+            f"sys.exit(main(['pipeline', {str(cfg)!r}, '--output', {str(out)!r}]))")
+    proc = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True,
+                          timeout=240, check=False)
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("hedgecats pipeline:")]
+    assert proc.returncode == 143 and len(lines) == 1 and "Traceback" not in proc.stderr, \
+        (proc.returncode, proc.stderr[-3000:])
+    assert "interrupted by SIGTERM during start-up" in lines[0] and "nothing ran" in lines[0]
+    assert not out.exists()
+
+
 # ============================================================================= divergence
 def test_a_weight_blow_up_is_never_resumed_and_continues_from_the_last_good_checkpoint(
         tmp_path, capsys, finished):

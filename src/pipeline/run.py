@@ -34,6 +34,41 @@ def _describe(stage: dict) -> str:
     return f"{cls} [{budget}] data={dcls} {args}"
 
 
+def _start(path, output, *, seed, variables, overrides, force, flags, console, warn):
+    """Load, check and validate the pipeline, plan every stage (a changed or damaged stage is
+    refused here, before anything trains) and print the plan; returns ``(spec, run directory,
+    evaluations)``. Writes nothing."""
+    from rich.markup import escape
+
+    from . import rundir, runner
+    from .validate import validate_pipeline
+
+    spec = load_pipeline(path, output, seed=seed, variables=variables, overrides=overrides)
+    out = Path(spec["output"])
+    names = [st["name"] for st in spec["stages"]]
+    rundir.check_output(out, pipeline=spec["name"], stage_names=names, force=force)
+    spec["run_id"] = rundir.run_id(out)
+    validate_pipeline(spec, warn=warn)
+    plans, runs = [], set()
+    for st in spec["stages"]:
+        plan = runner.plan_stage(spec, st, upstream_runs=runs, check_inputs=not runs, **flags)
+        if plan.status != "done":
+            runs.add(st["name"])
+        plans.append(plan)
+    n = len(spec["stages"])
+    console.print(f"[bold]pipeline {escape(spec['name'])}[/bold] -> {escape(str(out))} "
+                  f"(seed {spec['seed']})", soft_wrap=True)
+    for i, (st, plan) in enumerate(zip(spec["stages"], plans), 1):
+        console.print(f"  {i}/{n} {st['name']} [{plan.describe()}]: {_describe(st)}",
+                      soft_wrap=True, markup=False)
+        for note in plan.notes:
+            warn(f"    note: {note}")
+    evals = evaluations(spec)
+    for ev in evals:
+        console.print(f"  evaluate: {ev.get('kind', 'recall')} on stage {ev.get('stage')!r}")
+    return spec, out, evals
+
+
 def run_pipeline(path: str | Path, output: str | Path | None = None, dry_run: bool = False,
                  console=None, seed: int | None = None, variables: dict | None = None,
                  overrides: list | None = None, *, restart_changed: bool = False,
@@ -49,7 +84,6 @@ def run_pipeline(path: str | Path, output: str | Path | None = None, dry_run: bo
     from ..models.io import atomic_write_text
     from . import rundir, runner
     from .errors import ConfigError, Interrupted
-    from .validate import validate_pipeline
 
     if restart_changed and resume_changed:
         raise ConfigError("--restart-changed and --resume-changed exclude each other")
@@ -58,45 +92,35 @@ def run_pipeline(path: str | Path, output: str | Path | None = None, dry_run: bo
     def warn(msg: str) -> None:
         console.print(f"[yellow]{escape(msg)}[/yellow]", soft_wrap=True)
 
-    spec = load_pipeline(path, output, seed=seed, variables=variables, overrides=overrides)
-    out = Path(spec["output"])
-    names = [st["name"] for st in spec["stages"]]
-    rundir.check_output(out, pipeline=spec["name"], stage_names=names, force=force)
-    spec["run_id"] = rundir.run_id(out)
-    validate_pipeline(spec, warn=warn)
-    resume_command = resume_command or shlex.join(
-        ["hedgecats", "pipeline", str(path), "--output", str(out)])
     flags = {"restart_changed": restart_changed, "resume_changed": resume_changed}
+    given_resume = resume_command
 
-    def plan_all() -> list:
-        plans, runs = [], set()
-        for st in spec["stages"]:
-            plan = runner.plan_stage(spec, st, upstream_runs=runs, check_inputs=not runs, **flags)
-            if plan.status != "done":
-                runs.add(st["name"])
-            plans.append(plan)
-        return plans
-
-    plans = plan_all()  # a changed or damaged stage is refused here, before anything trains
-    n = len(spec["stages"])
-    console.print(f"[bold]pipeline {escape(spec['name'])}[/bold] -> {escape(str(out))} "
-                  f"(seed {spec['seed']})", soft_wrap=True)
-    for i, (st, plan) in enumerate(zip(spec["stages"], plans), 1):
-        console.print(f"  {i}/{n} {st['name']} [{plan.describe()}]: {_describe(st)}",
-                      soft_wrap=True, markup=False)
-        for note in plan.notes:
-            warn(f"    note: {note}")
-    evals = evaluations(spec)
-    for ev in evals:
-        console.print(f"  evaluate: {ev.get('kind', 'recall')} on stage {ev.get('stage')!r}")
-    if dry_run:
-        console.print("dry run: the pipeline is valid; nothing was run", soft_wrap=True)
-        return None
-    rank0 = rundir.is_rank_zero()
-    lock = rundir.acquire_lock(out, resume_command, warn=warn) if rank0 else None
-    phase = "before the first stage"
+    # a signal during start-up (validating and planning: seconds to minutes) prints its line
+    # too; before, SIGTERM's default action ended the process silently with 143
+    resume_command = resume_command or shlex.join(
+        ["hedgecats", "pipeline", str(path)] + (["--output", str(output)] if output else []))
+    phase = "during start-up (nothing ran in this invocation)"
+    lock = None
     try:
         with runner.SignalGuard() as signals:
+            try:
+                spec, out, evals = _start(
+                    path, output, seed=seed, variables=variables, overrides=overrides,
+                    force=force, flags=flags, console=console, warn=warn)
+            except Exception as err:  # a signal that a library caught and reported otherwise
+                if signals.received and not isinstance(err, Interrupted):
+                    raise Interrupted(signals.received, "") from err
+                raise
+            if signals.received:
+                raise Interrupted(signals.received, "")
+            if dry_run:
+                console.print("dry run: the pipeline is valid; nothing was run", soft_wrap=True)
+                return None
+            resume_command = given_resume or shlex.join(
+                ["hedgecats", "pipeline", str(path), "--output", str(out)])
+            rank0 = rundir.is_rank_zero()
+            lock = rundir.acquire_lock(out, resume_command, warn=warn) if rank0 else None
+            phase = "before the first stage"
             if rank0:
                 rundir.write_marker(out, pipeline=spec["name"], source=spec["source"])
                 for tmp in runner.stale_temporaries(out):  # left by a killed write
@@ -105,6 +129,7 @@ def run_pipeline(path: str | Path, output: str | Path | None = None, dry_run: bo
             ctx = runner.RunContext(spec, console, signals, resume_command, rank0)
             t0 = time.time()
             ran: set[str] = set()
+            n = len(spec["stages"])
             for i, st in enumerate(spec["stages"], 1):
                 phase = f"before stage {st['name']!r}"
                 plan = runner.plan_stage(spec, st, upstream_runs=ran, check_inputs=True, **flags)
