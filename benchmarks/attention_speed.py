@@ -52,7 +52,8 @@ from pathlib import Path
 import torch
 from hedgecats.models.ops import switches as kernel_switches
 from hedgecats.models.ops.hybrid import backends
-from hedgecats.models.ops.hybrid import kernels as th
+from hedgecats.models.ops.hybrid import config as kconfig
+from hedgecats.models.ops.hybrid.function import hybrid_kernel
 from hedgecats.models.ops.hybrid import reference as ref
 
 from benchmarks import timing
@@ -138,7 +139,8 @@ def run_shape(a, B, T, results, log):
     have_triton = backends.available("triton")
 
     def pieces(mixer="fixed"):
-        be = "reference" if timing.DEVICE == "cpu" else "fla" if backends.available("fla") else "flex"
+        be = ("reference" if timing.DEVICE == "cpu" else
+              "fla" if backends.available("fla") else "flex")
         return lambda: L.hybrid(mixer, backend=be)
 
     rows = []
@@ -197,9 +199,9 @@ def run_shape(a, B, T, results, log):
                                              pieces=None if use_ref else pieces(mixer))
             if have_triton and name.startswith("hybrid") and "pieces" not in name:
                 with torch.no_grad():
-                    c0 = th.CALLS["forward"]
+                    c0 = kconfig.CALLS["forward"]
                     fwd()
-                    row["fused_kernel"] = th.CALLS["forward"] > c0
+                    row["fused_kernel"] = kconfig.CALLS["forward"] > c0
             fn = step_fwd_bwd(L, fwd) if kind == "fwd+bwd" else step_fwd(fwd)
             row.update(bench_adaptive(fn, a.budget_ms))
             row.update(device_ms(fn, row["ms"]))
@@ -235,8 +237,8 @@ def tune(L: Layer, B, T, log, names: list[str] | None = None) -> list[dict]:
             row["tiles"] = conf.__dict__
 
             def fwd(q=L.q, k=L.k, v=L.v):
-                return th.hybrid_kernel(q, k, v, fq, fk, ones, 1 - ones, ones, shift,
-                                        window=L.w, scale=L.scale, eps=ref.DEN_TINY, config=conf)
+                return hybrid_kernel(q, k, v, fq, fk, ones, 1 - ones, ones, shift, window=L.w,
+                                     scale=L.scale, eps=ref.DEN_TINY, config=conf)
             with torch.no_grad():
                 out = fwd().float()
             if want is None:
@@ -528,8 +530,8 @@ def main(argv=None) -> int:
     def write():  # after every shape: a run cut short by a time limit keeps what it measured
         res["seconds"] = round(time.time() - t0, 1)
         if backends.available("triton"):
-            res["kernel_tile_retries"] = list(th.RETRIES)
-            res["kernel_fallback_errors"] = list(th.FALLBACK_ERRORS)
+            res["kernel_tile_retries"] = list(kconfig.RETRIES)
+            res["kernel_fallback_errors"] = list(kconfig.FALLBACK_ERRORS)
         res["ratios"] = ratios(res["rows"])
         res["ratios_with_pytorch_phi"] = ratios(res["rows"], " [pytorch phi]")
         res["ratios_device_time"] = ratios(res["rows"], time_key="device_ms")

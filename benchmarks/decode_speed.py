@@ -198,9 +198,9 @@ def static_cache_like(model, dyn_cache, batch: int, length: int, capacity: int):
 
 
 def _fused_steps() -> int:
-    from hedgecats.models.ops.decode import kernels as triton_decode
+    from hedgecats.models.ops.instrument import TRACE
 
-    return triton_decode.CALLS["step"]
+    return TRACE.calls["decode.step"]
 
 
 def run_latency(model, contexts, args, device) -> list[dict]:

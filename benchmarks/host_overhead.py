@@ -158,6 +158,7 @@ def patch_routing():
     from hedgecats.models import feature_maps as fm
     from hedgecats.models.ops import triton_common
     from hedgecats.models.ops.hybrid import backends
+    from hedgecats.models.ops.feature_map import dispatch as fm_dispatch
     from hedgecats.models.ops.feature_map import kernels as triton_phi
 
     if not triton_common.HAVE_TRITON:
@@ -216,8 +217,8 @@ def patch_routing():
     backends.triton_enabled = lambda: True
 
     def fused(self, x, with_input=False, kernel_du=False):
-        return triton_phi.hedgehog_features(x, self.weight, self.bias, self.activation,
-                                            with_input=with_input, kernel_du=kernel_du)
+        return fm_dispatch.hedgehog_features(x, self.weight, self.bias, self.activation,
+                                             with_input=with_input, kernel_du=kernel_du)
 
     fm.HedgehogFeatureMap._fused = fused
 

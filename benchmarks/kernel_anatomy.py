@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 from hedgecats.models.ops import switches as kernel_switches
-from hedgecats.models.ops.hybrid import kernels as th
+from hedgecats.models.ops.hybrid.function import hybrid_kernel
 from hedgecats.models.ops.hybrid import reference as ref
 
 from benchmarks.layer import (TUNE_CONFIGS, Layer, add_head_args, default_tiles_changed,
@@ -143,9 +143,9 @@ def _kernel_calls(L: Layer, conf, has_swa: bool, has_la: bool):
     shift = torch.full((B, H), L.w, device="cuda", dtype=torch.int32)
 
     def fwd():
-        return th.hybrid_kernel(L.q, L.k, L.v, fq, fk, half, 1 - half, half, shift,
-                                window=L.w, scale=L.scale, eps=ref.DEN_TINY, has_swa=has_swa,
-                                has_la=has_la, config=conf)
+        return hybrid_kernel(L.q, L.k, L.v, fq, fk, half, 1 - half, half, shift, window=L.w,
+                             scale=L.scale, eps=ref.DEN_TINY, has_swa=has_swa, has_la=has_la,
+                             config=conf)
 
     def fwd_bwd():
         fwd().backward(L.do.transpose(1, 2))

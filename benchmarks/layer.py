@@ -9,13 +9,14 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import sys
 
 import torch
 from hedgecats.models import HedgehogFeatureMap, hybrid_attention
 from hedgecats.models.mixers import LearnedHeadMixer, SharedNormMixer
 from hedgecats.models.ops import switches as kernel_switches
 from hedgecats.models.ops.hybrid import backends
-from hedgecats.models.ops.hybrid import kernels as th
+from hedgecats.models.ops.hybrid import config as kconfig
 from hedgecats.models.ops.hybrid import reference as ref
 
 from benchmarks import timing
@@ -247,12 +248,12 @@ TUNE_CONFIGS = {
 
 def tile_config(name: str, D: int, F: int, dtype: torch.dtype):
     """``TUNE_CONFIGS[name]`` as a ``KernelConfig`` for head size ``D``, feature size ``F``."""
-    return dataclasses.replace(th.default_config(D, F, dtype), **TUNE_CONFIGS[name])
+    return dataclasses.replace(kconfig.default_config(D, F, dtype), **TUNE_CONFIGS[name])
 
 
 def parse_tiles(spec: str) -> dict:
     """``--tiles``' "field=value,..." (``KernelConfig`` fields, values Python literals)."""
-    fields = {f.name for f in dataclasses.fields(th.KernelConfig)}
+    fields = {f.name for f in dataclasses.fields(kconfig.KernelConfig)}
     out = {}
     for item, name, value in kernel_switches.assignments(
             spec, "--tiles", "field=value (e.g. save_branches=False)"):
@@ -264,20 +265,35 @@ def parse_tiles(spec: str) -> dict:
 
 
 @contextlib.contextmanager
+def default_config_replaced(replacement):
+    """``default_config`` replaced by ``replacement`` (D, F, dtype) -> KernelConfig inside, in
+    its module and in every loaded module of the hybrid family that holds it by name (the
+    kernel asks it when a call is given no config)."""
+    base = kconfig.default_config
+    holders = [m for name, m in list(sys.modules.items())
+               if name.startswith("hedgecats.models.ops.hybrid") and m is not None
+               and getattr(m, "default_config", None) is base]
+    for m in holders:
+        m.default_config = replacement
+    try:
+        yield
+    finally:
+        for m in holders:
+            m.default_config = base
+
+
+@contextlib.contextmanager
 def default_tiles_changed(changes: dict | None):
     """``default_config`` returning its tiles with ``changes`` inside (what the layer's call
-    reaches: the kernel asks it when given no config)."""
+    reaches)."""
     if not changes:
         yield
         return
-    base = th.default_config
+    base = kconfig.default_config
 
     @functools.lru_cache(maxsize=64)  # (one config a shape, as the default's: the host time
     def changed(D, F, dtype):  # of a call with changed tiles is the default's)
         return dataclasses.replace(base(D, F, dtype), **changes)
 
-    th.default_config = changed
-    try:
+    with default_config_replaced(changed):
         yield
-    finally:
-        th.default_config = base

@@ -15,7 +15,9 @@ import json
 import torch
 from hedgecats.models import HedgehogFeatureMap
 from hedgecats.models.ops.feature_map import kernels as tp
-from hedgecats.models.ops.hybrid import kernels as th
+from hedgecats.models.ops.instrument import TRACE
+from hedgecats.models.ops.hybrid import config as kconfig
+from hedgecats.models.ops.hybrid.function import hybrid_kernel
 
 from benchmarks.layer import add_head_args
 
@@ -61,7 +63,7 @@ def main(argv=None):
             phi_q.zero_grad(set_to_none=True)
         record(f"feature map q fwd+bwd (dx {need_dx})", phi_step)
     FH = phi_q.weight.shape[-1]
-    du, _ = tp._du_buffer(q, FH)
+    du = tp.new_du(q, FH)
     du.normal_()
     record("bias grad: du.float().sum((0, 2))", lambda: du.float().sum(dim=(0, 2)))
     record("bias grad: du.sum((0, 2), dtype=float32)",
@@ -71,15 +73,15 @@ def main(argv=None):
         fq, fk = phi_q(q), phi_k(k)
     half = torch.full((B, H), 0.5, device=dev)
     shift = torch.full((B, H), w, device=dev, dtype=torch.int32)
-    base_cfg = th.default_config(D, fq.shape[-1], dt)
+    base_cfg = kconfig.default_config(D, fq.shape[-1], dt)
     for split in (True, False):
         for save in (True, False):
             cfg = dataclasses.replace(base_cfg, split_states=split, save_branches=save)
 
             def kernel_step(cfg=cfg):
                 ins = [x.detach().requires_grad_() for x in (q, k, v, fq, fk)]
-                out = th.hybrid_kernel(*ins, half, half, half, shift, window=w,
-                                       scale=D ** -0.5, eps=1e-6, config=cfg)
+                out = hybrid_kernel(*ins, half, half, half, shift, window=w,
+                                scale=D ** -0.5, eps=1e-6, config=cfg)
                 out.backward(do)
             record(f"fused kernel fwd+bwd (split {split}, save {save})", kernel_step)
 
@@ -91,8 +93,8 @@ def main(argv=None):
         phi_q.zero_grad(set_to_none=True)
         phi_k.zero_grad(set_to_none=True)
     record("layer fwd+bwd (default path)", layer_step)
-    res["retries"], res["fallbacks"] = th.RETRIES, th.FALLBACK_ERRORS + tp.FALLBACK_ERRORS
-    print("retries:", th.RETRIES, "fallbacks:", res["fallbacks"], flush=True)
+    res["retries"], res["fallbacks"] = kconfig.RETRIES, kconfig.FALLBACK_ERRORS + TRACE.fallbacks
+    print("retries:", kconfig.RETRIES, "fallbacks:", res["fallbacks"], flush=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)

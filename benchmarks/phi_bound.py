@@ -1,4 +1,4 @@
-"""What bounds the maps' forward pair (``triton_phi.map_forward_pair``): the pair against
+"""What bounds the maps' forward pair (``feature_map.kernels.map_forward_pair``): the pair against
 kernels of its grid and tiles that do less, in device time, in one run.
 
     python -m benchmarks.phi_bound --shape 8x1024 --out DIR
@@ -9,12 +9,11 @@ Why: at 8 x 1k the pair reads 84 MB (q, k) and writes 168 MB (phi_q, phi_k) in ~
 heads, k map 8, D = F/2 = 128, bf16, x in the (B, T, H, D) layout transposed as attention
 gets it):
 
-    pair        the maps' kernel (``map_forward_pair``) on one program a block, the softmax
-                by divisions (the layer's until session 24)
-    pair-rcp    ... with ``triton_phi.RECIPROCAL_SOFTMAX``
-    default     ... with the module's defaults (since session 24 the walk and the reciprocal)
-    walk*       ... on walking programs (``FORWARD_WALK``: programs a multiprocessor; -tma:
-                ``FORWARD_TMA``; -s4: ``WALK_STAGES`` 4; -32x4: ``WALK_TILES`` (32, 4))
+    pair        the maps' kernel (``map_forward_pair``) on one program a block
+    default     ... on the shape's own plan (``pair_plan``: the walk at D = F/2 = 128)
+    walk*       ... on walking programs (``PairPlan``: walkN, N programs a multiprocessor;
+                -tma: through descriptors, else by pointers; -s4: 4 stages; -32x4: 32 rows
+                on 4 warps)
     dot         the same grid, loads and stores; u = x W stored in both halves (no activations)
     copy        the same grid; x stored in both halves (no weight, no product)
     read        the same grid; x read, one value a program stored
@@ -41,33 +40,26 @@ from pathlib import Path
 
 import torch
 from hedgecats.models.ops.feature_map import kernels as tp
+from hedgecats.models.ops.feature_map import reference
 from hedgecats.models.ops.triton_common import cdiv, tl, triton
 
 from benchmarks import timing
 from benchmarks.layer import rel
 from benchmarks.timing import device_ms, environment
 
-#: the pair's rows: the ``triton_phi`` switches each sets over ``PAIR_BASE`` (``default``: the
-#: module's defaults as they are). ptxas, sm_90a, D = F/2 = 128: the walk at 64 x 8 warps
-#: 183 registers by pointers (one program a multiprocessor), 170-175 and 131-164 KB of shared
-#: memory through descriptors (one); at 32 x 4 through descriptors 156 and 82 KB (two), 66 KB
-#: at 2 stages (three)
-PAIR_BASE = dict(FORWARD_WALK=None, FORWARD_TMA=True, WALK_TILES=None, WALK_STAGES=3,
-                 RECIPROCAL_SOFTMAX=False, FORWARD_TILES=None)
-PAIR_ROWS = {"default": None, "pair": {}, "pair-rcp": dict(RECIPROCAL_SOFTMAX=True),
-             "walk1": dict(FORWARD_WALK=1, FORWARD_TMA=False),
-             "walk1-tma": dict(FORWARD_WALK=1),
-             "walk1-tma-s4": dict(FORWARD_WALK=1, WALK_STAGES=4),
-             "walk1-tma-rcp": dict(FORWARD_WALK=1, RECIPROCAL_SOFTMAX=True),
-             "walk2-tma-32x4": dict(FORWARD_WALK=2, WALK_TILES=(32, 4)),
-             "walk2-tma-32x4-rcp": dict(FORWARD_WALK=2, WALK_TILES=(32, 4),
-                                        RECIPROCAL_SOFTMAX=True),
-             "walk2-tma-32x4-s2": dict(FORWARD_WALK=2, WALK_TILES=(32, 4), WALK_STAGES=2),
-             "walk3-tma-32x4-s2": dict(FORWARD_WALK=3, WALK_TILES=(32, 4), WALK_STAGES=2),
-             "walk2-tma-64x4-s2": dict(FORWARD_WALK=2, WALK_TILES=(64, 4), WALK_STAGES=2),
-             # four stages of the default's walk (~98 KB: still two a multiprocessor)
-             "walk2-tma-32x4-s4-rcp": dict(FORWARD_WALK=2, WALK_TILES=(32, 4), WALK_STAGES=4,
-                                           RECIPROCAL_SOFTMAX=True)}
+#: the pair's rows: (the plan each runs, ``PairPlan``'s fields; through descriptors, else x one
+#: element past an aligned address, which ``tma_ok`` refuses: by pointers); ``default``: the
+#: shape's own plan. ptxas, sm_90a, D = F/2 = 128: the walk at 64 x 8 warps 183 registers by
+#: pointers (one program a multiprocessor), 170-175 and 131-164 KB of shared memory through
+#: descriptors (one); at 32 x 4 through descriptors 156 and 82 KB (two), 66 KB at 2 stages
+#: (three)
+PAIR_ROWS = {"default": None, "pair": ((None, 64, 8), True),
+             "walk1": ((1, 64, 8, 3), False), "walk1-tma": ((1, 64, 8, 3), True),
+             "walk1-tma-s4": ((1, 64, 8, 4), True), "walk2-tma-32x4": ((2, 32, 4, 3), True),
+             "walk2-tma-32x4-s2": ((2, 32, 4, 2), True),
+             "walk3-tma-32x4-s2": ((3, 32, 4, 2), True),
+             "walk2-tma-64x4-s2": ((2, 64, 4, 2), True),
+             "walk2-tma-32x4-s4": ((2, 32, 4, 4), True)}
 ROWS = (*PAIR_ROWS, "dot", "copy", "read", "write", "torch-cat")
 
 
@@ -116,17 +108,15 @@ def row_fn(name: str, inputs):
     """A callable running row ``name`` once over both maps."""
     (xq, wq, bq), (xk, wk, bk) = inputs
     if name in PAIR_ROWS:
-        switches = {} if PAIR_ROWS[name] is None else {**PAIR_BASE, **PAIR_ROWS[name]}
+        plan, tma = PAIR_ROWS[name] or (None, True)
+        plan = None if plan is None else tp.PairPlan(*plan)
+        if not tma:  # (copies one element past an aligned address: no descriptors)
+            xq, xk = (torch.empty(x.numel() + 1, device=x.device, dtype=x.dtype)[1:]
+                      .view(x.shape[0], x.shape[2], x.shape[1], x.shape[3])
+                      .copy_(x.transpose(1, 2)).transpose(1, 2) for x in (xq, xk))
 
         def pair():
-            before = {k: getattr(tp, k) for k in switches}
-            for k, v in switches.items():
-                setattr(tp, k, v)
-            try:
-                return tp.map_forward_pair(xq, wq, bq, True, xk, wk, bk, True)
-            finally:
-                for k, v in before.items():
-                    setattr(tp, k, v)
+            return tp.map_forward_pair(xq, wq, bq, True, xk, wk, bk, True, plan=plan)
         return pair
     ys = [torch.empty(*x.shape[:3], 2 * w.shape[-1], device=x.device, dtype=x.dtype)
           for x, w, _ in inputs]
@@ -134,7 +124,7 @@ def row_fn(name: str, inputs):
         return lambda: [torch.cat((x, x), -1, out=y) for (x, _, _), y in zip(inputs, ys)]
     mode = ("dot", "copy", "read", "write").index(name)
     ws = [w.to(x.dtype).contiguous() for x, w, _ in inputs]
-    BM, warps = tp._forward_tiles(xq.shape[-1], wq.shape[-1])
+    BM, warps = tp._tiles(xq.shape[-1], wq.shape[-1], backward=False)
     sums = torch.empty(xq.shape[0] * xq.shape[1] * cdiv(xq.shape[2], BM), device=xq.device)
 
     def less():
@@ -156,7 +146,7 @@ def row_error(name: str, inputs, ys) -> float:
     errs = []
     for (x, w, b), y in zip(inputs, ys):
         if name in PAIR_ROWS:
-            want = tp.reference_features(x.float(), w, b, "softmax")
+            want = reference.reference_features(x.float(), w, b, "softmax")
         elif name == "dot":
             u = torch.einsum("bhtd,hdf->bhtf", x.float(), w.to(x.dtype).float())
             want = torch.cat((u, u), -1)

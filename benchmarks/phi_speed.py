@@ -1,7 +1,6 @@
-"""The fused feature map (``ops.triton_phi``) under variants, against the fp32 PyTorch map, in
-one run: the backward with the activations read from the forward's output or recomputed from x
-(``triton_phi.BWD_FROM_OUTPUT``), and other rows per program (``VARIANTS``: the tiles
-``triton_phi._tiles`` picks, replaced for the row).
+"""The fused feature map (``ops.feature_map``) under variants, against the fp32 PyTorch map, in
+one run: other rows per program (``VARIANTS``: the tiles ``feature_map.kernels._tiles`` picks,
+replaced for the row).
 
     python -m benchmarks.phi_speed --shapes 1x65536,8x1024 [--variants a,b] --out DIR
 
@@ -20,24 +19,24 @@ import sys
 from pathlib import Path
 
 import torch
+from hedgecats.models.ops.feature_map import dispatch, reference
 from hedgecats.models.ops.feature_map import kernels as tp
 
 from benchmarks.layer import rel
 from benchmarks.timing import bench, device_ms, environment
 
-#: name: (backward reads the forward's output, (rows, warps) of the forward or None for
-#: ``_tiles``'s, the same for the backward). ptxas's report with the launch's divisibility
-#: hints shows the D 128 / F 256 backward at 64 rows without spill (102 registers, wgmma; 32
-#: rows get mma.sync) and the forward at 128 rows (182)
+#: name: ((rows, warps) of the forward or None for ``_tiles``'s, the same for the backward).
+#: ptxas's report with the launch's divisibility hints shows the D 128 / F 256 backward at 64
+#: rows without spill (102 registers, wgmma; 32 rows get mma.sync) and the forward at 128 rows
+#: (182)
 VARIANTS = {
-    "from-output": (True, None, None),
-    "recompute": (False, None, None),
-    "bwd32": (True, None, (32, 8)),
-    "bwd128": (True, None, (128, 8)),
-    "fwd128": (True, (128, 8), None),
-    "fwd32w4": (True, (32, 4), None),
-    "fwd64w4": (True, (64, 4), None),
-    "bwd64w4": (True, None, (64, 4)),
+    "default": (None, None),
+    "bwd32": (None, (32, 8)),
+    "bwd128": (None, (128, 8)),
+    "fwd128": ((128, 8), None),
+    "fwd32w4": ((32, 4), None),
+    "fwd64w4": ((64, 4), None),
+    "bwd64w4": (None, (64, 4)),
 }
 
 
@@ -66,7 +65,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="1x65536,8x1024")
     p.add_argument("--out", default=None)
-    p.add_argument("--variants", default="from-output,recompute",
+    p.add_argument("--variants", default="default,bwd32",
                    help=f"comma-separated, of {', '.join(VARIANTS)} (each timed twice)")
     a = p.parse_args(argv)
     names = a.variants.split(",")
@@ -76,15 +75,15 @@ def main(argv=None):
     H, Hkv, D = 32, 8, 128
     res = dict(environment=environment(), rows=[],
                command=" ".join(["python", "-m", "benchmarks.phi_speed"] + (argv or sys.argv[1:])))
-    fused = lambda x, w, b: tp.hedgehog_features(x, w, b, "softmax")  # noqa: E731
-    default_tiles, default_from_y = tp._tiles, tp.BWD_FROM_OUTPUT
+    fused = lambda x, w, b: dispatch.hedgehog_features(x, w, b, "softmax")  # noqa: E731
+    default_tiles = tp._tiles
     for shape in a.shapes.split(","):
         B, T = map(int, shape.split("x"))
         args = maps(B, T, (H, Hkv), D)
         dys = [torch.randn(B, h, T, 2 * D, device="cuda", dtype=torch.bfloat16)
                for h in (H, Hkv)]
         want = grads([[t.detach().float().requires_grad_() for t in m] for m in args], dys,
-                     tp.reference_features)
+                     reference.reference_features)
 
         def fwd():
             with torch.no_grad():
@@ -98,8 +97,7 @@ def main(argv=None):
                 t.grad = None
         try:
             for variant in names + names:  # twice: the spread between repeats
-                from_y, fwd_tiles, bwd_tiles = VARIANTS[variant]
-                tp.BWD_FROM_OUTPUT = from_y
+                fwd_tiles, bwd_tiles = VARIANTS[variant]
 
                 def tiles(D_, FH, backward, f=fwd_tiles, b=bwd_tiles):
                     pick = b if backward else f
@@ -117,7 +115,7 @@ def main(argv=None):
                 res["rows"].append(row)
                 print(json.dumps(row), flush=True)
         finally:
-            tp.BWD_FROM_OUTPUT, tp._tiles = default_from_y, default_tiles
+            tp._tiles = default_tiles
         args = dys = want = None
         torch.cuda.empty_cache()
     if a.out:

@@ -31,9 +31,9 @@ def host_and_device_ms(fn, n: int = 20, sleep_ms: float = 200.0, repeats: int = 
     """``fn``'s host (Python + launch) and device time per call apart, over ``n`` calls
     enqueued behind a ``sleep_ms`` sleep kernel (``timing.device_ms``), ``repeats``
     times: the medians, and the host's range (one window of 20 calls is noisy on a shared
-    host: the same code can read 10% apart). When host > device, an isolated call is launch-bound and a timing of it
-    with events measures the host; inside a model the host runs ahead while the GPU does the
-    layer's other work."""
+    host: the same code can read 10% apart). When host > device, an isolated call is
+    launch-bound and a timing of it with events measures the host; inside a model the host
+    runs ahead while the GPU does the layer's other work."""
     got = [device_ms(fn, per_call_ms=0.0, max_calls=n, sleep_ms=sleep_ms)
            for _ in range(repeats)]
     host = sorted(r["host_ms"] for r in got)
@@ -103,8 +103,9 @@ def host_breakdown(fn, n: int = 20, sleep_ms: float = 200.0) -> dict:
     warm-up, the whole call's host time beside them (``total``; the backward on autograd's
     thread included: the main thread waits for it). The calls are enqueued behind a
     ``sleep_ms`` sleep kernel (on CUDA): with the GPU running them, a host faster than the GPU
-    waits inside the launches once the launch queue fills (then one launch reads 70-100 us). Where the host work of a launch-bound layer goes, without
-    cProfile's per-call inflation of small Python functions."""
+    waits inside the launches once the launch queue fills (then one launch reads 70-100 us).
+    Where the host work of a launch-bound layer goes, without cProfile's per-call inflation of
+    small Python functions."""
     import importlib
     import time as _time
 

@@ -59,7 +59,7 @@ from hedgecats.models import HybridConfig, convert_to_hybrid, hybrid_layers, set
 from hedgecats.models.feature_maps import HedgehogFeatureMap as _FM_CLASS
 from hedgecats.models.ops.transfer import losses as transfer
 
-from benchmarks.layer import materialised_hybrid
+from benchmarks.layer import default_tiles_changed, materialised_hybrid
 from benchmarks.summary import update_summary
 
 LLAMA3_8B = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -209,7 +209,7 @@ def blocked_xent():
     """Inside, ``transfer_loss`` runs the blocked PyTorch ``weights_xent`` even where it would
     take the fused kernel (CUDA with Triton): the ``[blocked]`` row (without the patch it would
     measure the fused kernel a second time)."""
-    from hedgecats.models.ops.transfer import xent as triton_xent
+    from hedgecats.models.ops.transfer import dispatch as triton_xent
 
     with patched(triton_xent, "weights_xent", transfer.weights_xent):
         yield
@@ -220,15 +220,7 @@ def recomputed_branches():
     """The fused hybrid kernel's default tiles without ``save_branches`` (the backward
     recomputes both branches instead of reading the forward's stored ones): the
     ``[recomputed]`` rows, set against the default rows of the same run."""
-    import dataclasses
-
-    from hedgecats.models.ops.hybrid import kernels as triton_hybrid
-
-    default = triton_hybrid.default_config
-
-    def recomputing(*args, **kw):
-        return dataclasses.replace(default(*args, **kw), save_branches=False)
-    with patched(triton_hybrid, "default_config", recomputing):
+    with default_tiles_changed({"save_branches": False}):
         yield
 
 
@@ -310,7 +302,7 @@ def run(a, on_row=None) -> dict:
         if T <= a.blocked_xent_max_t:
             variants.append(("transfer/weights_xent [blocked]", "weights_xent", blocked_xent))
         if has_triton():
-            from hedgecats.models.ops.transfer import xent as triton_xent
+            from hedgecats.models.ops.transfer import dispatch as triton_xent
 
             variants.append(("transfer/weights_xent [fused]", "weights_xent",
                              ("weights_xent", triton_xent.weights_xent)))
@@ -322,7 +314,7 @@ def run(a, on_row=None) -> dict:
             variants.append(("transfer/lolcats_tt", "hybrid_output_mse",
                              ("hybrid_attention", materialised_student)))
         if has_triton() and short:
-            from hedgecats.models.ops.transfer import xent as triton_xent
+            from hedgecats.models.ops.transfer import dispatch as triton_xent
 
             # the feature maps' PyTorch path too (the fused map is the default)
             variants.append(("transfer/weights_xent [fused, pytorch phi]", "weights_xent",
@@ -352,7 +344,7 @@ def run(a, on_row=None) -> dict:
                                                                students), tokens)
             attempt(name, T, fn)
         if a.profile and not profile and has_triton():
-            from hedgecats.models.ops.transfer import xent as triton_xent
+            from hedgecats.models.ops.transfer import dispatch as triton_xent
 
             with patched(transfer, "weights_xent", triton_xent.weights_xent):
                 profile.append(profile_step(lambda: transfer_step(model, opt, ids, bench,

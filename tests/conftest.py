@@ -1,5 +1,7 @@
 """Shared test settings: GPU tests are skipped without CUDA; threads kept to the 2 CI cores;
-every test starts from the same global RNG state, so none depends on the tests before it."""
+every test starts from the same global RNG state, so none depends on the tests before it; the
+kernels' trace (``ops.instrument.TRACE``) empty at the start of a test that asks for it
+(``trace``)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import os
 import pytest
 import torch
 from hedgecats.models.ops import switches
+from hedgecats.models.ops.instrument import TRACE
 
 torch.set_num_threads(2)
 
@@ -25,9 +28,19 @@ def pytest_collection_modifyitems(config, items):
 def _same_rng_state_for_every_test():
     """A test that draws from the global RNG (``torch.randn`` without a generator) sees the same
     numbers whatever ran before it: one such draw made a tolerance check fail only in some test
-    orders (tests/test_backends_cpu.py, 2026-12-02)."""
+    orders (tests/test_backends_cpu.py)."""
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def trace():
+    """``ops.instrument.TRACE``, emptied: what the kernels this test runs report (the fast
+    paths taken, ``trace.calls["<family>.<event>"]``; the fallbacks to PyTorch,
+    ``trace.fallbacks``; the tile retries, ``trace.retries``); emptied again after."""
+    TRACE.reset()
+    yield TRACE
+    TRACE.reset()
 
 
 def parse_switches(spec: str) -> list[tuple[str, str, object]]:

@@ -40,7 +40,7 @@ def test_stage_speed_blocked_row_runs_the_blocked_xent():
     """The ``[blocked]`` row must not take the fused kernel that ``transfer_loss`` picks by
     itself on CUDA (else the row measures the fused kernel twice)."""
     from hedgecats.models.ops.transfer import losses as transfer
-    from hedgecats.models.ops.transfer import xent as triton_xent
+    from hedgecats.models.ops.transfer import dispatch as triton_xent
 
     from benchmarks import stage_speed as bench
     fused = triton_xent.weights_xent
@@ -52,18 +52,22 @@ def test_stage_speed_blocked_row_runs_the_blocked_xent():
 
 def test_stage_speed_recomputed_rows_switch_the_kernel_config():
     """The ``[recomputed]`` rows run the fused kernel's default tiles with save_branches off
-    (a kernel call takes ``default_config`` at call time), and only inside the row."""
+    (a kernel call takes ``default_config`` at call time, where the kernel's module looks it
+    up), and only inside the row."""
     import torch
     from hedgecats.models.ops.hybrid import config as kconfig
+    from hedgecats.models.ops.hybrid import function
 
     from benchmarks import stage_speed as bench
     default = kconfig.default_config(128, 256, torch.bfloat16)
     assert default.save_branches
     with bench.recomputed_branches():
-        cfg = kconfig.default_config(128, 256, torch.bfloat16)
-        assert not cfg.save_branches and cfg == default.__class__(**{**default.__dict__,
-                                                                     "save_branches": False})
+        for module in (kconfig, function):
+            cfg = module.default_config(128, 256, torch.bfloat16)
+            assert not cfg.save_branches and cfg == default.__class__(
+                **{**default.__dict__, "save_branches": False}), module
     assert kconfig.default_config(128, 256, torch.bfloat16) == default
+    assert function.default_config is kconfig.default_config
 
 
 def test_stage_speed_t4k_ratio_only_from_a_4k_run():
@@ -82,7 +86,8 @@ def test_stage_speed_t4k_ratio_only_from_a_4k_run():
 def test_lightning_gap_tiny(tmp_path):
     """benchmarks.lightning_gap (stage 1 through Lightning against the stage harness) on CPU:
     a Lightning row, a harness row with the kernels off, and a reading that needs both."""
-    _command("benchmarks.lightning_gap", "--tiny", "--only", "L0,L3,S2", "--out", str(tmp_path), cwd=tmp_path)
+    _command("benchmarks.lightning_gap", "--tiny", "--only", "L0,L3,S2", "--out", str(tmp_path),
+             cwd=tmp_path)
     res = json.loads((tmp_path / "lightning_gap.json").read_text())
     assert list(res["rows"]) == ["L0", "S2", "L3"]
     for r in res["rows"].values():
@@ -380,7 +385,7 @@ def test_kernel_anatomy_changed_row_times_its_change_in_forward_and_backward():
 
     from benchmarks import kernel_anatomy as ka
 
-    switch = kernel_switches.parse(f"hybrid.kernels.SPLIT_STATES_MIN_CHUNKS="
+    switch = kernel_switches.parse(f"hybrid.config.SPLIT_STATES_MIN_CHUNKS="
                                    f"{kconfig.SPLIT_STATES_MIN_CHUNKS + 1}")
     default = kconfig.default_config(128, 256, torch.bfloat16), kconfig.SPLIT_STATES_MIN_CHUNKS
     seen = []
@@ -463,7 +468,7 @@ def test_phi_bound_rows_compute_what_they_claim(tmp_path):
                           timeout=300, cwd=ROOT, env=env, check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = json.loads(proc.stdout.split("ROWS ", 1)[1])
-    assert {"pair", "pair-rcp", "walk1-tma", "dot", "copy", "read", "write",
+    assert {"pair", "walk1", "walk1-tma", "dot", "copy", "read", "write",
             "torch-cat"} <= set(rows)
     for name, row in rows.items():
         assert row["max_rel_err"] < 1e-2, (name, row)
@@ -494,7 +499,7 @@ def test_attention_speed_switches_and_tiles_hold_for_the_run_only(tmp_path, monk
 
     monkeypatch.setattr(bench, "measure", measure)
     before = kconfig.default_config, kconfig.SPLIT_STATES_MIN_CHUNKS
-    switches = f"hybrid.kernels.SPLIT_STATES_MIN_CHUNKS={chunks}"
+    switches = f"hybrid.config.SPLIT_STATES_MIN_CHUNKS={chunks}"
     assert bench.main(["--tiny", "--shapes", "2x64", "--out", str(tmp_path),
                        "--switches", switches, "--tiles", "save_branches=False"]) == 0
     assert seen == {"saved": False, "chunks": chunks, "cached": True}

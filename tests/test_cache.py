@@ -281,6 +281,65 @@ def test_softmax_mode_keeps_the_full_cache_and_says_so(caplog):
         model(x, **{CACHE_KW: HybridCache(model)})
 
 
+# ----------------------------------------------------------------------------- direct calls
+def test_a_direct_call_with_use_cache_gets_the_constant_memory_cache():
+    """Called with use_cache=True and no cache (a custom decode loop, speculative decoding, an
+    evaluation harness), a converted model gets a HybridCache, as from generate: its size does
+    not grow with the context (transformers' DynamicCache held 4x more at 256 tokens than at
+    64), and decoding on from it gives the full forward's logits."""
+    model = tiny(HybridConfig(window=4))
+    with torch.no_grad():
+        caches = {T: generated_cache(model(ids(B=1, T=T), use_cache=True)) for T in (64, 256)}
+    assert all(type(c) is HybridCache for c in caches.values()), caches
+    assert caches[64].state_bytes() == caches[256].state_bytes()
+    x = ids(B=2, T=30)
+    with torch.no_grad():
+        out = model(x[:, :20], use_cache=True)
+        logits, cache = [out.logits], generated_cache(out)
+        for t in range(20, 30):
+            logits.append(model(x[:, t:t + 1], **{CACHE_KW: cache}, use_cache=True).logits)
+        full = model(x, use_cache=False).logits
+    torch.testing.assert_close(torch.cat(logits, 1), full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mixer", ["fixed", "gate_lowrank"])
+def test_the_default_use_cache_gets_it_too_and_the_logits_do_not_change(mixer):
+    """``model(x)`` (the config's use_cache=True) also gets the HybridCache, and its logits are
+    those of the call without a cache, bit for bit: the prefill is the layer's ordinary call."""
+    model = tiny(HybridConfig(window=4, mixer=mixer))
+    x = ids(B=2, T=40)
+    mask = torch.ones_like(x)
+    mask[0, :5] = 0
+    with torch.no_grad():
+        for kw in ({}, {"attention_mask": mask}):
+            out = model(x, **kw)
+            assert type(generated_cache(out)) is HybridCache
+            assert torch.equal(out.logits, model(x, use_cache=False, **kw).logits)
+
+
+def test_training_and_observed_calls_keep_transformers_cache(caplog):
+    """A model in train mode, or with an observer (attention transfer, branch usage: they read
+    whole sequences), keeps transformers' own cache, silently; mode softmax keeps the full
+    cache and says so when a cache was asked for."""
+    from hedgecats.models import hf
+
+    model = tiny(HybridConfig(window=4))
+    x = ids(B=1, T=12)
+    with torch.no_grad():
+        assert type(generated_cache(model.train()(x))) is DynamicCache
+        model.eval()
+        seen = []
+        with attention_mode(model, observer=lambda *a, **k: seen.append(1)):
+            assert type(generated_cache(model(x, use_cache=True))) is DynamicCache
+        assert seen
+        hf._warn_once.cache_clear()
+        with attention_mode(model, "softmax"), \
+                caplog.at_level(logging.WARNING, logger="hedgecats.models.hf"):
+            assert type(generated_cache(model(x, use_cache=True))) is DynamicCache
+    assert "mode 'softmax', which reads every earlier key" in caplog.text
+    assert "full DynamicCache" in caplog.text
+
+
 # ----------------------------------------------------------------------------- bad use
 def test_cache_handed_to_another_model_is_refused():
     a, b = tiny(HybridConfig(window=4)), tiny(HybridConfig(window=4), seed=1)

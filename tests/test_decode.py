@@ -37,7 +37,7 @@ def test_decode_benchmark_tiny_mode(tmp_path):
     assert bench.main(["--combine", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
                        "--out", str(out), "--md", str(tmp_path / "decode.md")]) == 0
     res = json.loads(out.read_text())
-    assert res["command"][0].startswith("python benchmarks/decode_speed.py --tiny")
+    assert res["command"][0].startswith("python -m benchmarks.decode_speed --tiny")
     rows = {(r["mode"], r["context"]): r for r in res["latency"]}
     assert set(rows) == {(m, c) for m in ("hybrid", "softmax") for c in (32, 96)}
     for r in rows.values():

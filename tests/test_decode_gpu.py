@@ -215,18 +215,18 @@ HEADS_8B = dict(SHAPE, hidden_size=1024, num_attention_heads=8, num_key_value_he
 
 def _steps_from(model, cache, x, start, fused: bool):
     """Logits of single-token steps x[:, start:] from a copy of ``cache``, with the fused
-    decode step (``ops.triton_decode``) or the composed one."""
+    decode step (``ops.decode``) or the composed one."""
     from hedgecats.models.ops.hybrid import backends
-    from hedgecats.models.ops.decode import kernels as triton_decode
+    from hedgecats.models.ops.instrument import TRACE
 
     cache = copy.deepcopy(cache)
-    before = triton_decode.CALLS["step"]
+    before = TRACE.calls["decode.step"]
     outs = []
     ctx = contextlib.nullcontext() if fused else backends.triton_disabled()
     with torch.no_grad(), ctx:
         for t in range(start, x.shape[1]):
             outs.append(model(x[:, t:t + 1], **{CACHE_KWARG: cache}).logits.float())
-    return torch.cat(outs, 1), cache, triton_decode.CALLS["step"] - before
+    return torch.cat(outs, 1), cache, TRACE.calls["decode.step"] - before
 
 
 def _model_8b_heads(mixer: str, mode: str, dtype: torch.dtype):
@@ -265,7 +265,7 @@ def test_fused_decode_step_equals_the_composed_step_at_8b_heads(mixer, mode):
 
 def test_fp32_models_decode_with_the_composed_step_on_cuda():
     """fp32 on CUDA takes the composed step: the fused kernels measured 4e-4 from the fp32
-    reference there (2026-12-02; triton_decode.unsupported_reason)."""
+    reference there (``decode.dispatch.unsupported_reason``)."""
     model = _model_8b_heads("fixed", "hybrid", torch.float32)
     x = ids(B=1, T=50)
     _, cache = cached(model, x, [40])
@@ -275,29 +275,27 @@ def test_fp32_models_decode_with_the_composed_step_on_cuda():
 
 def test_fused_feature_map_past_the_grid_axis_limit():
     """B * H above 65535 (a large decode batch: 2048 sequences x 32 heads): the feature-map
-    kernel's grid put B * H on an axis CUDA limits to 65535 and failed ("invalid argument",
-    the decode benchmark's batch search of 2026-12-02); now on the first axis."""
-    from hedgecats.models.ops.feature_map import kernels as triton_phi
+    kernel's grid puts B * H on its first axis (the others CUDA limits to 65535: a launch
+    there fails with "invalid argument")."""
+    from hedgecats.models.ops.feature_map import dispatch, reference
 
     g = torch.Generator(device="cuda").manual_seed(0)
     B, H, D, FH = 8200, 8, 128, 128
     x = torch.randn(B, H, 1, D, device="cuda", generator=g).to(torch.bfloat16)
     w = 0.1 * torch.randn(H, D, FH, device="cuda", generator=g)
     b = torch.zeros(H, FH, device="cuda")
-    got = triton_phi.hedgehog_features(x, w, b, "softmax")
+    got = dispatch.hedgehog_features(x, w, b, "softmax")
     assert got is not None
-    assert rel(got, triton_phi.reference_features(x, w, b, "softmax")) < BF16
+    assert rel(got, reference.reference_features(x, w, b, "softmax")) < BF16
 
 
-def test_graphed_decoder_replays_the_fused_step():
-    from hedgecats.models.ops.decode import kernels as triton_decode
-
+def test_graphed_decoder_replays_the_fused_step(trace):
     model = gpu_hybrid(HybridConfig(window=16))
     x = ids(T=60)
     _, cache = cached(model, x, [60])
-    before = triton_decode.CALLS["step"]
+    before = trace.calls["decode.step"]
     dec = GraphedDecoder(model, cache, warmup=1)
-    assert triton_decode.CALLS["step"] > before  # warm-up and capture took the fused step
+    assert trace.calls["decode.step"] > before  # warm-up and capture took the fused step
     tokens = ids(T=30, seed=7)[0]
     got = torch.cat([dec(t.view(1, 1), torch.tensor([[61 + i]], device="cuda")).clone()
                      for i, t in enumerate(tokens)], 1)

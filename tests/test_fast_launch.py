@@ -71,16 +71,17 @@ def args(x=None, n=64, flag=True):
     return (cuda_like(x), cuda_like(torch.zeros(8)), n, 0.5, flag)
 
 
-def test_the_second_launch_calls_the_compiled_handle_with_every_argument_in_order(fast_path):
+def test_the_second_launch_calls_the_compiled_handle_with_every_argument_in_order(fast_path,
+                                                                                 trace):
     k = Kernel()
     f = tc.FastLaunch(k)
     a = args()
     first = f[(4, 2)](*a, BM=64, PREC="tf32", num_warps=8)
     assert len(k.calls) == 1 and first is k.compiled[0]
-    before = dict(tc.LAUNCHES)
+    assert dict(trace.calls) == {"launch.triton": 1}
     second = f[(4, 2)](*a, BM=64, PREC="tf32", num_warps=8)
     assert len(k.calls) == 1 and second is first  # Triton's path not taken again
-    assert tc.LAUNCHES["fast"] == before["fast"] + 1
+    assert dict(trace.calls) == {"launch.triton": 1, "launch.fast": 1}
     (run,) = first.runs
     # grid padded to three axes, the stream, the handle, no launch metadata or hooks, then the
     # positional arguments (tensors as their addresses) and the constexprs in the kernel's own

@@ -300,6 +300,42 @@ def test_sigterm_during_start_up_prints_a_line(tmp_path):
     assert not out.exists()
 
 
+def test_a_changed_checkpoint_period_resumes_from_the_newest_checkpoint(tmp_path, capsys,
+                                                                         finished):
+    """checkpoint_every_n_steps may change on resume (issue 50, item 1): Lightning's
+    ModelCheckpoint keys its state by its arguments, so after the change it did not know
+    last.ckpt, wrote last-v1.ckpt, ... and a run after a SIGKILL resumed from the stale
+    last.ckpt."""
+    out = copy_run(finished, tmp_path / "run", ("teacher",))
+    signals = [add_callback("SignalAtStep", step=2, signum=int(signal.SIGTERM),
+                            once=str(tmp_path / "term")),
+               add_callback("SignalAtStep", step=4, signum=int(signal.SIGKILL),
+                            once=str(tmp_path / "kill"))]
+
+    def transfer(fit):
+        fit["trainer"]["max_steps"] = 6
+        for edit in signals:
+            edit(fit)
+
+    every2 = make_spec(tmp_path / "every2.yaml", stages={"transfer": transfer},
+                       top={"checkpoint_every_n_steps": 2})
+    every1 = make_spec(tmp_path / "every1.yaml", stages={"transfer": transfer},
+                       top={"checkpoint_every_n_steps": 1})
+    ck = out / "transfer" / "checkpoints"
+    rc, _, err = run(capsys, every2, out)
+    assert rc == 143 and ckpt_step(ck / "last.ckpt") == 2, err
+    proc = _pipeline_process(every1, out)  # the period changed; killed at step 4
+    proc.communicate(timeout=240)
+    assert proc.returncode == -signal.SIGKILL
+    assert sorted(p.name for p in ck.glob("last*.ckpt")) == ["last.ckpt"]
+    assert ckpt_step(ck / "last.ckpt") == 3  # the newest periodic checkpoint
+    rc, text, err = run(capsys, every1, out)
+    assert rc == 0, err
+    assert "resume from checkpoints/last.ckpt (step 3)" in text
+    assert ckpt_step(ck / "last.ckpt") == 6
+    assert sorted(p.name for p in ck.glob("last*.ckpt")) == ["last.ckpt"]
+
+
 # ============================================================================= divergence
 def test_a_weight_blow_up_is_never_resumed_and_continues_from_the_last_good_checkpoint(
         tmp_path, capsys, finished):

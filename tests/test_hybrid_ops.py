@@ -354,13 +354,13 @@ def test_maps_given_as_modules_match_their_features(mode):
 
 
 def test_du_slot_tells_the_kernels_marker_from_a_summed_gradient():
-    """``triton_phi.DuSlot``'s protocol on the CPU (no kernel needed): the map's backward gets
+    """``DuSlot``'s protocol on the CPU (no kernel needed): the map's backward gets
     the kernel's marker itself when the kernel was its output's only consumer (autograd hands
     a single gradient on unchanged: the assumption the protocol rests on), a summed tensor
     when another consumer added its gradient; ``take`` tells the two apart and empties the
     slot; du is laid out as the weight gradient's GEMM reads it in place; a y whose own
     gradient someone watches is ``observed``."""
-    from hedgecats.models.ops.feature_map.kernels import DuSlot
+    from hedgecats.models.ops.feature_map.function import DuSlot
 
     x = torch.randn(2, 5, 3, 4).transpose(1, 2)  # (B, H, T, D) view of (B, T, H, D) memory
     slot = DuSlot(x, 6)
@@ -411,7 +411,7 @@ def test_du_slot_tells_the_kernels_marker_from_a_summed_gradient():
 def test_feature_map_attaches_no_slot_off_the_kernel():
     """``kernel_du`` changes nothing where the fused map does not run (CPU): phi(x) carries no
     slot, so no kernel can hand its backward a du."""
-    from hedgecats.models.ops.feature_map.kernels import DU_SLOT_ATTR
+    from hedgecats.models.ops.feature_map.function import DU_SLOT_ATTR
 
     fm = HedgehogFeatureMap(2, 8)
     x = torch.randn(1, 2, 5, 8, requires_grad=True)

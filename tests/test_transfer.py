@@ -289,33 +289,50 @@ def test_transfer_health_matches_naive():
     assert 0 < got["den_collapsed"] < 1  # the case exercises both sides
 
 
-def test_transfer_loss_takes_the_fused_xent_only_when_enabled_on_cuda(monkeypatch):
-    """The fused weights_xent (ops.triton_xent) is CUDA-only and follows the fused kernels' switch
-    (``backends.triton_enabled``: Triton installed, ``HEDGECATS_TRITON`` not 0); on CPU, or
-    switched off, stage 1 computes the blocked reference."""
-    import sys
-    import types
+def test_transfer_loss_takes_the_fused_xent_only_where_the_dispatch_says(monkeypatch, trace):
+    """Stage 1's cross-entropy goes through ``transfer.dispatch``: the fused kernel is CUDA-only
+    (or the interpreter's) and follows the fused kernels' switch (``HEDGECATS_TRITON``); on CPU
+    tensors, or switched off, the dispatch says why and the loss is the blocked reference's."""
     from types import SimpleNamespace
 
     from hedgecats.models.mixers import FixedMixer
-    from hedgecats.models.ops.hybrid import backends
+    from hedgecats.models.ops.transfer import dispatch
     from hedgecats.models.ops.transfer import losses as transfer
 
-    calls = []
-    fake = types.ModuleType("hedgecats.models.ops.transfer.xent")
-    fake.weights_xent = lambda *a, **kw: calls.append(kw) or transfer.weights_xent(*a, **kw)
-    monkeypatch.setitem(sys.modules, "hedgecats.models.ops.transfer.xent", fake)
     q, k, v, _, phi_q, phi_k = _inputs(1, 12, 2, 2, 8, False)
+    fq, fk = phi_q(q), phi_k(k)
+    assert "CUDA" in dispatch.xent_unsupported_reason(q, k, fq, fk)
     module = SimpleNamespace(phi_q=phi_q, phi_k=phi_k, mixer=FixedMixer(0.5), scaling=None,
                              hedgecats=SimpleNamespace(window=4, overlap=False, eps=1e-6,
                                                        backend="reference", layer_idx=0,
                                                        window_shape="sliding"))
-    monkeypatch.setattr(backends, "triton_enabled", lambda: True)
     loss, extras = transfer.transfer_loss("weights_xent", module, q, k, v)
-    assert not calls  # CPU tensors: never the fused kernel
-    want = weights_xent(q, k, phi_q(q), phi_k(k), eps=1e-6)
-    torch.testing.assert_close(loss, want)
+    assert trace.calls["transfer.xent.forward"] == 0 and not trace.fallbacks
+    torch.testing.assert_close(loss, weights_xent(q, k, fq, fk, eps=1e-6))
     assert extras["kl"] >= 0
+    monkeypatch.setenv("HEDGECATS_TRITON", "0")
+    assert "HEDGECATS_TRITON=0" in dispatch.xent_unsupported_reason(q, k, fq, fk)
+    assert "HEDGECATS_TRITON=0" in dispatch.mse_unsupported_reason(q, q, None)
+
+
+def test_the_output_mse_dispatch_runs_the_reference_where_the_kernels_refuse(trace):
+    """``dispatch.masked_mse`` on CPU tensors: the kernels refuse (why: the dispatch says), the
+    value and gradient are the reference's."""
+    from hedgecats.models.ops.transfer import dispatch
+    from hedgecats.models.ops.transfer.losses import masked_mse_reference
+
+    g = torch.Generator().manual_seed(1)
+    s = torch.randn(2, 3, 7, 4, generator=g, requires_grad=True)
+    t = torch.randn(2, 3, 7, 4, generator=g)
+    kpm = torch.ones(2, 7, dtype=torch.bool)
+    kpm[1, :2] = False
+    assert dispatch.mse_unsupported_reason(s, t, kpm) is not None
+    got = dispatch.masked_mse(s, t, kpm)
+    (ds,) = torch.autograd.grad(got, s)
+    want = masked_mse_reference(s, t, kpm)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(ds, torch.autograd.grad(want, s)[0])
+    assert trace.calls["transfer.mse.forward"] == 0
 
 
 def test_masked_mse_reference_counts_real_rows_only_and_never_sees_their_nan():

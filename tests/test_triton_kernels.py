@@ -102,6 +102,7 @@ def _kernels():
     if not backends.available("triton"):
         pytest.skip("triton not available")
 
+
 def run(backend, shape, dtype, mode, *, pad=None, strided=False, seed=0, frozen=False, **kw):
     """Output and gradients (q, k, v, both feature-map weights, and g when it is a tensor) of
     one ``hybrid_attention`` call with real feature maps, on bf16-representable inputs
@@ -222,16 +223,16 @@ def test_fused_stage1_call_skips_the_unneeded_passes(dtype, case_id):
     pass, the window's dk / dv kernel, LA's dv programs) and the feature map's dx do not run."""
     _kernels()
     from hedgecats.models.ops.hybrid import config as kconfig
-    from hedgecats.models.ops.feature_map import kernels as triton_phi
+    from hedgecats.models.ops.instrument import TRACE
 
-    before, dx_before = dict(kconfig.CALLS), triton_phi.CALLS["backward_dx"]
+    before, dx_before = dict(kconfig.CALLS), TRACE.calls["feature_map.backward_dx"]
     mode, kw = _switches(case_id)
     check(f"stage1-{case_id}", "B2-H8-Hkv2-T300-D128-w64-F256", dtype, mode, frozen=True, **kw)
     # (la_only has no window: its dq pass and window kernel never run; dv_la is what it tests)
     ran = {n: kconfig.CALLS[n] - before[n] for n in ("dq_pass", "dkv_swa", "dv_la")}
     assert ran == {"dq_pass": 0, "dkv_swa": 0, "dv_la": 0}, ran
     if dtype == torch.bfloat16:  # (the fused feature map takes bf16 only)
-        assert triton_phi.CALLS["backward_dx"] == dx_before
+        assert TRACE.calls["feature_map.backward_dx"] == dx_before
 
 
 def test_fused_transformers_layout():
@@ -328,7 +329,7 @@ def _run_at_8b_shape(changes: dict, counters, shared: bool, frozen: bool):
     the mixer's; how many times each of ``counters`` in ``CALLS`` went up)."""
     import dataclasses
 
-    from hedgecats.models.ops.feature_map import kernels as tp
+    from hedgecats.models.ops.feature_map import dispatch as tp
 
     _kernels()
     from hedgecats.models.ops.hybrid import config as kconfig
@@ -397,14 +398,12 @@ def test_fused_backward_kernels_give_the_separate_kernels_results(switch, shared
 #: options of the default config, each off against on: (``KernelConfig`` changes off, on - or
 #: the name of a ``triton_hybrid`` dict of them -, the ``CALLS`` counter that says the option
 #: ran, None where a tile change has none)
-SAME_RESULT_OPTIONS = {"kv_order1": (dict(kv_order=0), dict(kv_order=1), "kv_order_1"),
-                       "kv_order2": (dict(kv_order=0), dict(kv_order=2), "kv_order_2"),
+SAME_RESULT_OPTIONS = {"kv_one_program": (dict(kv_one_program=False),
+                                           dict(kv_one_program=True), "kv_one_program"),
                        "state_sums_mma": (dict(state_sums_mma=False), dict(state_sums_mma=True),
                                           "state_sums_mma"),
-                       "fwd_two_programs": ("ONE_PROGRAM_FORWARD", "TWO_PROGRAM_FORWARD", None),
                        # session 25's parked forward (``PARKED_FORWARD``) against the default's
                        "fwd_parked": ("TWO_PROGRAM_FORWARD", "PARKED_FORWARD", "parked_forward"),
-                       "fwd_tma": (dict(fwd_tma=False), dict(fwd_tma=True), "forward_tma"),
                        # the parked variants measured in session 25, on session 24's tiles
                        "park_la": ("TWO_PROGRAM_FORWARD", ("TWO_PROGRAM_FORWARD",
                                                            dict(park_la=True)),
@@ -420,10 +419,12 @@ SAME_RESULT_OPTIONS = {"kv_order1": (dict(kv_order=0), dict(kv_order=1), "kv_ord
 def _option_changes(x) -> dict:
     """A ``SAME_RESULT_OPTIONS`` side as ``KernelConfig`` changes: a dict, the name of a
     ``triton_hybrid`` dict of them, or (that name, more changes)."""
+    from hedgecats.models.ops.hybrid import config as kconfig
+
     if isinstance(x, str):
-        return getattr(_kernels(), x)
+        return getattr(kconfig, x)
     if isinstance(x, tuple):
-        return {**getattr(_kernels(), x[0]), **x[1]}
+        return {**getattr(kconfig, x[0]), **x[1]}
     return x
 
 
@@ -432,16 +433,11 @@ def _option_changes(x) -> dict:
 def test_options_give_the_same_results(option, shared):
     """Options of the default config at the 8B head shape (``_run_at_8b_shape``), on against
     off: the output and every gradient within one bf16 rounding, and the option ran where on
-    only. ``KernelConfig.kv_order`` 1 (``_bwd_kv``'s dv program scheduled first: the same
-    arithmetic) and 2 (the default: one program a key block, ``_dkv_la_both``, dv's terms
-    summed in another order) against 0; ``state_sums_mma`` (the default: the state kernels'
+    only. ``KernelConfig.kv_one_program`` (the default: one program a key block,
+    ``_dkv_la_both``, dv's terms summed in another order) against a key block's dfk programs
+    then its dv program; ``state_sums_mma`` (the default: the state kernels'
     vector sums on the tensor cores, u within ~2^-16 of the fp32 sum) against the row
-    reductions; ``TWO_PROGRAM_FORWARD`` (the default since session 21: the forward on 64-row
-    4-warp programs, 32-key blocks, the state product pipelined: the same products, the
-    window's and LA's key blocks summed in other groupings) against the forward tiles before
-    (``ONE_PROGRAM_FORWARD``); ``fwd_tma`` (``_fwd``'s key-side tiles through tensor
-    descriptors: the same values, bit for bit on the interpreter) against the pointer path;
-    ``park_la`` (the LA output parked in memory through the window's loop: the gradients
+    reductions; ``park_la`` (the LA output parked in memory through the window's loop: the gradients
     bit for bit on the interpreter, the output within the LA branch's rounding) on session
     24's tiles, alone and with ``_fwd``'s registers capped (``fwd_maxnreg``: what spills,
     ptxas-compiled only) with one pipeline stage (``fwd_stages``) or 16-key blocks; session
@@ -480,23 +476,23 @@ def test_routing_shared_norm_outside_hybrid_goes_to_the_pieces():
 def _failure_counts() -> tuple[int, int, int]:
     """How many tiles were retried (``triton_hybrid.RETRIES``) and calls sent to PyTorch (the
     hybrid's and the feature maps' ``FALLBACK_ERRORS``) so far (``_no_failures_since``)."""
-    from hedgecats.models.ops.feature_map import kernels as tp
+    from hedgecats.models.ops.instrument import TRACE
 
     _kernels()
     from hedgecats.models.ops.hybrid import config as kconfig
-    return len(kconfig.RETRIES), len(kconfig.FALLBACK_ERRORS), len(tp.FALLBACK_ERRORS)
+    return len(kconfig.RETRIES), len(kconfig.FALLBACK_ERRORS), len(TRACE.fallbacks)
 
 
 def _no_failures_since(counts: tuple[int, int, int]) -> None:
     """No tiles retried (a config that did not compile: its call then on other tiles, other
     bits) and no call sent to PyTorch since ``counts`` (``_failure_counts``): each would make
     calls that should agree bit for bit differ."""
-    from hedgecats.models.ops.feature_map import kernels as tp
+    from hedgecats.models.ops.instrument import TRACE
 
     _kernels()
     from hedgecats.models.ops.hybrid import config as kconfig
     got = (kconfig.RETRIES[counts[0]:], kconfig.FALLBACK_ERRORS[counts[1]:],
-           tp.FALLBACK_ERRORS[counts[2]:])
+           TRACE.fallbacks[counts[2]:])
     assert not any(got), "tiles retried: {}; fell back: {}; maps fell back: {}".format(*got)
 
 
@@ -686,6 +682,7 @@ def test_fast_launch_gives_tritons_results_bit_for_bit(monkeypatch):
     off a 16-byte boundary (Triton compiles other kernels for them) still give those results
     through the fast path, which then runs their own handles."""
     from hedgecats.models.ops import triton_common as tc
+    from hedgecats.models.ops.instrument import TRACE
 
     _kernels()
     from hedgecats.models.ops.hybrid import config as kconfig
@@ -713,10 +710,10 @@ def test_fast_launch_gives_tritons_results_bit_for_bit(monkeypatch):
         want = step(x)
         monkeypatch.setattr(tc, "FAST_LAUNCH", True)
         step(x)  # (first launch of each key: Triton's path, the handle cached)
-        fast = tc.LAUNCHES["fast"]
+        fast = TRACE.calls["launch.fast"]
         got = step(x)
         assert kconfig.CALLS["forward"] == calls + 3, "the fused kernel did not run"
-        assert tc.LAUNCHES["fast"] >= fast + 8, "the cached handles were not used"
+        assert TRACE.calls["launch.fast"] >= fast + 8, "the cached handles were not used"
         for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
             assert torch.equal(a, b), (offset, name, (a.float() - b.float()).abs().max())
 
@@ -741,9 +738,10 @@ def _xent_run(fn, q, k, fq0, fk0, kpm):
 
 
 def xent_check(cid, shape, dtype, pad, *, underflow=False, activation="softmax", eps=None):
-    from hedgecats.models.ops.transfer import xent as tx
+    from hedgecats.models.ops.instrument import TRACE
+    from hedgecats.models.ops.transfer import dispatch as tx
 
-    if not tx.available():
+    if not backends.available("triton"):
         pytest.skip("triton not available")
     B, H, Hkv, T, D, proj = shape
     gen = torch.Generator(device=DEVICE).manual_seed(7)
@@ -763,17 +761,18 @@ def xent_check(cid, shape, dtype, pad, *, underflow=False, activation="softmax",
         kpm[0, : T // 5] = False
         kpm[-1, T - T // 7:] = False
     t0 = time.time()
-    calls, n_err, n_retry = tx.CALLS["forward"], len(tx.FALLBACK_ERRORS), len(tx.RETRIES)
+    calls, n_err = TRACE.calls["transfer.xent.forward"], len(TRACE.fallbacks)
+    n_retry = len(TRACE.retries)
     kw = {} if eps is None else {"eps": eps}
     got = _xent_run(functools.partial(tx.weights_xent, **kw), q, k, fq, fk, kpm)
-    fused = tx.CALLS["forward"] - calls
-    new_errors = tx.FALLBACK_ERRORS[n_err:]
+    fused = TRACE.calls["transfer.xent.forward"] - calls
+    new_errors = TRACE.fallbacks[n_err:]
     same = _xent_run(functools.partial(transfer.weights_xent, **kw), q, k, fq, fk, kpm)
     err = errors(got, same)
     report(test="weights_xent", case=cid, shape=list(shape), dtype=str(dtype), pad=pad,
            fused_calls=fused, vs_blocked_same_dtype={n: float(f"{e:.2e}") for n, e in err.items()},
            xent=got["xent"].item(), entropy=got["entropy"].item(), triton_errors=new_errors,
-           tile_retries=tx.RETRIES[n_retry:], seconds=round(time.time() - t0, 2))
+           tile_retries=TRACE.retries[n_retry:], seconds=round(time.time() - t0, 2))
     assert not new_errors and fused == 1
     assert torch.isfinite(got["xent"]).all() and torch.isfinite(got["dfq"]).all()
     assert got["xent"].item() >= got["entropy"].item() - 1e-4  # Gibbs: xent >= H(A_soft)
@@ -814,9 +813,9 @@ def test_feature_map_hands_its_input_on():
     gradient from its other consumer (here x' * c, as the attention uses q) is added in the
     map's backward kernel; x's gradient as close to the fp32 oracle's as autograd's bf16 sum
     of the two, the map's weight and bias gradients the same as without handing x on."""
-    from hedgecats.models.ops.feature_map import kernels as tp
+    from hedgecats.models.ops.instrument import TRACE
 
-    if not tp.available():
+    if not backends.available("triton"):
         pytest.skip("triton not available")
     gen = torch.Generator(device=DEVICE).manual_seed(6)
     fm = HedgehogFeatureMap(8, 128, seed=2).to(DEVICE)
@@ -837,9 +836,10 @@ def test_feature_map_hands_its_input_on():
         return {"y": y.detach(), "dx": x.grad, "dW": fm.weight.grad.clone(),
                 "db": fm.bias.grad.clone()}
 
-    added = tp.CALLS["backward_added"]
+    added = TRACE.calls["feature_map.backward_added"]
     got = run(torch.bfloat16, True)
-    assert tp.CALLS["backward_added"] == added + 1, "x's gradients were not summed in the kernel"
+    assert TRACE.calls["feature_map.backward_added"] == added + 1, \
+        "x's gradients were not summed in the kernel"
     summed = run(torch.bfloat16, False)
     with backends.triton_disabled():
         oracle = run(torch.float32, False)
@@ -855,14 +855,15 @@ def test_q_map_backward_starts_from_the_kernels_du(other):
     """The layer's path (``phi_q(q, with_input=True, kernel_du=True)`` into the fused hybrid,
     Llama-3-8B's head shape, bf16, (B, T, H, D) memory, T not a multiple of the state chunk):
     the kernel's dfq pass computes the q map's du and the map's backward starts from it
-    (``triton_phi.DuSlot``). The output and dk, dv bit for bit the path without it; dq and
+    (``feature_map.function.DuSlot``). The output and dk, dv bit for bit the path without it;
+    dq and
     the q map's weight and bias gradients as close to the fp32 oracle as that path's.
     ``other``: phi(q) feeds a second consumer too, whose gradient must still count."""
     from hedgecats.models.ops.hybrid import config as kconfig
     from hedgecats.models.ops.hybrid import dispatch as kdispatch
-    from hedgecats.models.ops.feature_map import kernels as tp
+    from hedgecats.models.ops.instrument import TRACE
 
-    if not (tp.available() and kdispatch.available()):
+    if not kdispatch.available():
         pytest.skip("triton not available")
     gen = torch.Generator(device=DEVICE).manual_seed(8)
     H, Hkv, D, B, T = 8, 2, 128, 2, 300
@@ -888,11 +889,12 @@ def test_q_map_backward_starts_from_the_kernels_du(other):
                 "dWq": fq_map.weight.grad.clone(), "dbq": fq_map.bias.grad.clone(),
                 "dWk": fk_map.weight.grad.clone()}
 
-    before = dict(tp.CALLS), kconfig.CALLS["map_du"]
+    before = dict(TRACE.calls), kconfig.CALLS["map_du"]
     got = run(torch.bfloat16, True)
     assert kconfig.CALLS["map_du"] == before[1] + 1, "the kernel did not compute the q map's du"
-    taken = "du_added" if other else "du_from_kernel"
-    assert tp.CALLS[taken] == before[0][taken] + 1, f"the map's backward did not take du ({taken})"
+    taken = "feature_map.du_added" if other else "feature_map.du_from_kernel"
+    assert TRACE.calls[taken] == before[0].get(taken, 0) + 1, \
+        f"the map's backward did not take du ({taken})"
     plain = run(torch.bfloat16, False)
     assert kconfig.CALLS["map_du"] == before[1] + 1, "kernel_du=False still computed du"
     with backends.triton_disabled():
@@ -914,16 +916,18 @@ def test_maps_folded_into_the_kernel_are_their_own_functions(frozen, weights_in_
     q and k handed on, the q map's du from the kernel), Llama-3-8B's head shape, bf16,
     (B, T, H, D) memory, padding, T not a multiple of the state chunk: the output and every
     gradient bit for bit (the same kernels on the same arguments; the maps of the call before
-    on the tiles the folded pair walks on: on others their products round otherwise, as an
-    H100 read in session 25), the fold taken both ways.
+    on the tiles the folded pair walks on: on others their products round otherwise, mma.sync
+    against wgmma), the fold taken both ways.
     ``stage1``: the teacher's q, k, v detached (the maps' gradients only). Under no_grad
     (evaluation, prefill) the forward runs without the autograd Function: the same output.
     ``w-in-kernel``: the folded call's map pair rounds the maps' fp32 weights in its kernel
-    (``triton_phi.WEIGHTS_IN_KERNEL``): still bit for bit the call that casts them first."""
+    (``feature_map.kernels.WEIGHTS_IN_KERNEL``): still bit for bit the call that casts them
+    first."""
     from hedgecats.models.ops.hybrid import attention as hybrid_mod
     from hedgecats.models.ops.hybrid import config as kconfig
     from hedgecats.models.ops.hybrid import dispatch as kdispatch
     from hedgecats.models.ops.feature_map import kernels as tp
+    from hedgecats.models.ops.instrument import TRACE
 
     if not kdispatch.available():
         pytest.skip("triton not available")
@@ -939,8 +943,11 @@ def test_maps_folded_into_the_kernel_are_their_own_functions(frozen, weights_in_
     kpm = torch.ones(B, T, dtype=torch.bool, device=DEVICE)
     kpm[1, :37] = False
     kw = dict(window=64, mode="hybrid", g=0.5, key_padding_mask=kpm)
-    plan = tp.walk_plan(D, D)  # (the pair walks on its plan's tiles, the grid on its own)
-    pair_tiles = None if plan is None else tuple(plan[1:3])
+    plan = tp.pair_plan(D, D)  # (the pair's tiles: each map alone takes them below)
+    tiles = tp._tiles
+
+    def map_tiles(D, FH, backward):  # (the maps' own forward on the pair's tiles)
+        return tiles(D, FH, backward) if backward else (plan.rows, plan.warps)
 
     def run(folded):
         q, k, v = (x.detach().clone().requires_grad_(n not in frozen)
@@ -952,177 +959,32 @@ def test_maps_folded_into_the_kernel_are_their_own_functions(frozen, weights_in_
             out = hybrid_attention(q, k, v, None, None, maps=maps, **kw)
             monkeypatch.setattr(tp, "WEIGHTS_IN_KERNEL", False)
         else:  # (each map on the tiles the folded call's pair takes: the same products)
-            monkeypatch.setattr(tp, "FORWARD_TILES", pair_tiles)
+            monkeypatch.setattr(tp, "_tiles", map_tiles)
             fq, fk, q_on, k_on = hybrid_mod._apply_maps(maps, q, k)
-            monkeypatch.setattr(tp, "FORWARD_TILES", None)
+            monkeypatch.setattr(tp, "_tiles", tiles)
             out = hybrid_attention(q_on, k_on, v, fq, fk, **kw)
         (out.float() * do).sum().backward()
         return [out.detach(), q.grad, k.grad, v.grad] + [
             p.grad.clone() for m in maps for p in (m.weight, m.bias)]
 
     before = kconfig.CALLS["maps_folded"], kconfig.CALLS["maps_folded_backward"]
-    in_kernel = tp.CALLS["weights_in_kernel"]
+    in_kernel = TRACE.calls["feature_map.weights_in_kernel"]
     got = run(True)
     assert (kconfig.CALLS["maps_folded"], kconfig.CALLS["maps_folded_backward"]) == \
         (before[0] + 1, before[1] + 1), "the maps were not folded into the kernel's call"
-    assert tp.CALLS["weights_in_kernel"] - in_kernel == int(weights_in_kernel)
+    assert TRACE.calls["feature_map.weights_in_kernel"] - in_kernel == int(weights_in_kernel)
     want = run(False)
     names = ("out", "dq", "dk", "dv", "dWq", "dbq", "dWk", "dbk")
     for name, a, b in zip(names, got, want):
         assert (a is None and b is None) or torch.equal(a, b), name
     assert got[1] is None or got[1].stride() == q0.stride()
-    # evaluation / prefill: the same forward without the autograd Function, bit for bit (the
-    # q map inside ``_fwd``, ``map_q_forward``, is off by default; its own test is below)
+    # evaluation / prefill: the same forward without the autograd Function, bit for bit
     before = kconfig.CALLS["forward_without_autograd"]
     monkeypatch.setattr(tp, "WEIGHTS_IN_KERNEL", weights_in_kernel)
     with torch.no_grad():
         out = hybrid_attention(q0, k0, v0, None, None, maps=maps, **kw)
     assert kconfig.CALLS["forward_without_autograd"] == before + 1
     assert torch.equal(out, got[0]), "the forward under no_grad differs from the one under grad"
-
-
-def _kernel_call_inputs(B, H, T, window, pad, gen):
-    """(key padding mask or None, g, log s, shift) of a ``hybrid_kernel`` call: row 1's first
-    41 positions padded, g in [0.1, 0.9) per head, the window's shift."""
-    kpm = None
-    if pad:
-        kpm = torch.ones(B, T, dtype=torch.bool, device=DEVICE)
-        kpm[1, :41] = False
-    g = torch.rand(B, H, device=DEVICE, generator=gen) * 0.8 + 0.1
-    logs = torch.randn(B, H, device=DEVICE, generator=gen)
-    shift = torch.full((B, H), window, dtype=torch.int32, device=DEVICE)
-    return kpm, g, logs, shift
-
-
-#: ``test_q_map_in_the_forward_is_the_map_kernels``'s cases: (heads, kv heads, activation,
-#: shared mixer, padding, ``KernelConfig`` changes)
-MAP_Q_CASES = {"pack4": (32, 8, "softmax", False, True, {}),
-               "pack4-exp-shared": (8, 2, "exp", True, True, {}),
-               "pack2": (8, 4, "softmax", False, False, {}),
-               "pack1-shared": (4, 4, "softmax", True, True, {}),
-               "fwd128x32": (8, 2, "softmax", False, True, dict(block_m=128, block_n=32,
-                                                                 warps=8)),
-               # the no-grad forward's own state spacing (``forward_state_chunk``)
-               "forward-cs64": (8, 2, "softmax", True, True, dict(forward_state_chunk=64))}
-
-
-@pytest.mark.parametrize("case", list(MAP_Q_CASES))
-def test_q_map_in_the_forward_is_the_map_kernels(case):
-    """``KernelConfig.map_q_forward`` (an option, measured slower in session 22): the no-grad
-    forward with the maps folded computes phi_q inside ``_fwd`` from q and the map's weight,
-    against the same call with the q map as its own kernel: D 128, F 256, bf16, T not a
-    multiple of the chunk, 4 / 2 / 1 query heads a program, both activations, padding. Within
-    rounding of it (u's products on other tiles) and as close as it to the fp32 oracle (the
-    maps by ``reference_features``, ``kernel_reference``); the mapped path ran, the other
-    did not."""
-    import dataclasses
-
-    from hedgecats.models.ops.feature_map import kernels as tp
-
-    _kernels()
-    from hedgecats.models.ops.hybrid import config as kconfig
-    from hedgecats.models.ops.hybrid import function as kfunction
-    from hedgecats.models.ops.hybrid import reference as kreference
-    H, Hkv, act, shared, pad, changes = MAP_Q_CASES[case]
-    B, T, D, window = 2, 333, 128, 64
-    gen = torch.Generator(device=DEVICE).manual_seed(11)
-    maps = [HedgehogFeatureMap(n, D, act, seed=s).to(DEVICE) for n, s in ((H, 1), (Hkv, 2))]
-    with torch.no_grad():
-        for m in maps:
-            m.bias.normal_(0, 0.3, generator=gen)
-    q, k, v = (torch.randn(B, T, n, D, device=DEVICE, generator=gen).bfloat16()
-               .transpose(1, 2) for n in (H, Hkv, Hkv))
-    kpm, g, logs, shift = _kernel_call_inputs(B, H, T, window, pad, gen)
-    folded = kfunction.FoldedMaps(maps[0].weight, maps[0].bias, maps[1].weight, maps[1].bias,
-                           act == "softmax", act == "softmax")
-    kw = dict(window=window, scale=D ** -0.5, eps=1e-6, key_padding_mask=kpm, shared=shared)
-    base = dataclasses.replace(kconfig.default_config(D, 2 * D, torch.bfloat16), **changes)
-
-    def call(on):
-        before = kconfig.CALLS["q_map_in_forward"]
-        with torch.no_grad():
-            out = kfunction.hybrid_kernel(q, k, v, None, None, g, 1 - g, logs, shift, maps=folded,
-                                   config=dataclasses.replace(base, map_q_forward=on), **kw)
-        return out.float(), kconfig.CALLS["q_map_in_forward"] - before
-
-    got, ran = call(True)
-    want, ran_off = call(False)
-    assert (ran, ran_off) == (1, 0), (ran, ran_off)
-    fq, fk = (tp.reference_features(x.float(), m.weight.float(), m.bias.float(), act)
-              for x, m in zip((q, k), maps))
-    oracle = kreference.kernel_reference(q.float(), k.float(), v.float(), fq, fk, g, 1 - g, logs, shift,
-                                 **kw)
-    err, err_off, err_pair = rel_err(got, oracle), rel_err(want, oracle), rel_err(got, want)
-    assert kconfig.FALLBACK_ERRORS == [], kconfig.FALLBACK_ERRORS
-    assert err_pair < 4e-3 and err <= 1.25 * err_off + 1e-4, (err, err_off, err_pair)
-    assert err_off < BF16_VS_ORACLE, err_off
-
-
-#: ``test_held_fq_forward_is_the_default_within_rounding``'s cases: (heads, kv heads, dtype,
-#: shared mixer, padding, grad)
-HOLD_FQ_CASES = {"pack4-pad-grad": (32, 8, torch.bfloat16, False, True, True),
-                 "pack4-shared-no-grad": (8, 2, torch.bfloat16, True, True, False),
-                 "pack2-shared-grad": (8, 4, torch.bfloat16, True, False, True),
-                 "fp32-pad-grad": (4, 2, torch.float32, False, True, True)}
-
-
-@pytest.mark.parametrize("case", list(HOLD_FQ_CASES))
-def test_held_fq_forward_is_the_default_within_rounding(case):
-    """``KernelConfig.hold_fq`` (an option, not yet measured): ``_fwd`` loads each program's
-    fq rows once and keeps them for every product, against the default config (fq reloaded a
-    slice at a time): the output and the gradients of q, k, v, fq, fk and the mixer within
-    rounding of the default's (the feature dimension summed in halves instead of slices) and
-    as close as it to the fp32 oracle; D 128, F 256 in bf16 (the 8B's tiles), D 64 in fp32,
-    T not a multiple of the chunk, padding, grad (the branches saved) and no grad."""
-    import dataclasses
-
-    _kernels()
-    from hedgecats.models.ops.hybrid import config as kconfig
-    from hedgecats.models.ops.hybrid import function as kfunction
-    from hedgecats.models.ops.hybrid import reference as kreference
-    H, Hkv, dtype, shared, pad, grad = HOLD_FQ_CASES[case]
-    B, T, window = 2, 333, 64
-    D = 128 if dtype == torch.bfloat16 else 64
-    gen = torch.Generator(device=DEVICE).manual_seed(13)
-    q, k, v = (torch.randn(B, T, n, D, device=DEVICE, generator=gen).to(dtype).transpose(1, 2)
-               for n in (H, Hkv, Hkv))
-    fq, fk = (torch.rand(B, n, T, 2 * D, device=DEVICE, generator=gen).to(dtype)
-              for n in (H, Hkv))
-    kpm, g, logs, shift = _kernel_call_inputs(B, H, T, window, pad, gen)
-    do = torch.randn(B, H, T, D, device=DEVICE, generator=gen)
-    kw = dict(window=window, scale=D ** -0.5, eps=1e-6, key_padding_mask=kpm, shared=shared)
-    base = kconfig.default_config(D, 2 * D, dtype)
-
-    def call(fn, hold=None):
-        ins = [x.detach().clone().requires_grad_(grad) for x in (q, k, v, fq, fk, g, logs)]
-        before = kconfig.CALLS["held_fq_forward"]
-        with torch.set_grad_enabled(grad):
-            if hold is None:
-                out = fn(*ins[:5], ins[5], 1 - ins[5], ins[6], shift, **kw)
-            else:
-                out = fn(*ins[:5], ins[5], 1 - ins[5], ins[6], shift,
-                         config=dataclasses.replace(base, hold_fq=hold), **kw)
-        grads = []
-        if grad:
-            out.float().backward(do)
-            grads = [x.grad for x in ins]
-        return [out.float()] + [None if x is None else x.float() for x in grads], \
-            kconfig.CALLS["held_fq_forward"] - before
-
-    got, ran = call(kfunction.hybrid_kernel, True)
-    want, ran_off = call(kfunction.hybrid_kernel, False)
-    oracle, _ = call(lambda *a, **k: kreference.kernel_reference(*(x.float() if x.is_floating_point()
-                                                         else x for x in a), **k))
-    assert (ran, ran_off) == (1, 0), (ran, ran_off)
-    assert kconfig.FALLBACK_ERRORS == [], kconfig.FALLBACK_ERRORS
-    names = ("out", "dq", "dk", "dv", "dfq", "dfk", "dg", "dlogs")
-    tol = 4e-3 if dtype == torch.bfloat16 else 1e-5
-    for name, a, b, o in zip(names, got, want, oracle):
-        if a is None or b is None or o is None:  # (logs: a gradient only with shared)
-            assert a is None and b is None, name
-            continue
-        err, err_off, err_pair = rel_err(a, o), rel_err(b, o), rel_err(a, b)
-        assert err_pair < tol and err <= 1.25 * err_off + 1e-4, (name, err, err_off, err_pair)
 
 
 def test_folded_call_peaks_no_higher_than_the_maps_as_their_own_functions():
@@ -1178,11 +1040,13 @@ def test_folded_call_peaks_no_higher_than_the_maps_as_their_own_functions():
 
 @pytest.mark.parametrize("floor", [0.0, 1e-3])
 def test_feature_map_module_takes_the_fused_kernel(floor):
-    """HedgehogFeatureMap on CUDA in bf16 is ops.triton_phi (GQA keys repeated first, the floor
-    applied after), bit for bit, gradients included; with HEDGECATS_TRITON=0 it is not."""
-    from hedgecats.models.ops.feature_map import kernels as tp
+    """HedgehogFeatureMap on CUDA in bf16 is ops.feature_map's kernel (GQA keys repeated first,
+    the floor applied after), bit for bit, gradients included; with HEDGECATS_TRITON=0 it is
+    not."""
+    from hedgecats.models.ops.feature_map import dispatch as tp
+    from hedgecats.models.ops.instrument import TRACE
 
-    if not tp.available():
+    if not backends.available("triton"):
         pytest.skip("triton not available")
     gen = torch.Generator(device=DEVICE).manual_seed(4)
     fm = HedgehogFeatureMap(4, 64, seed=5, floor=floor, input_heads=2).to(DEVICE)
@@ -1195,72 +1059,77 @@ def test_feature_map_module_takes_the_fused_kernel(floor):
         y.float().square().sum().backward()
         return y.detach(), x.grad, fm.weight.grad.clone()
 
-    calls = tp.CALLS["forward"]
+    calls = TRACE.calls["feature_map.forward"]
     got = run(fm)
-    assert tp.CALLS["forward"] == calls + 1, "the module did not take the fused kernel"
+    assert TRACE.calls["feature_map.forward"] == calls + 1, \
+        "the module did not take the fused kernel"
     want = run(lambda x: tp.hedgehog_features(x.repeat_interleave(2, dim=1), fm.weight, fm.bias,
                                               "softmax").clamp_min(floor))
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     with backends.triton_disabled():
-        calls = tp.CALLS["forward"]
+        calls = TRACE.calls["feature_map.forward"]
         run(fm)
-        assert tp.CALLS["forward"] == calls
+        assert TRACE.calls["feature_map.forward"] == calls
 
 
-WALKS = {"walk1": dict(FORWARD_WALK=1, FORWARD_TMA=False),
-         "walk1-tma": dict(FORWARD_WALK=1, FORWARD_TMA=True),
-         "walk1-tma-s4": dict(FORWARD_WALK=1, FORWARD_TMA=True, WALK_STAGES=4),
-         "walk2-tma-32x4": dict(FORWARD_WALK=2, FORWARD_TMA=True, WALK_TILES=(32, 4)),
-         "auto": dict(FORWARD_WALK="auto", FORWARD_TMA=True)}  # (the default's plan)
+#: walking plans (programs a multiprocessor, rows a block, warps, stages), through descriptors
+#: or by pointers (x one element past an aligned address: ``tma_ok`` refuses it); "auto": the
+#: default's plan
+WALKS = {"walk1": ((1, 64, 8, 3), False), "walk1-tma": ((1, 64, 8, 3), True),
+         "walk1-tma-s4": ((1, 64, 8, 4), True), "walk2-tma-32x4": ((2, 32, 4, 3), True),
+         "auto": (None, True)}
 
 
 @pytest.mark.parametrize("walk", list(WALKS))
 @pytest.mark.parametrize("B,T", [(2, 1000), (1, 40)])
-def test_map_pair_on_walking_programs_is_the_grids_bit_for_bit(walk, B, T, monkeypatch):
-    """The maps' forward pair on walking programs (``triton_phi.FORWARD_WALK``, through
-    descriptors with ``FORWARD_TMA``; "auto": the default's plan) against one program a
-    block on the walk's own tiles (``FORWARD_TILES``: the same products per row; on other
-    tiles the products round otherwise - 32 x 4 takes mma.sync where 64 x 8 takes wgmma -,
-    which an H100 read as different bits in session 25): the same bits, at the 8B's heads (q
-    map 32, k map 8, D = F/2 = 128), x in (B, T, H, D) memory, T not a multiple of the
-    blocks; and each within 1e-2 of the fp32 map."""
+def test_map_pair_on_walking_programs_is_the_grids_bit_for_bit(walk, B, T):
+    """The maps' forward pair on walking programs (``feature_map.kernels.PairPlan``, through
+    descriptors or by pointers; "auto": the default's plan) against one program a block on
+    the walk's own tiles (the same products per row; on other tiles the products round
+    otherwise - 32 x 4 takes mma.sync where 64 x 8 takes wgmma): the same bits, at the 8B's
+    heads (q map 32, k map 8, D = F/2 = 128), x in (B, T, H, D) memory, T not a multiple of
+    the blocks; and each within 1e-2 of the fp32 map."""
     from hedgecats.models.ops.feature_map import kernels as tp
+    from hedgecats.models.ops.feature_map import reference
+    from hedgecats.models.ops.instrument import TRACE
 
-    if not tp.available():
+    if not backends.available("triton"):
         pytest.skip("triton not available")
+    plan, tma = WALKS[walk]
+    plan = tp.pair_plan(128, 128) if plan is None else tp.PairPlan(*plan)
     gen = torch.Generator(device=DEVICE).manual_seed(5)
     args = []
     for H, soft in ((32, True), (8, False)):
-        x = torch.randn(B, T, H, 128, device=DEVICE, generator=gen).bfloat16().transpose(1, 2)
-        args += [x, torch.randn(H, 128, 128, device=DEVICE, generator=gen) / 128 ** 0.5,
-                 torch.randn(H, 128, device=DEVICE, generator=gen) * 0.3, soft]
-    for name, value in WALKS[walk].items():
-        monkeypatch.setattr(tp, name, value)
-    tiles = tp.walk_plan(128, 128)[1:3]
-    walks = tp.CALLS["forward_walk"], tp.CALLS["forward_tma"]
-    walked = tp.map_forward_pair(*args)
-    assert [tp.CALLS["forward_walk"] - walks[0], tp.CALLS["forward_tma"] - walks[1]] == \
-        [1, int(WALKS[walk].get("FORWARD_TMA", False))]
-    monkeypatch.setattr(tp, "FORWARD_WALK", None)
-    monkeypatch.setattr(tp, "FORWARD_TILES", tuple(tiles))
-    grid = tp.map_forward_pair(*args)
+        x = torch.randn(B, T, H, 128, device=DEVICE, generator=gen).bfloat16()
+        if not tma:
+            x = torch.empty(x.numel() + 1, device=DEVICE, dtype=x.dtype)[1:].view_as(x).copy_(x)
+        args += [x.transpose(1, 2), torch.randn(H, 128, 128, device=DEVICE, generator=gen)
+                 / 128 ** 0.5, torch.randn(H, 128, device=DEVICE, generator=gen) * 0.3, soft]
+    walks = TRACE.calls["feature_map.forward_walk"], TRACE.calls["feature_map.forward_tma"]
+    walked = tp.map_forward_pair(*args, plan=plan)
+    assert [TRACE.calls["feature_map.forward_walk"] - walks[0],
+            TRACE.calls["feature_map.forward_tma"] - walks[1]] == [1, int(tma)]
+    grid = tp.map_forward_pair(*args, plan=tp.PairPlan(None, plan.rows, plan.warps))
     for i, ((yg, *_), (yw, *_)) in enumerate(zip(grid, walked)):
         x, w, b, soft = args[4 * i: 4 * i + 4]
-        want = tp.reference_features(x.float(), w, b, "softmax" if soft else "exp")
+        want = reference.reference_features(x.float(), w, b, "softmax" if soft else "exp")
         assert ((yw.float() - want).norm() / want.norm()).item() < 1e-2
         assert torch.equal(yg, yw), \
-            f"map {'qk'[i]}: the walk's output differs from the grid's on its tiles {tiles}"
+            f"map {'qk'[i]}: the walk's output differs from the grid's on its tiles {plan}"
 
 
 @pytest.mark.parametrize("shape_id,activation", PHI_CASES,
                          ids=[f"{s}-{a}" for s, a in PHI_CASES])
 def test_fused_feature_map(shape_id, activation):
-    """ops.triton_phi against the fp32 map, next to the module's own bf16 forward: values and
-    gradients of x, W and b; the kernel must be about as close to fp32 as the module is."""
-    from hedgecats.models.ops.feature_map import kernels as tp
+    """ops.feature_map's kernels against the fp32 map, next to the module's own bf16 forward:
+    values and gradients of x, W and b; the kernel must be about as close to fp32 as the module
+    is."""
+    from hedgecats.models.ops.feature_map import dispatch as tp
+    from hedgecats.models.ops.feature_map import reference
+    from hedgecats.models.ops.instrument import TRACE
 
-    if not tp.available():
+    if not backends.available("triton"):
         pytest.skip("triton not available")
     B, H, T, D, proj = PHI_SHAPES[shape_id]
     gen = torch.Generator(device=DEVICE).manual_seed(9)
@@ -1279,15 +1148,15 @@ def test_fused_feature_map(shape_id, activation):
                 "db": fm.bias.grad.clone()}
 
     t0 = time.time()
-    calls, n_err = tp.CALLS["forward"], len(tp.FALLBACK_ERRORS)
+    calls, n_err = TRACE.calls["feature_map.forward"], len(TRACE.fallbacks)
     got = run(lambda x: tp.hedgehog_features(x, fm.weight, fm.bias, activation), torch.bfloat16)
-    fused = tp.CALLS["forward"] - calls
+    fused = TRACE.calls["feature_map.forward"] - calls
     with backends.triton_disabled():  # the module's own PyTorch path (it takes the kernel now)
         module = run(fm, torch.bfloat16)
-    oracle = run(lambda x: tp.reference_features(x, fm.weight, fm.bias, activation),
+    oracle = run(lambda x: reference.reference_features(x, fm.weight, fm.bias, activation),
                  torch.float32)
     vs_oracle, module_vs_oracle = errors(got, oracle), errors(module, oracle)
-    new_errors = tp.FALLBACK_ERRORS[n_err:]
+    new_errors = TRACE.fallbacks[n_err:]
     report(test="feature_map", case=activation, shape=shape_id, dtype="torch.bfloat16",
            fused_calls=fused, vs_fp32_oracle={n: float(f"{e:.2e}") for n, e in vs_oracle.items()},
            vs_reference_same_dtype=errors(got, module),
@@ -1310,10 +1179,11 @@ MSE_CASES = {  # B, H, T, D, padding, teacher in SDPA's (B, T, H, D) memory layo
 @pytest.mark.parametrize("case", list(MSE_CASES))
 @pytest.mark.parametrize("dt", ["bf16", "fp32"])
 def test_output_mse_matches_reference(case, dt):
-    """ops.triton_mse.masked_mse (the output-MSE objectives' loss) against
+    """ops.transfer.dispatch.masked_mse (the output-MSE objectives' loss) against
     transfer.masked_mse_reference in fp32 on the same inputs: loss and both tensors'
     gradients; padded teacher rows NaN (what a fully masked SDPA row may hold) reach neither."""
-    from hedgecats.models.ops.transfer import mse as tm
+    from hedgecats.models.ops.instrument import TRACE
+    from hedgecats.models.ops.transfer import dispatch as tm
 
     if not backends.available("triton"):
         pytest.skip("triton not available")
@@ -1339,12 +1209,12 @@ def test_output_mse_matches_reference(case, dt):
         return {"loss": loss.detach().reshape(1), "ds": s.grad, "dt": t.grad}
 
     t_start = time.time()
-    calls, n_err = tm.CALLS["backward"], len(tm.FALLBACK_ERRORS)
+    calls, n_err = TRACE.calls["transfer.mse.backward"], len(TRACE.fallbacks)
     got = run(tm.masked_mse, dtype)
-    fused = tm.CALLS["backward"] - calls
+    fused = TRACE.calls["transfer.mse.backward"] - calls
     want = run(transfer.masked_mse_reference, torch.float32)
     err = errors(got, want)
-    new_errors = tm.FALLBACK_ERRORS[n_err:]
+    new_errors = TRACE.fallbacks[n_err:]
     report(test="output_mse", case=case, dtype=str(dtype), fused_calls=fused,
            vs_fp32_oracle={n: float(f"{e:.2e}") for n, e in err.items()},
            triton_errors=new_errors, seconds=round(time.time() - t_start, 2))

@@ -74,18 +74,6 @@ def test_a_fused_backward_kernel_failing_retries_the_same_tiles_unfused(retries)
     assert tried == [cfg, unfused, plain]
 
 
-@pytest.mark.parametrize("option", ["map_q_forward", "hold_fq"])
-def test_a_held_rows_forward_failing_retries_the_same_tiles_without_it(retries, option):
-    """The forward's variants that hold phi_q's rows (112 KB of shared memory at the 8B's
-    tiles: past what some GPUs give a program) fall back to the same tiles without them."""
-    cfg = dataclasses.replace(kconfig.KernelConfig(), **{option: True})
-    plain = dataclasses.replace(cfg, **{option: False})
-    assert kconfig._retry_chain(cfg)[:2] == (cfg, plain)
-    tried = []
-    assert kconfig._with_retry("forward", ("k",), cfg, _fn({cfg}, tried)) == plain
-    assert tried == [cfg, plain] and len(kconfig.RETRIES) == 1
-
-
 def test_the_safe_tiles_failing_raise(retries):
     with pytest.raises(Boom):
         kconfig._with_retry("forward", ("k",), kconfig.SAFE_CONFIG, _fn({kconfig.SAFE_CONFIG}, []))

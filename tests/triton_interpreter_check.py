@@ -104,24 +104,18 @@ TALL_BWD = dict(block_m=16, block_n=16, state_chunk=32, bwd_block_m=32, bwd_bloc
 #: backward and 2 query tiles of the forward (state_chunk 128 over 64 x 64 / 64 x 32 tiles)
 LONG_CHUNK = dict(block_m=32, block_n=32, state_chunk=64, bwd_block_m=32, bwd_block_n=16,
                   state_f=16, state_d=16, f_chunk=16)
-#: the key-side backward at its own key tile (``dkv_block_n``): the window kernel and the dfk
-#: programs at 32 keys, the dv programs launched apart at ``bwd_block_n`` 16
-DKV_APART = dict(LONG_CHUNK, dkv_block_n=32)
-#: the dv programs at the dfk programs' key tile (``dv_block_n``): one grid of both kinds at
-#: 32 keys; and apart at a tile of their own (64) that is neither theirs nor ``bwd_block_n``
-DV_WITH_DFK = dict(DKV_APART, dv_block_n=32)
-DV_OWN_TILE = dict(DKV_APART, dv_block_n=64)
-#: the reverse LA states walked as one pipelined loop over (chunk, head) pairs
-#: (``state_rev_stages``); split_states False: walked at any length
-REV_FLAT = dict(LONG_CHUNK, state_rev_stages=2, split_states=False)
+#: the key-side backward at its own key tile (``dkv_block_n``): the window kernel, the dfk and
+#: the dv programs at 32 keys, the query-side kernels at ``bwd_block_n`` 16
+DKV_TILE = dict(LONG_CHUNK, dkv_block_n=32)
 #: the forward with the query heads of a kv head packed into one program (``pack_heads``):
 #: 32 rows = 16 positions of 2 heads; with block_m 64 and 4 heads, 16 positions of 4
 PACKED = dict(block_m=32, block_n=16, state_chunk=32, bwd_block_m=16, bwd_block_n=16,
               state_f=16, state_d=16, f_chunk=16, pack_heads=2)
 PACKED4 = dict(PACKED, block_m=64, pack_heads=4)
 #: the query-side backward packed (``dq_block_m`` 32 / 64 rows: 16 positions of 2 / 4 heads):
-#: PACKED_DQ alone (its forward one head a program), PACKED4_DQ with the forward packed too
-PACKED_DQ = dict(PACKED, dq_block_m=32, pack_heads=1, dq_pack_heads=2)
+#: PACKED_DQ alone (its forward's 16 rows leave no head 16 positions: one head a program),
+#: PACKED4_DQ with the forward packed too
+PACKED_DQ = dict(PACKED, block_m=16, dq_block_m=32)
 PACKED4_DQ = dict(PACKED4, dq_block_m=64)
 #: one dfq program over all F features (``grad_f_chunk`` = F = 32 at D 16): where the kernel
 #: computes the q map's du (``_bwd_dfq``'s MAP_DU)
@@ -190,8 +184,7 @@ def kernel_case(cid, *, B=2, H=4, Hkv=2, T=50, D=16, window=8, shift=None, share
     out.float().backward(do)
     ran = {n: kconfig.CALLS[n] - calls[n]
            for n in ("dq_pass", "dkv_swa", "dv_la", "factors_from_saved", "split_states",
-                     "states_from_forward", "dkv_apart", "packed_forward", "packed_dq",
-                     "held_fq_forward")}
+                     "states_from_forward", "packed_forward", "packed_dq")}
     got = dict(zip(names, [out.detach()] + [x.grad for x in ins]))
     # the output and q, k, v's gradients laid out as their inputs (a view of the model's
     # memory in, the same memory out: no copy in its transpose-reshape or grad accumulation)
@@ -216,14 +209,9 @@ def kernel_case(cid, *, B=2, H=4, Hkv=2, T=50, D=16, window=8, shift=None, share
     split = has_la and kconfig.use_split_states(conf, -(-T // conf.state_chunk))
     got["split_states_ok"] = ran["split_states"] == ((2 if reused else 3) if split else 0) and (
         expect_split is None or split == expect_split)
-    # the dfk programs at their own key tile exactly where one is configured
-    apart = has_la and kconfig._dkv_block_n(conf) != kconfig._dv_block_n(conf)
-    got["dkv_apart_ok"] = ran["dkv_apart"] == int(apart)
     # the forward packed query heads exactly where the config and the group allow it
     got["packed_ok"] = ran["packed_forward"] == int(kconfig.pack_of(conf, H // Hkv) > 1)
     got["packed_dq_ok"] = ran["packed_dq"] == int(kconfig.dq_pack_of(conf, H // Hkv) > 1)
-    # fq's rows held for the forward's products exactly where configured (``hold_fq``)
-    got["held_fq_ok"] = ran["held_fq_forward"] == int(conf.hold_fq and has_la)
     for name in frozen:  # a gradient where none was asked for: a wasted pass, or a wrong one
         got[f"{name}_grad_none_ok"] = got.pop(f"d{name}") is None
     ins2 = [t.detach().float().clone().requires_grad_() for t in (q, k, v, fq, fk, ca, cb, logs)]
@@ -258,12 +246,12 @@ def _grads_with_forward_poisoned(poison, T: int):
         return dict(zip(names, (x.grad for x in ins)))
 
     clean = grads()
-    forward = kforward._forward
-    kforward._forward = lambda *a, **kw: poison(forward(*a, **kw))
+    forward = kforward.launch_forward
+    kforward.launch_forward = lambda *a, **kw: poison(forward(*a, **kw))
     try:
         bad = grads()
     finally:
-        kforward._forward = forward
+        kforward.launch_forward = forward
     return clean, bad
 
 
@@ -403,7 +391,8 @@ def layer_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=45, D=16, window=8, dty
 
 def xent_case(cid, *, B=2, H=4, Hkv=2, T=50, D=16, pad=False, dtype=torch.float32, bm=16, bn=16,
               features="softmax", projection="square", seed=0, underflow=False, eps=None):
-    """triton_xent vs transfer.weights_xent (blocked): value, entropy, dfq, dfk."""
+    """transfer.xent (the kernel) vs transfer.reference.weights_xent (blocked): value,
+    entropy, dfq, dfk."""
     from hedgecats.models import HedgehogFeatureMap
     from hedgecats.models.ops.transfer import losses as transfer
     from hedgecats.models.ops.transfer import xent as tx
@@ -447,27 +436,34 @@ def xent_case(cid, *, B=2, H=4, Hkv=2, T=50, D=16, pad=False, dtype=torch.float3
 
 
 def xent_entry_case(cid):
-    """The public weights_xent (kernel under the interpreter) equals the blocked version."""
+    """The entry (``transfer.dispatch.weights_xent``: the kernel under the interpreter) equals
+    the blocked version."""
+    from hedgecats.models.ops.instrument import TRACE
+    from hedgecats.models.ops.transfer import dispatch
     from hedgecats.models.ops.transfer import losses as transfer
-    from hedgecats.models.ops.transfer import xent as tx
 
     g = torch.Generator().manual_seed(5)
     q, k = torch.randn(2, 4, 33, 16, generator=g), torch.randn(2, 2, 33, 16, generator=g)
     fq, fk = torch.rand(2, 4, 33, 32, generator=g), torch.rand(2, 2, 33, 32, generator=g)
     kpm = _kpm(2, 33)
-    got = tx.weights_xent(q, k, fq, fk, key_padding_mask=kpm, return_entropy=True)
+    before = TRACE.calls["transfer.xent.forward"]
+    got = dispatch.weights_xent(q, k, fq, fk, key_padding_mask=kpm, return_entropy=True)
+    ran = TRACE.calls["transfer.xent.forward"] == before + 1
     want = transfer.weights_xent(q, k, fq, fk, key_padding_mask=kpm, return_entropy=True)
     return {"xent": rel(got[0].reshape(1), want[0].reshape(1)),
-            "entropy": rel(got[1].reshape(1), want[1].reshape(1))}
+            "entropy": rel(got[1].reshape(1), want[1].reshape(1)),
+            "kernel_ran_ok": 0.0 if ran else float("inf")}
 
 
 def mse_case(cid, *, B=2, H=3, T=70, D=16, pad=False, dtype=torch.float32, sdpa_layout=False,
              nan_in_padding=False, teacher_grad=False):
-    """triton_mse.masked_mse vs transfer.masked_mse_reference (fp32, same inputs): loss and
+    """transfer.dispatch.masked_mse (the kernels) vs transfer.reference.masked_mse_reference
+    (fp32, same inputs): loss and
     the gradients; ``sdpa_layout``: the teacher as SDPA returns it ((B, T, H, D) memory);
     ``nan_in_padding``: the teacher's padded rows NaN (neither loss nor gradient may see it)."""
+    from hedgecats.models.ops.instrument import TRACE
+    from hedgecats.models.ops.transfer import dispatch
     from hedgecats.models.ops.transfer import losses as transfer
-    from hedgecats.models.ops.transfer import mse as tm
 
     g = torch.Generator().manual_seed(11)
     s0 = torch.randn(B, H, T, D, generator=g)
@@ -489,9 +485,9 @@ def mse_case(cid, *, B=2, H=3, T=70, D=16, pad=False, dtype=torch.float32, sdpa_
             out["dt"] = t.grad.float()
         return out
 
-    before = tm.CALLS["backward"]
-    got = run(tm.masked_mse, dtype)
-    ran = tm.CALLS["backward"] == before + 1
+    before = TRACE.calls["transfer.mse.backward"]
+    got = run(dispatch.masked_mse, dtype)
+    ran = TRACE.calls["transfer.mse.backward"] == before + 1
     want = run(transfer.masked_mse_reference, torch.float32)
     errs = errors(got, want)
     errs["kernel_ran_ok"] = 0.0 if ran else float("inf")
@@ -501,6 +497,8 @@ def mse_case(cid, *, B=2, H=3, T=70, D=16, pad=False, dtype=torch.float32, sdpa_
 def mse_backward_fallback_case(cid):
     """A backward kernel that fails in Triton (OutOfResources): the gradient comes from the
     reference instead, the same one, with padded teacher rows NaN."""
+    from hedgecats.models.ops.instrument import TRACE
+    from hedgecats.models.ops.transfer import dispatch
     from hedgecats.models.ops.transfer import losses as transfer
     from hedgecats.models.ops.transfer import mse as tm
     from triton.runtime.errors import OutOfResources
@@ -516,33 +514,33 @@ def mse_backward_fallback_case(cid):
     kpm = _kpm(2, 40)
     t0 = t0.masked_fill(~kpm[:, None, :, None], float("nan"))
     kernel, tm._mse_bwd = tm._mse_bwd, Failing()
-    n_err = len(tm.FALLBACK_ERRORS)
+    n_err = len(TRACE.fallbacks)
     try:
         s = s0.clone().requires_grad_()
-        (3.0 * tm.masked_mse(s, t0, kpm)).backward()
+        (3.0 * dispatch.masked_mse(s, t0, kpm)).backward()
     finally:
         tm._mse_bwd = kernel
     r = s0.clone().requires_grad_()
     (3.0 * transfer.masked_mse_reference(r, t0, kpm)).backward()
     errs = errors({"ds": s.grad}, {"ds": r.grad})
-    errs["fallback_taken_ok"] = 0.0 if len(tm.FALLBACK_ERRORS) == n_err + 1 else float("inf")
+    new = TRACE.fallbacks[n_err:]
+    errs["fallback_taken_ok"] = 0.0 if len(new) == 1 and new[0].startswith("transfer.mse") \
+        else float("inf")
     return errs
 
 
 def phi_case(cid, *, B=2, H=3, T=45, D=16, proj="square", activation="softmax",
              dtype=torch.float32, strided=False, frozen_x=False, heads_first=False,
-             from_output=True, with_input=False, reciprocal=False, forward_tiles=None):
-    """triton_phi.hedgehog_features vs the fp32 map: values and gradients of x, W, b
+             with_input=False):
+    """feature_map.dispatch.hedgehog_features vs the fp32 map: values and gradients of x, W, b
     (``frozen_x``: x takes no gradient, as stage 1's teacher q, k; dW, db unchanged;
-    ``from_output``: the backward's activations read from the forward's output, the default,
-    else recomputed from x: ``triton_phi.BWD_FROM_OUTPUT``; ``with_input``: x handed on
-    through the map and used by a second consumer (x' * c, c a random tensor, as the
-    attention uses q): its gradient added in the map's kernel, against autograd's sum);
-    ``reciprocal``: the softmax normalised by a reciprocal per row
-    (``triton_phi.RECIPROCAL_SOFTMAX``); ``forward_tiles``: the forward's (rows, warps)
-    (``triton_phi.FORWARD_TILES``)."""
+    ``with_input``: x handed on through the map and used by a second consumer (x' * c, c a
+    random tensor, as the attention uses q): its gradient added in the map's kernel, against
+    autograd's sum)."""
     from hedgecats.models import HedgehogFeatureMap
-    from hedgecats.models.ops.feature_map import kernels as tp
+    from hedgecats.models.ops.feature_map import dispatch as fmd
+    from hedgecats.models.ops.feature_map import reference as fmr
+    from hedgecats.models.ops.instrument import TRACE
 
     g = torch.Generator().manual_seed(11)
     fm = HedgehogFeatureMap(H, D, activation, proj, seed=4)
@@ -575,18 +573,12 @@ def phi_case(cid, *, B=2, H=3, T=45, D=16, proj="square", activation="softmax",
 
     laid_out = []
 
-    before, added = tp.CALLS["backward_dx"], tp.CALLS["backward_added"]
-    default = tp.BWD_FROM_OUTPUT, tp.RECIPROCAL_SOFTMAX, tp.FORWARD_TILES
-    tp.BWD_FROM_OUTPUT, tp.RECIPROCAL_SOFTMAX, tp.FORWARD_TILES = \
-        from_output, reciprocal, forward_tiles
-    try:
-        got = run(lambda x: tp.hedgehog_features(x, fm.weight, fm.bias, activation,
-                                                 with_input=with_input), dtype)
-    finally:
-        tp.BWD_FROM_OUTPUT, tp.RECIPROCAL_SOFTMAX, tp.FORWARD_TILES = default
-    dx_passes = tp.CALLS["backward_dx"] - before
-    dx_added = tp.CALLS["backward_added"] - added
-    want = run(lambda x: tp.reference_features(x, fm.weight, fm.bias, activation),
+    before = TRACE.calls["feature_map.backward_dx"], TRACE.calls["feature_map.backward_added"]
+    got = run(lambda x: fmd.hedgehog_features(x, fm.weight, fm.bias, activation,
+                                              with_input=with_input), dtype)
+    dx_passes = TRACE.calls["feature_map.backward_dx"] - before[0]
+    dx_added = TRACE.calls["feature_map.backward_added"] - before[1]
+    want = run(lambda x: fmr.reference_features(x, fm.weight, fm.bias, activation),
                torch.float32)
     # dx computed only when x takes a gradient
     return {**errors(got, want), "dx_pass": 0.0 if dx_passes == (not frozen_x) else float("inf"),
@@ -596,18 +588,14 @@ def phi_case(cid, *, B=2, H=3, T=45, D=16, proj="square", activation="softmax",
 
 #: ``fwd_switch_case``'s switches: (``KernelConfig`` changes, the ``CALLS`` counter that says
 #: the switch ran, whether the output is bit for bit the switch-off call's in a 16-bit dtype)
-FWD_SWITCHES = {"fwd_tma": (dict(fwd_tma=True), "forward_tma", True),
-                # (its cap and stage count change only what ptxas compiles: no effect here)
-                "park_la": (dict(park_la=True, fwd_maxnreg=168, fwd_stages=1), "parked_forward",
-                            False)}
+FWD_SWITCHES = {  # (its cap and stage count change only what ptxas compiles: no effect here)
+    "park_la": (dict(park_la=True, fwd_maxnreg=168, fwd_stages=1), "parked_forward", False)}
 
 
-def fwd_switch_case(cid, *, switch="fwd_tma", B=2, H=4, Hkv=2, T=70, D=16, window=10,
+def fwd_switch_case(cid, *, switch="park_la", B=2, H=4, Hkv=2, T=70, D=16, window=10,
                     dtype=torch.float32, cfg=SMALL, pad=False, shared=False, has_swa=True,
                     has_la=True, grad=True):
-    """A switch of ``_fwd`` (``FWD_SWITCHES``) on against off: ``fwd_tma`` (its key-side tiles
-    through tensor descriptors) the output (and with ``grad`` every gradient, the forward then
-    saving its branches) bit for bit; ``park_la`` (the LA output parked in memory through
+    """A switch of ``_fwd`` (``FWD_SWITCHES``) on against off: ``park_la`` (the LA output parked in memory through
     the window's loop) every gradient bit for bit, and the output too in fp32 (in a 16-bit
     dtype the mixer takes the LA output rounded to it: within 2^-8); the switch taken in both
     the call's forwards (``park_la``: where both branches run); and each against
@@ -661,40 +649,42 @@ def fwd_switch_case(cid, *, switch="fwd_tma", B=2, H=4, Hkv=2, T=70, D=16, windo
 def pair_walk_case(cid, *, B=3, Hq=4, Hk=2, T=150, D=64, per_sm=3, tma=False,
                    activations=("softmax", "exp"), stages=3, dtype=torch.bfloat16,
                    several=True):
-    """The maps' forward pair on walking programs (``triton_phi.FORWARD_WALK``: each program
-    a share of one head's row blocks, its weight read once; ``tma``: through tensor
-    descriptors, ``FORWARD_TMA``) against the pair on one program a block: bit for bit (the
-    same arithmetic per row), both maps, and each against the fp32 map. x in (B, T, H, D)
-    memory; T not a multiple of the blocks, heads of both maps split into several programs
+    """The maps' forward pair on walking programs (``PairPlan(per_sm, ...)``: each program a
+    share of one head's row blocks, its weight read once; ``tma``: through tensor descriptors,
+    else by pointers, as where ``tma_ok`` refuses: x one element past a 16-byte boundary)
+    against the pair on one program a block on the same tiles: bit for bit (the same
+    arithmetic per row), both maps, and each against the fp32 map. x in (B, T, H, D) memory;
+    T not a multiple of the blocks, heads of both maps split into several programs
     (``walk_split`` on the interpreter's 4 multiprocessors; ``several``: several programs of
     several blocks, some spanning two heads; every program has a block, every block a
     program). bf16 only (``dtype``: the tolerance's)."""
     from hedgecats.models.ops.feature_map import kernels as tp
+    from hedgecats.models.ops.feature_map import reference as fmr
+    from hedgecats.models.ops.instrument import TRACE
 
     g = torch.Generator().manual_seed(21)
     maps = []
     for H, act in zip((Hq, Hk), activations):
-        x = torch.randn(B, T, H, D, generator=g).to(dtype).transpose(1, 2)
+        x = torch.randn(B, T, H, D, generator=g).to(dtype)
+        if not tma:  # (a copy one element into a buffer: an address tma_ok refuses)
+            x = torch.empty(x.numel() + 1, dtype=dtype)[1:].view_as(x).copy_(x)
         w = torch.randn(H, D, D, generator=g) * D ** -0.5
-        maps.append((x, w, torch.randn(H, D, generator=g) * 0.3, act == "softmax"))
+        maps.append((x.transpose(1, 2), w, torch.randn(H, D, generator=g) * 0.3,
+                     act == "softmax"))
     args = [a for m in maps for a in m]
-    before = tp.FORWARD_WALK, tp.FORWARD_TMA, tp.WALK_STAGES
-    walks = tp.CALLS["forward_walk"], tp.CALLS["forward_tma"]
-    try:
-        tp.FORWARD_WALK = None
-        grid = tp.map_forward_pair(*args)
-        tp.FORWARD_WALK, tp.FORWARD_TMA, tp.WALK_STAGES = per_sm, tma, stages
-        walked = tp.map_forward_pair(*args)
-    finally:
-        tp.FORWARD_WALK, tp.FORWARD_TMA, tp.WALK_STAGES = before
+    rows, warps = tp._tiles(D, D, backward=False)
+    walks = TRACE.calls["feature_map.forward_walk"], TRACE.calls["feature_map.forward_tma"]
+    grid = tp.map_forward_pair(*args, plan=tp.PairPlan(None, rows, warps))
+    walked = tp.map_forward_pair(*args, plan=tp.PairPlan(per_sm, rows, warps, stages))
     out = {}
     for name, (x, w, b, soft), (yg, *_), (yw, *_) in zip("qk", maps, grid, walked):
         out[f"same_y{name}"] = 0.0 if torch.equal(yg, yw) else float("inf")
-        want = tp.reference_features(x.float(), w, b, "softmax" if soft else "exp")
+        want = fmr.reference_features(x.float(), w, b, "softmax" if soft else "exp")
         out[f"y{name}"] = rel(yw.float(), want)
-    ran = [tp.CALLS["forward_walk"] - walks[0], tp.CALLS["forward_tma"] - walks[1]]
+    ran = [TRACE.calls["feature_map.forward_walk"] - walks[0],
+           TRACE.calls["feature_map.forward_tma"] - walks[1]]
     out["walked"] = 0.0 if ran == [1, int(tma)] else float("inf")
-    tiles = (Hq + Hk) * B * tp.cdiv(T, tp._forward_tiles(D, D)[0])
+    tiles = (Hq + Hk) * B * tp.cdiv(T, rows)
     programs, tpp = tp.walk_split(tiles, per_sm, torch.device("cpu"))
     covered = (programs - 1) * tpp < tiles <= programs * tpp
     spans = tiles // (Hq + Hk) % tpp != 0  # (some program's blocks span two heads)
@@ -708,21 +698,23 @@ FUSIONS = ("fuse_q_side", "fuse_kv_side")
 
 
 def fused_case(cid, *, cfg, switch="fuse_q_side", fused: bool = True, B=2, H=4, Hkv=2, T=70,
-               D=16, window=10, dtype=torch.float32, frozen=(), map_du=False, order=0, **kw):
+               D=16, window=10, dtype=torch.float32, frozen=(), map_du=False, one_program=False,
+               **kw):
     """A fused backward kernel switched on (``switch``: ``KernelConfig.fuse_q_side``, the dq
     and dfq passes in one kernel, ``_bwd_q``; ``fuse_kv_side``, the window's dk / dv in the LA
     key kernel's dv programs, ``_bwd_kv``; "both") against the same config with it off: the
     output and every gradient bit for bit equal (the same arithmetic in the same order), and
     the fused kernel ran exactly where it applies (``fused``). ``map_du``: phi(q) comes from
     the fused feature map with ``kernel_du`` (the dfq pass writes the map's du). Errors: 0
-    where equal, inf where not (tolerance 0 in effect). ``order`` (1 or 2): instead of a
-    switch, ``_bwd_kv`` with ``KernelConfig.kv_order`` = order against order 0 (both with
-    ``fuse_kv_side``): 1 bit for bit; 2 sums dv's terms in another order, so its errors are
-    the relative errors against order 0's results (the case's tolerance applies)."""
+    where equal, inf where not (tolerance 0 in effect). ``one_program``: instead of a
+    switch, ``_bwd_kv`` as one program a key block (``KernelConfig.kv_one_program``) against
+    its dfk programs then its dv program (both with ``fuse_kv_side``): dv's terms summed in
+    another order, so its errors are the relative errors against the other's results (the
+    case's tolerance applies)."""
     from hedgecats.models import HedgehogFeatureMap
     from hedgecats.models.ops.hybrid import config as kconfig
     from hedgecats.models.ops.hybrid import function as kfunction
-    from hedgecats.models.ops.feature_map import kernels as tp
+    from hedgecats.models.ops.feature_map import dispatch as fmd
 
     q, k, v, fq0, fk0, do, g = _inputs(B, H, Hkv, T, D, dtype, 3, "rand")
     ca, cb, logs = torch.rand(B, H, generator=g), torch.rand(B, H, generator=g), \
@@ -739,16 +731,16 @@ def fused_case(cid, *, cfg, switch="fuse_q_side", fused: bool = True, B=2, H=4, 
         for m in maps:
             m.zero_grad()
         if map_du:
-            fq = tp.hedgehog_features(ins[0], maps[0].weight, maps[0].bias, kernel_du=True)
-            fk = tp.hedgehog_features(ins[1], maps[1].weight, maps[1].bias)
+            fq = fmd.hedgehog_features(ins[0], maps[0].weight, maps[0].bias, kernel_du=True)
+            fk = fmd.hedgehog_features(ins[1], maps[1].weight, maps[1].bias)
         else:
             fq, fk = (x.clone().requires_grad_() for x in (fq0, fk0))
         mix = [x.clone().requires_grad_() for x in (ca, cb, logs)]
         switches = list(FUSIONS) if switch == "both" else [switch]
-        if order:
-            switches = [f"kv_order_{order}"]
+        if one_program:
+            switches = ["kv_one_program"]
             conf = kconfig.KernelConfig(**{**cfg, "fuse_kv_side": True,
-                                      "kv_order": order if fuse else 0})
+                                      "kv_one_program": fuse})
         else:
             conf = kconfig.KernelConfig(**{**cfg, **{n: fuse for n in switches}})
         before = [kconfig.CALLS[n] for n in switches]
@@ -766,7 +758,7 @@ def fused_case(cid, *, cfg, switch="fuse_q_side", fused: bool = True, B=2, H=4, 
     for i, (a, b) in enumerate(zip(got, want)):
         same = (a is None and b is None) or (a is not None and b is not None and
                                               torch.equal(a, b))
-        if order == 2 and not same and a is not None and b is not None:
+        if one_program and not same and a is not None and b is not None:
             out[f"t{i}"] = float((a.float() - b.float()).norm() / b.float().norm().clamp_min(
                 1e-30))
         else:
@@ -801,8 +793,8 @@ def state_sums_case(cid, *, split: bool, pad: bool = False, B=2, H=4, Hkv=2, T=7
     def states(on: bool, dd=dden):
         conf = kconfig.KernelConfig(**{**cfg, "split_states": split, "state_sums_mma": on})
         before = kconfig.CALLS["state_sums_mma"]
-        S, z, vs, NC = kstates._la_states(fk, v, kpm_i8, conf)
-        R, U, W = kstates._la_states_rev(fq, dnum, dd, shift, Hkv, NC, conf)
+        S, z, vs, NC = kstates.la_states(fk, v, kpm_i8, conf)
+        R, U, W = kstates.la_states_rev(fq, dnum, dd, shift, Hkv, NC, conf)
         return (S, z, vs, R, U, W), kconfig.CALLS["state_sums_mma"] - before
 
     got, ran = states(True)
@@ -826,9 +818,9 @@ def map_du_case(cid, *, B=2, H=4, Hkv=2, T=150, D=16, window=20, activation="sof
                 other=False, frozen_q=False, pad=False, cfg=None, dtype=torch.bfloat16,
                 expect_du=True, twice=False, watched=False):
     """The layer's q map and the fused kernel together, the map's backward starting from the
-    du the kernel's dfq pass computes (``triton_phi.DuSlot``: ``kernel_du``), against the fp32
-    maps and ``kernel_reference``: the output and the gradients of q, k, v and both maps'
-    weight and bias. q, k, v as transformers lays them out. ``other``: phi(q) has a second
+    du the kernel's dfq pass computes (``feature_map.function.DuSlot``: ``kernel_du``),
+    against the fp32 maps and ``kernel_reference``: the output and the gradients of q, k, v
+    and both maps' weight and bias. q, k, v as transformers lays them out. ``other``: phi(q) has a second
     consumer ((fq * c).sum(), c random) whose gradient must still count (the map adds the
     kernel's du to the du of the gradient autograd summed); ``frozen_q``: stage 1 (q takes no
     gradient); ``expect_du``: whether the config lets the kernel compute du (one dfq program
@@ -839,7 +831,9 @@ def map_du_case(cid, *, B=2, H=4, Hkv=2, T=150, D=16, window=20, activation="sof
     from hedgecats.models.ops.hybrid import config as kconfig
     from hedgecats.models.ops.hybrid import function as kfunction
     from hedgecats.models.ops.hybrid import reference as kreference
-    from hedgecats.models.ops.feature_map import kernels as tp
+    from hedgecats.models.ops.feature_map import dispatch as fmd
+    from hedgecats.models.ops.feature_map import reference as fmr
+    from hedgecats.models.ops.instrument import TRACE
 
     g = torch.Generator().manual_seed(5)
     maps = [HedgehogFeatureMap(n, D, activation, seed=s) for n, s in ((H, 1), (Hkv, 2))]
@@ -865,10 +859,10 @@ def map_du_case(cid, *, B=2, H=4, Hkv=2, T=150, D=16, window=20, activation="sof
             m.zero_grad()
         (mq, mk) = maps
         if fused:
-            fq = tp.hedgehog_features(q, mq.weight, mq.bias, activation,
-                                      with_input=not frozen_q, kernel_du=True)
+            fq = fmd.hedgehog_features(q, mq.weight, mq.bias, activation,
+                                       with_input=not frozen_q, kernel_du=True)
             fq, q_on = (fq, q) if frozen_q else fq
-            fk, k_on = tp.hedgehog_features(k, mk.weight, mk.bias, activation, with_input=True)
+            fk, k_on = fmd.hedgehog_features(k, mk.weight, mk.bias, activation, with_input=True)
             out = kfunction.hybrid_kernel(q_on, k_on, v, fq, fk, ca, cb, logs, sh,
                                    config=kconfig.KernelConfig(**cfg), **kw)
             if twice:
@@ -877,8 +871,8 @@ def map_du_case(cid, *, B=2, H=4, Hkv=2, T=150, D=16, window=20, activation="sof
             if watched:
                 fq.retain_grad()
         else:
-            fq = tp.reference_features(q, mq.weight, mq.bias, activation)
-            fk = tp.reference_features(k, mk.weight, mk.bias, activation)
+            fq = fmr.reference_features(q, mq.weight, mq.bias, activation)
+            fk = fmr.reference_features(k, mk.weight, mk.bias, activation)
             out = kreference.kernel_reference(q, k, v, fq, fk, ca, cb, logs, sh, **kw)
             if twice:
                 out = out + kreference.kernel_reference(q, k, v, fq, fk, ca, cb, logs, sh, **kw)
@@ -893,10 +887,12 @@ def map_du_case(cid, *, B=2, H=4, Hkv=2, T=150, D=16, window=20, activation="sof
                 "dWk": mk.weight.grad.clone(), "dbk": mk.bias.grad.clone(),
                 **({"dfq": fq.grad} if watched else {})}
 
-    before = dict(tp.CALLS), dict(kconfig.CALLS)
+    before = dict(TRACE.calls), dict(kconfig.CALLS)
     got = run(True)
-    ran = {"du_from_kernel": tp.CALLS["du_from_kernel"] - before[0]["du_from_kernel"],
-           "du_added": tp.CALLS["du_added"] - before[0]["du_added"],
+    ran = {"du_from_kernel": TRACE.calls["feature_map.du_from_kernel"]
+           - before[0].get("feature_map.du_from_kernel", 0),
+           "du_added": TRACE.calls["feature_map.du_added"]
+           - before[0].get("feature_map.du_added", 0),
            "map_du": kconfig.CALLS["map_du"] - before[1]["map_du"]}
     want = run(False)
     # the kernel computed du exactly where it could, and the map's backward took it: alone,
@@ -909,16 +905,16 @@ def map_du_case(cid, *, B=2, H=4, Hkv=2, T=150, D=16, window=20, activation="sof
 
 @contextlib.contextmanager
 def _maps_on_their_kernel():
-    """``HedgehogFeatureMap`` modules run the fused map (``triton_phi``) on CPU tensors, as
+    """``HedgehogFeatureMap`` modules run the fused map (``feature_map.dispatch``) on CPU tensors, as
     they do on CUDA ones (their ``_fused`` asks for CUDA)."""
     from hedgecats.models import feature_maps as fm
-    from hedgecats.models.ops.feature_map import kernels as tp
+    from hedgecats.models.ops.feature_map import dispatch as fmd
 
     old = fm.HedgehogFeatureMap._fused
 
     def fused(self, x, with_input=False, kernel_du=False):
-        return tp.hedgehog_features(x, self.weight, self.bias, self.activation,
-                                    with_input=with_input, kernel_du=kernel_du)
+        return fmd.hedgehog_features(x, self.weight, self.bias, self.activation,
+                                     with_input=with_input, kernel_du=kernel_du)
 
     fm.HedgehogFeatureMap._fused = fused
     try:
@@ -930,15 +926,15 @@ def _maps_on_their_kernel():
 def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
               activation="softmax", pad=False, g_kind="float", ssd=None, frozen=(),
               cfg=MAP_DU, through="fused", dtype=torch.bfloat16, backward_fails=False,
-              floor=0.0, expect_fold=True, pair_backward=False, map_q=False,
-              weights_in_kernel=False, forward_walk="auto", forward_tma=True, **switches):
+              floor=0.0, expect_fold=True,  weights_in_kernel=False,
+              walk=None, **switches):
     """The feature maps folded into the fused kernel's autograd Function (``maps=(phi_q,
     phi_k)``, the layer's call since 2026-12-04) against the call as the layer made it before:
     the maps run first as their own Functions (``ops.hybrid._apply_maps``: q and k handed on,
     the q map's du from the kernel), then the kernel. The output and every gradient (q, k, v,
     both maps' weight and bias, a per-head g) must be bit for bit equal ("same_*": 0 or inf):
     the same kernels run on the same arguments. Both against the fp32 reference (the maps by
-    ``triton_phi.reference_features``, ``hybrid_attention(backend="reference")``) within the
+    ``feature_map.reference``, ``hybrid_attention(backend="reference")``) within the
     dtype's tolerance; and the fold ran, forward and backward, with the kernel's du where the
     config gives one. q, k, v as transformers lays them out. ``frozen``: what takes no
     gradient ("q", "k", "v": stage 1's detached teacher; "maps"). ``through``: "fused" calls
@@ -949,16 +945,12 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
     too), each against the fp32 reference, not bit for bit against the other; the fallback is
     recorded once per backward. ``floor`` (the maps'), ``expect_fold=False``: maps the fold
     must refuse (a floor, fp32): the call runs them as modules, the same path as before.
-    ``forward_walk`` / ``forward_tma``: the folded calls' map pair on walking programs
-    (``triton_phi.FORWARD_WALK`` / ``FORWARD_TMA``; the defaults: the walk where
-    ``walk_plan`` has one, at D = F/2 = 128): still bit for bit the maps' own kernels.
-    Folded, both maps' forward kernels run in one launch; ``pair_backward``
-    (``triton_phi.PAIR_BACKWARD``) their backward too, where both take dx. ``map_q``: the
-    no-grad forward must compute phi_q inside ``_fwd`` (``KernelConfig.map_q_forward``): its
-    output then within bf16 rounding of the folded call's and of the fp32 reference (another
-    tile shape rounds u's products differently), not bit for bit; without it, no forward
-    may. ``weights_in_kernel``: the folded calls' map pair rounds the maps' fp32 weights in
-    its kernel (``triton_phi.WEIGHTS_IN_KERNEL``), bit for bit the same as the cast before."""
+    ``walk``: the folded calls' map pair on walking programs of this ``PairPlan`` (set as
+    the shape's plan in ``WALK_PLANS`` for the run; None: the plans as they are, the walk at
+    D = F/2 = 128): still bit for bit the maps' own kernels. Folded, both maps' forward
+    kernels run in one launch. ``weights_in_kernel``: the folded calls' map pair rounds the maps' fp32 weights in
+    its kernel (``feature_map.kernels.WEIGHTS_IN_KERNEL``), bit for bit the same as the cast
+    before."""
     from triton.runtime.errors import OutOfResources
     from hedgecats.models import HedgehogFeatureMap
     from hedgecats.models.ops.hybrid import backends
@@ -1015,14 +1007,14 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
         if backward_fails and path != "reference":
             def fail(*a, **kw):
                 raise OutOfResources(1, 0, "shared memory")
-            real, kbackward._backward = kbackward._backward, fail
+            real, kbackward.launch_backward = kbackward.launch_backward, fail
             # (what the failures record is this case's: later cases of the same problem key
             # in this process must compile their own tiles)
             failed = set(kconfig._FAILED), dict(kconfig._SAFE_FAILED)
             try:
                 loss.backward()
             finally:
-                kbackward._backward = real
+                kbackward.launch_backward = real
                 kconfig._FAILED.clear()
                 kconfig._FAILED.update(failed[0])
                 kconfig._SAFE_FAILED.clear()
@@ -1040,53 +1032,51 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
         return {n: None if x is None else x.clone() for n, x in res.items()}
 
     def tp_ref(x, m):
-        from hedgecats.models.ops.feature_map import kernels as tp
-        return tp.reference_features(x, m.weight, m.bias, activation).clamp_min(floor)
+        return fmr.reference_features(x, m.weight, m.bias, activation).clamp_min(floor)
 
     from hedgecats.models.ops.feature_map import kernels as tp
+    from hedgecats.models.ops.feature_map import reference as fmr
+    from hedgecats.models.ops.instrument import TRACE
+
+    @contextlib.contextmanager
+    def maps_as_asked(in_kernel: bool):
+        """The run's pair plan (``walk``) and ``WEIGHTS_IN_KERNEL``, both restored after."""
+        plans, before = dict(tp.WALK_PLANS), tp.WEIGHTS_IN_KERNEL
+        if walk is not None:
+            tp.WALK_PLANS[(D, D)] = walk  # (square maps: F/2 = D)
+        tp.WEIGHTS_IN_KERNEL = in_kernel
+        try:
+            yield
+        finally:
+            tp.WALK_PLANS.clear()
+            tp.WALK_PLANS.update(plans)
+            tp.WEIGHTS_IN_KERNEL = before
+
+    def fm_calls(*names):
+        return [TRACE.calls[f"feature_map.{n}"] for n in names]
 
     cast_first = None
     if backward_fails and weights_in_kernel:  # (the same call, the weights cast first; before
         # the counters below are read)
-        switches_before = tp.PAIR_BACKWARD, tp.WEIGHTS_IN_KERNEL, tp.FORWARD_WALK, \
-            tp.FORWARD_TMA
-        tp.PAIR_BACKWARD, tp.WEIGHTS_IN_KERNEL, tp.FORWARD_WALK, tp.FORWARD_TMA = \
-            pair_backward, False, forward_walk, forward_tma
-        try:
+        with maps_as_asked(False):
             cast_first = run("folded")
-        finally:
-            tp.PAIR_BACKWARD, tp.WEIGHTS_IN_KERNEL, tp.FORWARD_WALK, tp.FORWARD_TMA = \
-                switches_before
     names = ("maps_folded", "maps_folded_backward", "map_du")
     n_err = len(kconfig.FALLBACK_ERRORS)
     before = [kconfig.CALLS[n] for n in names]
-    pairs = tp.CALLS["pair_forward"], tp.CALLS["pair_backward"]
-    in_place = tp.CALLS["dx_in_place"]
-    held = kconfig.CALLS["held_fq_forward"]
-    in_kernel = tp.CALLS["weights_in_kernel"]
-    walks = tp.CALLS["forward_walk"], tp.CALLS["forward_tma"]
-    switches_before = tp.PAIR_BACKWARD, tp.WEIGHTS_IN_KERNEL, tp.FORWARD_WALK, tp.FORWARD_TMA
-    tp.PAIR_BACKWARD, tp.WEIGHTS_IN_KERNEL, tp.FORWARD_WALK, tp.FORWARD_TMA = \
-        pair_backward, weights_in_kernel, forward_walk, forward_tma
-    try:
-        walked = tp.walk_plan(D, D) is not None  # (square maps: F/2 = D)
+    pairs, in_place = fm_calls("pair_forward", "dx_in_place")
+    in_kernel, *walks = fm_calls("weights_in_kernel", "forward_walk", "forward_tma")
+    with maps_as_asked(weights_in_kernel):
+        walked = tp.pair_plan(D, D).per_sm is not None  # (square maps: F/2 = D)
         got = run("folded")
         ran = [kconfig.CALLS[n] - b for n, b in zip(names, before)]
-        pairs = [tp.CALLS["pair_forward"] - pairs[0], tp.CALLS["pair_backward"] - pairs[1]]
-        in_place = tp.CALLS["dx_in_place"] - in_place
-        before = (kconfig.CALLS["forward_without_autograd"], kconfig.CALLS["forward"],
-                  kconfig.CALLS["q_map_in_forward"], kconfig.CALLS["forward_state_chunk"])
+        pairs, in_place = (a - b for a, b in zip(fm_calls("pair_forward", "dx_in_place"),
+                                                 (pairs, in_place)))
+        before = (kconfig.CALLS["forward_without_autograd"], kconfig.CALLS["forward"])
         no_grad = run("no_grad")
-    finally:
-        tp.PAIR_BACKWARD, tp.WEIGHTS_IN_KERNEL, tp.FORWARD_WALK, tp.FORWARD_TMA = \
-            switches_before
-    in_kernel = tp.CALLS["weights_in_kernel"] - in_kernel
-    walks = [tp.CALLS["forward_walk"] - walks[0], tp.CALLS["forward_tma"] - walks[1]]
+    in_kernel, *walks = (a - b for a, b in zip(
+        fm_calls("weights_in_kernel", "forward_walk", "forward_tma"), (in_kernel, *walks)))
     without_autograd = kconfig.CALLS["forward_without_autograd"] - before[0]
     kernel_calls = kconfig.CALLS["forward"] - before[1]
-    q_mapped = kconfig.CALLS["q_map_in_forward"] - before[2]
-    own_chunk = kconfig.CALLS["forward_state_chunk"] - before[3]
-    held = kconfig.CALLS["held_fq_forward"] - held  # (the folded call's forward and the no-grad one)
     before = kconfig.CALLS["map_du"]
     old = run("unfolded")
     du_unfolded = kconfig.CALLS["map_du"] - before
@@ -1120,11 +1110,8 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
     # path before the fold used it
     folds = [1, 1] if expect_fold else [0, 0]
     out["fold_ran"] = 0.0 if ran == [*folds, du_unfolded] else float("inf")
-    # folded, both maps' forward kernels in one launch, and their backward with
-    # ``pair_backward`` where both maps take dx
-    both_dx = not {"q", "k"} & set(frozen)
-    want_pairs = [1, int(pair_backward and both_dx)] if expect_fold else [0, 0]
-    out["maps_paired"] = 0.0 if pairs == want_pairs else float("inf")
+    # folded, both maps' forward kernels in one launch
+    out["maps_paired"] = 0.0 if pairs == int(expect_fold) else float("inf")
     # folded, the maps' dx written over the kernel's own dq / dk (no second buffer of their
     # size): both maps where the window gives q and k a gradient in the folded call (not
     # under an output gate: there the folded call is the LA branch's alone)
@@ -1132,27 +1119,14 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
         not g_kind.startswith("gate") and not backward_fails else None
     out["dx_in_place"] = 0.0 if want_in_place is None or in_place == want_in_place \
         else float("inf")
-    # under no_grad the same forward without an autograd Function: the same output, bit for
-    # bit; with the q map in ``_fwd``, within rounding of it and of the reference
-    out["q_map_in_forward"] = 0.0 if (q_mapped >= 1) == map_q else float("inf")
-    want_chunk = bool((cfg or {}).get("forward_state_chunk")) and expect_fold
-    want_held = 2 if (cfg or {}).get("hold_fq") and mode != "swa_only" and not map_q else 0
-    out["held_fq"] = 0.0 if held == want_held else float("inf")
     # the pair's kernel rounded the fp32 weights itself in both folded forwards (grad and not)
-    want_in_kernel = 2 if weights_in_kernel and expect_fold and not map_q else 0
+    want_in_kernel = 2 if weights_in_kernel and expect_fold else 0
     out["weights_in_kernel"] = 0.0 if in_kernel == want_in_kernel else float("inf")
-    # the pair on walking programs (through descriptors) in both folded forwards (with the q
-    # map in ``_fwd`` the no-grad one runs the k map alone)
-    want_walks = (1 if map_q else 2) if walked and expect_fold else 0
-    out["forward_walk"] = 0.0 if walks == [want_walks, want_walks * forward_tma] \
-        else float("inf")
-    out["forward_state_chunk"] = 0.0 if (own_chunk >= 1) == want_chunk else float("inf")
-    if map_q or want_chunk:  # (sums grouped otherwise)
-        out["out_no_grad_vs_folded"] = rel(no_grad["out"], got["out"])
-        out["out_no_grad"] = rel(no_grad["out"], want["out"])
-    else:
-        out["same_out_no_grad"] = 0.0 if torch.equal(no_grad["out"], got["out"]) \
-            else float("inf")
+    # the pair on walking programs (through descriptors) in both folded forwards
+    want_walks = 2 if walked and expect_fold else 0
+    out["forward_walk"] = 0.0 if walks == [want_walks, want_walks] else float("inf")
+    # under no_grad the same forward without an autograd Function: the same output, bit for bit
+    out["same_out_no_grad"] = 0.0 if torch.equal(no_grad["out"], got["out"]) else float("inf")
     out["no_grad_without_autograd"] = 0.0 if without_autograd == kernel_calls >= 1 \
         else float("inf")
     return out
@@ -1332,7 +1306,7 @@ def retain_graph_case(cid, *, B=2, H=4, Hkv=2, T=150, D=16, window=20, dtype=tor
 
 def decode_case(cid, *, mode="hybrid", mixer="fixed", rescale=False, pad=False, H=4, Hkv=2,
                 window=8, n_sinks=4, steps=13, dtype=torch.bfloat16):
-    """The fused decode step (ops.triton_decode) against the composed one (models.cache._step):
+    """The fused decode step (ops.decode) against the composed one (models.cache._step):
     a 2-layer converted Llama prefilled with 6 tokens, then ``steps`` single-token steps (past
     the window: keys leave it into the state; the sinks fill): every step's logits, and the
     cache's tensors at the end. ``pad``: the first sequence left-padded (mask passed)."""
@@ -1340,7 +1314,7 @@ def decode_case(cid, *, mode="hybrid", mixer="fixed", rescale=False, pad=False, 
     from hedgecats.models.cache import HybridCache
     from hedgecats.models.decode import CACHE_KWARG
     from hedgecats.models.ops.hybrid import backends
-    from hedgecats.models.ops.decode import kernels as triton_decode
+    from hedgecats.models.ops.instrument import TRACE
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -1364,7 +1338,7 @@ def decode_case(cid, *, mode="hybrid", mixer="fixed", rescale=False, pad=False, 
 
     def run(fused: bool):
         cache = HybridCache(model)
-        before = triton_decode.CALLS["step"]
+        before = TRACE.calls["decode.step"]
         logits = []
         ctx = contextlib.nullcontext() if fused else backends.triton_disabled()
         with torch.no_grad(), ctx:
@@ -1374,7 +1348,7 @@ def decode_case(cid, *, mode="hybrid", mixer="fixed", rescale=False, pad=False, 
                 out = model(x[:, t0:t0 + n], **{CACHE_KWARG: cache}, use_cache=True, **kw)
                 logits.append(out.logits.float())
                 t0 += n
-        used = triton_decode.CALLS["step"] - before
+        used = TRACE.calls["decode.step"] - before
         return torch.cat(logits, 1), cache, used
 
     got, c_got, used = run(True)
@@ -1397,6 +1371,7 @@ def decode_case(cid, *, mode="hybrid", mixer="fixed", rescale=False, pad=False, 
 
 def cases(quick: bool = False):
     from hedgecats.models.ops.hybrid import config as kconfig
+    from hedgecats.models.ops.feature_map import kernels as tp
 
     bf16 = torch.bfloat16
     # the GPU's default tiles at D 128 in bf16, as a dict
@@ -1415,18 +1390,11 @@ def cases(quick: bool = False):
                                                         pad=True, shared=True,
                                                         cfg=dict(SMALL, split_states=True,
                                                                  split_tile=32))),
-        ("kernel-dkv-apart-pad-shifts-shared", k, dict(T=150, window=40, per_bh_shift=True,
-                                                       pad=True, shared=True, cfg=DKV_APART)),
-        ("kernel-dkv-apart-frozen-v", k, dict(T=70, window=10, frozen=("v",), cfg=DKV_APART)),
-        ("kernel-dv-with-dfk-pad-shifts", k, dict(T=150, window=40, per_bh_shift=True, pad=True,
-                                                  cfg=DV_WITH_DFK)),
-        ("kernel-dv-own-tile-pad", k, dict(T=150, window=40, pad=True, cfg=DV_OWN_TILE)),
-        ("kernel-rev-flat-pad-shifts", k, dict(T=150, window=40, per_bh_shift=True, pad=True,
-                                               cfg=REV_FLAT)),
-        ("kernel-rev-flat-shared-bf16", k, dict(T=100, window=20, shared=True, cfg=REV_FLAT,
-                                                dtype=bf16)),
-        ("kernel-dkv-apart-swa-only-pad", k, dict(T=70, window=10, has_la=False, pad=True,
-                                                  cfg=DKV_APART)),
+        ("kernel-dkv-tile-pad-shifts-shared", k, dict(T=150, window=40, per_bh_shift=True,
+                                                      pad=True, shared=True, cfg=DKV_TILE)),
+        ("kernel-dkv-tile-frozen-v", k, dict(T=70, window=10, frozen=("v",), cfg=DKV_TILE)),
+        ("kernel-dkv-tile-swa-only-pad", k, dict(T=70, window=10, has_la=False, pad=True,
+                                                 cfg=DKV_TILE)),
         # q, k, v as views of the model's (B, T, H, D) memory: output and gradients so too
         ("kernel-model-layout", k, dict(model_layout=True)),
         ("kernel-model-layout-swa-only", k, dict(model_layout=True, has_la=False)),
@@ -1545,7 +1513,7 @@ def cases(quick: bool = False):
             cfg=dict(SMALL, state_chunk=128, split_states=False))),
         # query heads packed into one forward program (pack_heads): 2 of a group of 2, 4 of
         # a group of 4, per-head shifts (rows of one program masked at different t - shift);
-        # then the query-side backward packed too (dq_pack_heads; each branch alone there)
+        # then the query-side backward packed too (dq_block_m; each branch alone there)
         ("kernel-packed2-pad-shared-shifts", k, dict(T=70, window=10, pad=True, shared=True,
                                                      per_bh_shift=True, cfg=PACKED)),
         ("kernel-packed4-G4-pad-shifts", k, dict(H=8, T=90, window=20, pad=True,
@@ -1644,7 +1612,7 @@ def cases(quick: bool = False):
         ("xent-entry", xent_entry_case, None),
         ("poison-canary", poison_canary_case, None),
         ("order-canary", order_canary_case, None),
-        # the q map's backward from the du of the kernel's dfq pass (triton_phi.DuSlot)
+        # the q map's backward from the du of the kernel's dfq pass (feature_map DuSlot)
         ("map-du", map_du_case, dict(cfg=MAP_DU, dtype=bf16)),
         ("map-du-exp-pad", map_du_case, dict(cfg=MAP_DU, activation="exp", pad=True, dtype=bf16)),
         ("map-du-other-consumer", map_du_case, dict(cfg=MAP_DU, other=True, dtype=bf16)),
@@ -1680,44 +1648,33 @@ def cases(quick: bool = False):
                                                fused=False)),
         ("fused-kv-not-for-la-only", fc, dict(cfg=SMALL, switch="fuse_kv_side", has_swa=False,
                                               fused=False)),
-        ("fused-kv-not-for-own-dv-tiles", fc, dict(cfg=DV_OWN_TILE, switch="fuse_kv_side",
-                                                   T=150, window=40, fused=False)),
         ("fused-both-map-du-pad-bf16", fc, dict(cfg=MAP_DU, switch="both", map_du=True,
                                                 pad=True, dtype=bf16, T=100)),
         # the GPU's default tiles at the 8B head shape (64-row packed query blocks of 4-warp
-        # programs, 32-key tiles, the state product pipelined since session 21; 128-position
-        # state chunks, F 256 in one dfq / dfk program; the backward's fused kernels on since
-        # session 17) against the reference; with the forward's key tile at 32; with the
-        # forward's tiles before session 21 (128 rows, 64 keys, 8 warps:
-        # ``ONE_PROGRAM_FORWARD``, tune config fwd-one-program); and both fused backward
-        # kernels against the separate ones at them
+        # programs, 32-key tiles, the state product pipelined, 128-position state chunks, F 256
+        # in one dfq / dfk program, the backward's fused kernels) against the reference; with
+        # the forward's key tile at 32; and both fused backward kernels against the separate
+        # ones at them
         ("kernel-8b-tiles-pad-shared-bf16", k, dict(
             cfg=d128, H=8, Hkv=2, T=150, D=128, window=64, pad=True, shared=True,
             dtype=bf16, B=1)),
         ("kernel-8b-tiles-fwd-bn32-pad-shared-bf16", k, dict(
             cfg=dict(d128, block_n=32), H=8, Hkv=2, T=150, D=128, window=64, pad=True,
             shared=True, dtype=bf16, B=1)),
-        ("kernel-8b-tiles-fwd-one-program-pad-shared-bf16", k, dict(
-            cfg=dict(d128, **kconfig.ONE_PROGRAM_FORWARD), H=8, Hkv=2, T=150, D=128, window=64,
-            pad=True, shared=True, dtype=bf16, B=1)),
         ("fused-both-8b-tiles-pad-shared-bf16", fc, dict(
             cfg=d128, switch="both", map_du=True, pad=True, shared=True, dtype=bf16,
             H=8, Hkv=2, T=150, D=128, window=64, B=1)),
-        # _bwd_kv's program order (KernelConfig.kv_order): the dv program first (bit for
-        # bit), one program a key block (dv summed in another order)
-        ("kv-order1-8b-tiles-pad-shared-bf16", fc, dict(
-            cfg=d128, order=1, map_du=True, pad=True, shared=True, dtype=bf16,
-            H=8, Hkv=2, T=150, D=128, window=64, B=1)),
-        ("kv-order2-8b-tiles-pad-shared-bf16", fc, dict(
-            cfg=d128, order=2, map_du=True, pad=True, shared=True, dtype=bf16,
-            H=8, Hkv=2, T=150, D=128, window=64, B=1)),
-        # (kv_order 2 against the reference at the 8B tiles: kernel-8b-tiles-pad-shared-bf16,
+        # _bwd_kv as one program a key block (KernelConfig.kv_one_program: dv summed in
+        # another order; against the reference at the 8B tiles: kernel-8b-tiles-pad-shared-bf16,
         # since it is the default)
-        ("kv-order2-pad-shifts-group3", fc, dict(
-            cfg=dict(SMALL, grad_f_chunk=32), order=2, H=6, Hkv=2, pad=True,
+        ("kv-one-program-8b-tiles-pad-shared-bf16", fc, dict(
+            cfg=d128, one_program=True, map_du=True, pad=True, shared=True, dtype=bf16,
+            H=8, Hkv=2, T=150, D=128, window=64, B=1)),
+        ("kv-one-program-pad-shifts-group3", fc, dict(
+            cfg=dict(SMALL, grad_f_chunk=32), one_program=True, H=6, Hkv=2, pad=True,
             per_bh_shift=True)),
-        ("kv-order2-not-for-feature-slices", fc, dict(
-            cfg=dict(SMALL, grad_f_chunk=16), order=2, fused=False)),
+        ("kv-one-program-not-for-feature-slices", fc, dict(
+            cfg=dict(SMALL, grad_f_chunk=16), one_program=True, fused=False)),
         # the LA state kernels' vector sums on the tensor cores (KernelConfig.state_sums_mma;
         # bf16 only): walked and split
         ("kernel-state-sums-mma-pad-shifts-bf16", k, dict(
@@ -1771,11 +1728,6 @@ def cases(quick: bool = False):
             dtype=bf16, cfg=dict(MAP_DU, fuse_q_side=True, fuse_kv_side=True), pad=True)),
         ("fold-attention-default-tiles-pad", fold_case, dict(
             dtype=bf16, through="attention", pad=True, g_kind="head")),
-        ("fold-paired-backward-pad-exp", fold_case, dict(
-            dtype=bf16, pair_backward=True, pad=True, activation="exp", g_kind="head")),
-        ("fold-paired-backward-8b-tiles-pad", fold_case, dict(
-            dtype=bf16, pair_backward=True, through="attention", pad=True, H=8, Hkv=2, T=300,
-            D=128, window=64, B=1)),
         ("fold-refused-floor", fold_case, dict(dtype=bf16, floor=1e-3, through="attention",
                                                expect_fold=False)),
         ("fold-refused-fp32-attention", fold_case, dict(dtype=torch.float32,
@@ -1785,54 +1737,10 @@ def cases(quick: bool = False):
                                                        pad=True, g_kind="head")),
         ("fold-backward-fallback-weights-in-kernel", fold_case, dict(
             dtype=bf16, backward_fails=True, weights_in_kernel=True, g_kind="head")),
-        # phi_q computed in the no-grad forward's _fwd (``map_q_forward``): P 4, 2, 1 heads a
-        # program, the exp map, the shared normaliser, SSD, an output gate (its LA call)
-        ("fold-map-q-pad", fold_case, dict(dtype=bf16, pad=True, map_q=True,
-                                           cfg=dict(MAP_DU, map_q_forward=True))),
-        ("fold-map-q-pack2-exp-shared-norm", fold_case, dict(
-            dtype=bf16, activation="exp", shared_norm=True, map_q=True,
-            cfg=dict(PACKED, map_q_forward=True))),
-        ("fold-map-q-pack1-ssd-head-pad", fold_case, dict(
-            dtype=bf16, ssd="head", g_kind="head", pad=True, map_q=True,
-            cfg=dict(SMALL, map_q_forward=True))),
-        ("fold-map-q-gate-la-only-all", fold_case, dict(
-            dtype=bf16, g_kind="gate", mode="la_only", la_span="all", map_q=True,
-            cfg=dict(MAP_DU, map_q_forward=True))),
-        ("fold-map-q-swa-only", fold_case, dict(dtype=bf16, mode="swa_only", expect_fold=False,
-                                                cfg=dict(MAP_DU, map_q_forward=True))),
-        ("fold-map-q-8b-tiles-pad", fold_case, dict(
-            dtype=bf16, pad=True, H=8, Hkv=2, T=300, D=128, window=64, B=1, map_q=True,
-            cfg=dict(d128, map_q_forward=True))),
-        # the no-grad forward's own state spacing (``forward_state_chunk``), with and
-        # without the q map in _fwd
-        ("fold-forward-state-chunk-pad", fold_case, dict(
-            dtype=bf16, pad=True, cfg=dict(MAP_DU, forward_state_chunk=16))),
-        ("fold-forward-state-chunk-map-q-8b-tiles", fold_case, dict(
-            dtype=bf16, pad=True, H=8, Hkv=2, T=300, D=128, window=64, B=1, map_q=True,
-            cfg=dict(d128, forward_state_chunk=64, map_q_forward=True))),
-        # fq's rows loaded once and held for the forward's products (``hold_fq``): fp32 on
-        # the small tiles, overlap and per-head shifts, shared norm with padding, P 4 packed
-        # heads in bf16, the 8B's tiles (with a grad, so with the branches saved), LA alone,
-        # the no-grad forward with the maps folded
-        ("kernel-hold-fq", k, dict(cfg=dict(SMALL, hold_fq=True))),
-        # ``_fwd``'s key-side tiles through tensor descriptors (``fwd_tma``): bit for bit the
-        # pointer path, with grad (branches saved) and without, padded (rows past T and
-        # padded keys), shared norm, held fq, LA alone and SWA alone, the 8B's tiles
-        ("fwd-tma", fwd_switch_case, dict()),
-        ("fwd-tma-pad-shared-no-grad", fwd_switch_case, dict(pad=True, shared=True,
-                                                              grad=False)),
-        ("fwd-tma-packed-pad-bf16", fwd_switch_case, dict(T=150, window=20, pad=True, dtype=bf16,
-                                                       cfg=MAP_DU)),
-        ("fwd-tma-hold-fq-bf16", fwd_switch_case, dict(T=150, window=20, dtype=bf16,
-                                                    cfg=dict(PACKED, hold_fq=True))),
-        ("fwd-tma-la-only", fwd_switch_case, dict(has_swa=False)),
-        ("fwd-tma-swa-only", fwd_switch_case, dict(has_la=False)),
-        ("fwd-tma-8b-tiles-pad-bf16", fwd_switch_case, dict(
-            cfg=d128, H=8, Hkv=2, T=300, D=128, window=64, pad=True, dtype=bf16, B=1)),
         # the LA output parked in memory through the window's loop (``park_la``): the
         # gradients bit for bit (the saved LA branch is what is parked), the output too in
-        # fp32; saved or not, padded, shared norm, packed heads, held fq, through
-        # descriptors, one branch (not taken), the 8B's tiles
+        # fp32; saved or not, padded, shared norm, packed heads, one branch (not taken), the
+        # 8B's tiles
         ("park-la", fwd_switch_case, dict(switch="park_la")),
         ("park-la-pad-shared-no-grad", fwd_switch_case, dict(switch="park_la", pad=True,
                                                               shared=True, grad=False)),
@@ -1841,29 +1749,11 @@ def cases(quick: bool = False):
         ("park-la-packed-no-grad-bf16", fwd_switch_case, dict(switch="park_la", T=150,
                                                                window=20, dtype=bf16,
                                                                cfg=PACKED, grad=False)),
-        ("park-la-hold-fq-tma-bf16", fwd_switch_case, dict(
-            switch="park_la", T=150, window=20, dtype=bf16,
-            cfg=dict(PACKED, hold_fq=True, fwd_tma=True))),
         ("park-la-la-only", fwd_switch_case, dict(switch="park_la", has_swa=False)),
         ("park-la-swa-only", fwd_switch_case, dict(switch="park_la", has_la=False)),
         ("park-la-8b-tiles-pad-bf16", fwd_switch_case, dict(
             switch="park_la", cfg=d128, H=8, Hkv=2, T=300, D=128, window=64, pad=True,
             dtype=bf16, B=1)),
-        ("kernel-hold-fq-overlap-shifts", k, dict(shift=0, per_bh_shift=True,
-                                                  cfg=dict(SMALL, hold_fq=True))),
-        ("kernel-hold-fq-shared-pad", k, dict(shared=True, pad=True, T=70, window=10,
-                                              cfg=dict(SMALL, hold_fq=True))),
-        ("kernel-hold-fq-packed-pad-bf16", k, dict(T=150, window=20, pad=True, dtype=bf16,
-                                                   cfg=dict(MAP_DU, hold_fq=True))),
-        ("kernel-hold-fq-la-only-bf16", k, dict(has_swa=False, dtype=bf16,
-                                                cfg=dict(PACKED, hold_fq=True))),
-        ("kernel-hold-fq-swa-only", k, dict(has_la=False, cfg=dict(SMALL, hold_fq=True))),
-        ("kernel-hold-fq-8b-tiles-pad-shared-bf16", k, dict(
-            cfg=dict(d128, hold_fq=True), H=8, Hkv=2, T=300, D=128, window=64, pad=True,
-            shared=True, dtype=bf16, B=1)),
-        ("fold-hold-fq-8b-tiles-pad", fold_case, dict(
-            dtype=bf16, pad=True, H=8, Hkv=2, T=300, D=128, window=64, B=1,
-            cfg=dict(d128, hold_fq=True))),
         # the map pair rounding the maps' fp32 weights in its kernel (``WEIGHTS_IN_KERNEL``):
         # every result bit for bit the call with the casts before it
         ("fold-weights-in-kernel-pad", fold_case, dict(dtype=bf16, pad=True,
@@ -1874,8 +1764,8 @@ def cases(quick: bool = False):
         ("fold-attention-8b-tiles-pad", fold_case, dict(
             dtype=bf16, through="attention", pad=True, H=8, Hkv=2, T=300, D=128, window=64,
             B=1)),
-        # the maps' pair on walking programs (``FORWARD_WALK``), through descriptors
-        # (``FORWARD_TMA``), against one program a block: bit for bit
+        # the maps' pair on walking programs (``PairPlan``), through descriptors or by
+        # pointers, against one program a block: bit for bit
         ("pair-walk", pair_walk_case, dict(dtype=bf16)),
         ("pair-walk-tma", pair_walk_case, dict(dtype=bf16, tma=True)),
         ("pair-walk-tma-8b-D128-T300", pair_walk_case, dict(
@@ -1884,20 +1774,14 @@ def cases(quick: bool = False):
                                                            several=False)),
         ("fold-forward-walk-tma-8b-tiles-pad", fold_case, dict(
             dtype=bf16, pad=True, H=8, Hkv=2, T=300, D=128, window=64, B=1, cfg=d128,
-            forward_walk=2, forward_tma=True)),
+            walk=tp.PairPlan(2, 64, 8))),
         ("fold-forward-walk-pad-exp", fold_case, dict(
-            dtype=bf16, pad=True, activation="exp", forward_walk=3)),
+            dtype=bf16, pad=True, activation="exp", walk=tp.PairPlan(3, 64, 4))),
         ("phi-softmax", phi_case, dict(dtype=bf16)),
         ("phi-softmax-strided-rect", phi_case, dict(dtype=bf16, strided=True,
                                                     proj="rectangular", D=32)),
         ("phi-exp", phi_case, dict(dtype=bf16, activation="exp")),
-        ("phi-softmax-reciprocal", phi_case, dict(dtype=bf16, reciprocal=True)),
-        ("phi-softmax-reciprocal-recomputed-strided", phi_case, dict(
-            dtype=bf16, reciprocal=True, from_output=False, strided=True)),
         ("phi-frozen-x", phi_case, dict(dtype=bf16, frozen_x=True)),
-        # the forward on 32-row 4-warp programs (``FORWARD_TILES``, the A/B's), 10 blocks
-        ("phi-forward-32x4-T300-strided", phi_case, dict(dtype=bf16, T=300, strided=True,
-                                                         forward_tiles=(32, 4))),
         ("phi-heads-first-layout", phi_case, dict(dtype=bf16, heads_first=True)),
         ("phi-strided-B1", phi_case, dict(dtype=bf16, strided=True, B=1)),
         ("phi-strided-H1", phi_case, dict(dtype=bf16, strided=True, H=1)),
@@ -1905,16 +1789,12 @@ def cases(quick: bool = False):
         ("phi-D32-T70", phi_case, dict(dtype=bf16, T=70, D=32)),
         # several row blocks along T (300 rows: 5 blocks of 64, the last partial)
         ("phi-blocks-T300-strided", phi_case, dict(dtype=bf16, T=300, strided=True)),
-        ("phi-blocks-T300-recomputed-exp", phi_case, dict(
-            dtype=bf16, T=300, from_output=False, activation="exp")),
-        ("phi-recomputed-backward", phi_case, dict(dtype=bf16, from_output=False)),
+        ("phi-blocks-T300-exp", phi_case, dict(dtype=bf16, T=300, activation="exp")),
         ("phi-with-input", phi_case, dict(dtype=bf16, with_input=True)),
         ("phi-with-input-strided-exp", phi_case, dict(dtype=bf16, with_input=True,
                                                       strided=True, activation="exp")),
         ("phi-with-input-frozen-x", phi_case, dict(dtype=bf16, with_input=True,
                                                    frozen_x=True)),
-        ("phi-recomputed-backward-exp-strided", phi_case, dict(
-            dtype=bf16, from_output=False, activation="exp", strided=True)),
         ("retain-graph-twice-pad-bf16", retain_graph_case, dict(dtype=bf16)),
         ("checkpointed-fold-pad-bf16", checkpointed_case, dict(dtype=bf16)),
         ("checkpointed-gate-pad-bf16", checkpointed_case, dict(dtype=bf16, g_kind="gate")),

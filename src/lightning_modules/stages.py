@@ -151,7 +151,9 @@ class _NextTokenLoss:
     def _lm_loss(self, batch: dict) -> torch.Tensor:
         ids, mask = batch["input_ids"], batch.get("attention_mask")
         labels = ids if mask is None else ids.masked_fill(mask == 0, -100)
-        return self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        # use_cache=False: nothing continues these sequences, so no cache is built
+        return self.model(input_ids=ids, attention_mask=mask, labels=labels,
+                          use_cache=False).loss
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         loss = self._lm_loss(batch)
@@ -418,7 +420,8 @@ class AttentionTransfer(HybridStage):
             with torch.no_grad():
                 # through the root module (FSDP2's root hooks unshard the embeddings), with the
                 # LM head on one position only: the logits are not needed
-                self.model(input_ids=ids, attention_mask=mask, logits_to_keep=1)
+                self.model(input_ids=ids, attention_mask=mask, logits_to_keep=1,
+                           use_cache=False)
         finally:
             set_attention_mode(inner, observer=None)
 

@@ -47,11 +47,13 @@ cached logits equal a full forward of the whole sequence (tests/test_cache.py).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import weakref
 
 import torch
 from torch import nn
+from transformers import LlamaModel
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from .ops.hybrid import backends
@@ -61,8 +63,12 @@ from .structure import decoder_layers, unwrap
 
 log = logging.getLogger(__name__)
 
-__all__ = ["HybridCache", "HybridLayerCache", "cached_attention", "generated_cache",
-           "layer_state_bytes", "unsupported_reason"]
+__all__ = ["CACHE_KWARG", "HybridCache", "HybridLayerCache", "cached_attention",
+           "generated_cache", "layer_state_bytes", "unsupported_reason"]
+
+#: the keyword under which a cache reaches a transformers model (renamed in transformers 5.24)
+CACHE_KWARG = ("cache" if "cache" in inspect.signature(LlamaModel.forward).parameters
+               else "past_key_values")
 
 
 def unsupported_reason(attn: nn.Module) -> str | None:
@@ -432,13 +438,15 @@ def cached_attention(layer: HybridLayerCache, module: nn.Module, query: torch.Te
                   overlap=rt.overlap, rescale=rt.rescale, la_span=rt.la_span,
                   n_sinks=rt.n_sinks, swa_drop=swa_drop, scale=scale, eps=rt.eps,
                   backend=rt.backend)
-    fq = module.phi_q(query) if needs_la else None
-    if layer.seen == 0:  # prefill: the ordinary forward, then the state
+    if layer.seen == 0:  # prefill: the layer's call without a cache (the same output, bit for
+        # bit: the maps go in as modules, as there), then the state
         kpm = None if attention_mask is None or bool(real.all()) else real
-        fk = module.phi_k(key) if needs_la else None
-        out = hybrid_attention(query, key, value, fq, fk, key_padding_mask=kpm, **common)
+        out = hybrid_attention(query, key, value, None, None, maps=(module.phi_q, module.phi_k),
+                               key_padding_mask=kpm, **common)
         _commit(layer, module, key, value, real, n_old=0, new=(key, value, real))
-    elif T == 1:
+        return out
+    fq = module.phi_q(query) if needs_la else None
+    if T == 1:
         out = _fused_step(layer, module, query, key, value, real, fq, common)
         if out is None:
             out = _step(layer, module, query, key, value, real, fq, common)
@@ -481,7 +489,7 @@ def _fused_step(layer: HybridLayerCache, module, query, key, value, real, fq,
     (B, 1) flags of the new keys, or ``None`` when the call has no mask (all real)."""
     if not backends.triton_switched_on() or not layer.is_initialized:
         return None
-    from .ops.decode import kernels as triton_decode
+    from .ops.decode import dispatch as triton_decode
 
     rt = module.hedgecats
     g = common["g"]

@@ -22,19 +22,13 @@ No attention mask is passed (batches without padding), so none has to be rebuilt
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 from torch import nn
-from transformers import LlamaModel, StaticCache
+from transformers import StaticCache
 
-from .cache import HybridCache, HybridLayerCache
+from .cache import CACHE_KWARG, HybridCache, HybridLayerCache
 
 __all__ = ["CACHE_KWARG", "GraphedDecoder"]
-
-#: the keyword under which a cache reaches a transformers model (renamed in transformers 5.24)
-CACHE_KWARG = ("cache" if "cache" in inspect.signature(LlamaModel.forward).parameters
-               else "past_key_values")
 
 
 def _batch(cache) -> int:

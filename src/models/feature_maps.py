@@ -181,7 +181,7 @@ class HedgehogFeatureMap(nn.Module):
         if not x.is_cuda or self.activation not in ("softmax", "exp"):
             return None
         from .ops.hybrid import backends
-        from .ops.feature_map import kernels as triton_phi
+        from .ops.feature_map import dispatch as triton_phi
 
         if not backends.triton_enabled():
             return None

@@ -31,8 +31,9 @@ mis-shaped tensor is an error that names the hybrid section, never a fresh initi
 ``convert_to_hybrid`` turns a ``LlamaForCausalLM`` / ``MistralForCausalLM`` /
 ``Qwen2ForCausalLM`` into the matching ``Hedgecats...ForCausalLM`` (a subclass: ``isinstance``
 still holds) by setting its class; the live model keeps its base config (``model_type``
-``llama``...), the hybrid config is what ``save_pretrained`` writes. The class also makes
-``generate`` use the constant-memory ``HybridCache`` (``models.cache``).
+``llama``...), the hybrid config is what ``save_pretrained`` writes. The class also gives
+``generate``, and any call with ``use_cache`` that brings no cache, the constant-memory
+``HybridCache`` (``models.cache``) where transformers would make its full ``DynamicCache``.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ from transformers import (
 )
 
 from ..version import __version__
-from .cache import HybridCache, unsupported_reason
+from .cache import CACHE_KWARG, HybridCache, unsupported_reason
 from .config import HybridConfig
 from .layer import convert_layers
 from .structure import family, hybrid_layers, unwrap
@@ -131,7 +132,8 @@ def _lora_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 class HybridCausalLM:
     """What the ``Hedgecats...ForCausalLM`` classes add to their transformers base class:
     building the hybrid from the ``hybrid`` section, writing it back, exact loading, and the
-    constant-memory cache in ``generate``."""
+    constant-memory cache in ``generate`` (and, through each class's ``forward``
+    (``_with_call_cache``), in every call that asks transformers for a cache)."""
 
     _keep_in_fp32_modules = ["phi_q", "phi_k", "mixer"]
 
@@ -234,6 +236,51 @@ def _load_adapter(model: nn.Module, where: str, subfolder: str, revision: str | 
     model.__dict__["_hedgecats_peft"] = peft_model  # not a submodule: no second state-dict path
 
 
+#: positional arguments of a causal LM's forward before its cache (input_ids, attention_mask,
+#: position_ids): a call that passes more names its cache itself
+_ARGS_BEFORE_CACHE = 3
+
+
+def _with_call_cache(forward):
+    """A transformers causal LM's ``forward``, with the constant-memory ``HybridCache`` where
+    transformers would make its full ``DynamicCache``: a call with ``use_cache`` (given, or the
+    config's default) and no cache gets the cache ``_call_cache`` chooses, as transformers' own
+    hybrid models get theirs; the output carries it to the next call. The signature stays
+    ``forward``'s (``generate`` reads it to choose what to pass)."""
+
+    @functools.wraps(forward)
+    def forward_with_call_cache(self, *args, **kwargs):
+        if len(args) <= _ARGS_BEFORE_CACHE and kwargs.get("cache") is None and \
+                kwargs.get("past_key_values") is None:
+            cache = _call_cache(self, kwargs.get("use_cache"))
+            if cache is not None:
+                kwargs[CACHE_KWARG] = cache
+        return forward(self, *args, **kwargs)
+
+    return forward_with_call_cache
+
+
+def _call_cache(model: nn.Module, use_cache: bool | None) -> HybridCache | None:
+    """The cache for a call of ``model`` that brings none, or ``None`` where transformers'
+    choice stays: no cache without ``use_cache`` (``None``: the config's), and transformers'
+    ``DynamicCache`` in train mode (nothing continues a training forward, and the cached path
+    would keep its state under autograd), with an observer (attention transfer, branch usage:
+    they read whole sequences; ``HybridCache.bind`` refuses them), and where the model needs
+    every key (``_full_cache_reason``; said once when the call asked for a cache)."""
+    wanted = model.config.use_cache if use_cache is None else use_cache
+    if not wanted or model.training:
+        return None
+    if any(a.hedgecats.observer is not None for _, a in hybrid_layers(model)):
+        return None
+    why = _full_cache_reason(model)
+    if why is not None:
+        if use_cache:
+            _warn_once(f"{type(model).__name__}: {why}: a call with use_cache keeps "
+                       f"transformers' full DynamicCache (memory grows with the context)")
+        return None
+    return HybridCache(model)
+
+
 def _full_cache_reason(model: nn.Module) -> str | None:
     """Why ``generate`` must keep every key (a ``DynamicCache``), or ``None``: a converted layer
     in mode ``softmax`` (it reads every key), or one the ``HybridCache`` cannot serve
@@ -254,14 +301,17 @@ def _warn_once(msg: str) -> None:
 
 class HedgecatsLlamaForCausalLM(HybridCausalLM, LlamaForCausalLM):
     config_class = HedgecatsLlamaConfig
+    forward = _with_call_cache(LlamaForCausalLM.forward)
 
 
 class HedgecatsMistralForCausalLM(HybridCausalLM, MistralForCausalLM):
     config_class = HedgecatsMistralConfig
+    forward = _with_call_cache(MistralForCausalLM.forward)
 
 
 class HedgecatsQwen2ForCausalLM(HybridCausalLM, Qwen2ForCausalLM):
     config_class = HedgecatsQwen2Config
+    forward = _with_call_cache(Qwen2ForCausalLM.forward)
 
 
 #: base class -> (hybrid class, family)

@@ -1,7 +1,7 @@
-"""What the Triton kernel modules (``triton_hybrid``, ``triton_xent``, ``triton_phi``,
-``triton_mse``, ``triton_decode``) share: whether they can run here, whether Triton's
-interpreter is on, the errors after which a caller takes its PyTorch path, and a warning logged
-once."""
+"""What the Triton kernel families (``hybrid``, ``feature_map``, ``transfer``, ``decode``)
+share: whether they can run here and are switched on, whether Triton's interpreter is on, the
+errors after which a caller takes its PyTorch path, a warning logged once, and the launcher
+that skips Triton's per-launch host work (``fast``)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,11 @@ import os
 
 import torch
 
+from .instrument import TRACE
+
 __all__ = ["GRID_AXIS_MAX", "HAVE_TRITON", "available", "cast", "cdiv", "ensure_allocator",
-           "errors", "fast", "interpret", "key_block", "next_pow2", "tl", "tma_ok", "triton",
-           "warn_once"]
+           "errors", "fast", "interpret", "key_block", "next_pow2", "switched_on", "tl", "tma_ok",
+           "triton", "warn_once"]
 
 try:  # the kernel modules define their kernels only where triton imports
     import triton
@@ -67,6 +69,12 @@ def next_pow2(n: int) -> int:
 def interpret() -> bool:
     """Triton's CPU interpreter is switched on (``TRITON_INTERPRET=1``: the CPU tests)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def switched_on() -> bool:
+    """``HEDGECATS_TRITON`` is not ``0`` (the switch to run or measure without the fused
+    kernels; read on every call, so that ``hybrid.backends.triton_disabled`` acts at once)."""
+    return os.environ.get("HEDGECATS_TRITON", "1") != "0"
 
 
 @functools.cache
@@ -147,8 +155,8 @@ def _hopper_or_later(device: int) -> bool:
 def ensure_allocator() -> None:
     """Triton's scratch allocator in this thread's context, where none is set: Triton keeps it
     in a ContextVar, so one set on the main thread is not set in autograd's backward threads
-    (found on an H200 on 2026-12-03: "no allocator was set" in the backward). One that a
-    caller or another library set is kept."""
+    (there a launch fails with "no allocator was set"). One that a caller or another library
+    set is kept."""
     got = _allocator_state()
     if got is not None:
         holder, null = got
@@ -172,8 +180,6 @@ def _allocator_state():
 #: Triton versions whose ``CompiledKernel.run`` takes the arguments ``FastLaunch`` passes
 #: (read in triton 3.6's ``JITFunction.run``); another version launches through Triton's own path
 FAST_LAUNCH_VERSIONS = ("3.6.",)
-#: launches through ``FastLaunch``'s cached handles / through Triton's own path (tests read them)
-LAUNCHES = {"fast": 0, "triton": 0}
 #: cached compiled kernels per ``FastLaunch`` (a new shape adds one; past this, the cache starts
 #: over: a long-running process that sees many shapes stays bounded)
 FAST_CACHE_MAX = 512
@@ -283,7 +289,7 @@ class FastLaunch:
     Why: Triton 3.6's ``JITFunction.run`` spends tens of microseconds of Python per launch
     (binding and specialising ~50 arguments, the cache key, launch metadata and two hook
     calls); the hybrid layer launches 9 to 12 kernels per forward + backward, and at 8 x 1k its
-    Python and launches took longer than its kernels (benchmarks/results/h200_2026-12-03b).
+    Python and launches took longer than its kernels.
 
     The key (``_key_and_values``) holds everything the compiled kernel depends on, or more
     (integers by value where Triton keeps only ``== 1`` and divisibility by 16), plus the keyword
@@ -310,14 +316,14 @@ class FastLaunch:
 
     def _launch(self, grid, *args, **kw):
         if not self.compiled:
-            LAUNCHES["triton"] += 1
+            TRACE.count("launch.triton")
             return self.fn[grid](*args, **kw)
         reason = _fast_state()
         if reason is not None or type(grid) is not tuple or not _no_hooks():
             if reason is not None:
                 warn_once(__name__, f"Triton kernels launched through Triton's own path "
                           f"({reason}): the same kernels, more host time per launch")
-            LAUNCHES["triton"] += 1
+            TRACE.count("launch.triton")
             return self.fn[grid](*args, **kw)
         dev, stream = _device_and_stream()
         key, values, on_cuda = _key_and_values(args)
@@ -327,11 +333,11 @@ class FastLaunch:
         try:
             hit = self.cache.get(key)
         except TypeError:  # an unhashable argument (a host-side tensor descriptor, ...)
-            LAUNCHES["triton"] += 1
+            TRACE.count("launch.triton")
             return self.fn[grid](*args, **kw)
         if hit is None or not on_cuda:
             compiled = self.fn[grid](*args, **kw)
-            LAUNCHES["triton"] += 1
+            TRACE.count("launch.triton")
             tail = self.names[len(args):]
             if on_cuda and all(n in kw for n in tail) and hasattr(compiled, "packed_metadata"):
                 if len(self.cache) >= FAST_CACHE_MAX:
@@ -349,7 +355,7 @@ class FastLaunch:
         else:
             compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata,
                          None, None, None, *values, *[kw[n] for n in tail])
-        LAUNCHES["fast"] += 1
+        TRACE.count("launch.fast")
         return compiled
 
 

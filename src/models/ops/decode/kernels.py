@@ -1,11 +1,10 @@
-"""One decode step of a converted layer from its ``HybridCache`` slot, in two Triton kernels
-(issue 13: "batch-1 decode ... no slower than the softmax model at 1k").
+"""One decode step of a converted layer from its ``HybridCache`` slot, in two Triton kernels.
 
 The composed step (``models.cache._step``, the reference) runs ~80 small GPU kernels per layer
 and token - index selects, dtype copies, the blocked softmax over the ring, the chunked LA
 reference with the state repeated per query head, the state update - and at 2-3 us each they
-made a 32-layer decode step 15.4 ms against softmax's 8.3 ms in CUDA-graph replay (H200,
-docs/performance.md). Here the same step is:
+make a 32-layer decode step slower than the softmax model's (docs/performance.md). Here the
+same step is:
 
     main   grid (B * Hkv,): one program per sequence and KV head, for its G = H / Hkv query
            heads. The key leaving the window (ring slot ``pos % w``, its feature map ``fk_old``
@@ -14,10 +13,10 @@ docs/performance.md). Here the same step is:
            query head
                SWA  = softmax over the ring (the new key in the leaving key's slot) of q.k*scale
                LA   = (fq.S + eps vsum) / (fq.z + eps n)     (0 where the state holds no key)
-           mixed as ``ops.hybrid.hybrid_attention`` mixes them (fixed / per-head / per-channel
-           ``g``, the shared norm, the modes ``hybrid`` / ``swa_only`` / ``la_only`` and
-           ``rescale``), written to out (B, 1, H, D); a new key among the first ``n_sinks``
-           real ones is stored as a sink.
+           mixed as ``hybrid.attention.hybrid_attention`` mixes them (fixed / per-head /
+           per-channel ``g``, the shared norm, the modes ``hybrid`` / ``swa_only`` /
+           ``la_only`` and ``rescale``), written to out (B, 1, H, D); a new key among the
+           first ``n_sinks`` real ones is stored as a sink.
     post   grid (1,): the per-sequence counters, read by every ``main`` program and so moved
            only after it: the ring's real flag of the slot, the state's key count, the sink
            flag and count, and the position counter.
@@ -25,35 +24,24 @@ docs/performance.md). Here the same step is:
 Products: tf32 in bf16 / fp16 models (its 10-bit mantissa holds their inputs exactly; the fp32
 state and softmax weights round at 2^-11, below the bf16 output's 2^-8 rounding); accumulation,
 softmax and mixing in fp32. fp32 models: IEEE products (compiled for sm_90a they are FMA, no
-tensor-core or tf32 instruction: tests/test_triton_compile.py). On an H200 one fused fp32 step
-is 3.7e-7 from a float64 oracle (benchmarks/decode_precision.py, 2026-12-02), but a decode run
-measured 4e-4 from the fp32 references (the composed step on CUDA, the CPU's) in LA-heavy cases:
-not one step's arithmetic, so the references, the prefill or error building up over a run, not
-yet explained; on CUDA fp32 models keep the composed step (``unsupported_reason``; speed only).
-Under Triton's interpreter the fp32 kernels match the composed step to 2e-7 and a float64
-oracle to 1e-7.
+tensor-core or tf32 instruction: tests/test_triton_compile.py); under Triton's interpreter the
+fp32 kernels match the composed step to 2e-7 and a float64 oracle to 1e-7.
 
 Both read the position from the device (no host synchronisation), so a step can be captured in
 a CUDA graph (``models.decode``). Programs never read what another program writes: the only
 values several programs read and one changes (the counters) are changed by ``post``.
 
-It covers the calls of ``unsupported_reason`` = None; others (``overlap`` / ``la_span="all"``,
-which read the ring's keys through LA, LoLCATs' max-shifted shared norm, SSD's dropout in
-training, ``sinks_only`` / ``none``, fp32 or non-power-of-two shapes) take the composed step,
-which computes the same function (a fallback that changes only speed; logged once).
+Which calls they take: ``dispatch.unsupported_reason``; the entry: ``dispatch.decode_step``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..triton_common import (HAVE_TRITON, available, errors, fast, interpret, next_pow2, tl, triton,
-                            warn_once)
+from ..triton_common import HAVE_TRITON, fast, next_pow2, tl, triton
 
-__all__ = ["decode_step", "unsupported_reason"]
+__all__ = ["MODES", "launch_main", "launch_post"]
 
-CALLS = {"step": 0}
-FALLBACK_ERRORS: list[str] = []
 MODES = {"hybrid": 0, "swa_only": 1, "la_only": 2}
 
 if HAVE_TRITON:
@@ -140,7 +128,7 @@ if HAVE_TRITON:
         la = num / tl.maximum(den, eps)[:, None]
         la = tl.where(has, la, 0.0)
 
-        # ---- mix (ops.hybrid.hybrid_attention / _branch_weights)
+        # ---- mix (hybrid.attention.hybrid_attention / _branch_weights)
         if SHARED:
             fac = tl.load(G + b64 * sg_b + (h0 + offs_g) * sg_h, mask=in_g, other=1.0)
             log_s = tl.log(tl.maximum(fac.to(tl.float32), 1e-30))
@@ -204,68 +192,14 @@ if HAVE_TRITON:
         tl.store(POS, pos + 1)
 
 
-def _pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
-def unsupported_reason(layer, query, key, fq, *, mode: str, shared_norm, overlap: bool,
-                       la_span: str, swa_drop, g) -> str | None:
-    """Why the fused step cannot take this call (the composed step then runs), or ``None``."""
-    if not available():
-        return "triton is not installed or there is no CUDA device"
-    if not (query.is_cuda or interpret()):
-        return "the kernels run on CUDA tensors"
-    if mode not in MODES:
-        return f"mode {mode!r} (the fused step computes {', '.join(MODES)})"
-    if overlap or (mode == "la_only" and la_span == "all"):
-        return "LA reading the window's keys (overlap / la_span='all')"
-    if shared_norm not in (False, True):
-        return f"shared_norm={shared_norm!r} (LoLCATs' max-shifted form)"
-    if swa_drop is not None:
-        return "SSD's sliding-window dropout (training)"
-    if fq is None:
-        return "no query features"
-    if query.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return f"dtype {query.dtype} (the kernels take bf16, fp16, fp32)"
-    if query.dtype == torch.float32 and not interpret():
-        # measured on an H200 (2026-12-02): 4e-4 from the fp32 references in LA-heavy cases,
-        # while one fused step from a random state is 3.7e-7 from a float64 oracle there
-        # (decode_precision.py): not the step's arithmetic, so the reference side, the prefill
-        # or error building up over a run; not yet explained, so fp32 models keep the composed
-        # step there. The interpreter (exact fp32) checks the algorithm to 2e-7
-        # (tests/triton_interpreter_check.py).
-        return "fp32 on CUDA (an unexplained 4e-4 from the fp32 reference, measured on an H200)"
-    B, H, T, D = query.shape
-    Hkv = key.shape[1]
-    F = fq.shape[-1]
-    if T != 1 or H % Hkv:
-        return "not one new token per sequence"
-    if not (_pow2(D) and 16 <= D <= 256):
-        return f"head dim {D} (powers of two in [16, 256])"
-    if not (_pow2(F) and 16 <= F <= 1024):
-        return f"feature dim {F} (powers of two in [16, 1024])"
-    if layer.window > 1024:
-        return f"window {layer.window} (at most 1024 keys in the ring)"
-    for name in ("keys", "values", "real", "S", "z", "vsum", "sink_keys", "sink_values"):
-        if not getattr(layer, name).is_contiguous():
-            return f"the cache's {name} is not contiguous"
-    if layer.values.shape[-1] != D:
-        return "value head dim differs from the key head dim"
-    if torch.is_tensor(g) and g.dim() != 4:
-        return f"mixer output of shape {tuple(g.shape)}"
-    return None
-
-
-def decode_step(layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def launch_main(layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 fq: torch.Tensor, fk_old: torch.Tensor, real: torch.Tensor | None, *,
                 mode: str, g, shared_norm: bool, rescale: bool, scale: float,
-                eps: float) -> torch.Tensor | None:
-    """The fused step (module docstring). ``query`` (B, H, 1, D), ``key`` / ``value`` (B, Hkv,
-    1, D) of the new token, ``fq`` (B, H, 1, F) = phi_q(query), ``fk_old`` (B, Hkv, 1, F) =
-    phi_k of the key in ring slot ``pos % w``; ``real`` (B,) bool for the new keys or None (all
-    real). Advances the cache's device tensors (not ``layer.seen``). Returns (B, H, 1, D) in
-    query's dtype, a view of a (B, 1, H, D) contiguous tensor; ``None`` (cache untouched) if
-    the main kernel does not compile or fit here. Check ``unsupported_reason`` first."""
+                eps: float) -> torch.Tensor:
+    """The step's ``main`` kernel (module docstring), arguments as ``dispatch.decode_step``'s;
+    the output (B, H, 1, D). Raises Triton's errors (``errors()``) where it does not compile or
+    fit here: it is compiled before it runs, so the cache is then untouched. ``launch_post``
+    must follow."""
     B, H, _, D = query.shape
     Hkv, W, NS, F = key.shape[1], layer.window, layer.n_sinks, fq.shape[-1]
     GROUP = H // Hkv
@@ -281,29 +215,25 @@ def decode_step(layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         gt, sg, g_scalar = q, (0, 0, 0), float(g)  # G unused
     real_new = real if real is not None else layer.real  # a pointer, unused without the flag
     BF = min(F, 32 if D >= 128 else 64)
-    try:
-        fast(_step_main)[(B * Hkv,)](
-            q, fq, k, v, fk_old, layer.keys, layer.values, layer.real, real_new, layer.S,
-            layer.z, layer.vsum, layer.n_state, layer.n_real, layer.sink_keys, layer.sink_values,
-            layer.pos, gt, out, q.stride(0), q.stride(1), fq.stride(0), fq.stride(1),
-            k.stride(0), k.stride(1), v.stride(0), v.stride(1), *sg, g_scalar, float(scale),
-            float(eps), Hkv, W, NS, GROUP=GROUP, GP=max(16, next_pow2(GROUP)), D=D,
-            F=F, BW=max(16, next_pow2(W)), BF=BF, MODE=MODES[mode],
-            SHARED=bool(shared_norm), RESCALE=bool(rescale), G_TENSOR=torch.is_tensor(g),
-            HAS_REAL_NEW=real is not None,
-            PREC="ieee" if query.dtype == torch.float32 else "tf32",
-            num_warps=4 if D <= 64 else 8)
-    except errors() as e:  # compiled before it runs: the cache is untouched
-        FALLBACK_ERRORS.append(f"{type(e).__name__}: {e}"[:500])
-        note_fallback(f"{type(e).__name__} in Triton")
-        return None
-    fast(_step_post)[(1,)](layer.real, real_new, layer.n_state, layer.n_real, layer.sink_real,
-                           layer.pos, B, W, NS, BB=min(1024, next_pow2(B)),
-                           HAS_REAL_NEW=real is not None, num_warps=4)
-    CALLS["step"] += 1
+    fast(_step_main)[(B * Hkv,)](
+        q, fq, k, v, fk_old, layer.keys, layer.values, layer.real, real_new, layer.S,
+        layer.z, layer.vsum, layer.n_state, layer.n_real, layer.sink_keys, layer.sink_values,
+        layer.pos, gt, out, q.stride(0), q.stride(1), fq.stride(0), fq.stride(1),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), *sg, g_scalar, float(scale),
+        float(eps), Hkv, W, NS, GROUP=GROUP, GP=max(16, next_pow2(GROUP)), D=D,
+        F=F, BW=max(16, next_pow2(W)), BF=BF, MODE=MODES[mode],
+        SHARED=bool(shared_norm), RESCALE=bool(rescale), G_TENSOR=torch.is_tensor(g),
+        HAS_REAL_NEW=real is not None,
+        PREC="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=4 if D <= 64 else 8)
     return out.transpose(1, 2)
 
 
-def note_fallback(reason: str) -> None:
-    warn_once(__name__, f"fused decode step not used: {reason}; composing the step's pieces "
-                        f"(same function, slower)")
+def launch_post(layer, real: torch.Tensor | None) -> None:
+    """The step's ``post`` kernel: the per-sequence counters moved after ``launch_main``."""
+    B = layer.real.shape[0]
+    real_new = real if real is not None else layer.real  # a pointer, unused without the flag
+    fast(_step_post)[(1,)](layer.real, real_new, layer.n_state, layer.n_real, layer.sink_real,
+                           layer.pos, B, layer.window, layer.n_sinks,
+                           BB=min(1024, next_pow2(B)), HAS_REAL_NEW=real is not None,
+                           num_warps=4)

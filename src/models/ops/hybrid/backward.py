@@ -1,20 +1,19 @@
 """The fused hybrid kernels' backward: the query side (``_bwd_dq`` / ``_bwd_dfq``, or both in
 ``_bwd_q``), the key side (``_bwd_dkv_swa`` / ``_bwd_dkv_la``, or both in ``_bwd_kv``), and
-their launcher ``_backward``."""
+their launcher ``launch_backward``."""
 
 from __future__ import annotations
 
 import torch
 
 from ..triton_common import HAVE_TRITON, cdiv, fast, tl, triton
-from .config import (CALLS, KernelConfig, _dkv_block_n, _dq_block_m, _dv_block_n, _fc,
-                     _grad_fc, dq_pack_of, use_split_states)
-from .states import (LOG2E, _la_states, _la_states_rev, _like, _prec, _ptr, _strides)
+from .config import (CALLS, KernelConfig, dkv_block_n, dq_block_m, dq_pack_of, fc, grad_fc,
+                     use_split_states)
+from .states import LOG2E, la_states, la_states_rev, like, pointer, precision, strides
 
 if HAVE_TRITON:
     from ..triton_common import key_block  # (defined where triton imports)
     from .forward import _la_num, _packed_rows
-
 
     @triton.jit
     def _saved_dot(SAVED, DO, s_rows, do_rows, rows, D: tl.constexpr, BM: tl.constexpr):
@@ -104,7 +103,7 @@ if HAVE_TRITON:
                     + offs_m.to(tl.int64) * sfq_t
                 num, _ = _la_num(FQ, FK, V, SST, ZST, VST, CNT, KPM, b, hk, Hkv, t0, offs_m,
                                  fq_rows, shift_r, T, NC, eps, sfk_b, sfk_h, sfk_t, sv_b, sv_h,
-                                 sv_t, 0, 0, D, F, FC, BM, BQ, BN, CS, HAS_KPM, PREC, SS, False)
+                                 sv_t, D, F, FC, BM, BQ, BN, CS, HAS_KPM, PREC, SS)
                 dot_la = tl.sum(num * do.to(tl.float32), axis=1) * r
         dot_swa = tl.zeros([BM], dtype=tl.float32)
         if HAS_SWA and FROM_SAVED:
@@ -491,10 +490,9 @@ if HAVE_TRITON:
         (summed over its G query heads): programs with axis-2 index c < F / FC write
         dfk[:, c FC : (c + 1) FC]; the one with c = F / FC writes dv (plus the window's part,
         DVS, when ADD_DVS). Keys see the reverse state past the block and the queries between
-        the block and that state. PART 0: both kinds of program in one grid; 1: the dfk
-        programs only, 2: the dv program only (where ``KernelConfig.dv_block_n`` differs from
-        ``dkv_block_n``: two launches, each kernel compiled for its own part and tile).
-        ADD_SWA: the dv program adds ``dv_swa`` (the window's part of dv, fp32, which
+        the block and that state. PART 0: the program's kind from c (``_bwd_dkv_la``: both
+        kinds in one grid); 1: a dfk program, 2: the dv program (``_bwd_kv``, which tells them
+        apart itself, so that each call compiles one kind). ADD_SWA: the dv program adds ``dv_swa`` (the window's part of dv, fp32, which
         ``_bwd_kv``'s dv programs computed first) where ADD_DVS would read it from DVS."""
         Hkv = H // G
         b = pid_bh // Hkv
@@ -578,7 +576,7 @@ if HAVE_TRITON:
                      D: tl.constexpr, F: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                      CS: tl.constexpr, HAS_KPM: tl.constexpr, PREC: tl.constexpr):
         """``_dkv_la_part``'s dfk program (over all F features) and its dv program in one
-        (``KernelConfig.kv_order`` 2): each LA query tile's fq and dO are loaded once for both
+        (``KernelConfig.kv_one_program``): each LA query tile's fq and dO are loaded once for both
         products, dfk += (v dO^T gf + dden) fq and dv += ((fk fq^T + eps) gf) dO. dv starts
         from ``dv_swa`` (the window's share, which the dv program adds last: another order of
         the same sums, and 32 registers fewer held through the loop)."""
@@ -628,12 +626,13 @@ if HAVE_TRITON:
                     T, H, G, NC, eps,
                     D: tl.constexpr, F: tl.constexpr, FC: tl.constexpr, BM: tl.constexpr,
                     BN: tl.constexpr, CS: tl.constexpr, ADD_DVS: tl.constexpr,
-                    HAS_KPM: tl.constexpr, PREC: tl.constexpr, PART: tl.constexpr):
-        """``_dkv_la_part`` of one key block, kv head and program kind (its docstring)."""
+                    HAS_KPM: tl.constexpr, PREC: tl.constexpr):
+        """``_dkv_la_part`` of one key block, kv head and program kind (its docstring): a key
+        block's dfk programs, then its dv program, along the grid's third axis."""
         _dkv_la_part(FQ, FK, V, DO, GF, DDEN, RST, UST, WST, SHIFT, KPM, DVS, DV, DFK, sfq_b,
                      sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sv_b, sv_h, sv_t, sdo_b, sdo_h, sdo_t,
                      sdv_b, sdv_h, sdv_t, T, H, G, NC, eps, tl.program_id(0), tl.program_id(1),
-                     tl.program_id(2), 0.0, D, F, FC, BM, BN, CS, ADD_DVS, HAS_KPM, PREC, PART,
+                     tl.program_id(2), 0.0, D, F, FC, BM, BN, CS, ADD_DVS, HAS_KPM, PREC, 0,
                      False)
 
     @triton.jit
@@ -644,21 +643,19 @@ if HAVE_TRITON:
                 T, H, G, NC, window, scale, scale_log2, eps,
                 D: tl.constexpr, F: tl.constexpr, FC: tl.constexpr, BM: tl.constexpr,
                 BN: tl.constexpr, CS: tl.constexpr, HAS_KPM: tl.constexpr,
-                PREC: tl.constexpr, ORDER: tl.constexpr = 0):
+                PREC: tl.constexpr, ONE_PROGRAM: tl.constexpr = False):
         """The key side of the backward in one grid (``KernelConfig.fuse_kv_side``):
         ``_bwd_dkv_la``'s grid of one key block's dfk programs and its dv program, the dv
         program first doing ``_bwd_dkv_swa``'s work (dk, and the window's dv in registers,
         added where the two-kernel path reads it back from an fp32 buffer): one launch and
-        that buffer fewer, the same results bit for bit. ORDER (``KernelConfig.kv_order``):
-        0, the grid's third axis holds the dfk programs first, the dv program last; 1, the
-        dv program first (the heavier kind scheduled first); 2, one program a key block doing
-        both (``_dkv_la_both``; F // FC must be 1)."""
+        that buffer fewer, the same results bit for bit. The grid's third axis holds a key
+        block's dfk programs, then its dv program; ONE_PROGRAM
+        (``KernelConfig.kv_one_program``): one program a key block doing both
+        (``_dkv_la_both``; F // FC must be 1)."""
         pid_n = tl.program_id(0)
         pid_bh = tl.program_id(1)  # b * Hkv + hk
         pid_f = tl.program_id(2)
-        if ORDER == 1:  # dv program at 0, the dfk slices after it
-            pid_f = (pid_f + F // FC) % (F // FC + 1)
-        if ORDER == 2:
+        if ONE_PROGRAM:
             dv_swa = _dkv_swa_part(Q, K, V, DO, LSE, DELTA, WS, KPM, DK, sq_b, sq_h, sq_t,
                                    sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sdo_b, sdo_h, sdo_t,
                                    sdk_b, sdk_h, sdk_t, T, H, G, window, scale, scale_log2,
@@ -667,7 +664,7 @@ if HAVE_TRITON:
                          sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sv_b, sv_h, sv_t, sdo_b,
                          sdo_h, sdo_t, sdv_b, sdv_h, sdv_t, T, H, G, NC, eps, pid_n, pid_bh,
                          dv_swa, D, F, BM, BN, CS, HAS_KPM, PREC)
-        elif pid_f * FC < F:  # a dfk program (the part's PART 1: dfk only, 2: dv only)
+        elif pid_f * FC < F:  # a dfk program (PART 1)
             _dkv_la_part(FQ, FK, V, DO, GF, DDEN, RST, UST, WST, SHIFT, KPM, DV, DV, DFK,
                          sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, sv_b, sv_h, sv_t, sdo_b,
                          sdo_h, sdo_t, sdv_b, sdv_h, sdv_t, T, H, G, NC, eps, pid_n, pid_bh,
@@ -683,8 +680,6 @@ if HAVE_TRITON:
                          pid_f, dv_swa, D, F, FC, BM, BN, CS, False, HAS_KPM, PREC, 2, True)
 
 
-
-
 def _dfq_buffers(B: int, H: int, T: int, F: int, fq: torch.Tensor, du_slot):
     """(dfq, du) for the dfq pass: the map's du (``DuSlot.new_du``) where it takes one, else
     dfq (B, H, T, F) in fq's dtype; the other None."""
@@ -693,10 +688,10 @@ def _dfq_buffers(B: int, H: int, T: int, F: int, fq: torch.Tensor, du_slot):
     return torch.empty(B, H, T, F, device=fq.device, dtype=fq.dtype), None
 
 
-def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse, den, *, window,
-              scale, eps, has_swa, has_la, shared, cfg: KernelConfig,
-              need: tuple[bool, bool, bool] = (True, True, True), swa_o=None, la_o=None,
-              states=None, du_slot=None):
+def launch_backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse, den, *,
+                    window, scale, eps, has_swa, has_la, shared, cfg: KernelConfig,
+                    need: tuple[bool, bool, bool] = (True, True, True), swa_o=None, la_o=None,
+                    states=None, du_slot=None):
     """The gradients; ``need`` says which of dq, dk, dv autograd asks for: the passes that
     only serve the others are skipped (stage 1 trains the feature maps on the teacher's
     detached q, k, v: no dq pass, no window dk / dv kernel, no dv programs) and those come
@@ -713,41 +708,40 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
     Hkv = k.shape[1]
     G = H // Hkv
     F = fq.shape[-1]
-    FC, GFC = _fc(cfg, F), _grad_fc(cfg, F)
+    FC, GFC = fc(cfg, F), grad_fc(cfg, F)
     dev = q.device
     f32 = dict(device=dev, dtype=torch.float32)
     dummy = torch.empty(1, device=dev, dtype=q.dtype)
-    kpm = _ptr(kpm_i8, lse)
+    kpm = pointer(kpm_i8, lse)
     has_kpm = kpm_i8 is not None
-    prec = _prec(q.dtype)
+    prec = precision(q.dtype)
     if has_la and states is not None and states[3] == cfg.state_chunk:
         S, z, vs = states[:3]
         NC = S.shape[2]
         CALLS["states_from_forward"] += 1
     elif has_la:
-        S, z, vs, NC = _la_states(fk, v, kpm_i8, cfg)
+        S, z, vs, NC = la_states(fk, v, kpm_i8, cfg)
     else:
         S, z, NC = dummy, torch.empty(1, **f32), 1
         vs = z
     BM, BN = cfg.bwd_block_m, cfg.bwd_block_n
-    BMQ = _dq_block_m(cfg)  # the query tile of the query-side kernels (dq, dfq)
+    BMQ = dq_block_m(cfg)  # the query tile of the query-side kernels (dq, dfq)
     PQ = dq_pack_of(cfg, G)  # query heads a program of theirs takes
     NMB = cdiv(T, BMQ // PQ)  # query blocks a head
-    dq = _like(q) if has_swa and need_dq else None
+    dq = like(q) if has_swa and need_dq else None
     delta, ws, gf, dden = (torch.empty(B * H, T, **f32) for _ in range(4))
     pa, pb = torch.empty(B * H, NMB, **f32), torch.empty(B * H, NMB, **f32)
-    # dnum = GF dO, the reverse states' matrix operand (rounded once to the input dtype, as
-    # the GF-scaled fq they multiplied before 2026-12-03 was)
+    # dnum = GF dO, the reverse states' matrix operand (rounded once to the input dtype)
     dnum = torch.empty(B, H, T, D, device=dev, dtype=q.dtype) if has_la else None
     map_du = has_la and du_slot is not None and GFC == F
     dfq = du = None
     q_args = (q, k, v, fq, fk, do, S, z, vs, cnt, lse, den, ca, cb, logs, shift, first, kpm,
-              _ptr(swa_o, dummy), _ptr(la_o, dummy), _ptr(dq, dummy), delta, ws, gf, dden, pa,
-              pb, _ptr(dnum, dummy))
-    saved = swa_o if swa_o is not None else la_o  # (one layout: see ``_forward``)
-    q_strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(fq), *_strides(fk),
-                 *_strides(do), *_strides(q if dq is None else dq),
-                 *(_strides(saved) if saved is not None else (0, 0, 0)))
+              pointer(swa_o, dummy), pointer(la_o, dummy), pointer(dq, dummy), delta, ws, gf,
+              dden, pa, pb, pointer(dnum, dummy))
+    saved = swa_o if swa_o is not None else la_o  # (one layout: see ``launch_forward``)
+    q_strides = (*strides(q), *strides(k), *strides(v), *strides(fq), *strides(fk),
+                 *strides(do), *strides(q if dq is None else dq),
+                 *(strides(saved) if saved is not None else (0, 0, 0)))
     q_scalars = (T, H, G, NC, NMB, window, scale, scale * LOG2E, eps)
     q_meta = dict(D=D, F=F, FC=FC, BM=BMQ, BN=BN, CS=cfg.state_chunk, P=PQ, HAS_SWA=has_swa,
                   HAS_LA=has_la, SHARED=shared, HAS_KPM=has_kpm, PREC=prec,
@@ -757,8 +751,8 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
     if fuse_q:  # dq, the factors, dnum and dfq (or du) in one kernel (``_bwd_q``)
         dfq, du = _dfq_buffers(B, H, T, F, fq, du_slot if map_du else None)
         fast(_bwd_q)[(NMB, B * H // PQ)](
-            *q_args, _ptr(dfq, dummy), _ptr(du, dummy), *q_strides,
-            *(_strides(du) if map_du else (0, 0, 0)), *q_scalars, **q_meta, MAP_DU=map_du,
+            *q_args, pointer(dfq, dummy), pointer(du, dummy), *q_strides,
+            *(strides(du) if map_du else (0, 0, 0)), *q_scalars, **q_meta, MAP_DU=map_du,
             SOFTMAX=du_slot.softmax if map_du else True)
         CALLS["fuse_q_side"] += 1
     else:
@@ -772,56 +766,53 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
         S = z = vs = None
     if has_la:  # the reverse states first: dnum is freed before dfq is allocated (unless
         # fuse_q allocated it above)
-        R, U, W = _la_states_rev(fq, dnum, dden, shift, Hkv, NC, cfg)
+        R, U, W = la_states_rev(fq, dnum, dden, shift, Hkv, NC, cfg)
         dnum = None  # (read by the reverse states only)
     if has_la and not fuse_q:
         dfq, du = _dfq_buffers(B, H, T, F, fq, du_slot if map_du else None)
         fast(_bwd_dfq)[(NMB, B * H // PQ, F // GFC)](
-            fk, v, do, S, z, gf, dden, shift, kpm, _ptr(dfq, dummy), fq, _ptr(du, dummy),
-            *_strides(fk), *_strides(v), *_strides(do), *_strides(fq),
-            *(_strides(du) if map_du else (0, 0, 0)), T, H, G, NC,
+            fk, v, do, S, z, gf, dden, shift, kpm, pointer(dfq, dummy), fq, pointer(du, dummy),
+            *strides(fk), *strides(v), *strides(do), *strides(fq),
+            *(strides(du) if map_du else (0, 0, 0)), T, H, G, NC,
             D=D, F=F, FC=GFC, BM=BMQ, BN=BN, CS=cfg.state_chunk, P=PQ, HAS_KPM=has_kpm,
             PREC=prec, MAP_DU=map_du, SOFTMAX=du_slot.softmax if map_du else True,
             num_warps=cfg.bwd_warps, num_stages=cfg.stages)
     del S, z, vs
     dk = dv = dvs = dfk = None
-    BNK = _dkv_block_n(cfg)  # the key tile of the window kernel and of the dfk programs
+    BNK = dkv_block_n(cfg)  # the key tile of the window kernel and of the dfk programs
     NNB = cdiv(T, BNK)
     # the window kernel writes dk and its dv together: when only one of them is asked for, the
     # other is computed into scratch (no stage takes this path: stage 1 needs neither, stage 2
     # both)
     if need_dk or (need_dv and has_swa):
-        dk = _like(k)
+        dk = like(k)
     if need_dv and (has_la or has_swa):
-        dv = _like(v)
-    BNV = _dv_block_n(cfg)
-    fuse_kv = cfg.fuse_kv_side and has_swa and has_la and dk is not None and dv is not None \
-        and BNK == BNV
+        dv = like(v)
+    fuse_kv = cfg.fuse_kv_side and has_swa and has_la and dk is not None and dv is not None
     if fuse_kv:  # dk, dfk and dv from one grid (``_bwd_kv``)
         dfk = torch.empty(B, Hkv, T, F, device=dev, dtype=fk.dtype)
-        order = cfg.kv_order if cfg.kv_order != 2 or GFC == F else 0
-        fast(_bwd_kv)[(NNB, B * Hkv, 1 if order == 2 else F // GFC + 1)](
+        one_program = cfg.kv_one_program and GFC == F
+        fast(_bwd_kv)[(NNB, B * Hkv, 1 if one_program else F // GFC + 1)](
             q, k, fq, fk, v, do, lse, delta, ws, gf, dden, R, U, W, shift, kpm, dk, dv, dfk,
-            *_strides(q), *_strides(k), *_strides(fq), *_strides(fk), *_strides(v),
-            *_strides(do), *_strides(dk), *_strides(dv), T, H, G, NC, window, scale,
+            *strides(q), *strides(k), *strides(fq), *strides(fk), *strides(v),
+            *strides(do), *strides(dk), *strides(dv), T, H, G, NC, window, scale,
             scale * LOG2E, eps, D=D, F=F, FC=GFC, BM=BM, BN=BNK, CS=cfg.state_chunk,
-            HAS_KPM=has_kpm, PREC=prec, ORDER=order, num_warps=cfg.bwd_warps,
+            HAS_KPM=has_kpm, PREC=prec, ONE_PROGRAM=one_program, num_warps=cfg.bwd_warps,
             num_stages=cfg.stages)
         CALLS["fuse_kv_side"] += 1
-        if order:
-            CALLS[f"kv_order_{order}"] += 1
+        CALLS["kv_one_program"] += one_program
         CALLS["dkv_swa"] += 1
         CALLS["dv_la"] += 1
     elif has_swa and dk is not None:  # the window's dk and dv come from one kernel
         # (the fp32 share laid out as dv: the LA kernel reads it with dv's strides)
-        dvs = _like(v, torch.float32) if has_la or dv is None else dv
+        dvs = like(v, torch.float32) if has_la or dv is None else dv
         if dv is not None and dvs.stride() != dv.stride():
             raise AssertionError(f"dv scratch strides {dvs.stride()} differ from dv's "
                                  f"{dv.stride()}")
         fast(_bwd_dkv_swa)[(NNB, B * Hkv)](
             q, k, v, do, lse, delta, ws, kpm, dk, dvs,
-            *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk),
-            *_strides(dvs), T, H, G, window, scale, scale * LOG2E,
+            *strides(q), *strides(k), *strides(v), *strides(do), *strides(dk),
+            *strides(dvs), T, H, G, window, scale, scale * LOG2E,
             D=D, BM=BM, BN=BNK, HAS_KPM=has_kpm, PREC=prec, num_warps=cfg.bwd_warps,
             num_stages=cfg.stages)
         CALLS["dkv_swa"] += 1
@@ -830,20 +821,13 @@ def _backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
         dk.zero_()
     if has_la and not fuse_kv:
         dfk = torch.empty(B, Hkv, T, F, device=dev, dtype=fk.dtype)
-        args = (fq, fk, v, do, gf, dden, R, U, W, shift, kpm, _ptr(dvs, dfk), _ptr(dv, dfk), dfk,
-                *_strides(fq), *_strides(fk), *_strides(v), *_strides(do),
-                *_strides(dfk if dv is None else dv), T, H, G, NC, eps)
-        meta = dict(D=D, F=F, FC=GFC, BM=BM, CS=cfg.state_chunk, ADD_DVS=dvs is not None,
-                    HAS_KPM=has_kpm, PREC=prec, num_warps=cfg.bwd_warps, num_stages=cfg.stages)
-        if BNK == BNV:  # one grid; the last program of each key block: dv
-            fast(_bwd_dkv_la)[(NNB, B * Hkv, F // GFC + (dv is not None))](
-                *args, BN=BNK, PART=0, **meta)
-        else:  # the dfk programs at their key tile, the dv programs at theirs
-            fast(_bwd_dkv_la)[(NNB, B * Hkv, F // GFC)](*args, BN=BNK, PART=1, **meta)
-            CALLS["dkv_apart"] += 1
-            if dv is not None:
-                fast(_bwd_dkv_la)[(cdiv(T, BNV), B * Hkv, 1)](
-                    *args, BN=BNV, PART=2, **meta)
+        # (one grid; the last program of each key block: dv)
+        fast(_bwd_dkv_la)[(NNB, B * Hkv, F // GFC + (dv is not None))](
+            fq, fk, v, do, gf, dden, R, U, W, shift, kpm, pointer(dvs, dfk), pointer(dv, dfk),
+            dfk, *strides(fq), *strides(fk), *strides(v), *strides(do),
+            *strides(dfk if dv is None else dv), T, H, G, NC, eps,
+            D=D, F=F, FC=GFC, BM=BM, BN=BNK, CS=cfg.state_chunk, ADD_DVS=dvs is not None,
+            HAS_KPM=has_kpm, PREC=prec, num_warps=cfg.bwd_warps, num_stages=cfg.stages)
         CALLS["dv_la"] += dv is not None
     if du is not None:  # (last: a config that failed above leaves nothing in the slot)
         dfq = du_slot.put(du, fq)

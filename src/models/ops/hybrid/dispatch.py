@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..feature_map import kernels as triton_phi
+from ..feature_map import dispatch as triton_phi
 from ..triton_common import GRID_AXIS_MAX, available, interpret, warn_once
 from .config import KernelConfig
 from .function import FoldedMaps, _filled, _launch

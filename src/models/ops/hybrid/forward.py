@@ -1,5 +1,6 @@
-"""The fused hybrid kernels' forward: ``_fwd`` (the LA branch from the nearest state plus the
-keys after it, the window's online softmax, the mixer) and its launcher ``_forward``."""
+"""The fused hybrid kernels' forward: ``_fwd`` (per program, the LA branch from the nearest
+stored state plus the keys after it, the window's online softmax, the mixer) and its launcher
+``launch_forward``."""
 
 from __future__ import annotations
 
@@ -7,14 +8,11 @@ import functools
 
 import torch
 
-from ..feature_map import kernels as triton_phi
-from ..triton_common import HAVE_TRITON, cdiv, fast, tl, tma_ok, triton
-from .config import CALLS, KernelConfig, _fc, maps_q_in_forward, pack_of
-from .states import LOG2E, _la_states, _like, _prec, _ptr, _strides
+from ..triton_common import HAVE_TRITON, cdiv, fast, tl, triton
+from .config import CALLS, KernelConfig, fc, pack_of
+from .states import LOG2E, la_states, like, pointer, precision, strides
 
 if HAVE_TRITON:
-    from ..feature_map.kernels import _acts as _phi_acts  # (the maps' activations, jit)
-
 
     @triton.jit
     def _packed_rows(pid_m, pid_g, H, G, BM: tl.constexpr, P: tl.constexpr):
@@ -33,17 +31,9 @@ if HAVE_TRITON:
                      FC: tl.constexpr, PREC: tl.constexpr):
         """The stored state's share of LA over feature slice ``sl`` (FC wide): num += fq S,
         den += fq . z, for the rows whose fq starts at ``FQ + fq_rows``."""
-        offs_f = sl * FC + tl.arange(0, FC)
-        fq = tl.load(FQ + fq_rows[:, None] + offs_f[None, :], mask=rows[:, None], other=0.0)
-        return _state_slice(fq, st, zt, sl, num, den, D, FC, PREC)
-
-    @triton.jit
-    def _state_slice(fq, st, zt, sl, num, den, D: tl.constexpr, FC: tl.constexpr,
-                     PREC: tl.constexpr):
-        """``_state_share`` for the rows' features of slice ``sl`` given, fq (BM, FC): loaded
-        (``_state_share``) or held in registers (the halves of ``_mapped_q``)."""
         offs_d = tl.arange(0, D)
         offs_f = sl * FC + tl.arange(0, FC)
+        fq = tl.load(FQ + fq_rows[:, None] + offs_f[None, :], mask=rows[:, None], other=0.0)
         S = tl.load(st + offs_f[:, None] * D + offs_d[None, :])
         z = tl.load(zt + offs_f)
         num += tl.dot(fq, S, input_precision=PREC)
@@ -51,69 +41,11 @@ if HAVE_TRITON:
         return num, den
 
     @triton.jit
-    def _stack_rows(x, y):
-        """x's rows, then y's: (2 R, C) from two (R, C)."""
-        j = tl.permute(tl.join(x, y), (2, 0, 1))
-        return tl.reshape(j, (2 * x.shape[0], x.shape[1]))
-
-    @triton.jit
-    def _head_features(Q, WQ, BW, b, h, t0, T, sq_b, sq_h, sq_t, D: tl.constexpr,
-                       FH: tl.constexpr, BQ: tl.constexpr, SOFTMAX: tl.constexpr,
-                       PREC: tl.constexpr):
-        """phi_q of positions t0 .. t0 + BQ - 1 of query head h: its two halves (BQ, FH) in
-        q's dtype, as ``triton_phi._phi_fwd`` writes them (the same products and activations:
-        ``triton_phi._acts``); rows past T hold the features of a zero q (never stored)."""
-        offs_i = t0 + tl.arange(0, BQ)
-        offs_d = tl.arange(0, D)
-        offs_f = tl.arange(0, FH)
-        x = tl.load(Q + b.to(tl.int64) * sq_b + h.to(tl.int64) * sq_h
-                    + offs_i.to(tl.int64)[:, None] * sq_t + offs_d[None, :],
-                    mask=(offs_i < T)[:, None], other=0.0)
-        w = tl.load(WQ + h.to(tl.int64) * D * FH + offs_d[:, None] * FH + offs_f[None, :])
-        bias = tl.load(BW + h * FH + offs_f).to(tl.float32)
-        a1, a2 = _phi_acts(x, w, bias, SOFTMAX, PREC)
-        return a1.to(Q.dtype.element_ty), a2.to(Q.dtype.element_ty)
-
-    @triton.jit
-    def _mapped_q(Q, WQ, BW, b, h0, t0, T, sq_b, sq_h, sq_t, D: tl.constexpr,
-                  FH: tl.constexpr, BQ: tl.constexpr, P: tl.constexpr, SOFTMAX: tl.constexpr,
-                  PREC: tl.constexpr):
-        """phi_q's two halves (P BQ, FH) for a forward program's rows (``_packed_rows``: BQ
-        positions from t0 of each of the P query heads h0 .. h0 + P - 1, head after head):
-        each head's product with its own weight on its BQ rows, then the rows stacked (P in
-        1, 2, 4)."""
-        a1, a2 = _head_features(Q, WQ, BW, b, h0, t0, T, sq_b, sq_h, sq_t, D, FH, BQ,
-                                SOFTMAX, PREC)
-        if P >= 2:
-            b1, b2 = _head_features(Q, WQ, BW, b, h0 + 1, t0, T, sq_b, sq_h, sq_t, D, FH, BQ,
-                                    SOFTMAX, PREC)
-            if P == 4:
-                c1, c2 = _head_features(Q, WQ, BW, b, h0 + 2, t0, T, sq_b, sq_h, sq_t, D, FH,
-                                        BQ, SOFTMAX, PREC)
-                d1, d2 = _head_features(Q, WQ, BW, b, h0 + 3, t0, T, sq_b, sq_h, sq_t, D, FH,
-                                        BQ, SOFTMAX, PREC)
-                a1 = _stack_rows(_stack_rows(a1, b1), _stack_rows(c1, d1))
-                a2 = _stack_rows(_stack_rows(a2, b2), _stack_rows(c2, d2))
-            else:
-                a1 = _stack_rows(a1, b1)
-                a2 = _stack_rows(a2, b2)
-        return a1, a2
-
-    @triton.jit
-    def _held_fq(FQ, fq_rows, rows, FH: tl.constexpr):
-        """The rows' fq as its two halves (BM, FH), loaded once (``_fwd``'s HOLD_FQ)."""
-        offs_h = tl.arange(0, FH)
-        at = FQ + fq_rows[:, None] + offs_h[None, :]
-        return (tl.load(at, mask=rows[:, None], other=0.0),
-                tl.load(at + FH, mask=rows[:, None], other=0.0))
-
-    @triton.jit
     def _la_num(FQ, FK, V, SST, ZST, VST, CNT, KPM, b, hk, Hkv, t0, offs_m, fq_rows, shift_r, T,
-                NC, eps, sfk_b, sfk_h, sfk_t, sv_b, sv_h, sv_t, A1, A2,
+                NC, eps, sfk_b, sfk_h, sfk_t, sv_b, sv_h, sv_t,
                 D: tl.constexpr, F: tl.constexpr, FC: tl.constexpr, BM: tl.constexpr,
                 BQ: tl.constexpr, BN: tl.constexpr, CS: tl.constexpr, HAS_KPM: tl.constexpr,
-                PREC: tl.constexpr, SS: tl.constexpr, HELD: tl.constexpr,
-                TMA: tl.constexpr = False):
+                PREC: tl.constexpr, SS: tl.constexpr):
         """Numerator (BM, D) and denominator (BM) of LA over keys i <= t - shift for BM query
         rows of one kv head: row r is position ``offs_m[r]`` (in t0 .. t0 + BQ - 1) of the query
         head whose fq row starts at ``FQ + fq_rows[r]``, with its own ``shift_r[r]`` (the rows
@@ -122,20 +54,11 @@ if HAVE_TRITON:
         floor's share, eps times its value sum and its count of real keys), plus the keys
         between it and t0 + BQ - min(shift), each row masked at its own t - shift. The feature
         dimension is taken FC at a time; the state's share in a pipelined loop when SS > 0
-        (``KernelConfig.state_product_stages``). HELD: the rows' features are not read from
-        FQ here but given, A1 and A2 (BM, F / 2), the two halves of phi_q held in registers
-        (computed, ``_mapped_q``, or loaded once, ``_held_fq``): the feature dimension is then
-        taken a half at a time. TMA: FK and V are tensor descriptors of (B, Hkv, T, F) with
-        (1, 1, BN, F / 2 held, else FC) blocks and of (B, Hkv, T, D) with (1, 1, BN, D) blocks
-        (``_fwd``'s, ``KernelConfig.fwd_tma``)."""
+        (``KernelConfig.state_product_stages``)."""
         offs_d = tl.arange(0, D)
         rows = offs_m < T
-        if TMA:
-            fk_base = FK
-            v_base = V
-        else:
-            fk_base = FK + b.to(tl.int64) * sfk_b + hk.to(tl.int64) * sfk_h
-            v_base = V + b.to(tl.int64) * sv_b + hk.to(tl.int64) * sv_h
+        fk_base = FK + b.to(tl.int64) * sfk_b + hk.to(tl.int64) * sfk_h
+        v_base = V + b.to(tl.int64) * sv_b + hk.to(tl.int64) * sv_h
         jst = tl.minimum(tl.maximum(t0 - tl.max(shift_r, axis=0) + 1, 0) // CS, NC - 1)
         st = SST + (b * Hkv + hk).to(tl.int64) * NC * F * D + jst.to(tl.int64) * F * D
         zt = ZST + (b * Hkv + hk).to(tl.int64) * NC * F + jst * F
@@ -143,10 +66,7 @@ if HAVE_TRITON:
         n_state = tl.load(CNT + b * (T + 1) + jst * CS).to(tl.float32)  # real keys < jst CS
         num = tl.zeros([BM, D], dtype=tl.float32) + eps * vsum[None, :]
         den = tl.zeros([BM], dtype=tl.float32) + eps * n_state
-        if HELD:  # the halves held in registers: one product each
-            num, den = _state_slice(A1, st, zt, 0, num, den, D, F // 2, PREC)
-            num, den = _state_slice(A2, st, zt, 1, num, den, D, F // 2, PREC)
-        elif SS == 0:  # the slices unrolled: each slice's loads issued where the code reaches them
+        if SS == 0:  # the slices unrolled: each slice's loads issued where the code reaches them
             for c in tl.static_range(F // FC):
                 num, den = _state_share(FQ, fq_rows, rows, st, zt, c, num, den, D, FC, PREC)
         else:  # a loop the compiler pipelines (SS stages): the next slice's fq and S are
@@ -158,71 +78,40 @@ if HAVE_TRITON:
             offs_n = start + tl.arange(0, BN)
             kin = offs_n < T
             a = tl.zeros([BM, BN], dtype=tl.float32)
-            if HELD:
-                FH: tl.constexpr = F // 2
-                offs_h = tl.arange(0, FH)
-                if TMA:
-                    fk1 = fk_base.load([b, hk, start, 0]).reshape(BN, FH)
-                else:
-                    fk1 = tl.load(fk_base + offs_n[:, None] * sfk_t + offs_h[None, :],
-                                  mask=kin[:, None], other=0.0)
-                a += tl.dot(A1, tl.trans(fk1), input_precision=PREC)
-                if TMA:
-                    fk2 = fk_base.load([b, hk, start, FH]).reshape(BN, FH)
-                else:
-                    fk2 = tl.load(fk_base + offs_n[:, None] * sfk_t + FH + offs_h[None, :],
-                                  mask=kin[:, None], other=0.0)
-                a += tl.dot(A2, tl.trans(fk2), input_precision=PREC)
-            else:
-                for c in tl.static_range(F // FC):
-                    offs_f = c * FC + tl.arange(0, FC)
-                    fq = tl.load(FQ + fq_rows[:, None] + offs_f[None, :], mask=rows[:, None],
-                                 other=0.0)
-                    if TMA:
-                        fkb = fk_base.load([b, hk, start, c * FC]).reshape(BN, FC)
-                    else:
-                        fkb = tl.load(fk_base + offs_n[:, None] * sfk_t + offs_f[None, :],
-                                      mask=kin[:, None], other=0.0)
-                    a += tl.dot(fq, tl.trans(fkb), input_precision=PREC)
+            for c in tl.static_range(F // FC):
+                offs_f = c * FC + tl.arange(0, FC)
+                fq = tl.load(FQ + fq_rows[:, None] + offs_f[None, :], mask=rows[:, None],
+                             other=0.0)
+                fkb = tl.load(fk_base + offs_n[:, None] * sfk_t + offs_f[None, :],
+                              mask=kin[:, None], other=0.0)
+                a += tl.dot(fq, tl.trans(fkb), input_precision=PREC)
             ok = (offs_n[None, :] <= offs_m[:, None] - shift_r[:, None]) & kin[None, :]
             if HAS_KPM:
                 real = tl.load(KPM + b * T + offs_n, mask=kin, other=0) != 0
                 ok = ok & real[None, :]
             a = tl.where(ok, a + eps, 0.0)
             den += tl.sum(a, axis=1)
-            if TMA:
-                vb = v_base.load([b, hk, start, 0]).reshape(BN, D)
-            else:
-                vb = tl.load(v_base + offs_n[:, None] * sv_t + offs_d[None, :],
-                             mask=kin[:, None], other=0.0)
+            vb = tl.load(v_base + offs_n[:, None] * sv_t + offs_d[None, :], mask=kin[:, None],
+                         other=0.0)
             num += tl.dot(a.to(vb.dtype), vb, input_precision=PREC)
         return num, den
 
     @triton.jit
     def _fwd(Q, K, V, FQ, FK, SST, ZST, VST, CNT, OUT, LSE, DEN, CA, CB, LOGS, SHIFT, FIRST, KPM,
-             SWA_O, LA_O, WQ, BW,
+             SWA_O, LA_O,
              sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
              sfq_b, sfq_h, sfq_t, sfk_b, sfk_h, sfk_t, so_b, so_h, so_t,
-             T, H, G, NC, window, scale_log2, eps, B,
+             T, H, G, NC, window, scale_log2, eps,
              D: tl.constexpr, F: tl.constexpr, FC: tl.constexpr, BM: tl.constexpr,
              BN: tl.constexpr, CS: tl.constexpr, P: tl.constexpr, HAS_SWA: tl.constexpr,
              HAS_LA: tl.constexpr, SHARED: tl.constexpr, HAS_KPM: tl.constexpr,
              PREC: tl.constexpr, SAVE: tl.constexpr, SS: tl.constexpr,
-             MAP_Q: tl.constexpr = False, SOFTMAX_Q: tl.constexpr = True,
-             HOLD_FQ: tl.constexpr = False, TMA: tl.constexpr = False,
              PARK: tl.constexpr = False):
         """One program: BM query rows, BQ = BM / P positions t0 .. t0 + BQ - 1 of P query heads
         that share a kv head (P divides the group; ``KernelConfig.pack_heads``). The P heads
         read the same keys, values and LA state: one load and one product serves them all, and
         the block's key range (window and the LA keys after its state) spans BQ positions,
-        not BM. MAP_Q (``KernelConfig.map_q_forward``, no backward to follow): fq is not read
-        but computed from q, the q map's weight WQ (H, D, F / 2, q's dtype) and bias BW (H,
-        F / 2) with the map's kernel's products and activations (softmax or exp:
-        SOFTMAX_Q), and held in registers: phi_q is never written. HOLD_FQ
-        (``KernelConfig.hold_fq``): fq's rows are loaded once, as two halves held in registers
-        for the state's product and every key block's (the path MAP_Q's halves take), instead
-        of a slice at a time, again for each key block. TMA (``KernelConfig.fwd_tma``): k, v
-        and fk read through tensor descriptors (B: the batch, their bounds). PARK
+        not BM. SAVE: both branches' outputs stored (SWA_O, LA_O) for the backward. PARK
         (``KernelConfig.park_la``): the LA branch's output is stored (into LA_O with SAVE, else
         into OUT, in their dtype) before the window's pass and read back for the mixer, so
         that its (BM, D) fp32 tile is not held in registers through the window's loop."""
@@ -239,22 +128,6 @@ if HAVE_TRITON:
         v_base = V + b.to(tl.int64) * sv_b + hk.to(tl.int64) * sv_h
         first = tl.load(FIRST + b)
         shift_r = tl.load(SHIFT + bh_r)
-        if TMA:  # (built outside the loops: the pipeliner cannot predicate their creation)
-            kd = tl.make_tensor_descriptor(K, shape=[B, Hkv, T, D], strides=[sk_b, sk_h, sk_t, 1],
-                                           block_shape=[1, 1, BN, D])
-            vd = tl.make_tensor_descriptor(V, shape=[B, Hkv, T, D], strides=[sv_b, sv_h, sv_t, 1],
-                                           block_shape=[1, 1, BN, D])
-            if HAS_LA:  # (fk a placeholder otherwise)
-                FCK: tl.constexpr = F // 2 if (MAP_Q or HOLD_FQ) else FC
-                fkd = tl.make_tensor_descriptor(FK, shape=[B, Hkv, T, F],
-                                                strides=[sfk_b, sfk_h, sfk_t, 1],
-                                                block_shape=[1, 1, BN, FCK])
-            else:
-                fkd = FK
-        else:
-            kd = K
-            vd = V
-            fkd = FK
 
         # ---- linear attention over keys i <= t - shift (first: its registers are free again
         # before the window's accumulator is live)
@@ -263,18 +136,9 @@ if HAVE_TRITON:
         if HAS_LA:
             fq_rows = b.to(tl.int64) * sfq_b + h_r.to(tl.int64) * sfq_h \
                 + offs_m.to(tl.int64) * sfq_t
-            if MAP_Q:
-                a1, a2 = _mapped_q(Q, WQ, BW, b, (pid_g % (H // P)) * P, t0, T,
-                                   sq_b, sq_h, sq_t, D, F // 2, BQ, P, SOFTMAX_Q, PREC)
-            elif HOLD_FQ:
-                a1, a2 = _held_fq(FQ, fq_rows, rows, F // 2)
-            else:
-                a1 = 0
-                a2 = 0
-            num, den = _la_num(FQ, fkd, vd, SST, ZST, VST, CNT, KPM, b, hk, Hkv, t0, offs_m,
+            num, den = _la_num(FQ, FK, V, SST, ZST, VST, CNT, KPM, b, hk, Hkv, t0, offs_m,
                                fq_rows, shift_r, T, NC, eps, sfk_b, sfk_h, sfk_t, sv_b, sv_h,
-                               sv_t, a1, a2, D, F, FC, BM, BQ, BN, CS, HAS_KPM, PREC, SS,
-                               MAP_Q or HOLD_FQ, TMA)
+                               sv_t, D, F, FC, BM, BQ, BN, CS, HAS_KPM, PREC, SS)
         has_far = (offs_m - shift_r) >= first
         r = tl.where(has_far, 1.0 / tl.maximum(den, eps), 0.0)
         la = num * r[:, None]
@@ -300,11 +164,8 @@ if HAVE_TRITON:
             for start in range(lo, hi, BN):
                 offs_n = start + tl.arange(0, BN)
                 kin = offs_n < T
-                if TMA:
-                    kb = kd.load([b, hk, start, 0]).reshape(BN, D)
-                else:
-                    kb = tl.load(k_base + offs_n[:, None] * sk_t + offs_d[None, :],
-                                 mask=kin[:, None], other=0.0)
+                kb = tl.load(k_base + offs_n[:, None] * sk_t + offs_d[None, :],
+                             mask=kin[:, None], other=0.0)
                 s = tl.dot(q, tl.trans(kb), input_precision=PREC) * scale_log2
                 ok = (offs_n[None, :] <= offs_m[:, None]) & \
                      (offs_n[None, :] > offs_m[:, None] - window) & kin[None, :]
@@ -317,11 +178,8 @@ if HAVE_TRITON:
                 alpha = tl.exp2(m_i - m_safe)
                 p = tl.exp2(s - m_safe[:, None])
                 l_i = l_i * alpha + tl.sum(p, axis=1)
-                if TMA:
-                    vb = vd.load([b, hk, start, 0]).reshape(BN, D)
-                else:
-                    vb = tl.load(v_base + offs_n[:, None] * sv_t + offs_d[None, :],
-                                 mask=kin[:, None], other=0.0)
+                vb = tl.load(v_base + offs_n[:, None] * sv_t + offs_d[None, :],
+                             mask=kin[:, None], other=0.0)
                 acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision=PREC)
                 m_i = m_new
         has_win = l_i > 0
@@ -355,31 +213,23 @@ if HAVE_TRITON:
                 tl.store(LA_O + s_rows, la.to(LA_O.dtype.element_ty), mask=rows[:, None])
 
 
-
-def _forward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, *, window, scale, eps,
-             has_swa, has_la, shared, cfg: KernelConfig, save: bool = False, map_q=None,
-             branch_is_output: bool = False):
+def launch_forward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, *, window, scale,
+                   eps, has_swa, has_la, shared, cfg: KernelConfig, save: bool = False,
+                   branch_is_output: bool = False):
     """(out, lse, den, swa_o, la_o, states): the branches' outputs (B, H, T, D) and the LA
     states ``(S, z, u, state_chunk)`` only with ``save`` (else ``None``), for the backward.
     ``branch_is_output`` (one branch at weight 1: ``hybrid_kernel``'s ``output_is_branch``):
-    with ``save`` that branch is ``out`` itself, not stored a second time.
-    ``map_q`` (the q map's weight in q's dtype, its bias, whether softmax), with fq None: the
-    q map runs in ``_fwd`` where ``maps_q_in_forward`` (no backward may follow: phi_q is not
-    kept), else first, as its own kernel (``triton_phi.map_forward``)."""
+    with ``save`` that branch is ``out`` itself, not stored a second time."""
     B, H, T, D = q.shape
     Hkv = k.shape[1]
-    mapped = fq is None and maps_q_in_forward(cfg, q, H // Hkv, has_la)
-    held = cfg.hold_fq and has_la and not mapped
-    if fq is None and not mapped:
-        fq = triton_phi.map_forward(q, *map_q)[0]
-    F = 2 * map_q[0].shape[-1] if mapped else fq.shape[-1]
-    dummy = torch.empty(1, device=q.device, dtype=q.dtype)
+    F = fq.shape[-1]
     if has_la:
-        S, z, vs, NC = _la_states(fk, v, kpm_i8, cfg)
-    else:
-        S, z, NC = dummy, torch.empty(1, device=q.device), 1
+        S, z, vs, NC = la_states(fk, v, kpm_i8, cfg)
+    else:  # (placeholders: the kernel reads no state)
+        S, NC = torch.empty(1, device=q.device, dtype=q.dtype), 1
+        z = torch.empty(1, device=q.device)
         vs = z
-    o = _like(q)
+    o = like(q)
     lse = torch.empty(B * H, T, device=q.device, dtype=torch.float32)
     den = torch.empty(B * H, T, device=q.device, dtype=torch.float32)
     store = save and not branch_is_output  # (the kernel stores the branches: contiguous)
@@ -388,40 +238,30 @@ def _forward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, *, window
     P = pack_of(cfg, H // Hkv)
     CALLS["packed_forward"] += P > 1
     grid = (cdiv(T, cfg.block_m // P), B * H // P)
-    wq, bw = (map_q[0], map_q[1]) if mapped else (dummy, dummy)
-    CALLS["q_map_in_forward"] += mapped
-    CALLS["held_fq_forward"] += held
-    fq_ = q if mapped else fq  # (read only where the q map does not run in the kernel)
-    tma = cfg.fwd_tma and tma_ok(k, v, *((fk,) if has_la else ()))
-    CALLS["forward_tma"] += tma
     park = cfg.park_la and has_la and has_swa  # (one branch: nothing held across the other)
     CALLS["parked_forward"] += park
     fast(_fwd)[grid](
-        q, k, v, fq_, fk, S, z, vs, cnt, o, lse, den, ca, cb, logs, shift, first,
-        _ptr(kpm_i8, lse), _ptr(swa_o, o), _ptr(la_o, o), wq, bw,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(fq_), *_strides(fk),
-        *_strides(o), T, H, H // Hkv, NC, window, scale * LOG2E, eps, B,
-        D=D, F=F, FC=_fc(cfg, F), BM=cfg.block_m, BN=cfg.block_n, CS=cfg.state_chunk, P=P,
+        q, k, v, fq, fk, S, z, vs, cnt, o, lse, den, ca, cb, logs, shift, first,
+        pointer(kpm_i8, lse), pointer(swa_o, o), pointer(la_o, o),
+        *strides(q), *strides(k), *strides(v), *strides(fq), *strides(fk),
+        *strides(o), T, H, H // Hkv, NC, window, scale * LOG2E, eps,
+        D=D, F=F, FC=fc(cfg, F), BM=cfg.block_m, BN=cfg.block_n, CS=cfg.state_chunk, P=P,
         HAS_SWA=has_swa, HAS_LA=has_la, SHARED=shared, HAS_KPM=kpm_i8 is not None,
-        PREC=_prec(q.dtype), SAVE=store, SS=cfg.state_product_stages, MAP_Q=mapped,
-        SOFTMAX_Q=bool(map_q[2]) if mapped else True, HOLD_FQ=held, TMA=tma,
-        PARK=park, num_warps=cfg.warps, **_fwd_launch_options(cfg, not (mapped or held)))
+        PREC=precision(q.dtype), SAVE=store, SS=cfg.state_product_stages, PARK=park,
+        num_warps=cfg.warps, **fwd_launch_options(cfg))
     states = (S, z, vs, cfg.state_chunk) if save and has_la else None
     if save and branch_is_output:  # (its values, bit for bit: the other branch adds 0 x 0)
         swa_o, la_o = (o if has_swa else None), (o if has_la else None)
     return o, lse, den, swa_o, la_o, states
 
 
-def _fwd_launch_options(cfg: KernelConfig, capped: bool = True) -> dict:
-    """``_fwd``'s launch options: its stages, and its register cap where one is set and
-    ``capped`` (not for the q map in ``_fwd``, where ptxas at ``PARKED_FORWARD``'s cap reads
-    300-1300 B of spill, nor for held fq rows, which hold the same halves: not read capped;
-    a cached dict: the layer launches it every call)."""
+def fwd_launch_options(cfg: KernelConfig) -> dict:
+    """``_fwd``'s launch options: its stages, and its register cap where one is set (a cached
+    dict: the layer launches it every call)."""
     stages = cfg.stages if cfg.fwd_stages is None else cfg.fwd_stages
-    return _launch_options(stages, cfg.fwd_maxnreg if capped else None)
+    return _launch_options(stages, cfg.fwd_maxnreg)
 
 
 @functools.lru_cache(maxsize=16)
 def _launch_options(stages: int, maxnreg: int | None) -> dict:
     return {"num_stages": stages, **({} if maxnreg is None else {"maxnreg": maxnreg})}
-

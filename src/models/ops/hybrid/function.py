@@ -24,7 +24,7 @@ dtypes other than bf16 / fp32, mixed dtypes, head or feature dims that are not p
 [16, 128] / [16, 256], CPU tensors.
 
 How (all kernels take strided (B, H, T, X) tensors, no copies of q, k, v; the output and the
-gradients of q, k, v are written in their inputs' memory (``_like``): the model's (B, T, H, D)
+gradients of q, k, v are written in their inputs' memory (``like``): the model's (B, T, H, D)
 projections, which its transpose-reshape and autograd's accumulation then take as they are):
 
     _state_fwd    per (b, kv head, F-block, D-block), walking T: the LA state
@@ -93,18 +93,19 @@ against ``hybrid_attention(backend="reference")`` on the GPU (tests/test_triton_
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import NamedTuple
 
 import torch
 
 from ..feature_map import kernels as triton_phi
-from ..feature_map.kernels import DU_SLOT_ATTR, DuSlot
+from ..feature_map.function import DU_SLOT_ATTR, DuSlot
+from ..feature_map.reference import reference_features
+from ..instrument import TRACE
 from ..triton_common import cast, cdiv, errors, record_fallback
 from . import backward, forward
-from .config import (CALLS, FALLBACK_ERRORS, KernelConfig, _dkv_block_n, _dv_block_n,
-                     _with_retry, default_config, maps_q_in_forward, use_split_states)
+from .config import (CALLS, FALLBACK_ERRORS, KernelConfig, _with_retry, check, default_config,
+                     use_split_states)
 from .reference import kernel_reference
 
 
@@ -163,7 +164,7 @@ def _map_pair(q, k, wq, bq, wk, bk, maps_softmax) -> tuple:
     one launch (``triton_phi.map_forward_pair``)."""
     (fq, wqc, bqc), (fk, wkc, bkc) = triton_phi.map_forward_pair(
         q, wq, bq, maps_softmax[0], k, wk, bk, maps_softmax[1])
-    triton_phi.CALLS["forward"] += 2
+    TRACE.count("feature_map.forward", 2)
     return fq, fk, (wqc, bqc, wkc, bkc)
 
 
@@ -174,47 +175,26 @@ def _function_forward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, 
     """The forward of ``_HybridFn``'s function (its arguments, less the du slot): with the maps
     folded in (``maps_softmax`` given), fq = phi_q(q) and fk = phi_k(k) first, both maps in one
     launch (``_map_pair``; ``premapped``: its result, launched already by ``hybrid_kernel``
-    for a forward without autograd); then the kernels (``_forward``, through the tile retry
-    chain). ``hybrid_kernel`` calls it
-    directly where no gradient will be asked for (evaluation, prefill; ``autograd`` False): the
-    same launches, without the autograd Function's host work, except that where
-    ``maps_q_in_forward`` the k map runs alone and ``_fwd`` computes phi_q itself
-    (``KernelConfig.map_q_forward``; fq is then ``None``)."""
+    for a forward without autograd); then the kernels (``forward.launch_forward``, through the
+    tile retry chain). ``hybrid_kernel`` calls it directly where no gradient will be asked for
+    (evaluation, prefill; ``autograd`` False): the same launches, without the autograd
+    Function's host work."""
     casts = None
-    map_q = None
-    if not autograd and cfg.forward_state_chunk not in (None, cfg.state_chunk):
-        cfg = _no_grad_config(cfg)
-        CALLS["forward_state_chunk"] += 1
     if premapped is not None:
         fq, fk, casts = premapped
-    elif maps_softmax is not None and not autograd and maps_q_in_forward(
-            cfg, q, q.shape[1] // k.shape[1], has_la):  # (the k map alone)
-        fk, wkc, bkc = triton_phi.map_forward(k, wk, bk, maps_softmax[1])
-        map_q = (*triton_phi.kernel_weights(wq, bq, q.dtype), maps_softmax[0])
-        casts = (*map_q[:2], wkc, bkc)
-        triton_phi.CALLS["forward"] += 1
     elif maps_softmax is not None:  # (both maps in one launch)
         fq, fk, casts = _map_pair(q, k, wq, bq, wk, bk, maps_softmax)
     # the state path is part of the problem: a split build that fails to compile at long T
     # must not send short calls (which walk) down the retry chain
     F = fk.shape[-1]
     key = (q.dtype, q.shape[-1], F, has_swa, has_la, shared, kpm_i8 is not None,
-           save, use_split_states(cfg, cdiv(q.shape[2], cfg.state_chunk)), map_q is not None)
-    o, lse, den, swa_o, la_o, states = _with_retry("forward", key, cfg, lambda c: forward._forward(
-        q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, window=window, scale=scale,
-        eps=eps, has_swa=has_swa, has_la=has_la, shared=shared, cfg=c,
-        save=save and c.save_branches, map_q=map_q,
-        branch_is_output=branch_is_output))  # (the retry's SAFE_CONFIG saves nothing
-    # and runs the q map as its own kernel)
+           save, use_split_states(cfg, cdiv(q.shape[2], cfg.state_chunk)))
+    o, lse, den, swa_o, la_o, states = _with_retry(
+        "forward", key, cfg, lambda c: forward.launch_forward(
+            q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, window=window,
+            scale=scale, eps=eps, has_swa=has_swa, has_la=has_la, shared=shared, cfg=c,
+            save=save and c.save_branches, branch_is_output=branch_is_output))
     return _Forward(o, fq, fk, casts, lse, den, swa_o, la_o, states)
-
-
-@functools.lru_cache(maxsize=64)  # (one per config: host time per call)
-def _no_grad_config(cfg: KernelConfig) -> KernelConfig:
-    """``cfg`` for a forward no backward follows: its states every ``forward_state_chunk``
-    positions."""
-    return dataclasses.replace(cfg, state_chunk=cfg.forward_state_chunk,
-                               forward_state_chunk=None)
 
 
 class _HybridFn(torch.autograd.Function):
@@ -294,7 +274,8 @@ class _HybridFn(torch.autograd.Function):
                 du_slot = None
         try:
             dq, dk, dv, dfq, dfk, pa, pb = _with_retry("backward", key, a["cfg"], lambda c: (
-                backward._backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, lse,
+                backward.launch_backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt,
+                                         kpm_i8, lse,
                           den, cfg=c, need=need, swa_o=swa_o, la_o=la_o, states=states,
                           du_slot=du_slot, **args)))
         except errors() as e:  # a Triton resource / compile failure: say so, stay right
@@ -388,7 +369,7 @@ def _reference_backward(ctx, do, q, k, v, fq, fk, ca, cb, logs, shift, first, kp
                         folded=None):
     """The gradients from ``kernel_reference`` (fp32); ``folded``: the maps' weights and
     biases as the kernels read them (``_HybridFn`` with the maps folded in): the maps run
-    in it too (``triton_phi.reference_features``), and their gradients come back."""
+    in it too (``feature_map.reference.reference_features``), and their gradients come back."""
     kpm = None if kpm_i8 is None else kpm_i8.bool()
     with torch.enable_grad():
         if folded is None:
@@ -404,8 +385,8 @@ def _reference_backward(ctx, do, q, k, v, fq, fk, ca, cb, logs, shift, first, kp
                     for t in (cast(wq, q.dtype), bq, cast(wk, k.dtype), bk)]
             wq, bq, wk, bk = ins[6:]
             act = ["softmax" if s else "exp" for s in ctx.maps[0]]
-            feats = [triton_phi.reference_features(ins[0], wq, bq, act[0]),
-                     triton_phi.reference_features(ins[1], wk, bk, act[1])]
+            feats = [reference_features(ins[0], wq, bq, act[0]),
+                     reference_features(ins[1], wk, bk, act[1])]
         mix = ins[5:8] if folded is None else ins[3:6]
         out = kernel_reference(*ins[:3], *feats, *mix, shift.view(q.shape[0], q.shape[1]),
                                window=a["window"], scale=a["scale"], eps=a["eps"],
@@ -455,39 +436,21 @@ def hybrid_kernel(q, k, v, fq, fk, ca, cb, logs, shift, *, window: int, scale: f
         raise ValueError("hybrid_kernel takes the features (fq, fk) or the maps, not both")
     F = fq.shape[-1] if maps is None else 2 * maps.wq.shape[-1]
     cfg = config or default_config(D, F, q.dtype)
-    blocks = (cfg.block_n, cfg.bwd_block_n, _dkv_block_n(cfg), _dv_block_n(cfg))
-    if any(cfg.state_chunk % n for n in blocks):
-        raise ValueError(f"state_chunk {cfg.state_chunk} must be a multiple of the key blocks "
-                         f"(block_n, bwd_block_n, dkv_block_n, dv_block_n: {blocks})")
-    for name, n in (("state_chunk", cfg.state_chunk),
-                    ("forward_state_chunk", cfg.forward_state_chunk)):
-        if n is not None and (n <= 0 or n & (n - 1)):  # (the state kernels' tl.arange)
-            raise ValueError(f"{name} {n} must be a power of two (the state kernels take a "
-                             f"chunk's positions as one tile): e.g. 64 or 128")
-    if cfg.fwd_maxnreg is not None and not 24 <= cfg.fwd_maxnreg <= 255:
-        raise ValueError(f"fwd_maxnreg {cfg.fwd_maxnreg}: a register cap from 24 to 255 a "
-                         "thread (e.g. 128 or 168), or None for none")
-    if cfg.fwd_stages is not None and cfg.fwd_stages < 1:
-        raise ValueError(f"fwd_stages {cfg.fwd_stages}: at least 1 pipeline stage, or None for "
-                         f"the config's stages ({cfg.stages})")
+    check(cfg)
     if output_is_branch and has_swa == has_la:
         raise ValueError("output_is_branch needs a call with one branch (has_swa or has_la, "
                          f"not both nor neither): has_swa={has_swa}, has_la={has_la}")
-    if cfg.forward_state_chunk is not None and cfg.forward_state_chunk % cfg.block_n:
-        raise ValueError(f"forward_state_chunk {cfg.forward_state_chunk} must be a multiple of "
-                         f"the forward's key block (block_n {cfg.block_n})")
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     if maps is None:
         fq, fk = (x if x.stride(-1) == 1 else x.contiguous() for x in (fq, fk))
     ins = (q, k, v, ca, cb, logs) + ((fq, fk) if maps is None else tuple(maps[:4]))
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in ins)
     premapped = None
-    if maps is not None and not grad and not maps_q_in_forward(cfg, q, H // k.shape[1], has_la):
+    if maps is not None and not grad:
         # evaluation, prefill: the maps' launch first, before the rest of the call's
         # preparation (an isolated call's GPU waits for its first launch, and its event time
-        # reads that latency: CPU proxy 62 to 54 us, host_overhead.py). Not under grad: there
-        # the host runs ahead of the GPU, and launching outside the Function would need a
-        # no_grad context for the weights' casts (+7 us a call on the proxy)
+        # reads that latency). Not under grad: there the host runs ahead of the GPU, and
+        # launching outside the Function would need a no_grad context for the weights' casts
         premapped = _map_pair(q, k, *maps[:4], maps[4:])
     dev = q.device
     if key_padding_mask is None:

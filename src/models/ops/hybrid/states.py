@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import KernelConfig, _state_tile, use_split_states
-from .config import CALLS
+from .config import CALLS, KernelConfig, state_tile, use_split_states
 from ..triton_common import HAVE_TRITON, cdiv, fast, next_pow2, tl, tma_ok, triton
 
 if HAVE_TRITON:
@@ -184,10 +183,9 @@ if HAVE_TRITON:
         """The exclusive running sums of ``_state_local``'s chunk shares (LST, (rows, NC, N)
         fp32) in chunk order (forward: entry j sums the chunks before j) or reversed (entry j
         sums those after j), into SST (same shape, any dtype). One program per (row, BLK
-        elements); U chunks per step, loaded at once (their loads do not wait on each other:
-        one chunk a step, each load waiting for the last, held a 64k call's scan at 0.68 ms
-        for 0.8 GB, benchmarks/results/h200_2026-12-02b). Entry j is the carry plus an inclusive
-        scan of the step's chunks shifted by one, so no entry is a difference of two sums."""
+        elements); U chunks per step, loaded at once, so that their loads do not wait on each
+        other. Entry j is the carry plus an inclusive scan of the step's chunks shifted by one,
+        so no entry is a difference of two sums."""
         row = tl.program_id(0)
         offs_e = tl.program_id(1) * BLK + tl.arange(0, BLK)
         offs_u = tl.arange(0, U)
@@ -217,16 +215,13 @@ if HAVE_TRITON:
                    T, H, G, NC,
                    F: tl.constexpr, D: tl.constexpr, CS: tl.constexpr, BF: tl.constexpr,
                    BD: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
-                   RS: tl.constexpr = 0, SM: tl.constexpr = 0):
+                   SM: tl.constexpr = 0):
         """Reverse states, summed over the G query heads of a kv head: entry j holds
         R = sum_{t - shift_h >= (j+1) CS} fq_t dnum_t^T (F x D), u = sum DDEN_t fq_t and
         w = sum dnum_t (the kernel floor's share of dv); dnum_t = GF_t dO_t as ``_bwd_dq``
-        stored it ((B, H, T, D)). fq and dnum read through ``_tile``. RS 0: a loop over the
-        chunks and in it one over the heads (neither pipelined: ptxas shows the same shared
-        memory at any stage count); RS > 0: one loop over the (chunk, head) pairs, which the
-        compiler pipelines over RS stages (``KernelConfig.state_rev_stages``): the same sums in
-        the same order. SM (``KernelConfig.state_sums_mma``; RS 0, 16-bit fq and dnum): u and
-        w as products on the tensor cores instead of sums across the tile's rows
+        stored it ((B, H, T, D)). fq and dnum read through ``_tile``; a loop over the chunks
+        and in it one over the heads. SM (``KernelConfig.state_sums_mma``; 16-bit fq and dnum):
+        u and w as products on the tensor cores instead of sums across the tile's rows
         (``_rev_add_mma``)."""
         pid_bh = tl.program_id(0)  # b * Hkv + hk
         pid_f = tl.program_id(1)
@@ -260,25 +255,15 @@ if HAVE_TRITON:
                     R, u16, w16 = _rev_add_mma(fq_src, dn_src, DDEN, SHIFT, R, u16, w16, b,
                                                hk * G + g, j, pid_f, pid_d, offs_c, sfq_b,
                                                sfq_h, sfq_t, T, H, F, D, CS, BF, BD, PREC, TMA)
-        elif RS == 0:
+        else:
             for jj in range(0, NC):
                 j = NC - 1 - jj
                 _store_state(st_base, u_base, w_base, j, R, u, w, offs_f, offs_d, pid_f, pid_d,
-                           F, D)
+                             F, D)
                 for g in range(0, G):
                     R, u, w = _rev_add(fq_src, dn_src, DDEN, SHIFT, R, u, w, b, hk * G + g, j,
                                        pid_f, pid_d, offs_c, sfq_b, sfq_h, sfq_t, T, H,
                                        F, D, CS, BF, BD, PREC, TMA)
-        else:
-            for it in tl.range(0, NC * G, num_stages=RS):
-                j = NC - 1 - it // G
-                g = it % G
-                if g == 0:
-                    _store_state(st_base, u_base, w_base, j, R, u, w, offs_f, offs_d, pid_f,
-                               pid_d, F, D)
-                R, u, w = _rev_add(fq_src, dn_src, DDEN, SHIFT, R, u, w, b, hk * G + g, j,
-                                   pid_f, pid_d, offs_c, sfq_b, sfq_h, sfq_t, T, H,
-                                   F, D, CS, BF, BD, PREC, TMA)
 
     @triton.jit
     def _sums_mma(x, c16, CS: tl.constexpr, PREC: tl.constexpr):
@@ -364,17 +349,17 @@ if HAVE_TRITON:
 LOG2E = 1.4426950408889634
 
 
-def _ptr(x, dummy):
+def pointer(x, dummy):
     """A tensor for a pointer argument the kernel does not read (its flag is off)."""
     return dummy if x is None else x
 
 
-def _strides(x: torch.Tensor) -> tuple[int, int, int]:
+def strides(x: torch.Tensor) -> tuple[int, int, int]:
     s = x.stride()  # (one call: three stride(i) calls cost ~1 us more, ~30 a layer call)
     return s[0], s[1], s[2]
 
 
-def _like(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+def like(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """An output or gradient of ``x``'s shape laid out as ``x`` (its strides where ``x`` is
     dense): q, k, v come as (B, H, T, D) views of the model's (B, T, H, D) projections, and
     an output or gradient in that memory needs no copy in the model's transpose-reshape nor in
@@ -382,10 +367,10 @@ def _like(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     return torch.empty_like(x, dtype=dtype)
 
 
-def _prec(dtype: torch.dtype) -> str:
+def precision(dtype: torch.dtype) -> str:
     return "tf32x3" if dtype == torch.float32 else "tf32"  # fp32: 3 tf32 products, ~fp32 accuracy
 
-def _use_tma(cfg: KernelConfig, *tensors) -> bool:
+def use_tma(cfg: KernelConfig, *tensors) -> bool:
     """TMA reads for these tensors (``KernelConfig.tma``, ``triton_common.tma_ok``)."""
     return cfg.tma is not False and tma_ok(*tensors)
 
@@ -401,21 +386,20 @@ def _split_states(x, y, S, xs, ys, NC, cfg: KernelConfig, *, reverse: bool, kpm_
     xl, yl = torch.empty(xs.shape, **f32), torch.empty(ys.shape, **f32)
     BF, BD = (cfg.split_tile, cfg.split_tile) if cfg.split_tile else (cfg.state_f, cfg.state_d)
     BF, BD = min(BF, F), min(BD, D)
-    tma = _use_tma(cfg, x, y)
+    tma = use_tma(cfg, x, y)
     if not tma:  # pointer tensors in the loop (ptxas, sm_90a: a 128 x 128 tile spills 312 B)
         BF, BD = min(BF, 64), min(BD, 64)
     dummy = xl
     # the vector sums on the tensor cores, but not in the forward share with a padding mask:
-    # compiled (triton 3.6, sm_90a, through descriptors) it faults with an illegal memory
-    # access on an H200 (session 18, call 4: every padded forward case of B 1-2, T 300 / 384,
-    # and none without padding nor in the reverse share; the interpreter gives the right
-    # values), so that case keeps the row reductions
+    # compiled (triton 3.6, sm_90a, through descriptors) that case faults with an illegal
+    # memory access on an H200 (every padded forward case, none without padding nor in the
+    # reverse share; the interpreter gives the right values), so it keeps the row reductions
     sm = _sums_mma_on(cfg, x) and (reverse or kpm_i8 is None)
     fast(_state_local)[(NC, (F // BF) * (D // BD), B * Hkv)](
-        x, y, _ptr(kpm_i8, dummy), _ptr(shift, dummy), _ptr(dden, dummy),
-        L, xl, yl, *_strides(x), *_strides(y), x.shape[2], Hkv, G, NC,
+        x, y, pointer(kpm_i8, dummy), pointer(shift, dummy), pointer(dden, dummy),
+        L, xl, yl, *strides(x), *strides(y), x.shape[2], Hkv, G, NC,
         F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD, REVERSE=reverse,
-        HAS_KPM=kpm_i8 is not None, PREC=_prec(x.dtype), TMA=tma, SM=sm,
+        HAS_KPM=kpm_i8 is not None, PREC=precision(x.dtype), TMA=tma, SM=sm,
         num_warps=cfg.state_warps)
     CALLS["state_sums_mma"] += sm
     for share, total in ((L, S), (xl, xs), (yl, ys)):
@@ -437,7 +421,7 @@ def _scan_chunks(share: torch.Tensor, total: torch.Tensor, NC: int, reverse: boo
         share, total, NC, N, BLK=blk, U=SCAN_STEP, REVERSE=reverse, num_warps=4)
 
 
-def _la_states(fk, v, kpm_i8, cfg: KernelConfig):
+def la_states(fk, v, kpm_i8, cfg: KernelConfig):
     """Forward LA states (S, z) at every ``state_chunk`` positions."""
     B, Hkv, T, F = fk.shape
     D = v.shape[-1]
@@ -449,12 +433,12 @@ def _la_states(fk, v, kpm_i8, cfg: KernelConfig):
     if use_split_states(cfg, NC):
         _split_states(fk, v, S, z, vs, NC, cfg, reverse=False, kpm_i8=kpm_i8)
         return S, z, vs, NC
-    BF, BD = _state_tile(cfg, B * Hkv, F, D)
+    BF, BD = state_tile(cfg, B * Hkv, F, D)
     grid = (B * Hkv, F // BF, D // BD)
     sm = _sums_mma_on(cfg, fk)
     fast(_state_fwd)[grid](
-        fk, v, _ptr(kpm_i8, z), S, z, vs, *_strides(fk), *_strides(v), T, Hkv, NC,
-        F=F, D=D, CS=CS, BF=BF, BD=BD, HAS_KPM=kpm_i8 is not None, PREC=_prec(fk.dtype),
+        fk, v, pointer(kpm_i8, z), S, z, vs, *strides(fk), *strides(v), T, Hkv, NC,
+        F=F, D=D, CS=CS, BF=BF, BD=BD, HAS_KPM=kpm_i8 is not None, PREC=precision(fk.dtype),
         SM=sm, num_warps=cfg.state_warps, num_stages=STATE_FWD_STAGES[sm])
     CALLS["state_sums_mma"] += sm
     return S, z, vs, NC
@@ -466,7 +450,7 @@ def _la_states(fk, v, kpm_i8, cfg: KernelConfig):
 STATE_FWD_STAGES = {False: 3, True: 2}
 
 
-def _la_states_rev(fq, dnum, dden, shift, Hkv: int, NC: int, cfg: KernelConfig):
+def la_states_rev(fq, dnum, dden, shift, Hkv: int, NC: int, cfg: KernelConfig):
     """The backward's reverse LA states (R, u, w) at every ``state_chunk`` positions, summed
     over each kv head's query heads (``_state_rev``; split: ``_split_states``)."""
     B, H, T, F = fq.shape
@@ -478,15 +462,12 @@ def _la_states_rev(fq, dnum, dden, shift, Hkv: int, NC: int, cfg: KernelConfig):
     if use_split_states(cfg, NC):
         _split_states(fq, dnum, R, U, W, NC, cfg, reverse=True, shift=shift, dden=dden)
         return R, U, W
-    BF, BD = _state_tile(cfg, B * Hkv, F, D)
-    tma = _use_tma(cfg, fq, dnum)
-    # (the pipelined loop through pointer tensors spills: ptxas at D 128 bf16, 92 B)
-    rs = cfg.state_rev_stages if tma else 0
-    sm = _sums_mma_on(cfg, fq) and rs == 0
+    BF, BD = state_tile(cfg, B * Hkv, F, D)
+    sm = _sums_mma_on(cfg, fq)
     fast(_state_rev)[(B * Hkv, F // BF, D // BD)](
-        fq, dnum, dden, shift, R, U, W, *_strides(fq), T, H, H // Hkv, NC,
-        F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD, PREC=_prec(fq.dtype), TMA=tma, RS=rs,
-        SM=sm, num_warps=cfg.state_warps)
+        fq, dnum, dden, shift, R, U, W, *strides(fq), T, H, H // Hkv, NC,
+        F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD, PREC=precision(fq.dtype),
+        TMA=use_tma(cfg, fq, dnum), SM=sm, num_warps=cfg.state_warps)
     CALLS["state_sums_mma"] += sm
     return R, U, W
 

@@ -1,2 +1,3 @@
-"""Stage 1's attention-transfer objectives: ``losses`` (references and the dispatch),
-``xent`` and ``mse`` (their Triton kernels)."""
+"""Stage 1's attention-transfer objectives: ``losses`` (the objectives), ``reference`` (their
+losses in PyTorch), ``xent`` and ``mse`` (the losses' Triton kernels), ``dispatch`` (whether
+the kernels take a call)."""

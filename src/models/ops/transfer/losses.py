@@ -14,151 +14,39 @@ Outputs are compared before ``o_proj``; the MSE is the mean over (B, H, T, D) of
 
 **The cross-entropy is exact and bounded below by the teacher's entropy.** ``A_phi`` is always a
 distribution over the visible keys: numerator and normaliser are formed from the *same* kernel
-values ``k_ti = fq_t . fk_i + eps`` (``eps``: the layer's kernel floor, ``ops.reference.LA_EPS``,
-1e-6), and the LA at inference divides the same sums (``ops.reference.linear_attention_chunked``
+values ``k_ti = fq_t . fk_i + eps`` (``eps``: the layer's kernel floor, ``hybrid.reference.LA_EPS``,
+1e-6), and the LA at inference divides the same sums (``hybrid.reference.linear_attention_chunked``
 and the GPU backends), so inference uses the normalised weights this objective trains (tested:
-``tests/test_transfer.py``). The first version floored the numerator elementwise at ``eps`` but
-the normaliser only as a sum; once every product of a row fell below ``eps`` both logs were
-``log(eps)``, the loss read exactly 0 with no gradient, and training found that region by pushing
-query and key features onto disjoint coordinates (every recipe with this objective collapsed its
-LA branch on the GPU testbed: docs/testbed.md). Now ``xent >= H(A_soft)`` row by row (Gibbs), and
-a row whose every product is far below ``eps`` scores the cross-entropy against *uniform*
-weights: a high loss, never a minimum, with a gradient through every product.
+``tests/test_transfer.py``). So ``xent >= H(A_soft)`` row by row (Gibbs), and a row whose every
+product is far below ``eps`` scores the cross-entropy against *uniform* weights: a high loss,
+never a minimum, with a gradient through every product. (A numerator floored elementwise at
+``eps`` and a normaliser floored only as a sum would read exactly 0 with no gradient once every
+product of a row fell below ``eps``, and training finds that region by pushing query and key
+features onto disjoint coordinates: docs/testbed.md.)
 ``weights_xent(..., return_entropy=True)`` also returns the teacher's entropy, so that
 ``KL = xent - entropy >= 0`` (0 = match) can be logged. With activation ``none`` products can be
 negative; kernel values are then floored at fp32's smallest normal number before the log (its
 weights are not a distribution at inference either).
 
-``weights_xent`` is quadratic in T. It runs over query blocks, and each block is recomputed in
-the backward pass (``torch.utils.checkpoint``), so at most one ``(B, H, block, T)`` score tile is
-alive at a time: peak memory is ``O(B H block T)``, independent of the number of layers when the
-caller backpropagates each layer's loss as soon as it has it.
+``weights_xent`` (``reference``: blocked over queries, each block recomputed in the backward)
+takes O(B H block T) memory; on CUDA the fused kernel (``xent``) takes its place, and the
+output MSE's kernels (``mse``) the MSE's, where ``dispatch`` finds that they take the call.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from ..hybrid import backends
 from ..hybrid.attention import hybrid_attention
-from ..hybrid.reference import DEN_TINY, LA_EPS, repeat_kv
+from ..hybrid.reference import LA_EPS
+from . import dispatch
+from .reference import TINY, la_log_weights, masked_mse_reference, weights_xent
 
-__all__ = ["OBJECTIVES", "TINY", "hybrid_output_mse", "la_log_weights",
-           "la_output_mse", "transfer_health", "transfer_loss", "weights_xent"]
+__all__ = ["OBJECTIVES", "TINY", "hybrid_output_mse", "la_log_weights", "la_output_mse",
+           "masked_mse_reference", "transfer_health", "transfer_loss", "weights_xent"]
 
 OBJECTIVES = ("weights_xent", "la_output_mse", "hybrid_output_mse")
-
-
-#: fp32's smallest normal number: keeps the log of a non-positive kernel value (activation
-#: ``none``) finite; the kernel floor itself is the layer's ``eps`` (``reference.LA_EPS``)
-TINY = DEN_TINY
-
-
-def la_log_weights(fq: torch.Tensor, fk: torch.Tensor, allowed: torch.Tensor,
-                   eps: float = LA_EPS) -> torch.Tensor:
-    """``log A_phi`` over keys: ``log k_ti - log sum_{j allowed} k_tj``, ``k = fq.fk + eps``.
-
-    fq (B, H, q, F), fk (B, H, k, F) (heads already repeated), allowed (B|1, 1|H, q, k) bool.
-    Returns (B, H, q, k) fp32, 0 where not allowed (so ``0 * log`` terms vanish; a row with no
-    allowed key is all 0). The same kernel values form the numerator and the sum, so ``exp`` of a
-    row is a distribution whatever the magnitudes (``TINY`` only keeps the log of a negative
-    product, activation ``none``, finite).
-    """
-    a = (torch.einsum("bhqf,bhkf->bhqk", fq.float(), fk.float()) + eps).clamp_min(TINY)
-    a = a.masked_fill(~allowed, 0.0)
-    log_den = torch.log(a.sum(dim=-1, keepdim=True).clamp_min(TINY))  # TINY: rows with no key
-    return torch.where(allowed, torch.log(a.clamp_min(TINY)) - log_den, torch.zeros_like(a))
-
-
-def _xent_block(q_blk, k, fq_blk, fk, qpos, kpm, scale: float, eps: float = LA_EPS):
-    """Summed cross-entropy and teacher entropy of one query block. q_blk (B,H,b,D),
-    k (B,H,Tk,D), fq_blk (B,H,b,F), fk (B,H,Tk,F), qpos (b,) absolute positions, kpm (B,Tk)
-    bool or None. Returns ``(xent_sum, entropy_sum)``, the entropy without gradient."""
-    Tk = k.shape[2]
-    allowed = torch.arange(Tk, device=q_blk.device)[None, :] <= qpos[:, None]  # (b, Tk)
-    allowed = allowed[None, None]  # (1, 1, b, Tk)
-    if kpm is not None:
-        allowed = allowed & kpm[:, None, None, :]
-    with torch.no_grad():  # the teacher: detached
-        s = torch.einsum("bhqd,bhkd->bhqk", q_blk.float(), k.float()) * scale
-        log_soft = torch.log_softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)
-        a_soft = torch.exp(log_soft).nan_to_num(0.0)  # a query with no visible key (padding)
-        ent = -(a_soft * torch.where(allowed, log_soft, torch.zeros_like(log_soft))).sum(-1)
-    xent = -(a_soft * la_log_weights(fq_blk, fk, allowed, eps)).sum(dim=-1)  # (B, H, b)
-    if kpm is not None:  # padded queries do not count
-        real = kpm[:, None, qpos].to(xent.dtype)
-        xent, ent = xent * real, ent * real
-    return xent.sum(), ent.sum()
-
-
-def weights_xent(q: torch.Tensor, k: torch.Tensor, fq: torch.Tensor, fk: torch.Tensor, *,
-                 scale: float | None = None, key_padding_mask: torch.Tensor | None = None,
-                 block: int = 64, return_entropy: bool = False, eps: float = LA_EPS
-                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """HedgeHog attention-weight cross-entropy, blocked over queries (see the module docstring).
-
-    Args: q (B, H, T, D), k (B, Hkv, T, D) with RoPE; fq (B, H, T, F), fk (B, Hkv, T, F);
-    key_padding_mask (B, T) bool, True = real. Only ``fq`` and ``fk`` receive gradients.
-    Returns the mean over real queries and heads of ``-sum_i A_soft log A_phi``; with
-    ``return_entropy`` also the same mean of the teacher's entropy ``-sum_i A_soft log A_soft``
-    (a detached lower bound of the first: their difference is the KL divergence). ``eps``: the
-    kernel floor (``ops.reference.LA_EPS``; the layer's ``eps`` through ``transfer_loss``).
-    """
-    B, H, T, D = q.shape
-    scale = D ** -0.5 if scale is None else scale
-    k, fk = repeat_kv(k.detach(), H), repeat_kv(fk, H)
-    q = q.detach()
-    kpm = None if key_padding_mask is None else key_padding_mask.bool()
-    total = fq.new_zeros((), dtype=torch.float32)
-    entropy = fq.new_zeros((), dtype=torch.float32)
-    for qs in range(0, T, block):
-        qe = min(qs + block, T)
-        qpos = torch.arange(qs, qe, device=q.device)
-        args = (q[:, :, qs:qe], k[:, :, :qe], fq[:, :, qs:qe], fk[:, :, :qe], qpos,
-                None if kpm is None else kpm[:, :qe], scale, eps)
-        if torch.is_grad_enabled() and (fq.requires_grad or fk.requires_grad):
-            x, e = checkpoint(_xent_block, *args, use_reentrant=False)
-        else:
-            x, e = _xent_block(*args)
-        total, entropy = total + x, entropy + e
-    norm = _n_queries(kpm, B, T, device=q.device) * H
-    if return_entropy:
-        return total / norm, entropy.detach() / norm
-    return total / norm
-
-
-def _n_queries(kpm, B: int, T: int, device) -> torch.Tensor:
-    if kpm is None:
-        return torch.tensor(float(B * T), device=device)
-    return kpm.sum().float().clamp_min(1.0)
-
-
-def masked_mse_reference(student: torch.Tensor, teacher: torch.Tensor, kpm) -> torch.Tensor:
-    """``sum (student - teacher)^2`` over real queries (``kpm`` (B, T), True for real; None:
-    all) / (real queries x H x D), in fp32, for (B, H, T, D) tensors: the output-MSE
-    objectives' loss in PyTorch (the CPU path and ``ops.triton_mse``'s oracle). Padded rows
-    are selected away before the difference, so a teacher row left undefined there (NaN)
-    reaches neither the loss nor a gradient (a product with 0 would pass a NaN on)."""
-    diff = student.float() - teacher.float()  # (B, H, T, D)
-    if kpm is None:
-        return diff.pow(2).mean()
-    diff = torch.where(kpm.bool()[:, None, :, None], diff, 0.0)
-    H, D = diff.shape[1], diff.shape[3]
-    # the floor only acts for a batch of padding alone (loss 0 then, rather than 0/0)
-    return diff.pow(2).sum() / (kpm.sum(dtype=torch.float32) * (H * D)).clamp_min(1.0)
-
-
-def _masked_mse(student: torch.Tensor, teacher: torch.Tensor, kpm) -> torch.Tensor:
-    """``masked_mse_reference``, through ``ops.triton_mse`` on CUDA where it applies (and
-    ``backends.triton_enabled()``: ``HEDGECATS_TRITON=0`` turns it off)."""
-    if student.is_cuda and backends.triton_enabled():
-        from . import mse as triton_mse
-
-        loss = triton_mse.masked_mse(student, teacher, kpm)
-        if loss is not None:
-            return loss
-    return masked_mse_reference(student, teacher, kpm)
 
 
 def _teacher_output(q, k, v, scale, kpm, backend):
@@ -176,10 +64,9 @@ def la_output_mse(q, k, v, fq, fk, *, scale: float | None = None,
 
     LA is ``hybrid_attention``'s ``la_only`` mode over every causal key at weight 1 (``la_span
     "all"``, ``overlap``: one LA pass, shift 0; ``rescale``), so it takes the layer's dispatch:
-    the fused kernel on CUDA (1.3x the fla pieces' stage-1 step on an 8B model, 2026-12-02),
-    ``ops.linear`` elsewhere; the window is not computed in this mode. LA comes back in q's
-    dtype, as the layer computes it (before 2026-12-02 the backends that compute LA in fp32 kept
-    it so: a bf16 loss then differed by ~5e-5 relative between backends).
+    the fused kernel on CUDA (1.3x the fla pieces' stage-1 step on an 8B model), the backends'
+    ``linear`` elsewhere; the window is not computed in this mode. LA comes back in q's dtype,
+    as the layer computes it, whatever the backend (so a bf16 loss is the same on each).
     ``teacher_output``: O_soft (B, H, T, D) as the teacher computed it (stage 1 hands it over
     from the teacher's forward); None: computed here by SDPA. ``maps``: ``(phi_q, phi_k)`` in
     place of fq and fk (both ``None``), as ``hybrid_attention`` takes them (stage 1's call: the
@@ -191,7 +78,7 @@ def la_output_mse(q, k, v, fq, fk, *, scale: float | None = None,
                             mode="la_only", la_span="all", overlap=True, rescale=True,
                             key_padding_mask=key_padding_mask, scale=scale, eps=eps,
                             backend=backend, maps=maps)
-    return _masked_mse(o_la, o_soft, key_padding_mask)
+    return dispatch.masked_mse(o_la, o_soft, key_padding_mask)
 
 
 def hybrid_output_mse(q, k, v, fq, fk, *, window: int, g=0.5, shared_norm: bool | str = False,
@@ -199,8 +86,8 @@ def hybrid_output_mse(q, k, v, fq, fk, *, window: int, g=0.5, shared_norm: bool 
                       key_padding_mask: torch.Tensor | None = None, eps: float = LA_EPS,
                       backend: str = "auto", window_shape: str = "sliding",
                       teacher_output: torch.Tensor | None = None, maps=None) -> torch.Tensor:
-    """``mean ||O_soft - hybrid||^2``, the hybrid as ``ops.hybrid_attention(mode="hybrid")``
-    (``window_shape``: ``ops.windows``); ``teacher_output`` and ``maps`` as in
+    """``mean ||O_soft - hybrid||^2``, the hybrid as ``hybrid_attention(mode="hybrid")``
+    (``window_shape``: ``hybrid.windows``); ``teacher_output`` and ``maps`` as in
     ``la_output_mse``."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     o_soft = (_teacher_output(q, k, v, scale, key_padding_mask, backend)
@@ -209,7 +96,7 @@ def hybrid_output_mse(q, k, v, fq, fk, *, window: int, g=0.5, shared_norm: bool 
                              mode="hybrid", g=g, shared_norm=shared_norm, overlap=overlap,
                              key_padding_mask=key_padding_mask, scale=scale, eps=eps,
                              backend=backend, window_shape=window_shape, maps=maps)
-    return _masked_mse(o_hyb, o_soft, key_padding_mask)
+    return dispatch.masked_mse(o_hyb, o_soft, key_padding_mask)
 
 
 def _gate(module, hidden_states):
@@ -241,13 +128,9 @@ def transfer_loss(objective: str, module, query, key, value, key_padding_mask=No
     maps = (module.phi_q, module.phi_k)  # (the output objectives hand them to the kernel)
     if objective == "weights_xent":
         fq, fk = module.phi_q(q), module.phi_k(k)
-        xent = weights_xent
-        if q.is_cuda and backends.triton_enabled():  # as the fused hybrid kernel (HEDGECATS_TRITON=0: off)
-            from . import xent as triton_xent  # (imports this module: a lazy import)
-
-            xent = triton_xent.weights_xent  # falls back to this blocked version itself
-        loss, entropy = xent(q, k, fq, fk, scale=scale, key_padding_mask=key_padding_mask,
-                             block=xent_block, return_entropy=True, eps=rt.eps)
+        loss, entropy = dispatch.weights_xent(q, k, fq, fk, scale=scale,
+                                              key_padding_mask=key_padding_mask,
+                                              block=xent_block, return_entropy=True, eps=rt.eps)
         return loss, {"kl": loss.detach() - entropy}
     if objective == "la_output_mse":
         return la_output_mse(q, k, v, None, None, scale=scale,

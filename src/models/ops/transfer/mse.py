@@ -1,40 +1,35 @@
-"""The output-MSE objectives' loss in one Triton pass per direction (issue 12).
+"""The output-MSE objectives' loss in one Triton pass per direction.
 
-``la_output_mse`` and ``hybrid_output_mse`` (``ops.transfer``) end in
+``la_output_mse`` and ``hybrid_output_mse`` (``losses``) end in
 
     loss = sum_{b, h, t real, d} (student - teacher)^2 / (real queries x H x D)
 
-over (B, H, T, D) outputs in the model's dtype. In PyTorch (``transfer.masked_mse_reference``,
+over (B, H, T, D) outputs in the model's dtype. In PyTorch (``reference.masked_mse_reference``,
 the CPU path and the tests' oracle) that is a chain of fp32 copies (two casts, a difference, a
 square, a masked sum; the backward as many again): on the 8B shape at 8 x 1k about ten passes of
-134 MB a layer. With the teacher's output handed over as well, the ``hybrid_output_mse`` step
-went from 341 to 303 ms (one H200, benchmarks/results/h200_2026-12-02c). Here the forward
-reads both tensors once and writes one fp32 partial sum per (b, h, tile of rows); the backward
-reads them once more and writes the student's gradient ``2 (student - teacher) w_t g / N`` in
-its dtype (``w_t`` 0 for a padded query), each difference taken in fp32 as the reference
-takes it. Padded query rows are never read, so whatever the teacher put there (transformers'
-SDPA may leave a fully masked row undefined) cannot reach the loss; the reference selects them
-away (``torch.where``) for the same reason.
+134 MB a layer. Here the forward reads both tensors once and writes one fp32 partial sum per
+(b, h, tile of rows); the backward reads them once more and writes the student's gradient
+``2 (student - teacher) w_t g / N`` in its dtype (``w_t`` 0 for a padded query), each
+difference taken in fp32 as the reference takes it. Padded query rows are never read, so
+whatever the teacher put there (transformers' SDPA may leave a fully masked row undefined)
+cannot reach the loss; the reference selects them away (``torch.where``) for the same reason.
 
 The partial sums are added in a fixed order (``torch.sum`` over a buffer, no atomics), so the
 kernels add nothing nondeterministic.
 
-Unsupported calls (no Triton or CUDA, not 4-D, shapes that differ, head dims above 256, more than
-65,535 batch x heads) return ``None``, the reason logged once: the caller runs the reference.
+Which calls they take: ``dispatch.mse_unsupported_reason``; the entry: ``dispatch.masked_mse``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import losses as transfer
-from ..triton_common import (GRID_AXIS_MAX, HAVE_TRITON, available, cdiv, errors, fast, interpret,
-                            next_pow2, record_fallback, tl, triton, warn_once)
+from ..instrument import TRACE
+from ..triton_common import HAVE_TRITON, cdiv, errors, fast, next_pow2, tl, triton
+from .reference import masked_mse_reference
 
-__all__ = ["CALLS", "masked_mse", "unsupported_reason"]
+__all__ = ["ROWS", "mse_kernel"]
 
-CALLS = {"forward": 0, "backward": 0}  # calls that ran the kernels (tests check the path taken)
-FALLBACK_ERRORS: list[str] = []
 ROWS = 32  # query rows of one program (D 128, 4 warps: 96 / 147 registers, no spill; ptxas)
 
 if HAVE_TRITON:
@@ -84,27 +79,6 @@ if HAVE_TRITON:
                  + offs_d[None, :], ds.to(DS.dtype.element_ty), mask=inside)
 
 
-def unsupported_reason(student: torch.Tensor, teacher: torch.Tensor, kpm) -> str | None:
-    """Why the kernels cannot take these tensors (``None``: they can)."""
-    if not available():
-        return "triton is not installed or there is no CUDA device"
-    if not ((student.is_cuda and teacher.is_cuda) or interpret()):
-        return "the kernels run on CUDA tensors"
-    if student.dim() != 4 or student.shape != teacher.shape:
-        return (f"shapes {tuple(student.shape)} and {tuple(teacher.shape)} (the kernels take two "
-                "(B, H, T, D) tensors of one shape)")
-    if not (student.is_floating_point() and teacher.is_floating_point()):
-        return f"dtypes {student.dtype}, {teacher.dtype}"
-    B, H, T, D = student.shape
-    if D > 256 or D == 0 or T == 0:
-        return f"head dim {D}, length {T} (the kernels take 1 <= D <= 256, T >= 1)"
-    if B * H > GRID_AXIS_MAX:
-        return f"batch x heads = {B * H} (at most {GRID_AXIS_MAX})"
-    if kpm is not None and tuple(kpm.shape) != (B, T):
-        return f"a key padding mask of shape {tuple(kpm.shape)} (want {(B, T)})"
-    return None
-
-
 def _rows_last(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -135,28 +109,25 @@ class _MSEFn(torch.autograd.Function):
                 student, teacher, c if kpm_i8 is None else kpm_i8, c, ds, *student.stride()[:3],
                 *teacher.stride()[:3], *ds.stride()[:3], T, H, D=D,
                 BD=next_pow2(D), BT=ROWS, HAS_KPM=kpm_i8 is not None, num_warps=4)
-            CALLS["backward"] += 1
+            TRACE.count("transfer.mse.backward")
         except errors() as e:  # the same gradient in PyTorch
-            record_fallback(FALLBACK_ERRORS, __name__, "output MSE backward", e,
-                            "this call's gradient comes from PyTorch", phase="backward")
+            TRACE.fallback("transfer.mse", "output MSE backward", e,
+                           "this call's gradient comes from PyTorch", phase="backward")
             with torch.enable_grad():
                 s = student.detach().requires_grad_()
-                loss = transfer.masked_mse_reference(
+                loss = masked_mse_reference(
                     s, teacher.detach(), None if kpm_i8 is None else kpm_i8.bool())
                 ds = torch.autograd.grad(loss, s, g)[0].to(student.dtype)
         dt = (-ds).to(teacher.dtype) if ctx.needs_input_grad[1] else None
         return ds, dt, None, None
 
 
-def masked_mse(student: torch.Tensor, teacher: torch.Tensor,
-               key_padding_mask: torch.Tensor | None = None) -> torch.Tensor | None:
-    """``transfer.masked_mse_reference`` (same arguments and value, fp32 scalar) through the
-    kernels, differentiable in both tensors; ``None`` where they do not apply (reason logged
-    once), and the caller runs the reference."""
-    reason = unsupported_reason(student, teacher, key_padding_mask)
-    if reason is not None:
-        warn_once(__name__, f"fused output MSE not used: {reason}; running PyTorch")
-        return None
+def mse_kernel(student: torch.Tensor, teacher: torch.Tensor,
+               key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``reference.masked_mse_reference`` (same arguments and value, fp32 scalar) through the
+    kernels, differentiable in both tensors; for calls ``dispatch.mse_unsupported_reason``
+    accepts. Raises Triton's errors (``errors()``) where the forward kernel does not compile or
+    fit here."""
     B, H, T, D = student.shape
     student, teacher = _rows_last(student), _rows_last(teacher)
     if key_padding_mask is None:
@@ -166,10 +137,4 @@ def masked_mse(student: torch.Tensor, teacher: torch.Tensor,
         kpm_i8 = key_padding_mask.to(torch.int8).contiguous()
         # (a batch of padding alone: loss 0, rather than 0 / 0, as the reference)
         denom = (key_padding_mask.sum(dtype=torch.float32) * (H * D)).clamp_min(1.0)
-    try:
-        loss = _MSEFn.apply(student, teacher, kpm_i8, denom)
-    except errors() as e:
-        record_fallback(FALLBACK_ERRORS, __name__, "output MSE", e, "running PyTorch")
-        return None
-    CALLS["forward"] += 1
-    return loss
+    return _MSEFn.apply(student, teacher, kpm_i8, denom)

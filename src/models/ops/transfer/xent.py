@@ -1,7 +1,5 @@
-"""``weights_xent`` as a fused, flash-style Triton kernel (issue 12, item 3).
-
-Same function and signature as ``ops.transfer.weights_xent`` (read its docstring for the
-semantics): per real query ``t`` and head,
+"""``weights_xent`` as a fused, flash-style Triton kernel (``reference.weights_xent``'s
+function: read its docstring for the semantics): per real query ``t`` and head,
 
     xent_t = -sum_{i <= t, real} A_soft[t, i] log A_phi[t, i]
            = log Z_t - sum_i A_soft[t, i] log k_ti,     k_ti = max(fq_t.fk_i + eps, TINY),
@@ -19,45 +17,20 @@ and accumulates ``dfq`` per query block (``_bwd_dq``) and ``dfk`` per key block 
 summed over its query heads (``_bwd_dk``: GQA without atomics). Only ``fq`` and ``fk`` get
 gradients; ``q`` and ``k`` are the (detached) teacher's.
 
-Unsupported calls (CPU without the interpreter, no Triton, dtypes other than bf16 / fp32, head or
-feature dims not powers of two in [16, 128] / [16, 256]) run ``ops.transfer.weights_xent``, the
-blocked PyTorch version, which stays the CPU path and the tests' oracle; the reason is logged once.
-
-The kernel floor ``eps`` (``k_ti = max(fq.fk + eps, TINY)``, ``ops.reference.LA_EPS`` by
-default) follows the blocked version: its default is read off ``transfer.weights_xent``'s
-signature (``KERNEL_FLOOR``; 0 for a blocked version without the argument).
-
-Wiring (``ops.transfer.transfer_loss``): call this module's ``weights_xent`` instead of the
-blocked one (same arguments, ``eps`` included; ``block`` is accepted and ignored).
+Which calls it takes: ``dispatch.xent_unsupported_reason``; the entry: ``dispatch.weights_xent``.
 """
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 
-from . import losses as transfer
 from ..hybrid.reference import DEN_TINY
-from ..triton_common import (GRID_AXIS_MAX, HAVE_TRITON, available, cdiv, errors, fast, interpret,
-                            record_fallback, tl, triton, warn_once)
+from ..instrument import TRACE
+from ..triton_common import HAVE_TRITON, cdiv, errors, fast, tl, triton
 
-__all__ = ["available", "unsupported_reason", "weights_xent", "xent_rows"]
+__all__ = ["xent_rows"]
 
 TINY = DEN_TINY
-
-
-def _default_floor() -> float:
-    """The blocked version's default kernel floor ``eps`` (``k = max(fq.fk + eps, TINY)``); 0
-    where it has none (``k = max(fq.fk, TINY)``)."""
-    p = inspect.signature(transfer.weights_xent).parameters.get("eps")
-    return 0.0 if p is None else float(p.default)
-
-
-#: the kernel floor added to every product, as in the blocked version
-KERNEL_FLOOR = _default_floor()
-FALLBACK_ERRORS: list[str] = []
-CALLS = {"forward": 0}  # calls that ran the kernel (tests check the path taken)
 
 
 if HAVE_TRITON:
@@ -243,8 +216,8 @@ def _prec(dtype):
 #: (block_m, block_n, warps, stages) of the forward, the dfq and the dfk kernel, tried when the
 #: chosen tiles do not compile here
 SAFE_BLOCKS = ((32, 32, 4, 1),) * 3
+#: (phase, tiles, problem) that did not compile here: later calls go to ``SAFE_BLOCKS`` at once
 _FAILED: set = set()
-RETRIES: list[str] = []
 
 
 def _blocks(q, fq, block_m, block_n):
@@ -263,6 +236,8 @@ def _blocks(q, fq, block_m, block_n):
 
 
 def _with_retry(phase, key, blocks, fn):
+    """``fn(blocks)``, or ``fn(SAFE_BLOCKS)`` where ``blocks`` do not compile here (recorded:
+    ``TRACE.retry``); the safe tiles' own failure is raised."""
     if (phase, blocks, key) not in _FAILED:
         try:
             return fn(blocks)
@@ -270,9 +245,8 @@ def _with_retry(phase, key, blocks, fn):
             if blocks == SAFE_BLOCKS:
                 raise
             _FAILED.add((phase, blocks, key))
-            RETRIES.append(f"{phase} {key}: {type(e).__name__}: {str(e)[:300]}")
-            warn_once(__name__, f"fused weights_xent {phase}: tiles {blocks} do not compile here "
-                      f"({type(e).__name__}); using {SAFE_BLOCKS}")
+            TRACE.retry("transfer.xent", f"weights_xent {phase} {key} at {blocks}", e,
+                        f"using {SAFE_BLOCKS}")
     return fn(SAFE_BLOCKS)
 
 
@@ -342,72 +316,3 @@ def xent_rows(q, k, fq, fk, *, scale: float, key_padding_mask=None, eps: float =
         key_padding_mask.bool().to(torch.int8).contiguous()
     return _XentFn.apply(q.detach(), k.detach(), fq, fk, kpm_i8, float(scale), float(eps),
                          block_m, block_n)
-
-
-def unsupported_reason(q, k, fq, fk) -> str | None:
-    if not available():
-        return "triton is not installed or there is no CUDA device"
-    if not (q.is_cuda or interpret()):
-        return "the fused kernel runs on CUDA tensors"
-    if q.dtype != k.dtype or fq.dtype != fk.dtype:
-        return f"q/k dtypes {q.dtype}/{k.dtype} or fq/fk dtypes {fq.dtype}/{fk.dtype} differ"
-    for x in (q, fq):
-        if x.dtype not in (torch.bfloat16, torch.float32):
-            return f"dtype {x.dtype} (the kernel takes bf16 and fp32)"
-    B, H, T, D = q.shape
-    F = fq.shape[-1]
-    if k.shape[2] != T or fk.shape[2] != T or fk.shape[1] != k.shape[1] or H % k.shape[1]:
-        return "q, k, fq, fk shapes do not match"
-
-    def pow2(n):
-        return n & (n - 1) == 0
-
-    if not (pow2(D) and 16 <= D <= 128):
-        return f"head dim {D} (powers of two in [16, 128])"
-    if not (pow2(F) and 16 <= F <= 256):
-        return f"feature dim {F} (powers of two in [16, 256])"
-    if B * H > GRID_AXIS_MAX:
-        return (f"batch x heads = {B * H} (the kernels' second grid axis holds at most "
-                f"{GRID_AXIS_MAX})")
-    if T == 0:
-        return "empty sequence"
-    return None
-
-
-def weights_xent(q: torch.Tensor, k: torch.Tensor, fq: torch.Tensor, fk: torch.Tensor, *,
-                 scale: float | None = None, key_padding_mask: torch.Tensor | None = None,
-                 block: int = 64, return_entropy: bool = False, eps: float | None = None
-                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``ops.transfer.weights_xent`` through the fused kernel (same arguments and result;
-    ``block`` is the blocked version's and is ignored here). Falls back to the blocked version
-    where the kernel does not apply (reason logged once). ``eps``: the kernel floor, default
-    the blocked version's default (``KERNEL_FLOOR``)."""
-    eps = KERNEL_FLOOR if eps is None else eps
-    blocked_kw = {} if eps == KERNEL_FLOOR else {"eps": eps}  # the blocked version's own default
-    reason = unsupported_reason(q, k, fq, fk)
-    if reason is not None:
-        warn_once(__name__, f"fused weights_xent not used: {reason}; running the blocked "
-                  "PyTorch version")
-        return transfer.weights_xent(q, k, fq, fk, scale=scale, key_padding_mask=key_padding_mask,
-                                     block=block, return_entropy=return_entropy, **blocked_kw)
-    B, H, T, D = q.shape
-    scale = D ** -0.5 if scale is None else scale
-    try:
-        xe, ent = xent_rows(q, k, fq, fk, scale=scale, key_padding_mask=key_padding_mask,
-                            eps=eps)
-        CALLS["forward"] += 1
-    except errors() as e:
-        record_fallback(FALLBACK_ERRORS, __name__, "weights_xent", e,
-                        "running the blocked PyTorch version")
-        return transfer.weights_xent(q, k, fq, fk, scale=scale, key_padding_mask=key_padding_mask,
-                                     block=block, return_entropy=return_entropy, **blocked_kw)
-    if key_padding_mask is None:
-        norm = float(B * T * H)
-        total, total_ent = xe.sum(), ent.sum()
-    else:
-        real = key_padding_mask.bool()[:, None, :].float()  # padded queries do not count
-        norm = real.sum().clamp_min(1.0) * H
-        total, total_ent = (xe * real).sum(), (ent * real).sum()
-    if return_entropy:
-        return total / norm, (total_ent / norm).detach()
-    return total / norm
