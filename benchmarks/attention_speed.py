@@ -52,9 +52,9 @@ from pathlib import Path
 import torch
 from hedgecats.models.ops import switches as kernel_switches
 from hedgecats.models.ops.hybrid import backends
-from hedgecats.models.ops.hybrid import config as kconfig
 from hedgecats.models.ops.hybrid.function import hybrid_kernel
 from hedgecats.models.ops.hybrid import reference as ref
+from hedgecats.models.ops.instrument import TRACE
 
 from benchmarks import timing
 from benchmarks.layer import (Layer, TUNE_CONFIGS, add_head_args, default_tiles_changed,
@@ -199,9 +199,9 @@ def run_shape(a, B, T, results, log):
                                              pieces=None if use_ref else pieces(mixer))
             if have_triton and name.startswith("hybrid") and "pieces" not in name:
                 with torch.no_grad():
-                    c0 = kconfig.CALLS["forward"]
+                    c0 = TRACE.calls["hybrid.forward"]
                     fwd()
-                    row["fused_kernel"] = kconfig.CALLS["forward"] > c0
+                    row["fused_kernel"] = TRACE.calls["hybrid.forward"] > c0
             fn = step_fwd_bwd(L, fwd) if kind == "fwd+bwd" else step_fwd(fwd)
             row.update(bench_adaptive(fn, a.budget_ms))
             row.update(device_ms(fn, row["ms"]))
@@ -530,8 +530,8 @@ def main(argv=None) -> int:
     def write():  # after every shape: a run cut short by a time limit keeps what it measured
         res["seconds"] = round(time.time() - t0, 1)
         if backends.available("triton"):
-            res["kernel_tile_retries"] = list(kconfig.RETRIES)
-            res["kernel_fallback_errors"] = list(kconfig.FALLBACK_ERRORS)
+            res["kernel_tile_retries"] = list(TRACE.retries)
+            res["kernel_fallback_errors"] = list(TRACE.fallbacks)
         res["ratios"] = ratios(res["rows"])
         res["ratios_with_pytorch_phi"] = ratios(res["rows"], " [pytorch phi]")
         res["ratios_device_time"] = ratios(res["rows"], time_key="device_ms")

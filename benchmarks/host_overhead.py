@@ -38,6 +38,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # (triton_common.available() on 
 
 import torch  # noqa: E402
 from hedgecats.models import hybrid_attention  # noqa: E402
+from hedgecats.models.ops.instrument import TRACE
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from benchmarks import timing  # noqa: E402
@@ -317,14 +318,13 @@ def _measure(a, launches) -> dict:
 
     for _ in range(5):
         call([])
-    from hedgecats.models.ops.hybrid import config as kconfig
 
     launches.clear()
-    folded = kconfig.CALLS["maps_folded"], kconfig.CALLS["maps_folded_backward"]
+    folded = TRACE.calls["hybrid.maps_folded"], TRACE.calls["hybrid.maps_folded_backward"]
     with CountOps() as ops:
         call([])
     per_call = dict(launches)
-    folded = [kconfig.CALLS["maps_folded"] - folded[0], kconfig.CALLS["maps_folded_backward"] - folded[1]]
+    folded = [TRACE.calls["hybrid.maps_folded"] - folded[0], TRACE.calls["hybrid.maps_folded_backward"] - folded[1]]
     stamps: list = []
     for _ in range(a.calls):
         call(stamps)

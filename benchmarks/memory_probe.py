@@ -93,8 +93,8 @@ def main(argv=None):
         phi_q.zero_grad(set_to_none=True)
         phi_k.zero_grad(set_to_none=True)
     record("layer fwd+bwd (default path)", layer_step)
-    res["retries"], res["fallbacks"] = kconfig.RETRIES, kconfig.FALLBACK_ERRORS + TRACE.fallbacks
-    print("retries:", kconfig.RETRIES, "fallbacks:", res["fallbacks"], flush=True)
+    res["retries"], res["fallbacks"] = TRACE.retries, TRACE.fallbacks
+    print("retries:", TRACE.retries, "fallbacks:", res["fallbacks"], flush=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)

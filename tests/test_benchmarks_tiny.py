@@ -463,7 +463,9 @@ def test_phi_bound_rows_compute_what_they_claim(tmp_path):
             "from benchmarks import phi_bound\n"
             f"r = phi_bound.main(['--shape', '1x40', '--out', {str(tmp_path)!r}])\n"
             "print('ROWS', json.dumps(r['rows']))\n")
-    env = {**__import__("os").environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
+           # (the interpreter check imports its neighbour tests/poison.py as a script does)
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300, cwd=ROOT, env=env, check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -493,7 +495,7 @@ def test_attention_speed_switches_and_tiles_hold_for_the_run_only(tmp_path, monk
         cfg = kconfig.default_config(128, 256, torch.bfloat16)
         seen.update(saved=cfg.save_branches, chunks=kconfig.SPLIT_STATES_MIN_CHUNKS,
                     cached=kconfig.default_config(128, 256, torch.bfloat16) is cfg)
-        res["rows"] += [dict(B=1, T=1024, case=case, ms=ms, peak_gib=1.0)
+        res["rows"] += [dict(B=1, T=1024, case=case, ms=ms, peak_gib=1.0, tokens_per_s=1.0)
                         for case, ms in (("teacher", 1.0), ("hybrid fixed", 2.0))]
         write()
 

@@ -374,7 +374,7 @@ def test_qwen2_sliding_layers_refused():
 def test_mixed_dtypes_reach_the_kernels_as_one_dtype(monkeypatch):
     """Under bf16 autocast with an fp32 base, RoPE gives fp32 q, k and the projection a bf16 v;
     the backends take one dtype (mixed calls went to the slow paths on the GPU)."""
-    from hedgecats.models import layer
+    from hedgecats.models import cache, layer
     from hedgecats.models.ops.hybrid import attention as hybrid
 
     seen, maps_out = [], []
@@ -390,11 +390,14 @@ def test_mixed_dtypes_reach_the_kernels_as_one_dtype(monkeypatch):
         return out
 
     monkeypatch.setattr(layer, "hybrid_attention", spy)
+    monkeypatch.setattr(cache, "hybrid_attention", spy)  # (use_cache: the cache's prefill)
     monkeypatch.setattr(hybrid, "_apply_maps", spy_maps)
     model = convert_to_hybrid(tiny(), HybridConfig(window=4))
     with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
-        model(ids(T=12))
-    assert seen and len(maps_out) == len(seen)
+        model(ids(T=12), use_cache=False)
+        n_layers = len(seen)
+        model(ids(T=12), use_cache=True)
+    assert n_layers and len(seen) == 2 * n_layers and len(maps_out) == len(seen)
     assert all(set(d) == {torch.bfloat16} for d in seen + maps_out), (seen, maps_out)
     q32, v16 = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4, dtype=torch.bfloat16)
     assert {t.dtype for t in layer._common_dtype(q32, q32, v16)} == {torch.float32}  # no autocast
@@ -471,7 +474,7 @@ def test_one_vocabulary_of_modes_and_switches():
 def test_key_padding_mask_reduced_once_per_mask():
     """Every layer of one forward gets the same 4D mask: it is reduced (and synced on) once;
     the same tensor changed in place, another kv_len or an inference tensor is reduced again."""
-    from hedgecats.models import layer as L
+    from hedgecats.models import masks as L
 
     calls = []
     real_any = torch.Tensor.any
@@ -483,18 +486,18 @@ def test_key_padding_mask_reduced_once_per_mask():
     mask[0, ..., :2] = torch.finfo(mask.dtype).min  # row 0: two padded keys
     torch.Tensor.any = counting_any
     try:
-        first = L._key_padding_mask(mask, 5)
+        first = L.key_padding_mask(mask, 5)
         assert first.tolist() == [[False, False, True, True, True], [True] * 5]
-        assert L._key_padding_mask(mask, 5) is first and len(calls) == 1
-        assert L._key_padding_mask(mask, 4).shape == (2, 4) and len(calls) == 2
+        assert L.key_padding_mask(mask, 5) is first and len(calls) == 1
+        assert L.key_padding_mask(mask, 4).shape == (2, 4) and len(calls) == 2
         mask[1, ..., 0] = torch.finfo(mask.dtype).min  # in place: the version moves
-        assert L._key_padding_mask(mask, 4)[1].tolist() == [False, True, True, True]
+        assert L.key_padding_mask(mask, 4)[1].tolist() == [False, True, True, True]
         assert len(calls) == 3
         with torch.inference_mode():
             inf = torch.zeros(1, 1, 3, 3)
             inf[..., 0] = torch.finfo(inf.dtype).min
             for _ in range(2):
-                assert L._key_padding_mask(inf, 3).tolist() == [[False, True, True]]
+                assert L.key_padding_mask(inf, 3).tolist() == [[False, True, True]]
         assert len(calls) == 5
     finally:
         torch.Tensor.any = real_any

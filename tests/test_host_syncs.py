@@ -19,6 +19,7 @@ from hedgecats.lightning_modules import AttentionTransfer
 from fixtures.tiny import save_tiny_llama
 from hedgecats.models import HybridConfig, convert_to_hybrid
 from hedgecats.models.activation_checkpointing import enable_checkpointing
+from hedgecats.models.ops.instrument import TRACE
 from test_convert import SMALL
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -107,7 +108,6 @@ def test_gpu_training_step_syncs_do_not_grow_with_depth(checkpointing):
     (``torch.cuda.set_sync_debug_mode``), which also sees syncs that are not a value read."""
     import warnings
 
-    from hedgecats.models.ops.hybrid import config as kconfig
 
     x, mask = (t.cuda() for t in _batch())
 
@@ -120,7 +120,7 @@ def test_gpu_training_step_syncs_do_not_grow_with_depth(checkpointing):
         torch.cuda.synchronize()
         counts = []
         for _ in range(2):
-            before = kconfig.CALLS["forward"]
+            before = TRACE.calls["hybrid.forward"]
             with warnings.catch_warnings(record=True) as seen:
                 warnings.simplefilter("always")
                 torch.cuda.set_sync_debug_mode("warn")
@@ -128,7 +128,7 @@ def test_gpu_training_step_syncs_do_not_grow_with_depth(checkpointing):
                     model(input_ids=x, attention_mask=mask, labels=x).loss.backward()
                 finally:
                     torch.cuda.set_sync_debug_mode(0)
-            assert kconfig.CALLS["forward"] > before  # the fused kernels ran
+            assert TRACE.calls["hybrid.forward"] > before  # the fused kernels ran
             syncs = [w for w in seen if "synchroniz" in str(w.message)]
             counts.append((len(syncs), [f"{w.filename}:{w.lineno}" for w in syncs]))
         return min(counts)

@@ -2,7 +2,7 @@
 launches and which PyTorch ops reach a device kernel, counted on what users run (the layer's
 CUDA path: ``hybrid_attention`` through ``triton_hybrid``, the fused feature maps folded into its
 autograd Function) with the
-launches stubbed (``benchmarks/host_overhead.py``). At 8 x 1k the layer's host work exceeds its
+launches stubbed (``python -m benchmarks.host_overhead``). At 8 x 1k the layer's host work exceeds its
 GPU time, so every launch or op that creeps into the path shows in the time of a call: a new
 one fails here, with what it is, until it is counted in (and measured).
 
@@ -22,11 +22,13 @@ import pytest
 
 pytest.importorskip("triton")
 
-SCRIPT = Path(__file__).parents[1] / "benchmarks" / "host_overhead.py"
+ROOT = Path(__file__).resolve().parents[1]
+#: the benchmark as its README runs it: ``python -m benchmarks.host_overhead`` from the root
+SCRIPT = ["-m", "benchmarks.host_overhead"]
 
 #: one forward + backward of the layer (fixed g, no padding), both maps fused (folded into
-#: the kernel's Function: their forward in one launch, on walking programs at D = F/2 = 128
-#: since session 24), the backward's fused kernels on (the default at D 128 bf16: ``_bwd_q``,
+#: the kernel's Function: their forward in one launch, on walking programs at D = F/2 = 128),
+#: the backward's fused kernels on (the default at D 128 bf16: ``_bwd_q``,
 #: ``_bwd_kv``)
 LAUNCHES = {"_phi_fwd_pair_walk": 1, "_state_fwd": 1, "_fwd": 1, "_bwd_q": 1, "_state_rev": 1,
             "_bwd_kv": 1, "_phi_bwd": 2, "bmm_fp32 (torch)": 2}
@@ -43,9 +45,10 @@ TORCH_KERNELS = {"_to_copy": 2, "sum": 2}
 def test_the_layer_launches_what_it_is_counted_for(tmp_path, unfused):
     out = tmp_path / "host.json"
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--calls", "3", "--out", str(out),
+    proc = subprocess.run([sys.executable, *SCRIPT, "--calls", "3", "--out", str(out),
                            *(["--unfused"] if unfused else [])],
-                          env=env, capture_output=True, text=True, timeout=600, check=False)
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(out.read_text())
     assert got["triton_launches"] == (LAUNCHES_UNFUSED if unfused else LAUNCHES)
@@ -65,9 +68,10 @@ def test_the_maps_share_times_the_call_with_and_without_the_maps(tmp_path):
     reads below the first."""
     out = tmp_path / "host.json"
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--calls", "20", "--maps-share",
+    proc = subprocess.run([sys.executable, *SCRIPT, "--calls", "20", "--maps-share",
                            "--out", str(out)],
-                          env=env, capture_output=True, text=True, timeout=600, check=False)
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(out.read_text())["maps_share_us"]
     assert set(got) == {"layer", "unfolded", "unfolded_without_k_map",
@@ -79,9 +83,10 @@ def test_the_maps_share_times_the_call_with_and_without_the_maps(tmp_path):
 def _memory(tmp_path) -> dict:
     out = tmp_path / "host.json"
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--calls", "3", "--memory", "1x1024",
+    proc = subprocess.run([sys.executable, *SCRIPT, "--calls", "3", "--memory", "1x1024",
                            "--out", str(out)],
-                          env=env, capture_output=True, text=True, timeout=600, check=False)
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())["memory_mib"]
 
@@ -94,10 +99,9 @@ def memory(tmp_path_factory) -> dict:
 def test_a_checkpointed_layer_keeps_nothing_but_its_output(memory):
     """``--memory``: under non-reentrant activation checkpointing (the stages'), the layer's
     call keeps alive after its forward only its output: whatever the backward reads goes
-    through ``save_for_backward``, which checkpointing discards (and recomputes). Session 21
-    briefly held the branches and LA states on the Function's context, to drop them early in
-    the backward: 28.1 MiB alive here against the output's 8.0, every layer's through a
-    checkpointed model's forward."""
+    through ``save_for_backward``, which checkpointing discards (and recomputes). Branches and
+    LA states held on the Function's context instead (to drop them early in the backward) stay
+    alive through a checkpointed model's forward: 28.1 MiB here against the output's 8.0."""
     alive, output = memory["checkpointed_forward_alive_and_output"]
     assert alive <= output + 1.0, memory
 
@@ -106,11 +110,10 @@ def test_the_folded_call_holds_no_more_memory_than_the_maps_as_their_own_functio
     """``--memory``: the bytes PyTorch allocates over the layer's forward + backward (the
     launches stubbed, the same buffers; ``host_overhead.LiveBytes``, storages at their current
     sizes), at the 8B's heads and 1 x 1k: the maps folded into the kernel's Function peak no
-    higher than before the fold. Session 21 found them higher (98.1 against 88.2 MiB here; on
-    an H200 the layer at 1 x 64k peaked 0.59 GiB above session 18's): the node's saved
-    branches and LA states live until its backward returns, so through the maps' backward.
-    Dropping them from the context instead broke activation checkpointing (the test above).
-    Since session 22 the backward empties their storage once its kernels have read them
-    (``triton_hybrid._release_saved``; they stay saved tensors): 86.2 MiB."""
+    higher than before the fold. The node's saved branches and LA states live until its
+    backward returns, so through the maps' backward (98.1 against 88.2 MiB here when kept);
+    dropping them from the context instead breaks activation checkpointing (the test above).
+    The backward empties their storage once its kernels have read them
+    (``hybrid.function._release_saved``; they stay saved tensors): 86.2 MiB."""
     (fwd, total), (fwd_before, total_before) = memory["layer"], memory["unfolded"]
     assert fwd <= fwd_before and total <= total_before, memory

@@ -193,7 +193,7 @@ def _pointers(dtype):
 
 
 def test_query_side_backward_at_128_queries_compiles_without_spill():
-    """``KernelConfig.dq_block_m`` 128 (the D 128 bf16 default since session 12): the dq and
+    """``KernelConfig.dq_block_m`` 128 (the D 128 bf16 default): the dq and
     dfq kernels at 128 queries a program, D 128, F 256, every flag combination the layer uses
     (the default-tile test below compiles the plain and shared / padded ones only)."""
     ptrs = _pointers(torch.bfloat16)
@@ -289,7 +289,7 @@ def test_pipelined_state_product_compiles_without_spill():
 #: rounded down to ptxas's steps of 8) and 75 KB of shared memory each (228 KB, 1 KB reserved
 #: per program)
 THREE_PROGRAMS = {"registers": 168, "smem": 75 * 1024}
-#: ``park_la``'s forwards (``KernelConfig`` changes from session 24's tiles,
+#: ``park_la``'s forwards (``KernelConfig`` changes from the two-program forward's tiles,
 #: ``TWO_PROGRAM_FORWARD``): capped at 168 registers with one stage, and with two stages on
 #: 16-key blocks
 PARKED_FORWARDS = {"r168-s1": dict(fwd_maxnreg=168, fwd_stages=1),
@@ -329,15 +329,15 @@ def test_parked_forward_fits_three_programs_a_multiprocessor(variant, save):
 
 
 #: spill bytes per thread the parked saving forward may have at its 128-register cap (read:
-#: 176, 220 with padding and the shared norm). Measured on one H100 (session 25, 8 x 1k, the
-#: layer's fwd + bwd): that forward's `_fwd` 0.289 to 0.294 ms against session 24's tiles, no
-#: spill, where the no-grad forward gains 0.255 to 0.234 (results/h100_2026-12-05f)
+#: 176, 220 with padding and the shared norm). Measured on one H100 (8 x 1k, the layer's
+#: fwd + bwd): that forward's `_fwd` 0.289 to 0.294 ms against the two-program tiles' (no
+#: spill), where the no-grad forward gains 0.255 to 0.234 (docs/performance.md)
 PARKED_SAVING_SPILL = 224
 
 
 @pytest.mark.parametrize("save", [False, True], ids=["no-grad", "save"])
 def test_parked_forward_fits_two_8_warp_programs_a_multiprocessor(save):
-    """Session 25's parked forward at D 128 bf16 (``PARKED_FORWARD``: 128 rows of 4
+    """The parked forward at D 128 bf16 (``PARKED_FORWARD``: 128 rows of 4
     heads, 8 warps, parked, capped at 128 registers): 128 registers, at most ``MAX_SPILL``
     bytes of spill and shared memory for two programs a multiprocessor, with padding and the
     shared norm, saving the branches or not (read on 2026-12-05: 56 B of spill without padding
@@ -354,10 +354,10 @@ def test_parked_forward_fits_two_8_warp_programs_a_multiprocessor(save):
 @pytest.mark.parametrize("branch", ["swa", "la"])
 def test_parked_forward_compiles_for_an_output_gates_branch_calls(branch, save):
     """``PARKED_FORWARD`` for the output gate's one-branch calls (``triton_hybrid._gated``:
-    SWA alone, LA alone; padding; saving the branch or not), which session 25's GPU run failed
-    with it as the default: they fit a multiprocessor at its 128-register cap (read on
+    SWA alone, LA alone; padding; saving the branch or not), whose GPU test has failed with it
+    as the default: they fit a multiprocessor at its 128-register cap (read on
     2026-12-05: SWA 127-128 registers, 64 KB, no spill; LA 128, 112 KB, 0 / 8 B of spill), so
-    a compile failure and the tiles' retry (``triton_hybrid.RETRIES``) is not what made those
+    a compile failure and the tiles' retry (``TRACE.retries``) is not what made those
     calls differ."""
     c = dataclasses.replace(kconfig.default_config(128, 256, torch.bfloat16), **kconfig.PARKED_FORWARD)
     r = _parked_report(c, save, has_swa=branch == "swa", has_la=branch == "la")

@@ -117,7 +117,7 @@ def test_maps_folded_into_the_kernel_match_their_own_functions():
     routing with padding, as stage 1 calls it (q, k, v frozen), and where the backward falls
     back to the reference (``fold_case``), there with the maps' weights rounded in the pair's
     kernel too: the fallback reads them rounded, bit for bit the call that cast them first
-    (session 26's review: it read the fp32 masters)."""
+    (not the fp32 masters)."""
     _all_pass("fold-attention-default-tiles-pad", "fold-hybrid-stage1-pad",
               "fold-backward-fallback-pad", "fold-backward-fallback-weights-in-kernel")
 
@@ -126,12 +126,12 @@ def test_no_kernel_reads_memory_nobody_wrote_nor_races():
     """``--poison``: each case again with every uninitialised allocation filled with poison
     (NaN, a large integer, True; ``poison.Poisoned``); ``--reverse``: again with every launch's
     programs in reverse order (a program reading what another of the same launch wrote: a race
-    on a GPU). The results bit for bit the same, on the paths of session 25's unexplained GPU
-    failures (two identical calls differed there): the forward with the LA output parked
+    on a GPU). The results bit for bit the same, on the paths where two identical GPU calls
+    have differed: the forward with the LA output parked
     (padding, the shared norm), the maps' pair on walking programs through descriptors, an output
     gate's la_only call with padding; and each check reports its canary. (With the forward's
-    output rows of neither branch left unstored, an injected defect, ``--poison`` reported
-    ``kernel-pad``'s out: session 26.) The whole suite so:
+    output rows of neither branch left unstored, an injected defect, ``--poison`` reports
+    ``kernel-pad``'s out.) The whole suite so:
     ``test_no_kernel_reads_memory_nobody_wrote_nor_races_all_cases`` (slow)."""
     cases = (*CANARIES, "park-la-pad-shared-no-grad", "layer-gate-la-only-rescale-pad",
              "pair-walk-tma")
@@ -161,13 +161,13 @@ def test_kernels_match_references_all_cases():
 
 
 def test_decode_precision_script_matches_its_float64_oracle():
-    """benchmarks/decode_precision.py (the GPU diagnostic of the fused decode step's fp32
+    """experiments/decode_precision.py (the GPU diagnostic of the fused decode step's fp32
     accuracy) on CPU under the interpreter: its float64 oracle and the kernels agree to fp32
     rounding, so on a GPU a larger error is the compiled kernel's, not the script's."""
-    script = SCRIPT.parents[1] / "benchmarks" / "decode_precision.py"
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, str(script), "--small"], env=env, capture_output=True,
-                          text=True, timeout=600, check=False)
+    proc = subprocess.run([sys.executable, "-m", "experiments.decode_precision", "--small"],
+                          env=env, cwd=SCRIPT.parents[1], capture_output=True, text=True,
+                          timeout=600, check=False)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"dtype"')]
     assert proc.returncode == 0 and len(rows) == 6, proc.stderr[-3000:]
     for r in rows:

@@ -8,8 +8,8 @@ Marked ``gpu``: skipped without CUDA. On the GPU machine: ``bash benchmarks/kern
 feature maps' weights (``dWq``, ``dWk``; ``dg`` for a learned mixer), compared as in
 tests/test_backends_gpu.py: against the reference run in the same dtype (relative L2 < 1e-2 in
 bf16, < 2e-3 in fp32), and in bf16 also against the fp32 oracle (< 2.5e-2). Every case checks
-that the fused kernel actually ran (``triton_hybrid.CALLS``) and that no Triton error was caught
-on the way (``FALLBACK_ERRORS``); the routing cases check the opposite: calls the kernel does
+that the fused kernel actually ran (``TRACE.calls``) and that no Triton error was caught
+on the way (``TRACE.fallbacks``); the routing cases check the opposite: calls the kernel does
 not cover reach the piece-by-piece path and still give the reference's result.
 
 ``weights_xent`` of ``ops.triton_xent`` against the blocked ``ops.transfer.weights_xent``:
@@ -33,6 +33,7 @@ from gpu_report import write_report
 from hedgecats.models import HedgehogFeatureMap, hybrid_attention
 from hedgecats.models.ops.hybrid import backends
 from hedgecats.models.ops.transfer import losses as transfer
+from hedgecats.models.ops.instrument import TRACE
 
 pytestmark = pytest.mark.gpu
 DEVICE = os.environ.get("HEDGECATS_TEST_DEVICE", "cuda")
@@ -52,7 +53,7 @@ SHAPES = {
     "B2-H4-Hkv1-T200-D64-w16-F64": (2, 4, 1, 200, 64, 16, "rectangular"),  # F = D, 4 q per kv
     QWEN2: (1, 28, 4, 300, 128, 64, "square"),
     # batch x kv heads 64: the walked LA states on 128 x 128 tiles (the D 128 bf16 default
-    # where that leaves 128 programs, session 13), 2 query heads a program
+    # where that leaves 128 programs), 2 query heads a program
     WIDE: (8, 16, 8, 256, 128, 64, "square"),
 }
 CASES = {  # id -> (mode, switches); "g": "head" = a learned per-head mixer (tensor g)
@@ -149,22 +150,21 @@ def errors(got: dict, want: dict) -> dict:
 
 def check(cid, shape_id, dtype, mode, *, expect_fused=True, **kw):
     _kernels()
-    from hedgecats.models.ops.hybrid import config as kconfig
     shape = SHAPES[shape_id] if isinstance(shape_id, str) else shape_id
     t0 = time.time()
     oracle = run("reference", shape, torch.float32, mode, **kw)
     same = oracle if dtype == torch.float32 else run("reference", shape, dtype, mode, **kw)
-    calls, n_err, n_retry = kconfig.CALLS["forward"], len(kconfig.FALLBACK_ERRORS), len(kconfig.RETRIES)
+    calls, n_err, n_retry = TRACE.calls["hybrid.forward"], len(TRACE.fallbacks), len(TRACE.retries)
     got = run("triton", shape, dtype, mode, **kw)
-    fused = kconfig.CALLS["forward"] - calls
-    new_errors = kconfig.FALLBACK_ERRORS[n_err:]
+    fused = TRACE.calls["hybrid.forward"] - calls
+    new_errors = TRACE.fallbacks[n_err:]
     vs_same, vs_oracle = errors(got, same), errors(got, oracle)
     ref_vs_oracle = errors(same, oracle)
     report(test="hybrid", case=cid, shape=str(shape_id), dtype=str(dtype), fused_calls=fused,
            vs_reference_same_dtype={n: float(f"{e:.2e}") for n, e in vs_same.items()},
            vs_fp32_oracle={n: float(f"{e:.2e}") for n, e in vs_oracle.items()},
            reference_same_dtype_vs_oracle={n: float(f"{e:.2e}") for n, e in ref_vs_oracle.items()},
-           triton_errors=new_errors, tile_retries=kconfig.RETRIES[n_retry:],
+           triton_errors=new_errors, tile_retries=TRACE.retries[n_retry:],
            seconds=round(time.time() - t0, 2))
     assert not new_errors, f"Triton failed and the call fell back: {new_errors}"
     assert (fused > 0) == expect_fused, \
@@ -222,14 +222,12 @@ def test_fused_stage1_call_skips_the_unneeded_passes(dtype, case_id):
     mixer's) as the reference's, while the backward passes that only serve dq, dk, dv (the dq
     pass, the window's dk / dv kernel, LA's dv programs) and the feature map's dx do not run."""
     _kernels()
-    from hedgecats.models.ops.hybrid import config as kconfig
-    from hedgecats.models.ops.instrument import TRACE
 
-    before, dx_before = dict(kconfig.CALLS), TRACE.calls["feature_map.backward_dx"]
+    before, dx_before = dict(TRACE.calls), TRACE.calls["feature_map.backward_dx"]
     mode, kw = _switches(case_id)
     check(f"stage1-{case_id}", "B2-H8-Hkv2-T300-D128-w64-F256", dtype, mode, frozen=True, **kw)
     # (la_only has no window: its dq pass and window kernel never run; dv_la is what it tests)
-    ran = {n: kconfig.CALLS[n] - before[n] for n in ("dq_pass", "dkv_swa", "dv_la")}
+    ran = {n: TRACE.calls["hybrid." + n] - before["hybrid." + n] for n in ("dq_pass", "dkv_swa", "dv_la")}
     assert ran == {"dq_pass": 0, "dkv_swa": 0, "dv_la": 0}, ran
     if dtype == torch.bfloat16:  # (the fused feature map takes bf16 only)
         assert TRACE.calls["feature_map.backward_dx"] == dx_before
@@ -249,7 +247,7 @@ def test_fused_long_sequence_matches_reference():
 SAVED_SHAPE = (2, 8, 2, 300, 128, 256, 64)  # B, H, Hkv, T, D, F, window
 
 
-#: (option under test, its counter in triton_hybrid.CALLS and how much one call adds to it)
+#: (option under test, its counter in TRACE.calls and how much one call adds to it)
 OPTIONS = {"save_branches": ("factors_from_saved", 1),
            # the forward's states and the reverse ones (the backward reuses the forward's)
            "split_states": ("split_states", 2)}
@@ -300,10 +298,10 @@ def test_kernel_options_match_the_reference(option, shared, frozen):
                                split_states=False)
     on, off = (dataclasses.replace(base, **{option: flag}) for flag in (True, False))
     counter, adds = OPTIONS[option]
-    before = kconfig.CALLS[counter]
+    before = TRACE.calls["hybrid." + counter]
     got = grads(lambda *x: kfunction.hybrid_kernel(*x[:5], *(t.float() for t in x[5:]), shift,
                                             config=on, **kw), torch.bfloat16)
-    assert kconfig.CALLS[counter] == before + adds, (counter, kconfig.CALLS[counter] - before)
+    assert TRACE.calls["hybrid." + counter] == before + adds, (counter, TRACE.calls["hybrid." + counter] - before)
     plain = grads(lambda *x: kfunction.hybrid_kernel(*x[:5], *(t.float() for t in x[5:]), shift,
                                               config=off, **kw), torch.bfloat16)
     want = grads(lambda *x: kreference.kernel_reference(*x, shift, **kw), torch.float32)
@@ -318,7 +316,7 @@ def test_kernel_options_match_the_reference(option, shared, frozen):
     assert not bad, f"{option} vs the fp32 reference (tolerance {BF16_VS_ORACLE}): {bad}"
 
 
-#: the backward's fused kernels' ``KernelConfig`` switches (each also its counter in ``CALLS``)
+#: the backward's fused kernels' ``KernelConfig`` switches (each also its counter in ``TRACE.calls``)
 FUSED_BACKWARD = ("fuse_q_side", "fuse_kv_side")
 
 
@@ -326,7 +324,7 @@ def _run_at_8b_shape(changes: dict, counters, shared: bool, frozen: bool):
     """One forward + backward of the fused kernel at the 8B head shape in bf16 (GQA, padding,
     T not a multiple of the tiles, the q map's du path on: the layer's) with the default
     config changed by ``changes``: (the output and every gradient: q, k, v, both maps' weights,
-    the mixer's; how many times each of ``counters`` in ``CALLS`` went up)."""
+    the mixer's; how many times each of ``counters`` in ``TRACE.calls`` went up)."""
     import dataclasses
 
     from hedgecats.models.ops.feature_map import dispatch as tp
@@ -351,10 +349,10 @@ def _run_at_8b_shape(changes: dict, counters, shared: bool, frozen: bool):
     fq = tp.hedgehog_features(ins[0], maps[0].weight, maps[0].bias, kernel_du=True)
     fk = tp.hedgehog_features(ins[1], maps[1].weight, maps[1].bias)
     cfg = dataclasses.replace(kconfig.default_config(D, F, torch.bfloat16), **changes)
-    before = [kconfig.CALLS[n] for n in counters]
+    before = [TRACE.calls["hybrid." + n] for n in counters]
     out = kfunction.hybrid_kernel(*ins, fq, fk, *mix, shift, config=cfg, **kw)
     out.backward(do)
-    ran = [kconfig.CALLS[n] - b for n, b in zip(counters, before)]
+    ran = [TRACE.calls["hybrid." + n] - b for n, b in zip(counters, before)]
     grads = {"out": out.detach(), **{n: x.grad for n, x in zip("qkv", ins)},
              **{n: x.grad for n, x in zip(("ca", "cb", "logs"), mix)},
              "dWq": maps[0].weight.grad, "dbq": maps[0].bias.grad,
@@ -396,15 +394,15 @@ def test_fused_backward_kernels_give_the_separate_kernels_results(switch, shared
 
 
 #: options of the default config, each off against on: (``KernelConfig`` changes off, on - or
-#: the name of a ``triton_hybrid`` dict of them -, the ``CALLS`` counter that says the option
+#: the name of a ``triton_hybrid`` dict of them -, the ``TRACE.calls`` counter that says the option
 #: ran, None where a tile change has none)
 SAME_RESULT_OPTIONS = {"kv_one_program": (dict(kv_one_program=False),
                                            dict(kv_one_program=True), "kv_one_program"),
                        "state_sums_mma": (dict(state_sums_mma=False), dict(state_sums_mma=True),
                                           "state_sums_mma"),
-                       # session 25's parked forward (``PARKED_FORWARD``) against the default's
+                       # the parked forward (``PARKED_FORWARD``) against the default's
                        "fwd_parked": ("TWO_PROGRAM_FORWARD", "PARKED_FORWARD", "parked_forward"),
-                       # the parked variants measured in session 25, on session 24's tiles
+                       # the parked variants, on the two-program forward's tiles
                        "park_la": ("TWO_PROGRAM_FORWARD", ("TWO_PROGRAM_FORWARD",
                                                            dict(park_la=True)),
                                    "parked_forward"),
@@ -473,27 +471,20 @@ def test_routing_shared_norm_outside_hybrid_goes_to_the_pieces():
            shared_norm=True, g=0.1)
 
 
-def _failure_counts() -> tuple[int, int, int]:
-    """How many tiles were retried (``triton_hybrid.RETRIES``) and calls sent to PyTorch (the
-    hybrid's and the feature maps' ``FALLBACK_ERRORS``) so far (``_no_failures_since``)."""
-    from hedgecats.models.ops.instrument import TRACE
-
-    _kernels()
-    from hedgecats.models.ops.hybrid import config as kconfig
-    return len(kconfig.RETRIES), len(kconfig.FALLBACK_ERRORS), len(TRACE.fallbacks)
+def _failure_counts() -> tuple[int, int]:
+    """How many tiles were retried (``TRACE.retries``) and calls sent to PyTorch (every
+    family's ``TRACE.fallbacks``: the hybrid's and the feature maps') so far
+    (``_no_failures_since``)."""
+    return len(TRACE.retries), len(TRACE.fallbacks)
 
 
-def _no_failures_since(counts: tuple[int, int, int]) -> None:
+def _no_failures_since(counts: tuple[int, int]) -> None:
     """No tiles retried (a config that did not compile: its call then on other tiles, other
     bits) and no call sent to PyTorch since ``counts`` (``_failure_counts``): each would make
     calls that should agree bit for bit differ."""
-    from hedgecats.models.ops.instrument import TRACE
 
-    _kernels()
-    from hedgecats.models.ops.hybrid import config as kconfig
-    got = (kconfig.RETRIES[counts[0]:], kconfig.FALLBACK_ERRORS[counts[1]:],
-           TRACE.fallbacks[counts[2]:])
-    assert not any(got), "tiles retried: {}; fell back: {}; maps fell back: {}".format(*got)
+    got = (TRACE.retries[counts[0]:], TRACE.fallbacks[counts[1]:])
+    assert not any(got), "tiles retried: {}; fell back to PyTorch: {}".format(*got)
 
 
 class _LayerAt8BHeads:
@@ -542,7 +533,6 @@ def test_output_gate_takes_a_kernel_call_per_branch(mode):
     bit for bit the results of the calls storing a copy, with one (B, H, T, D) branch less
     allocated after the forward per such call."""
     _kernels()
-    from hedgecats.models.ops.hybrid import config as kconfig
     from hedgecats.models.ops.hybrid import gated as kgated
     layer = _LayerAt8BHeads(seed=3)
     B, H, T, D = layer.B, layer.H, layer.T, layer.D
@@ -550,11 +540,11 @@ def test_output_gate_takes_a_kernel_call_per_branch(mode):
     def run(backend, held=None):
         return layer.run(backend, mode, held=held)
 
-    calls, gated = kconfig.CALLS["forward"], kconfig.CALLS["gated"]
+    calls, gated = TRACE.calls["hybrid.forward"], TRACE.calls["hybrid.gated"]
     failures = _failure_counts()
     got = run("triton")
-    assert kconfig.CALLS["forward"] - calls == (2 if mode == "hybrid" else 1)
-    assert kconfig.CALLS["gated"] == gated + 1
+    assert TRACE.calls["hybrid.forward"] - calls == (2 if mode == "hybrid" else 1)
+    assert TRACE.calls["hybrid.gated"] == gated + 1
     # the bytes allocated by the forward, each way, after the first call made the cached
     # constants (``_filled``: 1.5-2 KB that the first call alone allocates)
     on_cuda = torch.device(DEVICE).type == "cuda"
@@ -590,25 +580,24 @@ def test_the_layer_reads_no_memory_nobody_wrote(mode, mixer):
     integer, True). Output and every gradient must be bit for bit the same each time: two clean
     calls that differ point to a race or an order the device does not keep (a run's values
     depend on timing), a poisoned call that differs to a read of memory nobody wrote (they
-    depend on what the allocator hands out). Session 25's GPU run had an output gate's la_only
-    call read a different output on a second identical call: this test tells the two apart,
+    depend on what the allocator hands out). An output gate's la_only call has read a
+    different output on a second identical call on a GPU: this test tells the two apart,
     and a third cause first: a config that did not compile on the first call (its tiles
-    retried, ``RETRIES``; or the call sent to the pieces), which the gate's test now reports
+    retried, ``TRACE.retries``; or the call sent to the pieces), which the gate's test now reports
     too."""
     from poison import Poisoned
 
     _kernels()
-    from hedgecats.models.ops.hybrid import config as kconfig
     layer = _LayerAt8BHeads(seed=5)
 
     def run():
         return layer.run("triton", mode, gated=mixer == "gate")
 
-    calls, failures = kconfig.CALLS["forward"], _failure_counts()
+    calls, failures = TRACE.calls["hybrid.forward"], _failure_counts()
     first, second = run(), run()
     with Poisoned() as poison:
         poisoned = run()
-    assert kconfig.CALLS["forward"] > calls and poison.count > 0
+    assert TRACE.calls["hybrid.forward"] > calls and poison.count > 0
     _no_failures_since(failures)
 
     def differ(a, b):
@@ -625,28 +614,26 @@ def test_the_layer_reads_no_memory_nobody_wrote(mode, mixer):
 def test_routing_kv_cache_call_goes_to_the_pieces():
     """Fewer queries than keys (decoding with a cache)."""
     _kernels()
-    from hedgecats.models.ops.hybrid import config as kconfig
     B, H, Hkv, T, D = 1, 4, 2, 96, 64
     gen = torch.Generator(device=DEVICE).manual_seed(4)
     q = torch.randn(B, H, 1, D, device=DEVICE, generator=gen).bfloat16()
     k, v = (torch.randn(B, Hkv, T, D, device=DEVICE, generator=gen).bfloat16() for _ in range(2))
     fq = HedgehogFeatureMap(H, D).to(DEVICE)(q)
     fk = HedgehogFeatureMap(Hkv, D).to(DEVICE)(k)
-    calls = kconfig.CALLS["forward"]
+    calls = TRACE.calls["hybrid.forward"]
     got = hybrid_attention(q, k, v, fq, fk, window=16, backend="triton")
     want = hybrid_attention(q, k, v, fq, fk, window=16, backend="reference")
-    assert kconfig.CALLS["forward"] == calls
+    assert TRACE.calls["hybrid.forward"] == calls
     assert rel_err(got, want) < 1e-2
 
 
 def test_auto_uses_the_fused_kernel():
     _kernels()
-    from hedgecats.models.ops.hybrid import config as kconfig
     assert backends.triton_enabled()
-    calls = kconfig.CALLS["forward"]
+    calls = TRACE.calls["hybrid.forward"]
     shape = (1, 4, 2, 128, 64, 16, "square")
     run("auto", shape, torch.bfloat16, "hybrid")
-    assert kconfig.CALLS["forward"] == calls + 1
+    assert TRACE.calls["hybrid.forward"] == calls + 1
 
 
 def test_output_and_gradients_stay_in_the_models_memory():
@@ -656,7 +643,6 @@ def test_output_and_gradients_stay_in_the_models_memory():
     layer's transpose-reshape nor autograd copies them (the kernel wrote contiguous (B, H, T,
     D) tensors until 2026-12-03: ~0.5 ms of copies per layer at 64k)."""
     _kernels()
-    from hedgecats.models.ops.hybrid import config as kconfig
     B, H, Hkv, T, D = 2, 8, 2, 300, 128
     gen = torch.Generator(device=DEVICE).manual_seed(7)
     base = {n: torch.randn(B, T, h, D, device=DEVICE, generator=gen).bfloat16().requires_grad_()
@@ -667,9 +653,9 @@ def test_output_and_gradients_stay_in_the_models_memory():
         x.register_hook(lambda g, n=n: seen.__setitem__(n, g.stride()))
     phi_q = HedgehogFeatureMap(H, D, seed=1).to(DEVICE)
     phi_k = HedgehogFeatureMap(Hkv, D, seed=2).to(DEVICE)
-    calls = kconfig.CALLS["forward"]
+    calls = TRACE.calls["hybrid.forward"]
     out = hybrid_attention(q, k, v, phi_q(q), phi_k(k), window=64)
-    assert kconfig.CALLS["forward"] == calls + 1, "the fused kernel did not run"
+    assert TRACE.calls["hybrid.forward"] == calls + 1, "the fused kernel did not run"
     assert out.stride() == q.stride() and out.transpose(1, 2).is_contiguous()
     out.float().square().sum().backward()
     assert seen == {"q": q.stride(), "k": k.stride(), "v": v.stride()}, seen
@@ -682,10 +668,8 @@ def test_fast_launch_gives_tritons_results_bit_for_bit(monkeypatch):
     off a 16-byte boundary (Triton compiles other kernels for them) still give those results
     through the fast path, which then runs their own handles."""
     from hedgecats.models.ops import triton_common as tc
-    from hedgecats.models.ops.instrument import TRACE
 
     _kernels()
-    from hedgecats.models.ops.hybrid import config as kconfig
     B, H, Hkv, T, D = 2, 8, 2, 300, 128
     gen = torch.Generator(device=DEVICE).manual_seed(11)
     phi_q = HedgehogFeatureMap(H, D, seed=1).to(DEVICE)
@@ -706,13 +690,13 @@ def test_fast_launch_gives_tritons_results_bit_for_bit(monkeypatch):
         x = inputs(offset)
         assert (x["q"].data_ptr() % 16 == 0) == (offset == 0)
         monkeypatch.setattr(tc, "FAST_LAUNCH", False)
-        calls = kconfig.CALLS["forward"]
+        calls = TRACE.calls["hybrid.forward"]
         want = step(x)
         monkeypatch.setattr(tc, "FAST_LAUNCH", True)
         step(x)  # (first launch of each key: Triton's path, the handle cached)
         fast = TRACE.calls["launch.fast"]
         got = step(x)
-        assert kconfig.CALLS["forward"] == calls + 3, "the fused kernel did not run"
+        assert TRACE.calls["hybrid.forward"] == calls + 3, "the fused kernel did not run"
         assert TRACE.calls["launch.fast"] >= fast + 8, "the cached handles were not used"
         for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
             assert torch.equal(a, b), (offset, name, (a.float() - b.float()).abs().max())
@@ -738,7 +722,6 @@ def _xent_run(fn, q, k, fq0, fk0, kpm):
 
 
 def xent_check(cid, shape, dtype, pad, *, underflow=False, activation="softmax", eps=None):
-    from hedgecats.models.ops.instrument import TRACE
     from hedgecats.models.ops.transfer import dispatch as tx
 
     if not backends.available("triton"):
@@ -813,7 +796,6 @@ def test_feature_map_hands_its_input_on():
     gradient from its other consumer (here x' * c, as the attention uses q) is added in the
     map's backward kernel; x's gradient as close to the fp32 oracle's as autograd's bf16 sum
     of the two, the map's weight and bias gradients the same as without handing x on."""
-    from hedgecats.models.ops.instrument import TRACE
 
     if not backends.available("triton"):
         pytest.skip("triton not available")
@@ -859,9 +841,7 @@ def test_q_map_backward_starts_from_the_kernels_du(other):
     dq and
     the q map's weight and bias gradients as close to the fp32 oracle as that path's.
     ``other``: phi(q) feeds a second consumer too, whose gradient must still count."""
-    from hedgecats.models.ops.hybrid import config as kconfig
     from hedgecats.models.ops.hybrid import dispatch as kdispatch
-    from hedgecats.models.ops.instrument import TRACE
 
     if not kdispatch.available():
         pytest.skip("triton not available")
@@ -889,14 +869,14 @@ def test_q_map_backward_starts_from_the_kernels_du(other):
                 "dWq": fq_map.weight.grad.clone(), "dbq": fq_map.bias.grad.clone(),
                 "dWk": fk_map.weight.grad.clone()}
 
-    before = dict(TRACE.calls), kconfig.CALLS["map_du"]
+    before = dict(TRACE.calls), TRACE.calls["hybrid.map_du"]
     got = run(torch.bfloat16, True)
-    assert kconfig.CALLS["map_du"] == before[1] + 1, "the kernel did not compute the q map's du"
+    assert TRACE.calls["hybrid.map_du"] == before[1] + 1, "the kernel did not compute the q map's du"
     taken = "feature_map.du_added" if other else "feature_map.du_from_kernel"
     assert TRACE.calls[taken] == before[0].get(taken, 0) + 1, \
         f"the map's backward did not take du ({taken})"
     plain = run(torch.bfloat16, False)
-    assert kconfig.CALLS["map_du"] == before[1] + 1, "kernel_du=False still computed du"
+    assert TRACE.calls["hybrid.map_du"] == before[1] + 1, "kernel_du=False still computed du"
     with backends.triton_disabled():
         oracle = run(torch.float32, False)
     for name in ("out", "dk", "dv", "dWk"):
@@ -924,10 +904,8 @@ def test_maps_folded_into_the_kernel_are_their_own_functions(frozen, weights_in_
     (``feature_map.kernels.WEIGHTS_IN_KERNEL``): still bit for bit the call that casts them
     first."""
     from hedgecats.models.ops.hybrid import attention as hybrid_mod
-    from hedgecats.models.ops.hybrid import config as kconfig
     from hedgecats.models.ops.hybrid import dispatch as kdispatch
     from hedgecats.models.ops.feature_map import kernels as tp
-    from hedgecats.models.ops.instrument import TRACE
 
     if not kdispatch.available():
         pytest.skip("triton not available")
@@ -967,10 +945,10 @@ def test_maps_folded_into_the_kernel_are_their_own_functions(frozen, weights_in_
         return [out.detach(), q.grad, k.grad, v.grad] + [
             p.grad.clone() for m in maps for p in (m.weight, m.bias)]
 
-    before = kconfig.CALLS["maps_folded"], kconfig.CALLS["maps_folded_backward"]
+    before = TRACE.calls["hybrid.maps_folded"], TRACE.calls["hybrid.maps_folded_backward"]
     in_kernel = TRACE.calls["feature_map.weights_in_kernel"]
     got = run(True)
-    assert (kconfig.CALLS["maps_folded"], kconfig.CALLS["maps_folded_backward"]) == \
+    assert (TRACE.calls["hybrid.maps_folded"], TRACE.calls["hybrid.maps_folded_backward"]) == \
         (before[0] + 1, before[1] + 1), "the maps were not folded into the kernel's call"
     assert TRACE.calls["feature_map.weights_in_kernel"] - in_kernel == int(weights_in_kernel)
     want = run(False)
@@ -979,11 +957,11 @@ def test_maps_folded_into_the_kernel_are_their_own_functions(frozen, weights_in_
         assert (a is None and b is None) or torch.equal(a, b), name
     assert got[1] is None or got[1].stride() == q0.stride()
     # evaluation / prefill: the same forward without the autograd Function, bit for bit
-    before = kconfig.CALLS["forward_without_autograd"]
+    before = TRACE.calls["hybrid.forward_without_autograd"]
     monkeypatch.setattr(tp, "WEIGHTS_IN_KERNEL", weights_in_kernel)
     with torch.no_grad():
         out = hybrid_attention(q0, k0, v0, None, None, maps=maps, **kw)
-    assert kconfig.CALLS["forward_without_autograd"] == before + 1
+    assert TRACE.calls["hybrid.forward_without_autograd"] == before + 1
     assert torch.equal(out, got[0]), "the forward under no_grad differs from the one under grad"
 
 
@@ -991,14 +969,10 @@ def test_folded_call_peaks_no_higher_than_the_maps_as_their_own_functions():
     """Peak memory of the layer's call (the maps folded into the kernel's Function) over its
     forward + backward, against the call before the fold, at the 8B head shape: no higher. The
     node's saved branches and LA states live until its backward returns, so through the maps'
-    backward: the layer at 1 x 64k peaked 0.59 GiB above session 18's (session 21, call 2),
-    and this test failed. Since session 22 the backward empties their storage once its
-    kernels have read them (``triton_hybrid._release_saved``; the CPU proxy,
-    tests/test_host_work.py, reads 86.2 against 88.2 MiB at 1 x 1k); with that alone this test
-    still failed on an H200, (0.379, 0.634) against (0.379, 0.603) GiB (session 22, call 1).
-    The maps' dx written over the kernel's dq / dk came after and has not run here yet
-    (``benchmarks/fold_memory.py`` takes the peak apart). The message gives both phases of
-    both calls."""
+    backward, unless the backward empties their storage once its kernels have read them
+    (``hybrid.function._release_saved``; the CPU proxy is tests/test_host_work.py), and the
+    maps' dx is written over the kernel's dq / dk (``python -m benchmarks.fold_memory`` takes
+    the peak apart). The message gives both phases of both calls."""
     from hedgecats.models.ops.hybrid import attention as hybrid_mod
     from hedgecats.models.ops.hybrid import dispatch as kdispatch
 
@@ -1044,7 +1018,6 @@ def test_feature_map_module_takes_the_fused_kernel(floor):
     the floor applied after), bit for bit, gradients included; with HEDGECATS_TRITON=0 it is
     not."""
     from hedgecats.models.ops.feature_map import dispatch as tp
-    from hedgecats.models.ops.instrument import TRACE
 
     if not backends.available("triton"):
         pytest.skip("triton not available")
@@ -1092,7 +1065,6 @@ def test_map_pair_on_walking_programs_is_the_grids_bit_for_bit(walk, B, T):
     the blocks; and each within 1e-2 of the fp32 map."""
     from hedgecats.models.ops.feature_map import kernels as tp
     from hedgecats.models.ops.feature_map import reference
-    from hedgecats.models.ops.instrument import TRACE
 
     if not backends.available("triton"):
         pytest.skip("triton not available")
@@ -1127,7 +1099,6 @@ def test_fused_feature_map(shape_id, activation):
     is."""
     from hedgecats.models.ops.feature_map import dispatch as tp
     from hedgecats.models.ops.feature_map import reference
-    from hedgecats.models.ops.instrument import TRACE
 
     if not backends.available("triton"):
         pytest.skip("triton not available")
@@ -1182,7 +1153,6 @@ def test_output_mse_matches_reference(case, dt):
     """ops.transfer.dispatch.masked_mse (the output-MSE objectives' loss) against
     transfer.masked_mse_reference in fp32 on the same inputs: loss and both tensors'
     gradients; padded teacher rows NaN (what a fully masked SDPA row may hold) reach neither."""
-    from hedgecats.models.ops.instrument import TRACE
     from hedgecats.models.ops.transfer import dispatch as tm
 
     if not backends.available("triton"):

@@ -1,4 +1,4 @@
-"""The fused hybrid kernels' compile-failure retries (``triton_hybrid._with_retry``), on CPU:
+"""The fused hybrid kernels' compile-failure retries (``hybrid.config._with_retry``), on CPU:
 pure Python, no Triton needed (Triton's error types are stood in for)."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 from hedgecats.models.ops.hybrid import config as kconfig
+from hedgecats.models.ops.instrument import TRACE
 
 
 class Boom(Exception):
@@ -18,8 +19,9 @@ def retries(monkeypatch):
     monkeypatch.setattr(kconfig, "errors", lambda: (Boom,))
     monkeypatch.setattr(kconfig, "_FAILED", set())
     monkeypatch.setattr(kconfig, "_SAFE_FAILED", {})
-    monkeypatch.setattr(kconfig, "RETRIES", [])
-    return kconfig
+    TRACE.reset()
+    yield kconfig
+    TRACE.reset()
 
 
 def _fn(failing, tried):
@@ -36,7 +38,7 @@ def test_saved_branches_failing_retries_the_same_tiles_without_them(retries):
     plain = dataclasses.replace(cfg, save_branches=False)
     tried = []
     assert kconfig._with_retry("forward", ("k",), cfg, _fn({cfg}, tried)) == plain
-    assert tried == [cfg, plain] and len(kconfig.RETRIES) == 1
+    assert tried == [cfg, plain] and len(TRACE.retries) == 1
     tried.clear()  # once failed, never tried again for this problem
     assert kconfig._with_retry("forward", ("k",), cfg, _fn({cfg}, tried)) == plain
     assert tried == [plain]
@@ -47,7 +49,7 @@ def test_both_failing_fall_back_to_the_safe_tiles_once(retries):
     plain = dataclasses.replace(cfg, save_branches=False)
     tried = []
     assert kconfig._with_retry("backward", ("k",), cfg, _fn({cfg, plain}, tried)) == kconfig.SAFE_CONFIG
-    assert tried == [cfg, plain, kconfig.SAFE_CONFIG] and len(kconfig.RETRIES) == 2
+    assert tried == [cfg, plain, kconfig.SAFE_CONFIG] and len(TRACE.retries) == 2
     tried.clear()
     kconfig._with_retry("backward", ("k",), cfg, _fn({cfg, plain}, tried))
     assert tried == [kconfig.SAFE_CONFIG]
@@ -68,7 +70,7 @@ def test_a_fused_backward_kernel_failing_retries_the_same_tiles_unfused(retries)
     assert kconfig._retry_chain(cfg) == (cfg, unfused, plain)
     tried = []
     assert kconfig._with_retry("backward", ("k",), cfg, _fn({cfg}, tried)) == unfused
-    assert tried == [cfg, unfused] and len(kconfig.RETRIES) == 1
+    assert tried == [cfg, unfused] and len(TRACE.retries) == 1
     tried.clear()
     assert kconfig._with_retry("backward", ("k2",), cfg, _fn({cfg, unfused}, tried)) == plain
     assert tried == [cfg, unfused, plain]
@@ -96,19 +98,19 @@ def test_the_safe_tiles_failing_raise_again_without_compiling(retries):
     assert kconfig._with_retry("forward", ("other",), cfg, _fn(set(), tried)) == cfg
 
 
-def test_record_fallback_logs_the_error_and_warns_once(caplog):
-    """A kernel's Triton failure is kept in its module's list (which the GPU tests keep empty)
-    and said once per process, naming the error and the path taken instead."""
-    from hedgecats.models.ops.triton_common import record_fallback
-
-    log: list[str] = []
-    with caplog.at_level("WARNING", logger="hedgecats.test_fallback"):
+def test_a_fallback_is_recorded_and_said_once(trace, caplog):
+    """A kernel's Triton failure is kept in ``TRACE.fallbacks`` (which the GPU tests keep
+    empty), named by its family, and said once per process, naming the error and the path
+    taken instead."""
+    with caplog.at_level("WARNING", logger="hedgecats.models.ops.test_family"):
         for _ in range(2):
-            record_fallback(log, "hedgecats.test_fallback", "thing", Boom("out of smem " * 60),
-                            "using PyTorch", phase="backward")
-    assert len(log) == 2 and log[0].startswith("backward: Boom: out of smem")
-    assert len(log[0]) == 500
-    warned = [r.getMessage() for r in caplog.records if r.name == "hedgecats.test_fallback"]
+            trace.fallback("test_family", "thing", Boom("out of smem " * 60), "using PyTorch",
+                           phase="backward")
+    assert len(trace.fallbacks) == 2
+    assert trace.fallbacks[0].startswith("test_family: backward: Boom: out of smem")
+    assert len(trace.fallbacks[0]) == 500
+    warned = [r.getMessage() for r in caplog.records
+              if r.name == "hedgecats.models.ops.test_family"]
     assert len(warned) == 1
     assert warned[0].startswith("fused thing failed in Triton (Boom: out of smem")
     assert warned[0].endswith("); using PyTorch")

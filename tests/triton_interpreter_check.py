@@ -28,6 +28,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import numpy as np
 import torch
+from hedgecats.models.ops.instrument import TRACE
 from poison import Poisoned
 
 
@@ -179,10 +180,10 @@ def kernel_case(cid, *, B=2, H=4, Hkv=2, T=50, D=16, window=8, shift=None, share
     names = ["out", "dq", "dk", "dv", "dfq", "dfk", "dca", "dcb", "dlogs"]
     ins = [t.clone().requires_grad_(name[1:] not in frozen)
            for name, t in zip(names[1:], (q, k, v, fq, fk, ca, cb, logs))]
-    calls = dict(kconfig.CALLS)
+    calls = dict(TRACE.calls)
     out = kfunction.hybrid_kernel(*ins, sh, config=kconfig.KernelConfig(**cfg), **kw)
     out.float().backward(do)
-    ran = {n: kconfig.CALLS[n] - calls[n]
+    ran = {n: TRACE.calls["hybrid." + n] - calls["hybrid." + n]
            for n in ("dq_pass", "dkv_swa", "dv_la", "factors_from_saved", "split_states",
                      "states_from_forward", "packed_forward", "packed_dq")}
     got = dict(zip(names, [out.detach()] + [x.grad for x in ins]))
@@ -360,12 +361,12 @@ def layer_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=45, D=16, window=8, dty
         a = {k_: v_ for k_, v_ in args.items() if k_ != "eps"}
         return hybrid_attention(q, k, v, fq, fk, g=g, backend="reference", eps=args["eps"], **a)
 
-    gated = kconfig.CALLS["gated"]
+    gated = TRACE.calls["hybrid.gated"]
     held = {}
     got = run(fused, dtype, held)
     out = errors(got, run(reference, torch.float32))
     if g_kind.startswith("gate"):  # (a kernel call per branch, mixed in PyTorch)
-        out["gated_ran"] = 0.0 if kconfig.CALLS["gated"] == gated + 1 else float("inf")
+        out["gated_ran"] = 0.0 if TRACE.calls["hybrid.gated"] == gated + 1 else float("inf")
         copied = {}
         kgated.GATED_OUTPUT_IS_BRANCH = False
         try:
@@ -438,7 +439,6 @@ def xent_case(cid, *, B=2, H=4, Hkv=2, T=50, D=16, pad=False, dtype=torch.float3
 def xent_entry_case(cid):
     """The entry (``transfer.dispatch.weights_xent``: the kernel under the interpreter) equals
     the blocked version."""
-    from hedgecats.models.ops.instrument import TRACE
     from hedgecats.models.ops.transfer import dispatch
     from hedgecats.models.ops.transfer import losses as transfer
 
@@ -461,7 +461,6 @@ def mse_case(cid, *, B=2, H=3, T=70, D=16, pad=False, dtype=torch.float32, sdpa_
     (fp32, same inputs): loss and
     the gradients; ``sdpa_layout``: the teacher as SDPA returns it ((B, T, H, D) memory);
     ``nan_in_padding``: the teacher's padded rows NaN (neither loss nor gradient may see it)."""
-    from hedgecats.models.ops.instrument import TRACE
     from hedgecats.models.ops.transfer import dispatch
     from hedgecats.models.ops.transfer import losses as transfer
 
@@ -497,7 +496,6 @@ def mse_case(cid, *, B=2, H=3, T=70, D=16, pad=False, dtype=torch.float32, sdpa_
 def mse_backward_fallback_case(cid):
     """A backward kernel that fails in Triton (OutOfResources): the gradient comes from the
     reference instead, the same one, with padded teacher rows NaN."""
-    from hedgecats.models.ops.instrument import TRACE
     from hedgecats.models.ops.transfer import dispatch
     from hedgecats.models.ops.transfer import losses as transfer
     from hedgecats.models.ops.transfer import mse as tm
@@ -540,7 +538,6 @@ def phi_case(cid, *, B=2, H=3, T=45, D=16, proj="square", activation="softmax",
     from hedgecats.models import HedgehogFeatureMap
     from hedgecats.models.ops.feature_map import dispatch as fmd
     from hedgecats.models.ops.feature_map import reference as fmr
-    from hedgecats.models.ops.instrument import TRACE
 
     g = torch.Generator().manual_seed(11)
     fm = HedgehogFeatureMap(H, D, activation, proj, seed=4)
@@ -586,7 +583,7 @@ def phi_case(cid, *, B=2, H=3, T=45, D=16, proj="square", activation="softmax",
             "dx_layout": 0.0 if laid_out[0] else float("inf")}
 
 
-#: ``fwd_switch_case``'s switches: (``KernelConfig`` changes, the ``CALLS`` counter that says
+#: ``fwd_switch_case``'s switches: (``KernelConfig`` changes, the ``TRACE.calls`` counter that says
 #: the switch ran, whether the output is bit for bit the switch-off call's in a 16-bit dtype)
 FWD_SWITCHES = {  # (its cap and stage count change only what ptxas compiles: no effect here)
     "park_la": (dict(park_la=True, fwd_maxnreg=168, fwd_stages=1), "parked_forward", False)}
@@ -625,9 +622,9 @@ def fwd_switch_case(cid, *, switch="park_la", B=2, H=4, Hkv=2, T=70, D=16, windo
             out.float().backward(do)
         return dict(zip(names, [out.detach()] + [x.grad for x in ins]))
 
-    before = kconfig.CALLS[counter]
+    before = TRACE.calls["hybrid." + counter]
     got = run(True)
-    used = kconfig.CALLS[counter] - before
+    used = TRACE.calls["hybrid." + counter] - before
     plain = run(False)
     ref_in = [t.detach().float().clone().requires_grad_() for t in (q, k, v, fq, fk, ca, cb, logs)]
     ref = kreference.kernel_reference(*ref_in, sh, **kw)
@@ -660,7 +657,6 @@ def pair_walk_case(cid, *, B=3, Hq=4, Hk=2, T=150, D=64, per_sm=3, tma=False,
     program). bf16 only (``dtype``: the tolerance's)."""
     from hedgecats.models.ops.feature_map import kernels as tp
     from hedgecats.models.ops.feature_map import reference as fmr
-    from hedgecats.models.ops.instrument import TRACE
 
     g = torch.Generator().manual_seed(21)
     maps = []
@@ -693,7 +689,7 @@ def pair_walk_case(cid, *, B=3, Hq=4, Hk=2, T=150, D=64, per_sm=3, tma=False,
     return out
 
 
-#: the backward's fused kernels' ``KernelConfig`` switches (each also its counter in ``CALLS``)
+#: the backward's fused kernels' ``KernelConfig`` switches (each also its counter in ``TRACE.calls``)
 FUSIONS = ("fuse_q_side", "fuse_kv_side")
 
 
@@ -743,12 +739,12 @@ def fused_case(cid, *, cfg, switch="fuse_q_side", fused: bool = True, B=2, H=4, 
                                       "kv_one_program": fuse})
         else:
             conf = kconfig.KernelConfig(**{**cfg, **{n: fuse for n in switches}})
-        before = [kconfig.CALLS[n] for n in switches]
+        before = [TRACE.calls["hybrid." + n] for n in switches]
         out = kfunction.hybrid_kernel(*ins, fq, fk, *mix, sh, config=conf, **args)
         out.float().backward(do)
         grads = [out.detach()] + [x.grad for x in ins + mix]
         grads += [m.weight.grad for m in maps] if map_du else [fq.grad, fk.grad]
-        return grads, [kconfig.CALLS[n] - b for n, b in zip(switches, before)]
+        return grads, [TRACE.calls["hybrid." + n] - b for n, b in zip(switches, before)]
 
     want, ran_off = run(False)
     got, ran_on = run(True)
@@ -792,10 +788,10 @@ def state_sums_case(cid, *, split: bool, pad: bool = False, B=2, H=4, Hkv=2, T=7
 
     def states(on: bool, dd=dden):
         conf = kconfig.KernelConfig(**{**cfg, "split_states": split, "state_sums_mma": on})
-        before = kconfig.CALLS["state_sums_mma"]
+        before = TRACE.calls["hybrid.state_sums_mma"]
         S, z, vs, NC = kstates.la_states(fk, v, kpm_i8, conf)
         R, U, W = kstates.la_states_rev(fq, dnum, dd, shift, Hkv, NC, conf)
-        return (S, z, vs, R, U, W), kconfig.CALLS["state_sums_mma"] - before
+        return (S, z, vs, R, U, W), TRACE.calls["hybrid.state_sums_mma"] - before
 
     got, ran = states(True)
     want, ran_off = states(False)
@@ -833,7 +829,6 @@ def map_du_case(cid, *, B=2, H=4, Hkv=2, T=150, D=16, window=20, activation="sof
     from hedgecats.models.ops.hybrid import reference as kreference
     from hedgecats.models.ops.feature_map import dispatch as fmd
     from hedgecats.models.ops.feature_map import reference as fmr
-    from hedgecats.models.ops.instrument import TRACE
 
     g = torch.Generator().manual_seed(5)
     maps = [HedgehogFeatureMap(n, D, activation, seed=s) for n, s in ((H, 1), (Hkv, 2))]
@@ -887,13 +882,13 @@ def map_du_case(cid, *, B=2, H=4, Hkv=2, T=150, D=16, window=20, activation="sof
                 "dWk": mk.weight.grad.clone(), "dbk": mk.bias.grad.clone(),
                 **({"dfq": fq.grad} if watched else {})}
 
-    before = dict(TRACE.calls), dict(kconfig.CALLS)
+    before = dict(TRACE.calls), dict(TRACE.calls)
     got = run(True)
     ran = {"du_from_kernel": TRACE.calls["feature_map.du_from_kernel"]
            - before[0].get("feature_map.du_from_kernel", 0),
            "du_added": TRACE.calls["feature_map.du_added"]
            - before[0].get("feature_map.du_added", 0),
-           "map_du": kconfig.CALLS["map_du"] - before[1]["map_du"]}
+           "map_du": TRACE.calls["hybrid.map_du"] - before[1]["map_du"]}
     want = run(False)
     # the kernel computed du exactly where it could, and the map's backward took it: alone,
     # or added to the du of the other consumer's gradient
@@ -1036,7 +1031,6 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
 
     from hedgecats.models.ops.feature_map import kernels as tp
     from hedgecats.models.ops.feature_map import reference as fmr
-    from hedgecats.models.ops.instrument import TRACE
 
     @contextlib.contextmanager
     def maps_as_asked(in_kernel: bool):
@@ -1061,30 +1055,30 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
         with maps_as_asked(False):
             cast_first = run("folded")
     names = ("maps_folded", "maps_folded_backward", "map_du")
-    n_err = len(kconfig.FALLBACK_ERRORS)
-    before = [kconfig.CALLS[n] for n in names]
+    n_err = len(TRACE.fallbacks)
+    before = [TRACE.calls["hybrid." + n] for n in names]
     pairs, in_place = fm_calls("pair_forward", "dx_in_place")
     in_kernel, *walks = fm_calls("weights_in_kernel", "forward_walk", "forward_tma")
     with maps_as_asked(weights_in_kernel):
         walked = tp.pair_plan(D, D).per_sm is not None  # (square maps: F/2 = D)
         got = run("folded")
-        ran = [kconfig.CALLS[n] - b for n, b in zip(names, before)]
+        ran = [TRACE.calls["hybrid." + n] - b for n, b in zip(names, before)]
         pairs, in_place = (a - b for a, b in zip(fm_calls("pair_forward", "dx_in_place"),
                                                  (pairs, in_place)))
-        before = (kconfig.CALLS["forward_without_autograd"], kconfig.CALLS["forward"])
+        before = (TRACE.calls["hybrid.forward_without_autograd"], TRACE.calls["hybrid.forward"])
         no_grad = run("no_grad")
     in_kernel, *walks = (a - b for a, b in zip(
         fm_calls("weights_in_kernel", "forward_walk", "forward_tma"), (in_kernel, *walks)))
-    without_autograd = kconfig.CALLS["forward_without_autograd"] - before[0]
-    kernel_calls = kconfig.CALLS["forward"] - before[1]
-    before = kconfig.CALLS["map_du"]
+    without_autograd = TRACE.calls["hybrid.forward_without_autograd"] - before[0]
+    kernel_calls = TRACE.calls["hybrid.forward"] - before[1]
+    before = TRACE.calls["hybrid.map_du"]
     old = run("unfolded")
-    du_unfolded = kconfig.CALLS["map_du"] - before
+    du_unfolded = TRACE.calls["hybrid.map_du"] - before
     want = run("reference")
     out = errors(got, want)
     if backward_fails:
         out.update({f"unfolded_{n}": e for n, e in errors(old, want).items()})
-        out["fallbacks_recorded"] = 0.0 if len(kconfig.FALLBACK_ERRORS) == n_err + 2 and \
+        out["fallbacks_recorded"] = 0.0 if len(TRACE.fallbacks) == n_err + 2 and \
             ran == [1, 0, 0] else float("inf")
         if cast_first is not None:  # (the fallback's maps read the weights the kernel read:
             # rounded, bit for bit the call that cast them first)
@@ -1145,7 +1139,6 @@ def model_case(cid, *, mixer="fixed", mode="hybrid", pad=False, H=4, Hkv=2, wind
     the reference pieces it reads 1.07e-2 for ``model-fixed-pad``), not the kernel's."""
     from hedgecats.models import HybridConfig, convert_to_hybrid, set_attention_mode
     from hedgecats.models.ops.hybrid import backends
-    from hedgecats.models.ops.hybrid import config as kconfig
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -1196,9 +1189,9 @@ def model_case(cid, *, mixer="fixed", mode="hybrid", pad=False, H=4, Hkv=2, wind
         res.update({f"d_{k}": torch.cat(v) for k, v in grads.items()})
         return res
 
-    calls = kconfig.CALLS["forward"], kconfig.CALLS["gated"]
+    calls = TRACE.calls["hybrid.forward"], TRACE.calls["hybrid.gated"]
     got = run(True)
-    calls = kconfig.CALLS["forward"] - calls[0], kconfig.CALLS["gated"] - calls[1]
+    calls = TRACE.calls["hybrid.forward"] - calls[0], TRACE.calls["hybrid.gated"] - calls[1]
     want = run(False)
     out = errors(got, want)
     gated = mixer.startswith("gate")
@@ -1241,15 +1234,15 @@ def checkpointed_case(cid, *, B=2, H=4, Hkv=2, T=150, D=16, window=20, dtype=tor
         g = g0.to(dtype).requires_grad_() if gated else g0
         for m in maps:
             m.zero_grad()
-        released, n_gated = kconfig.CALLS["saved_released"], kconfig.CALLS["gated"]
+        released, n_gated = TRACE.calls["hybrid.saved_released"], TRACE.calls["hybrid.gated"]
         out = checkpoint(call, q, k, v, g, use_reentrant=False) if checkpointed \
             else call(q, k, v, g)
         (out.float() * do).sum().backward()
         got = [out.detach(), q.grad, k.grad, v.grad] + [
             p_.grad.clone() for m in maps for p_ in (m.weight, m.bias)]
         got += [g.grad] if gated else []
-        assert kconfig.CALLS["gated"] - n_gated == (1 + checkpointed) * gated, "no gated call"
-        return dict(zip(names, got)), kconfig.CALLS["saved_released"] - released
+        assert TRACE.calls["hybrid.gated"] - n_gated == (1 + checkpointed) * gated, "no gated call"
+        return dict(zip(names, got)), TRACE.calls["hybrid.saved_released"] - released
 
     plain, released_plain = run(False)
     ckpt, released_ckpt = run(True)
@@ -1291,13 +1284,13 @@ def retain_graph_case(cid, *, B=2, H=4, Hkv=2, T=150, D=16, window=20, dtype=tor
     names = ["dq", "dk", "dv", "dWq", "dbq", "dWk", "dbk"]
     counters = ("factors_from_saved", "states_from_forward", "saved_released",
                 "saved_recomputed")
-    saved = [kconfig.CALLS[n] for n in counters]
+    saved = [TRACE.calls["hybrid." + n] for n in counters]
     loss.backward(retain_graph=True)
     first = {n: p_.grad.clone() for n, p_ in zip(names, params)}
-    ran_first = tuple(kconfig.CALLS[n] - b for n, b in zip(counters, saved))
+    ran_first = tuple(TRACE.calls["hybrid." + n] - b for n, b in zip(counters, saved))
     loss.backward()
     second = {n: p_.grad.float() - first[n].float() for n, p_ in zip(names, params)}
-    ran_second = tuple(kconfig.CALLS[n] - b for n, b in zip(counters, saved))
+    ran_second = tuple(TRACE.calls["hybrid." + n] - b for n, b in zip(counters, saved))
     out_ = errors(second, {n: x.float() for n, x in first.items()})
     want = ((2, 1, 1, 0), (4, 1, 1, 0)) if gated else ((1, 1, 1, 0), (1, 1, 1, 1))
     out_["paths"] = 0.0 if (ran_first, ran_second) == want else float("inf")
@@ -1314,7 +1307,6 @@ def decode_case(cid, *, mode="hybrid", mixer="fixed", rescale=False, pad=False, 
     from hedgecats.models.cache import HybridCache
     from hedgecats.models.decode import CACHE_KWARG
     from hedgecats.models.ops.hybrid import backends
-    from hedgecats.models.ops.instrument import TRACE
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)

@@ -318,7 +318,7 @@ class AttentionTransfer(HybridStage):
             behind): the same kernels on the same inputs (bitwise the in-order numbers on an
             H200, tests/test_stage1_overlap_gpu.py); off the GPU it runs in order and says so
             once. Off by default: on an 8B model it measured 0-1.4% faster (predicted 9-15%;
-            the teacher's GEMMs leave no SMs free; benchmarks/README.md, session 7).
+            the teacher's GEMMs leave no SMs free; docs/performance.md).
         activation_checkpointing: must stay ``False``: stage 1 has nothing to checkpoint
             (only the feature maps train, and the teacher forward runs without gradients, one
             layer's student graph at a time). ``True`` raises ``ValueError``; the argument is

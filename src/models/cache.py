@@ -56,6 +56,7 @@ from torch import nn
 from transformers import LlamaModel
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
+from .masks import key_padding_mask
 from .ops.hybrid import backends
 from .ops.hybrid import reference as ref
 from .ops.hybrid.attention import hybrid_attention
@@ -440,7 +441,7 @@ def cached_attention(layer: HybridLayerCache, module: nn.Module, query: torch.Te
                   backend=rt.backend)
     if layer.seen == 0:  # prefill: the layer's call without a cache (the same output, bit for
         # bit: the maps go in as modules, as there), then the state
-        kpm = None if attention_mask is None or bool(real.all()) else real
+        kpm = key_padding_mask(attention_mask, T)  # (reduced once for every layer)
         out = hybrid_attention(query, key, value, None, None, maps=(module.phi_q, module.phi_k),
                                key_padding_mask=kpm, **common)
         _commit(layer, module, key, value, real, n_old=0, new=(key, value, real))

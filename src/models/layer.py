@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import weakref
 from dataclasses import field, fields, make_dataclass
 
 import torch
@@ -38,6 +37,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from .cache import HybridCache, cached_attention
 from .config import HybridConfig
 from .feature_maps import HedgehogFeatureMap, feature_dim
+from .masks import ReducedOnce, key_padding_mask
 from .mixers import build_mixer
 from .ops.hybrid.attention import hybrid_attention
 from .structure import HYBRID_PARTS, decoder_layers, head_dims
@@ -93,51 +93,7 @@ LayerRuntime.__doc__ = ("The switches of one converted layer: ``layer_idx``, Hyb
 
 
 # ----------------------------------------------------------------------------- attention function
-class _ReducedOnce:
-    """The last host-side reduction of one tensor, kept while that tensor is unchanged.
-
-    Every layer of one forward gets the same 4D mask and the same position ids, and activation
-    checkpointing's recomputation gets them again: reducing each once spares the other layers
-    a reduction and a host synchronisation each (``bool(...)`` / ``int(...)`` of a CUDA tensor),
-    which drained the GPU's queue once per layer (32 a forward on an 8B model, twice per step
-    under checkpointing: measured as idle GPU time in stage 2's step, issue 12) and would hold
-    stage 1's side-stream students back. A tensor is the same if it is the same object at the
-    same version (an in-place change bumps it); inference-mode tensors have no version, so
-    theirs are reduced every time."""
-
-    def __init__(self) -> None:
-        self.last = None  # (weak reference, version, key, result)
-
-    def __call__(self, tensor: torch.Tensor, key, reduce):
-        version = None if tensor.is_inference() else tensor._version
-        last = self.last
-        if version is not None and last is not None and last[0]() is tensor and \
-                last[1] == version and last[2] == key:
-            return last[3]
-        result = reduce()
-        self.last = None if version is None else (weakref.ref(tensor), version, key, result)
-        return result
-
-
-_KPM_ONCE = _ReducedOnce()
-_POSITIONS_ONCE = _ReducedOnce()
-
-
-def _key_padding_mask(attention_mask: torch.Tensor | None, kv_len: int) -> torch.Tensor | None:
-    """(B, Tk) bool from transformers' 4D mask: a key is real if some query may attend to it
-    (each real key is visible at least to itself). ``None`` when there is no mask. Reduced
-    once per mask and ``kv_len`` (``_ReducedOnce``)."""
-    if attention_mask is None or attention_mask.dim() != 4:
-        return None
-
-    def reduce():
-        m = attention_mask[..., :kv_len]
-        if m.dtype != torch.bool:
-            m = m > torch.finfo(m.dtype).min / 2
-        kpm = m.any(dim=-2)[:, 0]  # (B, Tk)
-        return None if bool(kpm.all()) else kpm
-
-    return _KPM_ONCE(attention_mask, kv_len, reduce)
+_POSITIONS_ONCE = ReducedOnce()
 
 
 def _with_window(attention_mask, query, key, window: int | None):
@@ -225,7 +181,7 @@ def hedgecats_attention_forward(module: nn.Module, query, key, value, attention_
     _check_no_evicted_keys(key, kwargs.get("position_ids"), rt)
     # the padding mask costs a host synchronisation, which softmax mode does not need (it
     # would break the capture of a decode step in a CUDA graph)
-    kpm = (_key_padding_mask(attention_mask, key.shape[2])
+    kpm = (key_padding_mask(attention_mask, key.shape[2])
            if rt.mode != "softmax" or rt.observer is not None else None)
     # the output-MSE objectives compare with the teacher's output: handed over after the
     # attention where it is the plain causal softmax they define, instead of computed again

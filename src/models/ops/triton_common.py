@@ -89,17 +89,6 @@ def warn_once(logger: str, msg: str) -> None:
     logging.getLogger(logger).warning(msg)
 
 
-def record_fallback(log: list[str], logger: str, what: str, error: BaseException, instead: str,
-                    phase: str = "") -> None:
-    """A kernel that failed in Triton (one of ``errors()``) and the PyTorch path taken instead:
-    the error appended to the module's ``log`` (``FALLBACK_ERRORS``, which the GPU tests keep
-    empty) and said once per process and message: ``fused <what> failed in Triton (<error>);
-    <instead>``."""
-    log.append(f"{phase + ': ' if phase else ''}{type(error).__name__}: {error}"[:500])
-    warn_once(logger, f"fused {what} failed in Triton ({type(error).__name__}: "
-              f"{str(error)[:200]}); {instead}")
-
-
 @functools.cache
 def errors() -> tuple[type[BaseException], ...]:
     """Triton's resource and compilation errors (a kernel that does not fit or build here):

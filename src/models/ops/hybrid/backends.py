@@ -404,9 +404,8 @@ def select(backend: str, q: torch.Tensor, key_padding_mask: torch.Tensor | None 
     return _cuda_ops(backend, triton_enabled())
 
 
-def triton_switched_on() -> bool:
-    """``HEDGECATS_TRITON`` is not ``0`` (the switch to measure or run without the kernels)."""
-    return os.environ.get("HEDGECATS_TRITON", "1") != "0"
+#: ``HEDGECATS_TRITON`` is not ``0`` (the switch to measure or run without the kernels)
+triton_switched_on = triton_common.switched_on
 
 
 def triton_enabled() -> bool:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from ..triton_common import HAVE_TRITON, cdiv, fast, tl, triton
-from .config import (CALLS, KernelConfig, dkv_block_n, dq_block_m, dq_pack_of, fc, grad_fc,
+from ..instrument import TRACE
+from .config import (KernelConfig, dkv_block_n, dq_block_m, dq_pack_of, fc, grad_fc,
                      use_split_states)
 from .states import LOG2E, la_states, la_states_rev, like, pointer, precision, strides
 
@@ -718,7 +719,7 @@ def launch_backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8
     if has_la and states is not None and states[3] == cfg.state_chunk:
         S, z, vs = states[:3]
         NC = S.shape[2]
-        CALLS["states_from_forward"] += 1
+        TRACE.count("hybrid.states_from_forward")
     elif has_la:
         S, z, vs, NC = la_states(fk, v, kpm_i8, cfg)
     else:
@@ -754,13 +755,13 @@ def launch_backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8
             *q_args, pointer(dfq, dummy), pointer(du, dummy), *q_strides,
             *(strides(du) if map_du else (0, 0, 0)), *q_scalars, **q_meta, MAP_DU=map_du,
             SOFTMAX=du_slot.softmax if map_du else True)
-        CALLS["fuse_q_side"] += 1
+        TRACE.count("hybrid.fuse_q_side")
     else:
         fast(_bwd_dq)[(NMB, B * H // PQ)](*q_args, *q_strides, *q_scalars, **q_meta)
     q_args = None  # (it holds S, z, vs: they must go where the names below go)
-    CALLS["dq_pass"] += dq is not None
-    CALLS["factors_from_saved"] += from_saved
-    CALLS["packed_dq"] += PQ > 1
+    TRACE.count("hybrid.dq_pass", dq is not None)
+    TRACE.count("hybrid.factors_from_saved", from_saved)
+    TRACE.count("hybrid.packed_dq", PQ > 1)
     R = U = W = None
     if fuse_q:  # (its dfq pass is done: the states go with the last references to them)
         S = z = vs = None
@@ -799,10 +800,10 @@ def launch_backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8
             scale * LOG2E, eps, D=D, F=F, FC=GFC, BM=BM, BN=BNK, CS=cfg.state_chunk,
             HAS_KPM=has_kpm, PREC=prec, ONE_PROGRAM=one_program, num_warps=cfg.bwd_warps,
             num_stages=cfg.stages)
-        CALLS["fuse_kv_side"] += 1
-        CALLS["kv_one_program"] += one_program
-        CALLS["dkv_swa"] += 1
-        CALLS["dv_la"] += 1
+        TRACE.count("hybrid.fuse_kv_side")
+        TRACE.count("hybrid.kv_one_program", one_program)
+        TRACE.count("hybrid.dkv_swa")
+        TRACE.count("hybrid.dv_la")
     elif has_swa and dk is not None:  # the window's dk and dv come from one kernel
         # (the fp32 share laid out as dv: the LA kernel reads it with dv's strides)
         dvs = like(v, torch.float32) if has_la or dv is None else dv
@@ -815,7 +816,7 @@ def launch_backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8
             *strides(dvs), T, H, G, window, scale, scale * LOG2E,
             D=D, BM=BM, BN=BNK, HAS_KPM=has_kpm, PREC=prec, num_warps=cfg.bwd_warps,
             num_stages=cfg.stages)
-        CALLS["dkv_swa"] += 1
+        TRACE.count("hybrid.dkv_swa")
         dvs = dvs if dv is not None and has_la else None  # only dv's share is kept
     elif dk is not None:
         dk.zero_()
@@ -828,8 +829,8 @@ def launch_backward(do, q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8
             *strides(dfk if dv is None else dv), T, H, G, NC, eps,
             D=D, F=F, FC=GFC, BM=BM, BN=BNK, CS=cfg.state_chunk, ADD_DVS=dvs is not None,
             HAS_KPM=has_kpm, PREC=prec, num_warps=cfg.bwd_warps, num_stages=cfg.stages)
-        CALLS["dv_la"] += dv is not None
+        TRACE.count("hybrid.dv_la", dv is not None)
     if du is not None:  # (last: a config that failed above leaves nothing in the slot)
         dfq = du_slot.put(du, fq)
-        CALLS["map_du"] += 1
+        TRACE.count("hybrid.map_du")
     return dq, dk if need_dk else None, dv, dfq, dfk, pa, pb

@@ -11,18 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..triton_common import errors, warn_once
+from ..instrument import TRACE
+from ..triton_common import errors
 
-#: errors from Triton (compilation, resources) that sent a call to the fallback; the GPU tests
-#: assert it stays empty
-FALLBACK_ERRORS: list[str] = []
-#: how often each path ran (tests check that a path was taken, not only its result)
-CALLS = {"forward": 0, "dq_pass": 0, "dkv_swa": 0, "dv_la": 0, "factors_from_saved": 0,
-         "split_states": 0, "states_from_forward": 0, "packed_forward": 0,
-         "packed_dq": 0, "map_du": 0, "fuse_q_side": 0, "fuse_kv_side": 0,
-         "kv_one_program": 0, "state_sums_mma": 0, "maps_folded": 0, "maps_folded_backward": 0,
-         "forward_without_autograd": 0, "gated": 0,
-         "saved_released": 0, "saved_recomputed": 0, "parked_forward": 0}
 
 
 @dataclass(frozen=True)
@@ -268,7 +259,6 @@ _FAILED: set = set()
 #: (phase, problem key) -> the error of ``SAFE_CONFIG`` failing too: raised again at once (a
 #: compile failure is the device's and the tiles', not the call's; each retry compiled anew)
 _SAFE_FAILED: dict = {}
-RETRIES: list[str] = []
 
 
 @functools.lru_cache(maxsize=64)
@@ -287,7 +277,7 @@ def _retry_chain(cfg: KernelConfig) -> tuple[KernelConfig, ...]:
 
 def _with_retry(phase: str, key: tuple, cfg: KernelConfig, fn):
     """``fn(cfg)``; where ``cfg``'s kernels do not compile here (once per problem key; logged
-    once, recorded in ``RETRIES``), the same tiles without the fused backward kernels, then
+    once, recorded in ``TRACE.retries``), the same tiles without the fused backward kernels, then
     without ``save_branches`` (each where it was on), then ``SAFE_CONFIG``. Every config
     computes the same function: a forward retried without saved branches leaves its backward
     to recompute them."""
@@ -305,9 +295,7 @@ def _with_retry(phase: str, key: tuple, cfg: KernelConfig, fn):
         except errs as e:
             _FAILED.add((phase, c, key))
             nxt = chain[i + 1] if i + 1 < len(chain) else SAFE_CONFIG
-            RETRIES.append(f"{phase} {key}: {type(e).__name__}: {str(e)[:300]}")
-            warn_once(__name__, f"fused hybrid {phase}: tiles {c} do not compile here "
-                      f"({type(e).__name__}: {str(e)[:200]}); using {nxt}")
+            TRACE.retry("hybrid", f"hybrid {phase} {key}", e, f"tiles {c} replaced by {nxt}")
     try:
         return fn(SAFE_CONFIG)
     except errs as e:

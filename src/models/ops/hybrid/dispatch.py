@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..feature_map import dispatch as triton_phi
-from ..triton_common import GRID_AXIS_MAX, available, interpret, warn_once
+from ..triton_common import GRID_AXIS_MAX, available, interpret, switched_on, warn_once
 from .config import KernelConfig
 from .function import FoldedMaps, _filled, _launch
 from .gated import _gated, _no_features
@@ -17,9 +17,7 @@ def fold_maps(maps, q: torch.Tensor, k: torch.Tensor) -> tuple[FoldedMaps | None
     map's function is the fused map's (``HedgehogFeatureMap.kernel_form``: no floor, softmax or
     exp) and its kernel takes x (``triton_phi.unsupported_reason``: bf16, power-of-two dims, one
     map per head of x), both with the same feature dim; else ``(None, why)``."""
-    from . import backends  # (imports this module lazily)
-
-    if not backends.triton_switched_on():  # (the modules' own fused path: HEDGECATS_TRITON=0)
+    if not switched_on():  # (the modules' own fused path: HEDGECATS_TRITON=0)
         return None, "the fused feature maps are off (HEDGECATS_TRITON=0)"
     forms = []
     for m, x, name in zip(maps, (q, k), ("phi_q", "phi_k")):

@@ -9,7 +9,8 @@ import functools
 import torch
 
 from ..triton_common import HAVE_TRITON, cdiv, fast, tl, triton
-from .config import CALLS, KernelConfig, fc, pack_of
+from ..instrument import TRACE
+from .config import KernelConfig, fc, pack_of
 from .states import LOG2E, la_states, like, pointer, precision, strides
 
 if HAVE_TRITON:
@@ -236,10 +237,10 @@ def launch_forward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, *, 
     swa_o = torch.empty(B, H, T, D, device=q.device, dtype=q.dtype) if store and has_swa else None
     la_o = torch.empty(B, H, T, D, device=q.device, dtype=q.dtype) if store and has_la else None
     P = pack_of(cfg, H // Hkv)
-    CALLS["packed_forward"] += P > 1
+    TRACE.count("hybrid.packed_forward", P > 1)
     grid = (cdiv(T, cfg.block_m // P), B * H // P)
     park = cfg.park_la and has_la and has_swa  # (one branch: nothing held across the other)
-    CALLS["parked_forward"] += park
+    TRACE.count("hybrid.parked_forward", park)
     fast(_fwd)[grid](
         q, k, v, fq, fk, S, z, vs, cnt, o, lse, den, ca, cb, logs, shift, first,
         pointer(kpm_i8, lse), pointer(swa_o, o), pointer(la_o, o),

@@ -70,8 +70,8 @@ The feature dimension is taken ``f_chunk`` at a time in the forward's and dq's p
 it, so no program holds an F-wide operand and an F-wide accumulator at once; the dfq / dfk
 programs take ``grad_f_chunk`` (the whole F at D 128 bf16: one D-wide dO . v product per
 block). Tile sizes were chosen from ptxas's register report for sm_90a (``default_config``).
-Tiles that do not compile on a device are replaced once by ``SAFE_CONFIG`` (``RETRIES``); any
-other Triton failure sends the call to the piece-by-piece path (``FALLBACK_ERRORS``), and where
+Tiles that do not compile on a device are replaced once by ``SAFE_CONFIG`` (``TRACE.retries``); any
+other Triton failure sends the call to the piece-by-piece path (``TRACE.fallbacks``), and where
 the safe tiles fail too that is remembered per problem (``_SAFE_FAILED``: later calls go to that
 path without compiling again).
 
@@ -102,9 +102,9 @@ from ..feature_map import kernels as triton_phi
 from ..feature_map.function import DU_SLOT_ATTR, DuSlot
 from ..feature_map.reference import reference_features
 from ..instrument import TRACE
-from ..triton_common import cast, cdiv, errors, record_fallback
+from ..triton_common import cast, cdiv, errors
 from . import backward, forward
-from .config import (CALLS, FALLBACK_ERRORS, KernelConfig, _with_retry, check, default_config,
+from .config import (KernelConfig, _with_retry, check, default_config,
                      use_split_states)
 from .reference import kernel_reference
 
@@ -251,7 +251,7 @@ class _HybridFn(torch.autograd.Function):
         # (``_release_saved``): the kernels recompute both branches' factors and the states
         if swa_o is not None and _released(swa_o) or la_o is not None and _released(la_o):
             swa_o = la_o = None
-            CALLS["saved_recomputed"] += 1
+            TRACE.count("hybrid.saved_recomputed")
         if states is not None and _released(states[0]):
             states = None
         a = ctx.args
@@ -279,8 +279,8 @@ class _HybridFn(torch.autograd.Function):
                           den, cfg=c, need=need, swa_o=swa_o, la_o=la_o, states=states,
                           du_slot=du_slot, **args)))
         except errors() as e:  # a Triton resource / compile failure: say so, stay right
-            record_fallback(FALLBACK_ERRORS, __name__, "hybrid backward", e, "this call's "
-                            "gradients come from the PyTorch reference", phase="backward")
+            TRACE.fallback("hybrid", "hybrid backward", e, "this call's gradients come from "
+                           "the PyTorch reference", phase="backward")
             return _reference_backward(ctx, do, q, k, v, fq, fk, ca, cb, logs, shift, first,
                                        kpm_i8, a, rest if folded else None)
         if dfq is None and folded:  # (no LA: the maps' backward takes zeros; autograd, None)
@@ -312,7 +312,7 @@ def _release_saved(*tensors) -> None:
     allocations, read by the backward's kernels by now) in place, as FSDP frees a parameter:
     a saved tensor lives until its node's backward returns, and with the maps folded in, the
     maps' backward runs inside that node (at 1 x 64k on the 8B's heads it had peaked 0.59 GiB
-    above the call before the fold, session 21). They stay saved tensors - activation
+    above the call before the fold). They stay saved tensors - activation
     checkpointing discards and recomputes only those - and a second backward through the
     graph (``retain_graph``) finds them empty (``_released``) and recomputes what they held.
     On a GPU the caching allocator takes the blocks back in stream order (the kernels that
@@ -320,7 +320,7 @@ def _release_saved(*tensors) -> None:
     held = [x for x in tensors if x is not None]
     for x in held:
         x.untyped_storage().resize_(0)
-    CALLS["saved_released"] += bool(held)
+    TRACE.count("hybrid.saved_released", bool(held))
 
 
 def _released(x: torch.Tensor) -> bool:
@@ -353,7 +353,7 @@ def _folded_maps_backward(ctx, q, k, fq, fk, dq, dk, dfq, dfk, du_slot, saved):
         dq, dwq, dbq = got_q
     if got_k is not None:
         dk, dwk, dbk = got_k
-    CALLS["maps_folded_backward"] += 1
+    TRACE.count("hybrid.maps_folded_backward")
     return dq, dk, (dwq, dbq, dwk, dbk, None)
 
 
@@ -469,12 +469,12 @@ def hybrid_kernel(q, k, v, fq, fk, ca, cb, logs, shift, *, window: int, scale: f
     shift = cast(shift.to(dev), torch.int32).reshape(B * H).contiguous()
     folded = () if maps is None else (*maps[:4], maps[4:])
     if maps is not None:
-        CALLS["maps_folded"] += 1
+        TRACE.count("hybrid.maps_folded")
     args = (q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, int(window), float(scale),
             float(eps), bool(has_swa), bool(has_la), bool(shared), cfg)
     if not grad:  # (evaluation, prefill: no autograd node, nothing stored for a backward)
         out = _function_forward(*args, False, *folded, autograd=False, premapped=premapped).o
-        CALLS["forward_without_autograd"] += 1
+        TRACE.count("hybrid.forward_without_autograd")
         return out
     # fq as a Hedgehog map's output, unchanged: the map's du from the dfq pass (``DuSlot``;
     # the first kernel given it only)
@@ -493,9 +493,9 @@ def _launch(q, k, v, fq, fk, ca, cb, logs, shift, window, scale, eps, kpm, has_s
                             eps=eps, key_padding_mask=kpm, has_swa=has_swa, has_la=has_la,
                             shared=shared, config=config, maps=maps,
                             output_is_branch=output_is_branch)
-        CALLS["forward"] += 1
+        TRACE.count("hybrid.forward")
         return out
     except errors() as e:  # never a crash inside Triton: the caller's path instead
-        record_fallback(FALLBACK_ERRORS, __name__, "hybrid forward", e,
-                        "running the piece-by-piece path", phase="forward")
+        TRACE.fallback("hybrid", "hybrid forward", e, "running the piece-by-piece path",
+                       phase="forward")
         return None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import CALLS
+from ..instrument import TRACE
 from .function import _filled, _launch
 
 def _no_features(q, k):
@@ -21,7 +21,7 @@ def _no_features(q, k):
 #: and ``la_only``) save their output as their branch (``hybrid_kernel``'s
 #: ``output_is_branch``): each branch is held once, by the gate's mix (its lerp saves both),
 #: instead of also as the kernel's own saved copy (~1 GiB less at 1 x 64k on the 8B's heads,
-#: where the gated call peaked 1.5 GiB above the fixed mixer's, session 21), and the forward
+#: where the gated call had peaked 1.5 GiB above the fixed mixer's), and the forward
 #: stores neither. A switch for the A/B (bit for bit either way)
 GATED_OUTPUT_IS_BRANCH = True
 
@@ -62,7 +62,7 @@ def _gated(q, k, v, fq, fk, g, *, mode, rescale, drop, shift0, shift_la_only, wi
         # (cb is 1 for every head in hybrid and la_only; in swa_only only a dropped head's)
         if la is None:
             return None
-    CALLS["gated"] += 1
+    TRACE.count("hybrid.gated")
     # (one op where it can be: each rounds once. A dropped head's SWA and a kept head's LA in
     # swa_only are 0, so the same formulas hold for every head)
     if mode == "la_only":

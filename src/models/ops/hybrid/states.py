@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from .config import CALLS, KernelConfig, state_tile, use_split_states
+from ..instrument import TRACE
+from .config import KernelConfig, state_tile, use_split_states
 from ..triton_common import HAVE_TRITON, cdiv, fast, next_pow2, tl, tma_ok, triton
 
 if HAVE_TRITON:
@@ -401,10 +402,10 @@ def _split_states(x, y, S, xs, ys, NC, cfg: KernelConfig, *, reverse: bool, kpm_
         F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD, REVERSE=reverse,
         HAS_KPM=kpm_i8 is not None, PREC=precision(x.dtype), TMA=tma, SM=sm,
         num_warps=cfg.state_warps)
-    CALLS["state_sums_mma"] += sm
+    TRACE.count("hybrid.state_sums_mma", sm)
     for share, total in ((L, S), (xl, xs), (yl, ys)):
         _scan_chunks(share, total, NC, reverse)
-    CALLS["split_states"] += 1
+    TRACE.count("hybrid.split_states")
 
 
 #: ``_state_scan``'s chunks per step and elements per program
@@ -440,7 +441,7 @@ def la_states(fk, v, kpm_i8, cfg: KernelConfig):
         fk, v, pointer(kpm_i8, z), S, z, vs, *strides(fk), *strides(v), T, Hkv, NC,
         F=F, D=D, CS=CS, BF=BF, BD=BD, HAS_KPM=kpm_i8 is not None, PREC=precision(fk.dtype),
         SM=sm, num_warps=cfg.state_warps, num_stages=STATE_FWD_STAGES[sm])
-    CALLS["state_sums_mma"] += sm
+    TRACE.count("hybrid.state_sums_mma", sm)
     return S, z, vs, NC
 
 
@@ -468,7 +469,7 @@ def la_states_rev(fq, dnum, dden, shift, Hkv: int, NC: int, cfg: KernelConfig):
         fq, dnum, dden, shift, R, U, W, *strides(fq), T, H, H // Hkv, NC,
         F=F, D=D, CS=cfg.state_chunk, BF=BF, BD=BD, PREC=precision(fq.dtype),
         TMA=use_tma(cfg, fq, dnum), SM=sm, num_warps=cfg.state_warps)
-    CALLS["state_sums_mma"] += sm
+    TRACE.count("hybrid.state_sums_mma", sm)
     return R, U, W
 
 
