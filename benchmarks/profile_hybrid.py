@@ -85,15 +85,18 @@ def host_aten_table(fn, n: int = 20, rows: int = 25) -> tuple[str, list]:
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows), top
 
 
-#: (module, attribute) of the layer's host path whose wall time ``host_breakdown`` takes:
-#: the launch wrapper per kernel, its argument key, the autograd functions' bodies, the maps'
-#: dW product, the TMA check
+#: (module, attribute) of the layer's host path whose wall time ``host_breakdown`` takes,
+#: each patched where its callers look it up: the launch wrapper per kernel, its argument key,
+#: the maps' forward and backward (one map, the pair), their dW product, the hybrid's
+#: launches, its LA states (read by name in the forward and backward modules), the autograd
+#: Function's entry and the dispatch, the TMA check
 HOST_PARTS = (("triton_common", "_key_and_values"), ("triton_common", "tma_ok"),
-              ("triton_phi", "map_forward"), ("triton_phi", "map_backward"),
-              ("triton_phi", "map_forward_pair"), ("triton_phi", "map_backward_pair"),
-              ("triton_phi", "bmm_fp32"), ("triton_hybrid", "_forward"),
-              ("triton_hybrid", "_backward"), ("triton_hybrid", "_la_states"),
-              ("triton_hybrid", "hybrid_kernel"), ("triton_hybrid", "fused_hybrid"))
+              ("feature_map.function", "map_forward"), ("feature_map.function", "map_backward"),
+              ("feature_map.kernels", "map_forward_pair"),
+              ("feature_map.kernels", "map_backward_pair"), ("feature_map.kernels", "bmm_fp32"),
+              ("hybrid.forward", "launch_forward"), ("hybrid.backward", "launch_backward"),
+              ("hybrid.forward", "la_states"), ("hybrid.backward", "la_states"),
+              ("hybrid.function", "hybrid_kernel"), ("hybrid.dispatch", "fused_hybrid"))
 
 
 def host_breakdown(fn, n: int = 20, sleep_ms: float = 200.0) -> dict:

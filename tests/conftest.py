@@ -51,7 +51,7 @@ def parse_switches(spec: str) -> list[tuple[str, str, object]]:
 @pytest.fixture(autouse=True, scope="session")
 def _switches_from_the_environment():
     """The whole run with kernel switches set (``HEDGECATS_TEST_SWITCHES``, e.g. the GPU
-    matrix with an option that is off by default: ``benchmarks/validate_gpu.sh rcp``); tests
+    matrix with an option that is off by default: ``HEDGECATS_TEST_SWITCHES=... bash scripts/gpu_check.sh``); tests
     that set a switch themselves still do. In this process only: the tests that run their
     kernels in a subprocess (the interpreter checks, ``host_overhead.py``) see the defaults."""
     with switches.applied(parse_switches(os.environ.get("HEDGECATS_TEST_SWITCHES", ""))):

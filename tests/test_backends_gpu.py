@@ -1,6 +1,6 @@
 """Every GPU backend against the reference, values and gradients, bf16 and fp32.
 
-Marked ``gpu``: skipped without CUDA. Run on the GPU machine (see benchmarks/gpu_tests.sh):
+Marked ``gpu``: skipped without CUDA. Run on the GPU machine (``bash scripts/gpu_check.sh``):
     python -m pytest -q -m gpu tests/test_backends_gpu.py
 
 What is compared. Each case runs three times on the same bf16-representable inputs:
@@ -9,9 +9,9 @@ assertion is the backend against the reference *in the same dtype* (relative L2 
 < 2e-3 in fp32): both see the same rounded feature maps and gradients at the boundary, so what is
 left is the kernels' own arithmetic. The whole bf16 pipeline is also held near the fp32 oracle
 (< 2.5e-2): a bf16 feature map alone costs ~1e-2 in the feature-map weight gradients (measured:
-benchmarks/results/gpu_tests_h200.md), so 1e-2 against the oracle is the dtype's floor, not a
+benchmarks/results/gpu_tests.md), so 1e-2 against the oracle is the dtype's floor, not a
 kernel's error. With ``HEDGECATS_GPU_REPORT=DIR`` every case's errors are written to
-``DIR/<worker>.jsonl`` (benchmarks/gpu_tests_report.py makes the table).
+``DIR/<worker>.jsonl`` (scripts/gpu_tests_report.py makes the table).
 """
 
 from __future__ import annotations

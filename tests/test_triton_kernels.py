@@ -1,6 +1,6 @@
 """The fused Triton kernels on the GPU against the references: values and gradients.
 
-Marked ``gpu``: skipped without CUDA. On the GPU machine: ``bash benchmarks/kernels_gpu.sh``
+Marked ``gpu``: skipped without CUDA. On the GPU machine: ``bash scripts/gpu_check.sh``
 (or ``python -m pytest -m gpu tests/test_triton_kernels.py``).
 
 ``hybrid_attention(backend="triton")`` (the kernel behind ``auto``) against
@@ -16,7 +16,7 @@ not cover reach the piece-by-piece path and still give the reference's result.
 value, teacher entropy, gradients of fq and fk.
 
 Each case prints one line with its errors, and with ``HEDGECATS_GPU_REPORT=DIR`` writes it to
-``DIR/<worker>.jsonl`` (benchmarks/gpu_tests_report.py makes the table). ``HEDGECATS_TEST_DEVICE``
+``DIR/<worker>.jsonl`` (scripts/gpu_tests_report.py makes the table). ``HEDGECATS_TEST_DEVICE``
 (default cuda) lets the test logic itself be dry-run on CPU under the interpreter.
 """
 
@@ -223,7 +223,7 @@ def test_fused_stage1_call_skips_the_unneeded_passes(dtype, case_id):
     pass, the window's dk / dv kernel, LA's dv programs) and the feature map's dx do not run."""
     _kernels()
 
-    before, dx_before = dict(TRACE.calls), TRACE.calls["feature_map.backward_dx"]
+    before, dx_before = TRACE.calls.copy(), TRACE.calls["feature_map.backward_dx"]
     mode, kw = _switches(case_id)
     check(f"stage1-{case_id}", "B2-H8-Hkv2-T300-D128-w64-F256", dtype, mode, frozen=True, **kw)
     # (la_only has no window: its dq pass and window kernel never run; dv_la is what it tests)
@@ -869,7 +869,7 @@ def test_q_map_backward_starts_from_the_kernels_du(other):
                 "dWq": fq_map.weight.grad.clone(), "dbq": fq_map.bias.grad.clone(),
                 "dWk": fk_map.weight.grad.clone()}
 
-    before = dict(TRACE.calls), TRACE.calls["hybrid.map_du"]
+    before = TRACE.calls.copy(), TRACE.calls["hybrid.map_du"]
     got = run(torch.bfloat16, True)
     assert TRACE.calls["hybrid.map_du"] == before[1] + 1, "the kernel did not compute the q map's du"
     taken = "feature_map.du_added" if other else "feature_map.du_from_kernel"

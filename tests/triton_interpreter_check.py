@@ -29,7 +29,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import numpy as np
 import torch
 from hedgecats.models.ops.instrument import TRACE
-from poison import Poisoned
+try:
+    from poison import Poisoned  # run as a script: tests/ is first on the path
+except ImportError:  # imported as tests.triton_interpreter_check (benchmarks, experiments)
+    from tests.poison import Poisoned
 
 
 def _install_shims() -> None:
@@ -180,7 +183,7 @@ def kernel_case(cid, *, B=2, H=4, Hkv=2, T=50, D=16, window=8, shift=None, share
     names = ["out", "dq", "dk", "dv", "dfq", "dfk", "dca", "dcb", "dlogs"]
     ins = [t.clone().requires_grad_(name[1:] not in frozen)
            for name, t in zip(names[1:], (q, k, v, fq, fk, ca, cb, logs))]
-    calls = dict(TRACE.calls)
+    calls = TRACE.calls.copy()
     out = kfunction.hybrid_kernel(*ins, sh, config=kconfig.KernelConfig(**cfg), **kw)
     out.float().backward(do)
     ran = {n: TRACE.calls["hybrid." + n] - calls["hybrid." + n]
@@ -882,7 +885,7 @@ def map_du_case(cid, *, B=2, H=4, Hkv=2, T=150, D=16, window=20, activation="sof
                 "dWk": mk.weight.grad.clone(), "dbk": mk.bias.grad.clone(),
                 **({"dfq": fq.grad} if watched else {})}
 
-    before = dict(TRACE.calls), dict(TRACE.calls)
+    before = TRACE.calls.copy(), TRACE.calls.copy()
     got = run(True)
     ran = {"du_from_kernel": TRACE.calls["feature_map.du_from_kernel"]
            - before[0].get("feature_map.du_from_kernel", 0),

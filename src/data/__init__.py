@@ -2,7 +2,7 @@
 (English recall facts in `recall.py`, the byte recall corpus of the embedded default in
 `recall_bytes.py`).
 
-Knows no model (DESIGN.md, layering): it imports neither `hedgecats.models` nor anything above.
+Knows no model (docs/architecture.md: the floors): it imports neither `hedgecats.models` nor anything above.
 """
 
 from .fineweb import BatchPlan, FineWebEduDataModule, plan_batches

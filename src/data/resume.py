@@ -1,7 +1,7 @@
 """Exact resume of a data stream: a `StatefulDataLoader` that survives Lightning's traps.
 
 torchdata's `StatefulDataLoader` saves where each worker is, but three things go wrong when
-Lightning drives it (DESIGN.md, "Resuming exactly"):
+Lightning drives it (docs/reliability.md):
 
 1. A training loop may fetch ahead (Lightning prefetches one batch when it does not know the
    loader's length), so "the loader's state now" is past the last batch trained on, and a resumed

@@ -4,7 +4,7 @@
   (no digits, never the recall phrase "code for"), seeded.
 - `filler_documents`: documents of filler sentences.
 - `python_source_documents`: the Python standard library's sources, real text every machine has
-  (DESIGN.md, "Real text").
+  (for tests and demos that must run offline).
 - `write_fineweb_files`: texts -> parquet or jsonl files with FineWeb-Edu's columns, readable by
   `FineWebEduDataModule(data_files=...)` and `packed_sequences`.
 """

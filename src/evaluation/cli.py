@@ -55,7 +55,7 @@ _MODE_SYNTAX = variant_syntax() + """
 _EPILOG = _MODE_SYNTAX + """
 examples:
   hedgecats evaluate --model runs/stage2/stage.pt --output results/stage2
-  hedgecats evaluate --model meta-llama/Meta-Llama-3-8B-Instruct --hybrid configs/hybrid.yaml \\
+  hedgecats evaluate --model meta-llama/Meta-Llama-3-8B-Instruct --hybrid hybrid.yaml \\
       --tasks piqa,arc_easy --modes hybrid,swa_only,la_only+la_span=all --output results/init
   hedgecats evaluate --model ckpt --tasks my_tasks/ --metric my_task=acc_norm --output out
   hedgecats evaluate --model runs/seed0/stage.pt --model runs/seed1/stage.pt --retrieval \

@@ -1,6 +1,6 @@
 """One LightningModule per training stage, and the callbacks that drive them.
 
-Imports lightning; ``hedgecats.models`` never does (DESIGN.md, layering).
+Imports lightning; ``hedgecats.models`` never does (docs/architecture.md: the floors).
 
 This is the Lightning-facing namespace that YAML configs name in ``class_path``: besides the
 stages and callbacks it re-exports ``RecallDataModule``, whose home is

@@ -112,7 +112,7 @@ class TrainingGuard(pl.Callback):
         check_every_n_steps: optimiser steps between parameter checks (>= 1); a check also runs
             before every checkpoint, so non-finite state is never saved whatever the period.
             Default 4: on an H200 a check after every step cost 2.1% of a full-parameter step
-            (the norm 0.97%, its host sync the rest; benchmarks/results/guard_overhead_h200_full.json),
+            (the norm 0.97%, its host sync the rest; benchmarks/results/guard_overhead.json),
             so every 4th step should cost about 0.5% (derived from that figure, not measured);
             a blow-up is named within 4 steps.
         divergence_factor: the smoothed loss must stay below this multiple of its best value

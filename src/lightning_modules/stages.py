@@ -514,7 +514,7 @@ class AttentionTransfer(HybridStage):
         ``_batches_that_stepped + 1``, a multiple of ``log_every_n_steps``, or
         ``trainer.should_stop``) or ``trainer.fast_dev_run``: a value logged on any other step
         is never written anywhere, yet each ``self.log`` costs host time (65 calls, +49 ms of
-        a 409 ms step on a Llama-3-8B shape, benchmarks/results/h200_2026-12-02/lightning_gap.md).
+        a 409 ms step on a Llama-3-8B shape, benchmarks/results/lightning_gap.json).
         This asks that same private property rather than reproducing its rule: the step count
         it uses is private as well (``global_step`` counts optimiser steps, not batches, under
         stage 1's manual accumulation), and Lightning's own callbacks (``LearningRateMonitor``,

@@ -2,7 +2,7 @@
 
 Lightning's ``ModelParallelStrategy`` loads a sharded (DCP) checkpoint by asking for every key of
 the model's state dict; our stage checkpoints hold only the trainable tensors (the frozen base is
-rebuilt from its model id, DESIGN.md), so that load fails with "Missing key in checkpoint". This
+rebuilt from its model id), so that load fails with "Missing key in checkpoint". This
 subclass loads exactly the trainable keys, then the optimiser states, and hands the tensors it
 loaded back under ``checkpoint["state_dict"]`` so the stage's exact key check still runs.
 """

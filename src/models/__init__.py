@@ -1,6 +1,6 @@
 """Plain PyTorch + transformers: feature maps, the hybrid layer, mixers, conversion.
 
-Never imports lightning (DESIGN.md, layering).
+Never imports lightning (docs/architecture.md: the floors).
 """
 
 from .config import LA_SPANS, MODES, SWITCHES, HybridConfig, parse_variant, validate_switches

@@ -177,7 +177,7 @@ class HedgehogFeatureMap(nn.Module):
         PyTorch path rounds it to x's dtype first, so on the GPU it is the closer of the two
         to the fp32 map (H200, B 8 x T 1k: relative error 6.0e-3 against 9.3e-3 for the
         whole layer, and 1.8 against 2.9 ms forward + backward for both maps;
-        benchmarks/results/speed_h200/attention_speed_8x1k_before_phi_default.md)."""
+        docs/performance.md)."""
         if not x.is_cuda or self.activation not in ("softmax", "exp"):
             return None
         from .ops.hybrid import backends

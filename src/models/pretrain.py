@@ -49,7 +49,7 @@ that is a converted hybrid, ``models.hf``); importing ``hedgecats.models`` regis
 logits. SWA layers keep every key in a KV cache (the cache is not trimmed to the window), so
 cached decoding equals a full forward.
 
-Plain PyTorch + transformers; never imports lightning (DESIGN.md, layering).
+Plain PyTorch + transformers; never imports lightning (docs/architecture.md: the floors).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ compute as a sliding one.
 ``auto`` on CUDA: SWA from flash-attn when installed, else fla's windowed ``parallel_attn``
 (both without padding or lse: such calls go to flex_attention), else flex_attention; LA from fla's ``chunk_linear_attn`` with the shift trick;
 full softmax from torch SDPA. On CPU everything is the reference (fla and flash-attn are
-GPU-only; see DESIGN.md).
+GPU-only).
 
 One more, whole-layer piece: ``Ops.fused`` runs SWA, LA and the mixer of ``hybrid``,
 ``swa_only`` and ``la_only`` calls in one Triton kernel per direction (``ops.triton_hybrid``),
@@ -28,7 +28,7 @@ and returns ``None`` for the calls it does not cover (reason logged once), which
 pieces above. ``triton`` is ``auto`` with it. ``auto`` uses it wherever Triton is installed on
 CUDA; ``HEDGECATS_TRITON=0`` turns it off (and with it the fused weights_xent of stage 1). It is
 checked against the reference under Triton's interpreter (CPU) and on an H200
-(tests/test_triton_kernels.py through benchmarks/kernels_gpu.sh: the first run found a backward
+(tests/test_triton_kernels.py through scripts/gpu_check.sh: the first run found a backward
 defect for query tiles taller than key tiles, fixed; after it every hybrid case passed, bf16 and
 fp32; benchmarks/results/kernels_h200/).
 """
@@ -445,7 +445,7 @@ def _cuda_ops(backend: str, use_triton: bool) -> Ops:
                    "pip install 'hedgecats[gpu]'")
     if backend in ("auto", "triton"):
         # fla's windowed kernel measured faster than flex_attention on an H200
-        # (benchmarks/results/attention_speed_h200.json); flex still serves padding and lse
+        # (benchmarks/results/attention_speed.json); flex still serves padding and lse
         swa = (flash_swa if available("flash_attn") else fla_swa if available("fla")
                else flex_swa if available("flex") else ref_swa)
     else:
