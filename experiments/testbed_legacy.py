@@ -9,11 +9,15 @@ wrapper restores exactly those two formulas - the objective's block, and at infe
 no kernel floor and its normaliser clamped at 1e-6 (``out = num / max(den, 1e-6)``, obtained
 from today's LA run without a floor as ``out * den / max(den, 1e-6)``) - and switches the
 end-of-stage health check (which the first version did not have) off, so that the collapse can
-be measured; everything else is today's code. It is a measurement tool, never a recipe.
+be measured; everything else is today's code. The fused kernels carry today's floor, so the
+process runs without them (``HEDGECATS_TRITON=0``: the objective takes the blocked PyTorch
+version, whose block is replaced here, and LA the pieces patched here). It is a measurement
+tool, never a recipe.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -62,15 +66,16 @@ def _legacy_linear(impl):
 def install() -> None:
     from hedgecats.lightning_modules import stages
     from hedgecats.models.ops.hybrid import backends
-    from hedgecats.models.ops.transfer import losses as transfer
+    from hedgecats.models.ops.transfer import reference as transfer_reference
 
-    transfer._xent_block = _legacy_xent_block
+    # every fused kernel (objective, hybrid, feature maps) reads this switch on each call
+    os.environ["HEDGECATS_TRITON"] = "0"
+    transfer_reference._xent_block = _legacy_xent_block  # the blocked objective's block
     for name in ("ref_linear", "fla_linear"):
         setattr(backends, name, _legacy_linear(getattr(backends, name)))
     backends.REFERENCE = backends.Ops(backends.ref_swa, backends.ref_linear,
                                       backends.ref_softmax, "reference")
     backends._cuda_ops.cache_clear()
-    backends.triton_enabled = lambda: False  # the fused kernel has the floor built in
     stages.AttentionTransfer._check_health = lambda self, health: None  # measured, not enforced
 
 

@@ -107,19 +107,23 @@ def test_report_names_the_ssd_window_and_its_delta_at_window_64(tmp_path):
 
 def test_legacy_wrapper_restores_the_first_formulas(monkeypatch):
     """The before-run tool must compute the first version: the objective's clamps (0 loss for
-    a row whose products are all below 1e-6) and LA with no floor, normaliser clamped at 1e-6."""
+    a row whose products are all below 1e-6, through the call the stage makes) and LA with no
+    floor, normaliser clamped at 1e-6; the fused kernels, which carry today's floor, off."""
     from hedgecats.lightning_modules import stages
     from hedgecats.models import hybrid_attention
     from hedgecats.models.ops.hybrid import backends
-    from hedgecats.models.ops.transfer import losses as transfer
+    from hedgecats.models.ops.transfer import dispatch
+    from hedgecats.models.ops.transfer import reference as transfer
 
     for mod, name in ((transfer, "_xent_block"), (backends, "ref_linear"),
                       (backends, "fla_linear"), (backends, "REFERENCE"),
-                      (backends, "triton_enabled"), (stages.AttentionTransfer, "_check_health")):
+                      (stages.AttentionTransfer, "_check_health")):
         monkeypatch.setattr(mod, name, getattr(mod, name))
+    monkeypatch.setenv("HEDGECATS_TRITON", "1")  # restored after install() switches it off
     legacy = _load("testbed_legacy")
     legacy.install()
     try:
+        assert not backends.triton_switched_on()
         B, H, T, D, F = 1, 2, 12, 4, 8
         g = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(B, H, T, D, generator=g) for _ in range(3))
@@ -128,6 +132,7 @@ def test_legacy_wrapper_restores_the_first_formulas(monkeypatch):
         fq[..., 0], fk[..., 1] = 1.0, 1.0
         fq2, fk2 = fq * 1e-4, fk  # products ~2e-9, row sums < 1e-6: the zero-loss region
         assert transfer.weights_xent(q, k, fq2, fk2, block=4) == 0.0
+        assert dispatch.weights_xent(q, k, fq2, fk2, block=4) == 0.0  # transfer_loss's call
         out = hybrid_attention(q, k, v, fq2, fk2, window=1, mode="la_only", la_span="all",
                                rescale=True, backend="reference")
         a = (fq2 @ fk2.transpose(-1, -2)).tril()  # (B, H, T, T) products, no floor
