@@ -2,7 +2,7 @@
 
 **Config.** A stage's ``fit`` section (after ``--set`` and ``${...}``) is what the user chose;
 the pipeline adds the run directory (``trainer.default_root_dir``), the loggers (one directory
-per attempt), ``ModelCheckpoint(save_last=True, every_n_train_steps=checkpoint_every_n_steps)``,
+per attempt), ``StageCheckpoint`` (``last.ckpt`` every ``checkpoint_every_n_steps`` steps),
 ``CheckpointOnInterrupt``, ``TrainingGuard`` (the pipeline's ``divergence`` settings), a
 ``StepProgressBar`` and atomic checkpoint files. The result is ``<stage>/config.yaml``.
 
@@ -129,8 +129,8 @@ def stage_config(spec: dict, stage: dict, stage_dir: Path, attempt: int) -> dict
     ckdir = str(stage_dir / "checkpoints")
     callbacks = list(trainer.get("callbacks") or [])
     callbacks += [
-        {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-         "init_args": {"dirpath": ckdir, "save_last": True, "save_top_k": 0,
+        {"class_path": "hedgecats.pipeline.checkpoints.StageCheckpoint",
+         "init_args": {"dirpath": ckdir,
                        "every_n_train_steps": spec.get("checkpoint_every_n_steps", 50)}},
         {"class_path": "hedgecats.lightning_modules.CheckpointOnInterrupt",
          "init_args": {"dirpath": ckdir}},
@@ -377,7 +377,8 @@ def _legacy_fit(stage_dir: Path, spec: dict) -> dict | None:
     trainer = dict(cfg.get("trainer") or {})
     for key in ("default_root_dir", "logger", "plugins"):
         trainer.pop(key, None)
-    injected = ("ModelCheckpoint", "CheckpointOnInterrupt", "TrainingGuard", "StepProgressBar")
+    injected = ("ModelCheckpoint", "StageCheckpoint", "CheckpointOnInterrupt", "TrainingGuard",
+                "StepProgressBar")
     cbs = [c for c in trainer.get("callbacks") or []
            if not (isinstance(c, dict) and str(c.get("class_path", "")).endswith(injected))]
     if cbs:
