@@ -1,9 +1,9 @@
-"""How exact is the fused decode step? One step of ``ops.triton_decode`` against a float64 oracle
+"""How exact is the fused decode step? One step of ``ops.decode`` against a float64 oracle
 of the same formulas, per dtype, and what the compiled kernel multiplies with.
 
 Why: on an H200 (2026-12-02) the fused step in an fp32 model was 4e-4 from the fp32 reference
 in LA-heavy cases (TF32's size) although every product asks for IEEE, so fp32 models were sent
-back to the composed step on CUDA (``triton_decode.unsupported_reason``); under Triton's
+back to the composed step on CUDA (``decode.dispatch.unsupported_reason``); under Triton's
 interpreter the same kernels match to 2e-7. This script separates the branches (SWA, LA) and
 reports whether the compiled PTX holds tensor-core (``mma`` / ``wgmma``) instructions and
 ``tf32`` operands:
@@ -97,7 +97,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--small", action="store_true", help="H 4, Hkv 2, D 16, F 32, W 8 (CPU)")
     a = ap.parse_args(argv)
-    from hedgecats.models.ops.decode import kernels as triton_decode
+    from hedgecats.models.ops.decode import dispatch as triton_decode
+    from hedgecats.models.ops.decode import kernels as decode_kernels
     from hedgecats.models.ops.hybrid.reference import LA_EPS
 
     interp = os.environ.get("TRITON_INTERPRET") == "1"
@@ -132,7 +133,7 @@ def main(argv=None) -> int:
             print(json.dumps(rows[-1]), flush=True)
     res = {"device": "interpreter" if interp else torch.cuda.get_device_name(),
            "shape": dict(B=B, H=H, Hkv=Hkv, D=D, F=F, W=W), "rows": rows,
-           "ptx": None if interp else ptx_report(triton_decode._step_main)}
+           "ptx": None if interp else ptx_report(decode_kernels._step_main)}
     print(json.dumps(res["ptx"], indent=1))
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))
