@@ -50,7 +50,7 @@ import traceback
 from pathlib import Path
 
 import torch
-from hedgecats.models.ops import switches as kernel_switches
+from benchmarks import switches as kernel_switches
 from hedgecats.models.ops.hybrid import backends
 from hedgecats.models.ops.hybrid.function import hybrid_kernel
 from hedgecats.models.ops.hybrid import reference as ref

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 import torch
-from hedgecats.models.ops import switches as kernel_switches
+from benchmarks import switches as kernel_switches
 from hedgecats.models.ops.hybrid.function import hybrid_kernel
 from hedgecats.models.ops.hybrid import reference as ref
 

@@ -14,7 +14,7 @@ import sys
 import torch
 from hedgecats.models import HedgehogFeatureMap, hybrid_attention
 from hedgecats.models.mixers import LearnedHeadMixer, SharedNormMixer
-from hedgecats.models.ops import switches as kernel_switches
+from benchmarks import switches as kernel_switches
 from hedgecats.models.ops.hybrid import backends
 from hedgecats.models.ops.hybrid import config as kconfig
 from hedgecats.models.ops.hybrid import reference as ref

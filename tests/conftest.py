@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from hedgecats.models.ops import switches
+from benchmarks import switches
 from hedgecats.models.ops.instrument import TRACE
 
 torch.set_num_threads(2)
@@ -44,7 +44,7 @@ def trace():
 
 
 def parse_switches(spec: str) -> list[tuple[str, str, object]]:
-    """``HEDGECATS_TEST_SWITCHES``' value, "module.NAME=value,..." (``ops.switches.parse``)."""
+    """``HEDGECATS_TEST_SWITCHES``' value, "module.NAME=value,..." (``benchmarks.switches.parse``)."""
     return switches.parse(spec, "HEDGECATS_TEST_SWITCHES")
 
 

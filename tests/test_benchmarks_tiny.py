@@ -382,7 +382,7 @@ def test_kernel_anatomy_changed_row_times_its_change_in_forward_and_backward():
     with ``--tiles`` and ``--switches`` set, and puts both back; the other layer rows run the
     defaults."""
     import torch
-    from hedgecats.models.ops import switches as kernel_switches
+    from benchmarks import switches as kernel_switches
     from hedgecats.models.ops.hybrid import config as kconfig
 
     from benchmarks import kernel_anatomy as ka

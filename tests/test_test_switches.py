@@ -39,7 +39,7 @@ def test_a_switched_default_forward_reaches_the_configs_built_before_it():
     builds it: a switch of it must reach a shape asked for before (``attention_speed.py`` asks
     for the 8B's at import), and must not outlive its run."""
     import torch
-    from hedgecats.models.ops import switches
+    from benchmarks import switches
     from hedgecats.models.ops.hybrid import config as kconfig
 
     before = kconfig.default_config(128, 256, torch.bfloat16)

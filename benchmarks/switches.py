@@ -1,5 +1,5 @@
 """Kernel switches (module-level attributes of ``hedgecats.models.ops`` modules, e.g.
-``triton_phi.WEIGHTS_IN_KERNEL``) set for a whole run from a text spec: the tests'
+``feature_map.kernels.WEIGHTS_IN_KERNEL``) set for a whole run from a text spec: the tests'
 ``HEDGECATS_TEST_SWITCHES`` (tests/conftest.py) and the benchmarks' ``--switches``
 (``benchmarks/attention_speed.py``), so that an option off by default is tested and measured
 exactly as it would run as the default."""
@@ -57,7 +57,7 @@ def parse(spec: str, source: str = "switches") -> list[tuple[str, str, object]]:
 
 
 def _forget_derived() -> None:
-    """Drop what was built from switches' values and cached: ``triton_hybrid.default_config``
+    """Drop what was built from switches' values and cached: ``hybrid.config.default_config``
     reads ``DEFAULT_FORWARD`` when it first builds a shape's config and keeps it, so a config
     built before a switch would outlive it (and one built under it, the switch). Called as
     ``applied`` sets and restores; applied outside ``attention_speed.default_tiles_changed``
