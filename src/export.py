@@ -36,35 +36,11 @@ import yaml
 
 log = logging.getLogger(__name__)
 
-__all__ = ["check_output", "export", "main", "missing_local_path", "model_card",
-           "resolve_stage", "stage_chain"]
+__all__ = ["check_output", "export", "main", "model_card", "resolve_stage", "stage_chain"]
 
 STAGE_FILE = "stage.pt"
 #: what the pipeline writes when a stage finished (``hedgecats.pipeline.rundir.DONE_FILE``)
 DONE_FILE = "done"
-#: suffixes that only a local file has (a hub id has none)
-_LOCAL_SUFFIXES = (".pt", ".ckpt", ".safetensors", ".json", ".yaml", ".yml", ".parquet",
-                   ".jsonl", ".txt")
-
-
-def missing_local_path(name: str) -> str | None:
-    """A message when ``name`` can only mean a local path and nothing is there; ``None`` when it
-    exists or may be a hub id. A hub id is ``name`` or ``org/name``; ``runs/x`` counts as local
-    when ``runs/`` exists here, so a mistyped run is not tried on the hub (five retries, then a
-    long traceback)."""
-    p = Path(name).expanduser()
-    if p.exists():
-        return None
-    first = Path(name).parts[0] if Path(name).parts else ""
-    local = (name.startswith(("/", "./", "../", "~")) or name.count("/") >= 2
-             or name.endswith(_LOCAL_SUFFIXES)
-             or (name.count("/") == 1 and Path(first).expanduser().is_dir()))
-    if not local:
-        return None
-    parent = next((q for q in p.parents if q.exists()), None)
-    where = f" (the nearest existing directory is {str(parent)!r})" if parent not in (
-        None, Path("."), Path("/")) else ""
-    return f"{name!r} does not exist: no such file or directory{where}"
 
 
 # ----------------------------------------------------------------------------- finding the stage

@@ -67,8 +67,9 @@ def load_for_generation(spec: str, *, device: str, dtype: str = "auto",
     import torch
     from transformers import AutoTokenizer
 
-    from .export import missing_local_path, resolve_stage
+    from .export import resolve_stage
     from .models import hf
+    from .models.io import missing_local_path
     from .models.stage_files import load_hybrid
     from .models.hf import read_hybrid_config
 

@@ -255,7 +255,7 @@ def _probes(args, loaded, specs, device, say) -> dict:
 def _check_paths(args) -> None:
     """A ``--model`` or ``--baseline`` that can only be a local path and is not there: said so,
     instead of "not a converted model" or a hub error after every task has run."""
-    from ..export import missing_local_path
+    from ..models.io import missing_local_path
 
     for flag, values in (("--model", args.models), ("--baseline", [args.baseline])):
         for value in values:

@@ -1,4 +1,5 @@
-"""Files that are either complete or absent: atomic writes, and content hashes.
+"""Files that are either complete or absent: atomic writes, content hashes, and local paths that
+are missing.
 
 Every file a run relies on (checkpoints, ``stage.pt``, ``config.yaml``, ``done``,
 ``results.json``) is written to a temporary file in the same directory, flushed to disk, then
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 __all__ = ["WriteFailedError", "atomic_write", "atomic_write_bytes", "atomic_write_text",
-           "file_digest", "follow_umask", "fsync_dir", "write_failed"]
+           "file_digest", "follow_umask", "fsync_dir", "missing_local_path", "write_failed"]
 
 #: errors that mean "the disk would not take it": the message says so
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
@@ -142,3 +143,28 @@ def file_digest(path: str | os.PathLike, chunk: int = 1 << 22,
             if progress is not None:
                 progress(len(block))
     return f"sha256:{h.hexdigest()}"
+
+
+#: suffixes that only a local file has (a hub id has none)
+_LOCAL_SUFFIXES = (".pt", ".ckpt", ".safetensors", ".json", ".yaml", ".yml", ".parquet",
+                   ".jsonl", ".txt")
+
+
+def missing_local_path(name: str) -> str | None:
+    """A message when ``name`` can only mean a local path and nothing is there; ``None`` when it
+    exists or may be a hub id. A hub id is ``name`` or ``org/name``; ``runs/x`` counts as local
+    when ``runs/`` exists here, so a mistyped run is not tried on the hub (five retries, then a
+    long traceback)."""
+    p = Path(name).expanduser()
+    if p.exists():
+        return None
+    first = Path(name).parts[0] if Path(name).parts else ""
+    local = (name.startswith(("/", "./", "../", "~")) or name.count("/") >= 2
+             or name.endswith(_LOCAL_SUFFIXES)
+             or (name.count("/") == 1 and Path(first).expanduser().is_dir()))
+    if not local:
+        return None
+    parent = next((q for q in p.parents if q.exists()), None)
+    where = f" (the nearest existing directory is {str(parent)!r})" if parent not in (
+        None, Path("."), Path("/")) else ""
+    return f"{name!r} does not exist: no such file or directory{where}"
