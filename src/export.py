@@ -14,7 +14,8 @@ A run directory (``hedgecats pipeline --output``) holds one directory per stage;
 exported is the one ``results.json`` evaluated, else the last of the ``init_from`` chain, and a
 run whose stages do not form one chain must be given the ``stage.pt`` itself. A run with a
 stage that started but did not finish (``checkpoints/`` without ``done``) is refused, naming
-it: finish it, or name the stage to export.
+it: finish it, or name the stage to export (``models.stage_source``, as ``evaluate`` and
+``generate`` read theirs).
 
 The output: an earlier export (a ``config.json`` of a hedgecats hybrid) is only replaced with
 ``--overwrite``; a file, or a non-empty directory that is not an export, is refused unless
@@ -36,11 +37,7 @@ import yaml
 
 log = logging.getLogger(__name__)
 
-__all__ = ["check_output", "export", "main", "model_card", "resolve_stage", "stage_chain"]
-
-STAGE_FILE = "stage.pt"
-#: what the pipeline writes when a stage finished (``hedgecats.pipeline.rundir.DONE_FILE``)
-DONE_FILE = "done"
+__all__ = ["check_output", "export", "main", "model_card", "stage_chain"]
 
 
 # ----------------------------------------------------------------------------- finding the stage
@@ -48,65 +45,6 @@ def _read_stage(path: Path) -> dict:
     from .models.stage_files import read_stage
 
     return read_stage(path)
-
-
-def resolve_stage(source: str | os.PathLike) -> tuple[Path, Path | None]:
-    """``(stage.pt, run directory or None)`` for a ``stage.pt``, a stage directory or a run
-    directory; errors say which of these ``source`` is not."""
-    p = Path(source).expanduser()
-    if not p.exists():
-        raise FileNotFoundError(f"{str(source)!r} does not exist (expected a stage.pt, a stage "
-                                f"directory or a run directory)")
-    if p.is_file():
-        return p, _run_dir_of(p)
-    if (p / "config.json").is_file():
-        raise ValueError(f"{str(source)!r} is a transformers model directory, not a stage: "
-                         f"export turns a trained stage (stage.pt) into such a directory")
-    if (p / STAGE_FILE).is_file():
-        return p / STAGE_FILE, _run_dir_of(p / STAGE_FILE)
-    stages = sorted(p.glob(f"*/{STAGE_FILE}"))
-    if not stages:
-        raise ValueError(f"{str(source)!r} holds no stage checkpoint (no {STAGE_FILE} in it or "
-                         f"in a directory under it): not a stage or run directory")
-    _refuse_unfinished(p, source)
-    hybrids = {s: _read_stage(s) for s in stages}
-    hybrids = {s: d for s, d in hybrids.items() if d.get("hybrid_config") is not None}
-    if not hybrids:
-        raise ValueError(f"{str(source)!r}: no stage checkpoint of a converted model in it")
-    results = p / "results.json"
-    if results.is_file():
-        named = json.loads(results.read_text()).get("stage")
-        if named and (p / named / STAGE_FILE) in hybrids:
-            return p / named / STAGE_FILE, p
-    used = {Path(str(d["meta"].get("init_from"))).resolve() for d in hybrids.values()
-            if d["meta"].get("init_from")}
-    ends = [s for s in hybrids if s.resolve() not in used]
-    if len(ends) != 1:
-        raise ValueError(f"{str(source)!r}: cannot tell which stage to export (stages "
-                         f"{[s.parent.name for s in ends]} each end a chain); pass the stage.pt")
-    return ends[0], p
-
-
-def _refuse_unfinished(run: Path, source) -> None:
-    """A run directory with a stage that started training and has no ``done``: exporting
-    "the last stage" would silently take the one before it."""
-    unfinished = sorted(d.name for d in run.iterdir()
-                        if d.is_dir() and (d / "checkpoints").is_dir() and not (d / DONE_FILE).exists())
-    if unfinished:
-        finished = sorted(d.name for d in run.iterdir() if (d / STAGE_FILE).is_file()
-                          and d.name not in unfinished)
-        names = ", ".join(repr(n) for n in unfinished)
-        raise ValueError(
-            f"{str(source)!r}: stage {names} did not finish (checkpoints but no {DONE_FILE}), so "
-            f"the run's last stage cannot be exported: run the pipeline again to finish it, or "
-            f"export a finished stage by naming it"
-            + (f" ({', '.join(str(run / n) for n in finished)})" if finished else ""))
-
-
-def _run_dir_of(stage_pt: Path) -> Path | None:
-    run = stage_pt.resolve().parent.parent
-    return run if (run / "results.json").is_file() or len(list(run.glob(f"*/{STAGE_FILE}"))) > 1 \
-        else None
 
 
 def stage_chain(stage_pt: Path) -> list[dict]:
@@ -277,6 +215,8 @@ def export(source: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool
     if lora not in ("merge", "adapter"):
         raise ValueError(f"lora={lora!r}; valid: merge, adapter")
     out = check_output(out, overwrite=overwrite, force=force)
+    from .models.stage_source import resolve_stage
+
     stage_pt, run_dir = resolve_stage(source)
     model, tokenizer, info = load_hybrid(stage_pt, merge_lora=False, base_model=base_model,
                                          device=device)

@@ -67,9 +67,9 @@ def load_for_generation(spec: str, *, device: str, dtype: str = "auto",
     import torch
     from transformers import AutoTokenizer
 
-    from .export import resolve_stage
     from .models import hf
     from .models.io import missing_local_path
+    from .models.stage_source import resolve_stage
     from .models.stage_files import load_hybrid
     from .models.hf import read_hybrid_config
 
@@ -84,7 +84,7 @@ def load_for_generation(spec: str, *, device: str, dtype: str = "auto",
         model = hf.load_pretrained_hybrid(str(p), dtype=torch_dtype or "auto")
         tok_source = str(p)
     elif p.exists():
-        stage_pt, _ = resolve_stage(p)
+        stage_pt, _ = resolve_stage(p, command="generate")
         model, tok, info = load_hybrid(stage_pt, device=device, dtype=torch_dtype,
                                        base_model=base_model)
         tok_source = base_model or info["base_model"]

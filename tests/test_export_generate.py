@@ -10,11 +10,12 @@ import pytest
 import torch
 import yaml
 from hedgecats.cli import main
-from hedgecats.export import resolve_stage, results_table, stage_chain
+from hedgecats.export import results_table, stage_chain
 from hedgecats.generate import parse_switch
 from fixtures.tiny import save_tiny_llama
 from hedgecats.models import attention_mode
 from hedgecats.models.stage_files import build_hybrid, load_hybrid, save_stage, stage_tensors
+from hedgecats.models.stage_source import resolve_stage
 from hedgecats.models.structure import unwrap
 
 HYB = {"window": 4, "layer_windows": {1: 6}, "mixer": "learned_head"}

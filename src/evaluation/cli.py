@@ -55,6 +55,7 @@ _MODE_SYNTAX = variant_syntax() + """
 _EPILOG = _MODE_SYNTAX + """
 examples:
   hedgecats evaluate --model runs/stage2/stage.pt --output results/stage2
+  hedgecats evaluate --model runs/hedgecats --retrieval --output results/run  # its final stage
   hedgecats evaluate --model meta-llama/Meta-Llama-3-8B-Instruct --hybrid hybrid.yaml \\
       --tasks piqa,arc_easy --modes hybrid,swa_only,la_only+la_span=all --output results/init
   hedgecats evaluate --model ckpt --tasks my_tasks/ --metric my_task=acc_norm --output out
@@ -122,7 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EPILOG)
     g = p.add_argument_group("model")
     g.add_argument("--model", required=True, action="append", dest="models", metavar="MODEL",
-                   help="a stage checkpoint, or a transformers model (local directory or hub id). "
+                   help="a stage checkpoint (stage.pt, its directory, or a pipeline run "
+                        "directory: its final stage, as hedgecats export takes it), or a "
+                        "transformers model (local directory or hub id). "
                         "Repeat it with stage checkpoints of the same base model trained with "
                         "different seeds to report mean, sd and 95%% CI over them")
     g.add_argument("--hybrid", metavar="YAML",
@@ -264,6 +267,19 @@ def _check_paths(args) -> None:
                 raise ValueError(f"{flag} {missing}")
 
 
+def _final_stage(spec: str, say) -> str:
+    """``--model`` that is a pipeline run directory: its final stage's ``stage.pt``, taken as
+    ``hedgecats export`` takes it; a run whose last stage did not finish is refused naming
+    it. Anything else is returned as given."""
+    from ..models.stage_source import is_run_directory, resolve_stage
+
+    if not is_run_directory(spec):
+        return spec
+    stage_pt, _ = resolve_stage(spec, command="evaluate")
+    say(f"--model {spec}: the run's final stage, {stage_pt}")
+    return str(stage_pt)
+
+
 def _branch_usage_sample(args) -> str | None:
     """The text of ``--branch-usage-text``, read now (a file that is not UTF-8 text fails
     here, not after the lm-eval tasks)."""
@@ -312,6 +328,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     # ---- check every input before loading anything: after this, only a model or a task that
     # cannot be loaded stops the run before the results are written
     _check_paths(args)
+    args.models = [_final_stage(m, say) for m in args.models]
     specs: list[ModeSpec] = parse_modes(args.modes)
     overrides = parse_metric_overrides(args.metric)
     out_dir = check_output_dir(args.output, args.overwrite)
