@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -39,7 +40,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from .config import HybridConfig
 from .convert import convert_to_hybrid
 from .io import atomic_write
-from .structure import hybrid_parameter_names, unwrap
+from .structure import HYBRID_PARTS, hybrid_parameter_names, unwrap
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +49,12 @@ __all__ = [
     "FORMAT",
     "build_hybrid",
     "check_local_model",
+    "converted_layers",
     "load_hybrid",
     "load_tensors",
     "read_stage",
     "resolve_base_model",
+    "restrict_to_layers",
     "save_stage",
     "stage_tensors",
 ]
@@ -142,6 +145,40 @@ def read_stage(path: str | os.PathLike) -> dict:
                          f"expected {FORMAT!r}); a Lightning .ckpt resumes a stage with ckpt_path, "
                          "stage.pt starts the next one with init_from")
     return payload
+
+
+#: a converted layer's own tensor: ``model.layers.3.self_attn.phi_q.weight`` -> layer 3
+_HYBRID_TENSOR = re.compile(r"\.layers\.(\d+)\.self_attn\.(?:%s)\." % "|".join(HYBRID_PARTS))
+
+
+def converted_layers(payload: dict) -> list[int]:
+    """The layers a stage checkpoint converted: those its feature maps and mixers belong to."""
+    return sorted({int(m.group(1)) for name in payload["tensors"]
+                   if (m := _HYBRID_TENSOR.search(name))})
+
+
+def restrict_to_layers(payload: dict, layers: Iterable[int], where: str = "the checkpoint"
+                       ) -> dict:
+    """A copy of ``payload`` that converts only ``layers`` (a subset of ``converted_layers``):
+    ``hybrid_config.layers`` (and ``layer_windows``) name them, and the feature maps and mixers
+    of the other layers are dropped; the other layers run softmax attention. A layer that
+    ``payload`` did not convert has no trained feature maps: ``ValueError``."""
+    layers = sorted(set(int(i) for i in layers))
+    have = converted_layers(payload)
+    missing = sorted(set(layers) - set(have))
+    if missing:
+        raise ValueError(f"{where} holds feature maps for layers {have} only; layers {missing} "
+                         "were never converted there (kept softmax), so nothing trained their "
+                         f"feature maps: name layers among {have}, or start from a stage that "
+                         "converted them")
+    cfg = dict(payload["hybrid_config"] or {})
+    cfg["layers"] = layers
+    if cfg.get("layer_windows"):
+        cfg["layer_windows"] = {int(i): w for i, w in cfg["layer_windows"].items()
+                                if int(i) in layers} or None
+    tensors = {n: t for n, t in payload["tensors"].items()
+               if (m := _HYBRID_TENSOR.search(n)) is None or int(m.group(1)) in layers}
+    return {**payload, "hybrid_config": cfg, "tensors": tensors}
 
 
 def resolve_base_model(payload: dict, stage_path: str | os.PathLike) -> str:
