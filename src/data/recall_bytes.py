@@ -13,10 +13,15 @@ The value of a recall can only be predicted by finding the fact: ``distance < wi
 a *near* recall (the SWA branch can see it), ``distance >= far_min`` a *far* one (only full
 attention or the LA branch can). Token id = byte value: the tokenizer is the data package's
 ``byte_level_tokenizer`` (``<eos>`` = 256, ``<pad>`` = 257, ``<bos>`` = 258).
+
+The regime axis ``q`` (``RecallDataModule(far_share=q)``, docs/testbed.md#regime): a share ``q`` of
+the train and validation documents are the corpus's own (near and far recalls mixed), the rest
+have near recalls only; the test documents do not depend on ``q``.
 """
 
 from __future__ import annotations
 
+import math
 import string
 from dataclasses import dataclass
 
@@ -37,7 +42,9 @@ __all__ = [
     "RecallCorpus",
     "RecallDataModule",
     "byte_tokenizer",
+    "far_documents",
     "make_recall_corpus",
+    "make_regime_corpus",
     "write_recall_mc_tasks",
 ]
 
@@ -66,16 +73,30 @@ class RecallCorpus:
         slices of the far range (``d150-233`` ...; ``buckets.range_buckets``)."""
         return range_buckets(3, self.near_max, self.far_min, self.far_max, n_far)
 
+    def stats(self) -> dict[str, int | float]:
+        """What the corpus holds: documents, those with at least one far recall, near and far
+        recalls, and the share of positions that are filler (lowercase words and their spaces,
+        not a ``#`` / ``?`` marker or an uppercase key)."""
+        ids, answers = self.input_ids, self.answers.reshape(-1, 3)
+        doc, dist = answers[:, 0], answers[:, 2]
+        far = dist >= self.far_min
+        marked = (ids == ord("#")) | (ids == ord("?")) | ((ids >= ord("A")) & (ids <= ord("Z")))
+        return {"docs": int(ids.shape[0]),
+                "docs_with_far": int(torch.unique(doc[far]).numel()),
+                "near_recalls": int((~far).sum()), "far_recalls": int(far.sum()),
+                "filler_share": float((~marked).float().mean()) if ids.numel() else 0.0}
+
 
 TASKS = ("kv", "marker")
 
 
 def make_recall_corpus(num_docs: int, seq_len: int, *, near_max: int, far_min: int,
                        far_max: int, facts_per_doc: int = 6, filler: str = string.ascii_lowercase,
-                       task: str = "kv", seed: int = 0) -> RecallCorpus:
+                       task: str = "kv", seed: int = 0, far_recalls: bool = True) -> RecallCorpus:
     """Generate documents as described in the module docstring; half the recalls near
-    (distance in ``[3, near_max]``), half far (``[far_min, far_max]``). ``filler``: the letters
-    filler words are drawn from (fewer letters: less noise around the recalls, faster to learn).
+    (distance in ``[3, near_max]``), half far (``[far_min, far_max]``); with ``far_recalls``
+    false every recall is near. ``filler``: the letters filler words are drawn from (fewer
+    letters: less noise around the recalls, faster to learn).
 
     ``task="marker"`` is the easier variant: one secret uppercase letter ``S`` per document,
     stated once as ``#S`` and recalled as ``?S`` again and again, each recall ``distance`` after
@@ -99,12 +120,13 @@ def make_recall_corpus(num_docs: int, seq_len: int, *, near_max: int, far_min: i
         row = _filler(rng, fill, seq_len)
         if task == "marker":
             docs[d] = row
-            _marker_doc(docs[d], d, rng, upper, near_max, far_min, far_max, answers)
+            _marker_doc(docs[d], d, rng, upper, near_max, far_min, far_max, answers,
+                        far_recalls)
             continue
         used = np.zeros(seq_len, dtype=bool)
         keys = rng.permutation(upper)[:facts_per_doc]
         for j, key in enumerate(keys):
-            lo, hi = (3, near_max) if j % 2 == 0 else (far_min, far_max)
+            lo, hi = (3, near_max) if j % 2 == 0 or not far_recalls else (far_min, far_max)
             for _ in range(50):  # rejection sampling of a free slot pair
                 dist = int(rng.integers(lo, hi + 1))
                 f = int(rng.integers(0, seq_len - dist - 3))
@@ -120,6 +142,105 @@ def make_recall_corpus(num_docs: int, seq_len: int, *, near_max: int, far_min: i
         docs[d] = row
     return RecallCorpus(torch.from_numpy(docs), torch.tensor(answers, dtype=torch.long),
                         near_max=near_max, far_min=far_min, far_max=far_max)
+
+
+#: seeds of a split's regime documents, added to the split's own seed (``seed * 1000 + 0/1/2``
+#: in ``RecallDataModule``): its near-only documents, and the choice of the documents with far
+#: recalls
+NEAR_ONLY_SEED_OFFSET = 10
+FAR_CHOICE_SEED_OFFSET = 20
+
+
+def far_share_error(far_share, splits: dict[str, int]) -> str | None:
+    """Why ``far_share`` cannot split documents ``splits`` (``{split name: documents}``) into
+    some with far recalls and some with near recalls only (``None``: it can). ``far_share``
+    must be a number in [0, 1]; each split must get at least one document of each kind that the
+    share asks for (``far_documents`` rounds ``far_share * n`` half up)."""
+    if isinstance(far_share, bool) or not isinstance(far_share, (int, float)) or \
+            not 0.0 <= far_share <= 1.0:
+        return (f"far_share={far_share!r} must be a number in [0, 1]: the share q of train and "
+                "validation documents with far recalls (null: the corpus as it is, every "
+                "document mixing near and far recalls)")
+    for split, n in splits.items():
+        if _kinds_present(far_share, n):
+            continue
+        least = _fewest_docs(far_share)
+        advice = (f"give {split} at least {least} document{'s' * (least != 1)}" if least else
+                  f"give {split} more documents")
+        if n <= 0:
+            return f"far_share={far_share!r} with {split}={n}: the split has no documents; {advice}"
+        n_far = _n_far(far_share, n)
+        kind, count = (("far recalls", far_share * n) if far_share > 0 and n_far == 0 else
+                       ("near recalls only", (1 - far_share) * n))
+        return (f"far_share={far_share!r} leaves {split}={n} with no document with {kind} "
+                f"({count:.3g} documents round to 0): {advice}, or choose another far_share")
+    return None
+
+
+def _n_far(far_share: float, n: int) -> int:
+    return math.floor(far_share * n + 0.5)  # half up, whatever Python's round does with .5
+
+
+def _kinds_present(far_share: float, n: int) -> bool:
+    """Whether ``n`` documents at ``far_share`` hold each kind the share asks for."""
+    n_far = _n_far(far_share, n)
+    return (far_share == 0 or n_far >= 1) and (far_share == 1 or n - n_far >= 1)
+
+
+def _fewest_docs(far_share: float) -> int | None:
+    """The fewest documents a split needs at ``far_share`` (``None`` past 10^9)."""
+    if 0 < far_share <= 1e-9:
+        return None
+    guess = max(1, math.floor(0.5 / far_share) if far_share > 0 else 1,
+                math.floor(0.5 / (1 - far_share)) if far_share < 1 else 1)
+    for n in range(guess, guess + 4):
+        if _kinds_present(far_share, n):
+            return n
+    return None
+
+
+def far_documents(num_docs: int, far_share: float, seed: int) -> torch.Tensor:
+    """Which of ``num_docs`` documents have far recalls: (num_docs,) bool, ``far_share *
+    num_docs`` of them (rounded half up), chosen by a permutation drawn from ``seed``. The
+    choice is nested: the documents with far recalls at a share are among those at any larger
+    share (same seed), so runs at different shares differ only in the documents swapped."""
+    order = np.random.default_rng(seed).permutation(num_docs)
+    far = torch.zeros(num_docs, dtype=torch.bool)
+    far[torch.from_numpy(order[:_n_far(far_share, num_docs)])] = True
+    return far
+
+
+def make_regime_corpus(num_docs: int, seq_len: int, *, far_share: float, seed: int = 0,
+                       **kwargs) -> RecallCorpus:
+    """Documents of the regime axis (module docstring): ``far_documents(num_docs, far_share,
+    seed + FAR_CHOICE_SEED_OFFSET)`` are those of ``make_recall_corpus(num_docs, seq_len,
+    seed=seed, **kwargs)`` at the same index (so ``far_share`` 1 is that corpus, byte for
+    byte), the others those of the same corpus with near recalls only, drawn from ``seed +
+    NEAR_ONLY_SEED_OFFSET``. Answers are ordered by document, as ``make_recall_corpus``'s."""
+    error = far_share_error(far_share, {"num_docs": num_docs})
+    if error:
+        raise ValueError(error)
+    far = far_documents(num_docs, far_share, seed + FAR_CHOICE_SEED_OFFSET)
+    kinds = []  # (corpus, its documents taken): each kind generated only where one is taken
+    if far.any():
+        kinds.append((make_recall_corpus(num_docs, seq_len, seed=seed, **kwargs), far))
+    if not far.all():
+        kinds.append((make_recall_corpus(num_docs, seq_len, seed=seed + NEAR_ONLY_SEED_OFFSET,
+                                         far_recalls=False, **kwargs), ~far))
+    ids = torch.empty_like(kinds[0][0].input_ids)
+    for corpus, docs in kinds:
+        ids[docs] = corpus.input_ids[docs]
+    answers = torch.cat([_answers_of(corpus, docs) for corpus, docs in kinds])
+    answers = answers[torch.argsort(answers[:, 0], stable=True)]
+    first = kinds[0][0]
+    return RecallCorpus(ids, answers, near_max=first.near_max, far_min=first.far_min,
+                        far_max=first.far_max)
+
+
+def _answers_of(corpus: RecallCorpus, docs: torch.Tensor) -> torch.Tensor:
+    """The answer rows (M, 3) of ``corpus`` whose document is marked in ``docs`` (bool)."""
+    answers = corpus.answers.reshape(-1, 3)
+    return answers[docs[answers[:, 0]]]
 
 
 def _filler(rng, fill: np.ndarray, length: int) -> np.ndarray:
@@ -227,7 +348,8 @@ def write_recall_mc_tasks(root, *, task: str = "kv", n_docs: int = 256, near_max
     return list(MC_TASKS[task])
 
 
-def _marker_doc(row, d, rng, upper, near_max, far_min, far_max, answers) -> None:
+def _marker_doc(row, d, rng, upper, near_max, far_min, far_max, answers,
+                far_recalls: bool = True) -> None:
     """Write "#S" then "?S" recalls into ``row`` in place (see ``make_recall_corpus``)."""
     T = len(row)
     secret = int(rng.choice(upper))
@@ -236,7 +358,8 @@ def _marker_doc(row, d, rng, upper, near_max, far_min, far_max, answers) -> None
     row[start:start + 2] = [ord("#"), secret]
     last = start + 1  # position of the latest occurrence of the secret
     while True:
-        lo, hi = (3, near_max) if rng.random() < 0.5 else (far_min, far_max)
+        # the draw is made either way: the corpus with far recalls keeps its bytes
+        lo, hi = (3, near_max) if rng.random() < 0.5 or not far_recalls else (far_min, far_max)
         dist = int(rng.integers(lo, hi + 1))
         pos = last + dist  # where the recalled secret goes; "?" just before it
         if pos >= T:
@@ -259,39 +382,55 @@ class RecallDataModule(ResumableTrainData, pl.LightningDataModule):
         far_min, far_max: distances of far recalls. facts_per_doc: facts (and recalls) per
             document. filler: letters of the filler words. task: ``kv`` or ``marker``
             (see ``make_recall_corpus``). num_train, num_val, num_test: documents.
-        batch_size: per process. seed: corpus seed (splits use seed, seed+1, seed+2).
+        batch_size: per process. seed: corpus seed (splits use seed * 1000 + 0, 1, 2).
+        far_share: the regime axis ``q`` (``make_regime_corpus``): the share of train and
+            validation documents with far recalls, the rest with near recalls only; the test
+            documents are the same whatever its value. ``None``: every split as generated,
+            each document mixing near and far recalls.
     """
 
     def __init__(self, seq_len: int = 256, window: int = 32, far_min: int = 64, far_max: int = 200,
                  facts_per_doc: int = 6, filler: str = string.ascii_lowercase,
                  task: str = "kv", num_train: int = 4096, num_val: int = 128,
                  num_test: int = 256, batch_size: int = 16, seed: int = 0,
-                 shuffle: bool = True) -> None:
+                 shuffle: bool = True, far_share: float | None = None) -> None:
         super().__init__()
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size={batch_size!r} must be an integer >= 1 (documents per "
                              "batch and process)")
+        if far_share is not None:
+            error = far_share_error(far_share, {"num_train": num_train, "num_val": num_val})
+            if error:
+                raise ValueError(error)
         self.save_hyperparameters()
         self.tokenizer = None
         self._splits: dict[str, RecallCorpus] = {}
         self._train_loader: ResumableDataLoader | None = None
         self._resume_state: dict | None = None
 
-    def _corpus(self, split: str) -> RecallCorpus:
+    def corpus(self, split: str) -> RecallCorpus:
+        """The documents and answers of ``split`` (``train``, ``val`` or ``test``), generated
+        once."""
+        if split not in ("train", "val", "test"):
+            raise ValueError(f"split={split!r} is not valid; choose one of train, val, test")
         if split not in self._splits:
             h = self.hparams
             n, off = {"train": (h.num_train, 0), "val": (h.num_val, 1), "test": (h.num_test, 2)}[split]
-            self._splits[split] = make_recall_corpus(
-                n, h.seq_len, near_max=h.window - 1, far_min=h.far_min, far_max=h.far_max,
-                facts_per_doc=h.facts_per_doc, filler=h.filler, task=h.task,
-                seed=h.seed * 1000 + off)
+            kwargs = dict(near_max=h.window - 1, far_min=h.far_min, far_max=h.far_max,
+                          facts_per_doc=h.facts_per_doc, filler=h.filler, task=h.task,
+                          seed=h.seed * 1000 + off)
+            if h.far_share is None or split == "test":
+                self._splits[split] = make_recall_corpus(n, h.seq_len, **kwargs)
+            else:
+                self._splits[split] = make_regime_corpus(n, h.seq_len, far_share=h.far_share,
+                                                         **kwargs)
         return self._splits[split]
 
     def setup(self, stage: str | None = None) -> None:
         self.tokenizer = byte_tokenizer()
 
     def _loader(self, split: str, shuffle: bool) -> DataLoader:
-        ds = TensorDataset(self._corpus(split).input_ids)
+        ds = TensorDataset(self.corpus(split).input_ids)
         trainer = self.trainer
         rank, world = (trainer.global_rank, trainer.world_size) if trainer else (0, 1)
         # a DistributedSampler, which Lightning leaves in place under DDP and pads to equal shard
@@ -325,7 +464,7 @@ class RecallDataModule(ResumableTrainData, pl.LightningDataModule):
         return self._loader("test", False)
 
     def test_corpus(self) -> RecallCorpus:
-        return self._corpus("test")
+        return self.corpus("test")
 
 
 def _collate(rows) -> dict[str, torch.Tensor]:
