@@ -29,7 +29,9 @@ sees, as if it had been written out in one file. Laying ``over`` onto ``base``:
   value; to set an inherited key to null, use ``--set KEY=null``);
 - ``stages`` (top level) merge by ``name``: an entry whose name is inherited merges into that
   stage key by key, keeping its place in the order; a new name is appended after the inherited
-  stages; ``{name: NAME, delete: true}`` removes the inherited stage.
+  stages, or placed right after the inherited stage ``after: NAME`` names (a stage that must
+  run between two inherited ones, e.g. ``select-layers`` after ``transfer``);
+  ``{name: NAME, delete: true}`` removes the inherited stage.
 
 A missing base or a cycle is a one-line ``ConfigError`` naming the chain of files.
 """
@@ -75,6 +77,7 @@ def read_yaml(path: Path, what: str = "pipeline"):
 
 EXTENDS_KEY = "extends"
 _DELETE_STAGE = "delete"
+_AFTER_STAGE = "after"
 _ABSENT = object()
 
 
@@ -167,10 +170,22 @@ def _merge_stages(base, over, where: str) -> list:
             del out[names.index(name)]
             names.remove(name)
         elif name in names:
+            if _AFTER_STAGE in st:
+                raise ConfigError(f"{where!r}: stage {name!r} is inherited and keeps its place; "
+                                  "'after' places a stage this file adds")
             out[names.index(name)] = merge_layers(out[names.index(name)], st, where, _top=False)
         else:
-            out.append(merge_layers({}, st, where, _top=False))
-            names.append(name)
+            after = st.get(_AFTER_STAGE)
+            new = merge_layers({}, {k: v for k, v in st.items() if k != _AFTER_STAGE}, where,
+                               _top=False)
+            at = len(out)
+            if after is not None:
+                if after not in names:
+                    raise ConfigError(f"{where!r}: stage {name!r}: after={after!r} names no "
+                                      f"stage before it; stages so far: {[n for n in names if n]}")
+                at = names.index(after) + 1
+            out.insert(at, new)
+            names.insert(at, name)
     return out
 
 
