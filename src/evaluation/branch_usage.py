@@ -29,8 +29,8 @@ from hedgecats.models.ops.hybrid.windows import outside_limit
 
 log = logging.getLogger(__name__)
 
-__all__ = ["branch_norms", "branch_usage", "default_text", "format_branch_usage_markdown",
-           "plot_branch_usage"]
+__all__ = ["branch_norms", "branch_usage", "default_text", "far_positions",
+           "format_branch_usage_markdown", "plot_branch_usage"]
 
 
 def default_text(tokenizer, n_tokens: int, window: int, seed: int = 0) -> str:
@@ -57,6 +57,15 @@ def branch_norms(module, query, key, value, key_padding_mask, hidden_states
               "window_shape": getattr(rt, "window_shape", "sliding")}
     return tuple(hybrid_attention(query, key, value, fq, fk, mode=mode, rescale=False, **common)
                  .float().norm(dim=-1) for mode in ("swa_only", "la_only"))
+
+
+def far_positions(rt, T: int, device) -> torch.Tensor:
+    """(T,) bool: the positions where a converted layer's LA sees a key (every position with
+    ``overlap``; ``t >= w`` for a sliding window), given its runtime ``rt``."""
+    if not rt.overlap and getattr(rt, "window_shape", "sliding") != "sliding":
+        # terraced windows (ops.windows): LA sees keys from the third block on
+        return outside_limit(rt.window_shape, rt.window, None, 1, T, T, device)[0] > 0
+    return torch.arange(T, device=device) >= (0 if rt.overlap else rt.window)
 
 
 def branch_usage(model, tokenizer, *, text: str | None = None, max_tokens: int = 1024,
@@ -99,11 +108,7 @@ def branch_usage(model, tokenizer, *, text: str | None = None, max_tokens: int =
         n_swa_BHT, n_la_BHT = branch_norms(module, query, key, value, key_padding_mask,
                                            hidden_states)
         T = n_swa_BHT.shape[-1]
-        far_T = torch.arange(T, device=n_swa_BHT.device) >= (0 if rt.overlap else rt.window)
-        if not rt.overlap and getattr(rt, "window_shape", "sliding") != "sliding":
-            # terraced windows (ops.windows): LA sees keys from the third block on
-            lim = outside_limit(rt.window_shape, rt.window, None, 1, T, T, n_swa_BHT.device)
-            far_T = lim[0] > 0
+        far_T = far_positions(rt, T, n_swa_BHT.device)
         s = sums.setdefault(rt.layer_idx, {"window": rt.window})
         for name, val in (("swa", n_swa_BHT), ("la", n_la_BHT)):
             s[name] = s.get(name, 0) + val[..., far_T].sum(dim=(0, 2)).double().cpu()  # (H,)
