@@ -6,16 +6,24 @@
     python -m experiments.testbed run --root R --no-mc ...    # then, anywhere:
     python -m experiments.testbed mc --root R --jobs 2 --device cpu
     python -m experiments.testbed report --root runs/testbed --out docs/testbed
+    python -m experiments.testbed run --root runs/testbed_strong --teacher-config teacher_strong \\
+        --q 0,0.1,0.5 --seeds 0,1,2                                  # the regime axis (issue 49)
+    python -m experiments.testbed data --recipe hedgecats --teacher-config teacher_strong \\
+        --q 0,0.1,0.5                  # what each split holds at each q (CPU, seconds)
 
-``run`` writes the multiple-choice tasks (``<root>/mc_tasks``), trains the teacher through
-``hedgecats pipeline configs/testbed/teacher.yaml`` unless ``--teacher`` names one, then runs
-``hedgecats pipeline configs/testbed/<recipe>.yaml --seed S`` for every recipe and seed, ``--jobs``
-of them at once (small models leave one GPU mostly idle: concurrent pipelines share it), each
-into ``<root>/<recipe>-s<S>`` (``<root>/legacy/...`` with ``--legacy-objective``, which runs
-``experiments/testbed_legacy.py``), logs in ``<root>/logs``. Finished pipelines are skipped by the
-pipeline itself on a re-run. ``report`` reads every run's ``results.json`` (and ``mc/results.json``)
-and writes ``testbed.json``, ``testbed.md`` and two plots (far recall per mode per recipe;
-Delta_LA per recipe), every number a mean +- std over the seeds found, with the seed count.
+``run`` writes the multiple-choice tasks (``<root>/mc_tasks``, with the teacher's filler
+letters), trains the teacher through ``hedgecats pipeline configs/testbed/<teacher config>.yaml``
+(``--teacher-config``, default ``teacher``) unless ``--teacher`` names one, then runs ``hedgecats
+pipeline configs/testbed/<recipe>.yaml --seed S --var filler=<the teacher's>`` for every recipe and
+seed, ``--jobs`` of them at once (small models leave one GPU mostly idle: concurrent pipelines
+share it), each into ``<root>/<recipe>-s<S>`` (``<root>/legacy/...`` with ``--legacy-objective``,
+which runs ``experiments/testbed_legacy.py``), logs in ``<root>/logs``. ``--q`` runs each recipe
+and seed at every share q (``--var far_share=q``: docs/testbed.md#regime) into
+``<root>/<recipe>-q<q>-s<S>``. Finished pipelines are skipped by the pipeline itself on a
+re-run. ``report`` reads every run's ``results.json`` (and ``mc/results.json``) and writes
+``testbed.json``, ``testbed.md`` and the plots (far recall per mode per recipe; Delta_LA per
+recipe; with runs at several q, far recall against q), every number a mean +- std over the seeds
+found, with the seed count; a recipe at a share q is its own row, ``<recipe> q=<q>``.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import json
 import os
 import re
 import statistics
+import string
 import subprocess
 import sys
 import time
@@ -44,6 +53,59 @@ RECALL_ROWS = {"teacher": "teacher", "softmax": "softmax", "hybrid": "hybrid",
                # SSD recipes also at the configured window (they end at their last phase's)
                "hybrid (window64)": "hybrid@w64", "swa_only (window64)": "swa_only@w64"}
 FAR_TASK = "recall_mc_far"
+#: the teacher configs (``--teacher-config``): configs/testbed/teacher*.yaml
+TEACHERS = tuple(sorted(p.stem for p in CONFIGS.glob("teacher*.yaml")))
+#: a run directory: ``<recipe>-s<seed>``, or ``<recipe>-q<q>-s<seed>`` at a share q
+RUN_NAME = re.compile(r"(?P<recipe>.+?)(?:-q(?P<q>\d+(?:\.\d+)?))?-s(?P<seed>\d+)")
+
+
+def q_text(q: float) -> str:
+    """A share as run names and row labels write it: ``0``, ``0.1``, ``1`` (no exponent)."""
+    return f"{q:.6f}".rstrip("0").rstrip(".")
+
+
+def run_name(recipe: str, seed: int, q: float | None = None) -> str:
+    return f"{recipe}-s{seed}" if q is None else f"{recipe}-q{q_text(q)}-s{seed}"
+
+
+def parse_run_name(name: str) -> tuple[str, float | None, int] | None:
+    """``(recipe, q, seed)`` of a run directory's name (``q`` None off the regime axis);
+    ``None`` for a name that is not a run's."""
+    m = RUN_NAME.fullmatch(name)
+    if not m:
+        return None
+    return m["recipe"], None if m["q"] is None else float(m["q"]), int(m["seed"])
+
+
+def run_label(recipe: str, q: float | None) -> str:
+    """A report row: the recipe, and its share q where it ran at one."""
+    return recipe if q is None else f"{recipe} q={q_text(q)}"
+
+
+def split_label(label: str) -> tuple[str, float | None]:
+    recipe, _, q = label.partition(" q=")
+    return recipe, float(q) if q else None
+
+
+def shares(text: str) -> list[float]:
+    """``--q 0,0.1,0.5``: distinct shares in [0, 1]."""
+    try:
+        values = [float(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or not all(0.0 <= v <= 1.0 for v in values) or \
+            len({q_text(v) for v in values}) != len(values):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give distinct shares in [0, 1] separated by commas, e.g. 0,0.1,0.5")
+    return values
+
+
+def teacher_filler(config: Path) -> str:
+    """The filler letters of a teacher config's data (the recipes and tasks must use them)."""
+    from hedgecats.pipeline.spec import load_pipeline
+
+    data = load_pipeline(config)["stages"][0]["fit"]["data"]["init_args"]
+    return data.get("filler", string.ascii_lowercase)
 
 
 def _short(tasks) -> list[str]:
@@ -129,35 +191,57 @@ def _run_jobs(jobs: list[tuple[str, list[str]]], n_parallel: int, logs: Path) ->
     return done
 
 
-def cmd_run(a: argparse.Namespace) -> int:
+def mc_tasks(root: Path, task: str, n_docs: int, filler: str) -> Path:
+    """``<root>/mc_tasks``: the multiple-choice tasks, written once per root with the teacher's
+    filler letters (``tasks.json`` records them; a root's tasks built with other letters are
+    refused: one root per teacher)."""
     from hedgecats.data.recall_bytes import write_recall_mc_tasks
 
-    root = Path(a.root).resolve()
     tasks = root / "mc_tasks"
-    if not (tasks / f"{FAR_TASK}.yaml").exists():
-        write_recall_mc_tasks(tasks, task=a.mc_task, n_docs=a.mc_docs, seed=1234)
+    stamp = tasks / "tasks.json"
+    if (tasks / f"{FAR_TASK}.yaml").exists():
+        # tasks written before the stamp used the corpus's default letters
+        built = json.loads(stamp.read_text()) if stamp.exists() else \
+            {"filler": string.ascii_lowercase}
+        if built["filler"] != filler:
+            raise SystemExit(f"{tasks} holds multiple-choice tasks built with filler "
+                             f"{built['filler']!r}; this teacher's is {filler!r}: give each "
+                             "teacher its own --root")
+        return tasks
+    write_recall_mc_tasks(tasks, task=task, n_docs=n_docs, filler=filler, seed=1234)
+    stamp.write_text(json.dumps({"task": task, "docs": n_docs, "filler": filler, "seed": 1234}))
+    return tasks
+
+
+def cmd_run(a: argparse.Namespace) -> int:
+    root = Path(a.root).resolve()
+    teacher_config = CONFIGS / f"{a.teacher_config}.yaml"
+    filler = teacher_filler(teacher_config)
+    recipes = RECIPES if a.recipes == "all" else tuple(a.recipes.split(","))
+    unknown = sorted(set(recipes) - set(RECIPES))
+    if unknown:
+        raise SystemExit(f"unknown recipes {unknown}; valid: {', '.join(RECIPES)}")
+    tasks = mc_tasks(root, a.mc_task, a.mc_docs, filler)
     teacher = Path(a.teacher).resolve() if a.teacher else root / "teacher" / "teacher" / "model"
-    report = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "jobs": {}}
+    report = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "teacher_config": a.teacher_config,
+              "filler": filler, "q": a.q, "jobs": {}}
     if not a.teacher:
-        cmd = _pipeline_cmd(CONFIGS / "teacher.yaml", root / "teacher", None,
+        cmd = _pipeline_cmd(teacher_config, root / "teacher", None,
                             {"steps": a.teacher_steps}, legacy=False)
         report["jobs"].update(_run_jobs([("teacher", cmd)], 1, root / "logs"))
         if report["jobs"]["teacher"]["rc"]:
             print(f"the teacher failed: {root / 'logs' / 'teacher.log'}", file=sys.stderr)
             return 1
-    recipes = RECIPES if a.recipes == "all" else tuple(a.recipes.split(","))
-    unknown = sorted(set(recipes) - set(RECIPES))
-    if unknown:
-        raise SystemExit(f"unknown recipes {unknown}; valid: {', '.join(RECIPES)}")
     base = root / "legacy" if a.legacy_objective else root
     variables = {"teacher": teacher, "tasks": tasks, "transfer_steps": a.transfer_steps,
-                 "finetune_steps": a.finetune_steps}
+                 "finetune_steps": a.finetune_steps, "filler": filler}
     configs = {r: _without_mc(CONFIGS / f"{r}.yaml", root / "configs-no-mc") if a.no_mc
                else CONFIGS / f"{r}.yaml" for r in recipes}
-    jobs = [(f"{'legacy-' if a.legacy_objective else ''}{r}-s{s}",
-             _pipeline_cmd(configs[r], base / f"{r}-s{s}", s, variables,
+    jobs = [(f"{'legacy-' if a.legacy_objective else ''}{run_name(r, s, q)}",
+             _pipeline_cmd(configs[r], base / run_name(r, s, q), s,
+                           {**variables, **({} if q is None else {"far_share": q})},
                            a.legacy_objective, a.set or []))
-            for s in a.seeds for r in recipes]
+            for q in (a.q or [None]) for s in a.seeds for r in recipes]
     report["jobs"].update(_run_jobs(jobs, a.jobs, root / "logs"))
     report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     (root / f"jobs{'-legacy' if a.legacy_objective else ''}.json").write_text(
@@ -165,6 +249,57 @@ def cmd_run(a: argparse.Namespace) -> int:
     failed = [n for n, r in report["jobs"].items() if r["rc"]]
     print(f"{len(report['jobs']) - len(failed)} ok, {len(failed)} failed {failed}")
     return 1 if failed else 0
+
+
+# ----------------------------------------------------------------------------- data
+def cmd_data(a: argparse.Namespace) -> int:
+    """What a recipe's data holds at each share q, split by split (documents, those with far
+    recalls, near and far recalls, filler share), generated here as the pipeline would (its
+    config with ``--var far_share=q --var filler=<the teacher's>`` and ``--set``); exit 1 when
+    the test documents differ between the shares."""
+    import hashlib
+
+    from hedgecats.data.recall_bytes import RecallDataModule
+    from hedgecats.pipeline.spec import load_pipeline, parse_overrides
+
+    filler = teacher_filler(CONFIGS / f"{a.teacher_config}.yaml")
+    out = {"recipe": a.recipe, "teacher_config": a.teacher_config, "filler": filler,
+           "set": a.set or [], "shares": {}}
+    lines = ["| q | split | docs | docs with far recalls | near recalls | far recalls | "
+             "far share of recalls | filler share | filler letters |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    test_hashes = set()
+    for q in a.q or [None]:
+        spec = load_pipeline(CONFIGS / f"{a.recipe}.yaml", output=Path(a.root) / "data-check",
+                             variables={"filler": filler, "far_share": q},
+                             overrides=parse_overrides(a.set))
+        datas = {json.dumps(st["fit"]["data"]["init_args"], sort_keys=True)
+                 for st in spec["stages"] if st["fit"].get("data")}
+        if len(datas) != 1:
+            raise SystemExit(f"{a.recipe}: its stages train on {len(datas)} different data "
+                             "settings; this check reads one")
+        dm = RecallDataModule(**json.loads(datas.pop()))
+        per = {}
+        for split in ("train", "val", "test"):
+            corpus = dm.corpus(split)
+            st = per[split] = corpus.stats()
+            recalls = st["near_recalls"] + st["far_recalls"]
+            lines.append(f"| {'-' if q is None else q_text(q)} | {split} | {st['docs']} | "
+                         f"{st['docs_with_far']} | {st['near_recalls']} | {st['far_recalls']} | "
+                         f"{st['far_recalls'] / max(recalls, 1):.3f} | "
+                         f"{st['filler_share']:.3f} | {st['filler_letters']} |")
+        per["test_sha256"] = hashlib.sha256(corpus.input_ids.numpy().tobytes()).hexdigest()
+        test_hashes.add(per["test_sha256"])
+        out["shares"]["-" if q is None else q_text(q)] = per
+    same = len(test_hashes) == 1
+    out["test_documents_identical"] = same
+    print("\n".join(lines))
+    print(f"test documents identical across the shares: {'yes' if same else 'NO'} "
+          f"(sha256 {', '.join(sorted(h[:12] for h in test_hashes))})")
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
+    return 0 if same else 1
 
 
 # ----------------------------------------------------------------------------- mc
@@ -177,14 +312,14 @@ def cmd_mc(a: argparse.Namespace) -> int:
     variables = {"teacher": teacher, "tasks": root / "mc_tasks"}
     jobs = []
     for run in sorted(root.glob("*-s[0-9]*")):
-        recipe, _, seed = run.name.rpartition("-s")
-        if recipe not in RECIPES or not seed.isdigit():
+        parsed = parse_run_name(run.name)
+        if parsed is None or parsed[0] not in RECIPES:
             continue
         if not (run / "finetune" / "stage.pt").exists() or \
                 ((run / "mc" / "results.json").exists() and not a.again):
             continue
-        jobs.append((f"mc-{run.name}", mc_command(CONFIGS / f"{recipe}.yaml", run, variables,
-                                                 int(seed), a.device)))
+        jobs.append((f"mc-{run.name}", mc_command(CONFIGS / f"{parsed[0]}.yaml", run, variables,
+                                                 parsed[2], a.device)))
     if not jobs:
         print(f"no run under {root} needs its multiple-choice step")
         return 0
@@ -291,13 +426,27 @@ def _read_run(run: Path) -> dict:
 
 
 def collect(root: Path) -> dict[str, dict[int, dict]]:
-    """``{recipe: {seed: run numbers}}`` for every finished run under ``root``."""
+    """``{row label: {seed: run numbers}}`` for every finished run under ``root``: the label
+    is the recipe, with its share where it ran at one (``run_label``)."""
     runs: dict[str, dict[int, dict]] = {}
     for d in sorted(root.glob("*-s[0-9]*")):
-        m = re.fullmatch(r"(.+)-s(\d+)", d.name)
-        if m and (d / "results.json").exists():
-            runs.setdefault(m.group(1), {})[int(m.group(2))] = _read_run(d)
+        parsed = parse_run_name(d.name)
+        if parsed and (d / "results.json").exists():
+            recipe, q, seed = parsed
+            runs.setdefault(run_label(recipe, q), {})[seed] = _read_run(d)
     return runs
+
+
+def row_order(labels) -> list[str]:
+    """Rows in RECIPES order (others after, by name), each recipe's shares ascending, the
+    recipe without a share first."""
+    def key(label):
+        recipe, q = split_label(label)
+        known = recipe in RECIPES
+        return (not known, RECIPES.index(recipe) if known else 0, recipe,
+                -1.0 if q is None else q)
+
+    return sorted(labels, key=key)
 
 
 def aggregate(runs: dict[str, dict[int, dict]]) -> dict:
@@ -427,8 +576,34 @@ def render(agg: dict) -> str:
                    *(f"| {k} ({len(r['seeds'])}) | {_fmt(r['health'].get('la_rel_err'), 1, 3)} "
                      f"| {_fmt(r['health'].get('den_collapsed'), 1, 3)} |"
                      for k, r in agg.items())]),
+        *_regime_table(agg),
     ]
     return "\n\n".join(parts) + "\n"
+
+
+#: the regime table's columns: (heading, metric, mode)
+REGIME_COLUMNS = (("far: hybrid", "far_acc", "hybrid"), ("far: la_only", "far_acc", "la_only"),
+                  ("far: swa_only", "far_acc", "swa_only"), ("far: softmax", "far_acc", "softmax"),
+                  ("near: hybrid", "near_acc", "hybrid"), ("LM loss: hybrid", "lm_loss", "hybrid"))
+
+
+def _regime_table(agg: dict) -> list[str]:
+    """Far / near recall and LM loss against q for the rows that ran at a share (nothing when
+    none did): one line per recipe and share."""
+    rows = [k for k in agg if split_label(k)[1] is not None]
+    if not rows:
+        return []
+    lines = ["| recipe | q | seeds | " + " | ".join(c[0] for c in REGIME_COLUMNS)
+             + " | Delta_LA far |", "|---|---|---|" + "---|" * (len(REGIME_COLUMNS) + 1)]
+    for k in rows:
+        recipe, q = split_label(k)
+        r = agg[k]
+        lines.append(f"| {recipe} | {q_text(q)} | {len(r['seeds'])} | "
+                     + " | ".join(_fmt(r[metric].get(mode), 1, 3)
+                                  for _, metric, mode in REGIME_COLUMNS)
+                     + f" | {_fmt(r['delta_la_far_recall'], 1, 3)} |")
+    return ["### Regime: against q, the share of conversion documents with far recalls (test "
+            "documents the same for every q; mean ± std over seeds)", "\n".join(lines)]
 
 
 def plot(agg: dict, out: Path, runs: dict) -> list[Path]:
@@ -477,7 +652,42 @@ def plot(agg: dict, out: Path, runs: dict) -> list[Path]:
     p2 = out / "delta_la.png"
     fig.savefig(p2, dpi=120)
     plt.close(fig)
-    return [*written, p2]
+    written.append(p2)
+    if any(split_label(r)[1] is not None for r in recipes):
+        written.append(_regime_plot(plt, agg, out / "regime.png"))
+    return written
+
+
+def _regime_plot(plt, agg: dict, path: Path) -> Path:
+    """Far recall against q per recipe: hybrid (solid) and la_only (dashed), mean over seeds,
+    each seed a dot."""
+    by_recipe: dict[str, list[tuple[float, dict]]] = {}
+    for label, r in agg.items():
+        recipe, q = split_label(label)
+        if q is not None:
+            by_recipe.setdefault(recipe, []).append((q, r))
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for i, (recipe, points) in enumerate(by_recipe.items()):
+        color = f"C{i % 10}"
+        points.sort(key=lambda p: p[0])
+        for mode, style in (("hybrid", "-"), ("la_only", "--")):
+            st = [(q, r["far_acc"].get(mode)) for q, r in points]
+            st = [(q, x) for q, x in st if x and x["mean"] is not None]
+            if not st:
+                continue
+            ax.plot([q for q, _ in st], [x["mean"] for _, x in st], style, color=color,
+                    marker="o", ms=3, label=f"{recipe} {mode}")
+            for q, x in st:
+                ax.scatter([q] * len(x["values"]), x["values"], s=8, color=color, zorder=3)
+    ax.set_xlabel("q: share of conversion documents with far recalls")
+    ax.set_ylabel("far recall accuracy (held-out test documents)")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("Far recall against q (solid: hybrid, dashed: la_only; dots: seeds)", fontsize=10)
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def _per_mode_bars(plt, agg: dict, recipes: list, labels: list, key: str, path: Path,
@@ -512,8 +722,7 @@ def cmd_report(a: argparse.Namespace) -> int:
     runs = collect(root)
     if not runs:
         raise SystemExit(f"no finished runs (<recipe>-s<seed>/results.json) under {root}")
-    order = [r for r in RECIPES if r in runs] + sorted(set(runs) - set(RECIPES))
-    agg = aggregate({r: runs[r] for r in order})
+    agg = aggregate({r: runs[r] for r in row_order(runs)})
     (out / "testbed.json").write_text(json.dumps({"aggregate": agg, "runs": runs}, indent=1,
                                                  default=str))
     (out / "testbed.md").write_text(render(agg))
@@ -544,7 +753,23 @@ def main(argv: list[str] | None = None) -> int:
                    help="the first weights_xent (experiments/testbed_legacy.py), into <root>/legacy")
     r.add_argument("--no-mc", action="store_true",
                    help="leave out the multiple-choice step (run it later with `mc`)")
+    r.add_argument("--teacher-config", default="teacher", choices=TEACHERS,
+                   help="configs/testbed/<name>.yaml: the teacher trained (without --teacher) "
+                        "and whose filler letters every recipe and task uses")
+    r.add_argument("--q", type=shares, metavar="Q[,Q...]",
+                   help="shares of conversion documents with far recalls (docs/testbed.md#regime)"
+                        ": every recipe and seed at each, into <recipe>-q<q>-s<seed>; without "
+                        "it the data as the earlier runs had it")
     r.set_defaults(fn=cmd_run)
+    d = sub.add_parser("data", help="what a recipe's data splits hold at each q (CPU)")
+    d.add_argument("--recipe", default="hedgecats", choices=RECIPES)
+    d.add_argument("--teacher-config", default="teacher", choices=TEACHERS)
+    d.add_argument("--q", type=shares, metavar="Q[,Q...]", help="shares (default: none)")
+    d.add_argument("--set", action="append", metavar="PATH=VALUE",
+                   help="as hedgecats pipeline --set (e.g. a smaller num_train), repeatable")
+    d.add_argument("--root", default="runs/testbed", help="the run root the config resolves to")
+    d.add_argument("--out", help="also write the counts as JSON here")
+    d.set_defaults(fn=cmd_data)
     m = sub.add_parser("mc", help="the multiple-choice step of finished runs that lack it")
     m.add_argument("--root", default="runs/testbed")
     m.add_argument("--teacher", help="the teacher directory, if not <root>/teacher/teacher/model")

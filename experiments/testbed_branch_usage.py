@@ -4,11 +4,12 @@ it can see a key.
 
     python -m experiments.testbed_branch_usage RUN [RUN ...] --text FILE [--out branch_usage.json]
 
-RUN: ``<recipe>-s<seed>`` run directories (``finetune/stage.pt``); FILE: the text to run (the
-testbed's byte-level data, e.g. far multiple-choice contexts joined, up to ``--tokens``). Prints a
-markdown table: recipe, mean ± std over seeds of the per-layer share (mean over heads), and of
-their mean over layers. ``hedgecats evaluate --branch-usage`` measures the same for one model
-(with its lm-eval tasks); this script needs no task data.
+RUN: ``<recipe>-s<seed>`` (or ``<recipe>-q<q>-s<seed>``) run directories (``finetune/stage.pt``);
+FILE: the text to run (the testbed's byte-level data, e.g. far multiple-choice contexts joined, up
+to ``--tokens``). Prints a markdown table: recipe (with its share q), mean ± std over seeds of the
+per-layer share (mean over heads), and of their mean over layers. ``hedgecats evaluate
+--branch-usage`` measures the same for one model (with its lm-eval tasks); this script needs no
+task data.
 """
 
 from __future__ import annotations
@@ -28,11 +29,19 @@ def _spread(values: list[float]) -> str:
     return f"{statistics.fmean(values):.2f} ± {sd:.2f}"
 
 
+def _label(run: str) -> str:
+    """The row of a run directory: its recipe, with its share q (``testbed.run_label``)."""
+    from experiments.testbed import parse_run_name, run_label
+
+    parsed = parse_run_name(Path(run).name)
+    return Path(run).name if parsed is None else run_label(parsed[0], parsed[1])
+
+
 def table(measured: dict[str, dict]) -> str:
     """Markdown: per recipe (runs named ``<recipe>-s<seed>``) the LA share per layer and mean."""
     per = collections.defaultdict(lambda: collections.defaultdict(list))
     for run, r in measured.items():
-        recipe = Path(run).name.rsplit("-s", 1)[0]
+        recipe = _label(run)
         for layer in r["layers"]:
             per[recipe][layer["layer"]].append(statistics.fmean(layer["la_share"]))
     layers = sorted({i for rec in per.values() for i in rec})
@@ -51,7 +60,7 @@ def query_table(at_query: dict[str, dict]) -> str:
     (mean ± std over seeds)."""
     per = collections.defaultdict(lambda: {"last": [], "other": []})
     for run, layers in at_query.items():
-        recipe = Path(run).name.rsplit("-s", 1)[0]
+        recipe = _label(run)
         per[recipe]["last"].append(statistics.fmean(v["la_share_last"] for v in layers.values()))
         per[recipe]["other"].append(statistics.fmean(v["la_share_other"]
                                                      for v in layers.values()))

@@ -88,6 +88,7 @@ def test_stats_count_recalls_and_filler():
         8, int((dist < 40).sum()), int((dist >= 40).sum()))
     # every byte but the "#S" statement and the "?S" recalls is filler
     assert s["filler_share"] == pytest.approx(1 - (2 * 8 + 2 * len(dist)) / (8 * 256))
+    assert s["filler_letters"] == 2
 
 
 BAD = {

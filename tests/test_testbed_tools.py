@@ -4,6 +4,7 @@ testbed_branch_usage)."""
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import io
 import json
@@ -272,6 +273,9 @@ def test_testbed_branch_usage_table_aggregates_seeds():
                                      1: {"la_share_last": 0.4, "la_share_other": 0.2}}
                 for s in (0, 1)}
     assert "| lolcats (2) | 0.50 ± 0.00 | 0.25 ± 0.07 |" in tbu.query_table(at_query)
+    at_q = {f"/x/hedgecats-q0.1-s{s}": {"layers": [{"layer": 0, "la_share": [0.3]}]}
+            for s in (0, 1)}
+    assert "| hedgecats q=0.1 (2) | 0.30 ± 0.00 | 0.30 ± 0.00 |" in tbu.table(at_q)
 
 
 def test_gate_intervention_swaps_one_layers_mixer_and_restores_it():
@@ -296,3 +300,94 @@ def test_gate_intervention_swaps_one_layers_mixer_and_restores_it():
             during = model(x).logits  # a fresh gate is 0.5 everywhere: the same function
         assert isinstance(layers[0].mixer, OutputGateMixer)
         torch.testing.assert_close(during, before, rtol=1e-5, atol=1e-5)
+
+
+def test_run_names_carry_the_share_q():
+    tb = _load("testbed")
+    assert tb.run_name("hedgecats", 2) == "hedgecats-s2"
+    assert tb.run_name("ssd_fixed", 0, 0.1) == "ssd_fixed-q0.1-s0"
+    assert tb.run_name("lolcats", 1, 0.0) == "lolcats-q0-s1"
+    assert tb.parse_run_name("ssd_fixed-q0.1-s0") == ("ssd_fixed", 0.1, 0)
+    assert tb.parse_run_name("lolcats_shared_norm-s12") == ("lolcats_shared_norm", None, 12)
+    assert tb.parse_run_name("logs") is None
+    assert tb.run_label("hedgecats", 0.5) == "hedgecats q=0.5"
+    assert tb.split_label("hedgecats q=0.5") == ("hedgecats", 0.5)
+    assert tb.shares("0,0.1,0.5") == [0.0, 0.1, 0.5]
+    for bad in ("1.5", "-0.1", "a", "0.1,0.1", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="distinct shares in"):
+            tb.shares(bad)
+
+
+def test_run_at_each_q_with_the_strong_teachers_filler(tmp_path, monkeypatch, capsys):
+    """``run --q`` runs every recipe and seed at each share (``--var far_share``) into its own
+    directory, and every recipe and the multiple-choice tasks get the teacher config's filler."""
+    tb = _load("testbed")
+    seen = {}
+
+    def fake_jobs(jobs, n_parallel, logs):
+        seen.update(jobs)
+        return {n: {"rc": 0, "wall_s": 0.0} for n, _ in jobs}
+
+    monkeypatch.setattr(tb, "_run_jobs", fake_jobs)
+    args = ["run", "--root", str(tmp_path), "--teacher", str(tmp_path / "t"), "--mc-docs", "4",
+            "--teacher-config", "teacher_strong", "--recipes", "hedgecats,lolcats",
+            "--seeds", "0,1", "--q", "0,0.1,0.5"]
+    assert tb.main(args) == 0
+    assert len(seen) == 12 and "hedgecats-q0.1-s1" in seen and "lolcats-q0-s0" in seen
+    cmd = seen["hedgecats-q0.1-s1"]
+    assert cmd[cmd.index("--output") + 1] == str(tmp_path / "hedgecats-q0.1-s1")
+    assert ["--var", "far_share=0.1"] == cmd[cmd.index("far_share=0.1") - 1:][:2]
+    assert "filler=ab" in cmd and ["--seed", "1"] == cmd[cmd.index("--seed"):][:2]
+    context = json.loads((tmp_path / "mc_tasks" / "recall_mc_far.jsonl").read_text()
+                         .splitlines()[0])["context"]
+    assert set(context) <= set("ab #?ABCDEFGHIJKLMNOPQRSTUVWXYZ")
+    seen.clear()
+    assert tb.main(args[:-2]) == 0  # without --q: the earlier runs' names, no far_share
+    assert sorted(seen) == ["hedgecats-s0", "hedgecats-s1", "lolcats-s0", "lolcats-s1"]
+    assert not any("far_share" in " ".join(c) for c in seen.values())
+    with pytest.raises(SystemExit, match="built with filler 'ab'"):  # one root per teacher
+        tb.main(["run", "--root", str(tmp_path), "--teacher", "t", "--recipes", "hedgecats"])
+    with pytest.raises(SystemExit) as exit_:
+        tb.main([*args[:-1], "0,2"])
+    assert exit_.value.code == 2 and "distinct shares in [0, 1]" in capsys.readouterr().err
+
+
+def test_report_gives_each_q_its_row_and_a_regime_table(tmp_path):
+    tb = _load("testbed")
+    far = {(0.0, 0): 0.10, (0.0, 1): 0.20, (0.5, 0): 0.80, (0.5, 1): 0.90}
+    for (q, seed), h in far.items():
+        run = tmp_path / tb.run_name("hedgecats", seed, q)
+        run.mkdir()
+        ev = [{"kind": "recall", "stage": "finetune",
+               "results": {"hybrid": _row(h), "swa_only": _row(0.03), "la_only": _row(h / 2)}}]
+        (run / "results.json").write_text(json.dumps({"evaluations": ev}))
+    (tmp_path / "hedgecats-s0").mkdir()  # a run off the axis: its own row
+    (tmp_path / "hedgecats-s0" / "results.json").write_text(json.dumps({"evaluations": [
+        {"kind": "recall", "stage": "finetune", "results": {"hybrid": _row(0.4)}}]}))
+    assert tb.main(["report", "--root", str(tmp_path), "--out", str(tmp_path / "r")]) == 0
+    agg = json.loads((tmp_path / "r" / "testbed.json").read_text())["aggregate"]
+    assert list(agg) == ["hedgecats", "hedgecats q=0", "hedgecats q=0.5"]
+    assert agg["hedgecats q=0.5"]["far_acc"]["hybrid"]["mean"] == pytest.approx(0.85)
+    assert agg["hedgecats q=0"]["far_acc"]["la_only"]["values"] == pytest.approx([0.05, 0.10])
+    md = (tmp_path / "r" / "testbed.md").read_text()
+    assert "### Regime" in md and "| hedgecats | 0.5 | 2 | 0.850 ± 0.071 | 0.425 ± 0.035 |" in md
+    data = (tmp_path / "r" / "regime.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_data_check_counts_each_split_at_each_q(tmp_path, capsys):
+    tb = _load("testbed")
+    out = tmp_path / "data.json"
+    assert tb.main(["data", "--recipe", "lolcats", "--teacher-config", "teacher_strong",
+                    "--q", "0,0.5", "--set", "stages.*.fit.data.init_args.num_train=20",
+                    "--set", "stages.*.fit.data.init_args.num_test=6",
+                    "--set", "stages.*.fit.data.init_args.seq_len=512",
+                    "--set", "stages.*.fit.data.init_args.far_max=300",
+                    "--out", str(out)]) == 0
+    assert "test documents identical across the shares: yes" in capsys.readouterr().out
+    counts = json.loads(out.read_text())["shares"]
+    assert counts["0"]["train"]["docs_with_far"] == counts["0"]["train"]["far_recalls"] == 0
+    assert counts["0.5"]["train"]["docs_with_far"] == 10 and counts["0.5"]["val"][
+        "docs_with_far"] == 8
+    assert counts["0"]["test"] == counts["0.5"]["test"] and counts["0"]["test"]["far_recalls"]
+    assert counts["0.5"]["train"]["filler_letters"] == 2  # the strong teacher's "ab"

@@ -75,8 +75,8 @@ class RecallCorpus:
 
     def stats(self) -> dict[str, int | float]:
         """What the corpus holds: documents, those with at least one far recall, near and far
-        recalls, and the share of positions that are filler (lowercase words and their spaces,
-        not a ``#`` / ``?`` marker or an uppercase key)."""
+        recalls, the share of positions that are filler (lowercase words and their spaces, not a
+        ``#`` / ``?`` marker or an uppercase key) and how many letters the filler uses."""
         ids, answers = self.input_ids, self.answers.reshape(-1, 3)
         doc, dist = answers[:, 0], answers[:, 2]
         far = dist >= self.far_min
@@ -84,7 +84,9 @@ class RecallCorpus:
         return {"docs": int(ids.shape[0]),
                 "docs_with_far": int(torch.unique(doc[far]).numel()),
                 "near_recalls": int((~far).sum()), "far_recalls": int(far.sum()),
-                "filler_share": float((~marked).float().mean()) if ids.numel() else 0.0}
+                "filler_share": float((~marked).float().mean()) if ids.numel() else 0.0,
+                "filler_letters": int(torch.unique(ids[(ids >= ord("a")) & (ids <= ord("z"))])
+                                      .numel())}
 
 
 TASKS = ("kv", "marker")
