@@ -663,7 +663,9 @@ class AttentionTransfer(HybridStage):
                 f"try a lower lr, another feature_activation or objective. To keep the result "
                 f"anyway, set model.init_args.max_rel_err / max_den_collapsed to null.")
 
-    def on_fit_end(self) -> None:
+    def on_train_end(self) -> None:
+        # measured where the stage trained, with its backend: Lightning's teardown moves the
+        # model to the CPU before on_fit_end (which writes stage.pt)
         health = self.final_health()
         if health and self.logger is not None and self.trainer.is_global_zero:
             flat = {f"final/{name}": sum(v.values()) / len(v) for name, v in health.items()}
@@ -673,7 +675,6 @@ class AttentionTransfer(HybridStage):
             self.logger.save()
         self._check_health(health)
         self._health = health
-        super().on_fit_end()
 
     def _export_meta(self) -> dict:
         return {"health": getattr(self, "_health", None)}

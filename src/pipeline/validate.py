@@ -283,6 +283,10 @@ def _check_stage(spec: dict, st: dict, i: int, warn) -> None:
         raise ConfigError(f"{where}.fit{_instantiated(err)}: {_condense(err)}") from err
     _check_epoch(getattr(cli.config_init, "data", None), trainer, where)
     _check_positions(spec, st, where)
+    accelerator = trainer.get("accelerator", "auto")
+    _check_backend_device(model_args.get("hybrid"), str(accelerator),
+                          f"{where}.fit.trainer.accelerator={accelerator!r}",
+                          f"{where}.fit.model.init_args.hybrid")
     _warn_window(st, where, warn)
 
 
@@ -425,6 +429,27 @@ def _warn_window(st: dict, where: str, warn) -> None:
              "key is inside the sliding window, so linear attention never contributes")
 
 
+# ----------------------------------------------------------------------------- devices
+def _gpu_backend(hybrid) -> str | None:
+    """The ``backend`` of a ``hybrid`` mapping when it runs on CUDA tensors only: every backend
+    but ``auto`` (the reference on the CPU) and ``reference`` (``backends.select``)."""
+    from ..models.ops.hybrid.backends import BACKENDS
+
+    backend = hybrid.get("backend", "auto") if isinstance(hybrid, dict) else "auto"
+    return backend if backend in BACKENDS and backend not in ("auto", "reference") else None
+
+
+def _check_backend_device(hybrid, device: str, device_at: str, hybrid_at: str) -> None:
+    """A GPU-only backend where the recipe names the CPU: the stage (or the evaluation) would
+    fail at its first forward, or after training."""
+    backend = _gpu_backend(hybrid)
+    if backend and device == "cpu":
+        raise ConfigError(
+            f"{hybrid_at}.backend={backend!r} runs on a GPU only, but {device_at} runs it on "
+            "the CPU: use backend 'reference' (or 'auto': the reference on the CPU, the GPU "
+            "kernels on a GPU), or run on a GPU")
+
+
 # ----------------------------------------------------------------------------- evaluate
 def evaluations(spec: dict) -> list[dict]:
     ev = spec.get("evaluate")
@@ -501,6 +526,11 @@ def _check_evaluations(spec: dict) -> None:
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
             raise ConfigError(f"{where}.device={device!r} is not valid; choose auto, cpu, cuda "
                               "or cuda:N")
+        scored = next((s for s in spec["stages"] if s["name"] == stage), None)
+        hybrid, hybrid_at = (ev.get("hybrid"), f"{where}.hybrid") if scored is None else (
+            ((scored["fit"].get("model") or {}).get("init_args") or {}).get("hybrid"),
+            f"{src}: stages.{stage}.fit.model.init_args.hybrid")
+        _check_backend_device(hybrid, device, f"{where}.device={device!r}", hybrid_at)
         if "precision" in ev and str(ev["precision"]) not in ("32", "bf16-mixed"):
             raise ConfigError(f"{where}.precision={ev['precision']!r} is not valid; choose 32 "
                               "or bf16-mixed")
