@@ -3,6 +3,7 @@
 #
 #   bash scripts/testbed_gpu.sh [--smoke] [--teacher] [--seeds 0,1,2] [--recipes all]
 #                                  [--legacy] [--jobs N] [--budget SECONDS]
+#                                  [--teacher-config teacher_strong] [--q 0,0.1,0.5]
 #
 #   --smoke    first: every recipe file through hedgecats pipeline on tiny models
 #              (pytest -m gpu tests/test_recipes.py), log to $OUT/recipes_gpu.log
@@ -15,17 +16,22 @@
 #              weights_xent (--legacy-objective, into <root>/legacy; report in report/legacy):
 #              the controlled before/after of issue 20 in one call
 #   --budget   stop starting new work after this many seconds (default 540)
+#   --teacher-config NAME  configs/testbed/NAME.yaml for the teacher (default teacher); passed to
+#              experiments/testbed.py run, whose recipes and tasks take its filler letters
+#   --q Q[,Q]  the regime axis (docs/testbed.md#regime): experiments/testbed.py run --q
 # Results: $OUT/testbed_runs.tgz.part-* (every run's results.json, mc/, config.yaml, metrics.csv, logs),
 # $OUT/report.tgz (experiments/testbed.py report), $OUT/testbed_gpu.log. Wheels: .whl (carried).
 set -u -o pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 START=$(date +%s)
 SMOKE=0; TEACHER=0; SEEDS=""; RECIPES=all; LEGACY=""; LEGACY_RECIPES=""; JOBS=7; BUDGET=540; STEPS=200,250; MC=64
+TCFG=teacher; Q=""
 while [ $# -gt 0 ]; do
   case $1 in
     --smoke) SMOKE=1;; --teacher) TEACHER=1;; --legacy) LEGACY=--legacy-objective;;
     --seeds) SEEDS=$2; shift;; --legacy-recipes) LEGACY_RECIPES=$2; shift;; --recipes) RECIPES=$2; shift;; --jobs) JOBS=$2; shift;;
     --budget) BUDGET=$2; shift;; --steps) STEPS=$2; shift;; --mc-docs) MC=$2; shift;;
+    --teacher-config) TCFG=$2; shift;; --q) Q="--q $2"; shift;;
     *) echo "unknown option $1" >&2; exit 2;;
   esac; shift
 done
@@ -41,7 +47,7 @@ TEACHER_DIR=$ROOT/teacher/teacher/model
 
 if [ $TEACHER = 1 ]; then
   echo "== teacher (background) at $(( $(date +%s) - START )) s"
-  (python3 -m hedgecats.cli pipeline configs/testbed/teacher.yaml --output $ROOT/teacher \
+  (python3 -m hedgecats.cli pipeline configs/testbed/$TCFG.yaml --output $ROOT/teacher \
      > $ROOT/teacher.log 2>&1; echo "teacher exit $?" >> $ROOT/teacher.log) &
   TPID=$!
 elif ls .testbed/teacher.tar.part-* >/dev/null 2>&1; then
@@ -69,12 +75,13 @@ if [ -n "$SEEDS" ] && [ -d "$TEACHER_DIR" ] && [ "$(left)" -gt 120 ]; then
     timeout $(( $(left) - 30 )) python3 -m experiments.testbed run --root $ROOT \
       --teacher $TEACHER_DIR --seeds $SEEDS --recipes $LEGACY_RECIPES --jobs 8 \
       --legacy-objective --transfer-steps ${STEPS%,*} --finetune-steps ${STEPS#*,} \
-      --mc-docs $MC > $ROOT/legacy_run.log 2>&1 &
+      --mc-docs $MC --teacher-config $TCFG $Q > $ROOT/legacy_run.log 2>&1 &
     LPID=$!
   fi
   timeout $(( $(left) - 30 )) python3 -m experiments.testbed run --root $ROOT \
     --teacher $TEACHER_DIR --seeds $SEEDS --recipes $RECIPES --jobs $JOBS $LEGACY \
-    --transfer-steps ${STEPS%,*} --finetune-steps ${STEPS#*,} --mc-docs $MC
+    --transfer-steps ${STEPS%,*} --finetune-steps ${STEPS#*,} --mc-docs $MC \
+    --teacher-config $TCFG $Q
   echo "testbed rc=$?"
   if [ -n "$LEGACY_RECIPES" ]; then wait $LPID; echo "legacy rc=$?"; cat $ROOT/legacy_run.log; fi
   python3 -m experiments.testbed recover --root $ROOT  # runs stopped in their last evaluation
