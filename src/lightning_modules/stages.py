@@ -2,7 +2,8 @@
 
     TeacherPretraining   a small softmax Llama trained from scratch (the embedded default's teacher)
     AttentionTransfer    stage 1: base frozen, feature maps (and mixer) learn the layer's softmax
-    HybridFinetune       stage 2: peft LoRA on q,k,v,o, next-token loss, hybrid or la_only mode
+    HybridFinetune       stage 2: peft LoRA on q,k,v,o, next-token loss or the KL to the teacher
+                         (``distill``), hybrid or la_only mode
 
 Every stage builds its model in ``configure_model`` from a model id/path (``from_pretrained``)
 plus a ``HybridConfig`` dict, then loads ``init_from`` (the previous stage's ``stage.pt``) with
@@ -27,7 +28,13 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 
 from ..data.tokenization import BYTE_EOS_ID, BYTE_PAD_ID, BYTE_VOCAB_SIZE
-from ..models import HybridConfig, hybrid_layers, hybrid_parameter_names, set_attention_mode
+from ..models import (
+    HybridConfig,
+    attention_mode,
+    hybrid_layers,
+    hybrid_parameter_names,
+    set_attention_mode,
+)
 from ..models.stage_files import (
     add_lora,
     build_hybrid,
@@ -40,6 +47,15 @@ from ..models.activation_checkpointing import checkpointing_mode, enable_checkpo
 from ..models.lora import LoraSettings
 from ..models.ops.transfer.losses import OBJECTIVES, transfer_health, transfer_loss
 from ..models.structure import unwrap
+from .distill import (
+    DEFAULT_CHUNK,
+    TeacherUnavailableError,
+    adapter_parameter_names,
+    check_distillation,
+    distill_terms,
+    next_token_targets,
+    teacher_targets,
+)
 from .student_stream import StudentStream
 
 log = logging.getLogger(__name__)
@@ -694,7 +710,8 @@ def _by_metric(health: dict[int, dict[str, torch.Tensor]]) -> dict[str, dict[int
 
 
 class HybridFinetune(_NextTokenLoss, HybridStage):
-    """Stage 2: LoRA fine-tuning of the converted model on next-token prediction.
+    """Stage 2: LoRA fine-tuning of the converted model on next-token prediction, or by
+    distillation from the teacher (docs/method.md#stage-2-by-distillation).
 
     Args:
         lora: a ``LoraSettings`` (in YAML, a mapping of its fields; default: r 8, alpha 16 on
@@ -708,6 +725,22 @@ class HybridFinetune(_NextTokenLoss, HybridStage):
             again in the backward, transformers' own); ``"mlp"``: only their MLP blocks, the
             attention's activations kept (the hybrid attention then runs once a step; more
             memory than ``true``, less than none: ``models.activation_checkpointing``).
+        loss: ``next_token`` (the paper's), ``kl`` (``T^2 KL(teacher || student)`` at
+            ``temperature``, per next-token position) or ``mixed`` (``(1 - kl_weight)
+            next_token + kl_weight T^2 KL``). The teacher is this model in ``softmax`` mode
+            with its adapters disabled, run under ``no_grad`` in the same step (``distill``).
+        kl_weight: the KL's share in ``mixed``, in (0, 1); default 0.5. Only with ``mixed``.
+        temperature: of both distributions in the KL, > 0; default 1. Only with ``kl`` /
+            ``mixed``.
+        kl_topk: keep the teacher's k most likely tokens per position and one bucket for the
+            rest (a lower bound of the KL; the teacher's logits are freed before the student's
+            forward); ``None``: the exact KL over the whole vocabulary.
+        kl_chunk: positions per chunk of the KL (exact at any value; bounds its fp32 memory).
+
+    Logged per step: ``train/loss`` (the objective), ``train/next_token`` and, with a teacher,
+    ``train/kl`` (the KL without the ``T^2`` factor). Validation logs ``val/loss`` (next-token
+    loss, whatever the objective: the plateau schedule and early stopping read it) and, with a
+    teacher, ``val/kl``.
     Other arguments: see ``HybridStage``.
     """
 
@@ -718,7 +751,10 @@ class HybridFinetune(_NextTokenLoss, HybridStage):
                  torch_dtype: str | None = None, lora: LoraSettings | None = None,
                  train_feature_maps: bool = False, mode: str = "hybrid", la_span: str = "outside",
                  lr: float = 1e-4, weight_decay: float = 0.0, plateau_factor: float = 0.1,
-                 plateau_patience: int = 0, activation_checkpointing: bool | str = False) -> None:
+                 plateau_patience: int = 0, activation_checkpointing: bool | str = False,
+                 loss: str = "next_token", kl_weight: float | None = None,
+                 temperature: float | None = None, kl_topk: int | None = None,
+                 kl_chunk: int = DEFAULT_CHUNK) -> None:
         checkpointing_mode(activation_checkpointing)  # a ValueError before anything is built
         if mode not in self.MODES:
             raise ValueError(f"mode={mode!r} is not valid for fine-tuning; choose one of "
@@ -729,6 +765,8 @@ class HybridFinetune(_NextTokenLoss, HybridStage):
             raise ValueError(f"plateau_factor={plateau_factor!r} must lie in (0, 1)")
         if plateau_patience < 0:
             raise ValueError(f"plateau_patience={plateau_patience!r} must be >= 0")
+        self._kl_weight, self._temperature = check_distillation(loss, kl_weight, temperature,
+                                                                kl_topk, kl_chunk)
         super().__init__(model_name_or_path, hybrid, revision, init_from, torch_dtype, lr,
                          weight_decay, activation_checkpointing)
         if lora is None or isinstance(lora, dict):
@@ -740,6 +778,44 @@ class HybridFinetune(_NextTokenLoss, HybridStage):
     def _lora_config(self) -> dict:
         return self.lora
 
+    @property
+    def uses_teacher(self) -> bool:
+        return self.hparams.loss != "next_token"
+
+    def _build_base(self) -> nn.Module:
+        if self.uses_teacher:
+            self._check_teacher_source()
+        model = super()._build_base()
+        if self.uses_teacher and self.hparams.init_from:
+            replaced = sorted(set(read_stage(self.hparams.init_from)["tensors"])
+                              - set(hybrid_parameter_names(model)))
+            if replaced:
+                raise TeacherUnavailableError(
+                    f"loss={self.hparams.loss!r} needs the original weights as the teacher, but "
+                    f"init_from={self.hparams.init_from!r} replaces base weights "
+                    f"{replaced[:6]}{' ...' if len(replaced) > 6 else ''} ({len(replaced)} in "
+                    f"all): the model's softmax mode is no longer the original. Start from a "
+                    f"stage.pt that holds only feature maps and mixers (stage 1's), or use "
+                    f"loss: next_token")
+        return model
+
+    def _check_teacher_source(self) -> None:
+        """The base model must be a plain model: a converted hybrid (an export, a LoLCATs
+        import) may carry LoRA merged into its attention weights, so its softmax mode is not
+        the original model."""
+        from transformers import AutoConfig
+
+        h = self.hparams
+        cfg = AutoConfig.from_pretrained(h.model_name_or_path, revision=h.revision)
+        if getattr(cfg, "hybrid", None) is not None:
+            raise TeacherUnavailableError(
+                f"loss={h.loss!r} needs the original model as the teacher, but "
+                f"model_name_or_path={h.model_name_or_path!r} is a converted hybrid "
+                f"(model_type {cfg.model_type!r}): its attention weights may hold LoRA merged "
+                f"at export, and its original attention weights are not kept. Give the plain "
+                f"base model it was converted from, with init_from=<stage 1's stage.pt>, or use "
+                f"loss: next_token")
+
     def _prepare(self, model: nn.Module) -> nn.Module:
         h = self.hparams
         set_attention_mode(model, h.mode, la_span=h.la_span)
@@ -749,7 +825,81 @@ class HybridFinetune(_NextTokenLoss, HybridStage):
             for name, p in unwrap(model).named_parameters():
                 if any(f".{part}." in name for part in ("phi_q", "phi_k", "mixer")):
                     p.requires_grad_(True)
+        if self.uses_teacher:
+            self._check_teacher_trainables(model)
         return model
+
+    def _check_teacher_trainables(self, model: nn.Module) -> None:
+        """Everything this stage trains must be invisible to the teacher: adapter weights
+        (disabled) and feature maps / mixers (unused in softmax mode)."""
+        h, inner = self.hparams, unwrap(model)
+        unseen = adapter_parameter_names(inner) | set(hybrid_parameter_names(inner))
+        seen = sorted(n for n, p in inner.named_parameters() if p.requires_grad and n not in unseen)
+        if seen:
+            raise TeacherUnavailableError(
+                f"loss={h.loss!r}: the teacher is this model in softmax mode with its adapters "
+                f"disabled, but this stage would also train {seen[:6]}"
+                f"{' ...' if len(seen) > 6 else ''} ({len(seen)} in all), which the teacher "
+                f"reads (LoRA bias other than 'none' trains the base biases): the teacher would "
+                f"drift from the original. Train adapters and feature maps only, or use "
+                f"loss: next_token")
+        vocab = inner.config.vocab_size
+        if h.kl_topk is not None and h.kl_topk >= vocab:
+            raise ValueError(f"kl_topk={h.kl_topk} keeps every token of this model's "
+                             f"{vocab}-token vocabulary; set it below {vocab}, or to null for "
+                             f"the exact KL")
+
+    # ------------------------------------------------------------------ objective
+    @contextlib.contextmanager
+    def _as_teacher(self):
+        """The model as its teacher: softmax attention, adapters off, no dropout, no grad."""
+        modes = {m: m.training for m in self.model.modules()}
+        try:
+            self.model.eval()
+            with torch.no_grad(), attention_mode(unwrap(self.model), "softmax"), \
+                    self.model.disable_adapter():
+                yield
+        finally:
+            for m, training in modes.items():
+                m.training = training
+
+    def _distill(self, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The objective and its terms (``kl``, ``next_token``) for one batch: the teacher's
+        forward first (its logits reduced to what the loss needs), then the student's."""
+        h = self.hparams
+        ids, mask = batch["input_ids"], batch.get("attention_mask")
+        targets, weights = next_token_targets(ids, mask)
+        with self._as_teacher():
+            logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            teacher = teacher_targets(logits.flatten(0, 1), self._temperature, h.kl_topk,
+                                      h.kl_chunk)
+            del logits
+        logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        kl, next_token = distill_terms(logits.flatten(0, 1), teacher, targets.flatten(),
+                                       weights.flatten(), self._temperature, h.kl_chunk)
+        w, t2 = self._kl_weight, self._temperature ** 2
+        loss = t2 * kl if h.loss == "kl" else (1 - w) * next_token + w * t2 * kl
+        return loss, {"kl": kl.detach(), "next_token": next_token.detach()}
+
+    def _objective(self, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if not self.uses_teacher:
+            loss = self._lm_loss(batch)
+            return loss, {"next_token": loss.detach()}
+        return self._distill(batch)
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        loss, terms = self._objective(batch)
+        _check_finite(self, loss, batch_idx)
+        self.log("train/loss", loss, prog_bar=True, on_step=True)
+        for name, value in terms.items():
+            self.log(f"train/{name}", value, on_step=True)
+        return loss
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        _, terms = self._objective(batch)
+        self.log("val/loss", terms["next_token"], prog_bar=True, sync_dist=True)
+        if "kl" in terms:
+            self.log("val/kl", terms["kl"], sync_dist=True)
 
     def test_step(self, batch: dict, batch_idx: int) -> None:
         self.log("test/loss", self._lm_loss(batch), sync_dist=True)
