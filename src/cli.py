@@ -70,6 +70,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
                  "hedgecats generate --model MODEL [PROMPT ...] [--mode MODE] [...]"),
     "import-lolcats": ("convert a released LoLCATs checkpoint into a hedgecats model directory",
                        "hedgecats import-lolcats --base MODEL --distill CKPT [--lora CKPT] OUT"),
+    "select-layers": ("rank stage 1's converted layers by a measured score; keep the worst softmax",
+                      "hedgecats select-layers STAGE_OR_RUN [...] --output DIR [--score kl]\n"
+                      "    (--keep K | [--max-softmax N] [--kl-below X]) [--data YAML | --text FILE]"),
 }
 
 
@@ -299,6 +302,10 @@ def main(argv: list[str] | None = None) -> int:
         from .import_lolcats import main as import_main
 
         return import_main(rest)
+    if cmd == "select-layers":
+        from .selection.cli import main as select_main
+
+        return select_main(rest)
     import difflib
 
     near = difflib.get_close_matches(cmd, COMMANDS, n=1)

@@ -10,7 +10,7 @@ import pytest
 from hedgecats.cli import main
 
 SUBCOMMANDS = ("pipeline", "fit", "validate", "test", "evaluate", "export", "generate",
-               "import-lolcats")
+               "import-lolcats", "select-layers")
 
 
 def test_help_has_a_usage_line_and_describes_each_subcommand(capsys):

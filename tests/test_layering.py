@@ -1,11 +1,11 @@
 """The package's modules import only downwards, and no module imports itself through others.
 
 Layers, low to high: ``models`` (with ``models/ops``) < ``data`` < ``evaluation`` <
-``lightning_modules`` < ``pipeline`` < the commands (``cli``, ``export``, ``generate``,
-``import_lolcats``); ``version`` is a leaf below them all. Every module's imports are read with
-``ast``, function-local ones included, since a lazy import is still a dependency: one of a
-higher layer fails ``test_no_module_imports_a_higher_layer``, and a circle of imports (within a
-layer too) fails ``test_the_import_graph_has_no_circle``, each with file and line.
+``lightning_modules`` < ``selection`` < ``pipeline`` < the commands (``cli``, ``export``,
+``generate``, ``import_lolcats``); ``version`` is a leaf below them all. Every module's imports
+are read with ``ast``, function-local ones included, since a lazy import is still a dependency:
+one of a higher layer fails ``test_no_module_imports_a_higher_layer``, and a circle of imports
+(within a layer too) fails ``test_the_import_graph_has_no_circle``, each with file and line.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"  # the package ``hedgecats``
-LAYERS = ("version", "models", "data", "evaluation", "lightning_modules", "pipeline")
+LAYERS = ("version", "models", "data", "evaluation", "lightning_modules", "selection",
+          "pipeline")
 TOP = len(LAYERS)  # the commands and the package root
 
 #: allowed upward imports: (importing module, imported module, names) -> why

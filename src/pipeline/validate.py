@@ -601,4 +601,7 @@ def validate_pipeline(spec: dict, warn=print) -> None:
             os.environ.pop("PL_GLOBAL_SEED", None)
         else:
             os.environ["PL_GLOBAL_SEED"] = old_env
+    from .select_layers import check_selection_stages
+
+    check_selection_stages(spec, warn, resolve_class)
     _check_evaluations(spec)
