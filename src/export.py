@@ -234,9 +234,7 @@ def export(source: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool
                       results_source=str(res_path) if res is not None else None,
                       recipe=(res or {}).get("pipeline") or (run_dir.name if run_dir else None))
     try:
-        if out.is_file():  # --force: atomic_directory replaces directories
-            out.unlink()
-        with atomic_directory(out) as tmp:
+        with atomic_directory(out) as tmp:  # a file there (--force) stays until the swap
             save_hybrid(model, tmp, lora=lora_used)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)

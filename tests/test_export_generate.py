@@ -359,3 +359,27 @@ def test_export_write_failures_are_one_line(run_dir, tmp_path, capsys, monkeypat
         proc.stderr[-3000:]
     assert f"could not write '{out}'" in lines[0] and "the disk is full" in lines[0]
     assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_export_force_over_a_file_keeps_the_file_until_the_export_is_whole(run_dir, tmp_path,
+                                                                           capsys, monkeypatch):
+    """--force replaces a file with the export; a failed export leaves the file as it was (it
+    was deleted before the export was written), a finished one leaves nothing beside it."""
+    import errno
+
+    import hedgecats.models.hf as hf
+
+    target = tmp_path / "model"
+    target.write_text("keep me")
+    save = hf.save_hybrid
+
+    def full_disk(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(hf, "save_hybrid", full_disk)
+    assert main(["export", str(run_dir), str(target), "--force"]) == 1
+    assert "the disk is full" in _one_line(capsys.readouterr().err, "export")
+    assert target.read_text() == "keep me" and sorted(tmp_path.iterdir()) == [target]
+    monkeypatch.setattr(hf, "save_hybrid", save)
+    assert main(["export", str(run_dir), str(target), "--force"]) == 0
+    assert (target / "config.json").is_file() and sorted(tmp_path.iterdir()) == [target]

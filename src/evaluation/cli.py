@@ -463,14 +463,30 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     results = build_results(runs, task_names, specs=specs_map, baseline=baseline,
                             baseline_source=baseline_source, seeds=seed_labels, meta=meta,
                             retrieval=extra.get("retrieval"), branch_usage=extra.get("branch_usage"))
-    with atomic_output_dir(out_dir, args.overwrite) as tmp:
-        write_results(results, tmp)
-        if results["branch_usage"]:
-            from .branch_usage import plot_branch_usage
-
-            plot_branch_usage(results["branch_usage"], tmp / "branch_usage.png",
-                              title=f"LA share: {args.model}")
+    _write(results, out_dir, args)
     return results
+
+
+def _write(results: dict, out_dir: Path, args) -> None:
+    """results.json, .md, .csv (and the branch-usage plot) into ``out_dir``, whole or not at
+    all; a failed write (a full disk, a read-only location) is ``WriteFailedError`` naming it,
+    in the pipeline's wording."""
+    from ..models.io import WriteFailedError, write_failed
+
+    existed = out_dir.exists()
+    try:
+        with atomic_output_dir(out_dir, args.overwrite) as tmp:
+            write_results(results, tmp)
+            if results["branch_usage"]:
+                from .branch_usage import plot_branch_usage
+
+                plot_branch_usage(results["branch_usage"], tmp / "branch_usage.png",
+                                  title=f"LA share: {args.model}")
+    except OSError as err:
+        if isinstance(err, WriteFailedError):
+            raise
+        raise write_failed(out_dir, err, "--output is as it was" if existed else
+                           "nothing was written") from err
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -480,11 +496,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)  # exits 2 with usage on syntax errors
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from ..models.io import WriteFailedError
+
     try:
         results = run(args, argv)
     except ValueError as e:
         print(f"hedgecats evaluate: error: {e}", file=sys.stderr)
         return 2
+    except WriteFailedError as e:  # the results are lost: a full disk, a read-only location
+        print(f"hedgecats evaluate: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
     if not args.quiet:
         print()
         print(format_markdown(results))

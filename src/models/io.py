@@ -103,8 +103,9 @@ def atomic_write(path: str | os.PathLike) -> Iterator[BinaryIO]:
 @contextlib.contextmanager
 def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
     """Yield an empty sibling directory to fill; on a clean exit it replaces ``path`` (an existing
-    one is moved aside first, then removed), on an error it is removed and ``path`` is left as it
-    was. The directory and its files follow the umask (``follow_umask``)."""
+    directory or file is moved aside first, then removed), on an error it is removed and
+    ``path`` is left as it was. The directory and its files follow the umask
+    (``follow_umask``)."""
     final = Path(path)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
@@ -119,8 +120,10 @@ def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
         old = final.parent / f".{final.name}.old-{os.getpid()}"
         final.rename(old)
     tmp.rename(final)
-    if old is not None:
+    if old is not None and old.is_dir() and not old.is_symlink():
         shutil.rmtree(old, ignore_errors=True)
+    elif old is not None:
+        old.unlink()
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
