@@ -29,7 +29,8 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 # "Recipes as bases")
 PAPER = sorted(p for p in (CONFIGS / "pipelines").glob("*/*.yaml")
                if p.parent.name != "base" and not p.name.startswith("_"))
-TESTBED = sorted(p for p in (CONFIGS / "testbed").glob("*.yaml") if p.name != "teacher.yaml")
+TESTBED = sorted(p for p in (CONFIGS / "testbed").glob("*.yaml")  # the teachers are no recipes
+                 if not p.name.startswith("teacher"))
 RECIPES = PAPER + TESTBED
 STEPS = 3
 
