@@ -218,6 +218,10 @@ def export(source: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool
     from .models.stage_source import resolve_stage
 
     stage_pt, run_dir = resolve_stage(source)
+    res_path = Path(results) if results else (run_dir / "results.json" if run_dir else None)
+    res = json.loads(res_path.read_text()) if res_path is not None and res_path.is_file() else None
+    if results and res is None:
+        raise FileNotFoundError(f"--results {results!r} does not exist")
     model, tokenizer, info = load_hybrid(stage_pt, merge_lora=False, base_model=base_model,
                                          device=device)
     has_lora = info["lora_config"] is not None
@@ -225,10 +229,6 @@ def export(source: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool
     if not has_lora and lora == "adapter":
         log.warning("%s has no LoRA: --keep-adapter has nothing to keep", stage_pt)
     chain = stage_chain(stage_pt)
-    res_path = Path(results) if results else (run_dir / "results.json" if run_dir else None)
-    res = json.loads(res_path.read_text()) if res_path is not None and res_path.is_file() else None
-    if results and res is None:
-        raise FileNotFoundError(f"--results {results!r} does not exist")
     card = model_card(name=push_to_hub or out.name, section=hybrid_section(model, None),
                       chain=chain, lora=lora_used, results=res,
                       results_source=str(res_path) if res is not None else None,

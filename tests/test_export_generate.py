@@ -383,3 +383,15 @@ def test_export_force_over_a_file_keeps_the_file_until_the_export_is_whole(run_d
     monkeypatch.setattr(hf, "save_hybrid", save)
     assert main(["export", str(run_dir), str(target), "--force"]) == 0
     assert (target / "config.json").is_file() and sorted(tmp_path.iterdir()) == [target]
+
+
+def test_a_missing_results_file_is_refused_before_the_model_loads(run_dir, tmp_path, capsys,
+                                                                  monkeypatch):
+    import hedgecats.models.stage_files as stage_files
+
+    monkeypatch.setattr(stage_files, "load_hybrid",
+                        lambda *a, **k: pytest.fail("the model was loaded before the refusal"))
+    missing = tmp_path / "nope.json"
+    assert main(["export", str(run_dir), str(tmp_path / "out"), "--results", str(missing)]) == 2
+    assert f"--results {str(missing)!r} does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
