@@ -20,7 +20,8 @@ def is_base(path: Path) -> bool:
 PIPELINES = sorted(p for p in ROOT.rglob("*.yaml") if not is_base(p))
 BASES = sorted(p for p in ROOT.rglob("*.yaml") if is_base(p))
 MODELS = ("mistral-7b", "llama3-8b", "llama3.1-8b")
-RECIPES = ("lolcats", "inference_hybrid", "hedgecats", "ssd_dropout", "ssd_window", "ssd_fixed")
+RECIPES = ("lolcats", "inference_hybrid", "hedgecats", "hedgecats_kl", "ssd_dropout", "ssd_window",
+           "ssd_fixed")
 
 
 def test_every_model_and_recipe_has_a_pipeline():

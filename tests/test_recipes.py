@@ -125,6 +125,10 @@ def _run_recipe(path: Path, assets: dict, tmp_path: Path, accelerator: str) -> d
     assert main(["pipeline", str(cfg), "--output", str(out)]) == 0
     for st in spec["stages"]:
         assert (out / st["name"] / "done").exists() and (out / st["name"] / "stage.pt").exists()
+    finetune = next((st for st in spec["stages"] if st["name"] == "finetune"), None)
+    if finetune and finetune["fit"]["model"]["init_args"].get("loss", "next_token") != "next_token":
+        metrics = out / "finetune" / "logs" / "attempt_0" / "metrics.csv"
+        assert "val/kl" in metrics.read_text().splitlines()[0]  # the teacher ran
     results = json.loads((out / "results.json").read_text())
     if path.parent.name == "testbed":
         final = next(e for e in results["evaluations"] if e.get("stage") == "finetune"
