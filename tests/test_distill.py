@@ -289,6 +289,20 @@ def test_distillation_with_trained_feature_maps_in_la_only_mode(base, tmp_path):
     assert {a.hedgecats.mode for _, a in hybrid_layers(unwrap(m.model))} == {"la_only"}
 
 
+@pytest.mark.parametrize("checkpointing", [True, "mlp"])
+def test_distillation_under_activation_checkpointing_trains_as_without(base, tmp_path,
+                                                                       checkpointing):
+    """The teacher's forward (eval mode, no grad) skips the checkpointed recomputation; the
+    student's losses are those of a run without checkpointing."""
+    losses = []
+    for ac in (False, checkpointing):
+        pl.seed_everything(0)
+        m = HybridFinetune(base, hybrid=HYB, lr=1e-2, loss="kl", activation_checkpointing=ac)
+        _, rec = _fit(m, tmp_path / str(ac), steps=3)
+        losses.append(torch.stack([s[1] for s in rec.steps]))
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=0)
+
+
 @pytest.mark.parametrize("loss", ["kl", "mixed"])
 def test_resume_continues_the_distillation_loss_bit_exactly(base, tmp_path, loss):
     def run(root, steps, ckpt_path=None):
