@@ -50,7 +50,7 @@ __all__ = [
 #: stage 2's objectives: next-token cross-entropy, the KL to the teacher, or a mix of the two
 LOSSES = ("next_token", "kl", "mixed")
 #: positions per chunk of ``distill_terms``: at a 128k vocabulary one fp32 (chunk, V) tensor
-#: is 256 MiB, and a chunk holds a handful of them
+#: is about 250 MiB, and a chunk holds a handful of them
 DEFAULT_CHUNK = 512
 
 
