@@ -1,7 +1,7 @@
 """The package's modules import only downwards, and no module imports itself through others.
 
 Layers, low to high: ``models`` (with ``models/ops``) < ``data`` < ``evaluation`` <
-``lightning_modules`` < ``selection`` < ``pipeline`` < the commands (``cli``, ``export``,
+``selection`` < ``lightning_modules`` < ``pipeline`` < the commands (``cli``, ``export``,
 ``generate``, ``import_lolcats``); ``version`` is a leaf below them all. Every module's imports
 are read with ``ast``, function-local ones included, since a lazy import is still a dependency:
 one of a higher layer fails ``test_no_module_imports_a_higher_layer``, and a circle of imports
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"  # the package ``hedgecats``
-LAYERS = ("version", "models", "data", "evaluation", "lightning_modules", "selection",
+LAYERS = ("version", "models", "data", "evaluation", "selection", "lightning_modules",
           "pipeline")
 TOP = len(LAYERS)  # the commands and the package root
 

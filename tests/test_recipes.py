@@ -48,23 +48,40 @@ def assets(tmp_path_factory):
     from transformers import MistralConfig, MistralForCausalLM
 
     root = tmp_path_factory.mktemp("recipes")
-    llama = save_tiny_llama(root / "llama")
     tok = byte_level_tokenizer()
-    cfg = MistralConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                        max_position_embeddings=2048, sliding_window=4096,
-                        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-    torch.manual_seed(0)
-    MistralForCausalLM(cfg).save_pretrained(root / "mistral")
-    tok.save_pretrained(root / "mistral")
+
+    def mistral(path: Path, layers: int) -> Path:
+        cfg = MistralConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                            num_hidden_layers=layers, num_attention_heads=4,
+                            num_key_value_heads=2, max_position_embeddings=2048,
+                            sliding_window=4096, pad_token_id=tok.pad_token_id,
+                            eos_token_id=tok.eos_token_id)
+        torch.manual_seed(0)
+        MistralForCausalLM(cfg).save_pretrained(path)
+        tok.save_pretrained(path)
+        return path
+
     write_fineweb_files(filler_documents(400, seed=0), root / "fineweb", n_files=2)
     write_recall_mc_tasks(root / "tasks", n_docs=8)
-    return {"llama": llama, "mistral": root / "mistral", "fineweb": root / "fineweb",
-            "tasks": root / "tasks"}
+    # recipes that keep layers softmax (select-layers) get 4 layers, as the testbed's teacher
+    return {"llama": save_tiny_llama(root / "llama"), "mistral": mistral(root / "mistral", 2),
+            "llama4": save_tiny_llama(root / "llama4", num_layers=4),
+            "mistral4": mistral(root / "mistral4", 4),
+            "fineweb": root / "fineweb", "tasks": root / "tasks"}
+
+
+def _selector(spec: dict) -> dict | None:
+    """The recipe's select-layers stage (hedgecats.lightning_modules.LayerSelection), if any."""
+    return next((st for st in spec["stages"]
+                 if st["fit"]["model"]["class_path"].endswith("LayerSelection")), None)
+
+
+def _base(spec: dict, assets: dict, family: str) -> str:
+    return str(assets[family + ("4" if _selector(spec) else "")])
 
 
 def _shrink_paper(spec: dict, assets: dict, accelerator: str) -> dict:
-    base = str(assets["mistral" if spec["name"].startswith("mistral") else "llama"])
+    base = _base(spec, assets, "mistral" if spec["name"].startswith("mistral") else "llama")
     seq, gbs = 128, 4
     for st in spec["stages"]:
         fit = st["fit"]
@@ -97,7 +114,7 @@ def _shrink_paper(spec: dict, assets: dict, accelerator: str) -> dict:
 
 
 def _shrink_testbed(spec: dict, assets: dict, accelerator: str) -> dict:
-    spec["vars"].update(teacher=str(assets["llama"]), tasks=str(assets["tasks"]),
+    spec["vars"].update(teacher=_base(spec, assets, "llama"), tasks=str(assets["tasks"]),
                         transfer_steps=STEPS, finetune_steps=STEPS)
     for st in spec["stages"]:
         fit = st["fit"]
@@ -130,6 +147,15 @@ def _run_recipe(path: Path, assets: dict, tmp_path: Path, accelerator: str) -> d
         metrics = out / "finetune" / "logs" / "attempt_0" / "metrics.csv"
         assert "val/kl" in metrics.read_text().splitlines()[0]  # the teacher ran
     results = json.loads((out / "results.json").read_text())
+    selector = _selector(spec)
+    if selector is not None:  # stage 2 converts the layers the selector left hybrid
+        from hedgecats.models.stage_files import converted_layers, read_stage
+
+        chosen = json.loads((out / selector["name"] / "selection.json").read_text())
+        keep = selector["fit"]["model"]["init_args"]["keep"]
+        assert len(chosen["kept_softmax"]) == keep and len(chosen["layers"]) == 4 - keep
+        final = read_stage(out / "finetune" / "stage.pt")
+        assert final["hybrid_config"]["layers"] == chosen["layers"] == converted_layers(final)
     if path.parent.name == "testbed":
         final = next(e for e in results["evaluations"] if e.get("stage") == "finetune"
                      and e["kind"] == "recall")

@@ -5,10 +5,12 @@ Imports lightning; ``hedgecats.models`` never does (docs/architecture.md: the fl
 This is the Lightning-facing namespace that YAML configs name in ``class_path``: besides the
 stages and callbacks it re-exports ``RecallDataModule``, whose home is
 ``hedgecats.data.recall_bytes`` (``class_path: hedgecats.lightning_modules.RecallDataModule``
-and ``hedgecats.data.RecallDataModule`` are the same class).
+and ``hedgecats.data.RecallDataModule`` are the same class), and the layer selector's stage
+``LayerSelection`` (``hedgecats.selection``).
 """
 
 from ..data.recall_bytes import RecallDataModule
+from ..selection.stage import LayerSelection
 from .callbacks import (
     SSD_INTERVALS,
     SSD_SCHEDULES,
@@ -56,6 +58,7 @@ __all__ = [
     "DownstreamEval",
     "HybridFinetune",
     "HybridStage",
+    "LayerSelection",
     "NonFiniteLossError",
     "NonFiniteStateError",
     "Probe",

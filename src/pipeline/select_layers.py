@@ -1,4 +1,4 @@
-"""The pipeline's checks of a ``select-layers`` stage (``hedgecats.selection.LayerSelection``),
+"""The pipeline's checks of a ``select-layers`` stage (``hedgecats.lightning_modules.LayerSelection``),
 before any model loads: its budget against the number of layers the stage it reads converted,
 the size of its held-out text, and a later stage that names its own ``hybrid.layers`` instead
 of the selector's (the pipeline says which it uses). Called by ``validate_pipeline`` after

@@ -121,8 +121,6 @@ def _held_out(a, first: Path, base_model: str | None) -> tuple[list[dict], str]:
     if a.data:
         import yaml
 
-        from ..data.recall_bytes import RecallDataModule  # noqa: F401  (short names below)
-
         text = Path(a.data).read_text() if Path(a.data).is_file() else a.data
         spec = yaml.safe_load(text)
         if not isinstance(spec, dict) or "class_path" not in spec:
@@ -163,12 +161,10 @@ def _data_class(name: str):
     if "." in name:
         mod, _, attr = name.rpartition(".")
         return getattr(importlib.import_module(mod), attr)
-    import hedgecats.data
-    import hedgecats.lightning_modules
+    from .. import data
 
-    for mod in (hedgecats.data, hedgecats.lightning_modules):
-        if hasattr(mod, name):
-            return getattr(mod, name)
+    if hasattr(data, name):
+        return getattr(data, name)
     raise ValueError(f"--data: class_path {name!r} is not a DataModule hedgecats knows (give "
                      "the full class path)")
 
@@ -183,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
 
         check_scores(a.compare, "--compare")
         paths = [resolve_input(x, a.stage) for x in a.inputs]
+        from ..models.stage_files import converted_layers, read_stage
+
+        budget.check(len(converted_layers(read_stage(paths[0]))), str(paths[0]))
         out = Path(a.output)
         if (out / "selection.json").exists() and not a.overwrite:
             raise FileExistsError(f"{str(out)!r} holds a selection already; --overwrite "

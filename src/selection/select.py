@@ -17,6 +17,7 @@ from pathlib import Path
 
 from torch import nn
 
+from ..models import hybrid_layers
 from ..models.stage_files import (
     load_tensors,
     read_stage,
@@ -110,6 +111,8 @@ def select_layers(models: Sequence[Callable[[], nn.Module]], batches: Sequence[d
     measured = []
     for j, build in enumerate(models):
         model = build()
+        if j == 0:  # before any scoring: a budget these layers cannot hold
+            budget.check(len(list(hybrid_layers(model))), names[0])
         log.info("layer selection: scoring %s", names[j])
         measured.append(measure(model, batches, [score, *compare], context=context, seed=seed))
         if keep_one:
@@ -121,7 +124,6 @@ def select_layers(models: Sequence[Callable[[], nn.Module]], batches: Sequence[d
             raise ValueError(f"{names[j]} converts layers {sorted(m['values'][score])}, "
                              f"{names[0]} {converted}: seeds of one recipe convert the same "
                              "layers")
-    budget.check(len(converted))
     per_input = [{s: rank(m["values"][s]) for s in [score, *compare]} for m in measured]
     order = consensus([r[score] for r in per_input])
     n_max = budget.n_max(len(converted))

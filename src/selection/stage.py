@@ -12,6 +12,7 @@ directory, and stops. The next stage starts from that ``stage.pt`` and, without 
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from itertools import islice
 from pathlib import Path
@@ -20,7 +21,6 @@ import lightning.pytorch as pl
 
 from .budget import Budget
 from .report import write_report
-from ..lightning_modules.stages import run_seed
 from .scores import CHEAP, check_scores
 from .select import load_stage_model, select_layers, write_selected_stage
 
@@ -67,6 +67,10 @@ class LayerSelection(pl.LightningModule):
                              "validation split)")
         if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 1:
             raise ValueError(f"min_tokens={min_tokens!r} must be an integer >= 1")
+        # this stage has no optimizer and no validation loop on purpose: it trains nothing
+        for message in (r"`LightningModule.configure_optimizers` returned `None`",
+                        r"You passed in a `val_dataloader` but have no `validation_step`"):
+            warnings.filterwarnings("ignore", message=message)
         self.save_hyperparameters()
         if compare is None:
             self.hparams.compare = [s for s in CHEAP if s != score]
@@ -80,13 +84,9 @@ class LayerSelection(pl.LightningModule):
             h = self.hparams
             self.model, _ = load_stage_model(h.init_from, base_model=h.model_name_or_path,
                                              dtype=h.torch_dtype)
+            self.model.train()  # as Lightning expects at fit's start; scoring runs in eval mode
 
     def setup(self, stage: str) -> None:
-        # this stage has no optimizer on purpose: it trains nothing
-        warnings.filterwarnings("ignore", message=r"`LightningModule.configure_optimizers` "
-                                                  r"returned `None`")
-        warnings.filterwarnings("ignore", message="You passed in a `val_dataloader` but have no "
-                                                  "`validation_step`")
         if self.trainer.world_size > 1:
             raise ValueError(f"LayerSelection scores on one device; this trainer has "
                              f"{self.trainer.world_size} processes: set trainer.devices: 1")
@@ -108,7 +108,7 @@ class LayerSelection(pl.LightningModule):
 
     def on_train_start(self) -> None:
         h = self.hparams
-        seed = h.random_seed if h.random_seed is not None else run_seed()
+        seed = h.random_seed if h.random_seed is not None else _run_seed()
         self.selection = select_layers(
             [lambda: self.model], self._held_out(), score=h.score, budget=self.budget,
             compare=h.compare, names=[str(h.init_from)],
@@ -138,3 +138,8 @@ class LayerSelection(pl.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         pass
+
+
+def _run_seed() -> int:
+    """The run's seed (``seed_everything`` exports it as ``PL_GLOBAL_SEED``), else 0."""
+    return int(os.environ.get("PL_GLOBAL_SEED", "0"))
