@@ -1,9 +1,9 @@
-"""The pipeline's checks of a ``select-layers`` stage (``hedgecats.lightning_modules.LayerSelection``),
-before any model loads: its budget against the number of layers the stage it reads converted,
-the size of its held-out text, and a later stage that names its own ``hybrid.layers`` instead
-of the selector's (the pipeline says which it uses). Called by ``validate_pipeline`` after
-every stage passed the generic checks (the stage's own arguments are checked there, when
-``LayerSelection`` is built)."""
+"""The pipeline's checks of a ``select-layers`` stage (``LayerSelection``, from
+``hedgecats.selection``), before any model loads: its budget against the number of layers the
+stage it reads converted, the size and length of its held-out text, one device, and a later
+stage that names its own ``hybrid.layers`` instead of the selector's (the pipeline says which
+it uses). Called by ``validate_pipeline`` after every stage passed the generic checks (the
+stage's own arguments are checked there, when ``LayerSelection`` is built)."""
 
 from __future__ import annotations
 
