@@ -83,6 +83,22 @@ def test_stage_speed_t4k_ratio_only_from_a_4k_run():
     assert bench.ratios(rows[:2], 1024, None)["transfer_vs_lolcats_T4k"] is None
 
 
+def test_stage_speed_kl_ratios():
+    """``kl_vs_lora``: the KL step's tokens/s over the next-token LoRA step's at the short
+    length; ``kl_peak_gib_over_lora``: their peaks' difference, None without device peaks."""
+    from benchmarks import stage_speed as bench
+    rows = [{"name": n, "T": T, "tokens_per_s": tps, "peak_gib": peak}
+            for n, T, tps, peak in [("finetune/hybrid", 1024, 10.0, 40.0),
+                                    ("finetune/hybrid [kl]", 1024, 8.0, 43.5),
+                                    ("finetune/hybrid [kl]", 4096, 1.0, 99.0)]]
+    r = bench.ratios(rows, 1024, 4096)
+    assert r["kl_vs_lora"] == 0.8 and r["kl_peak_gib_over_lora"] == 3.5
+    assert bench.TARGETS["kl_vs_lora"] == ">= 0.8"
+    cpu = [{**row, "peak_gib": None} for row in rows]
+    assert bench.ratios(cpu, 1024, 4096)["kl_peak_gib_over_lora"] is None
+    assert bench.ratios(rows[:1], 1024, 4096)["kl_vs_lora"] is None
+
+
 def test_lightning_gap_tiny(tmp_path):
     """benchmarks.lightning_gap (stage 1 through Lightning against the stage harness) on CPU:
     a Lightning row, a harness row with the kernels off, and a reading that needs both."""
@@ -108,13 +124,18 @@ def test_stage_speed_tiny(tmp_path):
             assert (name, T) in names, (name, T)
     assert ("transfer/weights_xent [blocked]", 32) in names
     assert ("transfer/la_output_mse", 32) in names
+    # stage 2 by distillation (HybridFinetune(loss="kl")): the exact KL at every length, the
+    # top-k KL at the shortest
+    for T in (32, 64):
+        assert ("finetune/hybrid [kl]", T) in names, T
+    assert ("finetune/hybrid [kl top-k]", 32) in names
     errors = [r for r in res["rows"] if "error" in r]
     assert not errors, errors
     for r in res["rows"]:
         assert r["tokens_per_s"] > 0 and r["step_s"] > 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     for key in ("transfer_xent_vs_teacher_forward", "transfer_mse_vs_teacher_forward",
-                "lora_vs_softmax_lora", "transfer_vs_lolcats_T4k"):
+                "lora_vs_softmax_lora", "transfer_vs_lolcats_T4k", "kl_vs_lora"):
         assert summary[key] > 0, key
         run = _run_record(summary, key)
         assert run["command"].startswith("python -m benchmarks.stage_speed --tiny")
@@ -122,9 +143,12 @@ def test_stage_speed_tiny(tmp_path):
     # peaks are device memory: measured on a GPU only, and absent rather than null here
     peaks = [r.get("peak_gib") for r in res["rows"] if r["name"].startswith("transfer/")]
     assert ("transfer_peak_gib_over_teacher" in summary) == any(p is not None for p in peaks)
+    assert "kl_peak_gib_over_lora" not in summary  # no device peak on CPU
     # not measured by this script (one device): no value, rather than a null beside others
     assert "scaling_efficiency_transfer_2gpu" not in summary
-    assert "| finetune/softmax |" in (tmp_path / "stage_speed.md").read_text()
+    md = (tmp_path / "stage_speed.md").read_text()
+    assert "| finetune/softmax |" in md and "| finetune/hybrid [kl] |" in md
+    assert "| kl_vs_lora |" in md
 
 
 def test_attention_speed_tiny(tmp_path):
