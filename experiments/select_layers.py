@@ -14,7 +14,7 @@ together, on the recipe's held-out data (its selector's validation split), with 
 ``DIR/compare/selection.{json,md,png}`` hold each seed's scores and rankings, each cheap score's
 agreement with ``kl`` (Kendall's tau, top-k overlap; mean over seeds) and each score's stability
 across seeds. ``tiny``: pretrains a 4-layer byte-level teacher on the recall corpus and runs stage 1
-per seed, then ``compare``: minutes on a CPU, for the tooling, not for the testbed's answer.
+per seed, then ``compare`` (64 x 128 held-out tokens): minutes on a CPU, for the tooling, not for the testbed's answer.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def compare(root: Path, runs: list[Path], data: dict, keep: int, stage: str = "t
 # ----------------------------------------------------------------------------- CPU scale
 TINY_DATA = {"class_path": "hedgecats.lightning_modules.RecallDataModule",
              "init_args": {"seq_len": 128, "window": 16, "far_min": 40, "far_max": 110,
-                           "task": "marker", "filler": "ab", "num_train": 4096, "num_val": 16,
+                           "task": "marker", "filler": "ab", "num_train": 8192, "num_val": 64,
                            "num_test": 32, "batch_size": 16, "seed": 0}}
 TRAINER = {"accelerator": "cpu", "limit_val_batches": 1, "num_sanity_val_steps": 0,
            "log_every_n_steps": 10, "enable_model_summary": False, "enable_progress_bar": False}

@@ -33,7 +33,7 @@ def format_markdown(sel: dict) -> str:
     lines = ["# Layer selection", "",
              f"Score: **{sel['score']}** (higher = worse: kept softmax first); budget: "
              f"{sel['budget_text']}. Held-out: {held['tokens']} tokens in {held['batches']} "
-             f"batches ({held['source']})"
+             f"batch{'es' if held['batches'] != 1 else ''} ({held['source']})"
              + (f"; {len(sel['inputs'])} inputs (the mean of their scores, the ranking by mean "
                 "position)" if len(sel["inputs"]) > 1 else "") + ".", "",
              f"**layers:** {sel['layers']} (hybrid; what the next stage converts); kept softmax: "

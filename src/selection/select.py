@@ -114,7 +114,9 @@ def select_layers(models: Sequence[Callable[[], nn.Module]], batches: Sequence[d
         if j == 0:  # before any scoring: a budget these layers cannot hold
             budget.check(len(list(hybrid_layers(model))), names[0])
         log.info("layer selection: scoring %s", names[j])
-        measured.append(measure(model, batches, [score, *compare], context=context, seed=seed))
+        # the random control draws anew for each input (seed + its index), as seeds' runs do
+        measured.append(measure(model, batches, [score, *compare], context=context,
+                                seed=seed + j))
         if keep_one:
             built = model
         del model
