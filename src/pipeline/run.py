@@ -27,7 +27,8 @@ def _describe(stage: dict) -> str:
     tr = fit.get("trainer", {})
     budget = ", ".join(f"{k}={tr[k]}" for k in ("max_steps", "max_epochs", "max_time")
                        if tr.get(k) not in (None, -1))
-    keys = ("model_name_or_path", "init_from", "objective", "hybrid", "mode", "lr")
+    keys = ("model_name_or_path", "init_from", "objective", "hybrid", "mode", "lr", "score",
+            "keep", "max_softmax", "kl_below")
     args = "; ".join(f"{k}={init[k]}" for k in keys if k in init)
     data = fit.get("data", {})
     dcls = data.get("class_path", "-").rsplit(".", 1)[-1] if isinstance(data, dict) else data
