@@ -96,7 +96,9 @@ def test_paper_hyperparameters(model):
         assert (a1["objective"], a1["hybrid"]["feature_projection"]) == want
         d = s1["data"]["init_args"]
         assert (d["seq_len"], d["global_batch_size"], d["tokens_per_epoch"]) == (1024, 64, 25_000_000)
-        assert s2["trainer"]["max_epochs"] == (1 if recipe in ("hedgecats", "inference_hybrid") else 5)
+        assert s2["trainer"]["max_epochs"] == \
+            (1 if recipe in ("hedgecats", "hedgecats_kl", "inference_hybrid") else 5)
+        assert a2.get("loss", "next_token") == ("kl" if recipe == "hedgecats_kl" else "next_token")
         callbacks = [c["class_path"].rsplit(".", 1)[-1] for c in s2["trainer"].get("callbacks", [])]
         if recipe.startswith("ssd_"):
             ssd = s2["trainer"]["callbacks"][0]["init_args"]
