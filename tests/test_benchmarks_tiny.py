@@ -328,6 +328,7 @@ def test_attention_speed_ratios_in_device_time(monkeypatch):
     assert timing.device_ms(lambda: None, 1.0) == {"device_ms": None, "host_ahead": None}
 
 
+@pytest.mark.slow  # (~27 s under the interpreter: make test-all)
 def test_kernel_anatomy_refuses_unknown_configs_and_tables_its_rows(tmp_path):
     """kernel_anatomy (GPU only) names what it does not know before touching a GPU, and its
     markdown puts every kernel of every config / branch set in one table per phase, a failed

@@ -439,6 +439,9 @@ def _run_two(tmp_path, strategy, base):
 
 
 @pytest.mark.distributed
+# two processes, ~25 s: in make test-all; stage 2 under FSDP2 stays in the default run
+# (test_stages_distributed)
+@pytest.mark.slow
 def test_fsdp2_distillation_trains_as_ddp_does(base, tmp_path):
     """Two ranks under FSDP2 (the teacher's forward through the sharded model, without grad and
     with the adapters off, first in every step) give DDP's losses and trained tensors, and

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from experiments import gated_swa
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,6 +47,7 @@ def test_every_variant_trains_and_is_reported(tmp_path):
     assert len(res["summary"]["deltas"]) == 7
 
 
+@pytest.mark.slow  # (~11 s, two processes: make test-all)
 def test_runs_as_processes_and_reports_merge(tmp_path):
     pkg = tmp_path / "pkg"
     pkg.mkdir()
