@@ -165,16 +165,22 @@ def test_several_checkpoints_as_seeds(ws, tmp_path, capsys):
 
 
 def test_non_empty_output_and_overwrite(ws, tmp_path, capsys):
+    """A non-empty --output that is no earlier evaluation is replaced only with --force
+    (--overwrite deleted whatever directory it was given); an earlier evaluation's output
+    with --overwrite."""
     out = tmp_path / "full"
     out.mkdir()
     (out / "keep.txt").write_text("x")
-    rc = cli.main(["--model", str(ws / "model"), "--tasks", str(ws / "tasks"), "--modes",
-                   "softmax", "--output", str(out), "-q"])
-    assert rc == 2 and "not empty" in capsys.readouterr().err
-    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
-    rc = cli.main(["--model", str(ws / "model"), "--tasks", str(ws / "tasks"), "--modes",
-                   "softmax", "--limit", "2", "--output", str(out), "--overwrite", "-q"])
-    assert rc == 0
+    run = ["--model", str(ws / "model"), "--tasks", str(ws / "tasks"), "--modes", "softmax",
+           "--limit", "2", "--output", str(out), "-q"]
+    for extra, needle in (([], "--force"), (["--overwrite"], "no earlier evaluation")):
+        assert cli.main(run + extra) == 2
+        assert needle in capsys.readouterr().err
+        assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+    assert cli.main(run + ["--force"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["results.csv", "results.json", "results.md"]
+    assert cli.main(run) == 2 and "--overwrite" in capsys.readouterr().err
+    assert cli.main(run + ["--overwrite"]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["results.csv", "results.json", "results.md"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["full"]  # no temp or old copy left
 
@@ -202,13 +208,13 @@ def test_failure_while_writing_leaves_nothing(ws, tmp_path, monkeypatch, capsys)
 def test_atomic_dir_replaces_only_on_success(tmp_path):
     out = tmp_path / "r"
     with report.atomic_output_dir(out) as tmp:
-        (tmp / "a").write_text("1")
+        (tmp / "results.json").write_text("1")
         assert not out.exists()
-    assert (out / "a").read_text() == "1"
+    assert (out / "results.json").read_text() == "1"
     with pytest.raises(RuntimeError), report.atomic_output_dir(out, overwrite=True) as tmp:
-        (tmp / "a").write_text("2")
+        (tmp / "results.json").write_text("2")
         raise RuntimeError("boom")
-    assert (out / "a").read_text() == "1"
+    assert (out / "results.json").read_text() == "1"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]
 
 

@@ -183,7 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens of the sample to use (default %(default)s)")
     g = p.add_argument_group("output")
     g.add_argument("--output", required=True, metavar="DIR", help="directory for the results")
-    g.add_argument("--overwrite", action="store_true", help="replace a non-empty --output")
+    g.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier evaluation's --output (one with results.json)")
+    g.add_argument("--force", action="store_true",
+                   help="replace a non-empty --output that holds no earlier evaluation")
     g.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     return p
 
@@ -331,7 +334,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     args.models = [_final_stage(m, say) for m in args.models]
     specs: list[ModeSpec] = parse_modes(args.modes)
     overrides = parse_metric_overrides(args.metric)
-    out_dir = check_output_dir(args.output, args.overwrite)
+    out_dir = check_output_dir(args.output, args.overwrite, args.force)
     hybrid = read_hybrid_config(args.hybrid) if args.hybrid else None
     task_specs = [t for item in (args.tasks or [",".join(PAPER_TASKS)]) for t in _csv(item)]
     probes_only = _probes_only(args, task_specs)
@@ -475,7 +478,7 @@ def _write(results: dict, out_dir: Path, args) -> None:
 
     existed = out_dir.exists()
     try:
-        with atomic_output_dir(out_dir, args.overwrite) as tmp:
+        with atomic_output_dir(out_dir, args.overwrite, args.force) as tmp:
             write_results(results, tmp)
             if results["branch_usage"]:
                 from .branch_usage import plot_branch_usage

@@ -304,14 +304,22 @@ def write_csv(results: dict, path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- writing
-def check_output_dir(path: str | Path, overwrite: bool = False) -> Path:
-    """Fail early (before any model is loaded) if ``path`` cannot receive the results."""
+def check_output_dir(path: str | Path, overwrite: bool = False, force: bool = False) -> Path:
+    """Fail early (before any model is loaded) if ``path`` cannot receive the results: an
+    earlier evaluation's output (its ``results.json``) is replaced with ``overwrite``; a
+    non-empty directory that is not one only with ``force`` (export's rule: ``--overwrite``
+    never deletes what it did not write)."""
     p = Path(path).expanduser().resolve()
     if p.exists() and not p.is_dir():
         raise ValueError(f"--output {str(p)!r} exists and is not a directory")
-    if p.is_dir() and any(p.iterdir()) and not overwrite:
-        raise ValueError(f"--output {str(p)!r} exists and is not empty; choose another directory "
-                         "or pass --overwrite")
+    if p.is_dir() and any(p.iterdir()) and not force:
+        if not (p / "results.json").is_file():
+            raise ValueError(f"--output {str(p)!r} is not empty and holds no earlier evaluation "
+                             "(no results.json); choose another directory, or pass --force to "
+                             "replace what it holds")
+        if not overwrite:
+            raise ValueError(f"--output {str(p)!r} holds an earlier evaluation; choose another "
+                             "directory or pass --overwrite")
     parent = p.parent
     while not parent.exists():
         parent = parent.parent
@@ -321,10 +329,11 @@ def check_output_dir(path: str | Path, overwrite: bool = False) -> Path:
 
 
 @contextlib.contextmanager
-def atomic_output_dir(path: str | Path, overwrite: bool = False) -> Iterator[Path]:
+def atomic_output_dir(path: str | Path, overwrite: bool = False,
+                      force: bool = False) -> Iterator[Path]:
     """Yield a temporary directory; on success it replaces ``path``, on error it is removed
     (``check_output_dir`` first, then ``models.io.atomic_directory``)."""
-    with atomic_directory(check_output_dir(path, overwrite)) as tmp:
+    with atomic_directory(check_output_dir(path, overwrite, force)) as tmp:
         yield tmp
 
 
