@@ -14,7 +14,8 @@ import torch
 from .instrument import TRACE
 
 __all__ = ["GRID_AXIS_MAX", "HAVE_TRITON", "available", "cast", "cdiv", "ensure_allocator",
-           "errors", "fast", "interpret", "key_block", "next_pow2", "switched_on", "tl", "tma_ok",
+           "errors", "fast", "interpret", "key_block", "launch_reason", "next_pow2", "pow2",
+           "switched_on", "tl", "tma_ok",
            "triton", "warn_once"]
 
 try:  # the kernel modules define their kernels only where triton imports
@@ -75,6 +76,24 @@ def switched_on() -> bool:
     """``HEDGECATS_TRITON`` is not ``0`` (the switch to run or measure without the fused
     kernels; read on every call, so that ``hybrid.backends.triton_disabled`` acts at once)."""
     return os.environ.get("HEDGECATS_TRITON", "1") != "0"
+
+
+def pow2(n: int) -> bool:
+    """``n`` is a power of two (the kernels' tile dims)."""
+    return n > 0 and n & (n - 1) == 0
+
+
+def launch_reason(x: torch.Tensor) -> str | None:
+    """Why no fused kernel runs for tensors like ``x`` here (``None``: one may): switched off
+    (``HEDGECATS_TRITON=0``), no Triton or CUDA, or ``x`` not on CUDA (the interpreter takes
+    CPU tensors). The first check of each family's dispatch."""
+    if not switched_on():
+        return "the fused kernels are switched off (HEDGECATS_TRITON=0)"
+    if not available():
+        return "triton is not installed or there is no CUDA device"
+    if not (x.is_cuda or interpret()):
+        return "the kernels run on CUDA tensors"
+    return None
 
 
 @functools.cache

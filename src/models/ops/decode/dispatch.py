@@ -13,25 +13,18 @@ from __future__ import annotations
 import torch
 
 from ..instrument import TRACE
-from ..triton_common import available, errors, interpret, switched_on, warn_once
+from ..triton_common import errors, interpret, launch_reason, pow2, warn_once
 from .kernels import MODES, launch_main, launch_post
 
 __all__ = ["decode_step", "note_fallback", "unsupported_reason"]
 
 
-def _pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
 def unsupported_reason(layer, query, key, fq, *, mode: str, shared_norm, overlap: bool,
                        la_span: str, swa_drop, g) -> str | None:
     """Why the fused step cannot take this call (the composed step then runs), or ``None``."""
-    if not switched_on():
-        return "the fused kernels are switched off (HEDGECATS_TRITON=0)"
-    if not available():
-        return "triton is not installed or there is no CUDA device"
-    if not (query.is_cuda or interpret()):
-        return "the kernels run on CUDA tensors"
+    reason = launch_reason(query)
+    if reason is not None:
+        return reason
     if mode not in MODES:
         return f"mode {mode!r} (the fused step computes {', '.join(MODES)})"
     if overlap or (mode == "la_only" and la_span == "all"):
@@ -56,9 +49,9 @@ def unsupported_reason(layer, query, key, fq, *, mode: str, shared_norm, overlap
     F = fq.shape[-1]
     if T != 1 or H % Hkv:
         return "not one new token per sequence"
-    if not (_pow2(D) and 16 <= D <= 256):
+    if not (pow2(D) and 16 <= D <= 256):
         return f"head dim {D} (powers of two in [16, 256])"
-    if not (_pow2(F) and 16 <= F <= 1024):
+    if not (pow2(F) and 16 <= F <= 1024):
         return f"feature dim {F} (powers of two in [16, 1024])"
     if layer.window > 1024:
         return f"window {layer.window} (at most 1024 keys in the ring)"

@@ -17,15 +17,12 @@ from __future__ import annotations
 import torch
 
 from ..instrument import TRACE
-from ..triton_common import available, errors, interpret, switched_on, warn_once
+from ..triton_common import (available, errors, interpret, launch_reason, pow2, switched_on,
+                             warn_once)
 from .function import DuSlot, MapFn, MapWithInputFn
 from .reference import ACTIVATIONS
 
 __all__ = ["hedgehog_features", "unsupported_reason"]
-
-
-def _pow2(n: int) -> bool:
-    return n & (n - 1) == 0
 
 
 def unsupported_reason(x, weight, bias, activation: str) -> str | None:
@@ -36,21 +33,18 @@ def unsupported_reason(x, weight, bias, activation: str) -> str | None:
     or F/2 not powers of two in [16, 128], an empty sequence."""
     if activation not in ACTIVATIONS:
         return f"activation {activation!r} (the kernel takes {', '.join(ACTIVATIONS)})"
-    if not switched_on():
-        return "the fused kernels are switched off (HEDGECATS_TRITON=0)"
-    if not available():
-        return "triton is not installed or there is no CUDA device"
-    if not (x.is_cuda or interpret()):
-        return "the kernel runs on CUDA tensors"
+    reason = launch_reason(x)
+    if reason is not None:
+        return reason
     if x.dtype != torch.bfloat16:
         return f"dtype {x.dtype} (the kernel takes bf16)"
     if x.dim() != 4 or weight.dim() != 3 or x.shape[1] != weight.shape[0] or \
             x.shape[-1] != weight.shape[1]:
         return "shapes of x and weight do not match"
     D, FH = weight.shape[1], weight.shape[2]
-    if not (_pow2(D) and 16 <= D <= 128):
+    if not (pow2(D) and 16 <= D <= 128):
         return f"head dim {D} (powers of two in [16, 128])"
-    if not (_pow2(FH) and 16 <= FH <= 128):
+    if not (pow2(FH) and 16 <= FH <= 128):
         return f"{FH} features per half (powers of two in [16, 128])"
     if x.shape[2] == 0:
         return "empty sequence"

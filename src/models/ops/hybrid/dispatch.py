@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..feature_map import dispatch as triton_phi
-from ..triton_common import GRID_AXIS_MAX, available, interpret, switched_on, warn_once
+from ..triton_common import GRID_AXIS_MAX, available, interpret, pow2, switched_on, warn_once
 from .config import KernelConfig
 from .function import FoldedMaps, _filled, _launch
 from .gated import _gated, _no_features
@@ -63,10 +63,6 @@ def unsupported_reason(q, k, v, fq, fk, key_padding_mask=None, *,
         return "shapes of fq/fk/v do not match q/k"
     if H % Hkv:
         return f"{H} query heads are not a multiple of {Hkv} kv heads"
-
-    def pow2(n):
-        return n & (n - 1) == 0
-
     if not (pow2(D) and 16 <= D <= 128):
         return f"head dim {D} (the fused kernels take powers of two in [16, 128])"
     if not (pow2(F) and 16 <= F <= 256):

@@ -14,27 +14,13 @@ import torch
 
 from ..hybrid.reference import LA_EPS
 from ..instrument import TRACE
-from ..triton_common import GRID_AXIS_MAX, available, errors, interpret, switched_on, warn_once
+from ..triton_common import (GRID_AXIS_MAX, available, errors, interpret, launch_reason, pow2,
+                             switched_on, warn_once)
 from . import reference
 from .mse import mse_kernel
 from .xent import xent_rows
 
 __all__ = ["masked_mse", "mse_unsupported_reason", "weights_xent", "xent_unsupported_reason"]
-
-
-def _pow2(n: int) -> bool:
-    return n & (n - 1) == 0
-
-
-def _where_it_runs(x: torch.Tensor) -> str | None:
-    """Why no kernel runs for tensors like ``x`` here (``None``: one may)."""
-    if not switched_on():
-        return "the fused kernels are switched off (HEDGECATS_TRITON=0)"
-    if not available():
-        return "triton is not installed or there is no CUDA device"
-    if not (x.is_cuda or interpret()):
-        return "the kernels run on CUDA tensors"
-    return None
 
 
 def _refused(what: str, reason: str, x: torch.Tensor, instead: str) -> None:
@@ -47,7 +33,7 @@ def xent_unsupported_reason(q, k, fq, fk) -> str | None:
     """Why the fused cross-entropy cannot take q (B, H, T, D), k (B, Hkv, T, D), fq (B, H, T,
     F), fk (B, Hkv, T, F) (``None``: it can): the kernel takes bf16 or fp32, head dims powers of
     two in [16, 128], feature dims in [16, 256], at most ``GRID_AXIS_MAX`` batch x heads."""
-    reason = _where_it_runs(q)
+    reason = launch_reason(q)
     if reason is not None:
         return reason
     if q.dtype != k.dtype or fq.dtype != fk.dtype:
@@ -59,9 +45,9 @@ def xent_unsupported_reason(q, k, fq, fk) -> str | None:
     F = fq.shape[-1]
     if k.shape[2] != T or fk.shape[2] != T or fk.shape[1] != k.shape[1] or H % k.shape[1]:
         return "q, k, fq, fk shapes do not match"
-    if not (_pow2(D) and 16 <= D <= 128):
+    if not (pow2(D) and 16 <= D <= 128):
         return f"head dim {D} (powers of two in [16, 128])"
-    if not (_pow2(F) and 16 <= F <= 256):
+    if not (pow2(F) and 16 <= F <= 256):
         return f"feature dim {F} (powers of two in [16, 256])"
     if B * H > GRID_AXIS_MAX:
         return (f"batch x heads = {B * H} (the kernels' second grid axis holds at most "
@@ -110,7 +96,7 @@ def mse_unsupported_reason(student: torch.Tensor, teacher: torch.Tensor, kpm) ->
     """Why the output-MSE kernels cannot take these (B, H, T, D) tensors and key padding mask
     (B, T) (``None``: they can): not 4-D, shapes that differ, not floating point, head dims
     above 256, more than ``GRID_AXIS_MAX`` batch x heads."""
-    reason = _where_it_runs(student)
+    reason = launch_reason(student)
     if reason is not None:
         return reason
     if not ((student.is_cuda and teacher.is_cuda) or interpret()):
