@@ -46,7 +46,8 @@ def _score(model: nn.Module, corpus: RecallCorpus, batch_size: int, device,
     for s in range(0, N, batch_size):
         ids = ids_all[s:s + batch_size].to(device)
         with amp:
-            logits = model(input_ids=ids).logits[:, :-1].float()  # (b, T-1, V): predicts ids[:, 1:]
+            # (b, T-1, V): predicts ids[:, 1:]; no cache: nothing continues these sequences
+            logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()
         tgt = ids[:, 1:]
         tok_loss[s:s + len(ids)] = F.cross_entropy(logits.transpose(1, 2), tgt,
                                                    reduction="none").cpu()
