@@ -44,7 +44,7 @@ REPO = HERE.parent
 CONFIGS = REPO / "configs" / "testbed"
 RECIPES = ("lolcats", "lolcats_shared_norm", "lolcats_window_max", "lolcats_gate_elementwise",
            "lolcats_gate_lowrank", "inference_hybrid", "hedgecats", "ssd_dropout", "ssd_window",
-           "ssd_fixed")
+           "ssd_fixed", "hedgecats_kl", "hedgecats_keep1", "hedgecats_keep2", "hedgecats_la_mass")
 #: recall-evaluation rows shown in the tables, in order (label in results.json -> column)
 RECALL_ROWS = {"teacher": "teacher", "softmax": "softmax", "hybrid": "hybrid",
                "hybrid (overlap)": "hybrid+overlap", "swa_only": "swa_only",

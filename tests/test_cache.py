@@ -125,7 +125,7 @@ def test_cached_logits_with_ablation_switches(switches):
     torch.testing.assert_close(got, full, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("mixer", ["learned_head", "shared_norm", "gate_lowrank"])
+@pytest.mark.parametrize("mixer", ["learned_head", "shared_norm", "gate_lowrank", "la_mass"])
 def test_cached_logits_with_mixers(mixer):
     model = tiny(HybridConfig(window=5, mixer=mixer, gate_rank=4))
     x = ids(T=30)

@@ -96,14 +96,14 @@ def test_only_feature_maps_and_mixer_get_gradients_when_base_frozen():
 
 
 @pytest.mark.parametrize("mixer", ["fixed", "learned_head", "shared_norm", "gate_elementwise",
-                                   "gate_lowrank"])
+                                   "gate_lowrank", "la_mass"])
 def test_every_mixer_runs_and_trains(mixer):
     model = convert_to_hybrid(tiny(), HybridConfig(window=4, mixer=mixer, gate_rank=4))
     x = ids(T=30)
     model.train()
     model(x, labels=x).loss.backward()
     mixer_params = [(n, p) for n, p in model.named_parameters() if ".mixer." in n]
-    assert (len(mixer_params) == 0) == (mixer == "fixed")
+    assert (len(mixer_params) == 0) == (mixer in ("fixed", "la_mass"))
     for n, p in mixer_params:
         assert p.grad is not None and torch.isfinite(p.grad).all(), n
 
@@ -121,7 +121,7 @@ def test_gate_starts_at_fixed_g():
 
 
 @pytest.mark.parametrize("mixer", ["learned_head", "shared_norm", "gate_elementwise",
-                                   "gate_lowrank"])
+                                   "gate_lowrank", "la_mass"])
 def test_every_mixer_runs_a_bf16_model_without_autocast(mixer):
     """A bf16 model converted in place (its new weights fp32 masters) runs in bf16 without
     autocast, as generation right after conversion does (the output gates' Linear refused
@@ -276,6 +276,8 @@ def test_other_family_raises_before_building():
     (dict(window=4, mode="hybird"), "mode='hybird'.*hybrid, swa_only"),
     (dict(window=4, feature_activation="gelu"), "feature_activation='gelu'"),
     (dict(window=4, mixer="shared_norm", overlap=True), "counted twice"),
+    (dict(window=4, mixer="la_mass", overlap=True), "mixer='la_mass'.*counted twice"),
+    (dict(window=4, mixer="la_mass", window_shape="terraced_end"), "'sliding' or 'terraced'"),
     (dict(window=4, mixer="learned_head", g=0.0), "strictly between 0 and 1"),
     (dict(window=4, g=1.5), r"g=1.5 must lie in \[0, 1\]"),
     (dict(window=4, layers=[0, 1], layer_windows={2: 8}), "names layers \\[2\\]"),

@@ -50,9 +50,11 @@ def naive(q, k, v, fq, fk, *, window, mode, g, shared_norm=False, overlap=False,
         return softmax_on(causal & sink_keys)[0]
     swa, z_near = softmax_on(win)
     la, z_far, has = la_on(far)
+    if shared_norm == "la_mass":  # LA's kernel mass in the window against outside it
+        z_near = la_on(win)[1]
     if shared_norm:
         sig = torch.as_tensor(g, dtype=torch.float64)
-        alpha = sig * z_near / (sig * z_near + z_far)
+        alpha = sig * z_near / (sig * z_near + z_far).clamp_min(1e-300)  # 0/0 out of the graph
         alpha = torch.where(has, alpha, 1.0)
         alpha = torch.where(z_near > 0, alpha, 0.0)
         w_swa, w_la = alpha, 1 - alpha
@@ -175,6 +177,43 @@ def test_shared_norm_large_logits_stay_finite():
     out = hybrid_attention(q * 30, k * 30, v, phi_q(q), phi_k(k), window=4, g=0.1,
                            shared_norm=True, backend="reference")
     assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+@pytest.mark.parametrize("mode", ["hybrid", "swa_only", "la_only"])
+def test_la_mass_matches_naive(shape, mode):
+    """alpha_t = Z_win / (Z_win + Z_far), both sums of LA's kernel values, computed directly."""
+    check(shape, mode=mode, g=1.0, shared_norm="la_mass")
+
+
+@pytest.mark.parametrize("sw", [dict(rescale=True), dict(rescale=True, la_span="all")], ids=str)
+def test_la_mass_switches_and_padding_match_naive(sw):
+    kpm = torch.ones(2, 37, dtype=torch.bool)
+    kpm[0, :9] = False  # left padding
+    kpm[1, 30:] = False  # right padding
+    for mode in ("hybrid", "swa_only", "la_only"):
+        check(SHAPES[1], mode=mode, g=1.0, shared_norm="la_mass", kpm=kpm, **sw)
+
+
+def test_la_mass_is_full_softmax_when_the_kernel_is_exp():
+    """Softmax attention is its window part and its far part weighted by their exp masses.
+    With features whose products are exactly exp(q.k / sqrt(D)) (one-hot q and k: the score is
+    c^2 / sqrt(D) on a match, 0 elsewhere; phi(x) = [1, sqrt(E - 1) onehot(x)], E = the match's
+    exp), the la_mass hybrid is full softmax attention; the fixed mix is not."""
+    B, H, T, D, w, c = 1, 2, 96, 4, 8, 3.0
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, D, (B, H, T), generator=gen)
+    onehot = torch.nn.functional.one_hot(idx, D).double()
+    q = k = c * onehot
+    v = torch.randn(B, H, T, D, generator=gen, dtype=torch.float64)
+    E = torch.exp(torch.tensor(c * c / D ** 0.5, dtype=torch.float64))
+    f = torch.cat([torch.ones(B, H, T, 1, dtype=torch.float64), (E - 1).sqrt() * onehot], -1)
+    kw = dict(window=w, backend="reference", eps=torch.finfo(torch.float32).tiny)
+    full = hybrid_attention(q, k, v, f, f, mode="softmax", **kw)
+    mass = hybrid_attention(q, k, v, f, f, g=1.0, shared_norm="la_mass", **kw)
+    fixed = hybrid_attention(q, k, v, f, f, g=0.5, **kw)
+    assert_close(mass, full, "la_mass vs softmax", rtol=1e-5, atol=1e-6)
+    assert (fixed - full).abs().max() > 0.1
 
 
 @pytest.mark.parametrize("shape", SHAPES[:3], ids=shape_id)

@@ -45,6 +45,7 @@ from ..models.stage_files import (
 )
 from ..models.activation_checkpointing import checkpointing_mode, enable_checkpointing
 from ..models.lora import LoraSettings
+from ..models.mixers import MASS_MIXERS
 from ..models.ops.transfer.losses import OBJECTIVES, transfer_health, transfer_loss
 from ..models.structure import unwrap
 from .distill import (
@@ -643,7 +644,7 @@ class AttentionTransfer(HybridStage):
 
     def den_collapsed_limit(self) -> float | None:
         """The ``den_collapsed`` limit in force: ``max_den_collapsed``, where ``"auto"`` is 0.5,
-        or no check for shared-norm mixers. Under a shared normaliser LA's weight in a row is
+        or no check for the mixers that weigh masses (shared norm, LA mass). Under a shared normaliser LA's weight in a row is
         its kernel mass against the window's, so a row whose products sum below the floor is
         routed to the window by design; how many such rows there are says nothing about whether
         LA is used where it is needed (testbed, docs/testbed.md: LoLCATs' max-shifted mixer
@@ -654,7 +655,7 @@ class AttentionTransfer(HybridStage):
         limit = self.hparams.max_den_collapsed
         if limit != "auto":
             return limit
-        return None if self.hybrid_config.mixer == "shared_norm" else 0.5
+        return None if self.hybrid_config.mixer in MASS_MIXERS else 0.5
 
     def _check_health(self, health: dict[str, dict[int, float]]) -> None:
         h, metric = self.hparams, self._checked_metric()

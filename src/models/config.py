@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
 from .feature_maps import ACTIVATIONS, PROJECTIONS
-from .mixers import MIXERS, SHARED_NORM_SHIFTS
+from .mixers import MASS_MIXERS, MIXERS, SHARED_NORM_SHIFTS
 from .ops.hybrid.backends import BACKENDS
 from .ops.hybrid.attention import LA_SPANS, MODES
 from .ops.hybrid.reference import LA_EPS, default_eps
@@ -57,8 +57,11 @@ class HybridConfig:
         feature_projection: ``square`` (F = 2D, HedgeHog) or ``rectangular`` (F = D, LoLCATs).
         feature_init_std: std of the noise on the identity init (paper: 0.1).
         overlap: LA over all causal keys instead of only keys outside the window (paper: False).
-        mixer: ``fixed | learned_head | shared_norm | gate_elementwise | gate_lowrank``.
-        g: SWA weight of the fixed mixer, and the initial weight of learned mixers and gates.
+        mixer: ``fixed | learned_head | shared_norm | gate_elementwise | gate_lowrank |
+            la_mass`` (``models.mixers``; ``la_mass``: SWA's weight is the share of LA's
+            kernel mass inside the window, no parameters).
+        g: SWA weight of the fixed mixer, and the initial weight of learned mixers and gates
+            (unused by ``la_mass``).
         gate_rank: bottleneck rank of ``gate_lowrank``.
         shared_norm_init: initial per-head factor of ``shared_norm`` (LoLCATs: 0.1).
         layers: indices of the layers to convert (``None`` = all); the others stay softmax.
@@ -145,16 +148,20 @@ class HybridConfig:
                              "[0, 1) (LoLCATs clamps features at 1e-12)")
         if not 0.0 <= self.g <= 1.0:
             raise ValueError(f"HybridConfig.g={self.g!r} must lie in [0, 1]")
-        if self.mixer != "fixed" and not 0.0 < self.g < 1.0:
+        if self.mixer not in ("fixed", "la_mass") and not 0.0 < self.g < 1.0:
             raise ValueError(f"mixer={self.mixer!r} starts at sigmoid(logit(g)): g={self.g!r} "
                              "must lie strictly between 0 and 1")
         if not 0.0 < self.shared_norm_init < 1.0:
             raise ValueError(f"HybridConfig.shared_norm_init={self.shared_norm_init!r} must lie "
                              "strictly between 0 and 1")
-        if self.mixer == "shared_norm" and self.overlap:
-            raise ValueError("mixer='shared_norm' normalises the window and the keys outside it "
-                             "together; with overlap=True the window keys would be counted twice. "
+        if self.mixer in MASS_MIXERS and self.overlap:
+            raise ValueError(f"mixer={self.mixer!r} weighs the window against the keys outside "
+                             "it; with overlap=True the window keys would be counted twice. "
                              "Use overlap=False, or another mixer")
+        if self.mixer == "la_mass" and self.window_shape == "terraced_end":
+            raise ValueError("mixer='la_mass' needs the window and the keys outside it to split "
+                             "the causal keys; window_shape='terraced_end' puts every key of a "
+                             "short sequence in both. Use 'sliding' or 'terraced'")
         if self.n_sinks < 0 or (self.mode == "sinks_only" and self.n_sinks < 1):
             raise ValueError(f"HybridConfig.n_sinks={self.n_sinks!r} must be >= 1 for sinks_only "
                              "(and never negative)")

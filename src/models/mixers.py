@@ -9,6 +9,8 @@ mixers set ``shared_norm = True`` and return the per-head factor ``sigmoid(a_h)`
     shared_norm       LoLCATs' shared denominator, factor sigmoid(a_h) initialised to 0.1
     gate_elementwise  g = sigmoid(x W + c), per channel, from the layer input x (second seed)
     gate_lowrank      g = sigmoid((x A) B + c), through a rank-r bottleneck
+    la_mass           the window's weight is the share of LA's kernel mass that lies in the
+                      window, query by query; no parameters (``ops.hybrid.attention``)
 
 Gates start at zero weights and bias logit(g), so a converted model starts at the paper's fixed
 mix and the gate learns to depart from it. Every random draw comes from a CPU generator seeded
@@ -24,7 +26,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["MIXERS", "build_mixer", "logit"]
+__all__ = ["MASS_MIXERS", "MIXERS", "build_mixer", "logit"]
 
 
 def logit(p: float) -> float:
@@ -94,6 +96,19 @@ class SharedNormMixer(nn.Module):
         return f"heads={self.logit_factor.numel()}, shift={self.shift!r}"
 
 
+class LAMassMixer(nn.Module):
+    """Weights from LA's own kernel mass: ``alpha_t = Z_win_t / (Z_win_t + Z_far_t)`` on SWA
+    (``hybrid_attention(shared_norm="la_mass")``), as full softmax attention weighs its window
+    and the keys beyond it by their ``exp`` masses. No parameters: ``forward`` returns the
+    factor on the window's mass, 1."""
+
+    shared_norm = "la_mass"
+    needs_input = False
+
+    def forward(self, hidden_states: torch.Tensor | None = None) -> float:
+        return 1.0
+
+
 class OutputGateMixer(nn.Module):
     """``g = sigmoid(gate(x))`` per token and channel, ``x`` the attention layer's input.
 
@@ -141,7 +156,10 @@ class OutputGateMixer(nn.Module):
         return g.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
 
 
-MIXERS = ("fixed", "learned_head", "shared_norm", "gate_elementwise", "gate_lowrank")
+MIXERS = ("fixed", "learned_head", "shared_norm", "gate_elementwise", "gate_lowrank", "la_mass")
+#: mixers whose weights compare the window's mass with LA's: a row whose LA products sum below
+#: the kernel floor gets its weight from the window by design
+MASS_MIXERS = ("shared_norm", "la_mass")
 #: what ``shared_norm`` subtracts from the window's scores: nothing (docs/method.md#mixers,
 #: computed in log space) or the window's max logit while leaving LA's unscaled (LoLCATs' code)
 SHARED_NORM_SHIFTS = ("none", "window_max")
@@ -158,6 +176,7 @@ def build_mixer(name: str, *, hidden_size: int, num_heads: int, head_dim: int, g
         "gate_elementwise": lambda: OutputGateMixer(hidden_size, num_heads, head_dim, g, seed=seed),
         "gate_lowrank": lambda: OutputGateMixer(hidden_size, num_heads, head_dim, g, gate_rank,
                                                  seed=seed),
+        "la_mass": LAMassMixer,
     }
     if name not in builders:
         raise ValueError(f"unknown mixer {name!r}; valid: {', '.join(MIXERS)}")

@@ -30,7 +30,7 @@ def unsupported_reason(layer, query, key, fq, *, mode: str, shared_norm, overlap
     if overlap or (mode == "la_only" and la_span == "all"):
         return "LA reading the window's keys (overlap / la_span='all')"
     if shared_norm not in (False, True):
-        return f"shared_norm={shared_norm!r} (LoLCATs' max-shifted form)"
+        return f"shared_norm={shared_norm!r} (the step computes the unshifted shared norm only)"
     if swa_drop is not None:
         return "SSD's sliding-window dropout (training)"
     if fq is None:

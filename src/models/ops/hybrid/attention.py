@@ -41,6 +41,14 @@ times more than in the formula above. ``shared_norm="window_max"`` computes that
 conversions imported from LoLCATs, ``models.lolcats``), in the same log-space form; its terms
 are bounded (``exp(s_ti - m_t) <= 1``), so LoLCATs' direct form is finite too and the two agree
 to rounding.
+
+``shared_norm="la_mass"`` (the ``la_mass`` mixer) weighs the two branches by where LA's own
+kernel mass lies: ``alpha_t = Z_win_t / (Z_win_t + Z_far_t)``, ``Z_win_t = sum_win kappa_i``
+(``windows.window_la_mass``) and ``Z_far_t`` the LA denominator. Full softmax attention is
+exactly that mix of its window part and its far part, weighted by ``exp`` masses; LA's kernel
+stands in for ``exp`` in both masses, so the mix follows the teacher query by query, and it is
+exact where the kernel is ``exp(q.k / sqrt(D))`` itself (tested). No parameters, no scale to
+calibrate: a query-dependent factor between kernel and ``exp`` cancels in the ratio.
 """
 
 from __future__ import annotations
@@ -54,8 +62,9 @@ __all__ = ["LA_SPANS", "MODES", "hybrid_attention"]
 
 MODES = ("hybrid", "swa_only", "la_only", "sinks_only", "none", "softmax")
 LA_SPANS = ("outside", "all")
-#: ``shared_norm`` values: off, the formula of docs/method.md#mixers, LoLCATs' max-shifted one
-SHARED_NORMS = (False, True, "window_max")
+#: ``shared_norm`` values: off, the formula of docs/method.md#mixers, LoLCATs' max-shifted one,
+#: the split of LA's kernel mass (module docstring)
+SHARED_NORMS = (False, True, "window_max", "la_mass")
 
 
 def _check_choice(value: str, options: tuple[str, ...], what: str) -> None:
@@ -101,7 +110,8 @@ def hybrid_attention(
             factor ``sigmoid(a_h)``, broadcastable to (B, H, T, 1).
         shared_norm: ``False``; ``True`` for the shared denominator of docs/method.md#mixers;
             ``"window_max"`` for LoLCATs' code, softmax scores shifted by the window's max
-            logit (module docstring).
+            logit; ``"la_mass"`` for the weights of LA's kernel mass inside and outside the
+            window (module docstring; ``g`` is then the factor on the window's mass, 1).
         overlap: LA over all causal keys instead of keys outside the window.
         rescale: in ``swa_only`` / ``la_only`` the surviving branch gets weight 1.
         la_span: ``outside`` or ``all``; ``all`` lets LA see every causal key in ``la_only``.
@@ -132,7 +142,8 @@ def hybrid_attention(
     _check_choice(la_span, LA_SPANS, "la_span")
     _check_choice(window_shape, windows.WINDOW_SHAPES, "window shape")
     if shared_norm not in SHARED_NORMS:
-        raise ValueError(f"shared_norm={shared_norm!r}; valid: False, True, 'window_max'")
+        raise ValueError(f"shared_norm={shared_norm!r}; valid: "
+                         f"{', '.join(repr(x) for x in SHARED_NORMS)}")
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window!r}")
     if k.shape[2] != v.shape[2] or k.shape[1] != v.shape[1]:
@@ -205,13 +216,12 @@ def hybrid_attention(
         la, la_den, la_has = ops.linear(fq, fk, v, shift=shift, eps=eps,
                                         need_den=bool(shared_norm),
                                         key_padding_mask=key_padding_mask, **shape_kw)
-    m_win = None
-    if shared_norm == "window_max":  # LoLCATs: the window's largest logit, PyTorch on any device
-        m_win = windows.window_max_logit(q, k, scale=scale, window=window,
-                                         window_shape=window_shape,
-                                         key_padding_mask=key_padding_mask)
-
-    w_swa, w_la = _branch_weights(g, shared_norm, lse, la_den, la_has, eps, m_win)
+    log_near = None
+    if shared_norm:
+        log_near = _log_window_mass(shared_norm, q, k, fq, fk, lse, scale=scale, window=window,
+                                    window_shape=window_shape, eps=eps,
+                                    key_padding_mask=key_padding_mask)
+    w_swa, w_la = _branch_weights(g, shared_norm, log_near, la_den, la_has, eps)
 
     def la_only_output() -> torch.Tensor:
         la_all = la
@@ -248,17 +258,42 @@ def _fused_cannot(window_shape, shared_norm, k, fk) -> str | None:
         return f"the {window_shape!r} window"
     if shared_norm == "window_max":
         return "LoLCATs' max-shifted shared norm"
+    if shared_norm == "la_mass":
+        return "the la_mass mixer"
     if fk is not None and fk.shape[1] != k.shape[1]:
         return "key feature maps per query head"
     return None
 
 
-def _branch_weights(g, shared_norm, lse, la_den, la_has, eps, m_win=None):
-    """(w_swa, w_la), each a float or a tensor broadcastable to (B, H, T, D). ``m_win``
-    (B, H, T): the window's max logit for ``shared_norm="window_max"``, else ``None``."""
+def _log_window_mass(shared_norm, q, k, fq, fk, lse, *, scale, window, window_shape, eps,
+                     key_padding_mask) -> torch.Tensor:
+    """(B, H, T) fp32: the log of the window's mass that a shared normaliser weighs against LA's
+    ``Z_far``, ``-inf`` where the window holds no real key: ``lse_t`` (``True``), ``lse_t - m_t``
+    (LoLCATs' ``"window_max"``, ``m_t`` the window's largest logit) or ``log Z_win_t`` (LA's
+    kernel mass in the window, ``"la_mass"``). The window's pieces run in PyTorch on any
+    device."""
+    neg_inf = torch.full_like(lse, float("-inf"))
+    if shared_norm == "la_mass":
+        z_win = windows.window_la_mass(fq, fk, window=window, window_shape=window_shape,
+                                       key_padding_mask=key_padding_mask, eps=eps)
+        # a window with real keys has Z >= eps per key; the clamp only keeps log(0) out of the
+        # graph, and those rows are set to -inf
+        return torch.where(z_win > 0, torch.log(z_win.clamp_min(eps)), neg_inf)
+    if shared_norm == "window_max":
+        m_win = windows.window_max_logit(q, k, scale=scale, window=window,
+                                         window_shape=window_shape,
+                                         key_padding_mask=key_padding_mask)
+        return torch.where(torch.isfinite(lse), lse.float() - m_win.float(), neg_inf)
+    return lse.float()
+
+
+def _branch_weights(g, shared_norm, log_near, la_den, la_has, eps):
+    """(w_swa, w_la), each a float or a tensor broadcastable to (B, H, T, D). ``log_near``
+    (B, H, T): the window's log mass (``_log_window_mass``) for a shared normaliser, else
+    ``None``."""
     if not shared_norm:
         return g, 1 - g
-    s = g if torch.is_tensor(g) else torch.tensor(float(g), device=lse.device)
+    s = g if torch.is_tensor(g) else torch.tensor(float(g), device=log_near.device)
     if torch.is_tensor(s) and s.dim() == 4:
         s = s[..., 0]  # (B|1, H, T|1, 1) -> (B|1, H, T|1)
     # clamps (audited with the weights_xent fix, docs/testbed.md): s = sigmoid(a_h) > 0, the
@@ -267,14 +302,9 @@ def _branch_weights(g, shared_norm, lse, la_den, la_has, eps, m_win=None):
     # sees no key (alpha is set to 1 there below): alpha and LA_t use the same weights
     log_s = torch.log(s.float().clamp_min(1e-30))
     log_far = torch.log(la_den.float().clamp_min(eps))
-    log_near = lse.float()
-    if m_win is not None:  # LoLCATs: log sum_win exp(s_ti - m_t); -inf - -inf rows are set below
-        log_near = torch.where(torch.isfinite(lse), lse.float() - m_win.float(),
-                               torch.full_like(log_near, float("-inf")))
     alpha = torch.sigmoid(log_s + log_near - log_far)
     # no far key: all weight on the window; no window key either (padding): weight irrelevant
     alpha = torch.where(la_has, alpha, torch.ones_like(alpha))
-    alpha = torch.where(torch.isfinite(lse), alpha, torch.zeros_like(alpha))
+    alpha = torch.where(torch.isfinite(log_near), alpha, torch.zeros_like(alpha))
     alpha = alpha[..., None]  # (B, H, T, 1)
     return alpha, 1 - alpha
-

@@ -1,4 +1,5 @@
-"""Window shapes of the SWA branch, and the window's largest logit (LoLCATs' shift).
+"""Window shapes of the SWA branch, the window's largest logit (LoLCATs' shift) and LA's kernel
+mass inside the window (the ``la_mass`` mixer).
 
 Which keys query ``t`` reads with softmax (the window ``W_t``) and with linear attention (the keys
 outside it, ``O_t``), for a window / block of ``w`` tokens:
@@ -48,6 +49,7 @@ __all__ = [
     "linear_attention_terraced",
     "softmax_attention_terraced",
     "window_keys",
+    "window_la_mass",
     "window_max_logit",
 ]
 
@@ -186,6 +188,31 @@ def window_max_logit(
     return torch.cat([s.amax(dim=-1) for *_, s in _window_blocks(
         q, k, scale=scale, window=window, window_shape=window_shape,
         key_padding_mask=key_padding_mask, block=block)], dim=2)
+
+
+def window_la_mass(
+    fq: torch.Tensor,
+    fk: torch.Tensor,
+    *,
+    window: int,
+    window_shape: str = "sliding",
+    key_padding_mask: torch.Tensor | None = None,
+    eps: float = LA_EPS,
+    block: int = 128,
+) -> torch.Tensor:
+    """``Z_t = sum_{i in W_t} (fq_t . fk_i + eps)`` over the window's real keys: (B, H, Tq)
+    fp32, 0 where the window holds no real key. The same kernel values, floor included, as LA's
+    normaliser over the keys outside the window (``reference.linear_attention_chunked``), so
+    ``Z_t / (Z_t + den_t)`` is the share of LA's kernel mass over every causal key that lies in
+    the window (the ``la_mass`` mixer, ``attention``). fq: (B, H, Tq, F); fk: (B, Hkv or H,
+    Tk, F), the queries being the last Tq keys. Differentiable; pure PyTorch on any device,
+    memory as ``window_max_logit``."""
+    _check_shape(window_shape)
+    return torch.cat([torch.where(torch.isfinite(s), s + eps, torch.zeros_like(s)).sum(dim=-1)
+                      for *_, s in _window_blocks(fq, fk, scale=1.0, window=window,
+                                                  window_shape=window_shape,
+                                                  key_padding_mask=key_padding_mask,
+                                                  block=block)], dim=2)
 
 
 def outside_limit(window_shape: str, window: int, key_padding_mask: torch.Tensor | None,
