@@ -391,3 +391,41 @@ def test_data_check_counts_each_split_at_each_q(tmp_path, capsys):
         "docs_with_far"] == 8
     assert counts["0"]["test"] == counts["0.5"]["test"] and counts["0"]["test"]["far_recalls"]
     assert counts["0.5"]["train"]["filler_letters"] == 2  # the strong teacher's "ab"
+
+
+def test_mixer_swap_reads_each_mixer_and_restores_the_trained_one(tmp_path, capsys):
+    """experiments.mixer_swap: a stage read as trained, with the fixed mix and with la_mass, on
+    the test split of the stage's own data; the model's mixers are its own again afterwards, and
+    the fixed swap of a fixed-mixer stage reads exactly as trained."""
+    import yaml
+    from fixtures.tiny import save_tiny_llama
+    from hedgecats.models import HybridConfig, hybrid_layers
+    from hedgecats.models.mixers import FixedMixer
+    from hedgecats.models.stage_files import build_hybrid, save_stage
+
+    from experiments import mixer_swap as ms
+
+    base = str(save_tiny_llama(tmp_path / "teacher"))
+    hyb = HybridConfig(window=4, g=0.5)
+    model = build_hybrid(base, hybrid_config=hyb)
+    stage = save_stage(tmp_path / "run" / "transfer" / "stage.pt", model, base_model=base,
+                       hybrid_config=hyb, stage="AttentionTransfer")
+    data = {"seq_len": 64, "window": 4, "far_min": 20, "far_max": 40, "task": "marker",
+            "filler": "ab", "num_train": 16, "num_val": 4, "num_test": 6, "batch_size": 2}
+    (stage.parent / "config.yaml").write_text(yaml.safe_dump(
+        {"data": {"class_path": "hedgecats.lightning_modules.RecallDataModule",
+                  "init_args": data}}))
+    out = tmp_path / "swap.json"
+    assert ms.main([str(stage), "--docs", "4", "--out", str(out)]) == 0
+    saved = json.loads(out.read_text())
+    table = saved["stages"][str(stage)]
+    assert set(table) == {"as_trained", "fixed", "la_mass"}
+    assert table["fixed"] == table["as_trained"]
+    assert table["la_mass"]["hybrid"] != table["fixed"]["hybrid"]
+    assert table["la_mass"]["la_only"]["far_acc"] >= 0.0
+    assert "mean ± std over 1 stage(s)" in capsys.readouterr().out
+    with ms.swapped_mixer(model, "la_mass"):
+        assert all(a.mixer.shared_norm == "la_mass" for _, a in hybrid_layers(model))
+    assert all(isinstance(a.mixer, FixedMixer) for _, a in hybrid_layers(model))
+    with pytest.raises(SystemExit):
+        ms.main([str(stage), "--mixers", "gated"])
