@@ -529,11 +529,11 @@ def test_output_gate_takes_a_kernel_call_per_branch(mode):
     """A g per channel and position (output-gate mixers): each branch its own kernel call,
     mixed in PyTorch (``triton_hybrid._gated``), against the reference: output and the
     gradients of q, k, v, the maps' weights and g, at the 8B head shape with padding. Each
-    branch call at weight 1 saves its output as its branch (``GATED_OUTPUT_IS_BRANCH``):
+    branch call at weight 1 saves its output as its branch (``hybrid.gated``):
     bit for bit the results of the calls storing a copy, with one (B, H, T, D) branch less
     allocated after the forward per such call."""
     _kernels()
-    from hedgecats.models.ops.hybrid import gated as kgated
+    from gated_copies import branches_copied
     layer = _LayerAt8BHeads(seed=3)
     B, H, T, D = layer.B, layer.H, layer.T, layer.D
 
@@ -551,11 +551,8 @@ def test_output_gate_takes_a_kernel_call_per_branch(mode):
     held = [] if on_cuda else None
     again = run("triton", held)
     copied = [] if on_cuda else None
-    kgated.GATED_OUTPUT_IS_BRANCH = False
-    try:
+    with branches_copied():
         got_copied = run("triton", copied)
-    finally:
-        kgated.GATED_OUTPUT_IS_BRANCH = True
     _no_failures_since(failures)
     for a, b, c in zip(got, got_copied, again):
         assert (a is None and b is None and c is None) or (torch.equal(a, b) and

@@ -317,7 +317,7 @@ def layer_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=45, D=16, window=8, dty
     """fused_hybrid (the kernel behind hybrid_attention's modes) vs
     hybrid_attention(backend="reference"), gradients of q, k, v, fq, fk and a tensor g. An
     output gate (``g_kind`` "gate..."): also against its branch calls each storing its own
-    copy of its branch (``triton_hybrid.GATED_OUTPUT_IS_BRANCH`` off), bit for bit, and the
+    copy of its branch (``gated_copies.branches_copied``), bit for bit, and the
     memory held after the forward (the storages saved for the backward and the output's)
     exactly one (B, H, T, D) branch less for each call at weight 1 ("branch_held_once"),
     where the mix keeps the branches themselves (a g in another dtype than a hybrid call's
@@ -326,7 +326,7 @@ def layer_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=45, D=16, window=8, dty
     else fp32."""
     from hedgecats.models.ops.hybrid import config as kconfig
     from hedgecats.models.ops.hybrid import dispatch as kdispatch
-    from hedgecats.models.ops.hybrid import gated as kgated
+    from gated_copies import branches_copied
     from hedgecats.models.ops.hybrid.attention import hybrid_attention
 
     q, k, v, fq, fk, do, gen = _inputs(B, H, Hkv, T, D, dtype, 3, "softmax")
@@ -371,11 +371,8 @@ def layer_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=45, D=16, window=8, dty
     if g_kind.startswith("gate"):  # (a kernel call per branch, mixed in PyTorch)
         out["gated_ran"] = 0.0 if TRACE.calls["hybrid.gated"] == gated + 1 else float("inf")
         copied = {}
-        kgated.GATED_OUTPUT_IS_BRANCH = False
-        try:
+        with branches_copied():
             want = run(fused, dtype, copied)
-        finally:
-            kgated.GATED_OUTPUT_IS_BRANCH = True
         for n, a in got.items():
             b = want[n]
             same = (a is None and b is None) or (a is not None and b is not None and
@@ -1210,7 +1207,7 @@ def checkpointed_case(cid, *, B=2, H=4, Hkv=2, T=150, D=16, window=20, dtype=tor
     without it: the output and every gradient bit for bit (the backward recomputes the forward
     and reads, then releases, the recomputed branches and states: ``_release_saved``), and
     the release ran once per backward. ``g_kind`` "gate": an output gate in the call's dtype
-    (a call per branch, each saving its output as its branch: ``GATED_OUTPUT_IS_BRANCH``;
+    (a call per branch, each saving its output as its branch (``hybrid.gated``);
     the LA call's, folded, releases its states only), g's gradient compared too."""
     from hedgecats.models import HedgehogFeatureMap
     from hedgecats.models.ops.hybrid import config as kconfig
@@ -1572,7 +1569,7 @@ def cases(quick: bool = False):
         ("layer-gate-bf16-packed4-pad", layer_case, dict(
             g_kind="gate", dtype=bf16, H=8, T=60, pad=True, cfg=PACKED4)),
         # a bf16 gate on a bf16 call (a bf16 model's): the mix keeps both branches, each
-        # held once (``GATED_OUTPUT_IS_BRANCH``)
+        # held once (``hybrid.gated``)
         ("layer-gate-bf16-g-bf16-packed4-pad", layer_case, dict(
             g_kind="gate", dtype=bf16, H=8, T=60, pad=True, cfg=PACKED4, g_in_dtype=True)),
         ("layer-gate-bf16-g-bf16-la-only", layer_case, dict(

@@ -8,6 +8,7 @@ import torch
 from ..instrument import TRACE
 from .function import _filled, _launch
 
+
 def _no_features(q, k):
     """Stand-ins for fq and fk in a call that runs no LA (``has_la=False``: the kernels read
     neither): (B, H, T, D) and (B, Hkv, T, D) views of one cached row, nothing allocated, no
@@ -15,15 +16,6 @@ def _no_features(q, k):
     (B, H, T, D), Hkv = q.shape, k.shape[1]
     row = _filled((1, 1, 1, D), 0.0, q.dtype, q.device)
     return row.expand(B, H, T, D), row.expand(B, Hkv, T, D)
-
-
-#: ``_gated``'s branch calls at weight 1 (the SWA call without SSD, the LA call of ``hybrid``
-#: and ``la_only``) save their output as their branch (``hybrid_kernel``'s
-#: ``output_is_branch``): each branch is held once, by the gate's mix (its lerp saves both),
-#: instead of also as the kernel's own saved copy (~1 GiB less at 1 x 64k on the 8B's heads,
-#: where the gated call had peaked 1.5 GiB above the fixed mixer's), and the forward
-#: stores neither. A switch for the A/B (bit for bit either way)
-GATED_OUTPUT_IS_BRANCH = True
 
 
 def _gated(q, k, v, fq, fk, g, *, mode, rescale, drop, shift0, shift_la_only, window, scale,
@@ -35,7 +27,13 @@ def _gated(q, k, v, fq, fk, g, *, mode, rescale, drop, shift0, shift_la_only, wi
     they are), mixed here in PyTorch, which also gives g's gradient. SSD (``drop``, per (b, h)):
     a dropped head's SWA call weight is 0 and its LA call sees ``la_only``'s keys
     (``shift_la_only``), weighted as ``la_only`` weighs them. ``None`` where a kernel call
-    declines (the caller's pieces then compute the whole call)."""
+    declines (the caller's pieces then compute the whole call).
+
+    The branch calls at weight 1 (the SWA call without SSD, the LA call of ``hybrid`` and
+    ``la_only``) save their output as their branch (``hybrid_kernel``'s ``output_is_branch``):
+    each branch is held once, by the gate's mix (its lerp saves both), instead of also as the
+    kernel's own saved copy (~1 GiB less at 1 x 64k on the 8B's heads), and the forward stores
+    neither; bit for bit the results of calls storing a copy (tested)."""
     B, H = q.shape[:2]
     f32, dev = torch.float32, q.device
     zeros, one = _filled((B, H), 0.0, f32, dev), _filled((B, H), 1.0, f32, dev)
@@ -45,7 +43,7 @@ def _gated(q, k, v, fq, fk, g, *, mode, rescale, drop, shift0, shift_la_only, wi
         swa = _launch(q, k, v, *_no_features(q, k), ca, zeros, zeros,
                       _filled((B, H), shift0, torch.int32, dev), window, scale, eps, kpm,
                       True, False, False, config,
-                      output_is_branch=GATED_OUTPUT_IS_BRANCH and drop is None)
+                      output_is_branch=drop is None)
         if swa is None:
             return None
     if mode != "swa_only" or drop is not None:
@@ -58,7 +56,7 @@ def _gated(q, k, v, fq, fk, g, *, mode, rescale, drop, shift0, shift_la_only, wi
                 shift = torch.where(drop, torch.full_like(shift, shift_la_only), shift)
         la = _launch(q, k, v, fq, fk, zeros, cb, zeros, shift, window, scale, eps, kpm,
                      False, True, False, config, maps,
-                     output_is_branch=GATED_OUTPUT_IS_BRANCH and mode != "swa_only")
+                     output_is_branch=mode != "swa_only")
         # (cb is 1 for every head in hybrid and la_only; in swa_only only a dropped head's)
         if la is None:
             return None
