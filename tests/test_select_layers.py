@@ -269,8 +269,11 @@ def test_command_ranks_several_seeds_and_says_how_stable(seeds, tmp_path, capsys
 
 
 def test_command_scores_a_data_modules_validation_split(seeds, tmp_path, capsys):
-    data = json.dumps({"class_path": "RecallDataModule", "init_args": {
-        "seq_len": 64, "window": 8, "far_min": 20, "far_max": 50, "num_val": 6, "batch_size": 4}})
+    # (inline, and longer than a file name may be: it was taken for a path, Errno 36)
+    data = json.dumps({"class_path": "hedgecats.lightning_modules.RecallDataModule",
+                       "init_args": {"seq_len": 64, "window": 8, "far_min": 20, "far_max": 50,
+                                     "num_val": 6, "batch_size": 4, "filler": "ab" * 100}})
+    assert len(data) > 255
     out = tmp_path / "sel"
     assert main(["select-layers", seeds[0], "--output", str(out), "--keep", "1", "--data", data,
                  "--max-batches", "1", "--compare", "none"]) == 0

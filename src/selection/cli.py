@@ -121,7 +121,7 @@ def _held_out(a, first: Path, base_model: str | None) -> tuple[list[dict], str]:
     if a.data:
         import yaml
 
-        text = Path(a.data).read_text() if Path(a.data).is_file() else a.data
+        text = a.data if _inline(a.data) else Path(a.data).read_text()
         spec = yaml.safe_load(text)
         if not isinstance(spec, dict) or "class_path" not in spec:
             raise ValueError(f"--data {a.data!r}: a mapping with class_path and init_args")
@@ -153,6 +153,14 @@ def _held_out(a, first: Path, base_model: str | None) -> tuple[list[dict], str]:
         ids = ids[: a.tokens]
     batches = _batches_of(ids, a.seq_len, a.batch_size)
     return batches[: a.max_batches] if a.max_batches else batches, source
+
+
+def _inline(value: str) -> bool:
+    """Whether ``--data`` is the mapping itself rather than a file's path: a YAML / JSON
+    mapping (a ``{``, or more than one line). Decided without the filesystem: a mapping
+    longer than a file name's limit is no path (``Path.is_file`` raises on it)."""
+    text = value.strip()
+    return text.startswith("{") or "\n" in text
 
 
 def _data_class(name: str):
