@@ -241,9 +241,6 @@ def main(argv=None) -> dict:
     p.add_argument("--unfused", action="store_true",
                    help="the backward's fused kernels off (KernelConfig.fuse_q_side and "
                         "fuse_kv_side, on by default at D 128 bf16): the separate kernels")
-    p.add_argument("--weights-in-kernel", action="store_true",
-                   help="the map pair's kernel rounds the maps' fp32 weights itself "
-                        "(triton_phi.WEIGHTS_IN_KERNEL): no cast before the first launch")
     p.add_argument("--maps-share", action="store_true",
                    help="also the whole call with the k map's output, then both maps' outputs, "
                         "precomputed (the maps' Functions left out): how much of the host work "
@@ -255,9 +252,6 @@ def main(argv=None) -> dict:
     p.add_argument("--out", help="write the figures as JSON here")
     a = p.parse_args(argv)
     launches = patch_routing()
-    from hedgecats.models.ops.feature_map import kernels as triton_phi
-
-    triton_phi.WEIGHTS_IN_KERNEL = a.weights_in_kernel
     timing.DEVICE = "cpu"
     with default_tiles_changed(UNFUSED if a.unfused else None):
         return _measure(a, launches)
@@ -341,7 +335,7 @@ def _measure(a, launches) -> dict:
             no_grad.append(time.perf_counter() - t0)
             first.append(launches.times[0] - t0)
     res = {"shape": a.shape, "heads": [a.heads, a.kv_heads], "calls": a.calls,
-           "unfused": a.unfused, "weights_in_kernel": a.weights_in_kernel,
+           "unfused": a.unfused,
            "us_per_call": dict(zip(("forward", "backward", "total"),
                                    [round(x, 1) for x in med])),
            "us_forward_no_grad": round(statistics.median(no_grad) * 1e6, 1),

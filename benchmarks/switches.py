@@ -1,8 +1,8 @@
 """Kernel switches (module-level attributes of ``hedgecats.models.ops`` modules, e.g.
-``feature_map.kernels.WEIGHTS_IN_KERNEL``) set for a whole run from a text spec: the tests'
+``hybrid.config.FORWARD_TILES_D128``) set for a whole run from a text spec: the tests'
 ``HEDGECATS_TEST_SWITCHES`` (tests/conftest.py) and the benchmarks' ``--switches``
-(``benchmarks/attention_speed.py``), so that an option off by default is tested and measured
-exactly as it would run as the default."""
+(``benchmarks/attention_speed.py``), so that a candidate (other tiles, another threshold) is
+tested and measured exactly as it would run as the default."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def parse(spec: str, source: str = "switches") -> list[tuple[str, str, object]]:
 
 def _forget_derived() -> None:
     """Drop what was built from switches' values and cached: ``hybrid.config.default_config``
-    reads ``DEFAULT_FORWARD`` when it first builds a shape's config and keeps it, so a config
+    reads ``FORWARD_TILES_D128`` when it first builds a shape's config and keeps it, so a config
     built before a switch would outlive it (and one built under it, the switch). Called as
     ``applied`` sets and restores; applied outside ``attention_speed.default_tiles_changed``
     (which wraps ``default_config`` while it runs), as the benchmarks nest them."""

@@ -13,7 +13,6 @@ and ``feature_map.kernels._tiles`` were chosen.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import subprocess
@@ -71,14 +70,12 @@ def launch_hints(fn, constexprs: dict, floats=(), odd=()) -> dict:
 
 
 def compile_report(fn, pointers: dict, constexprs: dict, floats=(), warps=4, stages=2,
-                   hints: dict | None = None, aligned: bool = True,
-                   maxnreg: int | None = None) -> dict:
+                   hints: dict | None = None, aligned: bool = True) -> dict:
     """Compile ``fn`` for sm_90a; ptxas's resource report of the result. ``hints``: the
     arguments' divisibility attributes; None: ``launch_hints`` with ``ODD_INTS`` when
     ``aligned`` (what a launch at the 8B shape compiles), none at all without it (every pointer
     and integer of unknown alignment: the report sessions before the eleventh read, which
-    over-counted registers and spills and showed no pipelined loads). ``maxnreg``: ptxas's
-    register cap (``KernelConfig.fwd_maxnreg``)."""
+    over-counted registers and spills and showed no pipelined loads)."""
     # a constexpr left out takes its default, as a launch does (not an i32 argument: that
     # compiles both sides of every branch on it, e.g. _bwd_dfq's MAP_DU: 255 registers
     # reported against the 232 of the kernel that runs)
@@ -91,8 +88,7 @@ def compile_report(fn, pointers: dict, constexprs: dict, floats=(), warps=4, sta
         sig[name] = ("constexpr" if name in constexprs else pointers.get(name)
                      or ("fp32" if name in floats else "i32"))
     kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=hints),
-                            target=TARGET, options={"num_warps": warps, "num_stages": stages,
-                                                    **({"maxnreg": maxnreg} if maxnreg else {})})
+                            target=TARGET, options={"num_warps": warps, "num_stages": stages})
     ptx = kernel.asm["ptx"]
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
@@ -142,12 +138,11 @@ def hybrid_kernels(dtype: torch.dtype, D: int, F: int, has_swa=True, has_la=True
     for reverse in (False, True):
         yield f"state_scan{'-rev' if reverse else ''}", kstates._state_scan, dict(
             BLK=kstates.SCAN_BLOCK, U=kstates.SCAN_STEP, REVERSE=reverse), (), 4, 3
-    park = cfg.park_la and has_swa and has_la  # (as ``_forward`` decides)
     for save in (False, True):  # True: the branches stored for the backward (save_branches)
         yield f"fwd{'-save' if save else ''}", kforward._fwd, dict(
             **lo, **flags, **fwd_tiles, SHARED=shared, SAVE=save,
-            SS=cfg.state_product_stages, PARK=park), \
-            ("scale_log2", "eps"), cfg.warps, (cfg.fwd_stages or cfg.stages, cfg.fwd_maxnreg)
+            SS=cfg.state_product_stages), \
+            ("scale_log2", "eps"), cfg.warps, cfg.fwd_stages or cfg.stages
     # NEED_DQ False: stage 1 (q takes no gradient); FROM_SAVED: factors from the saved branches
     for need_dq, saved in ((True, False), (False, False), (True, True), (False, True)):
         yield f"bwd_dq{'' if need_dq else '-no-dq'}{'-saved' if saved else ''}", kbackward._bwd_dq, \
@@ -257,112 +252,28 @@ def test_fused_key_side_backward_compiles_without_more_spill():
 def test_pipelined_state_product_compiles_without_spill():
     """``KernelConfig.state_product_stages`` 2: the forward's (and the recomputing dq pass's)
     share of the LA state as a pipelined loop over feature slices, at the D 128 bf16 default's
-    forward tiles (128 rows of 4 query heads, 64-key blocks, 8 warps) and at
-    ``TWO_PROGRAM_FORWARD``'s (64 rows, 32-key blocks, 4 warps): no spill, and more of its
-    loads asynchronous than the unrolled slices' (what the option is for); at the latter's,
-    at most 113 KB of shared memory, so that two programs share a multiprocessor (read on
-    2026-12-04, saving the branches: 254 registers, 80 KB; what those tiles are for)."""
+    forward tiles (``FORWARD_TILES_D128``: 64 rows of 4 query heads, 32-key blocks, 4 warps):
+    no spill, more of its loads asynchronous than the unrolled slices' (what the option is
+    for), and at most 113 KB of shared memory, so that two programs share a multiprocessor
+    (read on 2026-12-04, saving the branches: 254 registers, 80 KB; what those tiles are for)."""
     ptrs = _pointers(torch.bfloat16)
-    cfg = kconfig.default_config(128, 256, torch.bfloat16)
-    two = dataclasses.replace(cfg, **kconfig.TWO_PROGRAM_FORWARD)
-    assert two.state_product_stages == 2, two
-    for c in (cfg, two):
-        lo = dict(D=128, F=256, FC=64, CS=128, HAS_KPM=False, PREC="tf32", BM=c.block_m,
-                  BN=c.block_n, P=4, SHARED=False, SAVE=True, HAS_SWA=True, HAS_LA=True)
-        got = {ss: compile_report(kforward._fwd, ptrs, dict(lo, SS=ss), ("scale_log2", "eps"),
-                                  c.warps, c.stages) for ss in (0, 2)}
-        print(f"fwd {c.block_m} x {c.block_n}, {c.warps} warps, state product unrolled / "
-              f"pipelined: {got}")
-        assert got[2]["spill"] <= MAX_SPILL, got
-        assert got[2]["async_copies"] > got[0]["async_copies"], got
-        if c is two:
-            assert got[2]["smem"] <= TWO_PROGRAMS_SMEM, got
+    c = cfg = kconfig.default_config(128, 256, torch.bfloat16)
+    assert c.state_product_stages == 2, c
+    lo = dict(D=128, F=256, FC=64, CS=128, HAS_KPM=False, PREC="tf32", BM=c.block_m,
+              BN=c.block_n, P=4, SHARED=False, SAVE=True, HAS_SWA=True, HAS_LA=True)
+    got = {ss: compile_report(kforward._fwd, ptrs, dict(lo, SS=ss), ("scale_log2", "eps"),
+                              c.warps, c.stages) for ss in (0, 2)}
+    print(f"fwd {c.block_m} x {c.block_n}, {c.warps} warps, state product unrolled / "
+          f"pipelined: {got}")
+    assert got[2]["spill"] <= MAX_SPILL, got
+    assert got[2]["async_copies"] > got[0]["async_copies"], got
+    assert got[2]["smem"] <= TWO_PROGRAMS_SMEM, got
     dq = dict(lo, BM=kconfig.dq_block_m(cfg), BN=32, NEED_DQ=True, FROM_SAVED=False,
               STORE_DNUM=True, SS=2)
     del dq["SAVE"]
     r = compile_report(kbackward._bwd_dq, ptrs, dq, ("scale", "scale_log2", "eps"), 8, 2)
     print(f"bwd_dq recomputing, pipelined state product: {r}")
     assert r["spill"] <= MAX_SPILL, r
-
-
-#: three 4-warp programs a multiprocessor: at most 168 registers a thread (64K / (3 x 128),
-#: rounded down to ptxas's steps of 8) and 75 KB of shared memory each (228 KB, 1 KB reserved
-#: per program)
-THREE_PROGRAMS = {"registers": 168, "smem": 75 * 1024}
-#: ``park_la``'s forwards (``KernelConfig`` changes from the two-program forward's tiles,
-#: ``TWO_PROGRAM_FORWARD``): capped at 168 registers with one stage, and with two stages on
-#: 16-key blocks
-PARKED_FORWARDS = {"r168-s1": dict(fwd_maxnreg=168, fwd_stages=1),
-                   "r168-bn16": dict(fwd_maxnreg=168, block_n=16)}
-
-
-def _parked_report(c, save: bool, has_swa: bool = True, has_la: bool = True) -> dict:
-    """ptxas's report of ``_fwd`` parked (``park_la``) at config ``c``'s tiles, stages and
-    register cap, at the 8B's shape with padding and the shared norm; with one branch
-    (``has_swa`` / ``has_la``: an output gate's branch call) neither parked nor shared, as
-    ``triton_hybrid._forward`` launches it."""
-    both = has_swa and has_la
-    lo = dict(D=128, F=256, FC=kconfig.fc(c, 256), CS=c.state_chunk, HAS_KPM=True, PREC="tf32",
-              BM=c.block_m, BN=c.block_n, P=kconfig.pack_of(c, 4), SHARED=both, HAS_SWA=has_swa,
-              HAS_LA=has_la, SS=c.state_product_stages, SAVE=save, PARK=both and c.park_la)
-    return compile_report(kforward._fwd, _pointers(torch.bfloat16), lo, ("scale_log2", "eps"),
-                          c.warps, c.stages if c.fwd_stages is None else c.fwd_stages,
-                          maxnreg=c.fwd_maxnreg)
-
-
-@pytest.mark.parametrize("save", [False, True], ids=["no-grad", "save"])
-@pytest.mark.parametrize("variant", list(PARKED_FORWARDS))
-def test_parked_forward_fits_three_programs_a_multiprocessor(variant, save):
-    """``KernelConfig.park_la`` (the LA output parked in memory through the window's loop)
-    under ``fwd_maxnreg`` 168: registers and shared memory for three programs a
-    multiprocessor (``THREE_PROGRAMS``) and at most ``MAX_SPILL`` bytes of spill, with padding
-    and the shared norm, saving the branches or not (read on 2026-12-05: without padding or
-    the shared norm r168-s1 4 B of spill, 41 KB, saving 40 B; r168-bn16 4 B, 56 KB). Without
-    the park the same cap spills 172-228 B (its LA tile held through the window's loop)."""
-    cfg = dataclasses.replace(kconfig.default_config(128, 256, torch.bfloat16),
-                              **kconfig.TWO_PROGRAM_FORWARD)
-    c = dataclasses.replace(cfg, park_la=True, **PARKED_FORWARDS[variant])
-    r = _parked_report(c, save)
-    print(f"fwd parked {variant}{' saving' if save else ''}, padding, shared: {r}")
-    assert r["registers"] <= THREE_PROGRAMS["registers"] and r["spill"] <= MAX_SPILL, r
-    assert r["smem"] <= THREE_PROGRAMS["smem"], r
-
-
-#: spill bytes per thread the parked saving forward may have at its 128-register cap (read:
-#: 176, 220 with padding and the shared norm). Measured on one H100 (8 x 1k, the layer's
-#: fwd + bwd): that forward's `_fwd` 0.289 to 0.294 ms against the two-program tiles' (no
-#: spill), where the no-grad forward gains 0.255 to 0.234 (docs/performance.md)
-PARKED_SAVING_SPILL = 224
-
-
-@pytest.mark.parametrize("save", [False, True], ids=["no-grad", "save"])
-def test_parked_forward_fits_two_8_warp_programs_a_multiprocessor(save):
-    """The parked forward at D 128 bf16 (``PARKED_FORWARD``: 128 rows of 4
-    heads, 8 warps, parked, capped at 128 registers): 128 registers, at most ``MAX_SPILL``
-    bytes of spill and shared memory for two programs a multiprocessor, with padding and the
-    shared norm, saving the branches or not (read on 2026-12-05: 56 B of spill without padding
-    or the shared norm, 64 with both; saving 176 and 220, ``PARKED_SAVING_SPILL``)."""
-    c = dataclasses.replace(kconfig.default_config(128, 256, torch.bfloat16), **kconfig.PARKED_FORWARD)
-    assert c.park_la and c.fwd_maxnreg == 128 and (c.block_m, c.warps) == (128, 8), c
-    r = _parked_report(c, save)
-    print(f"parked fwd{' saving' if save else ''}, padding, shared: {r}")
-    assert r["registers"] <= 128 and r["spill"] <= (PARKED_SAVING_SPILL if save else MAX_SPILL), r
-    assert r["smem"] <= TWO_PROGRAMS_SMEM, r
-
-
-@pytest.mark.parametrize("save", [False, True], ids=["no-grad", "save"])
-@pytest.mark.parametrize("branch", ["swa", "la"])
-def test_parked_forward_compiles_for_an_output_gates_branch_calls(branch, save):
-    """``PARKED_FORWARD`` for the output gate's one-branch calls (``triton_hybrid._gated``:
-    SWA alone, LA alone; padding; saving the branch or not), whose GPU test has failed with it
-    as the default: they fit a multiprocessor at its 128-register cap (read on
-    2026-12-05: SWA 127-128 registers, 64 KB, no spill; LA 128, 112 KB, 0 / 8 B of spill), so
-    a compile failure and the tiles' retry (``TRACE.retries``) is not what made those
-    calls differ."""
-    c = dataclasses.replace(kconfig.default_config(128, 256, torch.bfloat16), **kconfig.PARKED_FORWARD)
-    r = _parked_report(c, save, has_swa=branch == "swa", has_la=branch == "la")
-    print(f"parked fwd, {branch} alone{' saving' if save else ''}, padding: {r}")
-    assert r["registers"] <= 128 and r["spill"] <= MAX_SPILL and r["smem"] <= SMEM_MAX, r
 
 
 HYBRID = [  # dtype, D, F, flags
@@ -387,12 +298,10 @@ def test_hybrid_kernels_compile_for_sm90(dtype, D, F, flags):
     for name, fn, constexprs, floats, warps, stages in hybrid_kernels(dtype, D, F, **flags):
         # the window's dv goes to an fp32 buffer when LA adds to it
         ptrs_k = dict(ptrs, DV=F32 if name == "bwd_dkv_swa" else ptrs["Q"])
-        stages, cap = stages if isinstance(stages, tuple) else (stages, None)  # (_fwd's cap)
-        r = compile_report(fn, ptrs_k, constexprs, floats, warps, stages, maxnreg=cap)
+        r = compile_report(fn, ptrs_k, constexprs, floats, warps, stages)
         print(f"{name:12s} {str(dtype)[6:]} D{D} F{F} {flags}: {r}")
-        if dtype == torch.bfloat16:  # (the capped saving forward: its own bound)
-            limit = PARKED_SAVING_SPILL if (name == "fwd-save" and cap) else MAX_SPILL
-            assert r["spill"] <= limit, (name, r)
+        if dtype == torch.bfloat16:
+            assert r["spill"] <= MAX_SPILL, (name, r)
         assert r["smem"] <= SMEM_MAX, (name, r)
 
 

@@ -84,20 +84,17 @@ def test_the_key_side_tile_divides_the_state_chunk():
         raise AssertionError("a key tile of 96 against state_chunk 128 was accepted")
 
 
-@pytest.mark.parametrize("change, says", [(dict(fwd_maxnreg=0), "fwd_maxnreg 0"),
-                                          (dict(fwd_maxnreg=300), "fwd_maxnreg 300"),
-                                          (dict(fwd_stages=0), "fwd_stages 0")])
+@pytest.mark.parametrize("change, says", [(dict(fwd_stages=0), "fwd_stages 0")])
 def test_forward_launch_options_are_checked(change, says):
-    """A register cap or a stage count the forward cannot launch with is refused with a
-    message naming it, before any kernel compiles (``fwd_stages=0`` no longer reads as
-    "the config's stages", which only None means)."""
+    """A stage count the forward cannot launch with is refused with a message naming it,
+    before any kernel compiles (``fwd_stages=0`` does not read as "the config's stages",
+    which only None means)."""
     cfg = dataclasses.replace(kconfig.default_config(128, 256, torch.bfloat16), **change)
     x, f, s = torch.zeros(1, 1, 4, 128), torch.zeros(1, 1, 4, 256), torch.zeros(1, 1)
     with pytest.raises(ValueError, match=says):
         kfunction.hybrid_kernel(x, x, x, f, f, s, s, s, s.int(), window=2, scale=1.0, eps=1e-6,
                                 config=cfg)
-    assert kforward.fwd_launch_options(dataclasses.replace(cfg, fwd_stages=1, fwd_maxnreg=None)) \
-        == {"num_stages": 1}
+    assert kforward.fwd_launch_options(dataclasses.replace(cfg, fwd_stages=1)) == {"num_stages": 1}
 
 
 def test_state_chunks_must_be_powers_of_two():

@@ -115,25 +115,23 @@ def test_maps_folded_into_the_kernel_match_their_own_functions():
     (``hybrid_attention(maps=...)``) give the output and gradients of the maps run as their own
     Functions, bit for bit, and of the fp32 reference within tolerance: through the layer's
     routing with padding, as stage 1 calls it (q, k, v frozen), and where the backward falls
-    back to the reference (``fold_case``), there with the maps' weights rounded in the pair's
-    kernel too: the fallback reads them rounded, bit for bit the call that cast them first
-    (not the fp32 masters)."""
+    back to the reference (``fold_case``)."""
     _all_pass("fold-attention-default-tiles-pad", "fold-hybrid-stage1-pad",
-              "fold-backward-fallback-pad", "fold-backward-fallback-weights-in-kernel")
+              "fold-backward-fallback-pad")
 
 
 def test_no_kernel_reads_memory_nobody_wrote_nor_races():
     """``--poison``: each case again with every uninitialised allocation filled with poison
     (NaN, a large integer, True; ``poison.Poisoned``); ``--reverse``: again with every launch's
     programs in reverse order (a program reading what another of the same launch wrote: a race
-    on a GPU). The results bit for bit the same, on the paths where two identical GPU calls
-    have differed: the forward with the LA output parked
-    (padding, the shared norm), the maps' pair on walking programs through descriptors, an output
-    gate's la_only call with padding; and each check reports its canary. (With the forward's
+    on a GPU). The results bit for bit the same, on the paths of the GPU failures of
+    2026-12-05: the forward with padding and the shared norm, the maps' pair on walking
+    programs through descriptors, an output gate's la_only call with padding; and each check
+    reports its canary. (With the forward's
     output rows of neither branch left unstored, an injected defect, ``--poison`` reports
     ``kernel-pad``'s out.) The whole suite so:
     ``test_no_kernel_reads_memory_nobody_wrote_nor_races_all_cases`` (slow)."""
-    cases = (*CANARIES, "park-la-pad-shared-no-grad", "layer-gate-la-only-rescale-pad",
+    cases = (*CANARIES, "kernel-split-tile-pad-shifts-shared", "layer-gate-la-only-rescale-pad",
              "pair-walk-tma")
     rows = {r["id"]: r for r in _run("--poison", "--reverse", *cases)}
     assert sorted(rows) == sorted(cases)

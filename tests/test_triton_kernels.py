@@ -393,37 +393,12 @@ def test_fused_backward_kernels_give_the_separate_kernels_results(switch, shared
     assert not bad, f"{switch}: the fused kernels' results differ from the separate ones: {bad}"
 
 
-#: options of the default config, each off against on: (``KernelConfig`` changes off, on - or
-#: the name of a ``triton_hybrid`` dict of them -, the ``TRACE.calls`` counter that says the option
-#: ran, None where a tile change has none)
+#: options of the default config, each off against on: (``KernelConfig`` changes off, on, the
+#: ``TRACE.calls`` counter that says the option ran)
 SAME_RESULT_OPTIONS = {"kv_one_program": (dict(kv_one_program=False),
                                            dict(kv_one_program=True), "kv_one_program"),
                        "state_sums_mma": (dict(state_sums_mma=False), dict(state_sums_mma=True),
-                                          "state_sums_mma"),
-                       # the parked forward (``PARKED_FORWARD``) against the default's
-                       "fwd_parked": ("TWO_PROGRAM_FORWARD", "PARKED_FORWARD", "parked_forward"),
-                       # the parked variants, on the two-program forward's tiles
-                       "park_la": ("TWO_PROGRAM_FORWARD", ("TWO_PROGRAM_FORWARD",
-                                                           dict(park_la=True)),
-                                   "parked_forward"),
-                       "park_la_r168_s1": ("TWO_PROGRAM_FORWARD", (
-                           "TWO_PROGRAM_FORWARD", dict(park_la=True, fwd_maxnreg=168,
-                                                       fwd_stages=1)), "parked_forward"),
-                       "park_la_r168_bn16": ("TWO_PROGRAM_FORWARD", (
-                           "TWO_PROGRAM_FORWARD", dict(park_la=True, fwd_maxnreg=168,
-                                                       block_n=16)), "parked_forward")}
-
-
-def _option_changes(x) -> dict:
-    """A ``SAME_RESULT_OPTIONS`` side as ``KernelConfig`` changes: a dict, the name of a
-    ``triton_hybrid`` dict of them, or (that name, more changes)."""
-    from hedgecats.models.ops.hybrid import config as kconfig
-
-    if isinstance(x, str):
-        return getattr(kconfig, x)
-    if isinstance(x, tuple):
-        return {**getattr(kconfig, x[0]), **x[1]}
-    return x
+                                          "state_sums_mma")}
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["fixed", "shared"])
@@ -435,15 +410,8 @@ def test_options_give_the_same_results(option, shared):
     ``_dkv_la_both``, dv's terms summed in another order) against a key block's dfk programs
     then its dv program; ``state_sums_mma`` (the default: the state kernels'
     vector sums on the tensor cores, u within ~2^-16 of the fp32 sum) against the row
-    reductions; ``park_la`` (the LA output parked in memory through the window's loop: the gradients
-    bit for bit on the interpreter, the output within the LA branch's rounding) on session
-    24's tiles, alone and with ``_fwd``'s registers capped (``fwd_maxnreg``: what spills,
-    ptxas-compiled only) with one pipeline stage (``fwd_stages``) or 16-key blocks; session
-    25's parked forward (``PARKED_FORWARD``: parked, 128 rows, 8 warps, capped at 128) against
-    the default's (``TWO_PROGRAM_FORWARD``). The report says which results are bit for
-    bit."""
+    reductions. The report says which results are bit for bit."""
     off, on, counter = SAME_RESULT_OPTIONS[option]
-    off, on = (_option_changes(x) for x in (off, on))
     counters = [] if counter is None else [counter]
     want, ran_off = _run_at_8b_shape(off, counters, shared, False)
     got, ran_on = _run_at_8b_shape(on, counters, shared, False)
@@ -884,10 +852,8 @@ def test_q_map_backward_starts_from_the_kernels_du(other):
     assert got["dq"].stride() == q0.stride()
 
 
-@pytest.mark.parametrize("weights_in_kernel", [False, True], ids=["cast", "w-in-kernel"])
 @pytest.mark.parametrize("frozen", [(), ("q", "k", "v")], ids=["stage2", "stage1"])
-def test_maps_folded_into_the_kernel_are_their_own_functions(frozen, weights_in_kernel,
-                                                             monkeypatch):
+def test_maps_folded_into_the_kernel_are_their_own_functions(frozen, monkeypatch):
     """The layer's call (``hybrid_attention(maps=(phi_q, phi_k))``: the maps inside the fused
     kernel's autograd Function) against the call before it (the maps as their own Functions,
     q and k handed on, the q map's du from the kernel), Llama-3-8B's head shape, bf16,
@@ -896,10 +862,7 @@ def test_maps_folded_into_the_kernel_are_their_own_functions(frozen, weights_in_
     on the tiles the folded pair walks on: on others their products round otherwise, mma.sync
     against wgmma), the fold taken both ways.
     ``stage1``: the teacher's q, k, v detached (the maps' gradients only). Under no_grad
-    (evaluation, prefill) the forward runs without the autograd Function: the same output.
-    ``w-in-kernel``: the folded call's map pair rounds the maps' fp32 weights in its kernel
-    (``feature_map.kernels.WEIGHTS_IN_KERNEL``): still bit for bit the call that casts them
-    first."""
+    (evaluation, prefill) the forward runs without the autograd Function: the same output."""
     from hedgecats.models.ops.hybrid import attention as hybrid_mod
     from hedgecats.models.ops.hybrid import dispatch as kdispatch
     from hedgecats.models.ops.feature_map import kernels as tp
@@ -930,9 +893,7 @@ def test_maps_folded_into_the_kernel_are_their_own_functions(frozen, weights_in_
         for m in maps:
             m.zero_grad()
         if folded:
-            monkeypatch.setattr(tp, "WEIGHTS_IN_KERNEL", weights_in_kernel)
             out = hybrid_attention(q, k, v, None, None, maps=maps, **kw)
-            monkeypatch.setattr(tp, "WEIGHTS_IN_KERNEL", False)
         else:  # (each map on the tiles the folded call's pair takes: the same products)
             monkeypatch.setattr(tp, "_tiles", map_tiles)
             fq, fk, q_on, k_on = hybrid_mod._apply_maps(maps, q, k)
@@ -943,11 +904,9 @@ def test_maps_folded_into_the_kernel_are_their_own_functions(frozen, weights_in_
             p.grad.clone() for m in maps for p in (m.weight, m.bias)]
 
     before = TRACE.calls["hybrid.maps_folded"], TRACE.calls["hybrid.maps_folded_backward"]
-    in_kernel = TRACE.calls["feature_map.weights_in_kernel"]
     got = run(True)
     assert (TRACE.calls["hybrid.maps_folded"], TRACE.calls["hybrid.maps_folded_backward"]) == \
         (before[0] + 1, before[1] + 1), "the maps were not folded into the kernel's call"
-    assert TRACE.calls["feature_map.weights_in_kernel"] - in_kernel == int(weights_in_kernel)
     want = run(False)
     names = ("out", "dq", "dk", "dv", "dWq", "dbq", "dWk", "dbk")
     for name, a, b in zip(names, got, want):
@@ -955,7 +914,6 @@ def test_maps_folded_into_the_kernel_are_their_own_functions(frozen, weights_in_
     assert got[1] is None or got[1].stride() == q0.stride()
     # evaluation / prefill: the same forward without the autograd Function, bit for bit
     before = TRACE.calls["hybrid.forward_without_autograd"]
-    monkeypatch.setattr(tp, "WEIGHTS_IN_KERNEL", weights_in_kernel)
     with torch.no_grad():
         out = hybrid_attention(q0, k0, v0, None, None, maps=maps, **kw)
     assert TRACE.calls["hybrid.forward_without_autograd"] == before + 1

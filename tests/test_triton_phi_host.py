@@ -24,18 +24,6 @@ def test_walk_split_covers_every_block_once_and_leaves_no_program_empty(tiles, p
     assert (programs - 1) * tpp < tiles <= programs * tpp
 
 
-def test_weights_in_kernel_by_switch(monkeypatch):
-    """``WEIGHTS_IN_KERNEL``: always, never, or ("walk") only where the pair walks; anything
-    else refused with the values it takes."""
-    for value, walking, grid in ((True, True, True), (False, False, False),
-                                 ("walk", True, False)):
-        monkeypatch.setattr(tp, "WEIGHTS_IN_KERNEL", value)
-        assert (tp.weights_in_kernel(True), tp.weights_in_kernel(False)) == (walking, grid)
-    monkeypatch.setattr(tp, "WEIGHTS_IN_KERNEL", "always")
-    with pytest.raises(ValueError, match="True, False or 'walk'"):
-        tp.weights_in_kernel(True)
-
-
 @pytest.mark.parametrize("shape, w_shape, dtype, activation, says", [
     ((1, 2, 8, 16), (2, 16, 16), torch.bfloat16, "relu", "activation 'relu'"),
     ((1, 2, 8, 16), (2, 16, 16), torch.bfloat16, "softmax", "CUDA"),

@@ -583,66 +583,6 @@ def phi_case(cid, *, B=2, H=3, T=45, D=16, proj="square", activation="softmax",
             "dx_layout": 0.0 if laid_out[0] else float("inf")}
 
 
-#: ``fwd_switch_case``'s switches: (``KernelConfig`` changes, the ``TRACE.calls`` counter that says
-#: the switch ran, whether the output is bit for bit the switch-off call's in a 16-bit dtype)
-FWD_SWITCHES = {  # (its cap and stage count change only what ptxas compiles: no effect here)
-    "park_la": (dict(park_la=True, fwd_maxnreg=168, fwd_stages=1), "parked_forward", False)}
-
-
-def fwd_switch_case(cid, *, switch="park_la", B=2, H=4, Hkv=2, T=70, D=16, window=10,
-                    dtype=torch.float32, cfg=SMALL, pad=False, shared=False, has_swa=True,
-                    has_la=True, grad=True):
-    """A switch of ``_fwd`` (``FWD_SWITCHES``) on against off: ``park_la`` (the LA output parked in memory through
-    the window's loop) every gradient bit for bit, and the output too in fp32 (in a 16-bit
-    dtype the mixer takes the LA output rounded to it: within 2^-8); the switch taken in both
-    the call's forwards (``park_la``: where both branches run); and each against
-    ``kernel_reference`` within the dtype's tolerance."""
-    from hedgecats.models.ops.hybrid import config as kconfig
-    from hedgecats.models.ops.hybrid import function as kfunction
-    from hedgecats.models.ops.hybrid import reference as kreference
-
-    changes, counter, exact_out = FWD_SWITCHES[switch]
-    exact_out = exact_out or dtype == torch.float32
-
-    q, k, v, fq, fk, do, g = _inputs(B, H, Hkv, T, D, dtype, 0, "rand")
-    ca, cb, logs = torch.rand(B, H, generator=g), torch.rand(B, H, generator=g), \
-        torch.randn(B, H, generator=g)
-    sh = torch.full((B, H), window, dtype=torch.int32)
-    kw = dict(window=window, scale=D ** -0.5, eps=_floors()[0],
-              key_padding_mask=_kpm(B, T) if pad else None, has_swa=has_swa, has_la=has_la,
-              shared=shared)
-    names = ["out", "dq", "dk", "dv", "dfq", "dfk", "dca", "dcb", "dlogs"]
-
-    def run(on: bool) -> dict:
-        ins = [t.clone().requires_grad_(grad) for t in (q, k, v, fq, fk, ca, cb, logs)]
-        with torch.set_grad_enabled(grad):
-            out = kfunction.hybrid_kernel(*ins, sh, config=kconfig.KernelConfig(**{**cfg, **(
-                changes if on else {})}), **kw)
-        if grad:
-            out.float().backward(do)
-        return dict(zip(names, [out.detach()] + [x.grad for x in ins]))
-
-    before = TRACE.calls["hybrid." + counter]
-    got = run(True)
-    used = TRACE.calls["hybrid." + counter] - before
-    plain = run(False)
-    ref_in = [t.detach().float().clone().requires_grad_() for t in (q, k, v, fq, fk, ca, cb, logs)]
-    ref = kreference.kernel_reference(*ref_in, sh, **kw)
-    ref.backward(do)
-    want = dict(zip(names, [ref.detach()] + [x.grad for x in ref_in]))
-    out = errors({n: x for n, x in got.items() if x is not None},
-                 {n: want[n] for n in names if got[n] is not None})
-    for n in names:
-        a, b = got[n], plain[n]
-        same = (a is None and b is None) or torch.equal(a, b)
-        if n == "out" and not exact_out:  # (the mixer's LA term rounded: 2^-8 relative)
-            same = same or rel(a.float(), b.float()) <= 2 ** -8
-        out[f"same_{n}"] = 0.0 if same else float("inf")
-    taken = switch != "park_la" or (has_swa and has_la)
-    out["switch_taken"] = 0.0 if used == int(taken) else float("inf")
-    return out
-
-
 def pair_walk_case(cid, *, B=3, Hq=4, Hk=2, T=150, D=64, per_sm=3, tma=False,
                    activations=("softmax", "exp"), stages=3, dtype=torch.bfloat16,
                    several=True):
@@ -921,8 +861,7 @@ def _maps_on_their_kernel():
 def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
               activation="softmax", pad=False, g_kind="float", ssd=None, frozen=(),
               cfg=MAP_DU, through="fused", dtype=torch.bfloat16, backward_fails=False,
-              floor=0.0, expect_fold=True,  weights_in_kernel=False,
-              walk=None, **switches):
+              floor=0.0, expect_fold=True, walk=None, **switches):
     """The feature maps folded into the fused kernel's autograd Function (``maps=(phi_q,
     phi_k)``, the layer's call since 2026-12-04) against the call as the layer made it before:
     the maps run first as their own Functions (``ops.hybrid._apply_maps``: q and k handed on,
@@ -943,9 +882,7 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
     ``walk``: the folded calls' map pair on walking programs of this ``PairPlan`` (set as
     the shape's plan in ``WALK_PLANS`` for the run; None: the plans as they are, the walk at
     D = F/2 = 128): still bit for bit the maps' own kernels. Folded, both maps' forward
-    kernels run in one launch. ``weights_in_kernel``: the folded calls' map pair rounds the maps' fp32 weights in
-    its kernel (``feature_map.kernels.WEIGHTS_IN_KERNEL``), bit for bit the same as the cast
-    before."""
+    kernels run in one launch."""
     from triton.runtime.errors import OutOfResources
     from hedgecats.models import HedgehogFeatureMap
     from hedgecats.models.ops.hybrid import backends
@@ -1033,33 +970,26 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
     from hedgecats.models.ops.feature_map import reference as fmr
 
     @contextlib.contextmanager
-    def maps_as_asked(in_kernel: bool):
-        """The run's pair plan (``walk``) and ``WEIGHTS_IN_KERNEL``, both restored after."""
-        plans, before = dict(tp.WALK_PLANS), tp.WEIGHTS_IN_KERNEL
+    def maps_as_asked():
+        """The run's pair plan (``walk``), restored after."""
+        plans = dict(tp.WALK_PLANS)
         if walk is not None:
             tp.WALK_PLANS[(D, D)] = walk  # (square maps: F/2 = D)
-        tp.WEIGHTS_IN_KERNEL = in_kernel
         try:
             yield
         finally:
             tp.WALK_PLANS.clear()
             tp.WALK_PLANS.update(plans)
-            tp.WEIGHTS_IN_KERNEL = before
 
     def fm_calls(*names):
         return [TRACE.calls[f"feature_map.{n}"] for n in names]
 
-    cast_first = None
-    if backward_fails and weights_in_kernel:  # (the same call, the weights cast first; before
-        # the counters below are read)
-        with maps_as_asked(False):
-            cast_first = run("folded")
     names = ("maps_folded", "maps_folded_backward", "map_du")
     n_err = len(TRACE.fallbacks)
     before = [TRACE.calls["hybrid." + n] for n in names]
     pairs, in_place = fm_calls("pair_forward", "dx_in_place")
-    in_kernel, *walks = fm_calls("weights_in_kernel", "forward_walk", "forward_tma")
-    with maps_as_asked(weights_in_kernel):
+    walks = fm_calls("forward_walk", "forward_tma")
+    with maps_as_asked():
         walked = tp.pair_plan(D, D).per_sm is not None  # (square maps: F/2 = D)
         got = run("folded")
         ran = [TRACE.calls["hybrid." + n] - b for n, b in zip(names, before)]
@@ -1067,8 +997,7 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
                                                  (pairs, in_place)))
         before = (TRACE.calls["hybrid.forward_without_autograd"], TRACE.calls["hybrid.forward"])
         no_grad = run("no_grad")
-    in_kernel, *walks = (a - b for a, b in zip(
-        fm_calls("weights_in_kernel", "forward_walk", "forward_tma"), (in_kernel, *walks)))
+    walks = [a - b for a, b in zip(fm_calls("forward_walk", "forward_tma"), walks)]
     without_autograd = TRACE.calls["hybrid.forward_without_autograd"] - before[0]
     kernel_calls = TRACE.calls["hybrid.forward"] - before[1]
     before = TRACE.calls["hybrid.map_du"]
@@ -1080,11 +1009,6 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
         out.update({f"unfolded_{n}": e for n, e in errors(old, want).items()})
         out["fallbacks_recorded"] = 0.0 if len(TRACE.fallbacks) == n_err + 2 and \
             ran == [1, 0, 0] else float("inf")
-        if cast_first is not None:  # (the fallback's maps read the weights the kernel read:
-            # rounded, bit for bit the call that cast them first)
-            out.update({f"same_as_cast_{n}": 0.0 if (a is None and cast_first[n] is None) or
-                        torch.equal(a, cast_first[n]) else float("inf")
-                        for n, a in got.items()})
         return out
     # an output gate: q and k reach both branches' calls; before the fold the window's dq / dk
     # was added to the map's in its kernel (fp32, one rounding), folded autograd adds the two
@@ -1113,9 +1037,6 @@ def fold_case(cid, *, mode="hybrid", B=2, H=4, Hkv=2, T=150, D=16, window=20,
         not g_kind.startswith("gate") and not backward_fails else None
     out["dx_in_place"] = 0.0 if want_in_place is None or in_place == want_in_place \
         else float("inf")
-    # the pair's kernel rounded the fp32 weights itself in both folded forwards (grad and not)
-    want_in_kernel = 2 if weights_in_kernel and expect_fold else 0
-    out["weights_in_kernel"] = 0.0 if in_kernel == want_in_kernel else float("inf")
     # the pair on walking programs (through descriptors) in both folded forwards
     want_walks = 2 if walked and expect_fold else 0
     out["forward_walk"] = 0.0 if walks == [want_walks, want_walks] else float("inf")
@@ -1727,32 +1648,6 @@ def cases(quick: bool = False):
                                                         expect_fold=False)),
         ("fold-backward-fallback-pad", fold_case, dict(dtype=bf16, backward_fails=True,
                                                        pad=True, g_kind="head")),
-        ("fold-backward-fallback-weights-in-kernel", fold_case, dict(
-            dtype=bf16, backward_fails=True, weights_in_kernel=True, g_kind="head")),
-        # the LA output parked in memory through the window's loop (``park_la``): the
-        # gradients bit for bit (the saved LA branch is what is parked), the output too in
-        # fp32; saved or not, padded, shared norm, packed heads, one branch (not taken), the
-        # 8B's tiles
-        ("park-la", fwd_switch_case, dict(switch="park_la")),
-        ("park-la-pad-shared-no-grad", fwd_switch_case, dict(switch="park_la", pad=True,
-                                                              shared=True, grad=False)),
-        ("park-la-packed-pad-bf16", fwd_switch_case, dict(switch="park_la", T=150, window=20,
-                                                           pad=True, dtype=bf16, cfg=MAP_DU)),
-        ("park-la-packed-no-grad-bf16", fwd_switch_case, dict(switch="park_la", T=150,
-                                                               window=20, dtype=bf16,
-                                                               cfg=PACKED, grad=False)),
-        ("park-la-la-only", fwd_switch_case, dict(switch="park_la", has_swa=False)),
-        ("park-la-swa-only", fwd_switch_case, dict(switch="park_la", has_la=False)),
-        ("park-la-8b-tiles-pad-bf16", fwd_switch_case, dict(
-            switch="park_la", cfg=d128, H=8, Hkv=2, T=300, D=128, window=64, pad=True,
-            dtype=bf16, B=1)),
-        # the map pair rounding the maps' fp32 weights in its kernel (``WEIGHTS_IN_KERNEL``):
-        # every result bit for bit the call with the casts before it
-        ("fold-weights-in-kernel-pad", fold_case, dict(dtype=bf16, pad=True,
-                                                       weights_in_kernel=True)),
-        ("fold-weights-in-kernel-8b-tiles-exp-gate", fold_case, dict(
-            dtype=bf16, activation="exp", g_kind="gate", H=8, Hkv=2, T=300, D=128,
-            window=64, B=1, cfg=d128, weights_in_kernel=True)),
         ("fold-attention-8b-tiles-pad", fold_case, dict(
             dtype=bf16, through="attention", pad=True, H=8, Hkv=2, T=300, D=128, window=64,
             B=1)),

@@ -36,7 +36,7 @@ import torch
 from ..instrument import TRACE
 from ..triton_common import HAVE_TRITON, cast, cdiv, fast, tl, tma_ok, triton, warn_once
 
-__all__ = ["PairPlan", "WALK_PLANS", "WEIGHTS_IN_KERNEL", "bmm_fp32", "kernel_weights",
+__all__ = ["PairPlan", "WALK_PLANS", "bmm_fp32", "kernel_weights",
            "empty_du", "map_backward", "map_backward_pair", "map_forward", "map_forward_pair",
            "new_du",
            "pair_plan", "walk_split"]
@@ -87,8 +87,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _head_weights(X, W, BIAS, h, D: tl.constexpr, FH: tl.constexpr):
-        """Head h's weight (D, F/2) in x's dtype (W in it, or in fp32 rounded here as torch's
-        cast rounds it: ``WEIGHTS_IN_KERNEL``) and bias (F/2, fp32)."""
+        """Head h's weight (D, F/2) in x's dtype and bias (F/2, fp32)."""
         offs_d = tl.arange(0, D)
         offs_f = tl.arange(0, FH)
         w = tl.load(W + h.to(tl.int64) * D * FH + offs_d[:, None] * FH + offs_f[None, :])
@@ -233,29 +232,6 @@ if HAVE_TRITON:
             tl.store(du_ptr, du, mask=rows[:, None])
 
 
-#: ``map_forward_pair`` hands its kernel the maps' weights as they are (the fp32 master
-#: weights ``convert`` keeps) and the kernel rounds them to x's dtype in its registers, as
-#: torch's cast rounds them (the same bf16 weights, bit for bit), instead of a cast kernel per
-#: map before the launch; the folded backward casts them where it needs them. True: always;
-#: "walk": only where the pair walks (a walking program reads a head's weight once a share of
-#: blocks); False: never. An option until the GPU settles it: on one program a block the fp32
-#: weight reads made the pair slower (0.138 to 0.157 ms, H100, 8 x 1k); walking, the pair 0.111
-#: to 0.114 and the two casts (0.005) gone, the host's no-grad forward 0.616 to 0.517 ms
-#: (docs/performance.md).
-WEIGHTS_IN_KERNEL: bool | str = False
-
-
-def weights_in_kernel(walking: bool) -> bool:
-    """Whether the pair's kernel rounds the maps' weights itself (``WEIGHTS_IN_KERNEL``), for a
-    pair that walks or not."""
-    if WEIGHTS_IN_KERNEL in (True, False):
-        return WEIGHTS_IN_KERNEL
-    if WEIGHTS_IN_KERNEL != "walk":
-        raise ValueError(f"feature_map.kernels.WEIGHTS_IN_KERNEL {WEIGHTS_IN_KERNEL!r}: True, "
-                         "False or 'walk'")
-    return walking
-
-
 class PairPlan(NamedTuple):
     """How ``map_forward_pair`` runs a pair: ``per_sm`` walking programs a multiprocessor
     (``_phi_fwd_pair_walk``), or None for one program a row block (``_phi_fwd_pair``); blocks
@@ -381,13 +357,10 @@ def kernel_weights(w, bias, dtype):
     return cast(w, dtype).contiguous(), bias.contiguous()
 
 
-def _forward_operands(x, w, bias, cast_w: bool = True):
-    """(y to write, the weight in x's dtype - as it is without ``cast_w``: the kernel rounds
-    it -, the bias in its own: both contiguous)."""
+def _forward_operands(x, w, bias):
+    """(y to write, the weight in x's dtype, the bias in its own: both contiguous)."""
     B, H, T, _ = x.shape
     y = torch.empty(B, H, T, 2 * w.shape[-1], device=x.device, dtype=x.dtype)
-    if not cast_w:
-        return y, w.contiguous(), bias.contiguous()
     return (y, *kernel_weights(w, bias, x.dtype))
 
 
@@ -430,18 +403,15 @@ def map_forward_pair(xq, wq, bq, softmax_q, xk, wk, bk, softmax_k, *,
                      plan: PairPlan | None = None):
     """``map_forward`` of a layer's two maps, ``((yq, wqc, bqc), (yk, wkc, bkc))``, in one
     launch where ``_pairable`` (else two): on ``plan`` (None: ``pair_plan``'s for the shape;
-    tests and benchmarks pass others). Where ``weights_in_kernel`` the weights come back as
-    they were given (fp32 master weights: the caller casts them where it needs them in x's
-    dtype)."""
+    tests and benchmarks pass others)."""
     if not _pairable(xq, wq, xk, wk):
         return map_forward(xq, wq, bq, softmax_q), map_forward(xk, wk, bk, softmax_k)
     B, Hq, T, D = xq.shape
     Hk, FH = xk.shape[1], wq.shape[-1]
     plan = pair_plan(D, FH) if plan is None else plan
     walking = plan.per_sm is not None and B * T > 0  # (no rows: the grid's empty launch)
-    in_kernel = weights_in_kernel(walking)
-    yq, wqc, bqc = _forward_operands(xq, wq, bq, not in_kernel)
-    yk, wkc, bkc = _forward_operands(xk, wk, bk, not in_kernel)
+    yq, wqc, bqc = _forward_operands(xq, wq, bq)
+    yk, wkc, bkc = _forward_operands(xk, wk, bk)
     common = dict(D=D, FH=FH, BM=plan.rows, SOFTMAX_Q=softmax_q, SOFTMAX_K=softmax_k,
                   PREC=_prec(xq.dtype), num_warps=plan.warps)
     if walking:
@@ -460,8 +430,6 @@ def map_forward_pair(xq, wq, bq, softmax_q, xk, wk, bk, softmax_k, *,
             xk, wkc, bkc, yk, xk.stride(0), xk.stride(1), xk.stride(2), Hk, B * Hq, T,
             **common)
     TRACE.count("feature_map.pair_forward")
-    TRACE.count("feature_map.weights_in_kernel",
-                in_kernel and (wq.dtype, wk.dtype) != (xq.dtype,) * 2)
     return (yq, wqc, bqc), (yk, wkc, bkc)
 
 

@@ -105,18 +105,6 @@ class KernelConfig:
     #: two 16-bit parts, u within ~2^-16 of the fp32 sum; the other sums exact products summed
     #: in fp32) instead of reductions across the tile's rows; bf16 / fp16 inputs only
     state_sums_mma: bool = False
-    #: ``_fwd`` stores each program's LA output (in the output's dtype: into the saved LA
-    #: branch where the branches are saved, else into the output, which the mixer's result then
-    #: overwrites) before the window's pass and reads it back for the mixer (``PARK``), so that
-    #: its (BM, D) fp32 tile is not live through the window's loop (ptxas at the default's
-    #: tiles: `_fwd` 248 registers, its LA part alone 168, its window part 128). The mixer then
-    #: takes the LA output rounded to the output's dtype (a 16-bit output: within its rounding,
-    #: not bit for bit); the saved LA branch, and so the gradients, are unchanged
-    park_la: bool = False
-    #: the register cap ptxas compiles ``_fwd`` to (Triton's ``maxnreg``; None: no cap): 168
-    #: lets three 4-warp programs share a multiprocessor's 64K registers, at the price of what
-    #: spills past it
-    fwd_maxnreg: int | None = None
     #: ``_fwd``'s pipeline stages (None: ``stages``): the shared memory its loops' copies take
     fwd_stages: int | None = None
 
@@ -124,20 +112,7 @@ class KernelConfig:
 #: The forward's tiles at D 128 bf16: 64 rows (16 positions of 4 query heads), 32-key blocks,
 #: 4 warps, the state product pipelined: 248 registers and 80 KB of shared memory, so two
 #: programs share a multiprocessor
-TWO_PROGRAM_FORWARD = dict(block_m=64, block_n=32, warps=4, state_product_stages=2,
-                           park_la=False, fwd_maxnreg=None)
-#: A forward for D 128 bf16 that measured faster but is not the default (``DEFAULT_FORWARD``):
-#: 128 rows (32 positions of 4 query heads) on 8 warps, 32-key blocks, the state product
-#: pipelined, the LA output parked through the window's loop (``park_la``) and the registers
-#: capped at 128 (``fwd_maxnreg``): 128 registers, 56 B of spill, 112 KB, so two 8-warp
-#: programs a multiprocessor
-PARKED_FORWARD = dict(block_m=128, block_n=32, warps=8, state_product_stages=2, park_la=True,
-                      fwd_maxnreg=128)
-#: The forward's tiles ``default_config`` gives at D >= 128 bf16 (read when it first builds a
-#: shape's config: set it before the first call, or clear ``default_config``'s cache).
-#: ``PARKED_FORWARD`` waits on the output gate's GPU test, which failed in the one run made
-#: with it as the default
-DEFAULT_FORWARD = TWO_PROGRAM_FORWARD
+FORWARD_TILES_D128 = dict(block_m=64, block_n=32, warps=4, state_product_stages=2)
 
 
 @functools.lru_cache(maxsize=64)  # (a KernelConfig is frozen: one per shape, not per call)
@@ -146,7 +121,7 @@ def default_config(D: int, F: int, dtype: torch.dtype) -> KernelConfig:
     report for sm_90a compiled with a launch's divisibility hints (tests/test_triton_compile.py)
     and measured (docs/performance.md). fp32 operands take twice the space of bf16 ones, so
     fp32 runs on 32-wide tiles; D <= 64 spills nothing at 64 x 64; D >= 128 bf16 takes
-    ``DEFAULT_FORWARD``'s forward, LA states every 128 positions, the query heads of a kv
+    ``FORWARD_TILES_D128``, LA states every 128 positions, the query heads of a kv
     head packed into one program, whole-F gradient programs and the backward's fused
     kernels."""
     if dtype == torch.float32:
@@ -154,7 +129,7 @@ def default_config(D: int, F: int, dtype: torch.dtype) -> KernelConfig:
                             bwd_block_m=32, bwd_block_n=32, bwd_warps=4, state_f=32, state_d=32,
                             f_chunk=64)
     if D >= 128:
-        return KernelConfig(**DEFAULT_FORWARD, state_chunk=128, stages=2, bwd_block_m=64,
+        return KernelConfig(**FORWARD_TILES_D128, state_chunk=128, stages=2, bwd_block_m=64,
                             bwd_block_n=32, bwd_warps=8, f_chunk=64, state_warps=8,
                             grad_f_chunk=256, dkv_block_n=64, split_tile=128,
                             dq_block_m=128, pack_heads=4, state_f=128, state_d=128,
@@ -175,9 +150,6 @@ def check(cfg: KernelConfig) -> None:
     if n <= 0 or n & (n - 1):  # (the state kernels' tl.arange)
         raise ValueError(f"state_chunk {n} must be a power of two (the state kernels take a "
                          f"chunk's positions as one tile): e.g. 64 or 128")
-    if cfg.fwd_maxnreg is not None and not 24 <= cfg.fwd_maxnreg <= 255:
-        raise ValueError(f"fwd_maxnreg {cfg.fwd_maxnreg}: a register cap from 24 to 255 a "
-                         "thread (e.g. 128 or 168), or None for none")
     if cfg.fwd_stages is not None and cfg.fwd_stages < 1:
         raise ValueError(f"fwd_stages {cfg.fwd_stages}: at least 1 pipeline stage, or None for "
                          f"the config's stages ({cfg.stages})")

@@ -106,16 +106,12 @@ if HAVE_TRITON:
              D: tl.constexpr, F: tl.constexpr, FC: tl.constexpr, BM: tl.constexpr,
              BN: tl.constexpr, CS: tl.constexpr, P: tl.constexpr, HAS_SWA: tl.constexpr,
              HAS_LA: tl.constexpr, SHARED: tl.constexpr, HAS_KPM: tl.constexpr,
-             PREC: tl.constexpr, SAVE: tl.constexpr, SS: tl.constexpr,
-             PARK: tl.constexpr = False):
+             PREC: tl.constexpr, SAVE: tl.constexpr, SS: tl.constexpr):
         """One program: BM query rows, BQ = BM / P positions t0 .. t0 + BQ - 1 of P query heads
         that share a kv head (P divides the group; ``KernelConfig.pack_heads``). The P heads
         read the same keys, values and LA state: one load and one product serves them all, and
         the block's key range (window and the LA keys after its state) spans BQ positions,
-        not BM. SAVE: both branches' outputs stored (SWA_O, LA_O) for the backward. PARK
-        (``KernelConfig.park_la``): the LA branch's output is stored (into LA_O with SAVE, else
-        into OUT, in their dtype) before the window's pass and read back for the mixer, so
-        that its (BM, D) fp32 tile is not held in registers through the window's loop."""
+        not BM. SAVE: both branches' outputs stored (SWA_O, LA_O) for the backward."""
         LN2: tl.constexpr = 0.6931471805599453
         BQ: tl.constexpr = BM // P
         pid_m = tl.program_id(0)
@@ -145,12 +141,6 @@ if HAVE_TRITON:
         la = num * r[:, None]
         o_rows = b.to(tl.int64) * so_b + h_r.to(tl.int64) * so_h + offs_m.to(tl.int64) * so_t
         t_rows = bh_r.to(tl.int64) * T + offs_m
-        if PARK:  # (LA_O holds it anyway with SAVE; OUT is overwritten by the mixer's output)
-            if SAVE:
-                park = LA_O + t_rows[:, None] * D + offs_d[None, :]
-            else:
-                park = OUT + o_rows[:, None] + offs_d[None, :]
-            tl.store(park, la.to(park.dtype.element_ty), mask=rows[:, None])
 
         # ---- windowed softmax
         m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
@@ -188,9 +178,6 @@ if HAVE_TRITON:
         lse2 = tl.where(has_win, m_i + tl.log2(tl.where(has_win, l_i, 1.0)), float("-inf"))
 
         # ---- mixer
-        if PARK:  # (every thread's stores visible to the program's threads before the loads)
-            tl.debug_barrier()
-            la = tl.load(park, mask=rows[:, None], other=0.0).to(tl.float32)
         if SHARED:
             logs = tl.load(LOGS + bh_r)
             x = logs + lse2 * LN2 - tl.log(tl.maximum(den, eps))
@@ -210,7 +197,7 @@ if HAVE_TRITON:
             s_rows = t_rows[:, None] * D + offs_d[None, :]
             if HAS_SWA:
                 tl.store(SWA_O + s_rows, swa.to(SWA_O.dtype.element_ty), mask=rows[:, None])
-            if HAS_LA and not PARK:  # (PARK: stored there already)
+            if HAS_LA:
                 tl.store(LA_O + s_rows, la.to(LA_O.dtype.element_ty), mask=rows[:, None])
 
 
@@ -239,8 +226,6 @@ def launch_forward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, *, 
     P = pack_of(cfg, H // Hkv)
     TRACE.count("hybrid.packed_forward", P > 1)
     grid = (cdiv(T, cfg.block_m // P), B * H // P)
-    park = cfg.park_la and has_la and has_swa  # (one branch: nothing held across the other)
-    TRACE.count("hybrid.parked_forward", park)
     fast(_fwd)[grid](
         q, k, v, fq, fk, S, z, vs, cnt, o, lse, den, ca, cb, logs, shift, first,
         pointer(kpm_i8, lse), pointer(swa_o, o), pointer(la_o, o),
@@ -248,7 +233,7 @@ def launch_forward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, *, 
         *strides(o), T, H, H // Hkv, NC, window, scale * LOG2E, eps,
         D=D, F=F, FC=fc(cfg, F), BM=cfg.block_m, BN=cfg.block_n, CS=cfg.state_chunk, P=P,
         HAS_SWA=has_swa, HAS_LA=has_la, SHARED=shared, HAS_KPM=kpm_i8 is not None,
-        PREC=precision(q.dtype), SAVE=store, SS=cfg.state_product_stages, PARK=park,
+        PREC=precision(q.dtype), SAVE=store, SS=cfg.state_product_stages,
         num_warps=cfg.warps, **fwd_launch_options(cfg))
     states = (S, z, vs, cfg.state_chunk) if save and has_la else None
     if save and branch_is_output:  # (its values, bit for bit: the other branch adds 0 x 0)
@@ -257,12 +242,11 @@ def launch_forward(q, k, v, fq, fk, ca, cb, logs, shift, first, cnt, kpm_i8, *, 
 
 
 def fwd_launch_options(cfg: KernelConfig) -> dict:
-    """``_fwd``'s launch options: its stages, and its register cap where one is set (a cached
-    dict: the layer launches it every call)."""
-    stages = cfg.stages if cfg.fwd_stages is None else cfg.fwd_stages
-    return _launch_options(stages, cfg.fwd_maxnreg)
+    """``_fwd``'s launch options: its pipeline stages (a cached dict: the layer launches it
+    every call)."""
+    return _launch_options(cfg.stages if cfg.fwd_stages is None else cfg.fwd_stages)
 
 
 @functools.lru_cache(maxsize=16)
-def _launch_options(stages: int, maxnreg: int | None) -> dict:
-    return {"num_stages": stages, **({} if maxnreg is None else {"maxnreg": maxnreg})}
+def _launch_options(stages: int) -> dict:
+    return {"num_stages": stages}

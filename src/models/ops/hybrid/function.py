@@ -333,10 +333,7 @@ def _folded_maps_backward(ctx, q, k, fq, fk, dq, dk, dfq, dfk, du_slot, saved):
     maps folded in: each map's backward (``triton_phi.map_backward``) from the kernel's du
     (q; or its dfq, where the config's dfq programs take a feature slice: no du) and dfk (k),
     adding the attention's dq / dk in its kernel."""
-    wqc, bqc, wkc, bkc = saved
-    # (in the inputs' dtype; the fp32 master weights where the map pair's kernel rounded
-    # them itself, ``triton_phi.WEIGHTS_IN_KERNEL``)
-    wqc, wkc = cast(wqc, q.dtype), cast(wkc, k.dtype)
+    wqc, bqc, wkc, bkc = saved  # (the weights in the inputs' dtype, as the kernels read them)
     softmax, q_dtypes, k_dtypes = ctx.maps
     q_side = k_side = None
     if any(_map_needs(ctx, 0)):
@@ -377,12 +374,7 @@ def _reference_backward(ctx, do, q, k, v, fq, fk, ca, cb, logs, shift, first, kp
             feats = ins[3:5]
         else:
             ins = [t.detach().requires_grad_() for t in (q, k, v, ca, cb, logs)]
-            # (the weights as the kernels read them, in the inputs' dtype: where the pair's
-            # kernel rounded the fp32 master weights itself, ``triton_phi.WEIGHTS_IN_KERNEL``,
-            # ``folded`` holds the masters, rounded here as ``_folded_maps_backward`` does)
-            wq, bq, wk, bk = folded
-            ins += [t.detach().float().requires_grad_()
-                    for t in (cast(wq, q.dtype), bq, cast(wk, k.dtype), bk)]
+            ins += [t.detach().float().requires_grad_() for t in folded]
             wq, bq, wk, bk = ins[6:]
             act = ["softmax" if s else "exp" for s in ctx.maps[0]]
             feats = [reference_features(ins[0], wq, bq, act[0]),
