@@ -125,8 +125,8 @@ def main(argv=None) -> int:
         ap.error(f"--docs {a.docs}: at least 1")
     import torch
 
-    torch.set_grad_enabled(False)
-    tables = {str(s): swap_table(s, mixers, a.docs, a.base_model) for s in a.stages}
+    with torch.no_grad():  # (scoped: a caller's grad mode is its own)
+        tables = {str(s): swap_table(s, mixers, a.docs, a.base_model) for s in a.stages}
     md = summary_markdown(tables)
     print(md)
     if a.out is not None:

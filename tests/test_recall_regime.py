@@ -150,7 +150,7 @@ def test_every_recipe_takes_q_and_the_teachers_filler_in_all_its_data(recipe, tm
     assert len(args) >= 3 and all(a["far_share"] == 0.1 and a["filler"] == "ab" for a in args)
 
 
-def test_the_teachers_differ_only_in_filler_and_tied_embeddings(tmp_path):
+def test_the_teachers_differ_only_in_filler_tied_embeddings_and_steps(tmp_path):
     weak = load_pipeline(CONFIGS / "teacher.yaml", output=tmp_path)
     strong = load_pipeline(CONFIGS / "teacher_strong.yaml", output=tmp_path)
     w_model = weak["stages"][0]["fit"]["model"]["init_args"]
@@ -162,4 +162,6 @@ def test_the_teachers_differ_only_in_filler_and_tied_embeddings(tmp_path):
     for a in (*_data_args(weak), *_data_args(strong)):
         a.pop("filler")
     assert _data_args(weak) == _data_args(strong)
-    assert weak["stages"][0]["fit"]["trainer"] == strong["stages"][0]["fit"]["trainer"]
+    w_trainer, s_trainer = (t["stages"][0]["fit"]["trainer"] for t in (weak, strong))
+    assert (w_trainer.pop("max_steps"), s_trainer.pop("max_steps")) == (6000, 3000)
+    assert w_trainer == s_trainer

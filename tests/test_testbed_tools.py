@@ -417,6 +417,7 @@ def test_mixer_swap_reads_each_mixer_and_restores_the_trained_one(tmp_path, caps
                   "init_args": data}}))
     out = tmp_path / "swap.json"
     assert ms.main([str(stage), "--docs", "4", "--out", str(out)]) == 0
+    assert torch.is_grad_enabled()  # (it left the caller's grad mode as it was)
     saved = json.loads(out.read_text())
     table = saved["stages"][str(stage)]
     assert set(table) == {"as_trained", "fixed", "la_mass"}
