@@ -118,6 +118,8 @@ def test_fsdp2_runs_each_stage(stage, base, tmp_path):
     assert all(torch.isfinite(t).all() for t in payload["tensors"].values())
 
 
+@pytest.mark.slow  # two 2-process runs (~30 s): `make test-all`; the default run keeps
+# FSDP2's stages (test_fsdp2_runs_each_stage) and checkpointing's single-process tests
 def test_fsdp2_finetune_with_mlp_checkpointing_matches_without(base, tmp_path):
     """activation_checkpointing="mlp" (each decoder layer's MLP class swapped for a checkpointed
     subclass before fully_shard swaps the layer's) under FSDP2 on two ranks: the same losses and
