@@ -278,6 +278,7 @@ def test_other_family_raises_before_building():
     (dict(window=4, mixer="shared_norm", overlap=True), "counted twice"),
     (dict(window=4, mixer="la_mass", overlap=True), "mixer='la_mass'.*counted twice"),
     (dict(window=4, mixer="la_mass", window_shape="terraced_end"), "'sliding' or 'terraced'"),
+    (dict(window=4, mixer="la_mass", feature_activation="none"), "non-negative features"),
     (dict(window=4, mixer="learned_head", g=0.0), "strictly between 0 and 1"),
     (dict(window=4, g=1.5), r"g=1.5 must lie in \[0, 1\]"),
     (dict(window=4, layers=[0, 1], layer_windows={2: 8}), "names layers \\[2\\]"),

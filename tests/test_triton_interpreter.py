@@ -124,8 +124,8 @@ def test_no_kernel_reads_memory_nobody_wrote_nor_races():
     """``--poison``: each case again with every uninitialised allocation filled with poison
     (NaN, a large integer, True; ``poison.Poisoned``); ``--reverse``: again with every launch's
     programs in reverse order (a program reading what another of the same launch wrote: a race
-    on a GPU). The results bit for bit the same, on the paths of the GPU failures of
-    2026-12-05: the forward with padding and the shared norm, the maps' pair on walking
+    on a GPU). The results bit for bit the same, on the paths where two identical GPU calls
+    have differed: the forward with padding and the shared norm, the maps' pair on walking
     programs through descriptors, an output gate's la_only call with padding; and each check
     reports its canary. (With the forward's
     output rows of neither branch left unstored, an injected defect, ``--poison`` reports

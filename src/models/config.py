@@ -158,6 +158,10 @@ class HybridConfig:
             raise ValueError(f"mixer={self.mixer!r} weighs the window against the keys outside "
                              "it; with overlap=True the window keys would be counted twice. "
                              "Use overlap=False, or another mixer")
+        if self.mixer == "la_mass" and self.feature_activation == "none":
+            raise ValueError("mixer='la_mass' weighs the branches by LA's kernel mass, which "
+                             "needs non-negative features; feature_activation='none' gives "
+                             "negative products. Use softmax, exp, relu or elu1p")
         if self.mixer == "la_mass" and self.window_shape == "terraced_end":
             raise ValueError("mixer='la_mass' needs the window and the keys outside it to split "
                              "the causal keys; window_shape='terraced_end' puts every key of a "

@@ -272,19 +272,18 @@ def _log_window_mass(shared_norm, q, k, fq, fk, lse, *, scale, window, window_sh
     (LoLCATs' ``"window_max"``, ``m_t`` the window's largest logit) or ``log Z_win_t`` (LA's
     kernel mass in the window, ``"la_mass"``). The window's pieces run in PyTorch on any
     device."""
-    neg_inf = torch.full_like(lse, float("-inf"))
+    if shared_norm is True:
+        return lse.float()
     if shared_norm == "la_mass":
         z_win = windows.window_la_mass(fq, fk, window=window, window_shape=window_shape,
                                        key_padding_mask=key_padding_mask, eps=eps)
-        # a window with real keys has Z >= eps per key; the clamp only keeps log(0) out of the
-        # graph, and those rows are set to -inf
-        return torch.where(z_win > 0, torch.log(z_win.clamp_min(eps)), neg_inf)
-    if shared_norm == "window_max":
-        m_win = windows.window_max_logit(q, k, scale=scale, window=window,
-                                         window_shape=window_shape,
-                                         key_padding_mask=key_padding_mask)
-        return torch.where(torch.isfinite(lse), lse.float() - m_win.float(), neg_inf)
-    return lse.float()
+        # a window with real keys has Z >= eps per key (non-negative features: HybridConfig
+        # refuses la_mass with activation none); the clamp only keeps log(0) out of the graph,
+        # and those rows are set to -inf
+        return torch.where(z_win > 0, torch.log(z_win.clamp_min(eps)), float("-inf"))
+    m_win = windows.window_max_logit(q, k, scale=scale, window=window,
+                                     window_shape=window_shape, key_padding_mask=key_padding_mask)
+    return torch.where(torch.isfinite(lse), lse.float() - m_win.float(), float("-inf"))
 
 
 def _branch_weights(g, shared_norm, log_near, la_den, la_has, eps):
