@@ -10,6 +10,8 @@
         --q 0,0.1,0.5 --seeds 0,1,2                                  # the regime axis (issue 49)
     python -m experiments.testbed data --recipe hedgecats --teacher-config teacher_strong \\
         --q 0,0.1,0.5                  # what each split holds at each q (CPU, seconds)
+    python -m experiments.testbed run ... --recipes hedgecats_keep1 --tag la_rel_err \
+        --set stages.select-layers.fit.model.init_args.score=la_rel_err   # a variant of a recipe
 
 ``run`` writes the multiple-choice tasks (``<root>/mc_tasks``, with the teacher's filler
 letters), trains the teacher through ``hedgecats pipeline configs/testbed/<teacher config>.yaml``
@@ -19,7 +21,8 @@ seed, ``--jobs`` of them at once (small models leave one GPU mostly idle: concur
 share it), each into ``<root>/<recipe>-s<S>`` (``<root>/legacy/...`` with ``--legacy-objective``,
 which runs ``experiments/testbed_legacy.py``), logs in ``<root>/logs``. ``--q`` runs each recipe
 and seed at every share q (``--var far_share=q``: docs/testbed.md#regime) into
-``<root>/<recipe>-q<q>-s<S>``. Finished pipelines are skipped by the pipeline itself on a
+``<root>/<recipe>-q<q>-s<S>``. ``--set`` (a variant of the recipes) needs ``--tag T``: its runs
+are ``<recipe>+T-...``, rows of their own. Finished pipelines are skipped by the pipeline itself on a
 re-run. ``report`` reads every run's ``results.json`` (and ``mc/results.json``) and writes
 ``testbed.json``, ``testbed.md`` and the plots (far recall per mode per recipe; Delta_LA per
 recipe; with runs at several q, far recall against q), every number a mean +- std over the seeds
@@ -65,7 +68,28 @@ def q_text(q: float) -> str:
 
 
 def run_name(recipe: str, seed: int, q: float | None = None) -> str:
+    """``<recipe>-s<seed>``, or ``<recipe>-q<q>-s<seed>`` at a share q; ``recipe`` may carry a
+    variant's tag (``hedgecats_kl+mixed``: ``run --tag``)."""
     return f"{recipe}-s{seed}" if q is None else f"{recipe}-q{q_text(q)}-s{seed}"
+
+
+def tagged(recipe: str, tag: str | None) -> str:
+    """A recipe's name with a variant's tag (``run --set ... --tag T``): ``<recipe>+<tag>``."""
+    return recipe if not tag else f"{recipe}+{tag}"
+
+
+def base_recipe(recipe: str) -> str:
+    """The recipe file a (possibly tagged) run name comes from: ``hedgecats_kl+mixed`` ->
+    ``hedgecats_kl``."""
+    return recipe.partition("+")[0]
+
+
+def variant_tag(text: str) -> str:
+    """``run --tag``: lower-case letters, digits and underscores (it goes into run names)."""
+    if not re.fullmatch(r"[a-z0-9_]+", text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a tag is lower-case letters, digits and underscores, e.g. la_rel_err")
+    return text
 
 
 def parse_run_name(name: str) -> tuple[str, float | None, int] | None:
@@ -237,8 +261,12 @@ def cmd_run(a: argparse.Namespace) -> int:
                  "finetune_steps": a.finetune_steps, "filler": filler}
     configs = {r: _without_mc(CONFIGS / f"{r}.yaml", root / "configs-no-mc") if a.no_mc
                else CONFIGS / f"{r}.yaml" for r in recipes}
-    jobs = [(f"{'legacy-' if a.legacy_objective else ''}{run_name(r, s, q)}",
-             _pipeline_cmd(configs[r], base / run_name(r, s, q), s,
+    if a.set and not a.tag:
+        raise SystemExit("run --set changes what the recipes train: give it a --tag, so that "
+                         "its runs get names of their own (<recipe>+<tag>-...)")
+    names = {r: tagged(r, a.tag) for r in recipes}
+    jobs = [(f"{'legacy-' if a.legacy_objective else ''}{run_name(names[r], s, q)}",
+             _pipeline_cmd(configs[r], base / run_name(names[r], s, q), s,
                            {**variables, **({} if q is None else {"far_share": q})},
                            a.legacy_objective, a.set or []))
             for q in (a.q or [None]) for s in a.seeds for r in recipes]
@@ -313,13 +341,13 @@ def cmd_mc(a: argparse.Namespace) -> int:
     jobs = []
     for run in sorted(root.glob("*-s[0-9]*")):
         parsed = parse_run_name(run.name)
-        if parsed is None or parsed[0] not in RECIPES:
+        if parsed is None or base_recipe(parsed[0]) not in RECIPES:
             continue
         if not (run / "finetune" / "stage.pt").exists() or \
                 ((run / "mc" / "results.json").exists() and not a.again):
             continue
-        jobs.append((f"mc-{run.name}", mc_command(CONFIGS / f"{parsed[0]}.yaml", run, variables,
-                                                 parsed[2], a.device)))
+        config = CONFIGS / f"{base_recipe(parsed[0])}.yaml"
+        jobs.append((f"mc-{run.name}", mc_command(config, run, variables, parsed[2], a.device)))
     if not jobs:
         print(f"no run under {root} needs its multiple-choice step")
         return 0
@@ -442,8 +470,8 @@ def row_order(labels) -> list[str]:
     recipe without a share first."""
     def key(label):
         recipe, q = split_label(label)
-        known = recipe in RECIPES
-        return (not known, RECIPES.index(recipe) if known else 0, recipe,
+        known = base_recipe(recipe) in RECIPES
+        return (not known, RECIPES.index(base_recipe(recipe)) if known else 0, recipe,
                 -1.0 if q is None else q)
 
     return sorted(labels, key=key)
@@ -748,7 +776,11 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--mc-task", default="marker", choices=("marker", "kv"),
                    help="the corpus task the multiple-choice tasks are built like (the teacher's)")
     r.add_argument("--set", action="append", metavar="PATH=VALUE",
-                   help="passed to every pipeline (hedgecats pipeline --set), repeatable")
+                   help="passed to every pipeline (hedgecats pipeline --set), repeatable; "
+                        "needs --tag")
+    r.add_argument("--tag", type=variant_tag,
+                   help="the variant --set makes: runs go to <recipe>+<tag>[-q<q>]-s<seed> and "
+                        "get their own rows in the report")
     r.add_argument("--legacy-objective", action="store_true",
                    help="the first weights_xent (experiments/testbed_legacy.py), into <root>/legacy")
     r.add_argument("--no-mc", action="store_true",

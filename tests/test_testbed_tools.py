@@ -352,6 +352,54 @@ def test_run_at_each_q_with_the_strong_teachers_filler(tmp_path, monkeypatch, ca
     assert exit_.value.code == 2 and "distinct shares in [0, 1]" in capsys.readouterr().err
 
 
+def test_a_tagged_variant_gets_its_own_runs_rows_and_multiple_choice_step(tmp_path, monkeypatch,
+                                                                         capsys):
+    """``run --set ... --tag T`` runs ``<recipe>+T-...`` with the override (``--set`` without a
+    tag is refused: its runs would take the recipe's own names); the report gives the variant
+    its own row after the recipe's, and ``mc`` finds its recipe file."""
+    tb = _load("testbed")
+    assert tb.base_recipe("hedgecats_kl+mixed") == "hedgecats_kl"
+    assert tb.parse_run_name("hedgecats_keep1+la_rel_err-q0-s2") == \
+        ("hedgecats_keep1+la_rel_err", 0.0, 2)
+    seen = {}
+
+    def fake_jobs(jobs, n_parallel, logs):
+        seen.update(jobs)
+        return {n: {"rc": 0, "wall_s": 0.0} for n, _ in jobs}
+
+    monkeypatch.setattr(tb, "_run_jobs", fake_jobs)
+    override = "stages.finetune.fit.model.init_args.loss=mixed"
+    args = ["run", "--root", str(tmp_path), "--teacher", str(tmp_path / "t"), "--mc-docs", "4",
+            "--teacher-config", "teacher_strong", "--recipes", "hedgecats_kl", "--seeds", "0",
+            "--q", "0", "--set", override]
+    with pytest.raises(SystemExit, match="give it a --tag"):
+        tb.main(args)
+    assert tb.main([*args, "--tag", "mixed"]) == 0
+    assert list(seen) == ["hedgecats_kl+mixed-q0-s0"]
+    cmd = seen["hedgecats_kl+mixed-q0-s0"]
+    assert cmd[cmd.index("--output") + 1] == str(tmp_path / "hedgecats_kl+mixed-q0-s0")
+    assert ["--set", override] == cmd[cmd.index(override) - 1:][:2]
+    assert cmd[cmd.index("pipeline") + 1].endswith("hedgecats_kl.yaml")
+    with pytest.raises(SystemExit):
+        tb.main([*args, "--tag", "Mixed-1"])
+    assert "lower-case letters, digits and underscores" in capsys.readouterr().err
+    for name, far in (("hedgecats_kl-q0-s0", 0.2), ("hedgecats_kl+mixed-q0-s0", 0.6),
+                      ("hedgecats-q0-s0", 0.1)):
+        run = tmp_path / name
+        (run / "finetune").mkdir(parents=True)
+        (run / "finetune" / "stage.pt").write_bytes(b"")
+        ev = [{"kind": "recall", "stage": "finetune", "results": {"hybrid": _row(far)}}]
+        (run / "results.json").write_text(json.dumps({"evaluations": ev}))
+    assert tb.main(["report", "--root", str(tmp_path), "--out", str(tmp_path / "r")]) == 0
+    agg = json.loads((tmp_path / "r" / "testbed.json").read_text())["aggregate"]
+    assert list(agg) == ["hedgecats q=0", "hedgecats_kl q=0", "hedgecats_kl+mixed q=0"]
+    assert agg["hedgecats_kl+mixed q=0"]["far_acc"]["hybrid"]["mean"] == pytest.approx(0.6)
+    seen.clear()
+    assert tb.main(["mc", "--root", str(tmp_path)]) == 0
+    assert sorted(seen) == ["mc-hedgecats-q0-s0", "mc-hedgecats_kl+mixed-q0-s0",
+                            "mc-hedgecats_kl-q0-s0"]
+
+
 def test_report_gives_each_q_its_row_and_a_regime_table(tmp_path):
     tb = _load("testbed")
     far = {(0.0, 0): 0.10, (0.0, 1): 0.20, (0.5, 0): 0.80, (0.5, 1): 0.90}
