@@ -42,9 +42,9 @@ from .stages import (
     HybridFinetune,
     HybridStage,
     NonFiniteLossError,
-    TeacherPretraining,
     TransferCollapseError,
 )
+from .teacher import TeacherPretraining
 
 __all__ = [
     "DEFAULT_LORA",
