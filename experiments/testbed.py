@@ -16,9 +16,9 @@
 ``run`` writes the multiple-choice tasks (``<root>/mc_tasks``, with the teacher's filler
 letters), trains the teacher through ``hedgecats pipeline configs/testbed/<teacher config>.yaml``
 (``--teacher-config``, default ``teacher``) unless ``--teacher`` names one, then runs ``hedgecats
-pipeline configs/testbed/<recipe>.yaml --seed S --var filler=<the teacher's>`` for every recipe and
-seed, ``--jobs`` of them at once (small models leave one GPU mostly idle: concurrent pipelines
-share it), each into ``<root>/<recipe>-s<S>`` (``<root>/legacy/...`` with ``--legacy-objective``,
+pipeline configs/testbed/<recipe>.yaml --seed S --var filler=<the teacher's>`` (and the teacher
+config's other ``SCALE_VARS``: its data's scale and precision) for every recipe and seed,
+``--jobs`` of them at once (small models leave one GPU mostly idle: concurrent pipelines share it), each into ``<root>/<recipe>-s<S>`` (``<root>/legacy/...`` with ``--legacy-objective``,
 which runs ``experiments/testbed_legacy.py``), logs in ``<root>/logs``. ``--q`` runs each recipe
 and seed at every share q (``--var far_share=q``: docs/testbed.md#regime) into
 ``<root>/<recipe>-q<q>-s<S>``. ``--set`` (a variant of the recipes) needs ``--tag T``: its runs
@@ -124,12 +124,21 @@ def shares(text: str) -> list[float]:
     return values
 
 
-def teacher_filler(config: Path) -> str:
-    """The filler letters of a teacher config's data (the recipes and tasks must use them)."""
+#: what a teacher config fixes for every recipe run on it (``--var``): its data's scale and
+#: letters, and its precision (``teacher_tiny.yaml``: the testbed at CPU scale)
+SCALE_VARS = ("filler", "seq_len", "window", "far_min", "far_max", "precision")
+
+
+def teacher_scale(config: Path) -> dict:
+    """The ``SCALE_VARS`` of a teacher config: its first stage's data and trainer precision."""
     from hedgecats.pipeline.spec import load_pipeline
 
-    data = load_pipeline(config)["stages"][0]["fit"]["data"]["init_args"]
-    return data.get("filler", string.ascii_lowercase)
+    fit = load_pipeline(config)["stages"][0]["fit"]
+    data = fit["data"]["init_args"]
+    scale = {"filler": data.get("filler", string.ascii_lowercase),
+             **{k: data[k] for k in ("seq_len", "window", "far_min", "far_max")},
+             "precision": fit.get("trainer", {}).get("precision", "bf16-mixed")}
+    return {k: scale[k] for k in SCALE_VARS}
 
 
 def _short(tasks) -> list[str]:
@@ -240,7 +249,8 @@ def mc_tasks(root: Path, task: str, n_docs: int, filler: str) -> Path:
 def cmd_run(a: argparse.Namespace) -> int:
     root = Path(a.root).resolve()
     teacher_config = CONFIGS / f"{a.teacher_config}.yaml"
-    filler = teacher_filler(teacher_config)
+    scale = teacher_scale(teacher_config)
+    filler = scale["filler"]
     recipes = RECIPES if a.recipes == "all" else tuple(a.recipes.split(","))
     unknown = sorted(set(recipes) - set(RECIPES))
     if unknown:
@@ -251,14 +261,15 @@ def cmd_run(a: argparse.Namespace) -> int:
               "filler": filler, "q": a.q, "jobs": {}}
     if not a.teacher:
         cmd = _pipeline_cmd(teacher_config, root / "teacher", None,
-                            {"steps": a.teacher_steps}, legacy=False)
+                            {} if a.teacher_steps is None else {"steps": a.teacher_steps},
+                            legacy=False)
         report["jobs"].update(_run_jobs([("teacher", cmd)], 1, root / "logs"))
         if report["jobs"]["teacher"]["rc"]:
             print(f"the teacher failed: {root / 'logs' / 'teacher.log'}", file=sys.stderr)
             return 1
     base = root / "legacy" if a.legacy_objective else root
     variables = {"teacher": teacher, "tasks": tasks, "transfer_steps": a.transfer_steps,
-                 "finetune_steps": a.finetune_steps, "filler": filler}
+                 "finetune_steps": a.finetune_steps, **scale}
     configs = {r: _without_mc(CONFIGS / f"{r}.yaml", root / "configs-no-mc") if a.no_mc
                else CONFIGS / f"{r}.yaml" for r in recipes}
     if a.set and not a.tag:
@@ -290,7 +301,8 @@ def cmd_data(a: argparse.Namespace) -> int:
     from hedgecats.data.recall_bytes import RecallDataModule
     from hedgecats.pipeline.spec import load_pipeline, parse_overrides
 
-    filler = teacher_filler(CONFIGS / f"{a.teacher_config}.yaml")
+    scale = teacher_scale(CONFIGS / f"{a.teacher_config}.yaml")
+    filler = scale["filler"]
     out = {"recipe": a.recipe, "teacher_config": a.teacher_config, "filler": filler,
            "set": a.set or [], "shares": {}}
     lines = ["| q | split | docs | docs with far recalls | near recalls | far recalls | "
@@ -299,7 +311,7 @@ def cmd_data(a: argparse.Namespace) -> int:
     test_hashes = set()
     for q in a.q or [None]:
         spec = load_pipeline(CONFIGS / f"{a.recipe}.yaml", output=Path(a.root) / "data-check",
-                             variables={"filler": filler, "far_share": q},
+                             variables={**scale, "far_share": q},
                              overrides=parse_overrides(a.set))
         datas = {json.dumps(st["fit"]["data"]["init_args"], sort_keys=True)
                  for st in spec["stages"] if st["fit"].get("data")}
@@ -766,7 +778,8 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run", help="teacher + recipes x seeds through hedgecats pipeline")
     r.add_argument("--root", default="runs/testbed")
     r.add_argument("--teacher", help="an existing teacher model directory (skips training one)")
-    r.add_argument("--teacher-steps", type=int, default=6000)
+    r.add_argument("--teacher-steps", type=int,
+                   help="the teacher's training steps (default: its config's)")
     r.add_argument("--recipes", default="all", help=f"comma-separated, of {', '.join(RECIPES)}")
     r.add_argument("--seeds", type=lambda t: [int(x) for x in t.split(",")], default=[0, 1, 2])
     r.add_argument("--jobs", type=int, default=7, help="pipelines at once")

@@ -400,6 +400,50 @@ def test_a_tagged_variant_gets_its_own_runs_rows_and_multiple_choice_step(tmp_pa
                             "mc-hedgecats_kl-q0-s0"]
 
 
+def test_every_recipe_runs_at_its_teachers_scale(tmp_path, monkeypatch):
+    """A teacher config fixes the recipes' data scale and precision (``SCALE_VARS``): on
+    ``teacher_tiny`` (the CPU scale) every recipe's data, hybrid window and trainer take it, on
+    ``teacher`` they are the testbed's own (1,024 bytes, window 64); the teacher trains for its
+    config's steps unless ``--teacher-steps`` says otherwise."""
+    from hedgecats.pipeline.spec import load_pipeline
+
+    tb = _load("testbed")
+    tiny = tb.teacher_scale(tb.CONFIGS / "teacher_tiny.yaml")
+    assert tiny == {"filler": "ab", "seq_len": 128, "window": 16, "far_min": 40, "far_max": 110,
+                    "precision": "32-true"}
+    assert tb.teacher_scale(tb.CONFIGS / "teacher.yaml")["seq_len"] == 1024
+    for recipe in tb.RECIPES:
+        for scale, (seq_len, window, precision) in ((tiny, (128, 16, "32-true")),
+                                                    ({}, (1024, 64, "bf16-mixed"))):
+            spec = load_pipeline(tb.CONFIGS / f"{recipe}.yaml", output=tmp_path / recipe,
+                                 variables=scale)
+            for st in spec["stages"]:
+                fit = st["fit"]
+                data = fit["data"]["init_args"]
+                assert (data["seq_len"], data["window"]) == (seq_len, window), (recipe, st["name"])
+                assert fit["trainer"]["precision"] == precision, (recipe, st["name"])
+                hybrid = fit["model"]["init_args"].get("hybrid")
+                if hybrid:
+                    assert hybrid["window"] == window, (recipe, st["name"])
+            for ev in spec["evaluate"]:
+                if ev["kind"] == "recall":
+                    assert ev["data"]["init_args"]["seq_len"] == seq_len, recipe
+    seen = {}
+
+    def fake_jobs(jobs, n_parallel, logs):
+        seen.update(jobs)
+        return {n: {"rc": 0, "wall_s": 0.0} for n, _ in jobs}
+
+    monkeypatch.setattr(tb, "_run_jobs", fake_jobs)
+    assert tb.main(["run", "--root", str(tmp_path / "r"), "--teacher-config", "teacher_tiny",
+                    "--recipes", "lolcats", "--seeds", "0", "--mc-docs", "4", "--no-mc"]) == 0
+    assert "--var" not in seen["teacher"]  # its config's 1,500 steps
+    cmd = seen["lolcats-s0"]
+    for var in ("seq_len=128", "window=16", "far_min=40", "far_max=110", "precision=32-true",
+                "filler=ab"):
+        assert ["--var", var] == cmd[cmd.index(var) - 1:][:2]
+
+
 def test_report_gives_each_q_its_row_and_a_regime_table(tmp_path):
     tb = _load("testbed")
     far = {(0.0, 0): 0.10, (0.0, 1): 0.20, (0.5, 0): 0.80, (0.5, 1): 0.90}
