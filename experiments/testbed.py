@@ -547,19 +547,20 @@ def aggregate(runs: dict[str, dict[int, dict]]) -> dict:
     return agg
 
 
-def _windows_other_than_64(r: dict) -> str:
-    """The evaluation windows of a recipe's runs when they are not the configured 64 (SSD ends
-    at its last phase's), e.g. ``"16"``; ``""`` otherwise."""
+def _windows_other_than(r: dict, window: int) -> str:
+    """The evaluation windows of a recipe's runs when they are not the configured ``window``
+    (SSD ends at its last phase's), e.g. ``"16"``; ``""`` otherwise."""
     w = r.get("windows") or []
-    return "" if w in ([], [64]) else "/".join(map(str, w))
+    return "" if w in ([], [window]) else "/".join(map(str, w))
 
 
-def _table(agg: dict, key: str, cols: list[str], scale: float, digits: int) -> str:
+def _table(agg: dict, key: str, cols: list[str], scale: float, digits: int,
+           window: int = 64) -> str:
     present = [c for c in cols if any(c in r[key] for r in agg.values())]
     lines = ["| recipe (seeds) | " + " | ".join(present) + " |",
              "|---|" + "---|" * len(present)]
     for recipe, r in agg.items():
-        w = _windows_other_than_64(r)
+        w = _windows_other_than(r, window)
         note = f"; window {w}" if w else ""
         lines.append(f"| {recipe} ({len(r['seeds'])}{note}) | " +
                      " | ".join(_fmt(r[key].get(c), scale, digits) for c in present) + " |")
@@ -582,17 +583,21 @@ def _delta_w64_table(agg: dict) -> list[str]:
                          f"{_fmt(r[keys[3]], 1, 1)} |" for k, r in rows.items())])]
 
 
-def render(agg: dict) -> str:
+def render(agg: dict, data: dict | None = None) -> str:
+    """The report's tables; ``data``: the runs' scale (``teacher_scale``; default the testbed
+    teacher's), which the headings name."""
+    data = data or teacher_scale(CONFIGS / "teacher.yaml")
+    w, far = data["window"], f"{data['far_min']}-{data['far_max']}"
     cols = list(RECALL_ROWS.values())
     mc_cols = ["softmax", *MC_MODES.values()]
     parts = [
-        "### Far recall after stage 2 (accuracy, distance 150-400; evaluated at window 64 unless "
+        f"### Far recall after stage 2 (accuracy, distance {far}; evaluated at window {w} unless "
         "the row names another: SSD ends at its last phase's window, as the paper evaluates)",
-        _table(agg, "far_acc", cols, 1.0, 3),
-        "### Near recall after stage 2 (accuracy, distance 3-63)",
-        _table(agg, "near_acc", cols, 1.0, 3),
+        _table(agg, "far_acc", cols, 1.0, 3, w),
+        f"### Near recall after stage 2 (accuracy, distance 3-{w - 1})",
+        _table(agg, "near_acc", cols, 1.0, 3, w),
         "### LM loss after stage 2 (nats per byte, held-out documents)",
-        _table(agg, "lm_loss", cols, 1.0, 3),
+        _table(agg, "lm_loss", cols, 1.0, 3, w),
         "### Short multiple-choice tasks (lm-eval acc, %, mean of the recall_mc_short tasks: the "
         "whole question inside the window; chance 25)",
         _table(agg, "mc_short", mc_cols, 1.0, 1),
@@ -609,7 +614,7 @@ def render(agg: dict) -> str:
                      f"{_fmt(r['delta_la_mc_far'], 1, 1)} |" for k, r in agg.items())]),
         *_delta_w64_table(agg),
         "### Right after stage 1 (no LoRA yet): far recall accuracy",
-        _table(agg, "transfer_far_acc", cols, 1.0, 3),
+        _table(agg, "transfer_far_acc", cols, 1.0, 3, w),
         "### Stage-1 health at its end (mean over layers)",
         "\n".join(["| recipe (seeds) | LA output rel. error | rows with LA normaliser < 1e-6 |",
                    "|---|---|---|",
@@ -646,7 +651,7 @@ def _regime_table(agg: dict) -> list[str]:
             "documents the same for every q; mean ± std over seeds)", "\n".join(lines)]
 
 
-def plot(agg: dict, out: Path, runs: dict) -> list[Path]:
+def plot(agg: dict, out: Path, runs: dict, data: dict | None = None) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -654,13 +659,15 @@ def plot(agg: dict, out: Path, runs: dict) -> list[Path]:
 
     recipes = list(agg)
     # an SSD recipe is evaluated at its last phase's window: say so under its bar
-    labels = [r + (f" (w {w})" if (w := _windows_other_than_64(agg[r])) else "")
+    data = data or teacher_scale(CONFIGS / "teacher.yaml")
+    labels = [r + (f" (w {w})" if (w := _windows_other_than(agg[r], data["window"])) else "")
               for r in recipes]
     n = sorted({len(agg[r]["seeds"]) for r in recipes})
     seeds = f"mean ± std over {'/'.join(map(str, n))} seeds; dots: seeds"
     p1 = _per_mode_bars(plt, agg, recipes, labels, "far_acc", out / "far_recall.png",
                         "far recall accuracy", 1.05,
-                        f"Far recall (150-400 tokens back, window 64) per mode\n{seeds}")
+                        f"Far recall ({data['far_min']}-{data['far_max']} tokens back, window "
+                        f"{data['window']}) per mode\n{seeds}")
     written = [p1]
     if any(agg[r].get("mc_short") for r in recipes):
         written.append(_per_mode_bars(
@@ -756,6 +763,14 @@ def _per_mode_bars(plt, agg: dict, recipes: list, labels: list, key: str, path: 
     return path
 
 
+def _recorded_teacher_config(root: Path) -> str:
+    """The teacher config ``run`` recorded under ``root`` (``jobs.json``), else ``teacher``."""
+    jobs = root / "jobs.json"
+    if jobs.exists():
+        return json.loads(jobs.read_text()).get("teacher_config") or "teacher"
+    return "teacher"
+
+
 def cmd_report(a: argparse.Namespace) -> int:
     root, out = Path(a.root), Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -763,11 +778,14 @@ def cmd_report(a: argparse.Namespace) -> int:
     if not runs:
         raise SystemExit(f"no finished runs (<recipe>-s<seed>/results.json) under {root}")
     agg = aggregate({r: runs[r] for r in row_order(runs)})
-    (out / "testbed.json").write_text(json.dumps({"aggregate": agg, "runs": runs}, indent=1,
-                                                 default=str))
-    (out / "testbed.md").write_text(render(agg))
-    paths = plot(agg, out, runs) if not a.no_plots else []
-    print(render(agg))
+    teacher_config = a.teacher_config or _recorded_teacher_config(root)
+    data = teacher_scale(CONFIGS / f"{teacher_config}.yaml")
+    (out / "testbed.json").write_text(json.dumps(
+        {"teacher_config": teacher_config, "scale": data, "aggregate": agg, "runs": runs},
+        indent=1, default=str))
+    (out / "testbed.md").write_text(render(agg, data))
+    paths = plot(agg, out, runs, data) if not a.no_plots else []
+    print(render(agg, data))
     print("wrote", out / "testbed.json", out / "testbed.md", *paths)
     return 0
 
@@ -826,6 +844,9 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--root", default="runs/testbed")
     q.add_argument("--out", default="runs/testbed/report")
     q.add_argument("--no-plots", action="store_true")
+    q.add_argument("--teacher-config", choices=TEACHERS,
+                   help="the runs' teacher config, whose scale the headings name (default: the "
+                        "one run recorded in <root>/jobs.json, else teacher)")
     q.set_defaults(fn=cmd_report)
     v = sub.add_parser("recover", help="results.json from the logs of runs cut short "
                        "(recall tables only)")

@@ -442,6 +442,18 @@ def test_every_recipe_runs_at_its_teachers_scale(tmp_path, monkeypatch):
     for var in ("seq_len=128", "window=16", "far_min=40", "far_max=110", "precision=32-true",
                 "filler=ab"):
         assert ["--var", var] == cmd[cmd.index(var) - 1:][:2]
+    run = tmp_path / "r" / "lolcats-s0"
+    run.mkdir()
+    ev = [{"kind": "recall", "stage": "finetune", "window": 16,
+           "results": {"hybrid": _row(0.2), "swa_only": _row(0.04)}}]
+    (run / "results.json").write_text(json.dumps({"evaluations": ev}))
+    (tmp_path / "r" / "jobs.json").write_text(json.dumps({"teacher_config": "teacher_tiny"}))
+    assert tb.main(["report", "--root", str(tmp_path / "r"), "--out", str(tmp_path / "rep"),
+                    "--no-plots"]) == 0  # the headings name the runs' scale, from jobs.json
+    md = (tmp_path / "rep" / "testbed.md").read_text()
+    assert "distance 40-110; evaluated at window 16" in md and "distance 3-15" in md
+    assert "150-400; evaluated" not in md
+    assert json.loads((tmp_path / "rep" / "testbed.json").read_text())["scale"]["window"] == 16
 
 
 def test_report_gives_each_q_its_row_and_a_regime_table(tmp_path):
