@@ -22,8 +22,8 @@ config's other ``SCALE_VARS``: its data's scale and precision) for every recipe 
 which runs ``experiments/testbed_legacy.py``), logs in ``<root>/logs``. ``--q`` runs each recipe
 and seed at every share q (``--var far_share=q``: docs/testbed.md#regime) into
 ``<root>/<recipe>-q<q>-s<S>``. ``--set`` (a variant of the recipes) needs ``--tag T``: its runs
-are ``<recipe>+T-...``, rows of their own. Finished pipelines are skipped by the pipeline itself on a
-re-run. ``report`` reads every run's ``results.json`` (and ``mc/results.json``) and writes
+are ``<recipe>+T-...``, rows of their own. On a re-run, runs with a
+``results.json`` are skipped (``--again`` evaluates them again) and a run cut short resumes. ``report`` reads every run's ``results.json`` (and ``mc/results.json``) and writes
 ``testbed.json``, ``testbed.md`` and the plots (far recall per mode per recipe; Delta_LA per
 recipe; with runs at several q, far recall against q), every number a mean +- std over the seeds
 found, with the seed count; a recipe at a share q is its own row, ``<recipe> q=<q>``.
@@ -276,11 +276,21 @@ def cmd_run(a: argparse.Namespace) -> int:
         raise SystemExit("run --set changes what the recipes train: give it a --tag, so that "
                          "its runs get names of their own (<recipe>+<tag>-...)")
     names = {r: tagged(r, a.tag) for r in recipes}
-    jobs = [(f"{'legacy-' if a.legacy_objective else ''}{run_name(names[r], s, q)}",
-             _pipeline_cmd(configs[r], base / run_name(names[r], s, q), s,
-                           {**variables, **({} if q is None else {"far_share": q})},
-                           a.legacy_objective, a.set or []))
-            for q in (a.q or [None]) for s in a.seeds for r in recipes]
+    jobs, finished = [], []
+    for q in a.q or [None]:
+        for s in a.seeds:
+            for r in recipes:
+                run = base / run_name(names[r], s, q)
+                if (run / "results.json").exists() and not a.again:
+                    finished.append(run.name)  # the pipeline would only evaluate it again
+                    continue
+                jobs.append((f"{'legacy-' if a.legacy_objective else ''}{run.name}",
+                             _pipeline_cmd(configs[r], run, s,
+                                           {**variables, **({} if q is None else {"far_share": q})},
+                                           a.legacy_objective, a.set or [])))
+    if finished:
+        print(f"{len(finished)} finished runs skipped (results.json; --again runs them again): "
+              f"{', '.join(finished)}")
     report["jobs"].update(_run_jobs(jobs, a.jobs, root / "logs"))
     report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     (root / f"jobs{'-legacy' if a.legacy_objective else ''}.json").write_text(
@@ -809,6 +819,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--set", action="append", metavar="PATH=VALUE",
                    help="passed to every pipeline (hedgecats pipeline --set), repeatable; "
                         "needs --tag")
+    r.add_argument("--again", action="store_true",
+                   help="also run the runs that have a results.json (the pipeline skips their "
+                        "done stages and evaluates them again)")
     r.add_argument("--tag", type=variant_tag,
                    help="the variant --set makes: runs go to <recipe>+<tag>[-q<q>]-s<seed> and "
                         "get their own rows in the report")

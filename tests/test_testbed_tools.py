@@ -456,6 +456,31 @@ def test_every_recipe_runs_at_its_teachers_scale(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "rep" / "testbed.json").read_text())["scale"]["window"] == 16
 
 
+def test_run_skips_finished_runs_unless_again(tmp_path, monkeypatch, capsys):
+    """A run with a results.json is finished: ``run`` again leaves it alone (the pipeline would
+    skip its stages but evaluate it again), ``--again`` runs it."""
+    tb = _load("testbed")
+    seen = {}
+
+    def fake_jobs(jobs, n_parallel, logs):
+        seen.update(jobs)
+        return {n: {"rc": 0, "wall_s": 0.0} for n, _ in jobs}
+
+    monkeypatch.setattr(tb, "_run_jobs", fake_jobs)
+    (tmp_path / "hedgecats-q0-s0").mkdir()
+    (tmp_path / "hedgecats-q0-s0" / "results.json").write_text("{}")
+    (tmp_path / "hedgecats-q0-s1").mkdir()  # started, not finished: it resumes
+    args = ["run", "--root", str(tmp_path), "--teacher", str(tmp_path / "t"), "--mc-docs", "4",
+            "--teacher-config", "teacher_strong", "--recipes", "hedgecats", "--seeds", "0,1",
+            "--q", "0"]
+    assert tb.main(args) == 0
+    assert list(seen) == ["hedgecats-q0-s1"]
+    assert "1 finished runs skipped" in capsys.readouterr().out
+    seen.clear()
+    assert tb.main([*args, "--again"]) == 0
+    assert list(seen) == ["hedgecats-q0-s0", "hedgecats-q0-s1"]
+
+
 def test_report_gives_each_q_its_row_and_a_regime_table(tmp_path):
     tb = _load("testbed")
     far = {(0.0, 0): 0.10, (0.0, 1): 0.20, (0.5, 0): 0.80, (0.5, 1): 0.90}
