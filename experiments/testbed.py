@@ -13,20 +13,22 @@
     python -m experiments.testbed run ... --recipes hedgecats_keep1 --tag la_rel_err \
         --set stages.select-layers.fit.model.init_args.score=la_rel_err   # a variant of a recipe
 
-``run`` writes the multiple-choice tasks (``<root>/mc_tasks``, with the teacher's filler
-letters), trains the teacher through ``hedgecats pipeline configs/testbed/<teacher config>.yaml``
+``run`` writes the multiple-choice tasks (``<root>/mc_tasks``, with the teacher's filler letters),
+trains the teacher through ``hedgecats pipeline configs/testbed/<teacher config>.yaml``
 (``--teacher-config``, default ``teacher``) unless ``--teacher`` names one, then runs ``hedgecats
 pipeline configs/testbed/<recipe>.yaml --seed S --var filler=<the teacher's>`` (and the teacher
 config's other ``SCALE_VARS``: its data's scale and precision) for every recipe and seed,
-``--jobs`` of them at once (small models leave one GPU mostly idle: concurrent pipelines share it), each into ``<root>/<recipe>-s<S>`` (``<root>/legacy/...`` with ``--legacy-objective``,
-which runs ``experiments/testbed_legacy.py``), logs in ``<root>/logs``. ``--q`` runs each recipe
-and seed at every share q (``--var far_share=q``: docs/testbed.md#regime) into
-``<root>/<recipe>-q<q>-s<S>``. ``--set`` (a variant of the recipes) needs ``--tag T``: its runs
-are ``<recipe>+T-...``, rows of their own. On a re-run, runs with a
-``results.json`` are skipped (``--again`` evaluates them again) and a run cut short resumes. ``report`` reads every run's ``results.json`` (and ``mc/results.json``) and writes
-``testbed.json``, ``testbed.md`` and the plots (far recall per mode per recipe; Delta_LA per
-recipe; with runs at several q, far recall against q), every number a mean +- std over the seeds
-found, with the seed count; a recipe at a share q is its own row, ``<recipe> q=<q>``.
+``--jobs`` of them at once (small models leave one GPU mostly idle: concurrent pipelines share it),
+each into ``<root>/<recipe>-s<S>`` (``<root>/legacy/...`` with ``--legacy-objective``, which runs
+``experiments/testbed_legacy.py``), logs in ``<root>/logs``. ``--q`` runs each recipe and seed at
+every share q (``--var far_share=q``: docs/testbed.md#regime) into ``<root>/<recipe>-q<q>-s<S>``.
+``--set`` (a variant of the recipes) needs ``--tag T``: its runs are ``<recipe>+T-...``, rows of
+their own. On a re-run, runs with a ``results.json`` are skipped (``--again`` evaluates them again)
+and a run cut short resumes. ``report`` reads every run's ``results.json`` (and
+``mc/results.json``) and writes ``testbed.json``, ``testbed.md`` and the plots (far recall per mode
+per recipe; Delta_LA per recipe; with runs at several q, far recall against q), every number a mean
++- std over the seeds found, with the seed count; a recipe at a share q is its own row, ``<recipe>
+q=<q>``.
 """
 
 from __future__ import annotations
