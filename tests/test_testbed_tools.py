@@ -18,6 +18,18 @@ def _load(name: str):
     return importlib.import_module(f"experiments.{name}")
 
 
+def _capture_jobs(tb, monkeypatch) -> dict:
+    """Jobs ``tb`` would run, captured instead (``{name: command}``; each reported as rc 0)."""
+    seen = {}
+
+    def fake_jobs(jobs, n_parallel, logs):
+        seen.update(jobs)
+        return {n: {"rc": 0, "wall_s": 0.0} for n, _ in jobs}
+
+    monkeypatch.setattr(tb, "_run_jobs", fake_jobs)
+    return seen
+
+
 def _printed_table(rows: dict) -> str:
     """What a pipeline prints: ``evaluation.recall.format_table`` through rich at 80 columns."""
     from hedgecats.evaluation.recall import format_table
@@ -194,13 +206,7 @@ def test_mc_runs_the_step_for_finished_runs_that_lack_it(tmp_path, monkeypatch):
         if mc:
             (run / "mc").mkdir()
             (run / "mc" / "results.json").write_text("{}")
-    seen = {}
-
-    def fake_jobs(jobs, n_parallel, logs):
-        seen.update(jobs)
-        return {n: {"rc": 0, "wall_s": 0.0} for n, _ in jobs}
-
-    monkeypatch.setattr(tb, "_run_jobs", fake_jobs)
+    seen = _capture_jobs(tb, monkeypatch)
     assert tb.main(["mc", "--root", str(tmp_path), "--device", "cpu"]) == 0
     assert sorted(seen) == ["mc-hedgecats-s0", "mc-ssd_fixed-s2"]
     args = seen["mc-ssd_fixed-s2"]
@@ -322,13 +328,7 @@ def test_run_at_each_q_with_the_strong_teachers_filler(tmp_path, monkeypatch, ca
     """``run --q`` runs every recipe and seed at each share (``--var far_share``) into its own
     directory, and every recipe and the multiple-choice tasks get the teacher config's filler."""
     tb = _load("testbed")
-    seen = {}
-
-    def fake_jobs(jobs, n_parallel, logs):
-        seen.update(jobs)
-        return {n: {"rc": 0, "wall_s": 0.0} for n, _ in jobs}
-
-    monkeypatch.setattr(tb, "_run_jobs", fake_jobs)
+    seen = _capture_jobs(tb, monkeypatch)
     args = ["run", "--root", str(tmp_path), "--teacher", str(tmp_path / "t"), "--mc-docs", "4",
             "--teacher-config", "teacher_strong", "--recipes", "hedgecats,lolcats",
             "--seeds", "0,1", "--q", "0,0.1,0.5"]
@@ -361,13 +361,7 @@ def test_a_tagged_variant_gets_its_own_runs_rows_and_multiple_choice_step(tmp_pa
     assert tb.base_recipe("hedgecats_kl+mixed") == "hedgecats_kl"
     assert tb.parse_run_name("hedgecats_keep1+la_rel_err-q0-s2") == \
         ("hedgecats_keep1+la_rel_err", 0.0, 2)
-    seen = {}
-
-    def fake_jobs(jobs, n_parallel, logs):
-        seen.update(jobs)
-        return {n: {"rc": 0, "wall_s": 0.0} for n, _ in jobs}
-
-    monkeypatch.setattr(tb, "_run_jobs", fake_jobs)
+    seen = _capture_jobs(tb, monkeypatch)
     override = "stages.finetune.fit.model.init_args.loss=mixed"
     args = ["run", "--root", str(tmp_path), "--teacher", str(tmp_path / "t"), "--mc-docs", "4",
             "--teacher-config", "teacher_strong", "--recipes", "hedgecats_kl", "--seeds", "0",
@@ -428,13 +422,7 @@ def test_every_recipe_runs_at_its_teachers_scale(tmp_path, monkeypatch):
             for ev in spec["evaluate"]:
                 if ev["kind"] == "recall":
                     assert ev["data"]["init_args"]["seq_len"] == seq_len, recipe
-    seen = {}
-
-    def fake_jobs(jobs, n_parallel, logs):
-        seen.update(jobs)
-        return {n: {"rc": 0, "wall_s": 0.0} for n, _ in jobs}
-
-    monkeypatch.setattr(tb, "_run_jobs", fake_jobs)
+    seen = _capture_jobs(tb, monkeypatch)
     assert tb.main(["run", "--root", str(tmp_path / "r"), "--teacher-config", "teacher_tiny",
                     "--recipes", "lolcats", "--seeds", "0", "--mc-docs", "4", "--no-mc"]) == 0
     assert "--var" not in seen["teacher"]  # its config's 1,500 steps
@@ -460,13 +448,7 @@ def test_run_skips_finished_runs_unless_again(tmp_path, monkeypatch, capsys):
     """A run with a results.json is finished: ``run`` again leaves it alone (the pipeline would
     skip its stages but evaluate it again), ``--again`` runs it."""
     tb = _load("testbed")
-    seen = {}
-
-    def fake_jobs(jobs, n_parallel, logs):
-        seen.update(jobs)
-        return {n: {"rc": 0, "wall_s": 0.0} for n, _ in jobs}
-
-    monkeypatch.setattr(tb, "_run_jobs", fake_jobs)
+    seen = _capture_jobs(tb, monkeypatch)
     (tmp_path / "hedgecats-q0-s0").mkdir()
     (tmp_path / "hedgecats-q0-s0" / "results.json").write_text("{}")
     (tmp_path / "hedgecats-q0-s1").mkdir()  # started, not finished: it resumes

@@ -35,8 +35,9 @@ class TeacherPretraining(_NextTokenLoss, _Stage):
     - ``tie_word_embeddings``: output projection = input embedding (Llama's option; still a
       plain ``LlamaForCausalLM``); a copy task such as the recall corpus is learned much sooner.
 
-    The defaults (every layer full, no gate, full RoPE) build exactly the ``LlamaForCausalLM``
-    this stage always built, from the same random draws; other settings build a
+    The defaults (every layer full, no gate, full RoPE) build a plain ``LlamaForCausalLM``, the
+    one ``LlamaForCausalLM(config)`` builds after ``torch.manual_seed(init_seed)``; other
+    settings build a
     ``PretrainLlamaForCausalLM`` (``model_type: hedgecats_pretrain``) whose shared weights are
     those of the plain model for the same ``init_seed``.
 
@@ -51,7 +52,7 @@ class TeacherPretraining(_NextTokenLoss, _Stage):
     to ``hedgecats.data.byte_level_tokenizer``'s. ``init_seed`` seeds the weights (named apart
     from the DataModule's ``seed``: Lightning refuses hyperparameters of one name and two values);
     unset, it is the run's seed (``seed_everything``, so ``hedgecats pipeline --seed S`` reaches
-    the teacher as it reaches the feature maps; before, every seed pretrained the same teacher).
+    the teacher as it reaches the feature maps).
     """
 
     ARCHITECTURE_FILE = "architecture.json"
