@@ -153,7 +153,8 @@ MC_MODES = {"hybrid": "hybrid", "swa_only": "swa_only", "la_only": "la_only",
 
 # ----------------------------------------------------------------------------- run
 def _pipeline_cmd(config: Path, output: Path, seed: int | None, variables: dict,
-                  legacy: bool, overrides: list[str] = ()) -> list[str]:
+                  legacy: bool, overrides: list[str] = (), reevaluate: bool = False
+                  ) -> list[str]:
     entry = [sys.executable, str(HERE / "testbed_legacy.py")] if legacy else \
         [sys.executable, "-m", "hedgecats.cli"]
     cmd = [*entry, "pipeline", str(config), "--output", str(output)]
@@ -163,7 +164,7 @@ def _pipeline_cmd(config: Path, output: Path, seed: int | None, variables: dict,
         cmd += ["--var", f"{k}={v}"]
     for o in overrides:
         cmd += ["--set", o]
-    return cmd
+    return cmd + (["--reevaluate"] if reevaluate else [])
 
 
 def _without_mc(config: Path, out_dir: Path) -> Path:
@@ -289,7 +290,8 @@ def cmd_run(a: argparse.Namespace) -> int:
                 jobs.append((f"{'legacy-' if a.legacy_objective else ''}{run.name}",
                              _pipeline_cmd(configs[r], run, s,
                                            {**variables, **({} if q is None else {"far_share": q})},
-                                           a.legacy_objective, a.set or [])))
+                                           a.legacy_objective, a.set or [],
+                                           reevaluate=a.again)))
     if finished:
         print(f"{len(finished)} finished runs skipped (results.json; --again runs them again): "
               f"{', '.join(finished)}")

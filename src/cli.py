@@ -158,6 +158,9 @@ def _pipeline_main(argv: list[str]) -> int:
                         "checkpoint, under the new config")
     p.add_argument("--force", action="store_true",
                    help="use an --output that is not empty and not a hedgecats run")
+    p.add_argument("--reevaluate", action="store_true",
+                   help="run the evaluation again on a finished run whose results.json is "
+                        "current (by default it is kept and nothing runs)")
     p.add_argument("--debug", action="store_true",
                    help="show the traceback of an error (also HEDGECATS_DEBUG=1)")
     a = p.parse_args(argv)
@@ -175,7 +178,7 @@ def _pipeline_main(argv: list[str]) -> int:
         run_pipeline(a.config, a.output, a.dry_run, seed=a.seed, variables=_parse_vars(a.var),
                      overrides=parse_overrides(overrides), restart_changed=a.restart_changed,
                      resume_changed=a.resume_changed, force=a.force,
-                     resume_command=_resume_command(argv, a))
+                     resume_command=_resume_command(argv, a), reevaluate=a.reevaluate)
         return 0
     except BaseException as err:  # one line for the user; the traceback with --debug
         if debug or isinstance(err, SystemExit) and not _is_ours(err):
@@ -189,7 +192,8 @@ def _resume_command(argv: list[str], a) -> str:
     """The command that resumes this run: the same words, the run directory made explicit,
     without the flags that only apply once."""
     words, skip = [], False
-    once = {"--dry-run", "--restart-changed", "--resume-changed", "--force", "--debug"}
+    once = {"--dry-run", "--restart-changed", "--resume-changed", "--force", "--reevaluate",
+            "--debug"}
     for w in argv:
         if skip:
             skip = False

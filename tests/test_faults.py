@@ -217,6 +217,35 @@ def test_sigterm_during_the_evaluation(tmp_path, capsys, finished, monkeypatch):
     assert rc == 0 and json.loads((out / "results.json").read_text())["results"]
 
 
+def test_a_second_run_of_a_finished_run_keeps_its_results(tmp_path, capsys, finished):
+    out = copy_run(finished, tmp_path / "run", ("teacher", "transfer", "finetune"))
+    cfg = make_spec(tmp_path / "p.yaml", evaluate=True)
+    rc, text, err = run(capsys, cfg, out)
+    assert rc == 0, err
+    first = (out / "results.json").read_bytes()
+    assert "evaluation: recall" in text and json.loads(first)["evaluation_key"].startswith("sha")
+
+    rc, text, err = run(capsys, cfg, out)  # nothing changed: nothing runs, the file stays
+    assert rc == 0, err
+    assert "results.json is current" in text and "evaluation: recall" not in text
+    assert (out / "results.json").read_bytes() == first
+
+    rc, text, err = run(capsys, cfg, out, "--reevaluate")
+    assert rc == 0, err
+    assert "evaluation: recall" in text
+    assert json.loads((out / "results.json").read_text())["evaluation_key"] == json.loads(
+        first)["evaluation_key"]
+
+    spec = yaml.safe_load(cfg.read_text())  # another evaluate: section is evaluated
+    spec["evaluate"]["modes"] = spec["evaluate"]["modes"][:2]
+    cfg.write_text(yaml.safe_dump(spec))
+    rc, text, err = run(capsys, cfg, out)
+    assert rc == 0, err
+    assert "evaluation: recall" in text
+    assert json.loads((out / "results.json").read_text())["evaluation_key"] != json.loads(
+        first)["evaluation_key"]
+
+
 def _pipeline_process(cfg: Path, out: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "hedgecats.cli", "pipeline", str(cfg),
                              "--output", str(out), *extra], env=ENV, stdout=subprocess.PIPE,

@@ -445,8 +445,8 @@ def test_every_recipe_runs_at_its_teachers_scale(tmp_path, monkeypatch):
 
 
 def test_run_skips_finished_runs_unless_again(tmp_path, monkeypatch, capsys):
-    """A run with a results.json is finished: ``run`` again leaves it alone (the pipeline would
-    skip its stages but evaluate it again), ``--again`` runs it."""
+    """A run with a results.json is finished: ``run`` again leaves it alone, ``--again`` runs it
+    with ``--reevaluate``."""
     tb = _load("testbed")
     seen = _capture_jobs(tb, monkeypatch)
     (tmp_path / "hedgecats-q0-s0").mkdir()
@@ -456,11 +456,12 @@ def test_run_skips_finished_runs_unless_again(tmp_path, monkeypatch, capsys):
             "--teacher-config", "teacher_strong", "--recipes", "hedgecats", "--seeds", "0,1",
             "--q", "0"]
     assert tb.main(args) == 0
-    assert list(seen) == ["hedgecats-q0-s1"]
+    assert list(seen) == ["hedgecats-q0-s1"] and "--reevaluate" not in seen["hedgecats-q0-s1"]
     assert "1 finished runs skipped" in capsys.readouterr().out
     seen.clear()
-    assert tb.main([*args, "--again"]) == 0
-    assert list(seen) == ["hedgecats-q0-s0", "hedgecats-q0-s1"]
+    assert tb.main([*args, "--again"]) == 0  # the pipeline keeps a current results.json unless
+    assert list(seen) == ["hedgecats-q0-s0", "hedgecats-q0-s1"]  # told to evaluate again
+    assert all(cmd[-1] == "--reevaluate" for cmd in seen.values())
 
 
 def test_report_gives_each_q_its_row_and_a_regime_table(tmp_path):

@@ -8,6 +8,7 @@ Loads the YAML (``spec``), checks the run directory (``rundir``), validates ever
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shlex
 import time
@@ -16,7 +17,7 @@ from pathlib import Path
 from .evaluate import EVALUATORS, evaluations
 from .spec import load_pipeline
 
-__all__ = ["run_pipeline"]
+__all__ = ["evaluation_key", "run_pipeline"]
 
 
 def _describe(stage: dict) -> str:
@@ -70,14 +71,36 @@ def _start(path, output, *, seed, variables, overrides, force, flags, console, w
     return spec, out, evals
 
 
+def evaluation_key(spec: dict, evals: list[dict]) -> str:
+    """What an evaluation's figures depend on: the ``evaluate:`` section and every stage's
+    outputs (the checksums their ``done`` records vouch for)."""
+    from . import rundir
+
+    stages = {st["name"]: (rundir.read_done(Path(spec["output"]) / st["name"]) or {}).get("files")
+              for st in spec["stages"]}
+    text = json.dumps({"evaluate": evals, "stages": stages}, sort_keys=True, default=str)
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+
+def _current_results(path: Path, key: str) -> dict | None:
+    """results.json when it was written for ``key``, else None (absent, unreadable, older)."""
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) and summary.get("evaluation_key") == key else None
+
+
 def run_pipeline(path: str | Path, output: str | Path | None = None, dry_run: bool = False,
                  console=None, seed: int | None = None, variables: dict | None = None,
                  overrides: list | None = None, *, restart_changed: bool = False,
                  resume_changed: bool = False, force: bool = False,
-                 resume_command: str | None = None) -> dict | None:
+                 resume_command: str | None = None, reevaluate: bool = False) -> dict | None:
     """Run (or, with ``dry_run``, check and describe) a pipeline; returns what went to
     results.json. Everything is validated, and every stage planned (done / resume / new /
-    refused), before the first stage trains (docs/reliability.md)."""
+    refused), before the first stage trains (docs/reliability.md). On a finished run whose
+    results.json holds the same ``evaluation_key``, nothing runs and that file is returned as it
+    is, unless ``reevaluate``."""
     from rich.console import Console
     from rich.markup import escape
 
@@ -148,8 +171,14 @@ def run_pipeline(path: str | Path, output: str | Path | None = None, dry_run: bo
                 ran.add(st["name"])
                 console.print(f"stage {st['name']} finished in {time.time() - t:.0f} s")
             phase = "during the evaluation (every stage is done)"
+            key = evaluation_key(spec, evals)
+            current = None if ran or reevaluate else _current_results(out / "results.json", key)
+            if current is not None:
+                console.print("[dim]evaluation: results.json is current (the same stages and "
+                              "evaluate: section), skipped; --reevaluate runs it again[/dim]")
+                return current
             summary = {"schema": RESULTS_SCHEMA, "pipeline": spec["name"], "output": str(out),
-                       "seed": spec["seed"]}
+                       "seed": spec["seed"], "evaluation_key": key}
             done = []
             for ev in evals:
                 console.rule(f"evaluation: {ev.get('kind', 'recall')}")
