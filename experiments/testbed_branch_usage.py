@@ -38,20 +38,33 @@ def _label(run: str) -> str:
 
 
 def table(measured: dict[str, dict]) -> str:
-    """Markdown: per recipe (runs named ``<recipe>-s<seed>``) the LA share per layer and mean."""
+    """Markdown: per recipe (runs named ``<recipe>-s<seed>``) the LA share per layer and mean.
+    A run's mean is over the layers it converted; a layer that some of a recipe's runs keep
+    softmax (layer selection) is given over the runs that converted it, ``(k of n)``."""
     per = collections.defaultdict(lambda: collections.defaultdict(list))
+    means = collections.defaultdict(list)
     for run, r in measured.items():
         recipe = _label(run)
-        for layer in r["layers"]:
-            per[recipe][layer["layer"]].append(statistics.fmean(layer["la_share"]))
+        shares = {layer["layer"]: statistics.fmean(layer["la_share"]) for layer in r["layers"]}
+        for i, v in shares.items():
+            per[recipe][i].append(v)
+        means[recipe].append(statistics.fmean(shares.values()))
     layers = sorted({i for rec in per.values() for i in rec})
+
+    def cell(values: list[float], n: int) -> str:
+        if not values:
+            return "-"
+        if len(values) < n:
+            return f"{statistics.fmean(values):.2f} ({len(values)} of {n})"
+        return _spread(values)
+
     lines = ["| recipe (seeds) | " + " | ".join(f"layer {i}" for i in layers) + " | mean |",
              "|---|" + "---|" * (len(layers) + 1)]
     for recipe, by_layer in per.items():
-        n = len(next(iter(by_layer.values())))
-        means = [statistics.fmean(by_layer[i][k] for i in layers) for k in range(n)]
-        lines.append(f"| {recipe} ({n}) | " + " | ".join(_spread(by_layer[i]) for i in layers)
-                     + f" | {_spread(means)} |")
+        n = len(means[recipe])
+        lines.append(f"| {recipe} ({n}) | " + " | ".join(cell(by_layer.get(i, []), n)
+                                                        for i in layers)
+                     + f" | {_spread(means[recipe])} |")
     return "\n".join(lines)
 
 

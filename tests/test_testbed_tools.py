@@ -284,6 +284,24 @@ def test_testbed_branch_usage_table_aggregates_seeds():
     assert "| hedgecats q=0.1 (2) | 0.30 ± 0.00 | 0.30 ± 0.00 |" in tbu.table(at_q)
 
 
+def test_testbed_branch_usage_table_with_layers_kept_softmax():
+    """Runs that keep different layers softmax (layer selection, one set per seed at random):
+    a layer a run did not convert is no cell of it, and each run's mean is over its own layers."""
+    from experiments import testbed_branch_usage as tbu
+
+    def run(shares: dict[int, float]) -> dict:
+        return {"layers": [{"layer": i, "la_share": [v]} for i, v in shares.items()]}
+
+    measured = {"/x/hedgecats-q0-s0": run({0: 0.4, 1: 0.2}),
+                "/x/hedgecats_keep1+random-q0-s0": run({1: 0.3}),
+                "/x/hedgecats_keep1+random-q0-s1": run({0: 0.5})}
+    md = tbu.table(measured)
+    assert "| hedgecats q=0 (1) | 0.40 ± 0.00 | 0.20 ± 0.00 | 0.30 ± 0.00 |" in md
+    assert "| hedgecats_keep1+random q=0 (2) | 0.50 (1 of 2) | 0.30 (1 of 2) | 0.40 ± 0.14 |" in md
+    assert "| hedgecats_keep1 q=0 (1) | - | 0.30 ± 0.00 | 0.30 ± 0.00 |" in tbu.table(
+        {"/x/hedgecats_keep1-q0-s0": run({1: 0.3})} | {"/x/hedgecats-q0-s0": run({0: 0.4})})
+
+
 def test_gate_intervention_swaps_one_layers_mixer_and_restores_it():
     from hedgecats.models import HybridConfig, convert_to_hybrid, hybrid_layers
     from hedgecats.models.mixers import FixedMixer, OutputGateMixer
