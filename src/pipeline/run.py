@@ -72,8 +72,9 @@ def _start(path, output, *, seed, variables, overrides, force, flags, console, w
 
 
 def evaluation_key(spec: dict, evals: list[dict]) -> str:
-    """What an evaluation's figures depend on: the ``evaluate:`` section and every stage's
-    outputs (the checksums their ``done`` records vouch for)."""
+    """The inputs of an evaluation that a run directory records: the ``evaluate:`` section and
+    every stage's outputs (the checksums their ``done`` records vouch for). Not hedgecats' code,
+    nor a model outside the run directory: ``--reevaluate`` covers those."""
     from . import rundir
 
     stages = {st["name"]: (rundir.read_done(Path(spec["output"]) / st["name"]) or {}).get("files")
