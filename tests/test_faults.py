@@ -228,6 +228,7 @@ def test_a_second_run_of_a_finished_run_keeps_its_results(tmp_path, capsys, fini
     rc, text, err = run(capsys, cfg, out)  # nothing changed: nothing runs, the file stays
     assert rc == 0, err
     assert "results.json is current" in text and "evaluation: recall" not in text
+    assert f"run directory: {out}" in text  # where the results are, as after any run
     assert (out / "results.json").read_bytes() == first
 
     rc, text, err = run(capsys, cfg, out, "--reevaluate")

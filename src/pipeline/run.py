@@ -83,6 +83,26 @@ def evaluation_key(spec: dict, evals: list[dict]) -> str:
     return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
 
+def _evaluate(spec: dict, evals: list[dict], key: str, out: Path, console) -> dict:
+    """Run every evaluation of ``evals`` on the finished stages; the results.json summary."""
+    from ..evaluation.report import RESULTS_SCHEMA
+
+    summary = {"schema": RESULTS_SCHEMA, "pipeline": spec["name"], "output": str(out),
+               "seed": spec["seed"], "evaluation_key": key}
+    done = []
+    for ev in evals:
+        kind = ev.get("kind", "recall")
+        console.rule(f"evaluation: {kind}")
+        if kind not in EVALUATORS:
+            raise ValueError(f"unknown evaluate kind {kind!r}; valid: {', '.join(EVALUATORS)}")
+        done.append({"kind": kind, **EVALUATORS[kind](spec, ev, console)})
+    if isinstance(spec.get("evaluate"), dict):
+        summary.update({k: v for k, v in done[0].items() if k != "kind"})
+    elif done:
+        summary["evaluations"] = done
+    return summary
+
+
 def _current_results(path: Path, key: str) -> dict | None:
     """results.json when it was written for ``key``, else None (absent, unreadable, older)."""
     try:
@@ -105,7 +125,6 @@ def run_pipeline(path: str | Path, output: str | Path | None = None, dry_run: bo
     from rich.console import Console
     from rich.markup import escape
 
-    from ..evaluation.report import RESULTS_SCHEMA
     from ..models.io import atomic_write_text
     from . import rundir, runner
     from .errors import ConfigError, Interrupted
@@ -177,23 +196,12 @@ def run_pipeline(path: str | Path, output: str | Path | None = None, dry_run: bo
             if current is not None:
                 console.print("[dim]evaluation: results.json is current (the same stages and "
                               "evaluate: section), skipped; --reevaluate runs it again[/dim]")
-                return current
-            summary = {"schema": RESULTS_SCHEMA, "pipeline": spec["name"], "output": str(out),
-                       "seed": spec["seed"], "evaluation_key": key}
-            done = []
-            for ev in evals:
-                console.rule(f"evaluation: {ev.get('kind', 'recall')}")
-                kind = ev.get("kind", "recall")
-                if kind not in EVALUATORS:
-                    raise ValueError(f"unknown evaluate kind {kind!r}; valid: {', '.join(EVALUATORS)}")
-                done.append({"kind": kind, **EVALUATORS[kind](spec, ev, console)})
-            if isinstance(spec.get("evaluate"), dict):
-                summary.update({k: v for k, v in done[0].items() if k != "kind"})
-            elif done:
-                summary["evaluations"] = done
-            summary["wall_s"] = round(time.time() - t0, 1)
-            if rank0:
-                atomic_write_text(out / "results.json", json.dumps(summary, indent=2))
+                summary = current
+            else:
+                summary = _evaluate(spec, evals, key, out, console)
+                summary["wall_s"] = round(time.time() - t0, 1)
+                if rank0:
+                    atomic_write_text(out / "results.json", json.dumps(summary, indent=2))
     except Interrupted as err:
         if str(err):
             raise
