@@ -6,8 +6,9 @@ against the composed step.
 Needs triton (the CPU set-up installs it: constraints.txt, the ``dev`` extra; skipped where it
 is missing). The kernels run in a subprocess with ``TRITON_INTERPRET=1``
 (tests/triton_interpreter_check.py), so that the interpreter is never switched on in a process
-that runs them on a GPU. All 277 cases take about an hour on two cores, hence ``slow``;
-the ``--quick`` cases (~40 s) run in the default selection.
+that runs them on a GPU. Each test splits its cases over two such processes side by side (the
+interpreter runs a kernel on one core). All 277 cases take about half an hour on two cores,
+hence ``slow``; the ``--quick`` cases (~30 s) run in the default selection.
 """
 
 from __future__ import annotations
@@ -25,12 +26,19 @@ pytest.importorskip("triton")
 SCRIPT = Path(__file__).with_name("triton_interpreter_check.py")
 
 
-def _run(*args: str, timeout: int = 1800) -> list[dict]:
+def _run(*args: str, timeout: int = 1800, shards: int = 2) -> list[dict]:
+    """The check's rows for ``args``, its cases split over ``shards`` processes side by side
+    (the interpreter runs a kernel on one core)."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, str(SCRIPT), *args], env=env, capture_output=True,
-                          text=True, timeout=timeout, check=False)
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert proc.returncode == 0 and rows, proc.stderr[-3000:]
+    procs = [subprocess.Popen([sys.executable, str(SCRIPT), *args, "--shard", f"{k}/{shards}"],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for k in range(shards)]
+    rows = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=timeout)
+        assert proc.returncode == 0, err[-3000:]
+        rows += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert rows, "the check printed no case"
     return rows
 
 

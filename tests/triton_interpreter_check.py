@@ -1,7 +1,7 @@
 """The Triton kernels on CPU through Triton's interpreter, against the PyTorch references.
 
     TRITON_INTERPRET=1 python tests/triton_interpreter_check.py [--quick] [--poison] [--reverse]
-        [ids] > r.jsonl
+        [--shard K/N] [ids] > r.jsonl
 
 Run by tests/test_triton_interpreter.py in a subprocess (the interpreter must be switched on
 before the kernels are defined, and must not be on in a process that runs them on a GPU).
@@ -1805,14 +1805,19 @@ def main() -> int:
     deterministic), which must be none but for the canaries' own (``poison-canary``'s poison,
     ``order-canary``'s reverse)."""
     _install_shims()
-    torch.set_num_threads(2)
-    quick = "--quick" in sys.argv
+    args = sys.argv[1:]
+    shard, n_shards = 0, 1
+    if "--shard" in args:  # K/N: every N-th selected case from the K-th (processes side by side)
+        i = args.index("--shard")
+        shard, n_shards = (int(x) for x in args[i + 1].split("/"))
+        del args[i:i + 2]
+    torch.set_num_threads(max(1, 2 // n_shards))
+    quick = "--quick" in args
     again = {"poison": Poisoned, "reverse": programs_reversed}
-    again = {name: ctx for name, ctx in again.items() if f"--{name}" in sys.argv}
-    only = [a for a in sys.argv[1:] if not a.startswith("--")]
-    for cid, fn, kw, dtype in cases(quick):
-        if only and cid not in only:
-            continue
+    again = {name: ctx for name, ctx in again.items() if f"--{name}" in args}
+    only = [a for a in args if not a.startswith("--")]
+    selected = [c for c in cases(quick) if not only or c[0] in only]
+    for cid, fn, kw, dtype in selected[shard::n_shards]:
         t0 = time.time()
         try:
             errs = _run_case(fn, cid, kw)
