@@ -7,7 +7,7 @@ Needs triton (the CPU set-up installs it: constraints.txt, the ``dev`` extra; sk
 is missing). The kernels run in a subprocess with ``TRITON_INTERPRET=1``
 (tests/triton_interpreter_check.py), so that the interpreter is never switched on in a process
 that runs them on a GPU. Each test splits its cases over two such processes side by side (the
-interpreter runs a kernel on one core). All 277 cases take about half an hour on two cores,
+interpreter runs a kernel on one core). All 277 cases took about an hour in one process,
 hence ``slow``; the ``--quick`` cases (~30 s) run in the default selection.
 """
 
