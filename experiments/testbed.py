@@ -13,7 +13,7 @@
     python -m experiments.testbed run ... --recipes hedgecats_keep1 --tag la_rel_err \
         --set stages.select-layers.fit.model.init_args.score=la_rel_err   # a variant of a recipe
 
-``run`` writes the multiple-choice tasks (``<root>/mc_tasks``, with the teacher's filler letters),
+``run`` writes the multiple-choice tasks (``<root>/mc_tasks``, at the teacher's scale and letters),
 trains the teacher through ``hedgecats pipeline configs/testbed/<teacher config>.yaml``
 (``--teacher-config``, default ``teacher``) unless ``--teacher`` names one, then runs ``hedgecats
 pipeline configs/testbed/<recipe>.yaml --seed S --var filler=<the teacher's>`` (and the teacher
@@ -227,25 +227,36 @@ def _run_jobs(jobs: list[tuple[str, list[str]]], n_parallel: int, logs: Path) ->
     return done
 
 
-def mc_tasks(root: Path, task: str, n_docs: int, filler: str) -> Path:
-    """``<root>/mc_tasks``: the multiple-choice tasks, written once per root with the teacher's
-    filler letters (``tasks.json`` records them; a root's tasks built with other letters are
-    refused: one root per teacher)."""
+#: what the multiple-choice tasks are built for: the teacher's letters and scale
+MC_SCALE = ("filler", "seq_len", "window", "far_min", "far_max")
+DEFAULT_MC_SCALE = {"seq_len": 1024, "window": 64, "far_min": 150, "far_max": 400}
+
+
+def mc_tasks(root: Path, task: str, n_docs: int, scale: dict) -> Path:
+    """``<root>/mc_tasks``: the multiple-choice tasks, written once per root at the teacher's
+    scale (``MC_SCALE``: its filler letters, document length, window and far distances;
+    ``tasks.json`` records them; a root's tasks built for another scale are refused: one root
+    per teacher)."""
     from hedgecats.data.recall_bytes import write_recall_mc_tasks
 
+    want = {k: scale[k] for k in MC_SCALE}
     tasks = root / "mc_tasks"
     stamp = tasks / "tasks.json"
     if (tasks / f"{FAR_TASK}.yaml").exists():
-        # tasks written before the stamp used the corpus's default letters
-        built = json.loads(stamp.read_text()) if stamp.exists() else \
-            {"filler": string.ascii_lowercase}
-        if built["filler"] != filler:
-            raise SystemExit(f"{tasks} holds multiple-choice tasks built with filler "
-                             f"{built['filler']!r}; this teacher's is {filler!r}: give each "
-                             "teacher its own --root")
+        # tasks written before the stamp used the corpus's default letters; before the scale
+        # was stamped, the 1,024 scale
+        built = json.loads(stamp.read_text()) if stamp.exists() else {}
+        built = {"filler": string.ascii_lowercase, **DEFAULT_MC_SCALE, **built}
+        differ = {k: (built[k], want[k]) for k in MC_SCALE if built[k] != want[k]}
+        if differ:
+            said = ", ".join(f"{k} {a!r}" for k, (a, _) in differ.items())
+            raise SystemExit(f"{tasks} holds multiple-choice tasks built with {said}; this "
+                             f"teacher's is {', '.join(f'{k} {b!r}' for k, (_, b) in differ.items())}"
+                             ": give each teacher its own --root")
         return tasks
-    write_recall_mc_tasks(tasks, task=task, n_docs=n_docs, filler=filler, seed=1234)
-    stamp.write_text(json.dumps({"task": task, "docs": n_docs, "filler": filler, "seed": 1234}))
+    write_recall_mc_tasks(tasks, task=task, n_docs=n_docs, seed=1234,
+                          **{k: want[k] for k in MC_SCALE})
+    stamp.write_text(json.dumps({"task": task, "docs": n_docs, **want, "seed": 1234}))
     return tasks
 
 
@@ -258,7 +269,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     unknown = sorted(set(recipes) - set(RECIPES))
     if unknown:
         raise SystemExit(f"unknown recipes {unknown}; valid: {', '.join(RECIPES)}")
-    tasks = mc_tasks(root, a.mc_task, a.mc_docs, filler)
+    tasks = mc_tasks(root, a.mc_task, a.mc_docs, scale)
     teacher = Path(a.teacher).resolve() if a.teacher else root / "teacher" / "teacher" / "model"
     report = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "teacher_config": a.teacher_config,
               "filler": filler, "q": a.q, "jobs": {}}
@@ -615,7 +626,7 @@ def render(agg: dict, data: dict | None = None) -> str:
         "### Short multiple-choice tasks (lm-eval acc, %, mean of the recall_mc_short tasks: the "
         "whole question inside the window; chance 25)",
         _table(agg, "mc_short", mc_cols, 1.0, 1),
-        "### Far multiple-choice task (lm-eval acc, %, recall_mc_far: the answer 150-400 tokens "
+        f"### Far multiple-choice task (lm-eval acc, %, recall_mc_far: the answer {far} tokens "
         "back; chance 25)",
         _table(agg, "mc_far", mc_cols, 1.0, 1),
         "### Delta_LA = hybrid - swa_only",

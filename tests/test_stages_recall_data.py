@@ -50,3 +50,44 @@ def test_byte_tokenizer_ids_are_bytes():
     assert ids == list(text.encode())
     assert tok.decode(ids) == text
     assert (tok.pad_token_id, tok.eos_token_id) == (PAD_ID, EOS_ID)
+
+
+@pytest.mark.parametrize("task", ["kv", "marker"])
+@pytest.mark.parametrize("scale", [dict(window=16, seq_len=128, far_min=40, far_max=110),
+                                   dict(window=64, seq_len=1024, far_min=150, far_max=400)])
+def test_multiple_choice_tasks_fit_the_scale_they_are_built_for(tmp_path, task, scale):
+    """A short task's question and answer fit the window; the far task's answer sits far_min to
+    far_max tokens after what it recalls, its context and answer within seq_len (the length the
+    model was trained on: at the CPU scale, 128 tokens). A short task whose facts do not fit the
+    window is left out."""
+    import json
+
+    from hedgecats.data.recall_bytes import write_recall_mc_tasks
+
+    names = write_recall_mc_tasks(tmp_path, task=task, n_docs=64, filler="ab", seed=1, **scale)
+    short = [n for n in names if n.startswith("recall_mc_short")]
+    assert "recall_mc_far" in names and short
+    assert ("recall_mc_short_3" in names) == (task == "kv" and scale["window"] == 64)
+    for name in names:
+        rows = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+        assert len(rows) == 64
+        for r in rows:
+            context, answer = r["context"], r["choices"][r["label"]]
+            n_facts = context.count("#")
+            assert len(context) + 1 <= (scale["window"] if name in short else scale["seq_len"])
+            if name in short:
+                assert 3 <= r["distance"] < scale["window"] and n_facts == (
+                    3 if name.endswith("_3") else 1)
+            else:
+                assert scale["far_min"] <= r["distance"] <= scale["far_max"]
+            # what is asked for sits `distance` before the answer's position
+            assert context[len(context) - r["distance"]] == answer
+
+
+def test_multiple_choice_tasks_refuse_a_scale_they_cannot_fit(tmp_path):
+    from hedgecats.data.recall_bytes import write_recall_mc_tasks
+
+    with pytest.raises(ValueError, match="far_max <= seq_len - 10"):
+        write_recall_mc_tasks(tmp_path, window=16, seq_len=128, far_min=40, far_max=200)
+    with pytest.raises(ValueError, match="window >= 16"):
+        write_recall_mc_tasks(tmp_path, window=8, seq_len=128, far_min=40, far_max=110)

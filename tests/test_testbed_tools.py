@@ -444,6 +444,15 @@ def test_every_recipe_runs_at_its_teachers_scale(tmp_path, monkeypatch):
     assert tb.main(["run", "--root", str(tmp_path / "r"), "--teacher-config", "teacher_tiny",
                     "--recipes", "lolcats", "--seeds", "0", "--mc-docs", "4", "--no-mc"]) == 0
     assert "--var" not in seen["teacher"]  # its config's 1,500 steps
+    stamp = json.loads((tmp_path / "r" / "mc_tasks" / "tasks.json").read_text())
+    assert {k: stamp[k] for k in tb.MC_SCALE} == {k: tiny[k] for k in tb.MC_SCALE}
+    far = [json.loads(line) for line in
+           (tmp_path / "r" / "mc_tasks" / "recall_mc_far.jsonl").read_text().splitlines()]
+    assert all(40 <= r["distance"] <= 110 and len(r["context"]) < 128 for r in far)
+    with pytest.raises(SystemExit, match="built with seq_len 128, window 16, far_min 40, "
+                                         "far_max 110; this teacher's is seq_len 1024"):
+        tb.main(["run", "--root", str(tmp_path / "r"), "--teacher-config", "teacher_strong",
+                 "--recipes", "lolcats", "--seeds", "0", "--no-mc"])
     cmd = seen["lolcats-s0"]
     for var in ("seq_len=128", "window=16", "far_min=40", "far_max=110", "precision=32-true",
                 "filler=ab"):

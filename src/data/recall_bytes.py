@@ -272,8 +272,8 @@ MC_TASKS: dict[str, dict[str, tuple[tuple[int, int] | None, int, str]]] = {
 }
 
 
-def write_recall_mc_tasks(root, *, task: str = "kv", n_docs: int = 256, near_max: int = 63,
-                          far_min: int = 150, far_max: int = 400,
+def write_recall_mc_tasks(root, *, task: str = "kv", n_docs: int = 256, window: int = 64,
+                          seq_len: int = 1024, far_min: int = 150, far_max: int = 400,
                           filler: str = string.ascii_lowercase, seed: int = 0) -> list[str]:
     """Multiple-choice recall tasks in lm-eval's format (a YAML and a JSONL per task) under
     ``root``, built like the corpus's own documents (``task``: ``kv`` or ``marker``), for
@@ -283,31 +283,44 @@ def write_recall_mc_tasks(root, *, task: str = "kv", n_docs: int = 256, near_max
     choices are its value and three other lowercase letters. ``marker``: filler with the secret
     ``#S`` ending in ``?``; the choices are ``S`` and three other uppercase letters. ``acc``: the
     right choice gets the highest log-likelihood (chance 25%). ``recall_mc_short_*`` contexts
-    are at most 60 tokens, so a 64-token window sees the whole question (the paper's regime,
-    where most PIQA / ARC prompts fit the window); ``recall_mc_far`` asks for something
-    ``far_min..far_max`` tokens back. Returns the task names. Deterministic in ``seed``.
+    fit the ``window`` with their answer (at most 60 tokens for window 64: the paper's regime,
+    where most PIQA / ARC prompts fit the window; ``MC_TASKS``' spans scale with the window);
+    ``recall_mc_far`` asks for something ``far_min..far_max`` tokens back, its context and
+    answer within ``seq_len`` (the length the model was trained on). The defaults are the
+    testbed's 1,024 scale. Returns the task names. Deterministic in ``seed``.
     """
     import json
     from pathlib import Path
 
     if task not in MC_TASKS:
         raise ValueError(f"task={task!r} is not valid; choose one of {', '.join(MC_TASKS)}")
+    if not 3 <= far_min <= far_max or far_max + 10 > seq_len or window < 16:
+        raise ValueError(f"multiple-choice tasks need 3 <= far_min <= far_max <= seq_len - 10 and "
+                         f"window >= 16; got far {far_min}-{far_max}, seq_len {seq_len}, window "
+                         f"{window}")
+    near_max = window - 1
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     fill = np.frombuffer(filler.encode(), dtype=np.uint8)
     lower, upper = string.ascii_lowercase, string.ascii_uppercase
+    written = []
     for name, (span, n_facts, regime) in MC_TASKS[task].items():
+        if regime == "near":
+            lo, hi = _short_span(span, n_facts, window)
+            if lo > hi:  # its facts and query do not fit the window
+                continue
+        written.append(name)
         rows = []
         for i in range(n_docs):
             keys = [str(c) for c in rng.permutation(list(upper))[:n_facts]]
             vals = [lower[int(rng.integers(26))] for _ in keys]
             if regime == "near":
-                length = int(rng.integers(span[0], span[1] + 1))
+                length = int(rng.integers(lo, hi + 1))
                 dist = int(rng.integers(3, min(near_max, length - 3) + 1))
             else:
                 dist = int(rng.integers(far_min, far_max + 1))
-                length = dist + int(rng.integers(8, 64))
+                length = dist + int(rng.integers(8, min(64, seq_len - dist - 1)))
             row = _filler(rng, fill, length + (1 if task == "marker" else 0))
             if task == "marker":  # "#S" ... "?" -> S, S sitting `dist` before the answer
                 s_pos = length + 1 - dist
@@ -347,7 +360,15 @@ def write_recall_mc_tasks(root, *, task: str = "kv", n_docs: int = 256, near_max
             "target_delimiter: \"\"\n"  # the answer follows the query directly, as in training
             "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
             "metadata:\n  version: 1.0\n")
-    return list(MC_TASKS[task])
+    return written
+
+
+def _short_span(span: tuple[int, int], n_facts: int, window: int) -> tuple[int, int]:
+    """A short task's context lengths at ``window``: ``MC_TASKS``' span (written for window 64)
+    scaled, and at least 4 tokens a fact and 4 more, so that its facts (3 tokens each) and the
+    query (2) find room among the filler. ``lo > hi``: the task does not fit the window."""
+    lo, hi = span[0] * window // 64, span[1] * window // 64
+    return max(lo, 4 * n_facts + 4), hi
 
 
 def _marker_doc(row, d, rng, upper, near_max, far_min, far_max, answers,
