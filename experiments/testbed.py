@@ -374,7 +374,8 @@ def cmd_mc(a: argparse.Namespace) -> int:
     ``run --no-mc`` on the GPU, on another machine, all runs on one device and dtype)."""
     root = Path(a.root).resolve()
     teacher = Path(a.teacher).resolve() if a.teacher else root / "teacher" / "teacher" / "model"
-    variables = {"teacher": teacher, "tasks": root / "mc_tasks"}
+    scale = teacher_scale(CONFIGS / f"{a.teacher_config or _recorded_teacher_config(root)}.yaml")
+    variables = {"teacher": teacher, "tasks": mc_tasks(root, a.mc_task, a.mc_docs, scale)}
     jobs = []
     for run in sorted(root.glob("*-s[0-9]*")):
         parsed = parse_run_name(run.name)
@@ -867,6 +868,14 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--jobs", type=int, default=2)
     m.add_argument("--device", help="passed to hedgecats evaluate (default: its own)")
     m.add_argument("--again", action="store_true", help="also runs that have mc/results.json")
+    m.add_argument("--teacher-config", choices=TEACHERS,
+                   help="the runs' teacher config, whose scale the tasks are built for (default: "
+                        "the one run recorded in <root>/jobs.json, else teacher)")
+    m.add_argument("--mc-task", default="marker", choices=("marker", "kv"),
+                   help="the corpus task the tasks are built like, where <root>/mc_tasks is not "
+                        "built yet")
+    m.add_argument("--mc-docs", type=int, default=128,
+                   help="documents per task, where <root>/mc_tasks is not built yet")
     m.set_defaults(fn=cmd_mc)
     q = sub.add_parser("report", help="tables and plots from finished runs")
     q.add_argument("--root", default="runs/testbed")

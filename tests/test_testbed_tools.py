@@ -463,6 +463,8 @@ def test_every_recipe_runs_at_its_teachers_scale(tmp_path, monkeypatch):
            "results": {"hybrid": _row(0.2), "swa_only": _row(0.04)}}]
     (run / "results.json").write_text(json.dumps({"evaluations": ev}))
     (tmp_path / "r" / "jobs.json").write_text(json.dumps({"teacher_config": "teacher_tiny"}))
+    with pytest.raises(SystemExit, match="this teacher's is seq_len 1024"):  # mc: the same check
+        tb.main(["mc", "--root", str(tmp_path / "r"), "--teacher-config", "teacher_strong"])
     assert tb.main(["report", "--root", str(tmp_path / "r"), "--out", str(tmp_path / "rep"),
                     "--no-plots"]) == 0  # the headings name the runs' scale, from jobs.json
     md = (tmp_path / "rep" / "testbed.md").read_text()
