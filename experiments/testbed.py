@@ -34,6 +34,7 @@ q=<q>``.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import re
@@ -229,7 +230,6 @@ def _run_jobs(jobs: list[tuple[str, list[str]]], n_parallel: int, logs: Path) ->
 
 #: what the multiple-choice tasks are built for: the teacher's letters and scale
 MC_SCALE = ("filler", "seq_len", "window", "far_min", "far_max")
-DEFAULT_MC_SCALE = {"seq_len": 1024, "window": 64, "far_min": 150, "far_max": 400}
 
 
 def mc_tasks(root: Path, task: str, n_docs: int, scale: dict) -> Path:
@@ -243,19 +243,18 @@ def mc_tasks(root: Path, task: str, n_docs: int, scale: dict) -> Path:
     tasks = root / "mc_tasks"
     stamp = tasks / "tasks.json"
     if (tasks / f"{FAR_TASK}.yaml").exists():
-        # tasks written before the stamp used the corpus's default letters; before the scale
-        # was stamped, the 1,024 scale
-        built = json.loads(stamp.read_text()) if stamp.exists() else {}
-        built = {"filler": string.ascii_lowercase, **DEFAULT_MC_SCALE, **built}
-        differ = {k: (built[k], want[k]) for k in MC_SCALE if built[k] != want[k]}
+        # what a stamp lacks (tasks written before it recorded the scale) is the writer's default
+        defaults = inspect.signature(write_recall_mc_tasks).parameters
+        built = {k: defaults[k].default for k in MC_SCALE}
+        built.update(json.loads(stamp.read_text()) if stamp.exists() else {})
+        differ = [k for k in MC_SCALE if built[k] != want[k]]
         if differ:
-            said = ", ".join(f"{k} {a!r}" for k, (a, _) in differ.items())
-            raise SystemExit(f"{tasks} holds multiple-choice tasks built with {said}; this "
-                             f"teacher's is {', '.join(f'{k} {b!r}' for k, (_, b) in differ.items())}"
-                             ": give each teacher its own --root")
+            def said(d: dict) -> str:
+                return ", ".join(f"{k} {d[k]!r}" for k in differ)
+            raise SystemExit(f"{tasks} holds multiple-choice tasks built with {said(built)}; "
+                             f"this teacher's is {said(want)}: give each teacher its own --root")
         return tasks
-    write_recall_mc_tasks(tasks, task=task, n_docs=n_docs, seed=1234,
-                          **{k: want[k] for k in MC_SCALE})
+    write_recall_mc_tasks(tasks, task=task, n_docs=n_docs, seed=1234, **want)
     stamp.write_text(json.dumps({"task": task, "docs": n_docs, **want, "seed": 1234}))
     return tasks
 

@@ -465,6 +465,11 @@ def test_every_recipe_runs_at_its_teachers_scale(tmp_path, monkeypatch):
     (tmp_path / "r" / "jobs.json").write_text(json.dumps({"teacher_config": "teacher_tiny"}))
     with pytest.raises(SystemExit, match="this teacher's is seq_len 1024"):  # mc: the same check
         tb.main(["mc", "--root", str(tmp_path / "r"), "--teacher-config", "teacher_strong"])
+    stamp_file = tmp_path / "r" / "mc_tasks" / "tasks.json"  # tasks from before the stamp:
+    stamp_file.unlink()  # the writer's defaults (letters a-z, the 1,024 scale)
+    with pytest.raises(SystemExit, match="built with filler 'abcdefghijklmnopqrstuvwxyz'; this "
+                                         "teacher's is filler 'ab'"):
+        tb.main(["mc", "--root", str(tmp_path / "r"), "--teacher-config", "teacher_strong"])
     assert tb.main(["report", "--root", str(tmp_path / "r"), "--out", str(tmp_path / "rep"),
                     "--no-plots"]) == 0  # the headings name the runs' scale, from jobs.json
     md = (tmp_path / "rep" / "testbed.md").read_text()
